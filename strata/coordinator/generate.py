@@ -1,0 +1,102 @@
+"""A request's life on the coordinator, and the solo path (one request, one slot, serial).
+
+`Sequence` holds what a request has read and generated and decides when it ends; schedulers
+(solo here, batched later) decide which windows carry its rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from strata.coordinator.pipeline import Pipeline
+from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.windows import (DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS, Row,
+                                        build_window, prompt_chunks)
+
+
+class RequestError(ValueError):
+    """A request that cannot run as given; the message says what to change."""
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    ctx: int
+    detokenize: Callable[[list[int]], str] = lambda ids: ""
+    on_token: Callable[[int], None] = lambda token: None  # each token added to `generated`
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "error"
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise RequestError("the prompt is empty; give at least one token of text")
+        if len(self.prompt) >= self.ctx:
+            raise RequestError(f"the prompt has {len(self.prompt)} tokens, which does not leave "
+                               f"room to generate in a context of {self.ctx}; shorten the prompt "
+                               f"or raise --ctx-size")
+
+    @property
+    def length(self) -> int:
+        """Tokens held so far: the prompt and every generated token."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
+    def accept(self, token: int) -> bool:
+        """Take a sampled token; True when the sequence has ended."""
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return True
+        self.generated.append(token)
+        self.on_token(token)
+        if self.params.stop:
+            self.text = self.detokenize(self.generated)
+            cut = min((i for i in (self.text.find(s) for s in self.params.stop) if i >= 0),
+                      default=-1)
+            if cut >= 0:
+                self.text = self.text[:cut]
+                self.finish_reason = "stop"
+                return True
+        if len(self.generated) >= self.params.max_tokens or self.length >= self.ctx:
+            self.finish_reason = "length"
+            return True
+        return False
+
+    def final_text(self) -> str:
+        """The generated text, cut before a stop string if one ended it."""
+        return self.text if self.params.stop else self.detokenize(self.generated)
+
+
+def generate_solo(pipe: Pipeline, seq: Sequence, *, slot: int = 0,
+                  chunk_rows: int = DEFAULT_CHUNK_ROWS, window_rows: int = DEFAULT_WINDOW_ROWS,
+                  on_logits: Callable | None = None) -> Sequence:
+    """Read the prompt in fixed chunks, then decode one row per window until the end.
+    on_logits(position, logits[V]) receives the logits each token was sampled from."""
+    params = seq.params.with_seed()
+    seq.params = params
+    commits = [(slot, 0)]  # a fresh conversation: nothing of the slot's past is kept
+    want_logits = on_logits is not None
+
+    def run(rows: list[Row], shape: int) -> int | None:
+        nonlocal commits
+        w = build_window(pipe.new_window_id(), rows, shape, commits, want_logits)
+        commits = []
+        pipe.submit(w)
+        result, tensors = pipe.receive()
+        if not result.tokens:
+            return None
+        if want_logits:
+            on_logits(rows[-1].position + 1, tensors[0][0])
+        return result.tokens[0]
+
+    token = None
+    for rows in prompt_chunks(slot, seq.prompt, 0, chunk_rows, params):
+        token = run(rows, chunk_rows)
+    while not seq.accept(token):
+        token = run([Row(slot, seq.length - 1, seq.last_token, params)], window_rows)
+    return seq

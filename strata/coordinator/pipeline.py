@@ -1,0 +1,142 @@
+"""The coordinator's mechanism: sockets to the stages, the hello handshake, windows out and
+results in. Policy (what to run next) lives elsewhere, so a custom coordinator reuses this.
+
+    pipe = Pipeline(inbox="ipc:///tmp/x/inbox", first_stage="ipc:///tmp/x/stage0")
+    pipe.wait_for_hellos(expected)           # one Expect per stage
+    pipe.submit(Window(...)); result = pipe.receive()
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import zmq
+
+from strata.protocol import transport
+from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
+                                      Shutdown, Window)
+
+
+class PipelineError(RuntimeError):
+    """The stages cannot go on (a stage died, refused its hello, or stopped answering)."""
+
+
+class WindowFailed(RuntimeError):
+    """A stage refused one window; the pipeline itself is fine."""
+
+    def __init__(self, error: Error):
+        super().__init__(f"stage {error.stage}: {error.message}")
+        self.error = error
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the coordinator expects a stage to say in its hello."""
+    stage: int
+    layer_start: int
+    layer_end: int
+    fingerprint: str
+    slots: int
+    ctx: int
+
+
+class Pipeline:
+    def __init__(self, inbox: str, first_stage: str,
+                 check_alive: Callable[[], None] = lambda: None):
+        """check_alive raises PipelineError when a stage process is gone (launch provides it)."""
+        self.zmq = zmq.Context()
+        self.inbox = self.zmq.socket(zmq.PULL)
+        self.inbox.bind(inbox)
+        self.to_first = self.zmq.socket(zmq.PUSH)
+        self.to_first.connect(first_stage)
+        self.check_alive = check_alive
+        self.hellos: dict[int, Hello] = {}
+        self.next_window_id = 0
+
+    def wait_for_hellos(self, expected: list[Expect], timeout: float | None = 120.0,
+                        on_wait: Callable[[float], None] = lambda waited: None) -> list[Hello]:
+        """Wait until every stage has said hello and matches what was expected."""
+        want = {e.stage: e for e in expected}
+        start = time.monotonic()
+        while len(self.hellos) < len(want):
+            waited = time.monotonic() - start
+            if timeout is not None and waited > timeout:
+                missing = sorted(set(want) - set(self.hellos))
+                raise PipelineError(f"stage(s) {missing} did not say hello within {timeout:.0f}s")
+            on_wait(waited)
+            msg = self._poll(0.2)
+            if msg is None:
+                continue
+            if isinstance(msg, Error):
+                raise PipelineError(f"stage {msg.stage} failed at start: {msg.message}")
+            if isinstance(msg, Hello):
+                self._check_hello(msg, want)
+                self.hellos[msg.stage] = msg
+        return [self.hellos[s] for s in sorted(self.hellos)]
+
+    @staticmethod
+    def _check_hello(h: Hello, want: dict[int, Expect]) -> None:
+        if h.version != PROTOCOL_VERSION:
+            raise PipelineError(f"stage {h.stage} speaks protocol {h.version}, this coordinator "
+                                f"{PROTOCOL_VERSION}; run the same strata version on both")
+        e = want.get(h.stage)
+        if e is None:
+            raise PipelineError(f"a stage {h.stage} said hello, but only stages "
+                                f"{sorted(want)} were expected")
+        if (h.layer_start, h.layer_end) != (e.layer_start, e.layer_end):
+            raise PipelineError(f"stage {h.stage} holds layers [{h.layer_start}, {h.layer_end}) "
+                                f"but [{e.layer_start}, {e.layer_end}) was expected; start it "
+                                f"with --layers {e.layer_start}:{e.layer_end}")
+        if h.fingerprint != e.fingerprint:
+            raise PipelineError(f"stage {h.stage} loaded a different model (fingerprint "
+                                f"{h.fingerprint}, expected {e.fingerprint}); start it with the "
+                                f"same --model file")
+        if (h.slots, h.ctx) != (e.slots, e.ctx):
+            raise PipelineError(f"stage {h.stage} has {h.slots} slots of {h.ctx} positions, "
+                                f"expected {e.slots} of {e.ctx}")
+
+    def new_window_id(self) -> int:
+        self.next_window_id += 1
+        return self.next_window_id
+
+    def submit(self, window: Window) -> None:
+        transport.send(self.to_first, window)
+
+    def receive(self, timeout: float | None = None) -> tuple[Result, list[np.ndarray]]:
+        """The next result from the last stage. Raises WindowFailed when a stage refused a
+        window, PipelineError when a stage died or nothing came within timeout."""
+        start = time.monotonic()
+        while True:
+            got = self._poll(0.2, with_tensors=True)
+            if got is not None:
+                msg, tensors = got
+                if isinstance(msg, Result):
+                    return msg, tensors
+                if isinstance(msg, Error):
+                    raise WindowFailed(msg)
+                continue  # a late hello: ignore
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise PipelineError(f"no result from the stages within {timeout:.0f}s")
+
+    def _poll(self, seconds: float, with_tensors: bool = False):
+        if not self.inbox.poll(int(seconds * 1000)):
+            self.check_alive()
+            return None
+        try:
+            msg, tensors = transport.recv(self.inbox)
+        except ProtocolError as e:
+            raise PipelineError(f"a stage sent a malformed message: {e}") from e
+        return (msg, tensors) if with_tensors else msg
+
+    def shutdown(self, reason: str = "coordinator exit") -> None:
+        try:
+            transport.send(self.to_first, Shutdown(reason))
+        except zmq.ZMQError:
+            pass
+
+    def close(self) -> None:
+        self.inbox.close(linger=0)
+        self.to_first.close(linger=500)
+        self.zmq.term()

@@ -1,0 +1,56 @@
+"""Building windows: fixed shapes, so a row's arithmetic never depends on its neighbours.
+
+A prompt chunk is `chunk_rows` rows of one slot (the last chunk padded); a decode window is
+`window_rows` rows, one per decoding slot (padded). Pad rows have slot -1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata.coordinator.sampling import SamplingParams, draw_uniform
+from strata.protocol.messages import Window
+
+DEFAULT_CHUNK_ROWS = 32
+DEFAULT_WINDOW_ROWS = 8
+
+
+@dataclass(frozen=True)
+class Row:
+    slot: int
+    position: int
+    token: int
+    sample: SamplingParams | None = None  # sample the token for position + 1 from this row
+
+
+def build_window(window_id: int, rows: list[Row], shape: int,
+                 commits: list[tuple[int, int]] = (), want_logits: bool = False) -> Window:
+    """rows: at most `shape` live rows; the rest of the window is padding."""
+    assert len(rows) <= shape, (len(rows), shape)
+    pad = shape - len(rows)
+    w = Window(id=window_id,
+               slots=[r.slot for r in rows] + [-1] * pad,
+               positions=[r.position for r in rows] + [0] * pad,
+               tokens=[r.token for r in rows] + [0] * pad,
+               commits=[list(c) for c in commits],
+               want_logits=want_logits)
+    for i, r in enumerate(rows):
+        if r.sample is None:
+            continue
+        p = r.sample
+        w.sample_rows.append(i)
+        w.temperature.append(float(p.temperature))
+        w.top_k.append(int(p.top_k))
+        w.top_p.append(float(p.top_p))
+        w.min_p.append(float(p.min_p))
+        # the sampled token goes to position + 1: its draw is keyed by that position
+        w.u.append(draw_uniform(p.seed, r.position + 1) if p.temperature > 0 else 0.0)
+    return w
+
+
+def prompt_chunks(slot: int, tokens: list[int], start: int, chunk_rows: int,
+                  params: SamplingParams) -> list[list[Row]]:
+    """Rows reading tokens[start:] at positions start..; the very last row samples."""
+    rows = [Row(slot, p, tokens[p]) for p in range(start, len(tokens))]
+    if rows:
+        rows[-1] = Row(slot, len(tokens) - 1, tokens[-1], params)
+    return [rows[i:i + chunk_rows] for i in range(0, len(rows), chunk_rows)]

@@ -1,0 +1,63 @@
+"""Attention of window rows over their slots' KV, row-independent by construction.
+
+A row at position p of slot s attends over keys [0, p] of slot s. Its arithmetic must not
+depend on which other rows share the window (DESIGN.md, exactness 1 and 2), so every row is
+computed in a shape fixed by its own position alone: keys are taken in a span of
+L = round_up(p + 1, SPAN) positions (those past p masked), and each (row, kv head) pair is its
+own matrix product in a batched matmul. Rows with the same L share one batched call; the
+batch count varies with the window, the per-element shape never does.
+"""
+import math
+
+import torch
+
+SPAN = 64  # key positions are read in multiples of this
+
+
+def span_of(position: int, ctx: int) -> int:
+    return min(ctx, (position // SPAN + 1) * SPAN)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           slots: list[int], positions: list[int]) -> torch.Tensor:
+    """q: [R, H, hd] (rotated); k_cache, v_cache: [S, KVH, ctx, hd] already holding every
+    row's own key/value. slots[r] == -1 marks a pad row (its output is zero).
+    Returns [R, H, hd]."""
+    n_rows, n_heads, hd = q.shape
+    n_kv, ctx = k_cache.shape[1], k_cache.shape[2]
+    group = n_heads // n_kv
+    out = torch.zeros_like(q)
+    by_span: dict[int, list[int]] = {}
+    for r, (s, p) in enumerate(zip(slots, positions)):
+        if s >= 0:
+            by_span.setdefault(span_of(p, ctx), []).append(r)
+    scale = 1.0 / math.sqrt(hd)
+    for span, rows in by_span.items():
+        idx = torch.tensor(rows)
+        slot_idx = torch.tensor([slots[r] for r in rows])
+        pos = torch.tensor([positions[r] for r in rows])
+        keys = k_cache[slot_idx, :, :span]                      # [n, KVH, L, hd]
+        values = v_cache[slot_idx, :, :span]                    # [n, KVH, L, hd]
+        qg = q[idx].view(len(rows), n_kv, group, hd)            # [n, KVH, g, hd]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [n, KVH, g, L]
+        masked = torch.arange(span)[None, :] > pos[:, None]     # [n, L]
+        scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out[idx] = torch.matmul(probs, values).view(len(rows), n_heads, hd)
+    return out
+
+
+def attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: list[int], positions: list[int]) -> torch.Tensor:
+    """Plain per-row softmax(q k^T / sqrt(hd)) v over keys [0, p], in float64."""
+    n_rows, n_heads, hd = q.shape
+    group = n_heads // k_cache.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for r, (s, p) in enumerate(zip(slots, positions)):
+        if s < 0:
+            continue
+        keys = k_cache[s, :, : p + 1].double().repeat_interleave(group, dim=0)   # [H, p+1, hd]
+        values = v_cache[s, :, : p + 1].double().repeat_interleave(group, dim=0)
+        scores = torch.einsum("hd,hkd->hk", q[r].double(), keys) / math.sqrt(hd)
+        out[r] = torch.einsum("hk,hkd->hd", torch.softmax(scores, -1), values)
+    return out.to(q.dtype)

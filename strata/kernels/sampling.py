@@ -1,0 +1,51 @@
+"""Sampling a token from one row of logits, given a uniform number drawn by the coordinator.
+
+The coordinator draws u from (seed, position) with a counter-based generator, so a draw never
+depends on batching, pipelining or speculation (DESIGN.md, exactness 3). This function is
+pure: the same logits, parameters and u always give the same token. Filters follow
+transformers' order: temperature, top-k, top-p, min-p; then inverse-CDF over the kept tokens
+in a fixed order (probability descending, ties by token id).
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0            # 0 = off
+    top_p: float = 1.0        # 1 = off
+    min_p: float = 0.0        # 0 = off
+    u: float = 0.0            # uniform in [0, 1), drawn by the coordinator
+
+
+def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+    """logits: [V] (any float dtype). Returns the token id."""
+    if row.temperature <= 0.0:
+        return int(torch.argmax(logits))  # first index of the maximum
+    scaled = logits.double() / row.temperature
+    # Stable sort keeps equal logits in token-id order: the CDF order is fixed.
+    order = torch.argsort(scaled, descending=True, stable=True)
+    sorted_logits = scaled[order]
+    if 0 < row.top_k < sorted_logits.numel():
+        sorted_logits = sorted_logits[: row.top_k]
+        order = order[: row.top_k]
+    probs = torch.softmax(sorted_logits, dim=0)
+    keep = probs.numel()
+    if row.top_p < 1.0:
+        # smallest prefix whose mass reaches top_p (at least one token)
+        cum = torch.cumsum(probs, dim=0)
+        keep = min(keep, int(torch.searchsorted(cum, torch.tensor(row.top_p, dtype=cum.dtype))) + 1)
+    if row.min_p > 0.0:
+        keep = min(keep, max(1, int((probs >= row.min_p * probs[0]).sum())))
+    probs = probs[:keep]
+    cdf = torch.cumsum(probs, dim=0)
+    target = torch.tensor(row.u, dtype=cdf.dtype) * cdf[-1]
+    pick = min(int(torch.searchsorted(cdf, target, right=True)), keep - 1)
+    return int(order[pick])
+
+
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """logits: [N, V] with N >= len(rows); row i of logits is sampled with rows[i]."""
+    return [sample_row(logits[i], r) for i, r in enumerate(rows)]

@@ -1,0 +1,69 @@
+"""Turning --layer-split and --devices into stages, with a sentence for every mistake."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+class PlanError(ValueError):
+    """A --layer-split / --devices combination that cannot run; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    layer_start: int
+    layer_end: int
+    device: str
+
+
+def parse_devices(text: str, cuda_count: int) -> list[str]:
+    """'auto' | 'cpu' | 'cuda:0,cuda:1' | 'cpu,cpu' -> device names, checked."""
+    if text == "auto":
+        return [f"cuda:{i}" for i in range(cuda_count)] or ["cpu"]
+    devices = [d.strip() for d in text.split(",") if d.strip()]
+    if not devices:
+        raise PlanError("--devices is empty; use auto, cpu, or a list like cuda:0,cuda:1")
+    for d in devices:
+        if d == "cpu":
+            continue
+        m = re.fullmatch(r"cuda(?::(\d+))?", d)
+        if m is None:
+            raise PlanError(f"unknown device {d!r}; use cpu or cuda:N (e.g. --devices cuda:0,cuda:1)")
+        index = int(m.group(1) or 0)
+        if index >= cuda_count:
+            have = f"only {cuda_count} CUDA device(s)" if cuda_count else "no CUDA device"
+            raise PlanError(f"device {d!r} does not exist: this machine has {have}")
+    return devices
+
+
+def plan_stages(split: str, devices: list[str], n_layers: int) -> list[StagePlan]:
+    """split: 'auto' (one stage per device, layers spread evenly) or boundaries 'K1,K2,..'."""
+    if split == "auto":
+        n = len(devices)
+        if n > n_layers:
+            raise PlanError(f"{n} stages for a model of {n_layers} layers: every stage needs at "
+                            f"least one layer; use fewer devices")
+        bounds = [round(i * n_layers / n) for i in range(1, n)]
+    else:
+        try:
+            bounds = [int(x) for x in split.split(",") if x.strip()]
+        except ValueError:
+            raise PlanError(f"--layer-split {split!r} is not 'auto' or a list of layer numbers "
+                            f"like 12,24") from None
+        if len(bounds) + 1 > n_layers:
+            raise PlanError(f"--layer-split {split} makes {len(bounds) + 1} stages for a model of "
+                            f"{n_layers} layers: every stage needs at least one layer")
+        for b in bounds:
+            if not 0 < b < n_layers:
+                raise PlanError(f"--layer-split boundary {b} is out of range: boundaries lie "
+                                f"between 1 and {n_layers - 1} for a model of {n_layers} layers")
+        if any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise PlanError(f"--layer-split {split}: boundaries must increase, e.g. 10,20")
+    edges = [0] + bounds + [n_layers]
+    n_stages = len(edges) - 1
+    if len(devices) not in (1, n_stages):
+        raise PlanError(f"{len(devices)} devices for {n_stages} stages: give one device for all "
+                        f"stages or one per stage")
+    stage_devices = devices * n_stages if len(devices) == 1 else devices
+    return [StagePlan(i, edges[i], edges[i + 1], stage_devices[i]) for i in range(n_stages)]

@@ -1,0 +1,116 @@
+"""Spawning stage processes, watching them, and tearing them all down.
+
+Each spawned worker gets PR_SET_PDEATHSIG, so it dies with the launcher even if the launcher is
+killed with SIGKILL; a normal exit sends Shutdown through the chain, then terminates, then kills.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from strata.coordinator.pipeline import PipelineError
+from strata.launch.plan import StagePlan
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def tail(path: Path, lines: int = 12) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, lines)).rstrip()
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Endpoints:
+    inbox: str
+    stages: list[str]
+
+
+class StageProcesses:
+    """The worker processes of one launch (spawned, or started by hand for --external-stage)."""
+
+    def __init__(self, model: Path, plan: list[StagePlan], *, slots: int, ctx: int,
+                 log_dir: Path | None = None, external: set[int] = frozenset()):
+        self.model, self.plan, self.slots, self.ctx = model, plan, slots, ctx
+        self.run_dir = Path(tempfile.mkdtemp(prefix="strata-"))
+        self.log_dir = Path(log_dir) if log_dir else self.run_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.external = set(external)
+        self.endpoints = Endpoints(
+            inbox=f"ipc://{self.run_dir}/inbox",
+            stages=[f"ipc://{self.run_dir}/stage{p.index}" for p in plan])
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def log_path(self, stage: int) -> Path:
+        return self.log_dir / f"stage{stage}.log"
+
+    def command(self, stage: int) -> list[str]:
+        p = self.plan[stage]
+        cmd = ["strata-worker", "--model", str(self.model), "--stage", str(stage),
+               "--layers", f"{p.layer_start}:{p.layer_end}",
+               "--listen", self.endpoints.stages[stage],
+               "--coordinator", self.endpoints.inbox,
+               "--device", p.device, "--slots", str(self.slots), "--ctx-size", str(self.ctx)]
+        if stage + 1 < len(self.plan):
+            cmd += ["--next", self.endpoints.stages[stage + 1]]
+        return cmd
+
+    def start(self, say=print) -> None:
+        for p in self.plan:
+            cmd = self.command(p.index)
+            if p.index in self.external:
+                say(f"stage {p.index} is external; start it yourself (e.g. prefix "
+                    f"'python -m pdb -m strata.stage_worker' for the first word):\n  "
+                    f"{shlex.join(cmd)}")
+                continue
+            log = open(self.log_path(p.index), "w")
+            argv = [sys.executable, "-m", "strata.stage_worker"] + cmd[1:]
+            self.procs[p.index] = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent)
+            log.close()
+
+    def check_alive(self) -> None:
+        """Raise PipelineError naming the first stage that has exited, with its log's end."""
+        for stage, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise PipelineError(
+                    f"stage {stage} exited with code {code}; last lines of "
+                    f"{self.log_path(stage)}:\n{tail(self.log_path(stage))}")
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Wait for a graceful exit (after Shutdown was sent), then terminate, then kill."""
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for name in os.listdir(self.run_dir):
+            if not name.endswith(".log"):
+                (self.run_dir / name).unlink(missing_ok=True)
+        if self.log_dir != self.run_dir and not os.listdir(self.run_dir):
+            self.run_dir.rmdir()

@@ -1,0 +1,62 @@
+"""One launch: the model file, the stage processes and the coordinator's pipeline, started
+together and torn down together on any failure (a context manager)."""
+from __future__ import annotations
+
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from strata.coordinator.pipeline import Expect, Pipeline
+from strata.launch.plan import StagePlan
+from strata.launch.processes import StageProcesses
+from strata.model.gguf_file import ModelFile
+
+
+@dataclass
+class Launched:
+    file: ModelFile
+    pipe: Pipeline
+    procs: StageProcesses
+    plan: list[StagePlan]
+    slots: int
+    ctx: int
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx: int = 2048,
+                  log_dir: Path | None = None, external: set[int] = frozenset(),
+                  hello_timeout: float = 300.0, say=print) -> Iterator[Launched]:
+    """Spawn the stages, wait for every hello, yield; always shut everything down after."""
+    procs = StageProcesses(file.path, plan, slots=slots, ctx=ctx, log_dir=log_dir,
+                           external=external)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    pipe = None
+    try:
+        pipe = Pipeline(procs.endpoints.inbox, procs.endpoints.stages[0], procs.check_alive)
+        procs.start(say=say)
+        fingerprint = file.fingerprint()
+        expected = [Expect(p.index, p.layer_start, p.layer_end, fingerprint, slots, ctx)
+                    for p in plan]
+        last_note = [time.monotonic()]
+
+        def note(waited: float) -> None:
+            if external and time.monotonic() - last_note[0] > 30:
+                say(f"still waiting for stage(s) {sorted(external)} to join ({waited:.0f}s)")
+                last_note[0] = time.monotonic()
+
+        pipe.wait_for_hellos(expected, timeout=None if external else hello_timeout, on_wait=note)
+        yield Launched(file, pipe, procs, plan, slots, ctx)
+    finally:
+        if pipe is not None:
+            pipe.shutdown()
+        procs.stop()
+        if pipe is not None:
+            pipe.close()
+        signal.signal(signal.SIGTERM, previous)

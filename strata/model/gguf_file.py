@@ -1,0 +1,138 @@
+"""A GGUF model file: its configuration, its fingerprint and its tensors, read through gguf-py.
+
+The reader memory-maps the file, so a stage that loads only its own layers touches only their
+bytes. Dequantization is gguf-py's (`gguf.quants.dequantize`); nothing here re-implements it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_TYPES = {
+    QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
+    QType.Q4_K, QType.Q5_K, QType.Q6_K,
+}
+
+
+class ModelError(ValueError):
+    """A model file the user pointed at that strata cannot use; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ffn: int
+    vocab: int
+    ctx_len: int
+    rope_base: float
+    rope_dim: int
+    rms_eps: float
+    tied_head: bool  # no output.weight: the head is the token embedding
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ModelError(f"{self.n_heads} query heads is not a multiple of "
+                             f"{self.n_kv_heads} key/value heads")
+        if self.rope_dim > self.head_dim or self.rope_dim % 2:
+            raise ModelError(f"rope dimension count {self.rope_dim} does not fit head size "
+                             f"{self.head_dim}")
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+class ModelFile:
+    """An opened GGUF file. Cheap to open: tensors are read only when asked for."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelError(f"model file {self.path} does not exist; pass --model with the path "
+                             f"of a .gguf file, or smollm2-135m for the embedded model")
+        try:
+            self.reader = GGUFReader(self.path, "r")
+        except Exception as e:  # gguf-py raises ValueError, struct errors, IndexError...
+            raise ModelError(f"model file {self.path} is not a readable GGUF file "
+                             f"({type(e).__name__}: {e}); check the path or download it again") from e
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.config = self._read_config()
+        self._check_tensor_types()
+
+    def _read_config(self) -> ModelConfig:
+        arch = _field(self.reader, "general.architecture")
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelError(f"model architecture {arch!r} is not supported; strata runs "
+                             f"{', '.join(SUPPORTED_ARCHS)}")
+
+        def need(key):
+            value = _field(self.reader, f"{arch}.{key}")
+            if value is None:
+                raise ModelError(f"model file {self.path} lacks the metadata key {arch}.{key}")
+            return value
+
+        d_model, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+        head_dim = d_model // n_heads
+        vocab = _field(self.reader, f"{arch}.vocab_size")
+        if vocab is None:
+            vocab = self.tensors["token_embd.weight"].shape[-1]
+        return ModelConfig(
+            arch=arch,
+            n_layers=int(need("block_count")),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(_field(self.reader, f"{arch}.attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
+            d_ffn=int(need("feed_forward_length")),
+            vocab=int(vocab),
+            ctx_len=int(_field(self.reader, f"{arch}.context_length", 2048)),
+            rope_base=float(_field(self.reader, f"{arch}.rope.freq_base", 10000.0)),
+            rope_dim=int(_field(self.reader, f"{arch}.rope.dimension_count", head_dim)),
+            rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+            tied_head="output.weight" not in self.tensors,
+        )
+
+    def _check_tensor_types(self):
+        for t in self.reader.tensors:
+            if t.tensor_type not in SUPPORTED_TYPES:
+                raise ModelError(f"tensor {t.name} has type {t.tensor_type.name}, which strata "
+                                 f"does not dequantize; supported: "
+                                 f"{', '.join(q.name for q in sorted(SUPPORTED_TYPES))}")
+
+    def fingerprint(self) -> str:
+        """Identifies the model: size, tensor layout and metadata, without hashing gigabytes."""
+        h = hashlib.sha256(str(self.path.stat().st_size).encode())
+        for t in self.reader.tensors:
+            h.update(f"{t.name}:{t.tensor_type.name}:{list(t.shape)}:{t.data_offset};".encode())
+        for key in ("general.architecture", "general.name", "general.file_type"):
+            h.update(f"{key}={_field(self.reader, key)};".encode())
+        return h.hexdigest()[:16]
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantized tensor in torch's [out, in] order (GGUF lists dimensions reversed)."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelError(f"model file {self.path} has no tensor {name}")
+        if t.tensor_type in (QType.F32, QType.F16):
+            data = np.asarray(t.data, dtype=np.float32)
+        else:
+            data = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        return torch.from_numpy(np.ascontiguousarray(data).reshape(shape)).to(dtype)

@@ -1,0 +1,598 @@
+"""Write llama-architecture GGUF files with random weights.
+
+Used by tests to make tiny models, and by ``strata-mkmodel`` to make files of real shapes
+(SmolLM2-135M, Llama-3-8B) for performance runs.
+
+Layout: tensors are generated in GGUF's row-major ``(out, in)`` order (torch's ``[out, in]``),
+so GGUFReader reports ``t.shape == [in, out]``. Q and K are whatever random numbers were drawn:
+there is no "unpermuted" original, so a loader must treat them as llama.cpp-layout weights.
+
+Reproducibility: each tensor has its own generator, ``numpy.random.default_rng([seed,
+crc32(name)])``, drawn row-chunk by row-chunk. A tensor's values therefore depend only on
+(seed, name, shape, std), not on the weight type, on tying or on the other tensors, and
+:func:`random_tensor` recomputes exactly what the writer generated before quantization.
+
+Memory: tensor infos are declared up front and data is streamed one tensor at a time, each
+generated in row chunks into a buffer of the output type, so the peak is about one tensor in
+the output type (for llama3-8b in BF16: the 1 GB embedding) plus one chunk, whatever the model
+size.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+import gguf
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFWriter, TokenType
+from gguf.constants import GGML_QUANT_SIZES, LlamaFileType
+from gguf.quants import quant_shape_to_byte_shape, quantize
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_ffn: int
+    vocab: int
+    ctx_len: int = 2048
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ffn", "vocab", "ctx_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelShape.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads "
+                             f"{self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.vocab < N_BASE_TOKENS:
+            raise ValueError(f"vocab {self.vocab} is below the {N_BASE_TOKENS} byte-level and "
+                             f"special tokens every generated tokenizer has")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count with tied embeddings (add vocab*d_model for an untied head)."""
+        d, hd = self.d_model, self.head_dim
+        per_layer = (2 * d                                      # norms
+                     + d * self.n_heads * hd * 2                # q, output
+                     + d * self.n_kv_heads * hd * 2             # k, v
+                     + 3 * d * self.d_ffn)                      # gate, up, down
+        return self.vocab * d + self.n_layers * per_layer + d
+
+
+# The byte-level alphabet (256) plus <|endoftext|>, <|im_start|>, <|im_end|>.
+N_BASE_TOKENS = 259
+
+SHAPES: dict[str, ModelShape] = {
+    "tiny": ModelShape(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=128, vocab=320),
+    "smollm2-135m": ModelShape(n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, d_ffn=1536,
+                               vocab=49152, ctx_len=8192, rope_base=100000.0),
+    "smollm2-360m": ModelShape(n_layers=32, d_model=960, n_heads=15, n_kv_heads=5, d_ffn=2560,
+                               vocab=49152, ctx_len=8192, rope_base=100000.0),
+    "llama3-1b": ModelShape(n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ffn=8192,
+                            vocab=128256, ctx_len=8192, rope_base=500000.0),
+    "llama3-8b": ModelShape(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ffn=14336,
+                            vocab=128256, ctx_len=8192, rope_base=500000.0),
+}
+
+
+def get_shape(name: str) -> ModelShape:
+    """The named shape; a KeyError listing the known names otherwise."""
+    try:
+        return SHAPES[name]
+    except KeyError:
+        raise KeyError(f"unknown model shape {name!r}; known shapes: "
+                       f"{', '.join(SHAPES)}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Weight types
+# --------------------------------------------------------------------------------------------
+
+# Types made by quantizing Gaussian weights with gguf-py.
+QUANTIZABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# K-quants gguf-py cannot quantize: written as random valid blocks (see random_kquant_blocks).
+KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+WEIGHT_TYPES = QUANTIZABLE_TYPES + KQUANT_TYPES
+
+_FILE_TYPES = {
+    "F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16,
+    "BF16": LlamaFileType.MOSTLY_BF16, "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q4_1": LlamaFileType.MOSTLY_Q4_1,
+    "Q4_K": LlamaFileType.MOSTLY_Q4_K_M, "Q5_K": LlamaFileType.MOSTLY_Q5_K_M,
+    "Q6_K": LlamaFileType.MOSTLY_Q6_K,
+}
+
+
+def _qtype(weight_type: str | QType) -> QType:
+    name = weight_type.name if isinstance(weight_type, QType) else str(weight_type).upper()
+    if name not in WEIGHT_TYPES:
+        raise ValueError(f"unsupported weight type {weight_type!r}; choose one of "
+                         f"{', '.join(WEIGHT_TYPES)}")
+    return QType[name]
+
+
+def _row_nbytes(qtype: QType, cols: int) -> int:
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if cols % block:
+        raise ValueError(f"row length {cols} is not a multiple of the {qtype.name} block size "
+                         f"{block}")
+    return cols // block * type_size
+
+
+def _encode(data: np.ndarray, qtype: QType) -> np.ndarray:
+    """float32 rows -> what GGUFWriter stores: float arrays for F32/F16, uint8 bytes otherwise."""
+    if qtype == QType.F32:
+        return data.astype(np.float32, copy=False)
+    if qtype == QType.F16:
+        return data.astype(np.float16)
+    return quantize(data, qtype)
+
+
+# --------------------------------------------------------------------------------------------
+# K-quant random blocks
+# --------------------------------------------------------------------------------------------
+
+def random_kquant_blocks(qtype: str | QType, rows: int, cols: int,
+                         rng: np.random.Generator | int = 0, scale: float = 1.0) -> np.ndarray:
+    """Random but valid Q4_K/Q5_K/Q6_K blocks: uint8 array of shape (rows, bytes_per_row).
+
+    All bytes are random except the f16 super-block scales, which are set to small positive
+    finite values, so dequantization is finite. ``scale`` = 1 gives a dequantized standard
+    deviation of about 0.02 (it multiplies the f16 scales).
+    """
+    qtype = QType[qtype.upper()] if isinstance(qtype, str) else qtype
+    if qtype not in (QType.Q4_K, QType.Q5_K, QType.Q6_K):
+        raise ValueError(f"random_kquant_blocks makes Q4_K, Q5_K or Q6_K blocks, not {qtype.name}")
+    if not isinstance(rng, np.random.Generator):
+        rng = np.random.default_rng(rng)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if cols % block:
+        raise ValueError(f"{qtype.name} needs rows of a multiple of {block} values, got {cols}")
+    n_blocks = rows * cols // block
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+
+    def f16(lo: float, hi: float) -> np.ndarray:
+        vals = rng.uniform(lo * scale, hi * scale, size=n_blocks).astype(np.float16)
+        return vals.view(np.uint8).reshape(n_blocks, 2)
+
+    if qtype in (QType.Q4_K, QType.Q5_K):
+        # layout: d (f16) | dmin (f16) | 12 bytes of 6-bit scales/mins | [qh 32] | qs 128
+        # value = d * sc * q - dmin * m, sc, m in [0, 63]; q in [0, 15] (Q4_K) or [0, 31] (Q5_K)
+        qmax = 15 if qtype == QType.Q4_K else 31
+        d_hi = 0.1 / (63 * qmax)
+        blocks[:, 0:2] = f16(0.25 * d_hi, d_hi)
+        # dmin centres the distribution: mean of d*sc*q is ~d*31.5*qmax/2, of dmin*m ~dmin*31.5
+        blocks[:, 2:4] = f16(0.25 * d_hi * qmax / 2, d_hi * qmax / 2)
+    else:
+        # layout: ql 128 | qh 64 | 16 int8 scales | d (f16); value = d * scale * (q - 32)
+        # scale ~U[-128, 127] (sd 74), q - 32 ~U[-32, 31] (sd 18.5): sd ~ 1370 * mean(d)
+        blocks[:, type_size - 2:] = f16(0.5 * 1.46e-5, 1.5 * 1.46e-5)
+    return blocks.reshape(rows, cols // block * type_size)
+
+
+def write_raw_blocks_gguf(path: str | os.PathLike, name: str = "blk.0.ffn_down.weight",
+                          qtype: str | QType = "Q4_K", rows: int = 8, cols: int = 512,
+                          seed: int = 0, scale: float = 1.0) -> Path:
+    """Write a GGUF with one tensor ``name`` of ``rows`` x ``cols`` random K-quant blocks.
+
+    Read back, ``t.shape == [cols, rows]`` and ``gguf.quants.dequantize(t.data, t.tensor_type)``
+    has shape (rows, cols). Returns the path.
+    """
+    qtype = QType[qtype.upper()] if isinstance(qtype, str) else qtype
+    data = random_kquant_blocks(qtype, rows, cols, np.random.default_rng(seed), scale)
+    path = Path(path)
+    writer = GGUFWriter(path, "llama")
+    writer.add_name(f"random {qtype.name} blocks")
+    writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # torch order: (out, in) for matrices, (n,) for norms
+    kind: str               # "norm" (F32, ~1.0) or "matrix" (weight_type, ~N(0, std))
+
+
+def tensor_specs(shape: ModelShape, tied: bool = True) -> list[TensorSpec]:
+    """The tensors of a llama model in the order they are written."""
+    d, hd, ffn = shape.d_model, shape.head_dim, shape.d_ffn
+    q_out, kv_out = shape.n_heads * hd, shape.n_kv_heads * hd
+    specs = [TensorSpec("token_embd.weight", (shape.vocab, d), "matrix")]
+    for i in range(shape.n_layers):
+        b = f"blk.{i}."
+        specs += [
+            TensorSpec(b + "attn_norm.weight", (d,), "norm"),
+            TensorSpec(b + "attn_q.weight", (q_out, d), "matrix"),
+            TensorSpec(b + "attn_k.weight", (kv_out, d), "matrix"),
+            TensorSpec(b + "attn_v.weight", (kv_out, d), "matrix"),
+            TensorSpec(b + "attn_output.weight", (d, q_out), "matrix"),
+            TensorSpec(b + "ffn_norm.weight", (d,), "norm"),
+            TensorSpec(b + "ffn_gate.weight", (ffn, d), "matrix"),
+            TensorSpec(b + "ffn_up.weight", (ffn, d), "matrix"),
+            TensorSpec(b + "ffn_down.weight", (d, ffn), "matrix"),
+        ]
+    specs.append(TensorSpec("output_norm.weight", (d,), "norm"))
+    if not tied:
+        specs.append(TensorSpec("output.weight", (shape.vocab, d), "matrix"))
+    return specs
+
+
+_CHUNK_ELEMENTS = 1 << 24  # 16M values (64 MB of float32) per generated chunk
+
+
+def _tensor_rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _iter_chunks(spec: TensorSpec, seed: int, std: float) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, float32 rows) chunks of the tensor's random values."""
+    rng = _tensor_rng(seed, spec.name)
+    if spec.kind == "norm":
+        yield 0, (1.0 + 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float32)
+        return
+    rows, cols = spec.shape
+    step = max(1, _CHUNK_ELEMENTS // cols)
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        chunk = rng.standard_normal((n, cols), dtype=np.float32)
+        chunk *= np.float32(std)
+        yield r0, chunk
+
+
+def random_tensor(shape: ModelShape, name: str, *, seed: int = 0, std: float = 0.02) -> np.ndarray:
+    """The float32 values write_random_gguf generates for tensor ``name`` (before quantization),
+    in torch order (out, in). For K-quant files the written tensors are random blocks instead."""
+    specs = {s.name: s for s in tensor_specs(shape, tied=False)}
+    if name not in specs:
+        raise KeyError(f"no tensor {name!r} in a llama model")
+    return _random_values(specs[name], seed, std)
+
+
+def _random_values(spec: TensorSpec, seed: int, std: float) -> np.ndarray:
+    out = np.empty(spec.shape, dtype=np.float32)
+    for r0, chunk in _iter_chunks(spec, seed, std):
+        out[r0:r0 + len(chunk)] = chunk
+    return out
+
+
+def _tensor_plan(spec: TensorSpec, qtype: QType) -> tuple[QType, Sequence[int], np.dtype, int]:
+    """(ggml type, shape to declare, dtype to declare, nbytes) for add_tensor_info."""
+    if spec.kind == "norm":
+        return QType.F32, spec.shape, np.dtype(np.float32), 4 * int(np.prod(spec.shape))
+    rows, cols = spec.shape
+    if qtype in (QType.F32, QType.F16):
+        dt = np.dtype(np.float32 if qtype == QType.F32 else np.float16)
+        return qtype, spec.shape, dt, rows * cols * dt.itemsize
+    try:
+        byte_shape = quant_shape_to_byte_shape(spec.shape, qtype)
+    except ValueError as e:
+        raise ValueError(f"cannot write {spec.name} {list(spec.shape)} as {qtype.name}: {e}") from e
+    return qtype, byte_shape, np.dtype(np.uint8), rows * _row_nbytes(qtype, cols)
+
+
+def _make_tensor_data(spec: TensorSpec, qtype: QType, seed: int, std: float) -> np.ndarray:
+    """The bytes (as the array GGUFWriter writes) of one tensor, built chunk by chunk."""
+    if spec.kind == "norm":
+        return _random_values(spec, seed, std)
+    rows, cols = spec.shape
+    if qtype.name in KQUANT_TYPES:
+        # random valid blocks, scaled so that the dequantized spread is about std
+        rng = _tensor_rng(seed, spec.name)
+        out = np.empty((rows, _row_nbytes(qtype, cols)), dtype=np.uint8)
+        step = max(1, _CHUNK_ELEMENTS // cols)
+        for r0 in range(0, rows, step):
+            n = min(step, rows - r0)
+            out[r0:r0 + n] = random_kquant_blocks(qtype, n, cols, rng, scale=std / 0.02)
+        return out
+    out = None
+    for r0, chunk in _iter_chunks(spec, seed, std):
+        enc = _encode(chunk, qtype)
+        if out is None:
+            out = np.empty((rows, enc.shape[1]), dtype=enc.dtype)
+        out[r0:r0 + len(enc)] = enc
+    assert out is not None
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable unicode character mapping."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Frequent English merges in GPT-2 style (Ġ is the byte-level space), each made of tokens that
+# precede it; extended systematically by _merge_candidates.
+_COMMON_MERGES = (
+    "Ġ t", "Ġ a", "h e", "i n", "r e", "o n", "Ġt he", "e r", "Ġ s", "a t", "Ġ w", "Ġ o",
+    "e n", "Ġ c", "i t", "i s", "a n", "o r", "e s", "Ġ b", "e d", "Ġ f", "in g", "Ġ p",
+    "o u", "Ġa n", "a l", "a r", "Ġt o", "Ġ m", "Ġo f", "Ġ in", "Ġ d", "Ġ h", "Ġan d", "i c",
+    "a s", "l e", "Ġt h", "i on", "o m", "l l", "en t", "Ġ n", "Ġ l", "s t", "Ġ re", "v e",
+    "Ġ e", "r o", "l y", "Ġb e", "Ġ g", "Ġ T", "c t", "Ġ S", "i d", "o t", "Ġ I", "u t",
+    "e t", "Ġ A", "Ġi s", "Ġo n", "i m", "a m", "o w", "a y", "a d", "s e", "Ġth at", "Ġ C",
+    "i g", "Ġf or", "a c", "Ġ y", "v er", "u r", "Ġ u", "l d", "Ġs t", "Ġ M", "' s", "Ġ he",
+    "Ġ it", "at ion", "it h", "i r", "c e", "Ġy ou", "i l", "Ġ B", "Ġw h", "o l", "Ġ P",
+    "Ġw ith", "Ġ 1", "t er", "c h", "Ġa s", "Ġw e", "Ġ (", "n d", "i ll", "Ġ D", "i f",
+    "Ġ 2", "a g", "er s", "k e", "Ġ \"", "Ġ H", "e m", "Ġc on", "Ġ W", "Ġ R", "he r",
+    "Ġw as", "Ġ r", "o d", "Ġ F", "u l", "at e", "Ġa t", "r i", "p p", "o re", "ĠT he",
+    "Ġs e", "u s", "Ġp ro", "Ġh a", "u m", "Ġa re", "Ġd e", "a in", "an d", "Ġo r", "ig h",
+    "es t", "is t", "a b", "r om", "Ġ N", "t h", "Ġc om", "Ġ G", "u n", "o p", "0 0", "Ġ L",
+    "Ġn ot", "es s", "Ġe x", "Ġ v", "re s", "Ġ E", "e w", "it y", "an t", "Ġb y", "e l",
+    "o s", "or t", "o c", "q u", "Ġf rom", "Ġha ve", "Ġs u", "i ve", "ou ld", "Ġs h",
+    "Ġth is", "n t", "r a", "p e", "igh t", "ar t", "m ent", "a le", "' t", "en d", "Ġ O",
+)
+
+
+def _merge_candidates() -> Iterator[tuple[str, str]]:
+    seen: set[str] = set()
+    for m in _COMMON_MERGES:
+        a, b = m.split(" ")
+        if a + b not in seen:
+            seen.add(a + b)
+            yield a, b
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+    for c in letters + letters.upper():
+        if "Ġ" + c not in seen:
+            seen.add("Ġ" + c)
+            yield "Ġ", c
+    for a in letters:
+        for b in letters:
+            if a + b not in seen:
+                seen.add(a + b)
+                yield a, b
+    for a in letters:
+        for b in letters:
+            if "Ġ" + a + b not in seen:
+                seen.add("Ġ" + a + b)
+                yield "Ġ" + a, b
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    eos_id: int
+    bos_id: int
+
+
+def make_vocabulary(vocab_size: int) -> Vocabulary:
+    """A byte-level gpt2-style vocabulary of exactly ``vocab_size`` tokens.
+
+    Ids 0-255 are the byte-level characters in byte order (id == byte value), 256-258 the
+    control tokens <|endoftext|> (eos and bos), <|im_start|>, <|im_end|>; then merged tokens
+    with their merges (up to the candidates available), then "<|unused_N|>" tokens of type
+    UNUSED.
+    """
+    if vocab_size < N_BASE_TOKENS:
+        raise ValueError(f"vocab_size {vocab_size} < {N_BASE_TOKENS}")
+    b2u = bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)] + list(SPECIAL_TOKENS)
+    types = [int(TokenType.NORMAL)] * 256 + [int(TokenType.CONTROL)] * len(SPECIAL_TOKENS)
+    merges: list[str] = []
+    room = vocab_size - len(tokens)
+    for a, b in _merge_candidates():
+        if len(merges) >= room:
+            break
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+        types.append(int(TokenType.NORMAL))
+    n_unused = vocab_size - len(tokens)
+    tokens += [f"<|unused_{i}|>" for i in range(n_unused)]
+    types += [int(TokenType.UNUSED)] * n_unused
+    eos = tokens.index(EOS_TOKEN)
+    return Vocabulary(tokens, types, merges, eos_id=eos, bos_id=eos)
+
+
+def _add_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:
+    v = make_vocabulary(vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(v.tokens)
+    writer.add_token_types(v.token_types)
+    writer.add_token_merges(v.merges)
+    writer.add_bos_token_id(v.bos_id)
+    writer.add_eos_token_id(v.eos_id)
+    writer.add_pad_token_id(v.eos_id)
+    writer.add_add_bos_token(False)
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+# --------------------------------------------------------------------------------------------
+# The writer
+# --------------------------------------------------------------------------------------------
+
+def estimated_size(shape: ModelShape, weight_type: str = "F32", tied: bool = True) -> int:
+    """Bytes of tensor data write_random_gguf would write (metadata not counted)."""
+    qtype = _qtype(weight_type)
+    return sum(_tensor_plan(s, qtype)[3] for s in tensor_specs(shape, tied))
+
+
+def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int = 0,
+                      weight_type: str = "F32", tied: bool = True, arch: str = "llama",
+                      std: float = 0.02, name: str | None = None,
+                      progress: bool | Callable[[TensorSpec], None] = False) -> Path:
+    """Write a GGUF with random weights of ``shape`` and a small gpt2-style tokenizer.
+
+    Matrices (token_embd, attention, ffn, and output when ``tied`` is False) are N(0, std)
+    quantized to ``weight_type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1 through gguf-py), or, for
+    Q4_K/Q5_K/Q6_K, random valid blocks of similar spread (every matrix's row length must then
+    be a multiple of 256). Norm weights are F32, 1 + 0.1*N(0, 1). Values are reproducible:
+    see :func:`random_tensor`.
+
+    Tensors are streamed one at a time, so memory stays around one tensor whatever the model
+    size. The file is written to ``path`` + ".partial" and renamed when complete.
+    ``progress``: True for a tqdm bar over tensors, or a callback called after each tensor.
+    """
+    qtype = _qtype(weight_type)
+    path = Path(path)
+    specs = tensor_specs(shape, tied)
+    plans = [_tensor_plan(s, qtype) for s in specs]  # validates block sizes before writing
+
+    tmp = path.with_name(path.name + ".partial")
+    writer = GGUFWriter(tmp, arch)
+    writer.add_type("model")
+    writer.add_name(name or f"strata random {arch} {shape.n_layers}x{shape.d_model} "
+                            f"{qtype.name}")
+    writer.add_file_type(int(_FILE_TYPES[qtype.name]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_block_count(shape.n_layers)
+    writer.add_context_length(shape.ctx_len)
+    writer.add_embedding_length(shape.d_model)
+    writer.add_feed_forward_length(shape.d_ffn)
+    writer.add_head_count(shape.n_heads)
+    writer.add_head_count_kv(shape.n_kv_heads)
+    writer.add_rope_freq_base(float(shape.rope_base))
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_layer_norm_rms_eps(float(shape.rms_eps))
+    writer.add_vocab_size(shape.vocab)
+    _add_tokenizer(writer, shape.vocab)
+
+    for spec, (tq, decl_shape, decl_dtype, nbytes) in zip(specs, plans):
+        raw = None if tq in (QType.F32, QType.F16) else tq
+        writer.add_tensor_info(spec.name, decl_shape, decl_dtype, nbytes, raw_dtype=raw)
+
+    bar = None
+    callback = progress if callable(progress) else None
+    if progress is True:
+        from tqdm import tqdm
+        bar = tqdm(total=len(specs), unit="tensor", desc=path.name)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for spec, (tq, _, _, nbytes) in zip(specs, plans):
+            data = _make_tensor_data(spec, tq, seed, std)
+            assert data.nbytes == nbytes, (spec.name, data.nbytes, nbytes)
+            writer.write_tensor_data(data)
+            del data
+            if bar is not None:
+                bar.set_postfix_str(spec.name, refresh=False)
+                bar.update(1)
+            if callback is not None:
+                callback(spec)
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _cli():
+    import click
+
+    @click.command(name="strata-mkmodel", context_settings={"help_option_names": ["-h", "--help"]})
+    @click.argument("shape_name", metavar="SHAPE")
+    @click.argument("out", metavar="OUT.gguf", type=click.Path(dir_okay=False, path_type=Path))
+    @click.option("--weight-type", default="BF16", show_default=True,
+                  type=click.Choice(WEIGHT_TYPES, case_sensitive=False),
+                  help="Type of the matrices (norms are always F32). K-quants are random "
+                       "blocks and need rows that are multiples of 256.")
+    @click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+    @click.option("--untied", is_flag=True, help="Write a separate output.weight head.")
+    @click.option("--std", default=0.02, show_default=True, type=float,
+                  help="Standard deviation of the matrices' values.")
+    @click.option("--force", is_flag=True, help="Overwrite OUT.gguf if it exists.")
+    def main(shape_name, out, weight_type, seed, untied, std, force):
+        """Write a llama-architecture GGUF with random weights of a named SHAPE.
+
+        Shapes: """
+        if shape_name not in SHAPES:
+            raise click.BadParameter(
+                f"unknown shape {shape_name!r}; known shapes: {', '.join(SHAPES)}",
+                param_hint="SHAPE")
+        shape = SHAPES[shape_name]
+        if out.exists() and not force:
+            raise click.UsageError(f"{out} exists; pass --force to overwrite it")
+        tied = not untied
+        try:
+            size = estimated_size(shape, weight_type, tied)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from e
+        params = shape.n_params + (0 if tied else shape.vocab * shape.d_model)
+        click.echo(f"{shape_name}: {params / 1e9:.2f}B parameters, {weight_type.upper()}, "
+                   f"{'tied' if tied else 'untied'} head, about {_fmt_bytes(size)} -> {out}",
+                   err=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_random_gguf(out, shape, seed=seed, weight_type=weight_type, tied=tied, std=std,
+                          progress=True)
+        click.echo(str(out))
+
+    main.help = (main.help or "").replace("Shapes: ", "Shapes: " + ", ".join(
+        f"{k} ({v.n_layers}x{v.d_model})" for k, v in SHAPES.items()) + ".")
+    return main
+
+
+main = _cli()
+
+if __name__ == "__main__":
+    main()

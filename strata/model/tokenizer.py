@@ -1,0 +1,334 @@
+"""The tokenizer and chat template of a GGUF model, rebuilt from its `tokenizer.ggml.*` metadata.
+
+A GGUF file carries no `tokenizer.json`: it stores the vocabulary, the merges, the token types and
+the special ids as metadata under llama.cpp's key names, plus a name (`tokenizer.ggml.pre`) for the
+way text is split before BPE runs. llama.cpp is what gives those names a meaning, so the splits
+below copy its definitions (`llm_tokenizer_bpe` in src/llama-vocab.cpp) and are built as a
+HuggingFace `tokenizers` pipeline:
+
+    Split(regex_1) -> ... -> Split(regex_n) -> ByteLevel(no regex) -> BPE(vocab, merges)
+
+Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are supported; SentencePiece
+("llama"), WordPiece ("bert"), Unigram ("t5") and the rest are refused with a ValueError.
+
+The chat template is rendered with a sandboxed jinja2 environment set up as transformers sets up
+its own (`apply_chat_template`), so the prompt text matches it character for character.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from datetime import datetime
+from typing import Any, NoReturn
+
+import gguf
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _Backend
+
+# tokenizer.ggml.token_type values (gguf.TokenType); the ones this module treats specially.
+_CONTROL = 3  # special: <|im_start|>, <|endoftext|>; matched whole in text, skipped on decode
+_USER_DEFINED = 4  # added but not special, e.g. <think>; matched whole, kept on decode
+
+
+# --- pre-tokenizers, as llama.cpp defines each `tokenizer.ggml.pre` name -------------------------
+
+# GPT-2's split; identical to the one `tokenizers`' ByteLevel(use_regex=True) applies.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Llama 3's split (tiktoken cl100k): digits in groups of at most three, newlines kept apart.
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen2's split: as Llama 3's, but every digit alone.
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """How one family of `pre` names splits text before BPE, and what llama.cpp sets with it."""
+
+    regexes: tuple[str, ...]  # applied in order, each isolating its matches in every piece
+    ignore_merges: bool = False  # a piece that is itself a vocabulary token is taken whole
+    add_bos: bool = False  # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
+
+
+_GPT2_SPLIT = _Split((_GPT2,))
+# StarCoder-style vocabularies isolate every digit first. SmolLM2's own tokenizer.json does the
+# same (Digits(individual_digits=True) then ByteLevel), so this is the split its merges were
+# learned on; transformers' GGUF loader has no entry for "smollm" and uses plain GPT-2 instead.
+_DIGITS_SPLIT = _Split((r"\p{N}", _GPT2))
+_LLAMA3_SPLIT = _Split((_LLAMA3,), ignore_merges=True, add_bos=True)
+# llama.cpp's fallback for a missing or "default" name: punctuation runs apart, then GPT-2, then
+# digit runs, then runs cut into threes. A quirk of llama.cpp, kept so such files agree with it.
+_DEFAULT_SPLIT = _Split((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
+
+_SPLITS: dict[str, _Split] = {
+    "default": _DEFAULT_SPLIT,
+    **dict.fromkeys(
+        ["gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling"],
+        _GPT2_SPLIT,
+    ),
+    **dict.fromkeys(
+        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
+        _DIGITS_SPLIT,
+    ),
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"],
+        _LLAMA3_SPLIT,
+    ),
+    # Same regex as Llama 3, but llama.cpp sets neither ignore_merges nor a BOS default for them.
+    **dict.fromkeys(["dbrx", "smaug-bpe"], _Split((_LLAMA3,))),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"], _Split((_QWEN2,))),
+}
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte (transformers' `bytes_to_unicode`)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    spelling = {b: chr(b) for b in printable}
+    unprintable = [b for b in range(256) if b not in spelling]
+    spelling.update({b: chr(256 + i) for i, b in enumerate(unprintable)})
+    return spelling
+
+
+_BYTE_SPELLING = _byte_alphabet()
+_BYTE_CHARS = frozenset(_BYTE_SPELLING.values())
+
+
+def _byte_level_spelling(token: str) -> str:
+    """A normal token as BPE looks it up. GGUF files store byte-level spellings already ("Ġthe");
+    one that is not (a hand-written vocabulary with a raw " the") is re-spelled, as transformers
+    does, so that it can still be produced."""
+    if _BYTE_CHARS.issuperset(token):
+        return token
+    return "".join(_BYTE_SPELLING[b] for b in token.encode("utf-8"))
+
+
+# --- reading the metadata ------------------------------------------------------------------------
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    """A metadata value: a scalar, a str, or a list of either; None when the key is absent.
+
+    Read through `parts`/`data` rather than `ReaderField.contents()`, which older gguf lacks."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    kind, element = field.types[0], field.types[-1]
+    as_str = lambda i: bytes(field.parts[i]).decode("utf-8", errors="replace")  # noqa: E731
+    as_val = lambda i: field.parts[i].tolist()[0]  # noqa: E731
+    convert = as_str if element == gguf.GGUFValueType.STRING else as_val
+    if kind == gguf.GGUFValueType.ARRAY:
+        return [convert(i) for i in field.data]
+    return convert(field.data[0])
+
+
+def _pre_tokenizer(split: _Split) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in split.regexes]
+        # The splits above did the regex work; ByteLevel now only spells bytes.
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+
+
+def _build_backend(
+    tokens: list[str], types: list[int], merges: list[str], split: _Split
+) -> _Backend:
+    """A `tokenizers` pipeline whose ids are exactly the GGUF's token indices."""
+    vocab: dict[str, int] = {}
+    added: list[AddedToken] = []
+    for index, (text, kind) in enumerate(zip(tokens, types)):
+        if kind in (_CONTROL, _USER_DEFINED):
+            # Stored as the literal text (llama.cpp's converter does not byte-spell added tokens).
+            added.append(AddedToken(text, special=kind == _CONTROL, normalized=False))
+        else:
+            text = _byte_level_spelling(text)
+        # A repeated spelling keeps its first id: BPE can produce only one id per spelling.
+        vocab.setdefault(text, index)
+
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=[tuple(m.split(" ", 1)) for m in merges],
+        ignore_merges=split.ignore_merges,
+        fuse_unk=False,
+        byte_fallback=False,
+    )
+    backend = _Backend(bpe)
+    backend.pre_tokenizer = _pre_tokenizer(split)
+    backend.decoder = decoders.ByteLevel()
+    # Already in the vocabulary, so these keep their GGUF ids instead of being appended.
+    backend.add_tokens(added)
+    for token in added:
+        assert backend.token_to_id(token.content) == vocab[token.content], token.content
+    return backend
+
+
+# --- the chat template ---------------------------------------------------------------------------
+
+
+def _raise_exception(message: str) -> NoReturn:
+    # Templates call this to reject a conversation (e.g. roles not alternating).
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes HTML characters, which would change the prompt; transformers'
+    # does not, and templates are written against transformers.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    """`source` compiled in an environment like transformers' (trim/lstrip blocks, loop controls,
+    raise_exception, strftime_now, its tojson). Sandboxed: templates come with downloaded files."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+# --- the tokenizer -------------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """Text <-> token ids for one GGUF model, and its chat template."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        tokens: list[str],
+        *,
+        eos_id: int,
+        bos_id: int | None,
+        add_bos: bool,
+        stop_ids: frozenset[int],
+        chat_template: str | None,
+    ) -> None:
+        self._backend = backend
+        self._tokens = tokens  # GGUF spelling of each id, for the template's bos/eos strings
+        self._eos_id = eos_id
+        self._bos_id = bos_id
+        self._add_bos = add_bos
+        self._stop_ids = stop_ids
+        self._chat_template = chat_template
+        self.vocab_size: int = len(tokens)
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        model = _field(reader, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(
+                f"The GGUF's tokenizer is tokenizer.ggml.model={model!r}; strata supports only "
+                "'gpt2' (byte-level BPE) vocabularies, so use a model with one."
+            )
+        pre = _field(reader, "tokenizer.ggml.pre") or "default"
+        if pre not in _SPLITS:
+            raise ValueError(
+                f"The GGUF's pre-tokenizer tokenizer.ggml.pre={pre!r} is not supported; "
+                f"supported names are {sorted(_SPLITS)}."
+            )
+        split = _SPLITS[pre]
+
+        tokens: list[str] = _field(reader, "tokenizer.ggml.tokens") or []
+        if not tokens:
+            raise ValueError("The GGUF has no tokenizer.ggml.tokens, so it has no vocabulary.")
+        types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(types) != len(tokens):
+            raise ValueError(
+                f"The GGUF lists {len(tokens)} tokens but {len(types)} token types; "
+                "the file is inconsistent."
+            )
+        merges: list[str] = _field(reader, "tokenizer.ggml.merges") or []
+
+        def token_id(key: str) -> int | None:
+            value = _field(reader, f"tokenizer.ggml.{key}")
+            # llama.cpp ignores an out-of-range id rather than failing; do the same.
+            return value if value is not None and 0 <= value < len(tokens) else None
+
+        eos_id = token_id("eos_token_id")
+        if eos_id is None:
+            raise ValueError(
+                "The GGUF has no valid tokenizer.ggml.eos_token_id, so generation could not stop; "
+                "write one into the file."
+            )
+        bos_id = token_id("bos_token_id")
+        add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
+        add_bos = split.add_bos if add_bos is None else bool(add_bos)
+        if add_bos and bos_id is None:
+            raise ValueError("The GGUF asks for a BOS token (add_bos_token) but names none.")
+
+        return cls(
+            _build_backend(tokens, types, merges, split),
+            tokens,
+            eos_id=eos_id,
+            bos_id=bos_id,
+            add_bos=add_bos,
+            # Only what the metadata names: llama.cpp also stops on tokens it recognises by text
+            # (<|endoftext|>, <|eot_id|>, ...), transformers' generate() does not.
+            stop_ids=frozenset(
+                i
+                for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id"))
+                if i is not None
+            ),
+            chat_template=_field(reader, "tokenizer.chat_template"),
+        )
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Ids that end generation: eos, and eot/eom where the file names them."""
+        return self._stop_ids
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`. Control and user-defined tokens written in it ("<|im_start|>") are
+        read as their ids. BOS is prepended only when the file asks for it, and not a second time
+        when `text` already starts with it (a rendered chat template often does)."""
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        if self._add_bos and (not ids or ids[0] != self._bos_id):
+            assert self._bos_id is not None  # from_gguf refuses add_bos without a bos id
+            ids.insert(0, self._bos_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        """Text of `ids`; control tokens are dropped when `skip_special`. Bytes that do not form
+        whole UTF-8 characters (a cut-off multi-byte token) come out as U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]) through the
+        model's chat template, as transformers' apply_chat_template(tokenize=False) renders it."""
+        if self._chat_template is None:
+            raise ValueError(
+                "This model has no chat template (the GGUF lacks tokenizer.chat_template), so "
+                "--chat can't be used with it; pass a plain prompt instead."
+            )
+
+        def spelled(token_id: int | None) -> str:
+            return "" if token_id is None else self._tokens[token_id]
+
+        return _compile_template(self._chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            # transformers passes these as None when absent; templates test `tools is defined`.
+            tools=None,
+            documents=None,
+            bos_token=spelled(self._bos_id),
+            eos_token=spelled(self._eos_id),
+        )

@@ -1,0 +1,61 @@
+"""ZeroMQ framing: a msgpack header frame, then one raw frame per tensor (zero-copy sends).
+
+The header's "tensors" entry lists [dtype, shape] for each extra frame, so a receiver checks
+sizes before it trusts a buffer. Tensors travel as numpy arrays; torch code converts at the edge.
+"""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import zmq
+
+from strata.protocol.messages import ProtocolError, decode, encode
+
+_DTYPES = {"float32", "float16", "int64", "int32", "uint16"}  # uint16 carries bf16 bits
+
+
+def pack(msg, tensors: list[np.ndarray] = ()) -> list:
+    header = encode(msg)
+    header["tensors"] = [[str(t.dtype), list(t.shape)] for t in tensors]
+    return [msgpack.packb(header, use_bin_type=True)] + [np.ascontiguousarray(t) for t in tensors]
+
+
+def unpack(frames: list) -> tuple[object, list[np.ndarray]]:
+    """frames: bytes or zmq.Frame. Raises ProtocolError on anything malformed."""
+    if not frames:
+        raise ProtocolError("empty message")
+    try:
+        header = msgpack.unpackb(_bytes(frames[0]), raw=False, strict_map_key=False)
+    except Exception as e:
+        raise ProtocolError(f"header is not msgpack ({type(e).__name__})") from e
+    specs = header.pop("tensors", []) if isinstance(header, dict) else []
+    msg = decode(header)
+    if not isinstance(specs, list) or len(specs) != len(frames) - 1:
+        raise ProtocolError(f"header lists {len(specs) if isinstance(specs, list) else '?'} "
+                            f"tensors but {len(frames) - 1} frames came")
+    tensors = []
+    for spec, frame in zip(specs, frames[1:]):
+        try:
+            dtype, shape = spec
+            if dtype not in _DTYPES:
+                raise ProtocolError(f"tensor dtype {dtype!r} is not allowed")
+            buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
+            arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+        except ProtocolError:
+            raise
+        except Exception as e:
+            raise ProtocolError(f"tensor frame does not match its spec {spec!r}") from e
+        tensors.append(arr)
+    return msg, tensors
+
+
+def _bytes(frame) -> bytes:
+    return frame.bytes if isinstance(frame, zmq.Frame) else frame
+
+
+def send(sock: zmq.Socket, msg, tensors: list[np.ndarray] = ()) -> None:
+    sock.send_multipart(pack(msg, tensors), copy=False)
+
+
+def recv(sock: zmq.Socket) -> tuple[object, list[np.ndarray]]:
+    return unpack(sock.recv_multipart(copy=False))

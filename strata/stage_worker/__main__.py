@@ -1,0 +1,3 @@
+from strata.stage_worker.main import main
+
+main()

@@ -1,0 +1,47 @@
+"""`strata-worker`: one stage process. strata-launch starts these; a user can start one by hand
+(under a debugger, on another host) with the command `strata-launch --external-stage K` prints."""
+import logging
+import sys
+
+import click
+
+from strata.model.gguf_file import ModelError
+from strata.stage_worker.worker import StageWorker, WorkerConfig
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not START:END, e.g. 0:12") from None
+    return start, end
+
+
+@click.command()
+@click.option("--model", required=True, help="Path of the GGUF file.")
+@click.option("--stage", type=int, required=True, help="This stage's index.")
+@click.option("--layers", required=True, help="Layer range START:END (END exclusive).")
+@click.option("--listen", required=True, help="Endpoint to bind for input (ipc://, tcp://).")
+@click.option("--coordinator", required=True, help="The coordinator's inbox endpoint.")
+@click.option("--next", "next_", default=None, help="The next stage's endpoint (not on the last).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--slots", type=int, default=1, show_default=True)
+@click.option("--ctx-size", type=int, default=2048, show_default=True)
+def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_size):
+    """Serve one stage of a layer-split model."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s stage{stage} %(levelname)s %(message)s")
+    start, end = parse_layers(layers)
+    try:
+        cfg = WorkerConfig(model=model, stage=stage, layer_start=start, layer_end=end,
+                           listen=listen, coordinator=coordinator, next=next_, device=device,
+                           slots=slots, ctx=ctx_size)
+        worker = StageWorker(cfg)
+    except (ModelError, ValueError) as e:
+        click.echo(f"strata-worker: stage {stage}: {e}", err=True)
+        sys.exit(2)
+    worker.serve()
+
+
+if __name__ == "__main__":
+    main()

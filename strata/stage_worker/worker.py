@@ -1,0 +1,173 @@
+"""The stage worker: receive a window, commit, compute this stage's layers, pass it on.
+
+Stage k binds `listen` (a PULL socket) and pushes to stage k+1's `listen`; the last stage pushes
+results to the coordinator's inbox. Hellos and errors also go to the inbox. Activations never
+pass through the coordinator.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from strata.kernels.sampling import SamplingRow, sample_rows
+from strata.model.gguf_file import ModelFile
+from strata.protocol import transport
+from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
+                                      Shutdown, Window)
+from strata.stage_worker.model import KVCache, Rows, StageModel
+
+log = logging.getLogger("strata.worker")
+LOGIT_BLOCK = 8  # sampled rows go through the head in blocks of this many rows (fixed shape)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str
+    stage: int
+    layer_start: int
+    layer_end: int
+    listen: str            # endpoint this stage binds for its input
+    coordinator: str       # the coordinator's inbox (hello, errors, and results if last)
+    next: str | None       # the next stage's listen endpoint; None on the last stage
+    device: str = "cpu"
+    slots: int = 1
+    ctx: int = 2048
+
+    def __post_init__(self):
+        if not 0 <= self.layer_start < self.layer_end:
+            raise ValueError(f"layer range {self.layer_start}:{self.layer_end} is empty")
+        if self.slots < 1 or self.ctx < 1:
+            raise ValueError("--slots and --ctx-size must be at least 1")
+
+
+class RowError(ValueError):
+    """A window whose rows this stage cannot run (the coordinator gets the sentence)."""
+
+
+class StageWorker:
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        t0 = time.perf_counter()
+        file = ModelFile(cfg.model)
+        if cfg.layer_end > file.config.n_layers:
+            raise ValueError(f"layer range {cfg.layer_start}:{cfg.layer_end} exceeds the model's "
+                             f"{file.config.n_layers} layers")
+        self.fingerprint = file.fingerprint()
+        self.model = StageModel(file, cfg.layer_start, cfg.layer_end, ctx=cfg.ctx,
+                                device=cfg.device)
+        self.cache = KVCache(cfg.layer_end - cfg.layer_start, cfg.slots, file.config, cfg.ctx,
+                             self.model.device, self.model.dtype)
+        log.info("stage %d: layers [%d, %d) on %s loaded in %.1fs; KV cache %.1f MiB",
+                 cfg.stage, cfg.layer_start, cfg.layer_end, cfg.device,
+                 time.perf_counter() - t0, self.cache.nbytes() / 2**20)
+        self.zmq = zmq.Context()
+        self.inbox = self.zmq.socket(zmq.PULL)
+        self.inbox.bind(cfg.listen)
+        self.to_coordinator = self.zmq.socket(zmq.PUSH)
+        self.to_coordinator.connect(cfg.coordinator)
+        self.to_next = None
+        if cfg.next:
+            self.to_next = self.zmq.socket(zmq.PUSH)
+            self.to_next.connect(cfg.next)
+
+    def hello(self) -> Hello:
+        c = self.cfg
+        return Hello(PROTOCOL_VERSION, c.stage, c.layer_start, c.layer_end, c.device,
+                     self.fingerprint, os.getpid(), c.slots, c.ctx)
+
+    def serve(self) -> None:
+        transport.send(self.to_coordinator, self.hello())
+        while True:
+            try:
+                msg, tensors = transport.recv(self.inbox)
+            except ProtocolError as e:
+                self._error(-1, f"malformed message: {e}")
+                continue
+            if isinstance(msg, Shutdown):
+                if self.to_next is not None:
+                    transport.send(self.to_next, msg)
+                log.info("stage %d: shutting down (%s)", self.cfg.stage, msg.reason)
+                break
+            if not isinstance(msg, Window):
+                self._error(-1, f"stage {self.cfg.stage} does not accept {type(msg).__name__}")
+                continue
+            try:
+                self.run_window(msg, tensors)
+            except (RowError, ProtocolError) as e:
+                self._error(msg.id, str(e))
+        self.close()
+
+    def run_window(self, w: Window, tensors: list[np.ndarray]) -> None:
+        t0 = time.perf_counter()
+        self._check(w, tensors)
+        for slot, length in w.commits:
+            self.cache.trim(slot, length)
+        reach = list(self.cache.filled)  # rows may extend a slot only without leaving a gap
+        for s, p in zip(w.slots, w.positions):
+            if s >= 0:
+                if p > reach[s]:
+                    raise RowError(f"window {w.id}: slot {s} holds {reach[s]} positions, so "
+                                   f"position {p} would leave a gap")
+                reach[s] = max(reach[s], p + 1)
+        rows = Rows(w.slots, w.positions)
+        if self.model.first:
+            inputs = torch.tensor(w.tokens, dtype=torch.long, device=self.model.device)
+        else:
+            inputs = torch.from_numpy(tensors[0].copy()).to(self.model.device)
+        with torch.inference_mode():
+            hidden = self.model(inputs, rows, self.cache)
+        for s, p in zip(w.slots, w.positions):
+            if s >= 0:
+                self.cache.filled[s] = max(self.cache.filled[s], p + 1)
+        if not self.model.last:
+            w.stage_ms.append((time.perf_counter() - t0) * 1e3)
+            transport.send(self.to_next, w, [hidden.cpu().numpy()])
+            return
+        tokens, logits = self.sample(w, hidden)
+        w.stage_ms.append((time.perf_counter() - t0) * 1e3)
+        extra = [logits.cpu().numpy()] if w.want_logits else []
+        transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms), extra)
+
+    @torch.inference_mode()
+    def sample(self, w: Window, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        picked = hidden[torch.tensor(w.sample_rows, dtype=torch.long)]
+        n = picked.shape[0]
+        padded = torch.zeros(((n + LOGIT_BLOCK - 1) // LOGIT_BLOCK) * LOGIT_BLOCK,
+                             hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+        padded[:n] = picked
+        logits = torch.cat([self.model.logits(block) for block in padded.split(LOGIT_BLOCK)])[:n]
+        params = [SamplingRow(*p) for p in zip(w.temperature, w.top_k, w.top_p, w.min_p, w.u)]
+        return sample_rows(logits.cpu(), params), logits
+
+    def _check(self, w: Window, tensors: list[np.ndarray]) -> None:
+        c, d = self.cfg, self.model.cfg.d_model
+        for s, p, t in zip(w.slots, w.positions, w.tokens):
+            if s >= c.slots:
+                raise RowError(f"window {w.id}: slot {s} does not exist (this stage has {c.slots})")
+            if s >= 0 and not 0 <= p < c.ctx:
+                raise RowError(f"window {w.id}: position {p} is outside the context of {c.ctx}")
+            if s >= 0 and self.model.first and not 0 <= t < self.model.cfg.vocab:
+                raise RowError(f"window {w.id}: token {t} is outside the vocabulary")
+        for slot, length in w.commits:
+            if not (0 <= slot < c.slots and 0 <= length <= c.ctx):
+                raise RowError(f"window {w.id}: commit ({slot}, {length}) is out of range")
+        if not self.model.first:
+            if len(tensors) != 1 or tensors[0].shape != (len(w.slots), d):
+                raise RowError(f"window {w.id}: expected activations of shape "
+                               f"({len(w.slots)}, {d})")
+
+    def _error(self, window: int, message: str) -> None:
+        log.warning("stage %d: %s", self.cfg.stage, message)
+        transport.send(self.to_coordinator, Error(self.cfg.stage, window, message))
+
+    def close(self) -> None:
+        for sock in (self.inbox, self.to_coordinator, self.to_next):
+            if sock is not None:
+                sock.close(linger=1000)
+        self.zmq.term()
