@@ -53,13 +53,16 @@ def plan_stages(split: str, devices: list[str], n_layers: int) -> list[StagePlan
                             f"like 12,24") from None
         if len(bounds) + 1 > n_layers:
             raise PlanError(f"--layer-split {split} makes {len(bounds) + 1} stages for a model of "
-                            f"{n_layers} layers: every stage needs at least one layer")
+                            f"{n_layers} layers: every stage needs at least one layer; give at "
+                            f"most {n_layers - 1} boundaries")
         for b in bounds:
             if not 0 < b < n_layers:
                 raise PlanError(f"--layer-split boundary {b} is out of range: boundaries lie "
                                 f"between 1 and {n_layers - 1} for a model of {n_layers} layers")
         if any(a >= b for a, b in zip(bounds, bounds[1:])):
-            raise PlanError(f"--layer-split {split}: boundaries must increase, e.g. 10,20")
+            raise PlanError(f"--layer-split {split}: boundaries must increase, e.g. "
+                            f"{round(n_layers / 3)},{round(2 * n_layers / 3)} for a model of "
+                            f"{n_layers} layers")
     edges = [0] + bounds + [n_layers]
     n_stages = len(edges) - 1
     if len(devices) not in (1, n_stages):

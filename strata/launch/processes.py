@@ -6,12 +6,14 @@ killed with SIGKILL; a normal exit sends Shutdown through the chain, then termin
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -23,9 +25,11 @@ from strata.launch.plan import StagePlan
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before prctl: no signal will come
+        os._exit(1)
 
 
 def tail(path: Path, lines: int = 12) -> str:
@@ -57,6 +61,12 @@ class StageProcesses:
             stages=[f"ipc://{self.run_dir}/stage{p.index}" for p in plan])
         self.procs: dict[int, subprocess.Popen] = {}
 
+    @property
+    def env(self) -> dict[str, str]:
+        # Idle OpenMP threads spin by default; stages sharing CPU cores would steal each
+        # other's time while they wait for their next window.
+        return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+
     def log_path(self, stage: int) -> Path:
         return self.log_dir / f"stage{stage}.log"
 
@@ -82,8 +92,8 @@ class StageProcesses:
             log = open(self.log_path(p.index), "w")
             argv = [sys.executable, "-m", "strata.stage_worker"] + cmd[1:]
             self.procs[p.index] = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent)
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()))
             log.close()
 
     def check_alive(self) -> None:
@@ -91,9 +101,9 @@ class StageProcesses:
         for stage, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
-                raise PipelineError(
-                    f"stage {stage} exited with code {code}; last lines of "
-                    f"{self.log_path(stage)}:\n{tail(self.log_path(stage))}")
+                quoted = textwrap.indent(tail(self.log_path(stage)), "  | ")
+                raise PipelineError(f"stage {stage} exited with code {code}; last lines of "
+                                    f"{self.log_path(stage)}:\n{quoted}")
 
     def stop(self, grace: float = 5.0) -> None:
         """Wait for a graceful exit (after Shutdown was sent), then terminate, then kill."""

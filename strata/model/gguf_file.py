@@ -68,7 +68,7 @@ class ModelFile:
             raise ModelError(f"model file {self.path} does not exist; pass --model with the path "
                              f"of a .gguf file, or smollm2-135m for the embedded model")
         try:
-            self.reader = GGUFReader(self.path, "r")
+            self.reader = GGUFReader(self.path, "c")  # copy-on-write: tensors are writable
         except Exception as e:  # gguf-py raises ValueError, struct errors, IndexError...
             raise ModelError(f"model file {self.path} is not a readable GGUF file "
                              f"({type(e).__name__}: {e}); check the path or download it again") from e
@@ -92,6 +92,9 @@ class ModelFile:
         head_dim = d_model // n_heads
         vocab = _field(self.reader, f"{arch}.vocab_size")
         if vocab is None:
+            if "token_embd.weight" not in self.tensors:
+                raise ModelError(f"model file {self.path} has neither {arch}.vocab_size nor "
+                                 f"token_embd.weight")
             vocab = self.tensors["token_embd.weight"].shape[-1]
         return ModelConfig(
             arch=arch,
@@ -117,10 +120,13 @@ class ModelFile:
                                  f"{', '.join(q.name for q in sorted(SUPPORTED_TYPES))}")
 
     def fingerprint(self) -> str:
-        """Identifies the model: size, tensor layout and metadata, without hashing gigabytes."""
+        """Identifies the model: size, tensor layout, metadata, and the first and last bytes of
+        every tensor (a few KiB each, so gigabytes of weights are not hashed)."""
         h = hashlib.sha256(str(self.path.stat().st_size).encode())
         for t in self.reader.tensors:
             h.update(f"{t.name}:{t.tensor_type.name}:{list(t.shape)}:{t.data_offset};".encode())
+            raw = t.data.reshape(-1).view(np.uint8)
+            h.update(raw[:4096].tobytes() + raw[-4096:].tobytes())
         for key in ("general.architecture", "general.name", "general.file_type"):
             h.update(f"{key}={_field(self.reader, key)};".encode())
         return h.hexdigest()[:16]

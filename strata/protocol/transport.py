@@ -39,6 +39,8 @@ def unpack(frames: list) -> tuple[object, list[np.ndarray]]:
             dtype, shape = spec
             if dtype not in _DTYPES:
                 raise ProtocolError(f"tensor dtype {dtype!r} is not allowed")
+            if any(type(d) is not int or d < 0 for d in shape):  # reshape would infer a -1
+                raise ValueError(f"shape {shape!r} is not a list of sizes")
             buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
             arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
         except ProtocolError:

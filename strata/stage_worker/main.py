@@ -1,6 +1,7 @@
 """`strata-worker`: one stage process. strata-launch starts these; a user can start one by hand
 (under a debugger, on another host) with the command `strata-launch --external-stage K` prints."""
 import logging
+import os
 import sys
 
 import click
@@ -32,6 +33,9 @@ def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_si
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s stage{stage} %(levelname)s %(message)s")
     start, end = parse_layers(layers)
+    # Test hook: STRATA_FAULT=crash-at-start:K makes stage K fail while starting.
+    if os.environ.get("STRATA_FAULT") == f"crash-at-start:{stage}":
+        raise RuntimeError(f"stage {stage}: crash at start requested by STRATA_FAULT")
     try:
         cfg = WorkerConfig(model=model, stage=stage, layer_start=start, layer_end=end,
                            listen=listen, coordinator=coordinator, next=next_, device=device,

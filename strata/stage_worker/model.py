@@ -50,8 +50,8 @@ class KVCache:
     def write(self, layer: int, rows: Rows, live: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         # k, v: [R, KVH, hd]; only live rows are written
-        slots = torch.tensor([rows.slots[r] for r in live.tolist()])
-        pos = torch.tensor([rows.positions[r] for r in live.tolist()])
+        slots = torch.tensor([rows.slots[r] for r in live.tolist()], dtype=torch.long)
+        pos = torch.tensor([rows.positions[r] for r in live.tolist()], dtype=torch.long)
         self.k[layer][slots, :, pos] = k[live]
         self.v[layer][slots, :, pos] = v[live]
 

@@ -106,15 +106,19 @@ class StageWorker:
     def run_window(self, w: Window, tensors: list[np.ndarray]) -> None:
         t0 = time.perf_counter()
         self._check(w, tensors)
+        # rows may extend a slot only without leaving a gap; checked before anything changes,
+        # so a refused window leaves the KV as it was
+        reach = list(self.cache.filled)
         for slot, length in w.commits:
-            self.cache.trim(slot, length)
-        reach = list(self.cache.filled)  # rows may extend a slot only without leaving a gap
+            reach[slot] = min(reach[slot], length)
         for s, p in zip(w.slots, w.positions):
             if s >= 0:
                 if p > reach[s]:
                     raise RowError(f"window {w.id}: slot {s} holds {reach[s]} positions, so "
                                    f"position {p} would leave a gap")
                 reach[s] = max(reach[s], p + 1)
+        for slot, length in w.commits:
+            self.cache.trim(slot, length)
         rows = Rows(w.slots, w.positions)
         if self.model.first:
             inputs = torch.tensor(w.tokens, dtype=torch.long, device=self.model.device)
@@ -147,6 +151,8 @@ class StageWorker:
 
     def _check(self, w: Window, tensors: list[np.ndarray]) -> None:
         c, d = self.cfg, self.model.cfg.d_model
+        if not w.slots:
+            raise RowError(f"window {w.id} has no rows; send at least one (pad rows have slot -1)")
         for s, p, t in zip(w.slots, w.positions, w.tokens):
             if s >= c.slots:
                 raise RowError(f"window {w.id}: slot {s} does not exist (this stage has {c.slots})")
@@ -154,7 +160,10 @@ class StageWorker:
                 raise RowError(f"window {w.id}: position {p} is outside the context of {c.ctx}")
             if s >= 0 and self.model.first and not 0 <= t < self.model.cfg.vocab:
                 raise RowError(f"window {w.id}: token {t} is outside the vocabulary")
-        for slot, length in w.commits:
+        for commit in w.commits:
+            if len(commit) != 2:
+                raise RowError(f"window {w.id}: commit {commit} is not a [slot, length] pair")
+            slot, length = commit
             if not (0 <= slot < c.slots and 0 <= length <= c.ctx):
                 raise RowError(f"window {w.id}: commit ({slot}, {length}) is out of range")
         if not self.model.first:

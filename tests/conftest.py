@@ -1,0 +1,58 @@
+"""Shared fixtures: the embedded SmolLM2 file, tiny random GGUF models, process checks."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from strata.model.mkmodel import SHAPES, write_random_gguf
+from strata.model.registry import resolve_model
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 4-layer random llama GGUF in F32 with a byte-level vocabulary."""
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    return write_random_gguf(path, SHAPES["tiny"], seed=1)
+
+
+def stage_processes(marker: str = "") -> list[int]:
+    """Pids of running strata stage workers (whose command line holds `marker`)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        is_worker = b"strata.stage_worker" in cmd or any(c.endswith(b"strata-worker") for c in cmd)
+        if is_worker and any(marker.encode() in c for c in cmd):
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture
+def no_stage_left(monkeypatch):
+    """Fails the test if it leaves a stage worker process behind. The test's launches put their
+    run directories (named in every worker's command line) under a directory of its own, so
+    strata runs elsewhere on the machine don't count."""
+    own = tempfile.mkdtemp(prefix="st", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    monkeypatch.setenv("TMPDIR", own)
+    monkeypatch.setattr(tempfile, "tempdir", own)
+    yield own
+    deadline = time.monotonic() + 5  # a worker told to shut down may take a moment to exit
+    while stage_processes(own) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = stage_processes(own)
+    shutil.rmtree(own, ignore_errors=True)
+    assert not left, f"stage processes left behind: {left}"

@@ -1,0 +1,294 @@
+"""`strata-launch` as a user runs it: every mistake ends with a non-zero exit code and one
+sentence that says what to change (no traceback), and no stage process outlives the launcher,
+whether it ends normally, on an error, on SIGTERM/SIGINT, or killed with SIGKILL."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from strata.model.mkmodel import SHAPES, write_random_gguf
+
+# The console script next to this interpreter (a pyenv shim elsewhere on PATH would add a shell).
+LAUNCH = (shutil.which("strata-launch", path=os.path.dirname(sys.executable))
+          or shutil.which("strata-launch"))
+START_S = 90.0  # longest wait for the stages to say hello (a shared 2-core machine)
+LONG_CTX = 32768  # generation until the signal: ~30k tokens is minutes even for the tiny model
+
+
+def launch(args: list[str], log_dir: Path, env: dict | None = None, timeout: float = 120.0):
+    assert LAUNCH, "strata-launch is not installed"
+    return subprocess.run([LAUNCH, *args, "--log-dir", str(log_dir)], capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          env={**os.environ, **(env or {})})
+
+
+def assert_no_traceback(stderr: str) -> None:
+    """No traceback of the launcher; quoted stage-log lines ('  | ...') may hold a stage's."""
+    own = [line for line in stderr.splitlines() if not line.startswith("  | ")]
+    for line in own:
+        assert "Traceback" not in line and not line.lstrip().startswith('File "'), stderr
+
+
+def assert_one_sentence(stderr: str, *words: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{stderr}"
+    assert lines[0].startswith("strata-launch: "), stderr
+    for w in words:
+        assert w.lower() in lines[0].lower(), f"{w!r} not in {lines[0]!r}"
+    assert_no_traceback(stderr)
+
+
+# --- mistakes found before any stage starts --------------------------------------------------
+
+def _corrupt_files(tiny: Path, where: Path) -> dict[str, Path]:
+    rnd = where / "random.gguf"
+    rnd.write_bytes(os.urandom(64 << 10))
+    data = tiny.read_bytes()
+    cut = where / "truncated.gguf"          # the header is whole, the tensor data is cut short
+    cut.write_bytes(data[: len(data) // 2])
+    return {"random": rnd, "truncated": cut}
+
+
+LONG_PROMPT = "a prompt of many more than sixteen byte-level tokens, surely"
+
+# id: (arguments after --model, words the sentence must hold); "MODEL" is the tiny model.
+EARLY = {
+    "missing-model": (["--model", "/nonexistent.gguf"],
+                      ["/nonexistent.gguf", "does not exist", "--model"]),
+    "random-bytes": (["--model", "random"], ["random.gguf", "is not a readable GGUF file"]),
+    "truncated": (["--model", "truncated"], ["truncated.gguf", "is not a readable GGUF file"]),
+    "split-decreasing": (["--layer-split", "3,2"], ["--layer-split 3,2", "must increase"]),
+    "split-zero": (["--layer-split", "0,2"], ["boundary 0", "out of range", "between 1 and 3"]),
+    "split-at-end": (["--layer-split", "4"], ["boundary 4", "out of range", "between 1 and 3"]),
+    "split-past-end": (["--layer-split", "2,9"], ["boundary 9", "out of range",
+                                                  "between 1 and 3"]),
+    "split-not-numeric": (["--layer-split", "two"], ["--layer-split 'two'", "list of layer numbers"]),
+    "devices-more-than-layers": (["--devices", "cpu,cpu,cpu,cpu,cpu"],
+                                 ["5 stages", "4 layers", "use fewer devices"]),
+    "split-more-than-layers": (["--layer-split", "1,2,3,4"],
+                               ["5 stages", "4 layers", "at most 3 boundaries"]),
+    "devices-not-matching-split": (["--layer-split", "2", "--devices", "cpu,cpu,cpu"],
+                                   ["3 devices for 2 stages", "one per stage"]),
+    "unknown-device": (["--devices", "gpu:0"], ["unknown device 'gpu:0'", "cpu or cuda:N"]),
+    "absent-cuda-device": (["--devices", "cuda:7"], ["'cuda:7' does not exist", "CUDA device"]),
+    "prompt-longer-than-ctx": (["--ctx-size", "16", "--prompt", LONG_PROMPT],
+                               ["prompt has", "context of 16", "raise --ctx-size"]),
+    "ctx-beyond-training": (["--ctx-size", "4096"], ["--ctx-size 4096", "2048 positions",
+                                                     "use --ctx-size 2048 or less"]),
+    "external-stage-absent": (["--layer-split", "2", "--external-stage", "2"],
+                              ["--external-stage 2 does not exist", "stages are 0..1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def early_runs(tiny_model, tmp_path_factory):
+    """Every EARLY case, run three at a time (each spends ~1.5 s importing torch)."""
+    where = tmp_path_factory.mktemp("early")
+    files = _corrupt_files(tiny_model, where)
+
+    def run(case: str):
+        args, _ = EARLY[case]
+        args = [str(files.get(a, a)) for a in args]
+        if "--model" not in args:
+            args = ["--model", str(tiny_model), *args]
+        if "--prompt" not in args:
+            args += ["--prompt", "hi"]
+        log_dir = where / case
+        return launch(args + ["--max-tokens", "4"], log_dir, timeout=60), log_dir
+
+    with ThreadPoolExecutor(3) as pool:
+        return dict(zip(EARLY, pool.map(run, EARLY)))
+
+
+@pytest.mark.parametrize("case", list(EARLY))
+def test_mistake_gets_one_sentence(case, early_runs, no_stage_left):
+    result, log_dir = early_runs[case]
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert_one_sentence(result.stderr, *EARLY[case][1])
+    assert result.stdout == ""
+    # found before spawning: no stage ever started, so none wrote a log
+    assert not any(log_dir.glob("stage*.log"))
+
+
+# --- stage processes: a crash, a clean run, signals ------------------------------------------
+
+def children(pid: int) -> list[int]:
+    """Pids whose parent is pid."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def writing_to(log_dir: Path) -> list[int]:
+    """Live pids whose stdout is a file in log_dir: the stage workers of one launch (precise,
+    where no_stage_left also counts the workers of other test runs on a shared machine)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.readlink(f"/proc/{entry}/fd/1").startswith(f"{log_dir}/"):
+                out.append(int(entry))
+        except OSError:
+            continue
+    return [p for p in out if alive(p)]
+
+
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def test_stage_crash_at_start_names_the_stage(tiny_model, tmp_path, no_stage_left):
+    r = launch(["--model", str(tiny_model), "--layer-split", "2", "--prompt", "hi"], tmp_path,
+               env={"STRATA_FAULT": "crash-at-start:1"})
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    first, *quoted = r.stderr.splitlines()
+    assert first.startswith("strata-launch: stage 1 exited with code 1; last lines of "), r.stderr
+    assert str(tmp_path / "stage1.log") in first
+    assert quoted and all(line.startswith("  | ") for line in quoted), r.stderr
+    assert quoted[-1] == "  | RuntimeError: stage 1: crash at start requested by STRATA_FAULT"
+    assert_no_traceback(r.stderr)
+    assert (tmp_path / "stage0.log").exists()  # stage 0 had started ...
+    assert writing_to(tmp_path) == []           # ... and is gone
+
+
+def test_two_stage_run_succeeds_and_shuts_down(tiny_model, tmp_path, no_stage_left):
+    r = launch(["--model", str(tiny_model), "--layer-split", "2", "--prompt", "hello",
+                "--max-tokens", "4", "--seed", "1"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "stage 0: layers [0, 2) on cpu" in r.stderr
+    assert "stage 1: layers [2, 4) on cpu" in r.stderr
+    assert re.search(r"^\[\d+ prompt tokens, 4 generated, finish: length, seed 1\]$", r.stderr,
+                     re.MULTILINE), r.stderr
+    assert_no_traceback(r.stderr)
+    assert r.stdout.strip()
+    assert writing_to(tmp_path) == []
+    for stage in (0, 1):  # each stage left by the Shutdown message, not by a signal
+        log = (tmp_path / f"stage{stage}.log").read_text()
+        assert f"stage {stage}: shutting down (coordinator exit)" in log, log
+
+
+def _sigint_default():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory) -> Path:
+    """The tiny model, trained (so it says) for LONG_CTX positions."""
+    path = tmp_path_factory.mktemp("long") / "tiny-long.gguf"
+    return write_random_gguf(path, dataclasses.replace(SHAPES["tiny"], ctx_len=LONG_CTX), seed=1)
+
+
+class Running:
+    """strata-launch generating for minutes, its stage workers known by pid."""
+
+    def __init__(self, model: Path, log_dir: Path):
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.proc = subprocess.Popen(
+            [LAUNCH, "--model", str(model), "--layer-split", "2", "--prompt", "hi", "--ctx-size",
+             str(LONG_CTX), "--max-tokens", str(LONG_CTX), "--log-dir", str(log_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            text=True, start_new_session=True,  # its own process group, as a terminal gives
+            preexec_fn=_sigint_default)  # pytest run in the background would pass SIGINT ignored
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if line.startswith("stage 1: layers"):  # printed once every stage said hello
+                self.ready.set()
+
+    def wait_generating(self) -> list[int]:
+        assert self.ready.wait(START_S), f"stages not ready:\n{''.join(self.lines)}"
+        time.sleep(0.5)  # into the decode loop (the prompt is one chunk)
+        assert self.proc.poll() is None, "".join(self.lines)
+        workers = children(self.proc.pid)
+        assert len(workers) == 2, workers
+        return workers
+
+    def stderr(self) -> str:
+        """All of stderr, once the launcher has exited (the pipe closes with it)."""
+        self.reader.join(timeout=5)
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                        (signal.SIGINT, True)],
+                         ids=["SIGTERM", "SIGINT", "ctrl-c-to-group"])
+def test_signal_while_generating_stops_everything(sig, group, long_tiny, tmp_path,
+                                                  no_stage_left):
+    """group: the signal goes to the launcher and its stages at once, as Ctrl-C in a terminal."""
+    run = Running(long_tiny, tmp_path)
+    try:
+        workers = run.wait_generating()
+        t0 = time.monotonic()
+        if group:
+            os.killpg(run.proc.pid, sig)
+        else:
+            run.proc.send_signal(sig)
+        code = run.proc.wait(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        run.kill()
+    stderr = run.stderr()
+    assert code == 130, (code, stderr)
+    assert took < 12, f"took {took:.1f}s to stop"
+    assert stderr.rstrip().endswith("strata-launch: interrupted; stages stopped"), stderr
+    assert_no_traceback(stderr)
+    assert wait_gone(workers, 1.0) == []  # the launcher waited for them
+
+
+def test_sigkill_of_launcher_takes_the_stages_down(long_tiny, tmp_path, no_stage_left):
+    run = Running(long_tiny, tmp_path)
+    workers, run_dirs = [], set()
+    try:
+        workers = run.wait_generating()
+        for pid in workers:  # the run directory of the ipc sockets, to clean up after
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            listen = argv[argv.index(b"--listen") + 1].decode()
+            run_dirs.add(Path(listen.removeprefix("ipc://")).parent)
+        run.proc.kill()
+        assert run.proc.wait(timeout=10) == -signal.SIGKILL
+        left = wait_gone(workers, 10.0)  # PR_SET_PDEATHSIG: SIGTERM when the parent dies
+    finally:
+        run.kill()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        for d in run_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    assert left == [], f"stage workers {left} outlived a SIGKILLed launcher"
