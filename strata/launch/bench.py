@@ -1,18 +1,29 @@
-"""`strata-bench`: benchmark commands that print their figures (conditions in docs/BENCHMARKS.md)."""
+"""`strata-bench`: commands that print their figures (conditions in docs/BENCHMARKS.md).
+
+  decode      solo decode tokens/s for several layer splits, side by side
+  exact       the exactness harness: N prompts alone, then together; any mismatch fails
+  throughput  C concurrent clients x T tokens: serial vs pipelined groups in one run
+"""
 from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 from contextlib import ExitStack
+from dataclasses import replace
+from statistics import mean, median
 
 import click
 import torch
 
 from strata.coordinator.generate import Sequence, generate_solo
 from strata.coordinator.sampling import SamplingParams
-from strata.launch.cli import cuda_count, open_model
-from strata.launch.plan import parse_devices, plan_stages
+from strata.coordinator.scheduler import auto_groups
+from strata.launch import harness
+from strata.launch.options import (clean_errors, launch_options, open_model, parse_devices_for,
+                                   prepare)
+from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
 from strata.model.registry import DEFAULT_MODEL
 from strata.model.tokenizer import Tokenizer
@@ -22,11 +33,12 @@ BENCH_PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 @click.group()
 def main():
-    """Benchmarks of strata; each prints its figures."""
+    """Benchmarks and harnesses of strata; each prints its figures."""
 
 
 def machine() -> str:
-    return f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    return (f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}")
 
 
 @main.command()
@@ -39,14 +51,15 @@ def machine() -> str:
               help="Rounds; each round runs every split once, interleaved; the best is kept.")
 @click.option("--ctx-size", type=int, default=512, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+@clean_errors("strata-bench decode")
 def decode(model, splits, devices, tokens, repeats, ctx_size, json_out):
     """Solo decode tokens/s (one request, greedy) for each layer split, side by side."""
     file = open_model(model, ctx_size)
     tok = Tokenizer.from_gguf(file.reader)
     prompt = tok.encode(BENCH_PROMPT)
-    device_list = parse_devices(devices, cuda_count())
-    splits = [s.strip() for s in splits.split(";")]
-    plans = {s: plan_stages(s, device_list, file.config.n_layers) for s in splits}
+    device_list = parse_devices_for(devices)
+    plans = {s.strip(): plan_stages(s.strip(), device_list, file.config.n_layers)
+             for s in splits.split(";")}
     best: dict[str, dict] = {}
     click.echo(f"# model {file.path.name}, {tokens} tokens after a {len(prompt)}-token prompt, "
                f"{machine()}")
@@ -57,12 +70,11 @@ def decode(model, splits, devices, tokens, repeats, ctx_size, json_out):
                 for split, plan in plans.items()}
         for _ in range(repeats):
             for split, run in runs.items():
-                seq = Sequence(prompt, SamplingParams(max_tokens=tokens), frozenset(), ctx_size)
                 stamps = []
-                seq.on_token = lambda t: stamps.append(time.perf_counter())
+                seq = Sequence(prompt, SamplingParams(max_tokens=tokens), frozenset(), ctx_size,
+                               on_token=lambda t: stamps.append(time.perf_counter()))
                 generate_solo(run.pipe, seq)
-                # decode rate: tokens after the first, over the time since the first
-                rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+                rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])  # after the first token
                 if rate > best.get(split, {}).get("tok_s", 0):
                     best[split] = {"stages": len(plans[split]), "tok_s": rate,
                                    "ms_per_token": 1e3 / rate}
@@ -72,6 +84,80 @@ def decode(model, splits, devices, tokens, repeats, ctx_size, json_out):
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"machine": machine(), "tokens": tokens, "results": best}, f, indent=2)
+
+
+@main.command()
+@launch_options
+@click.option("--requests", type=int, default=8, show_default=True)
+@click.option("--tokens", type=int, default=32, show_default=True, help="Max tokens per request.")
+@click.option("--sampling", type=click.Choice(["greedy", "seeded", "both"]), default="both",
+              show_default=True, help="seeded: temperature 0.7, top_k 20, a seed per request.")
+@clean_errors("strata-bench exact")
+def exact(requests, tokens, sampling, **launch):
+    """Run the prompts alone (one at a time), then together under the given batch and groups;
+    print each request's first mismatch; exit 1 on any."""
+    prep = prepare(**launch)
+    tok = Tokenizer.from_gguf(prep.file.reader)
+    prompts = [tok.encode(p) for p in harness.prompt_set(requests)]
+    modes = ["greedy", "seeded"] if sampling == "both" else [sampling]
+    alone_cfg = replace(prep.sched, groups=1)
+    click.echo(f"# {requests} requests x {tokens} tokens, {len(prep.plan)} stage(s), batch "
+               f"{prep.sched.slots}, groups {prep.sched.groups}, window rows "
+               f"{prep.sched.window_rows}")
+    bad = 0
+    with launch_stages(prep.file, prep.plan, slots=prep.sched.slots, ctx=prep.sched.ctx,
+                       say=lambda s: None) as run:
+        for mode in modes:
+            params = [harness.request_params(i, mode == "seeded", tokens)
+                      for i in range(requests)]
+            alone = harness.run_alone(run, alone_cfg, tok, prompts, params)
+            together = harness.run_together(run, prep.sched, tok, prompts, params)
+            for i, (a, t) in enumerate(zip(alone, together)):
+                at = harness.first_mismatch(a.seq.generated, t.seq.generated)
+                if at is None:
+                    click.echo(f"{mode:>6} request {i:>3}: same {len(a.seq.generated)} tokens")
+                    continue
+                bad += 1
+                click.echo(f"{mode:>6} request {i:>3}: MISMATCH at token {at}: alone "
+                           f"{a.seq.generated[at:at + 3]} together {t.seq.generated[at:at + 3]}")
+    click.echo(f"{'all requests identical' if not bad else f'{bad} request(s) differ'}")
+    sys.exit(1 if bad else 0)
+
+
+@main.command()
+@launch_options
+@click.option("--batches", default="8,16", show_default=True, help="Slot counts to measure.")
+@click.option("--clients", type=int, default=None, help="Concurrent clients (default: = batch).")
+@click.option("--tokens", type=int, default=32, show_default=True, help="Tokens per client.")
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+@clean_errors("strata-bench throughput")
+def throughput(batches, clients, tokens, json_out, **launch):
+    """Total and per-request tok/s and time to first token, serial (groups 1) and pipelined
+    (groups auto) side by side in one launch per batch size."""
+    rows = []
+    click.echo(f"# {tokens} tokens per client, {machine()}")
+    click.echo(f"{'batch':>5} {'clients':>7} {'groups':>6} {'total tok/s':>11} "
+               f"{'per-req tok/s':>13} {'TTFT med s':>10}")
+    for batch in [int(b) for b in batches.split(",")]:
+        prep = prepare(**{**launch, "batch": batch, "batch_groups": "1"})
+        tok = Tokenizer.from_gguf(prep.file.reader)
+        n_clients = clients or batch
+        configs = {1: prep.sched,
+                   auto_groups(batch, len(prep.plan)): replace(
+                       prep.sched, groups=auto_groups(batch, len(prep.plan)))}
+        with launch_stages(prep.file, prep.plan, slots=batch, ctx=prep.sched.ctx,
+                           say=lambda s: None) as run:
+            for groups, cfg in configs.items():
+                r = harness.measure_throughput(run, cfg, tok, n_clients, tokens)
+                row = {"batch": batch, "clients": n_clients, "groups": groups,
+                       "stages": len(prep.plan), "total_tok_s": r.total_tok_s,
+                       "per_request_tok_s": mean(r.per_request), "ttft_median_s": median(r.ttft)}
+                rows.append(row)
+                click.echo(f"{batch:>5} {n_clients:>7} {groups:>6} {r.total_tok_s:>11.2f} "
+                           f"{row['per_request_tok_s']:>13.2f} {row['ttft_median_s']:>10.2f}")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"machine": machine(), "tokens": tokens, "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,218 @@
+"""The batch scheduler: slots in groups, windows in flight, admissions, completions, cancels.
+
+Policy only: windows are built by windows.py and run by Pipeline. Every slot belongs to one
+group; a group has at most one window in flight, so a slot's rows are never in two windows at
+once. `groups == 1` is serial (a window passes every stage and returns before the next);
+`groups == G` keeps up to G windows in flight, one per group, each on a different stage.
+Because every row's arithmetic is independent of its neighbours and every draw depends only on
+(seed, position), no schedule can change a request's tokens.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from strata.coordinator.generate import Sequence
+from strata.coordinator.pipeline import Pipeline, WindowFailed
+from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.slots import Slot, SlotTable
+from strata.coordinator.windows import Row, build_window
+
+log = logging.getLogger("strata.scheduler")
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    slots: int = 1
+    groups: int = 1
+    window_rows: int = 8
+    chunk_rows: int = 32
+    ctx: int = 2048
+
+    def __post_init__(self):
+        if self.slots < 1:
+            raise ValueError(f"--batch {self.slots} is below 1")
+        if self.window_rows < 1 or self.chunk_rows < 1:
+            raise ValueError("--window-rows and --chunk-rows must be at least 1")
+        if self.groups < 1 or self.slots % self.groups:
+            raise ValueError(f"--batch-groups {self.groups} does not divide --batch {self.slots}; "
+                             f"use a divisor of {self.slots} or auto")
+
+
+@dataclass
+class Request:
+    seq: Sequence
+    on_done: Callable[["Request"], None] = lambda r: None
+    id: int = field(default_factory=lambda: next(_ids))
+    slot: Slot | None = None
+    cancelled: bool = False
+    reused: int = 0          # prompt tokens the slot already held
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.seq.finish_reason is not None
+
+
+@dataclass
+class _Flight:
+    group: int
+    rows: list[tuple[Slot, Request, bool]]  # (slot, request, is a decode row)
+
+
+class Scheduler:
+    def __init__(self, pipe: Pipeline, cfg: SchedulerConfig, stop_ids: frozenset[int],
+                 detokenize: Callable[[list[int]], str] = lambda ids: ""):
+        self.pipe, self.cfg = pipe, cfg
+        self.stop_ids, self.detokenize = stop_ids, detokenize
+        self.table = SlotTable(cfg.slots, cfg.groups)
+        self.queue: deque[Request] = deque()
+        self.in_flight: dict[int, _Flight] = {}
+        self.busy = [False] * cfg.groups
+        self.commits: list[tuple[int, int]] = []   # ride on the next window submitted
+        self.prefer_read = [True] * cfg.groups     # alternate prompt chunks and decode windows
+        self.cursor = [0] * cfg.groups             # rotation over a group's decoding slots
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def submit(self, prompt: list[int], params: SamplingParams,
+               on_token: Callable[[int], None] = lambda t: None,
+               on_done: Callable[[Request], None] = lambda r: None) -> Request:
+        seq = Sequence(prompt, params.with_seed(), self.stop_ids, self.cfg.ctx, self.detokenize,
+                       on_token=on_token)
+        req = Request(seq, on_done)
+        self.queue.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Ends the request at its slot's next window; its tokens reach no one after that."""
+        req.cancelled = True
+        if req in self.queue:
+            self.queue.remove(req)
+            self._finish(req, "cancelled")
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.in_flight and all(s.free for s in self.table.slots)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def step(self, timeout: float | None = None) -> bool:
+        """Admit, fill every idle group with a window, then handle one result.
+        Returns False when there was nothing to do."""
+        self._admit()
+        for group in range(self.cfg.groups):
+            if not self.busy[group]:
+                self._launch(group)
+        if not self.in_flight:
+            return False
+        try:
+            result, _ = self.pipe.receive(timeout=timeout)
+            flight = self.in_flight.pop(result.id)
+        except WindowFailed as e:
+            flight = self.in_flight.pop(e.error.window, None)
+            if flight is None:  # not about a window of ours: nothing to undo
+                log.error("a stage reported: %s", e)
+            else:
+                self._fail(flight, str(e))
+            return True
+        self.busy[flight.group] = False
+        sampled = iter(result.tokens)
+        for slot, req, sampling in flight.rows:
+            token = next(sampled) if sampling else None
+            if req.cancelled:
+                self._release(slot, req, "cancelled")
+            elif token is not None and req.seq.accept(token):
+                self._release(slot, req, req.seq.finish_reason)
+        return True
+
+    def run(self) -> None:
+        while self.step():
+            pass
+
+    # --- mechanics ----------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while self.queue:
+            chosen = self.table.choose(self.queue[0].seq.prompt)
+            if chosen is None:
+                return
+            slot, reuse = chosen
+            req = self.queue.popleft()
+            req.slot, req.reused = slot, reuse
+            slot.request, slot.read_pos = req, reuse
+            del slot.held[reuse:]
+            self.commits.append((slot.index, reuse))
+            if reuse:
+                log.info("request %d: slot %d reuses %d of %d prompt tokens", req.id, slot.index,
+                         reuse, len(req.seq.prompt))
+
+    def _launch(self, group: int) -> None:
+        slots = [s for s in self.table.in_group(group) if not s.free]
+        for s in slots:
+            if s.request.cancelled:
+                self._release(s, s.request, "cancelled")
+        slots = [s for s in slots if not s.free]
+        reading = [s for s in slots if s.read_pos < len(s.request.seq.prompt)]
+        decoding = [s for s in slots if s.read_pos >= len(s.request.seq.prompt)]
+        if reading and (self.prefer_read[group] or not decoding):
+            self.prefer_read[group] = False
+            self._submit_chunk(group, min(reading, key=lambda s: s.request.id))
+        elif decoding:
+            self.prefer_read[group] = True
+            start = self.cursor[group] % len(decoding)
+            chosen = (decoding[start:] + decoding[:start])[: self.cfg.window_rows]
+            self.cursor[group] = start + len(chosen)
+            rows = [Row(s.index, s.request.seq.length - 1, s.request.seq.last_token,
+                        s.request.seq.params) for s in chosen]
+            self._submit(group, rows, self.cfg.window_rows,
+                         [(s, s.request, True) for s in chosen])
+
+    def _submit_chunk(self, group: int, slot: Slot) -> None:
+        seq, start = slot.request.seq, slot.read_pos
+        end = min(start + self.cfg.chunk_rows, len(seq.prompt))
+        rows = [Row(slot.index, p, seq.prompt[p]) for p in range(start, end)]
+        last = end == len(seq.prompt)
+        if last:  # the prompt's last row samples the first token
+            rows[-1] = Row(slot.index, end - 1, seq.prompt[end - 1], seq.params)
+        slot.read_pos = end
+        slot.held.extend(seq.prompt[start:end])
+        self._submit(group, rows, self.cfg.chunk_rows, [(slot, slot.request, last)])
+
+    def _submit(self, group: int, rows: list[Row], shape: int, owners) -> None:
+        w = build_window(self.pipe.new_window_id(), rows, shape, self.commits)
+        self.commits = []
+        self.in_flight[w.id] = _Flight(group, owners)
+        self.busy[group] = True
+        self.pipe.submit(w)
+
+    def _release(self, slot: Slot, req: Request, reason: str) -> None:
+        """The slot keeps its prompt's KV (the conversation cache); nothing decoded stays."""
+        if slot.request is req:
+            slot.request = None
+            self.commits.append((slot.index, len(slot.held)))
+        self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.seq.finish_reason is None or reason == "cancelled":
+            req.seq.finish_reason = reason
+        req.on_done(req)
+
+    def _fail(self, flight: _Flight, message: str) -> None:
+        """A stage refused a window: its requests end with the error; the rest go on."""
+        self.busy[flight.group] = False
+        log.error("window failed: %s", message)
+        for slot, req, _ in flight.rows:
+            req.error = message
+            slot.held.clear()  # the stages may hold part of the window: keep nothing
+            self._release(slot, req, "error")
+
+
+def auto_groups(slots: int, stages: int) -> int:
+    """One group per stage, or the largest count below that divides the slots."""
+    return max(g for g in range(1, min(slots, stages) + 1) if slots % g == 0)
+

@@ -1,0 +1,59 @@
+"""Batch slots: which conversation holds which slot, and what each slot still holds.
+
+A slot's KV lives on every stage. A finished slot keeps the tokens it read as prompt (`held`),
+so a new request whose prompt begins with them reads only the rest. Decoded tokens are not
+kept: decode windows and prompt chunks compute differently (DESIGN.md, exactness 2), so a
+conversation's turn 2 reads its turn-1 answer again as prompt and gets exactly the tokens of
+reading the whole history fresh.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Slot:
+    index: int
+    group: int
+    held: list[int] = field(default_factory=list)  # tokens [0, len) whose KV is valid (read as prompt)
+    request: object | None = None                   # the Request using the slot, if any
+    read_pos: int = 0                               # next prompt position to read
+    last_used: int = -1                             # admission counter, for least-recently-used
+
+    @property
+    def free(self) -> bool:
+        return self.request is None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class SlotTable:
+    def __init__(self, n_slots: int, n_groups: int):
+        assert n_slots % n_groups == 0, (n_slots, n_groups)
+        self.slots = [Slot(i, i % n_groups) for i in range(n_slots)]
+        self.admissions = 0
+
+    def in_group(self, group: int) -> list[Slot]:
+        return [s for s in self.slots if s.group == group]
+
+    def choose(self, prompt: list[int]) -> tuple[Slot, int] | None:
+        """A free slot for this prompt and how many of its tokens the slot already holds.
+        Prefers the longest held prefix, then a never-used slot, then the least recently used."""
+        free = [s for s in self.slots if s.free]
+        if not free:
+            return None
+        # at least one prompt token is read again: its row gives the logits of the first token
+        best = max(free, key=lambda s: (min(common_prefix(s.held, prompt), len(prompt) - 1),
+                                        -s.last_used))
+        reuse = min(common_prefix(best.held, prompt), len(prompt) - 1)
+        if reuse == 0:
+            best = min(free, key=lambda s: s.last_used)
+        self.admissions += 1
+        best.last_used = self.admissions
+        return best, reuse

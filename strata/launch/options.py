@@ -1,0 +1,124 @@
+"""The options every strata command shares (model, split, devices, slots, groups, windows),
+and turning them into a checked plan before any process starts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+from strata.coordinator.scheduler import SchedulerConfig, auto_groups
+from strata.coordinator.windows import DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS
+from strata.launch.memory import check_fits
+from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages
+from strata.model.gguf_file import ModelError, ModelFile
+from strata.model.registry import DEFAULT_MODEL, resolve_model
+
+
+def say(text: str) -> None:
+    click.echo(text, err=True)
+
+
+def cuda_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def open_model(model: str, ctx_size: int) -> ModelFile:
+    file = ModelFile(resolve_model(model, say=say))
+    if ctx_size < 1:
+        raise ModelError(f"--ctx-size {ctx_size} is below 1")
+    if ctx_size > file.config.ctx_len:
+        raise ModelError(f"--ctx-size {ctx_size} exceeds the {file.config.ctx_len} positions "
+                         f"the model was trained for; use --ctx-size {file.config.ctx_len} or less")
+    return file
+
+
+def launch_options(f):
+    """Decorator: the shared options, passed to the command as keyword arguments."""
+    options = [
+        click.option("--model", default=DEFAULT_MODEL, show_default=True,
+                     help="smollm2-135m (embedded) or the path of a GGUF file."),
+        click.option("--layer-split", default="auto", show_default=True,
+                     help="auto, or layer boundaries K1,K2,..: 12,24 on 30 layers = "
+                          "[0,12) [12,24) [24,30)."),
+        click.option("--devices", default="auto", show_default=True,
+                     help="auto, cpu, or one per stage: cuda:0,cuda:1 (stages may share one)."),
+        click.option("--ctx-size", type=int, default=2048, show_default=True,
+                     help="Positions of KV cache per slot (prompt + generated tokens)."),
+        click.option("--batch", type=int, default=1, show_default=True,
+                     help="Slots: requests decoding together (more wait in a queue)."),
+        click.option("--batch-groups", default="1", show_default=True,
+                     help="1 = serial windows; G or auto = G groups of slots in flight at once."),
+        click.option("--window-rows", type=int, default=DEFAULT_WINDOW_ROWS, show_default=True,
+                     help="Rows of a decode window (more slots rotate through several)."),
+        click.option("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS, show_default=True,
+                     help="Rows of a prompt chunk."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+@dataclass
+class Prepared:
+    file: ModelFile
+    plan: list[StagePlan]
+    sched: SchedulerConfig
+
+
+def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
+            chunk_rows, **_) -> Prepared:
+    """Check everything that can be checked before a process starts."""
+    if window_rows < 1:
+        raise PlanError(f"--window-rows {window_rows} is below 1; a window needs a row")
+    if chunk_rows < 1:
+        raise PlanError(f"--chunk-rows {chunk_rows} is below 1")
+    if batch < 1:
+        raise PlanError(f"--batch {batch} is below 1")
+    file = open_model(model, ctx_size)
+    plan = plan_stages(layer_split, parse_devices(devices, cuda_count()), file.config.n_layers)
+    if batch_groups == "auto":
+        groups = auto_groups(batch, len(plan))
+    else:
+        try:
+            groups = int(batch_groups)
+        except ValueError:
+            raise PlanError(f"--batch-groups {batch_groups!r} is not a number or auto") from None
+        if groups < 1 or batch % groups:
+            raise PlanError(f"--batch-groups {groups} does not divide --batch {batch}; use a "
+                            f"divisor of {batch} or auto")
+    check_fits(file.config, plan, batch, ctx_size)
+    sched = SchedulerConfig(slots=batch, groups=groups, window_rows=window_rows,
+                            chunk_rows=chunk_rows, ctx=ctx_size)
+    return Prepared(file, plan, sched)
+
+
+def parse_devices_for(devices: str) -> list[str]:
+    return parse_devices(devices, cuda_count())
+
+
+def clean_errors(command_name: str):
+    """Decorator: a user's mistake ends the command with its sentence and exit 2, a failed
+    stage with exit 1; never with a traceback."""
+    import functools
+    import sys
+
+    from strata.coordinator.generate import RequestError
+    from strata.coordinator.pipeline import PipelineError, WindowFailed
+
+    def wrap(f):
+        @functools.wraps(f)
+        def run(*args, **kwargs):
+            try:
+                return f(*args, **kwargs)
+            except (ModelError, PlanError, RequestError, ValueError) as e:
+                say(f"{command_name}: {e}")
+                sys.exit(2)
+            except (PipelineError, WindowFailed) as e:
+                say(f"{command_name}: {e}")
+                sys.exit(1)
+            except KeyboardInterrupt:
+                say(f"{command_name}: interrupted; stages stopped")
+                sys.exit(130)
+        return run
+    return wrap
