@@ -23,7 +23,7 @@ STARTUP_S = 60.0  # the machine is shared; loading takes ~2 s when it is idle
 
 
 def window(id: int, slots, positions, tokens, *, commits=(), sample=()) -> dict:
-    """A Window as a msgpack map (so a test can break it); sample: greedy rows."""
+    """The frames of a Window; sample: the rows sampled greedily."""
     w = Window(id, list(slots), list(positions), list(tokens), commits=[list(c) for c in commits],
                sample_rows=list(sample), temperature=[0.0] * len(sample),
                top_k=[0] * len(sample), top_p=[1.0] * len(sample), min_p=[0.0] * len(sample),
@@ -150,7 +150,7 @@ def test_worker_refuses_bad_messages_and_keeps_serving(stage):
         assert_sentence(reply, *words, window=window_id)
         assert stage.proc.poll() is None, stage.log_text()
 
-    # A window of pad rows only (e.g. one that carries commits) computes nothing and samples nothing.
+    # A window of pad rows only (one that carries commits, say) computes and samples nothing.
     pad = stage.ask(window(19, [-1, -1], [0, 0], [0, 0]))
     assert isinstance(pad, Result) and pad.id == 19 and pad.tokens == [], pad
     # Slot 0 still holds exactly the prompt: position 4 follows on without a gap ...
