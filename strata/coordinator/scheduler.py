@@ -104,12 +104,19 @@ class Scheduler:
     def step(self, timeout: float | None = None) -> bool:
         """Admit, fill every idle group with a window, then handle one result.
         Returns False when there was nothing to do."""
+        for slot in self.table.slots:  # cancelled requests not in flight leave now
+            if not slot.free and slot.request.cancelled and not self.busy[slot.group]:
+                self._release(slot, slot.request, "cancelled")
         self._admit()
         for group in range(self.cfg.groups):
             if not self.busy[group]:
                 self._launch(group)
         if not self.in_flight:
-            return False
+            if not self.commits:
+                return False
+            # idle with commits pending (a finished or cancelled slot's decoded rows): carry them
+            # on a window of one pad row, so no stage keeps rows no slot holds
+            self._submit(0, [], 1, [])
         try:
             result, _ = self.pipe.receive(timeout=timeout)
             flight = self.in_flight.pop(result.id)
@@ -153,10 +160,6 @@ class Scheduler:
 
     def _launch(self, group: int) -> None:
         slots = [s for s in self.table.in_group(group) if not s.free]
-        for s in slots:
-            if s.request.cancelled:
-                self._release(s, s.request, "cancelled")
-        slots = [s for s in slots if not s.free]
         reading = [s for s in slots if s.read_pos < len(s.request.seq.prompt)]
         decoding = [s for s in slots if s.read_pos >= len(s.request.seq.prompt)]
         if reading and (self.prefer_read[group] or not decoding):

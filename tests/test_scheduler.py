@@ -1,0 +1,177 @@
+"""The scheduler against a fake pipeline (no model, no processes): fast checks of its policy.
+
+The fake keeps each slot's tokens by position like a stage keeps KV, applies commits, refuses
+gaps, and answers each sampled row with a token that depends on everything the slot holds up to
+that row and on the row's uniform draw. So a stale row, a wrong commit or a wrong position
+changes the tokens, and any schedule must give every request its solo tokens.
+"""
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+
+from strata.coordinator.pipeline import WindowFailed
+from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.protocol.messages import Error, Result
+
+STOP = 2
+
+
+class FakePipeline:
+    def __init__(self, slots: int, ctx: int, fail_slot: int | None = None):
+        self.kv = [[] for _ in range(slots)]  # kv[slot][position] = token
+        self.ctx, self.fail_slot = ctx, fail_slot
+        self.queue: deque = deque()
+        self.next_id = 0
+        self.max_in_flight = 0
+
+    def new_window_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def submit(self, w) -> None:
+        self.queue.append(w)
+        self.max_in_flight = max(self.max_in_flight, len(self.queue))
+
+    def receive(self, timeout=None):
+        w = self.queue.popleft()
+        if self.fail_slot is not None and self.fail_slot in w.slots:
+            raise WindowFailed(Error(1, w.id, "injected failure"))
+        for slot, length in w.commits:
+            del self.kv[slot][length:]
+        for s, p, t in zip(w.slots, w.positions, w.tokens):
+            if s < 0:
+                continue
+            assert p <= len(self.kv[s]), f"gap: slot {s} holds {len(self.kv[s])}, row at {p}"
+            del self.kv[s][p:]
+            self.kv[s].append(t)
+        tokens = []
+        for row, u in zip(w.sample_rows, w.u):
+            s, p = w.slots[row], w.positions[row]
+            history = self.kv[s][:p + 1]
+            tokens.append((7 * sum(history) + 13 * p + int(u * 1000)) % 60 + 2)  # 2 = STOP
+        return Result(w.id, tokens), []
+
+
+def prompts(n: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(3, 60) for _ in range(rng.randrange(1, 90))] for _ in range(n)]
+
+
+def params(i: int, tokens: int = 20) -> SamplingParams:
+    if i % 2:
+        return SamplingParams(temperature=0.9, seed=i, max_tokens=tokens)
+    return SamplingParams(max_tokens=tokens)
+
+
+def run_alone(ps, ctx=256):
+    out = []
+    for i, p in enumerate(ps):
+        sched = Scheduler(FakePipeline(1, ctx), SchedulerConfig(slots=1, ctx=ctx, chunk_rows=8),
+                          frozenset({STOP}))
+        req = sched.submit(p, params(i))
+        sched.run()
+        out.append(req.seq.generated)
+    return out
+
+
+@pytest.mark.parametrize("slots,groups,window_rows", [(4, 1, 8), (4, 2, 8), (8, 4, 2),
+                                                      (16, 2, 4), (6, 3, 1)])
+def test_any_schedule_gives_solo_tokens(slots, groups, window_rows):
+    rng = random.Random(slots * 100 + groups)
+    ps = prompts(24, rng)
+    pipe = FakePipeline(slots, 256)
+    sched = Scheduler(pipe, SchedulerConfig(slots=slots, groups=groups, window_rows=window_rows,
+                                            chunk_rows=8, ctx=256), frozenset({STOP}))
+    reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
+    sched.run()
+    assert [r.seq.generated for r in reqs] == run_alone(ps)
+    assert pipe.max_in_flight == groups  # pipelined: one window per group in flight
+    assert sched.idle
+
+
+def test_cancel_and_reuse_leave_no_stale_rows():
+    rng = random.Random(7)
+    ps = prompts(10, rng)
+    pipe = FakePipeline(2, 256)
+    sched = Scheduler(pipe, SchedulerConfig(slots=2, groups=2, chunk_rows=8, ctx=256),
+                      frozenset({STOP}))
+    reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
+    for step in range(400):
+        if not sched.step():
+            break
+        for r in reqs[::3]:
+            if len(r.seq.generated) >= 2 and not r.done:
+                sched.cancel(r)
+    alone = run_alone(ps)
+    for i, r in enumerate(reqs):
+        if r.seq.finish_reason == "cancelled":
+            assert r.seq.generated == alone[i][:len(r.seq.generated)]
+        else:
+            assert r.seq.generated == alone[i], i
+    assert sum(r.seq.finish_reason == "cancelled" for r in reqs) >= 2
+    # each slot's stage-side rows are exactly what the slot table says it holds
+    for slot in sched.table.slots:
+        assert pipe.kv[slot.index] == slot.held
+
+
+def test_cancel_before_admission():
+    sched = Scheduler(FakePipeline(1, 64), SchedulerConfig(slots=1, ctx=64), frozenset({STOP}))
+    a = sched.submit([5, 6, 7], params(0))
+    b = sched.submit([8, 9], params(1))
+    sched.cancel(b)
+    sched.run()
+    assert b.seq.finish_reason == "cancelled" and b.seq.generated == []
+    assert a.seq.finish_reason in ("stop", "length") and a.seq.generated
+
+
+def test_prefix_reuse_reads_only_the_rest():
+    ps = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22]]
+    pipe = FakePipeline(2, 128)
+    sched = Scheduler(pipe, SchedulerConfig(slots=2, ctx=128, chunk_rows=4), frozenset({STOP}))
+    first = sched.submit(ps[0], params(0, 5))
+    other = sched.submit(ps[1], params(0, 5))
+    sched.run()
+    turn2 = ps[0] + first.seq.generated + [30, 31]
+    second = sched.submit(turn2, params(0, 5))
+    sched.run()
+    assert second.slot is first.slot and other.slot is not first.slot
+    assert second.reused == len(ps[0])  # the prompt, not the decoded answer
+    fresh = Scheduler(FakePipeline(1, 128), SchedulerConfig(slots=1, ctx=128, chunk_rows=4),
+                      frozenset({STOP}))
+    ref = fresh.submit(turn2, params(0, 5))
+    fresh.run()
+    assert second.seq.generated == ref.seq.generated
+
+
+def test_new_conversation_takes_free_then_least_recently_used_slot():
+    sched = Scheduler(FakePipeline(2, 64), SchedulerConfig(slots=2, ctx=64), frozenset({STOP}))
+    a = sched.submit([10, 11], params(0, 2))
+    sched.run()
+    b = sched.submit([20, 21], params(0, 2))  # a different conversation: the never-used slot
+    sched.run()
+    c = sched.submit([30, 31], params(0, 2))  # both used: the one used longest ago (a's)
+    sched.run()
+    assert b.slot is not a.slot and c.slot is a.slot
+
+
+def test_a_failed_window_ends_its_requests_and_the_rest_go_on():
+    pipe = FakePipeline(2, 64, fail_slot=1)
+    sched = Scheduler(pipe, SchedulerConfig(slots=2, groups=2, ctx=64), frozenset({STOP}))
+    ok, bad = sched.submit([5, 6, 7], params(0, 6)), sched.submit([8, 9], params(0, 6))
+    sched.run()
+    assert bad.seq.finish_reason == "error" and "injected failure" in bad.error
+    assert ok.seq.finish_reason in ("stop", "length") and ok.error is None
+    alone = Scheduler(FakePipeline(1, 64), SchedulerConfig(slots=1, ctx=64), frozenset({STOP}))
+    ref = alone.submit([5, 6, 7], params(0, 6))
+    alone.run()
+    assert ok.seq.generated == ref.seq.generated
+
+
+def test_context_limit_ends_with_length():
+    sched = Scheduler(FakePipeline(1, 16), SchedulerConfig(slots=1, ctx=16), frozenset())
+    req = sched.submit(list(range(3, 13)), SamplingParams(max_tokens=100))
+    sched.run()
+    assert req.seq.finish_reason == "length" and req.seq.length == 16
