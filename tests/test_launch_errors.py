@@ -89,6 +89,13 @@ EARLY = {
                                                      "use --ctx-size 2048 or less"]),
     "external-stage-absent": (["--layer-split", "2", "--external-stage", "2"],
                               ["--external-stage 2 does not exist", "stages are 0..1"]),
+    "groups-not-dividing-batch": (["--batch", "6", "--batch-groups", "4"],
+                                  ["--batch-groups 4 does not divide --batch 6", "or auto"]),
+    "groups-not-numeric": (["--batch-groups", "many"], ["--batch-groups 'many'", "auto"]),
+    "window-rows-zero": (["--window-rows", "0"], ["--window-rows 0", "below 1"]),
+    "batch-zero": (["--batch", "0"], ["--batch 0", "below 1"]),
+    "batch-beyond-memory": (["--batch", "100000000"],
+                            ["--batch 100000000", "of KV cache", "slot(s) fit", "use --batch"]),
 }
 
 

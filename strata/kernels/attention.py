@@ -8,6 +8,7 @@ own matrix product in a batched matmul. Rows with the same L share one batched c
 batch count varies with the window, the per-element shape never does.
 """
 import math
+import os
 
 import torch
 
@@ -45,6 +46,31 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out[idx] = torch.matmul(probs, values).view(len(rows), n_heads, hd)
     return out
+
+
+def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """The same attention with the rows given as tensors (no host sync, graph-capturable):
+    slot [R] int64, length [R] int64 = position + 1 (0 for a pad row, whose output is zero).
+    On CUDA (or under TRITON_INTERPRET=1) the fixed-order Triton kernel of attention_triton.py;
+    elsewhere a masked plain-torch version, for tests of the tensor path on a CPU."""
+    if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        from strata.kernels.attention_triton import attend_rows_triton
+        return attend_rows_triton(q, k_cache, v_cache, slot, length)
+    return attend_rows_masked(q, k_cache, v_cache, slot, length)
+
+
+def attend_rows_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """attend_rows over the whole context with positions >= length masked (plain torch)."""
+    n_rows, n_heads, hd = q.shape
+    n_kv, ctx = k_cache.shape[1], k_cache.shape[2]
+    qg = q.view(n_rows, n_kv, n_heads // n_kv, hd)                      # [R, KVH, g, hd]
+    scores = torch.matmul(qg, k_cache[slot].transpose(-1, -2)).float() / math.sqrt(hd)
+    masked = torch.arange(ctx, device=q.device)[None, :] >= length[:, None]   # [R, ctx]
+    scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)  # pad rows: all masked
+    return torch.matmul(probs, v_cache[slot]).view(n_rows, n_heads, hd)
 
 
 def attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

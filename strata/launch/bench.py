@@ -3,6 +3,7 @@
   decode      solo decode tokens/s for several layer splits, side by side
   exact       the exactness harness: N prompts alone, then together; any mismatch fails
   throughput  C concurrent clients x T tokens: serial vs pipelined groups in one run
+  loadtest    C concurrent HTTP clients for a bounded time against strata-launch serving
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from strata.coordinator.generate import Sequence, generate_solo
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import auto_groups
 from strata.launch import harness
+from strata.launch.loadtest import loadtest
 from strata.launch.options import (clean_errors, launch_options, open_model, parse_devices_for,
                                    prepare)
 from strata.launch.plan import plan_stages
@@ -159,6 +161,8 @@ def throughput(batches, clients, tokens, json_out, **launch):
         with open(json_out, "w") as f:
             json.dump({"machine": machine(), "tokens": tokens, "results": rows}, f, indent=2)
 
+
+main.add_command(loadtest)
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""`strata-launch`: start the stages, run the coordinator, print the generated text, clean up."""
+"""`strata-launch`: start the stages, run the coordinator, print the generated text (with
+--prompt) or serve the OpenAI-compatible HTTP API (without), clean up."""
 from __future__ import annotations
 
 import logging
@@ -10,15 +11,17 @@ from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler
+from strata.coordinator.server import ServerConfig, bind_socket, run_server
 from strata.launch.options import clean_errors, launch_options, prepare, say
 from strata.launch.plan import PlanError
 from strata.launch.session import launch_stages
+from strata.model.registry import DEFAULT_MODEL
 from strata.model.tokenizer import Tokenizer
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @launch_options
-@click.option("--prompt", required=True, help="The prompt text.")
+@click.option("--prompt", default=None, help="The prompt text. Without it, serve HTTP.")
 @click.option("--chat", is_flag=True, help="Render the prompt as one user message with the "
               "model's chat template.")
 @click.option("--max-tokens", type=int, default=128, show_default=True)
@@ -33,10 +36,17 @@ from strata.model.tokenizer import Tokenizer
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Where each stage writes its log (default: a temporary run directory).")
 @click.option("-v", "--verbose", is_flag=True, help="Log the coordinator's decisions.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Serving (no --prompt): the address to listen on.")
+@click.option("--port", type=int, default=8080, show_default=True,
+              help="Serving: the TCP port (0 = any free port; the URL printed names it).")
+@click.option("--api-key", default=None,
+              help="Serving: every /v1 route then wants 'Authorization: Bearer KEY'.")
 @clean_errors("strata-launch")
 def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
-         external_stage, log_dir, verbose, **launch):
-    """Run a GGUF model split across stage processes and print the generated text."""
+         external_stage, log_dir, verbose, host, port, api_key, **launch):
+    """Run a GGUF model split across stage processes and print the generated text; without
+    --prompt, serve the OpenAI-compatible HTTP API (sampling then comes with each request)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -47,6 +57,8 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
             raise PlanError(f"--external-stage {e} does not exist: stages are "
                             f"0..{len(prep.plan) - 1}")
     tok = Tokenizer.from_gguf(prep.file.reader)
+    if prompt is None:
+        return serve(prep, tok, launch["model"], host, port, api_key, log_dir, external_stage)
     text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
     ids = tok.encode(text)
     Sequence(ids, params, tok.stop_ids, prep.sched.ctx)  # refuses an empty or too long prompt
@@ -62,6 +74,25 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
         click.echo(req.seq.final_text())
         say(f"[{len(ids)} prompt tokens, {len(req.seq.generated)} generated, "
             f"finish: {req.seq.finish_reason}, seed {params.seed}]")
+
+
+def serve(prep, tok, model, host, port, api_key, log_dir, external_stage):
+    cfg = ServerConfig(model=model if model == DEFAULT_MODEL else prep.file.path.stem,
+                       aliases=(model, prep.file.path.name, str(prep.file.path)),
+                       host=host, port=port, api_key=api_key)
+    sock = bind_socket(host, port)  # a taken port fails before any stage starts
+    try:
+        with launch_stages(prep.file, prep.plan, slots=prep.sched.slots, ctx=prep.sched.ctx,
+                           log_dir=log_dir, external=set(external_stage), say=say) as run:
+            for p in prep.plan:
+                say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
+            failure = run_server(run.pipe, run.procs.check_alive, prep.sched, tok,
+                                 prep.file.config.vocab, cfg, sock, say)
+            if failure:
+                raise PipelineError(failure)
+    finally:
+        sock.close()
+    say("strata: stopped; every stage has exited")
 
 
 if __name__ == "__main__":

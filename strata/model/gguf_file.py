@@ -131,14 +131,28 @@ class ModelFile:
             h.update(f"{key}={_field(self.reader, key)};".encode())
         return h.hexdigest()[:16]
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized tensor in torch's [out, in] order (GGUF lists dimensions reversed)."""
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        """Dequantized tensor in torch's [out, in] order (GGUF lists dimensions reversed), on
+        `device` (default: the CPU).
+
+        F16 and BF16 tensors are read straight from the memory map (no float32 round trip) and
+        converted on the device; both widen to float32 exactly, so every dtype gets the same
+        values as through gguf-py. Quantized types go through gguf-py on the CPU.
+        """
         t = self.tensors.get(name)
         if t is None:
             raise ModelError(f"model file {self.path} has no tensor {name}")
-        if t.tensor_type in (QType.F32, QType.F16):
+        shape = tuple(int(d) for d in reversed(t.shape))
+        device = torch.device(device or "cpu")
+        if t.tensor_type in (QType.F16, QType.BF16):
+            # the mapped bytes as 16-bit words [out, in]: no copy until .to()
+            raw = torch.from_numpy(np.asarray(t.data).reshape(-1).view(np.int16)).view(shape)
+            raw = raw.view(torch.float16 if t.tensor_type == QType.F16 else torch.bfloat16)
+            return raw.to(device, copy=True).to(dtype)
+        if t.tensor_type == QType.F32:
             data = np.asarray(t.data, dtype=np.float32)
         else:
             data = dequantize(t.data, t.tensor_type)
-        shape = tuple(int(d) for d in reversed(t.shape))
-        return torch.from_numpy(np.ascontiguousarray(data).reshape(shape)).to(dtype)
+        out = torch.from_numpy(np.ascontiguousarray(data).reshape(shape))
+        return out.to(dtype) if device.type == "cpu" else out.to(device).to(dtype)

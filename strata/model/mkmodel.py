@@ -324,6 +324,28 @@ def _make_tensor_data(spec: TensorSpec, qtype: QType, seed: int, std: float) -> 
     return out
 
 
+_POOL_VALUES = (1 << 24) + 7  # --fast: values of the shared random pool (not a multiple of any row)
+
+
+def _pattern_pool(qtype: QType, seed: int, std: float) -> np.ndarray:
+    """--fast: one pool of N(0, std) values in the output type, which every matrix repeats."""
+    if qtype not in (QType.F32, QType.F16, QType.BF16):
+        raise ValueError(f"--fast writes F32, F16 or BF16 matrices, not {qtype.name}")
+    values = np.random.default_rng([seed, 0x5EED]).standard_normal(_POOL_VALUES, dtype=np.float32)
+    enc = _encode(values * np.float32(std), qtype)
+    return enc.view(np.uint16) if qtype == QType.BF16 else enc
+
+
+def _pattern_tensor_data(spec: TensorSpec, pool: np.ndarray) -> np.ndarray:
+    """--fast: the pool repeated from an offset given by the tensor's name (memory speed, not
+    random-number speed); rows differ because the pool length is not a multiple of a row."""
+    rows, cols = spec.shape
+    start = zlib.crc32(spec.name.encode()) % len(pool)
+    data = np.resize(np.concatenate([pool[start:], pool[:start]]), rows * cols)
+    data = data.reshape(rows, cols)
+    return data.view(np.uint8) if data.dtype == np.uint16 else data  # BF16: raw bytes
+
+
 # --------------------------------------------------------------------------------------------
 # Tokenizer
 # --------------------------------------------------------------------------------------------
@@ -463,7 +485,8 @@ def estimated_size(shape: ModelShape, weight_type: str = "F32", tied: bool = Tru
 def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int = 0,
                       weight_type: str = "F32", tied: bool = True, arch: str = "llama",
                       std: float = 0.02, name: str | None = None,
-                      progress: bool | Callable[[TensorSpec], None] = False) -> Path:
+                      progress: bool | Callable[[TensorSpec], None] = False,
+                      fast: bool = False) -> Path:
     """Write a GGUF with random weights of ``shape`` and a small gpt2-style tokenizer.
 
     Matrices (token_embd, attention, ffn, and output when ``tied`` is False) are N(0, std)
@@ -475,11 +498,15 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int =
     Tensors are streamed one at a time, so memory stays around one tensor whatever the model
     size. The file is written to ``path`` + ".partial" and renamed when complete.
     ``progress``: True for a tqdm bar over tensors, or a callback called after each tensor.
+    ``fast``: for performance runs of large shapes, every matrix repeats one pool of random
+    values (F32, F16 or BF16 only): seconds instead of minutes, but :func:`random_tensor` no
+    longer gives the written values.
     """
     qtype = _qtype(weight_type)
     path = Path(path)
     specs = tensor_specs(shape, tied)
     plans = [_tensor_plan(s, qtype) for s in specs]  # validates block sizes before writing
+    pool = _pattern_pool(qtype, seed, std) if fast else None
 
     tmp = path.with_name(path.name + ".partial")
     writer = GGUFWriter(tmp, arch)
@@ -514,7 +541,10 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int =
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for spec, (tq, _, _, nbytes) in zip(specs, plans):
-            data = _make_tensor_data(spec, tq, seed, std)
+            if pool is not None and spec.kind == "matrix":
+                data = _pattern_tensor_data(spec, pool)
+            else:
+                data = _make_tensor_data(spec, tq, seed, std)
             assert data.nbytes == nbytes, (spec.name, data.nbytes, nbytes)
             writer.write_tensor_data(data)
             del data
@@ -562,7 +592,10 @@ def _cli():
     @click.option("--std", default=0.02, show_default=True, type=float,
                   help="Standard deviation of the matrices' values.")
     @click.option("--force", is_flag=True, help="Overwrite OUT.gguf if it exists.")
-    def main(shape_name, out, weight_type, seed, untied, std, force):
+    @click.option("--fast", is_flag=True,
+                  help="Every matrix repeats one pool of random values: seconds instead of "
+                       "minutes for large shapes (F32/F16/BF16; for performance runs).")
+    def main(shape_name, out, weight_type, seed, untied, std, force, fast):
         """Write a llama-architecture GGUF with random weights of a named SHAPE.
 
         Shapes: """
@@ -583,8 +616,11 @@ def _cli():
                    f"{'tied' if tied else 'untied'} head, about {_fmt_bytes(size)} -> {out}",
                    err=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_random_gguf(out, shape, seed=seed, weight_type=weight_type, tied=tied, std=std,
-                          progress=True)
+        try:
+            write_random_gguf(out, shape, seed=seed, weight_type=weight_type, tied=tied,
+                              std=std, progress=True, fast=fast)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from e
         click.echo(str(out))
 
     main.help = (main.help or "").replace("Shapes: ", "Shapes: " + ", ".join(

@@ -61,3 +61,22 @@ def send(sock: zmq.Socket, msg, tensors: list[np.ndarray] = ()) -> None:
 
 def recv(sock: zmq.Socket) -> tuple[object, list[np.ndarray]]:
     return unpack(sock.recv_multipart(copy=False))
+
+
+# --- torch tensors at the edge: bf16 has no numpy dtype, so it travels as its bits in uint16 ---
+
+def tensor_frame(t) -> np.ndarray:
+    """A torch tensor (any device) as a frame array: bf16 as uint16 bits, others as they are."""
+    import torch
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.cpu().numpy()
+
+
+def frame_tensor(arr: np.ndarray):
+    """A received frame array as a writable CPU torch tensor; uint16 frames are bf16 bits."""
+    import torch
+    if arr.dtype == np.uint16:
+        return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(arr.copy())

@@ -28,7 +28,11 @@ def parse_layers(text: str) -> tuple[int, int]:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--slots", type=int, default=1, show_default=True)
 @click.option("--ctx-size", type=int, default=2048, show_default=True)
-def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_size):
+@click.option("--graph-cache", type=int, default=8, show_default=True,
+              envvar="STRATA_GRAPH_CACHE",
+              help="CUDA graphs kept per stage, one per window shape (0: always eager). "
+                   "Also read from STRATA_GRAPH_CACHE.")
+def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_size, graph_cache):
     """Serve one stage of a layer-split model."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s stage{stage} %(levelname)s %(message)s")
@@ -39,7 +43,7 @@ def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_si
     try:
         cfg = WorkerConfig(model=model, stage=stage, layer_start=start, layer_end=end,
                            listen=listen, coordinator=coordinator, next=next_, device=device,
-                           slots=slots, ctx=ctx_size)
+                           slots=slots, ctx=ctx_size, graph_cache=graph_cache)
         worker = StageWorker(cfg)
     except (ModelError, ValueError) as e:
         click.echo(f"strata-worker: stage {stage}: {e}", err=True)

@@ -1,8 +1,13 @@
 """One stage's slice of a llama model: a contiguous layer range, plus the embedding on the first
 stage and the final norm and head on the last. It knows nothing of processes or sockets.
 
-Per-window row metadata (slots, positions) travels in a `Rows` object set by the runner,
-nano-vllm style, rather than being threaded through every layer's arguments.
+Per-window row metadata travels in one `WindowMeta` object built by the runner, nano-vllm
+style, rather than being threaded through every layer's arguments. Rows come in two forms:
+
+- `Rows` (Python lists): the CPU path, fp32, attention by `attend` (batched per key span).
+- `RowTensors` (device tensors): the CUDA path, bf16, attention by the fixed-order Triton
+  kernel; the layer loop makes no host sync and has static shapes, so it can be captured in a
+  CUDA graph (graphs.py). Pad rows write their KV into the cache's spare (trash) slot.
 """
 from __future__ import annotations
 
@@ -11,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.attention import attend
-from strata.kernels.norms import rms_norm, swiglu
+from strata.kernels.attention import attend, attend_rows
+from strata.kernels.norms import rms_norm, swiglu, swiglu_fused
 from strata.kernels.rope import apply_rope, rope_table
 from strata.model.gguf_file import ModelConfig, ModelFile
 
@@ -27,16 +32,54 @@ class Rows:
         return [r for r, s in enumerate(self.slots) if s >= 0]
 
 
+@dataclass
+class RowTensors:
+    """The rows of one window as int64 device tensors [R] (views of one packed [3, R] tensor, so
+    one copy moves them and a graph can read them from a static buffer)."""
+    slot: torch.Tensor    # pad rows: the cache's trash slot
+    pos: torch.Tensor     # pad rows: 0
+    length: torch.Tensor  # keys a row attends to: position + 1; pad rows: 0
+
+    @staticmethod
+    def pack(rows: Rows, trash: int) -> torch.Tensor:
+        """[3, R] int64 on the host: slot, position, length per row."""
+        live = [s >= 0 for s in rows.slots]
+        return torch.tensor([[s if ok else trash for s, ok in zip(rows.slots, live)],
+                             [p if ok else 0 for p, ok in zip(rows.positions, live)],
+                             [p + 1 if ok else 0 for p, ok in zip(rows.positions, live)]],
+                            dtype=torch.long)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> "RowTensors":
+        return cls(packed[0], packed[1], packed[2])
+
+
+@dataclass
+class WindowMeta:
+    """What every layer reads about the window: rotary tables of its rows, and either the
+    list form (with `live`) or the tensor form (with `kv_index`) of its rows."""
+    cos: torch.Tensor                        # [R, rope_dim / 2] fp32
+    sin: torch.Tensor
+    rows: Rows | None = None
+    live: torch.Tensor | None = None         # Rows: indices of live rows
+    tensors: RowTensors | None = None
+    kv_index: torch.Tensor | None = None     # RowTensors: [R * KVH] rows of the flat cache
+
+
 class KVCache:
-    """Keys and values of every slot for this stage's layers: [S, KVH, ctx, hd] per layer."""
+    """Keys and values of every slot for this stage's layers: [S, KVH, ctx, hd] per layer.
+
+    With `trash_slot`, one more slot is allocated (index n_slots) where pad rows of the tensor
+    path write their KV: the writes need no mask, so no host sync. It is never read."""
 
     def __init__(self, n_layers: int, n_slots: int, cfg: ModelConfig, ctx: int,
-                 device: torch.device, dtype: torch.dtype):
-        shape = (n_slots, cfg.n_kv_heads, ctx, cfg.head_dim)
+                 device: torch.device, dtype: torch.dtype, trash_slot: bool = False):
+        shape = (n_slots + int(trash_slot), cfg.n_kv_heads, ctx, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.ctx = ctx
         self.n_slots = n_slots
+        self.trash = n_slots if trash_slot else None
         self.filled = [0] * n_slots  # positions [0, filled) of each slot hold this conversation
 
     def trim(self, slot: int, length: int) -> None:
@@ -55,6 +98,20 @@ class KVCache:
         self.k[layer][slots, :, pos] = k[live]
         self.v[layer][slots, :, pos] = v[live]
 
+    def flat_index(self, rows: RowTensors) -> torch.Tensor:
+        """[R * KVH] row numbers of (slot, kv head, position) in a cache viewed [-1, hd]."""
+        n_kv = self.k[0].shape[1]
+        heads = torch.arange(n_kv, device=rows.slot.device)
+        return ((rows.slot[:, None] * n_kv + heads[None, :]) * self.ctx
+                + rows.pos[:, None]).reshape(-1)
+
+    def write_rows(self, layer: int, index: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        # k, v: [R, KVH, hd]; index from flat_index (pad rows land in the trash slot)
+        hd = k.shape[-1]
+        self.k[layer].view(-1, hd).index_copy_(0, index, k.reshape(-1, hd))
+        self.v[layer].view(-1, hd).index_copy_(0, index, v.reshape(-1, hd))
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
@@ -63,16 +120,22 @@ class Layer(torch.nn.Module):
     def __init__(self, file: ModelFile, index: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         cfg = file.config
-        load = lambda name: file.tensor(f"blk.{index}.{name}.weight", dtype).to(device)  # noqa: E731
+        load = lambda name: file.tensor(f"blk.{index}.{name}.weight", dtype, device)  # noqa: E731
         self.attn_norm, self.ffn_norm = load("attn_norm"), load("ffn_norm")
         # one fused [q; k; v] projection: one matmul instead of three
         self.wqkv = torch.cat([load("attn_q"), load("attn_k"), load("attn_v")])
         self.wo = load("attn_output")
-        self.w_gate, self.w_up, self.w_down = load("ffn_gate"), load("ffn_up"), load("ffn_down")
+        # on CUDA one [gate; up] matmul too (the CPU path keeps its arithmetic as it was)
+        self.fused_ffn = device.type != "cpu"
+        if self.fused_ffn:
+            self.w_gate_up = torch.cat([load("ffn_gate"), load("ffn_up")])
+        else:
+            self.w_gate, self.w_up = load("ffn_gate"), load("ffn_up")
+        self.w_down = load("ffn_down")
         self.cfg = cfg
 
-    def forward(self, x: torch.Tensor, rows: Rows, live: torch.Tensor, cache: KVCache,
-                layer: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: WindowMeta, cache: KVCache,
+                layer: int) -> torch.Tensor:
         cfg = self.cfg
         n = x.shape[0]
         qkv = F.linear(rms_norm(x, self.attn_norm, cfg.rms_eps), self.wqkv)
@@ -80,44 +143,79 @@ class Layer(torch.nn.Module):
         q = qkv[:, :q_dim].view(n, cfg.n_heads, cfg.head_dim)
         k = qkv[:, q_dim:q_dim + kv_dim].view(n, cfg.n_kv_heads, cfg.head_dim)
         v = qkv[:, q_dim + kv_dim:].view(n, cfg.n_kv_heads, cfg.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(layer, rows, live, k, v)
-        attn = attend(q, cache.k[layer], cache.v[layer], rows.slots, rows.positions)
+        q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
+        if meta.tensors is not None:
+            cache.write_rows(layer, meta.kv_index, k, v)
+            attn = attend_rows(q, cache.k[layer], cache.v[layer], meta.tensors.slot,
+                               meta.tensors.length)
+        else:
+            cache.write(layer, meta.rows, meta.live, k, v)
+            attn = attend(q, cache.k[layer], cache.v[layer], meta.rows.slots,
+                          meta.rows.positions)
         x = x + F.linear(attn.reshape(n, q_dim), self.wo)
-        return x + swiglu(rms_norm(x, self.ffn_norm, cfg.rms_eps), self.w_gate, self.w_up,
-                          self.w_down)
+        h = rms_norm(x, self.ffn_norm, cfg.rms_eps)
+        if self.fused_ffn:
+            return x + swiglu_fused(h, self.w_gate_up, self.w_down)
+        return x + swiglu(h, self.w_gate, self.w_up, self.w_down)
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 weights, KV and activations on CUDA; fp32 on the CPU."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
 class StageModel(torch.nn.Module):
-    """Layers [start, end) of the model; `first` embeds tokens, `last` owns norm and head."""
+    """Layers [start, end) of the model; `first` embeds tokens, `last` owns norm and head.
+
+    `row_tensors` (default: on CUDA) runs windows in the tensor form; a `Rows` window given to
+    such a model is converted once. Its KV cache needs a trash slot (`KVCache(trash_slot=True)`).
+    """
 
     def __init__(self, file: ModelFile, start: int, end: int, *, ctx: int,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: str = "cpu", dtype: torch.dtype | None = None,
+                 row_tensors: bool | None = None):
         super().__init__()
         cfg = file.config
         self.cfg, self.start, self.end = cfg, start, end
         self.first, self.last = start == 0, end == cfg.n_layers
-        self.device, self.dtype = torch.device(device), dtype
-        self.layers = torch.nn.ModuleList(Layer(file, i, dtype, self.device)
+        self.device = torch.device(device)
+        self.dtype = dtype or default_dtype(self.device)
+        self.row_tensors = self.device.type == "cuda" if row_tensors is None else row_tensors
+        self.layers = torch.nn.ModuleList(Layer(file, i, self.dtype, self.device)
                                           for i in range(start, end))
-        load = lambda name: file.tensor(name, dtype).to(self.device)  # noqa: E731
+        load = lambda name: file.tensor(name, self.dtype, self.device)  # noqa: E731
         if self.first:
             self.embed = load("token_embd.weight")
         if self.last:
             self.norm = load("output_norm.weight")
-            self.head = load("token_embd.weight" if cfg.tied_head else "output.weight")
+            self.head = (self.embed if cfg.tied_head and self.first  # one copy when tied
+                         else load("token_embd.weight" if cfg.tied_head else "output.weight"))
         self.cos, self.sin = (t.to(self.device) for t in rope_table(cfg.rope_dim, cfg.rope_base, ctx))
 
-    def forward(self, inputs: torch.Tensor, rows: Rows, cache: KVCache) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, rows: Rows | RowTensors,
+                cache: KVCache) -> torch.Tensor:
         """inputs: token ids [R] on the first stage, else hidden states [R, D]. Returns [R, D]."""
+        if isinstance(rows, Rows) and self.row_tensors:
+            rows = RowTensors.unpack(RowTensors.pack(rows, cache.trash).to(self.device))
         x = F.embedding(inputs, self.embed) if self.first else inputs.to(self.dtype)
-        live = torch.tensor(rows.live(), dtype=torch.long)
-        pos = torch.tensor([max(p, 0) for p in rows.positions])
-        cos, sin = self.cos[pos], self.sin[pos]
+        if isinstance(rows, RowTensors):
+            meta = WindowMeta(self.cos.index_select(0, rows.pos),
+                              self.sin.index_select(0, rows.pos),
+                              tensors=rows, kv_index=cache.flat_index(rows))
+        else:
+            pos = torch.tensor([max(p, 0) for p in rows.positions])
+            meta = WindowMeta(self.cos[pos], self.sin[pos], rows=rows,
+                              live=torch.tensor(rows.live(), dtype=torch.long))
         for i, layer in enumerate(self.layers):
-            x = layer(x, rows, live, cache, i, cos, sin)
+            x = layer(x, meta, cache, i)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, D] -> logits [N, V] in fp32 (last stage only)."""
-        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_eps), self.head).float()
+        """hidden: [N, D] -> logits [N, V] in fp32 (last stage only). bf16 hidden states and
+        head give fp32 logits straight from the matmul's fp32 accumulator (no bf16 rounding)."""
+        h = rms_norm(hidden, self.norm, self.cfg.rms_eps)
+        if h.dtype == torch.float32:
+            return F.linear(h, self.head).float()
+        if h.is_cuda:
+            return torch.mm(h, self.head.t(), out_dtype=torch.float32)
+        return F.linear(h.float(), self.head.float())

@@ -15,15 +15,16 @@ import numpy as np
 import torch
 import zmq
 
-from strata.kernels.sampling import SamplingRow, sample_rows
+from strata.kernels.sampling import SamplingRow, sample_row
 from strata.model.gguf_file import ModelFile
 from strata.protocol import transport
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
                                       Shutdown, Window)
+from strata.stage_worker.graphs import WindowRunner
 from strata.stage_worker.model import KVCache, Rows, StageModel
 
 log = logging.getLogger("strata.worker")
-LOGIT_BLOCK = 8  # sampled rows go through the head in blocks of this many rows (fixed shape)
+ACTIVATION_DTYPES = ("float32", "uint16")  # fp32 from CPU stages, bf16 bits from CUDA stages
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,15 @@ class WorkerConfig:
     device: str = "cpu"
     slots: int = 1
     ctx: int = 2048
+    graph_cache: int = 8   # CUDA graphs kept (one per window shape); 0 = eager
 
     def __post_init__(self):
         if not 0 <= self.layer_start < self.layer_end:
             raise ValueError(f"layer range {self.layer_start}:{self.layer_end} is empty")
         if self.slots < 1 or self.ctx < 1:
             raise ValueError("--slots and --ctx-size must be at least 1")
+        if self.graph_cache < 0:
+            raise ValueError(f"--graph-cache {self.graph_cache} is below 0; use 0 for no graphs")
 
 
 class RowError(ValueError):
@@ -59,12 +63,17 @@ class StageWorker:
             raise ValueError(f"layer range {cfg.layer_start}:{cfg.layer_end} exceeds the model's "
                              f"{file.config.n_layers} layers")
         self.fingerprint = file.fingerprint()
+        if torch.device(cfg.device).type == "cuda":
+            torch.cuda.set_device(cfg.device)  # Triton launches and graphs go to this device
         self.model = StageModel(file, cfg.layer_start, cfg.layer_end, ctx=cfg.ctx,
                                 device=cfg.device)
         self.cache = KVCache(cfg.layer_end - cfg.layer_start, cfg.slots, file.config, cfg.ctx,
-                             self.model.device, self.model.dtype)
-        log.info("stage %d: layers [%d, %d) on %s loaded in %.1fs; KV cache %.1f MiB",
-                 cfg.stage, cfg.layer_start, cfg.layer_end, cfg.device,
+                             self.model.device, self.model.dtype,
+                             trash_slot=self.model.row_tensors)
+        self.runner = WindowRunner(self.model, self.cache, cfg.graph_cache)
+        log.info("stage %d: layers [%d, %d) on %s (%s, graph cache %d) loaded in %.1fs; "
+                 "KV cache %.1f MiB", cfg.stage, cfg.layer_start, cfg.layer_end, cfg.device,
+                 str(self.model.dtype).removeprefix("torch."), self.runner.capacity,
                  time.perf_counter() - t0, self.cache.nbytes() / 2**20)
         self.zmq = zmq.Context()
         self.inbox = self.zmq.socket(zmq.PULL)
@@ -121,33 +130,38 @@ class StageWorker:
             self.cache.trim(slot, length)
         rows = Rows(w.slots, w.positions)
         if self.model.first:
-            inputs = torch.tensor(w.tokens, dtype=torch.long, device=self.model.device)
+            inputs = torch.tensor(w.tokens, dtype=torch.long)
         else:
-            inputs = torch.from_numpy(tensors[0].copy()).to(self.model.device)
+            inputs = transport.frame_tensor(tensors[0])  # bf16 bits or fp32, on the host
         with torch.inference_mode():
-            hidden = self.model(inputs, rows, self.cache)
+            hidden = self.runner.layers(inputs, rows)
         for s, p in zip(w.slots, w.positions):
             if s >= 0:
                 self.cache.filled[s] = max(self.cache.filled[s], p + 1)
         if not self.model.last:
+            frame = transport.tensor_frame(hidden)  # waits for the device
             w.stage_ms.append((time.perf_counter() - t0) * 1e3)
-            transport.send(self.to_next, w, [hidden.cpu().numpy()])
+            transport.send(self.to_next, w, [frame])
             return
         tokens, logits = self.sample(w, hidden)
-        w.stage_ms.append((time.perf_counter() - t0) * 1e3)
         extra = [logits.cpu().numpy()] if w.want_logits else []
+        w.stage_ms.append((time.perf_counter() - t0) * 1e3)
         transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms), extra)
 
     @torch.inference_mode()
     def sample(self, w: Window, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        picked = hidden[torch.tensor(w.sample_rows, dtype=torch.long)]
-        n = picked.shape[0]
-        padded = torch.zeros(((n + LOGIT_BLOCK - 1) // LOGIT_BLOCK) * LOGIT_BLOCK,
-                             hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-        padded[:n] = picked
-        logits = torch.cat([self.model.logits(block) for block in padded.split(LOGIT_BLOCK)])[:n]
+        """Tokens of the sampled rows, and their fp32 logits [N, V] (on the model's device).
+        Greedy rows take the device's argmax (first index of the maximum, as sample_row);
+        sampled rows copy their logits to the host for sample_row."""
+        if not w.sample_rows:
+            return [], torch.zeros(0, self.model.cfg.vocab)
+        picked = hidden[torch.tensor(w.sample_rows, dtype=torch.long, device=hidden.device)]
+        logits, argmax = self.runner.logits(picked)
         params = [SamplingRow(*p) for p in zip(w.temperature, w.top_k, w.top_p, w.min_p, w.u)]
-        return sample_rows(logits.cpu(), params), logits
+        greedy = argmax.tolist()
+        tokens = [greedy[i] if p.temperature <= 0.0 else sample_row(logits[i].cpu(), p)
+                  for i, p in enumerate(params)]
+        return tokens, logits
 
     def _check(self, w: Window, tensors: list[np.ndarray]) -> None:
         c, d = self.cfg, self.model.cfg.d_model
@@ -170,6 +184,9 @@ class StageWorker:
             if len(tensors) != 1 or tensors[0].shape != (len(w.slots), d):
                 raise RowError(f"window {w.id}: expected activations of shape "
                                f"({len(w.slots)}, {d})")
+            if str(tensors[0].dtype) not in ACTIVATION_DTYPES:
+                raise RowError(f"window {w.id}: activations of dtype {tensors[0].dtype}; send "
+                               f"float32 or bf16 bits as uint16")
 
     def _error(self, window: int, message: str) -> None:
         log.warning("stage %d: %s", self.cfg.stage, message)

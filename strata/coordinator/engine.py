@@ -1,0 +1,289 @@
+"""The engine: the synchronous Scheduler in a thread of its own, between the HTTP event loop
+and the stages.
+
+    event loop --Submit/Cancel/Stop--> queue.Queue --> engine thread: Scheduler.step() --> stages
+    event loop <--token ids, Finished-- loop.call_soon_threadsafe(job.events.put_nowait, ..)
+
+Only the engine thread touches the Pipeline (ZeroMQ sockets are not thread-safe). Idle, it
+blocks on its command queue; busy, it takes every waiting command between two results, so a
+new request joins at the next window. After each step it publishes a snapshot of the slots
+for /v1/status, so the event loop never reads the scheduler's live state.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from strata.coordinator.metrics import Metrics
+from strata.coordinator.pipeline import Pipeline, WindowFailed
+from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
+from strata.protocol.messages import Window
+
+log = logging.getLogger("strata.engine")
+
+
+class EngineDown(RuntimeError):
+    """The engine cannot take requests: a stage failed, or the server is stopping."""
+
+
+@dataclass
+class Finished:
+    """How a job ended; the last event on its queue."""
+    reason: str              # stop | length | cancelled | error
+    generated: list[int]
+    text: str                # the generated text, cut before a stop string
+    error: str | None = None
+    down: bool = False       # the error is the engine's own (stages gone), not one window's
+
+
+@dataclass
+class Job:
+    """One generation request as the server sees it. `events` receives each generated token id,
+    then one Finished. Fields after `events` are written by the engine thread only."""
+    id: str
+    prompt: list[int]
+    params: SamplingParams     # with a concrete seed
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    submitted: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    tokens: int = 0
+    request: Request | None = None
+    finished: bool = False
+
+    def post(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            pass
+
+
+@dataclass(frozen=True)
+class SlotView:
+    slot: int
+    group: int
+    state: str                 # idle | reading | decoding
+    job: str | None = None
+    prompt_tokens: int = 0
+    read: int = 0              # prompt tokens in the slot's KV so far
+    reused: int = 0            # of them, held from an earlier request (the conversation cache)
+    generated: int = 0
+    tok_s: float | None = None  # generated tokens per second since the first
+    held: int = 0              # an idle slot's cached prompt tokens
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    slots: tuple[SlotView, ...] = ()
+    in_flight: tuple[bool, ...] = ()   # per group: a window is out
+    queued: int = 0
+    windows: int = 0
+
+
+def _window_kind(w: Window, chunk_rows: int, window_rows: int) -> str:
+    """decode: one row per slot, each sampling; prefill: a prompt chunk of one slot; commit:
+    pad rows only, carrying the commits of slots that went idle."""
+    if all(s < 0 for s in w.slots):
+        return "commit"
+    if chunk_rows != window_rows:
+        return "decode" if len(w.slots) == window_rows else "prefill"
+    live = [s for s in w.slots if s >= 0]
+    return "decode" if len(set(live)) == len(live) == len(w.sample_rows) else "prefill"
+
+
+class _TimedPipe:
+    """The Pipeline as the scheduler sees it, timing each window for the metrics (engine
+    thread only). The scheduler needs just these three methods."""
+
+    def __init__(self, pipe: Pipeline, cfg: SchedulerConfig, metrics: Metrics | None):
+        self.pipe, self.cfg, self.metrics = pipe, cfg, metrics
+        self.sent: dict[int, tuple[float, str]] = {}   # window id -> (submitted at, kind)
+        self.windows = 0
+
+    def new_window_id(self) -> int:
+        return self.pipe.new_window_id()
+
+    def submit(self, w: Window) -> None:
+        self.sent[w.id] = (time.perf_counter(),
+                           _window_kind(w, self.cfg.chunk_rows, self.cfg.window_rows))
+        self.pipe.submit(w)
+
+    def receive(self, timeout: float | None = None):
+        try:
+            result, tensors = self.pipe.receive(timeout=timeout)
+        except WindowFailed as e:
+            self.sent.pop(e.error.window, None)
+            raise
+        self.windows += 1
+        t0, kind = self.sent.pop(result.id, (None, "unknown"))
+        if self.metrics is not None and t0 is not None:
+            self.metrics.observe_window(kind, time.perf_counter() - t0, result.stage_ms)
+        return result, tensors
+
+
+class Engine:
+    def __init__(self, pipe: Pipeline, cfg: SchedulerConfig, stop_ids: frozenset[int],
+                 detokenize, metrics: Metrics | None = None, stop_grace: float = 10.0):
+        self.cfg, self.metrics, self.stop_grace = cfg, metrics, stop_grace
+        self.pipe = _TimedPipe(pipe, cfg, metrics)
+        self.scheduler = Scheduler(self.pipe, cfg, stop_ids, detokenize)
+        self.commands: queue.Queue = queue.Queue()
+        self.failure: str | None = None      # why the engine stopped serving, once it has
+        self.snapshot = Snapshot()
+        self._jobs: dict[int, Job] = {}      # scheduler request id -> job (engine thread)
+        self._lock = threading.Lock()        # submit vs the thread's last drain
+        self._accepting = True
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+        self._publish()
+
+    # --- the event loop's side ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None and self._accepting
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if not self._accepting:
+                raise EngineDown(self.failure or "the server is stopping")
+            self.commands.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        """The job ends at its slot's next window; no token of it is delivered after that."""
+        self.commands.put(("cancel", job))
+
+    def stop(self, wait: bool = True) -> None:
+        """Refuse new jobs, cancel every job, let the windows in flight return, end the thread;
+        wait: until the thread has ended (or stop_grace has passed)."""
+        with self._lock:
+            self._accepting = False
+        self.commands.put(("stop", None))
+        if wait and self._thread.is_alive():
+            self._thread.join(self.stop_grace + 2)
+
+    @property
+    def queued(self) -> int:
+        return self.snapshot.queued + self.commands.qsize()
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                # idle, with no commits left to carry: sleep until a command comes
+                idle = self.scheduler.idle and not self.scheduler.commits
+                self._take_commands(block=idle and not self._stopping)
+                if self._stopping and self.scheduler.idle and not self.scheduler.commits:
+                    return
+                # stopping, a stage that never answers must not hold the server up for ever
+                self.scheduler.step(timeout=self.stop_grace if self._stopping else None)
+                self._publish()
+        except Exception as e:  # PipelineError mostly: a stage is gone
+            if not self._stopping:
+                self.failure = f"the stages stopped serving: {e}"
+                log.error("%s", self.failure)
+        finally:
+            with self._lock:
+                self._accepting = False
+            reason = self.failure or "the server is stopping"
+            for job in list(self._jobs.values()):
+                self._end(job, Finished("error", list(job.request.seq.generated), "", reason,
+                                        down=True))
+            while not self.commands.empty():
+                kind, job = self.commands.get_nowait()
+                if kind == "submit":
+                    self._end(job, Finished("error", [], "", reason, down=True))
+            self._publish()
+
+    def _take_commands(self, block: bool) -> None:
+        while True:
+            try:
+                kind, job = self.commands.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "submit":
+                self._submit(job)
+            elif kind == "cancel":
+                if job.request is not None and not job.request.done:
+                    self.scheduler.cancel(job.request)
+            elif kind == "stop":
+                self._stopping = True
+                with self._lock:
+                    self._accepting = False
+                for j in list(self._jobs.values()):
+                    self.scheduler.cancel(j.request)
+
+    def _submit(self, job: Job) -> None:
+        if self._stopping:
+            self._end(job, Finished("error", [], "", "the server is stopping", down=True))
+            return
+        try:
+            job.request = self.scheduler.submit(
+                job.prompt, job.params, on_token=functools.partial(self._on_token, job),
+                on_done=functools.partial(self._on_done, job))
+        except ValueError as e:  # RequestError: the server checks first, so this is a backstop
+            self._end(job, Finished("error", [], "", str(e)))
+            return
+        self._jobs[job.request.id] = job
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(len(job.prompt))
+
+    def _on_token(self, job: Job, token: int) -> None:
+        now = time.monotonic()
+        if job.first_token is None:
+            job.first_token = now
+            if self.metrics:
+                self.metrics.ttft.observe(now - job.submitted)
+        job.last_token, job.tokens = now, job.tokens + 1
+        if self.metrics:
+            self.metrics.generated_tokens.inc()
+        job.post(token)
+
+    def _on_done(self, job: Job, req: Request) -> None:
+        seq = req.seq
+        self._end(job, Finished(seq.finish_reason, list(seq.generated), seq.final_text(),
+                                req.error))
+
+    def _end(self, job: Job, fin: Finished) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        if job.request is not None:
+            self._jobs.pop(job.request.id, None)
+        if self.metrics:
+            self.metrics.finished.labels(fin.reason).inc()
+            self.metrics.request_seconds.observe(time.monotonic() - job.submitted)
+        job.post(fin)
+
+    def _publish(self) -> None:
+        s = self.scheduler
+        now = time.monotonic()
+        views = []
+        for slot in s.table.slots:
+            req = slot.request
+            if req is None:
+                views.append(SlotView(slot.index, slot.group, "idle", held=len(slot.held)))
+                continue
+            job = self._jobs.get(req.id)
+            prompt = len(req.seq.prompt)
+            rate = None
+            if job is not None and job.tokens > 1 and job.last_token > job.first_token:
+                # until now, so a stalled slot's rate falls
+                rate = (job.tokens - 1) / (now - job.first_token)
+            views.append(SlotView(slot.index, slot.group,
+                                  "reading" if slot.read_pos < prompt else "decoding",
+                                  job.id if job else None, prompt, slot.read_pos, req.reused,
+                                  len(req.seq.generated), rate))
+        self.snapshot = Snapshot(tuple(views), tuple(s.busy), len(s.queue), self.pipe.windows)

@@ -1,0 +1,390 @@
+"""The OpenAI-compatible HTTP server (aiohttp) in front of the engine thread.
+
+    POST /v1/completions, /v1/chat/completions   (stream: true gives server-sent events)
+    GET  /v1/models, /v1/models/{id}, /v1/status
+    GET  /health   200 while every stage process and the engine thread are alive; never gated
+    GET  /metrics  Prometheus text
+
+With an API key, every /v1 route wants `Authorization: Bearer KEY`. Every refusal is OpenAI's
+error object with a sentence saying what to change; the server stays up after each. A client
+that goes away (handler_cancellation) has its request cancelled: its slot frees at the next
+window and none of its tokens reach anyone.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from aiohttp import web
+
+from strata.coordinator import openai_api as api
+from strata.coordinator.engine import Engine, EngineDown, Finished, Job
+from strata.coordinator.metrics import Metrics
+from strata.coordinator.openai_api import ApiError
+
+log = logging.getLogger("strata.server")
+
+
+class ServeError(ValueError):
+    """The server cannot start as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str                      # the id clients name in "model"
+    aliases: tuple[str, ...] = ()   # other names accepted for it (the --model text, file name)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    max_body: int = 2 << 20         # bytes of a request body
+    stop_grace: float = 10.0        # seconds for the windows in flight when stopping
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ServeError(f"--port {self.port} is outside 0..65535")
+        if self.api_key == "":
+            raise ServeError("--api-key is empty; give a key, or leave the option out")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before the stages start (a taken port fails fast); listen once they are ready."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ServeError(f"--host {host!r} does not resolve ({e.strerror}); use an address "
+                         f"such as 127.0.0.1 or 0.0.0.0") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); stop what uses it or "
+                         f"choose another --port") from None
+    return sock
+
+
+class Server:
+    def __init__(self, engine: Engine, tok, vocab: int, cfg: ServerConfig, metrics: Metrics,
+                 stages: list[dict], check_alive: Callable[[], None]):
+        self.engine, self.tok, self.vocab, self.cfg = engine, tok, vocab, cfg
+        self.metrics, self.stages, self.check_alive = metrics, stages, check_alive
+        self.ctx = engine.cfg.ctx
+        self.created = api.now()
+        self.names = {cfg.model, *cfg.aliases}
+        metrics.watch(lambda: engine.queued,
+                      lambda: sum(s.state != "idle" for s in engine.snapshot.slots),
+                      lambda: 0.0 if self.health_error() else 1.0, engine.cfg.slots)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body, middlewares=[self._middleware])
+        app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model),
+            web.get("/v1/status", self.status),
+            web.get("/health", self.health),
+            web.get("/metrics", self.prometheus),
+        ])
+        return app
+
+    # --- around every request -----------------------------------------------------------------
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "unmatched"
+        status = 500
+        try:
+            self._authorize(request)
+            response = await handler(request)
+            status = 499 if request.get("client_gone") else response.status
+            return response
+        except ApiError as e:
+            status = e.status
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:
+            status = e.status
+            return web.json_response(self._http_error(request, e).body(), status=e.status,
+                                     headers={k: v for k, v in e.headers.items()
+                                              if k == "Allow"})
+        except asyncio.CancelledError:  # the client went away (handler_cancellation)
+            status = 499
+            raise
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            e = ApiError(500, "the server failed on this request (a bug: see its log)")
+            return web.json_response(e.body(), status=500)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    def _authorize(self, request: web.Request) -> None:
+        if self.cfg.api_key is None or not request.path.startswith("/v1"):
+            return
+        given = request.headers.get("Authorization", "")
+        if not given:
+            raise ApiError(401, "no API key was given; send the header 'Authorization: Bearer "
+                                "KEY' with the key strata-launch was started with (--api-key)",
+                           code="invalid_api_key")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                                 self.cfg.api_key.encode()):
+            raise ApiError(401, "the API key is not this server's; send 'Authorization: Bearer "
+                                "KEY' with the key strata-launch was started with (--api-key)",
+                           code="invalid_api_key")
+
+    def _http_error(self, request: web.Request, e: web.HTTPException) -> ApiError:
+        if e.status == 404:
+            return ApiError(404, f"there is no route {request.method} {request.path}; this "
+                                 f"server has POST /v1/completions, POST /v1/chat/completions, "
+                                 f"GET /v1/models, GET /v1/status, GET /health, GET /metrics",
+                            code="unknown_url")
+        if e.status == 405:
+            return ApiError(405, f"{request.path} does not take {request.method}; use "
+                                 f"{e.headers.get('Allow', 'another method')}",
+                            code="method_not_allowed")
+        if e.status == 413:
+            return self._too_large(request)
+        return ApiError(e.status, e.text or e.reason)
+
+    def _too_large(self, request: web.Request) -> ApiError:
+        size = f"{request.content_length} bytes" if request.content_length else "too large"
+        return ApiError(413, f"the request body is {size}, over this server's limit of "
+                             f"{self.cfg.max_body} bytes; send a shorter prompt",
+                        code="request_too_large")
+
+    async def _json(self, request: web.Request):
+        if request.content_length is not None and request.content_length > self.cfg.max_body:
+            raise self._too_large(request)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise self._too_large(request) from None
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON ({e}); send one JSON "
+                                f"object, e.g. {{\"model\": \"{self.cfg.model}\", \"prompt\": "
+                                f"\"Hello\"}}", code="invalid_json") from None
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _check_model(self, body) -> None:
+        if not isinstance(body, dict) or body.get("model") is None:
+            return  # a missing model means this one (the only one)
+        name = body["model"]
+        if not isinstance(name, str):
+            raise api.ApiError(400, f"'model' must be a string such as \"{self.cfg.model}\"",
+                               "model", "invalid_type")
+        if name not in self.names:
+            raise ApiError(404, f"the model {name!r} does not exist here; this server serves "
+                                f"\"{self.cfg.model}\" (GET /v1/models lists it)", "model",
+                           "model_not_found")
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await self._json(request)
+        self._check_model(body)
+        p = api.parse(body, chat=chat, encode=self.tok.encode, render_chat=self.tok.render_chat,
+                      vocab=self.vocab, ctx=self.ctx)
+        job = Job(api.new_id(chat), p.prompt, p.params, asyncio.get_running_loop(),
+                  asyncio.Queue())
+        try:
+            self.engine.submit(job)
+        except EngineDown as e:
+            raise ApiError(503, f"{e}; restart strata-launch", code="unavailable") from None
+        done = False
+        try:
+            if p.stream:
+                response = await self._stream(request, job, p)
+            else:
+                response = await self._complete(job, p)
+            done = True
+            return response
+        finally:
+            if not done:  # the client went away, or we failed: free the slot
+                self.engine.cancel(job)
+
+    @staticmethod
+    def _failure(fin: Finished) -> ApiError:
+        if fin.reason == "cancelled" or fin.down:
+            why = fin.error or "the server is stopping"
+            return ApiError(503, f"{why}; the request was not completed, retry it once the "
+                                 f"server is back", code="unavailable")
+        return ApiError(500, f"a stage refused this request's window: {fin.error}",
+                        code="stage_error")
+
+    async def _complete(self, job: Job, p: api.Parsed) -> web.Response:
+        while not isinstance(fin := await job.events.get(), Finished):
+            pass
+        if fin.reason not in ("stop", "length"):
+            raise self._failure(fin)
+        return web.json_response(api.response(job.id, self.cfg.model, p, fin.text, fin.reason,
+                                              len(fin.generated), api.now()))
+
+    async def _stream(self, request: web.Request, job: Job, p: api.Parsed
+                      ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        created, model = api.now(), self.cfg.model
+        text = api.TextStream(self.tok.decode, p.params.stop)
+
+        async def send(obj) -> None:
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        try:
+            if p.chat:
+                await send(api.chunk(job.id, model, p, created, role=True))
+            while True:
+                ev = await job.events.get()
+                delta = ""
+                while not isinstance(ev, Finished):  # every token already here: one chunk
+                    delta += text.push(ev)
+                    if job.events.empty():
+                        break
+                    ev = job.events.get_nowait()
+                if not isinstance(ev, Finished):
+                    if delta:
+                        await send(api.chunk(job.id, model, p, created, delta))
+                    continue
+                fin = ev
+                delta += text.finish(fin.text)
+                if text.sent != fin.text and fin.reason in ("stop", "length"):
+                    log.warning("%s: streamed text differs from the final text", job.id)
+                if delta:
+                    await send(api.chunk(job.id, model, p, created, delta))
+                break
+            if fin.reason in ("stop", "length"):
+                await send(api.chunk(job.id, model, p, created, finish=fin.reason))
+                if p.include_usage:
+                    await send(api.chunk(job.id, model, p, created,
+                                         usage_of=(len(p.prompt), len(fin.generated))))
+            else:
+                await send(self._failure(fin).body())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:  # the client closed the stream: nobody to tell
+            request["client_gone"] = True
+            self.engine.cancel(job)
+        return resp
+
+    # --- information --------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list",
+                                  "data": [api.model_card(self.cfg.model, self.ctx, self.created)]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in self.names:
+            raise ApiError(404, f"the model {name!r} does not exist here; this server serves "
+                                f"\"{self.cfg.model}\"", "model", "model_not_found")
+        return web.json_response(api.model_card(self.cfg.model, self.ctx, self.created))
+
+    def health_error(self) -> str | None:
+        try:
+            self.check_alive()  # polls the stage processes; raises PipelineError
+        except Exception as e:
+            return str(e)
+        if not self.engine.alive:
+            return self.engine.failure or "the engine thread has stopped"
+        return None
+
+    async def health(self, request: web.Request) -> web.Response:
+        error = self.health_error()
+        if error:
+            return web.json_response({"status": "unavailable", "error": error}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def status(self, request: web.Request) -> web.Response:
+        snap, cfg = self.engine.snapshot, self.engine.cfg
+        slots = []
+        for s in snap.slots:
+            view = {"slot": s.slot, "group": s.group, "state": s.state}
+            if s.state == "idle":
+                view["cached_tokens"] = s.held
+            else:
+                view.update(request=s.job, prompt_tokens=s.prompt_tokens, read=s.read,
+                            reused=s.reused, generated=s.generated,
+                            tok_s=None if s.tok_s is None else round(s.tok_s, 2))
+            slots.append(view)
+        groups = [{"group": g, "slots": [s.slot for s in snap.slots if s.group == g],
+                   "window_in_flight": busy} for g, busy in enumerate(snap.in_flight)]
+        error = self.health_error()
+        return web.json_response({
+            "model": self.cfg.model, "healthy": error is None, "error": error,
+            "batch": cfg.slots, "batch_groups": cfg.groups, "window_rows": cfg.window_rows,
+            "chunk_rows": cfg.chunk_rows, "ctx": cfg.ctx, "queued": self.engine.queued,
+            "windows": snap.windows, "slots": slots, "groups": groups, "stages": self.stages})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": self.metrics.content_type})
+
+
+def stage_table(hellos: dict) -> list[dict]:
+    """The stages as their hellos describe them (Pipeline.hellos: stage -> Hello)."""
+    return [{"stage": h.stage, "layers": [h.layer_start, h.layer_end], "device": h.device,
+             "pid": h.pid} for _, h in sorted(hellos.items())]
+
+
+def run_server(pipe, check_alive: Callable[[], None], sched_cfg, tok, vocab: int,
+               cfg: ServerConfig, sock: socket.socket, say: Callable[[str], None]) -> str | None:
+    """Serve until SIGINT or SIGTERM; then stop taking requests, cancel the running ones and
+    wait for the windows in flight. The caller stops the stages afterwards. Returns why the
+    stages stopped serving before the signal came, if they did."""
+    metrics = Metrics()
+    engine = Engine(pipe, sched_cfg, tok.stop_ids, tok.decode, metrics, cfg.stop_grace)
+    server = Server(engine, tok, vocab, cfg, metrics, stage_table(pipe.hellos), check_alive)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    engine.start()
+    try:
+        return asyncio.run(_serve(server, sock, say))
+    finally:
+        engine.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+async def _serve(server: Server, sock: socket.socket, say) -> str | None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=log)
+    await runner.setup()
+    site = web.SockSite(runner, sock, shutdown_timeout=1.0)
+    await site.start()
+    host, port = sock.getsockname()[:2]
+    cfg = server.engine.cfg
+    say(f"strata: serving {server.cfg.model} on http://{_url_host(host)}:{port}/v1 "
+        f"({len(server.stages)} stages, batch {cfg.slots}, groups {cfg.groups})")
+    try:
+        await stop.wait()
+        # a stage that dies of the same Ctrl-C (sent to the whole process group) is noticed
+        # later than this: only a failure seen before the signal counts
+        failure = server.engine.failure
+        say("strata: stopping")
+        return failure
+    finally:
+        server.engine.stop(wait=False)
+        await runner.cleanup()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,86 @@
+"""Fixed-order attention of window rows over their slots' KV, as one Triton kernel.
+
+One program per (row, kv head): it loads the row's query heads of that kv group and walks the
+row's own keys [0, length) in blocks of BLOCK_N positions, in order, with an online softmax
+(fp32 running max, sum and accumulator). Nothing in a program depends on another row, on the
+window's row count or on how rows are grouped, so the result is row-independent by construction
+(DESIGN.md, exactness 1 and 2), and the grid and every shape are fixed by the window's row count,
+so the launch can be captured in a CUDA graph: lengths are read from a tensor, not from Python.
+
+Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # key positions per step (the same chunking as attention.SPAN)
+
+
+@triton.jit
+def _attend_rows_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr,
+                        stride_qr, stride_qh, stride_or, stride_oh,
+                        stride_cs, stride_ch, stride_cp,
+                        qk_scale,
+                        GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_keys = tl.load(len_ptr + row)          # 0 for a pad row
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gd_mask = (g[:, None] < GROUP) & (d[None, :] < HD)
+    head = kvh * GROUP + g                   # the query heads that share this kv head
+    q = tl.load(q_ptr + row * stride_qr + head[:, None] * stride_qh + d[None, :],
+                mask=gd_mask, other=0.0)     # [BLOCK_G, BLOCK_D]
+    base = slot * stride_cs + kvh * stride_ch
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max (log2 units)
+    s = tl.zeros([BLOCK_G], tl.float32)                  # running sum of exp2
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(0, n_keys, BLOCK_N):
+        p = start + tl.arange(0, BLOCK_N)
+        pd_mask = (p[:, None] < n_keys) & (d[None, :] < HD)
+        offs = base + p[:, None] * stride_cp + d[None, :]
+        k = tl.load(k_ptr + offs, mask=pd_mask, other=0.0)              # [BLOCK_N, BLOCK_D]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        scores = tl.where(p[None, :] < n_keys, scores, float("-inf"))   # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        probs = tl.exp2(scores - m_new[:, None])
+        s = s * alpha + tl.sum(probs, 1)
+        v = tl.load(v_ptr + offs, mask=pd_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    out = acc / tl.where(s > 0, s, 1.0)[:, None]        # a pad row (no keys) stays zero
+    tl.store(out_ptr + row * stride_or + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+
+
+def attend_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """q: [R, H, hd] (rotated; last dim contiguous); k_cache, v_cache: [S, KVH, ctx, hd]
+    contiguous, already holding every row's own key/value; slot: [R] int64 (any valid slot for
+    a pad row); length: [R] int64, keys [0, length) are attended (0 for a pad row, whose output
+    is zero). Returns [R, H, hd] in q's dtype."""
+    n_rows, n_heads, hd = q.shape
+    n_kv = k_cache.shape[1]
+    group = n_heads // n_kv
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.stride() == v_cache.stride()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # exp2 instead of exp: fold log2(e) into the score scale
+    qk_scale = (1.0 / math.sqrt(hd)) * 1.4426950408889634
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is moot for bf16/fp16
+    _attend_rows_kernel[(n_rows, n_kv)](
+        q, k_cache, v_cache, out, slot, length,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        qk_scale,
+        GROUP=group, HD=hd, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_N=BLOCK_N, PRECISION=precision,
+        num_warps=4, num_stages=2)
+    return out

@@ -1,0 +1,221 @@
+"""`python -m strata.launch.windowbench`: the cost of one decode window, in two ways.
+
+  step      in-process, per stage: a window of R rows through the stage's layers (and head on
+            the last stage), eager and replayed from a CUDA graph, as the worker runs it
+            (host work and copies included, synchronized), and the graph replay alone (device
+            time), beside the HBM limit: the stage's weight and KV bytes / --hbm-tbs.
+  pipeline  launched stage processes: wall time per decode window at the coordinator, each
+            stage's stage_ms (from the Result) and the messaging overhead = wall - sum(stage_ms).
+
+Layouts are device lists separated by ';', each split evenly over its devices: "cuda:0" is one
+stage on one GPU, "cuda:0,cuda:1" two stages. docs/BENCHMARKS.md (GPU section) has figures.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from statistics import median
+
+import click
+import torch
+
+from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.windows import Row, build_window
+from strata.launch.plan import parse_devices, plan_stages
+from strata.launch.session import launch_stages
+from strata.model.gguf_file import ModelFile
+from strata.model.registry import DEFAULT_MODEL, resolve_model
+from strata.protocol import transport
+from strata.stage_worker.graphs import WindowRunner
+from strata.stage_worker.model import KVCache, Rows, StageModel
+
+GREEDY = SamplingParams()
+
+
+def _weight_bytes(model: StageModel) -> int:
+    """Bytes a decode window reads of this stage's weights (the embedding: R rows only)."""
+    seen, total = set(), 0
+    tensors = [t for layer in model.layers for t in vars(layer).values()
+               if isinstance(t, torch.Tensor)]
+    if model.last:
+        tensors += [model.norm, model.head]
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _sync(devices) -> None:
+    for d in devices:
+        torch.cuda.synchronize(d)
+
+
+def step_times(file: ModelFile, devices: list[str], rows: int, lives: list[int], context: int,
+               iters: int) -> list[dict]:
+    """Per stage and live-row count: eager and graph window times (ms), graph replay time,
+    and the bytes a window must read (weights, KV) for the HBM limit."""
+    cfg = file.config
+    plan = plan_stages("auto", devices, cfg.n_layers)
+    out = []
+    for p in plan:
+        cuda = torch.device(p.device).type == "cuda"
+        if cuda:
+            torch.cuda.set_device(p.device)
+        model = StageModel(file, p.layer_start, p.layer_end, ctx=context + 64, device=p.device)
+        g = torch.Generator(device=p.device).manual_seed(0)
+        if model.first:
+            inputs = torch.randint(0, cfg.vocab, (rows,))
+        else:
+            inputs = torch.randn(rows, cfg.d_model, generator=g, device=p.device)
+            inputs = inputs.to(model.dtype).cpu()
+        is_last, caches = model.last, {}
+        for mode, capacity in (("eager", 0), ("graph", 8)) if cuda else (("eager", 0),):
+            cache = KVCache(len(model.layers), rows, cfg, context + 64, model.device,
+                            model.dtype, trash_slot=model.row_tensors)
+            for t in cache.k + cache.v:  # keys [0, context) of every slot hold something
+                t[:, :, :context].normal_(generator=g)
+            caches[mode] = WindowRunner(model, cache, capacity)
+        for live in lives:
+            slots = list(range(live)) + [-1] * (rows - live)
+            window = Rows(slots, [context if s >= 0 else 0 for s in slots])
+            row = {"stage": p.index, "layers": f"{p.layer_start}:{p.layer_end}",
+                   "device": p.device, "live": live}
+            for mode, runner in caches.items():
+                def window_step():
+                    with torch.inference_mode():
+                        h = runner.layers(inputs, window)
+                        if is_last:
+                            runner.logits(h[:live])[1].tolist()
+                        else:
+                            transport.tensor_frame(h)
+
+                for _ in range(5):
+                    window_step()
+                times = []
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    window_step()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                row[f"{mode}_ms"] = median(times)
+                if runner.capacity:
+                    graph = runner.graphs[("layers", rows)].graph
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(iters):
+                        graph.replay()
+                    end.record()
+                    end.synchronize()
+                    row["replay_ms"] = start.elapsed_time(end) / iters
+            row["weight_gb"] = _weight_bytes(model) / 1e9
+            row["kv_read_gb"] = (2 * len(model.layers) * cfg.n_kv_heads * cfg.head_dim
+                                 * (context + 1) * live * 2) / 1e9
+            out.append(row)
+        del model, caches
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[int],
+                   context: int, steps: int, graph_cache: int) -> list[dict]:
+    """Per live-row count: wall ms per decode window at the coordinator, stage_ms per stage
+    and the overhead (medians over `steps` windows, after a few warm-up windows)."""
+    cfg = file.config
+    plan = plan_stages("auto", devices, cfg.n_layers)
+    os.environ["STRATA_GRAPH_CACHE"] = str(graph_cache)   # the workers read it
+    chunk, warm = 32, 10
+    out = []
+    with launch_stages(file, plan, slots=rows, ctx=context + len(lives) * (steps + warm) + 64,
+                       say=lambda s: None) as run:
+        pipe = run.pipe
+        g = torch.Generator().manual_seed(1)
+        last = {}
+        for s in range(max(lives)):   # prompts of `context` random tokens, in 32-row chunks
+            prompt = torch.randint(0, cfg.vocab, (context,), generator=g).tolist()
+            for a in range(0, context, chunk):
+                b = min(a + chunk, context)
+                rws = [Row(s, q, prompt[q]) for q in range(a, b)]
+                if b == context:
+                    rws[-1] = Row(s, b - 1, prompt[b - 1], GREEDY)
+                pipe.submit(build_window(pipe.new_window_id(), rws, chunk))
+                result, _ = pipe.receive(timeout=600)
+            last[s] = result.tokens[0]
+        pos = {s: context for s in last}
+        for live in lives:
+            walls, stage_ms = [], []
+            for step in range(warm + steps):
+                rws = [Row(s, pos[s], last[s], GREEDY) for s in range(live)]
+                t0 = time.perf_counter()
+                pipe.submit(build_window(pipe.new_window_id(), rws, rows))
+                result, _ = pipe.receive(timeout=600)
+                wall = (time.perf_counter() - t0) * 1e3
+                for s, t in enumerate(result.tokens):
+                    last[s], pos[s] = t, pos[s] + 1
+                if step >= warm:  # the first windows capture graphs
+                    walls.append(wall)
+                    stage_ms.append(result.stage_ms)
+            over = [w - sum(s) for w, s in zip(walls, stage_ms)]
+            out.append({"stages": len(plan), "graph_cache": graph_cache, "live": live,
+                        "wall_ms": median(walls),
+                        "stage_ms": [median(s[i] for s in stage_ms) for i in range(len(plan))],
+                        "overhead_ms": median(over), "tok_s": live * 1e3 / median(walls)})
+    return out
+
+
+@click.command()
+@click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option("--layouts", default="cuda:0;cuda:0,cuda:1", show_default=True,
+              help="Device lists separated by ';', each split evenly (one stage per device).")
+@click.option("--rows", type=int, default=8, show_default=True, help="Rows of a decode window.")
+@click.option("--live", default="1,8", show_default=True,
+              help="Live rows (clients) per window to measure, comma-separated.")
+@click.option("--context", type=int, default=256, show_default=True,
+              help="Positions each live slot holds before the measured windows.")
+@click.option("--iters", type=int, default=100, show_default=True)
+@click.option("--what", type=click.Choice(["step", "pipeline", "both"]), default="both",
+              show_default=True)
+@click.option("--graph-caches", default="0,8", show_default=True,
+              help="Pipeline runs: worker --graph-cache values to compare.")
+@click.option("--hbm-tbs", type=float, default=4.25, show_default=True,
+              help="HBM bandwidth (TB/s) for the limit (measured copy rate of an H200).")
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs, json_out):
+    file = ModelFile(resolve_model(model))
+    n_cuda = torch.cuda.device_count()
+    report = {"model": file.path.name, "rows": rows, "context": context,
+              "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if n_cuda else "none", "step": [],
+              "pipeline": []}
+    lives = [int(x) for x in live.split(",")]
+    for layout in layouts.split(";"):
+        devices = parse_devices(layout, n_cuda)
+        if what in ("step", "both"):
+            for s in step_times(file, devices, rows, lives, context, iters):
+                s["hbm_limit_ms"] = (s["weight_gb"] + s["kv_read_gb"]) / hbm_tbs
+                s["layout"] = layout
+                click.echo(f"step {layout:>14} live {s['live']} stage {s['stage']} "
+                           f"[{s['layers']}]: eager {s['eager_ms']:.3f} ms, graph "
+                           f"{s.get('graph_ms', 0):.3f} ms, replay {s.get('replay_ms', 0):.3f} "
+                           f"ms, HBM limit "
+                           f"{s['hbm_limit_ms']:.3f} ms ({s['weight_gb']:.2f} GB weights)")
+                report["step"].append(s)
+        if what in ("pipeline", "both"):
+            for gc_n in (int(x) for x in graph_caches.split(",")):
+                for r in pipeline_times(file, devices, rows, lives, context, iters, gc_n):
+                    r["layout"] = layout
+                    click.echo(f"pipe {layout:>14} live {r['live']} graph-cache {gc_n}: window "
+                               f"{r['wall_ms']:.3f} ms = stages "
+                               f"{' + '.join(f'{x:.3f}' for x in r['stage_ms'])} ms + "
+                               f"overhead {r['overhead_ms']:.3f} ms; {r['tok_s']:.1f} tok/s")
+                    report["pipeline"].append(r)
+        if json_out:
+            with open(json_out, "w") as f:
+                json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Running windows through a stage: eagerly, or by replaying CUDA graphs.
+
+A window's layers are one graph per row count (its shape), captured the first time that shape
+comes and kept in a bounded LRU cache (`--graph-cache N`; 0 = always eager). Inside a graph
+every shape and address is static: the window's rows (slot, position, length) and its input
+(tokens or hidden states) are copied into static buffers, the KV cache is written by
+index_copy_ with tensor indices, and attention reads each row's length from a tensor. The
+head (norm, fp32 logits, argmax) of LOGIT_BLOCK sampled rows is one more graph on the last stage.
+
+A replay launches the same kernels on the same shapes as the eager path, so it gives the same
+bits (tests/test_gpu.py checks); a shape always runs the same way whatever else is cached.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from strata.stage_worker.model import KVCache, Rows, RowTensors, StageModel
+
+LOGIT_BLOCK = 8  # sampled rows go through the head in blocks of this many rows (fixed shape)
+
+
+class _Captured:
+    """fn(*static_inputs) -> tuple of tensors, captured once; call() refills the inputs and
+    replays. fn may write state it owns (the KV cache) if running it twice on the same inputs
+    writes the same values: the capture is preceded by one eager warm-up run (which compiles
+    Triton kernels and creates cuBLAS handles outside the capture)."""
+
+    def __init__(self, fn: Callable, inputs: list[torch.Tensor], pool):
+        self.inputs = [x.clone() for x in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(*self.inputs)
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        for static, x in zip(self.inputs, inputs):
+            static.copy_(x, non_blocking=True)
+        self.graph.replay()
+        return self.outputs  # static: valid until the next replay
+
+
+class WindowRunner:
+    """The mechanism a stage worker calls per window: layers, then (last stage) logits."""
+
+    def __init__(self, model: StageModel, cache: KVCache, graph_cache: int = 0):
+        self.model, self.cache = model, cache
+        self.capacity = graph_cache if model.device.type == "cuda" else 0
+        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle() if self.capacity else None
+        self.captures = 0  # graphs captured so far (evictions make this exceed the capacity)
+
+    # -- layers ----------------------------------------------------------------------------
+
+    def layers(self, inputs: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """inputs: token ids [R] (first stage) or hidden states [R, D], on any device.
+        Returns hidden states [R, D] on the model's device (a static buffer when graphed:
+        read it before the next window)."""
+        m = self.model
+        if not m.row_tensors:
+            return m(inputs.to(m.device), rows, self.cache)
+        packed = RowTensors.pack(rows, self.cache.trash)           # host [3, R]
+        if not m.first:
+            inputs = inputs.to(m.dtype)
+        if not self.capacity:
+            return m(inputs.to(m.device), RowTensors.unpack(packed.to(m.device)), self.cache)
+        key = ("layers", len(rows.slots))
+        graph = self._graph(key, self._layers_fn, [inputs.to(m.device), packed.to(m.device)])
+        return graph(inputs, packed)[0]
+
+    def _layers_fn(self, inputs: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.model(inputs, RowTensors.unpack(packed), self.cache),)
+
+    # -- head ------------------------------------------------------------------------------
+
+    def logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [N, D] rows to sample (last stage). Returns (fp32 logits [N, V], argmax [N]),
+        computed in fixed blocks of LOGIT_BLOCK rows (a row's logits never depend on N)."""
+        n = hidden.shape[0]
+        blocks = -(-n // LOGIT_BLOCK)
+        padded = torch.zeros(blocks * LOGIT_BLOCK, hidden.shape[1], dtype=hidden.dtype,
+                             device=hidden.device)
+        padded[:n] = hidden
+        outs = [self._head(block) for block in padded.split(LOGIT_BLOCK)]
+        if len(outs) == 1:
+            return outs[0][0][:n], outs[0][1][:n]
+        return (torch.cat([o[0] for o in outs])[:n], torch.cat([o[1] for o in outs])[:n])
+
+    def _head(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.capacity:
+            return self._head_fn(block)
+        graph = self._graph(("head", block.shape[0]), self._head_fn, [block])
+        out = graph(block)
+        return out[0].clone(), out[1].clone()  # several blocks may replay this graph
+
+    def _head_fn(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model.logits(block)
+        return logits, logits.argmax(-1)
+
+    # -- the cache ---------------------------------------------------------------------------
+
+    def _graph(self, key: tuple, fn: Callable, example: list[torch.Tensor]) -> _Captured:
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            return graph
+        while len(self.graphs) >= self.capacity:
+            self.graphs.popitem(last=False)  # least recently used
+        graph = self.graphs[key] = _Captured(fn, example, self.pool)
+        self.captures += 1
+        return graph

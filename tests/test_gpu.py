@@ -1,0 +1,290 @@
+"""The CUDA path: bf16 stages, row tensors, the fixed-order attention kernel, CUDA graphs, and
+DESIGN.md's exactness 1-2 on a GPU (alone vs together, chunk alignment, graph vs eager, 1 vs 2
+stages), each compared with torch.equal.
+
+Tests marked `gpu` need CUDA and are skipped elsewhere (CI is CPU only); the others check the
+tensor path's pieces on the CPU (row tensors with masked attention, bf16 frames, config).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from strata.coordinator.generate import Sequence, generate_solo
+from strata.coordinator.sampling import SamplingParams
+from strata.kernels.attention import attend_reference, attend_rows
+from strata.model.gguf_file import ModelFile
+from strata.model.mkmodel import SHAPES, write_random_gguf
+from strata.protocol import transport
+from strata.protocol.messages import Shutdown
+from strata.stage_worker.graphs import WindowRunner
+from strata.stage_worker.model import KVCache, Rows, StageModel
+from strata.stage_worker.worker import WorkerConfig
+
+CTX = 256
+WINDOW = 8   # decode window rows
+CHUNK = 32   # prompt chunk rows
+
+def cuda_devices() -> list[str]:
+    """Two stages' devices: cuda:0 and cuda:1, or cuda:0 twice on a one-GPU machine."""
+    n = torch.cuda.device_count()
+    return ["cuda:0", "cuda:1" if n > 1 else "cuda:0"]
+
+
+@pytest.fixture(scope="module")
+def smol_shape(tmp_path_factory):
+    """A random model of SmolLM2-135M's shape in BF16 (GPU tests: real matmul shapes)."""
+    path = tmp_path_factory.mktemp("models") / "smol-shape.gguf"
+    return write_random_gguf(path, SHAPES["smollm2-135m"], seed=2, weight_type="BF16", fast=True)
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
+
+
+def _run(model, cache, rows: list[tuple[int, int, int]], size: int) -> torch.Tensor:
+    """One window of (slot, position, token) rows padded to `size`; returns hidden [size, D]."""
+    rows = rows + [(-1, 0, 0)] * (size - len(rows))
+    with torch.inference_mode():
+        hidden = model(torch.tensor([t for _, _, t in rows], device=model.device),
+                       Rows([s for s, _, _ in rows], [p for _, p, _ in rows]), cache)
+    for s, p, _ in rows:
+        if s >= 0:
+            cache.filled[s] = max(cache.filled[s], p + 1)
+    return hidden
+
+
+def _read_prompt(model, cache, slot, tokens, first_chunk=CHUNK) -> torch.Tensor:
+    out = []
+    bounds = sorted({0, first_chunk, *range(first_chunk + CHUNK, len(tokens), CHUNK)}
+                    - {len(tokens)})
+    bounds = [b for b in bounds if b < len(tokens)] + [len(tokens)]
+    for a, b in zip(bounds, bounds[1:]):
+        out.append(_run(model, cache, [(slot, p, tokens[p]) for p in range(a, b)], CHUNK)[: b - a])
+    return torch.cat(out)
+
+
+def _cache(model: StageModel, n_slots: int) -> KVCache:
+    return KVCache(len(model.layers), n_slots, model.cfg, CTX, model.device, model.dtype,
+                   trash_slot=model.row_tensors)
+
+
+# --- on the CPU: the tensor path's pieces ---------------------------------------------------
+
+def test_row_tensors_path_matches_list_path_on_cpu(tiny_model):
+    """The tensor form of rows (trash slot for pad rows, flat KV index, masked attention)
+    computes what the list form computes, in fp32 on the CPU."""
+    file = ModelFile(tiny_model)
+    lists = StageModel(file, 0, 4, ctx=CTX)
+    tensors = StageModel(file, 0, 4, ctx=CTX, row_tensors=True)
+    a, b = _cache(lists, 3), _cache(tensors, 3)
+    assert b.trash == 3 and b.k[0].shape[0] == 4 and a.trash is None
+    for slot, n in [(0, 40), (2, 70)]:
+        tokens = _prompt(n, slot, file.config.vocab)
+        torch.testing.assert_close(_read_prompt(tensors, b, slot, tokens),
+                                   _read_prompt(lists, a, slot, tokens), rtol=1e-5, atol=1e-5)
+    rows = [(0, 40, 5), (2, 70, 9)]
+    torch.testing.assert_close(_run(tensors, b, rows, WINDOW)[:2], _run(lists, a, rows, WINDOW)[:2],
+                               rtol=1e-5, atol=1e-5)
+    for x, y in zip(a.k + a.v, b.k + b.v):
+        torch.testing.assert_close(x, y[:3], rtol=1e-5, atol=1e-5)  # slot 1 untouched in both
+        assert x[1].abs().sum() == 0 and y[1].abs().sum() == 0
+
+
+def test_bf16_frames_round_trip_bit_for_bit():
+    x = torch.randn(8, 576).to(torch.bfloat16)
+    frame = transport.tensor_frame(x)
+    assert frame.dtype == np.uint16 and frame.shape == (8, 576)
+    back = transport.frame_tensor(frame)
+    assert back.dtype == torch.bfloat16 and torch.equal(back.view(torch.int16),
+                                                        x.view(torch.int16))
+    f = torch.randn(3, 4)
+    assert transport.frame_tensor(transport.tensor_frame(f)).equal(f)
+    # and through the wire format (the header lists uint16)
+    _, tensors = transport.unpack(transport.pack(Shutdown("x"), [frame]))
+    assert torch.equal(transport.frame_tensor(tensors[0]).view(torch.int16), x.view(torch.int16))
+
+
+def test_graph_cache_must_not_be_negative():
+    with pytest.raises(ValueError, match="--graph-cache"):
+        WorkerConfig(model="m", stage=0, layer_start=0, layer_end=1, listen="ipc://a",
+                     coordinator="ipc://b", next=None, graph_cache=-1)
+
+
+# --- on a GPU ---------------------------------------------------------------------------------
+
+def _attention_inputs(dtype, device, n_rows=12, heads=9, kv=3, hd=64, slots=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(slots + 1, kv, CTX, hd, generator=g).to(dtype).to(device)
+    v = torch.randn(slots + 1, kv, CTX, hd, generator=g).to(dtype).to(device)
+    q = torch.randn(n_rows, heads, hd, generator=g).to(dtype).to(device)
+    return q, k, v
+
+
+def _row_tensors(slots, positions, trash, device):
+    return (torch.tensor([s if s >= 0 else trash for s in slots], device=device),
+            torch.tensor([p + 1 if s >= 0 else 0 for s, p in zip(slots, positions)],
+                         device=device))
+
+
+SLOTS = [0, 1, -1, 2, 3, 4, 0, 1, 2, -1, 3, 4]
+POSITIONS = [0, 1, 5, 63, 64, 65, 127, 128, 200, 0, 254, 255]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_kernel_matches_reference_on_gpu(dtype):
+    q, k, v = _attention_inputs(dtype, "cuda")
+    slot, length = _row_tensors(SLOTS, POSITIONS, 5, "cuda")
+    out = attend_rows(q, k, v, slot, length)
+    ref = attend_reference(q.cpu().double(), k.cpu().double(), v.cpu().double(), SLOTS, POSITIONS)
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.equal(out[9], out[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("n_rows", [1, 8, 32, 64])
+def test_attention_kernel_is_row_independent_on_gpu(n_rows):
+    """A row's output is the same bits alone, among other rows at any index, in any window
+    size: the kernel never mixes rows."""
+    q, k, v = _attention_inputs(torch.bfloat16, "cuda", n_rows=64, seed=3)
+    slots = [i % 5 for i in range(64)]
+    positions = [(37 * i) % CTX for i in range(64)]
+    for target in (0, 5, 13):
+        alone_slot, alone_len = _row_tensors([slots[target]], [positions[target]], 5, "cuda")
+        alone = attend_rows(q[target:target + 1], k, v, alone_slot, alone_len)[0]
+        order = [r for r in range(n_rows) if r != target][: n_rows - 1]
+        at = len(order) // 2
+        order.insert(at, target)
+        s, ln = _row_tensors([slots[r] for r in order], [positions[r] for r in order], 5, "cuda")
+        together = attend_rows(q[order], k, v, s, ln)[at]
+        assert torch.equal(alone, together), (n_rows, target)
+
+
+@pytest.fixture(scope="module", params=["tiny", "smol-shape"])
+def gpu_model(request, tiny_model):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path = tiny_model if request.param == "tiny" else request.getfixturevalue("smol_shape")
+    file = ModelFile(path)
+    return file, StageModel(file, 0, file.config.n_layers, ctx=CTX, device="cuda:0")
+
+
+@pytest.mark.gpu
+def test_gpu_model_is_bf16_and_close_to_fp32_cpu(tiny_model):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    file = ModelFile(tiny_model)
+    cpu = StageModel(file, 0, 4, ctx=CTX)
+    dev = StageModel(file, 0, 4, ctx=CTX, device="cuda:0")
+    assert dev.dtype == torch.bfloat16 and dev.row_tensors and dev.layers[0].wqkv.is_cuda
+    tokens = _prompt(70, 1, file.config.vocab)
+    ref = _read_prompt(cpu, _cache(cpu, 1), 0, tokens)
+    got = _read_prompt(dev, _cache(dev, 1), 0, tokens).float().cpu()
+    assert ((got - ref).norm() / ref.norm()) < 3e-2
+    lg = dev.logits(got[-1:].to("cuda:0", torch.bfloat16))
+    assert lg.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_decode_row_alone_equals_row_among_others_on_gpu(gpu_model):
+    """DESIGN.md exactness 1 on CUDA: in a fixed 8-row window, a slot's row gives the same
+    hidden state and KV alone (beside pad rows) as beside 7 other slots, at any index."""
+    file, model = gpu_model
+    vocab = file.config.vocab
+    prompts = [_prompt(20 + 9 * s, 20 + s, vocab) for s in range(WINDOW)]
+    alone, together = _cache(model, WINDOW), _cache(model, WINDOW)
+    for cache in (alone, together):
+        for s, pr in enumerate(prompts):
+            _read_prompt(model, cache, s, pr)
+    for step, at in enumerate([0, 5, 7]):
+        nxt = _prompt(WINDOW, 50 + step, vocab)
+        rows = [(s, len(prompts[s]) + step, nxt[s]) for s in range(WINDOW)]
+        h_alone = _run(model, alone, [rows[0]], WINDOW)[0]
+        order = rows[1:at + 1] + [rows[0]] + rows[at + 1:]
+        h_together = _run(model, together, order, WINDOW)[at]
+        assert torch.equal(h_alone, h_together), f"step {step}, index {at}"
+        p = rows[0][1]
+        for x, y in zip(alone.k + alone.v, together.k + together.v):
+            assert torch.equal(x[0, :, : p + 1], y[0, :, : p + 1])
+        for r in rows[1:]:
+            _run(model, alone, [r], WINDOW)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first_chunk", [1, 7, 31])
+def test_prompt_chunk_alignment_gives_identical_kv_on_gpu(gpu_model, first_chunk):
+    """DESIGN.md exactness 2 on CUDA: the same KV and hidden states whatever the chunks'
+    alignment (as when a prompt is resumed from a cache at any point), in another slot too."""
+    file, model = gpu_model
+    tokens = _prompt(150, 1, file.config.vocab)
+    a, b = _cache(model, 2), _cache(model, 2)
+    ref = _read_prompt(model, a, 0, tokens)
+    got = _read_prompt(model, b, 1, tokens, first_chunk)
+    assert torch.equal(got, ref)
+    for x, y in zip(a.k + a.v, b.k + b.v):
+        assert torch.equal(x[0, :, :150], y[1, :, :150])
+    assert ref.abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [8, 1])
+def test_graph_replay_equals_eager_on_gpu(gpu_model, capacity):
+    """Windows replayed from CUDA graphs give the same hidden states, KV, logits and argmax
+    bits as the eager path; capacity 1 evicts and recaptures at every change of shape."""
+    file, model = gpu_model
+    vocab = file.config.vocab
+    eager, graphed = WindowRunner(model, _cache(model, 4), 0), \
+        WindowRunner(model, _cache(model, 4), capacity)
+    prompts = [_prompt(40 + 11 * s, 70 + s, vocab) for s in range(4)]
+    with torch.inference_mode():
+        for runner in (eager, graphed):
+            for s, pr in enumerate(prompts):
+                for a in range(0, len(pr), CHUNK):
+                    chunk = [(s, p, pr[p]) for p in range(a, min(a + CHUNK, len(pr)))]
+                    chunk += [(-1, 0, 0)] * (CHUNK - len(chunk))
+                    runner.layers(torch.tensor([t for *_, t in chunk]),
+                                  Rows([c[0] for c in chunk], [c[1] for c in chunk]))
+        for step in range(6):
+            rows = [(s, len(prompts[s]) + step, (7 * s + step) % vocab) for s in range(4)]
+            rows += [(-1, 0, 0)] * (WINDOW - len(rows))
+            out = []
+            for runner in (eager, graphed):
+                h = runner.layers(torch.tensor([t for *_, t in rows]),
+                                  Rows([r[0] for r in rows], [r[1] for r in rows])).clone()
+                logits, argmax = runner.logits(h[:4])
+                out.append((h, logits.clone(), argmax.clone()))
+            for x, y in zip(*out):
+                assert torch.equal(x, y), step
+    for x, y in zip(eager.cache.k + eager.cache.v, graphed.cache.k + graphed.cache.v):
+        assert torch.equal(x[:4], y[:4])
+    assert graphed.captures >= 2 and len(graphed.graphs) <= capacity
+
+
+@pytest.mark.gpu
+def test_one_and_two_gpu_stages_give_the_same_tokens(tiny_model, no_stage_left):
+    """Launched workers on CUDA (bf16 activations as uint16 frames between stages, graphs on):
+    greedy and seeded tokens are the same with 1 stage and with 2 stages on two devices."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from strata.launch.plan import plan_stages
+    from strata.launch.session import launch_stages
+    file = ModelFile(tiny_model)
+    prompt = _prompt(45, 5, file.config.vocab)
+    results = {}
+    for split, devices in [("auto", ["cuda:0"]), ("2", cuda_devices())]:
+        plan = plan_stages(split, devices, file.config.n_layers)
+        with launch_stages(file, plan, slots=1, ctx=CTX, say=lambda s: None) as run:
+            for name, params in [("greedy", SamplingParams(max_tokens=20)),
+                                 ("seeded", SamplingParams(temperature=0.8, top_k=40, seed=7,
+                                                           max_tokens=20))]:
+                seq = Sequence(prompt, params, frozenset(), CTX)
+                generate_solo(run.pipe, seq)
+                results[split, name] = seq.generated
+    assert results["auto", "greedy"] == results["2", "greedy"]
+    assert results["auto", "seeded"] == results["2", "seeded"]
+    assert len(results["auto", "greedy"]) == 20

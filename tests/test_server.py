@@ -1,0 +1,432 @@
+"""`strata-launch` without --prompt: the OpenAI-compatible HTTP server, driven by the official
+`openai` client, as a user runs it (a child process on a free port).
+
+The tiny random model checks shapes, usage, seeds, streaming, stop strings, disconnects, the
+status and metrics routes and a short load test; SmolLM2 checks that HTTP answers are exactly
+what `strata-launch --prompt` and the scheduler alone give, also with 8 clients streaming at
+once through 4 slots in 2 groups.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import stage_processes
+from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.scheduler import SchedulerConfig
+from strata.launch import harness
+from strata.launch.loadtest import ServerProcess
+from strata.launch.plan import plan_stages
+from strata.launch.session import launch_stages
+from strata.model.gguf_file import ModelFile
+from strata.model.tokenizer import Tokenizer
+
+CTX = 512
+START_S = 240.0  # a shared 2-core machine: SmolLM2's stages may take a while to load
+
+
+class Serving:
+    """A server for one test module, its stages under a run directory of their own, so the
+    teardown can check that SIGTERM left none behind (what no_stage_left checks per test)."""
+
+    def __init__(self, args: list[str], tmp: Path, key: str | None = None):
+        self.key = key
+        self.own = tempfile.mkdtemp(prefix="st", dir="/tmp")  # short: ipc paths <= 107 bytes
+        self.server = ServerProcess([*args, "--port", "0", "--log-dir", str(tmp)] +
+                                    (["--api-key", key] if key else []), env={"TMPDIR": self.own})
+        self.url = self.server.wait_ready(START_S)
+        self.root = self.url.removesuffix("/v1")
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=key or self.key or "none", max_retries=0,
+                             timeout=120)
+
+    def get(self, path: str) -> tuple[int, str]:
+        auth = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(self.root + path, headers=auth),
+                                        timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def status(self) -> dict:
+        return json.loads(self.get("/v1/status")[1])
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        end = time.monotonic() + timeout
+        while True:
+            s = self.status()
+            if all(x["state"] == "idle" for x in s["slots"]) and not s["queued"]:
+                return s
+            assert time.monotonic() < end, f"slots still busy: {s['slots']}"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        try:
+            code = self.server.stop(signal.SIGTERM)
+            assert code == 0, self.server.stderr()
+            assert "strata: stopped; every stage has exited" in self.server.stderr()
+            assert "Traceback" not in self.server.stderr(), self.server.stderr()
+        finally:
+            deadline = time.monotonic() + 5
+            while stage_processes(self.own) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = stage_processes(self.own)
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            assert not left, f"stage processes left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model, tmp_path_factory):
+    s = Serving(["--model", str(tiny_model), "--layer-split", "2", "--batch", "4",
+                 "--batch-groups", "2", "--ctx-size", str(CTX)], tmp_path_factory.mktemp("logs"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_model):
+    return Tokenizer.from_gguf(ModelFile(tiny_model).reader)
+
+
+# --- shapes, usage, seeds ---------------------------------------------------------------------
+
+def test_completion_shape_usage_and_seed(tiny, tiny_tok):
+    c = tiny.client()
+    r = c.completions.create(model="tiny", prompt="hello world", max_tokens=7, temperature=0.8,
+                             seed=42)
+    assert r.object == "text_completion" and r.model == "tiny" and r.id.startswith("cmpl-")
+    assert len(r.choices) == 1 and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tiny_tok.encode("hello world"))
+    assert r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+    assert r.model_extra["seed"] == 42
+    again = c.completions.create(model="tiny", prompt="hello world", max_tokens=7,
+                                 temperature=0.8, seed=42)
+    assert again.choices[0].text == r.choices[0].text
+
+
+def test_a_chosen_seed_is_reported_and_reproduces(tiny):
+    c = tiny.client()
+    first = c.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=1.0)
+    seed = first.model_extra["seed"]
+    assert isinstance(seed, int) and seed >= 0
+    again = c.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=1.0,
+                                 seed=seed)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.model_extra["seed"] == seed
+
+
+def test_chat_shape(tiny, tiny_tok):
+    c = tiny.client()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, seed=7,
+                                  extra_body={"top_k": 20, "min_p": 0.01})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert isinstance(r.choices[0].message.content, str)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tiny_tok.encode(tiny_tok.render_chat(msgs)))
+    assert r.usage.completion_tokens == 5
+    assert r.model_extra["seed"] == 7
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stream_equals_the_whole_answer(tiny, chat):
+    c = tiny.client()
+    kw = dict(model="tiny", max_tokens=24, temperature=0.9, seed=5)
+    if chat:
+        kw["messages"] = [{"role": "user", "content": "Tell me a story"}]
+        whole = c.chat.completions.create(**kw)
+        want = whole.choices[0].message.content
+        chunks = list(c.chat.completions.create(**kw, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        got = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    else:
+        kw["prompt"] = "Tell me a story"
+        whole = c.completions.create(**kw)
+        want = whole.choices[0].text
+        chunks = list(c.completions.create(**kw, stream=True,
+                                           stream_options={"include_usage": True}))
+        got = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert got == want
+    assert all(ch.model_extra["seed"] == 5 for ch in chunks)
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_stop_string_cuts_the_text(tiny, stream):
+    c = tiny.client()
+    base = c.completions.create(model="tiny", prompt="stop here", max_tokens=40, seed=1,
+                                temperature=0.7).choices[0].text
+    # the random model's text is mostly stray bytes: stop at its first ASCII pair after 4 chars
+    at = next((i for i in range(4, len(base) - 2) if base[i:i + 2].isascii() and
+               base[i:i + 2].isalnum()), None)
+    assert at is not None, repr(base)
+    stop = base[at:at + 2]
+    want = base[:base.find(stop)]
+    kw = dict(model="tiny", prompt="stop here", max_tokens=40, seed=1, temperature=0.7,
+              stop=[stop, "never-there"])
+    if stream:
+        chunks = list(c.completions.create(**kw, stream=True))
+        text = "".join(ch.choices[0].text for ch in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        r = c.completions.create(**kw)
+        text, finish = r.choices[0].text, r.choices[0].finish_reason
+    assert text == want and finish == "stop"
+
+
+# --- routes ------------------------------------------------------------------------------------
+
+def test_models_health_status(tiny):
+    c = tiny.client()
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert c.models.retrieve("tiny").id == "tiny"
+    code, body = tiny.get("/health")
+    assert code == 200 and json.loads(body)["status"] == "ok"
+    s = tiny.wait_idle()
+    assert s["healthy"] and s["batch"] == 4 and s["batch_groups"] == 2
+    assert [x["slot"] for x in s["slots"]] == [0, 1, 2, 3]
+    assert [g["slots"] for g in s["groups"]] == [[0, 2], [1, 3]]
+    assert [(st["stage"], st["layers"], st["device"]) for st in s["stages"]] == \
+        [(0, [0, 2], "cpu"), (1, [2, 4], "cpu")]
+    assert all(Path(f"/proc/{st['pid']}").exists() for st in s["stages"])
+
+
+def test_status_shows_a_decoding_slot(tiny):
+    c = tiny.client()
+    stream = c.completions.create(model="tiny", prompt="x", max_tokens=CTX - 10, stream=True)
+    seen = None
+    try:
+        for i, _ in enumerate(stream):
+            if i >= 5:
+                seen = [s for s in tiny.status()["slots"] if s["state"] != "idle"]
+                break
+    finally:
+        stream.close()
+    assert seen and seen[0]["state"] == "decoding" and seen[0]["generated"] >= 1
+    assert seen[0]["request"].startswith("cmpl-") and seen[0]["prompt_tokens"] == 1
+    tiny.wait_idle()
+
+
+def test_metrics_count_requests_tokens_and_windows(tiny):
+    c = tiny.client()
+    c.completions.create(model="tiny", prompt="count me", max_tokens=3)
+    code, text = tiny.get("/metrics")
+    assert code == 200
+    lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+             if line and not line.startswith("#")}
+    assert lines['strata_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert lines["strata_generated_tokens_total"] >= 3
+    assert lines["strata_prompt_tokens_total"] >= 2
+    assert lines["strata_slots"] == 4 and "strata_queue_depth" in lines
+    assert "strata_slots_busy" in lines and lines["strata_up"] == 1
+    for stage in (0, 1):
+        assert lines[f'strata_stage_window_seconds_count{{kind="decode",stage="{stage}"}}'] >= 1
+        assert lines[f'strata_stage_window_seconds_count{{kind="prefill",stage="{stage}"}}'] >= 1
+    assert lines["strata_time_to_first_token_seconds_count"] >= 1
+    assert lines['strata_finished_requests_total{reason="length"}'] >= 1
+
+
+# --- disconnects --------------------------------------------------------------------------------
+
+def _cancelled(tiny) -> float:
+    text = tiny.get("/metrics")[1]
+    return sum(float(line.split(" ")[1]) for line in text.splitlines()
+               if line.startswith('strata_finished_requests_total{reason="cancelled"}'))
+
+
+def _read_and_close(client, n_chunks: int = 3) -> int:
+    stream = client.completions.create(model="tiny", prompt="I will leave", stream=True,
+                                       max_tokens=CTX - 20, temperature=0.8, seed=9)
+    got = 0
+    for _ in stream:
+        got += 1
+        if got == n_chunks:
+            break
+    stream.close()
+    return got
+
+
+def test_disconnect_alone_frees_the_slot(tiny):
+    before = _cancelled(tiny)
+    assert _read_and_close(tiny.client()) == 3
+    tiny.wait_idle()
+    deadline = time.monotonic() + 10
+    while _cancelled(tiny) < before + 1:
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.1)
+
+
+def test_disconnect_beside_another_request(tiny):
+    c = tiny.client()
+    kw = dict(model="tiny", prompt="I stay to the end", max_tokens=120, temperature=0.9,
+              seed=11)
+    solo = c.completions.create(**kw).choices[0].text
+    result = {}
+
+    def stay():
+        chunks = list(c.completions.create(**kw, stream=True))
+        result["text"] = "".join(ch.choices[0].text for ch in chunks)
+        result["finish"] = chunks[-1].choices[0].finish_reason
+
+    other = threading.Thread(target=stay)
+    other.start()
+    assert _read_and_close(c) == 3
+    other.join(120)
+    assert result["text"] == solo and result["finish"] == "length"
+    tiny.wait_idle()
+    # the slot the leaver held serves the next request with exactly its solo tokens
+    assert c.completions.create(**kw).choices[0].text == solo
+
+
+# --- the load test, briefly ---------------------------------------------------------------------
+
+def test_short_load_test(tiny_model, tmp_path, no_stage_left):
+    out = subprocess.run(
+        [sys.executable, "-m", "strata.launch.bench", "loadtest", "--model", str(tiny_model),
+         "--layer-split", "2", "--batch", "4", "--batch-groups", "2", "--ctx-size", str(CTX),
+         "--clients", "12", "--duration", "6", "--max-tokens", "6", "--log-dir", str(tmp_path),
+         "--json-out", str(tmp_path / "load.json")],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert report["errors"] == 0 and report["requests"] >= 12
+    assert report["slots_idle"] == report["slots"] == 4 and report["queued"] == 0
+    assert set(report["memory_mib"]) == {"0", "1"}
+    assert all(m["start"] and m["end"] for m in report["memory_mib"].values())
+    for words in ("requests completed", "errors              0", "tok/s", "p50", "p99",
+                  "4 of 4 slots idle", "stage 1", "server stopped with exit code 0"):
+        assert words in out.stdout, out.stdout
+
+
+# --- exactness on SmolLM2 -----------------------------------------------------------------------
+
+N_CLIENTS = 8
+N_TOKENS = 16
+SEEDED = SamplingParams(temperature=0.7, top_k=20, seed=1234, max_tokens=N_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2, tmp_path_factory):
+    s = Serving(["--model", "smollm2-135m", "--layer-split", "15", "--batch", "4",
+                 "--batch-groups", "2", "--ctx-size", str(CTX)], tmp_path_factory.mktemp("smol"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def smol_tok(smollm2):
+    return Tokenizer.from_gguf(ModelFile(smollm2).reader)
+
+
+def _cli_text(args: list[str], log_dir: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "strata.launch.cli", "--model", "smollm2-135m",
+                          "--layer-split", "15", "--ctx-size", str(CTX), "--log-dir",
+                          str(log_dir), *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.endswith("\n")
+    return out.stdout[:-1]
+
+
+CHAT_PROMPT = "Name three colours."
+COMPLETION_PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def solo(smollm2, smol_tok, tmp_path_factory):
+    """Each request alone through the scheduler (2 stages, one slot), in this process; and the
+    two prompts through `strata-launch --prompt` (run while the solo runs)."""
+    logs = tmp_path_factory.mktemp("cli")
+    with ThreadPoolExecutor(2) as pool:
+        greedy_cli = pool.submit(_cli_text, ["--chat", "--prompt", CHAT_PROMPT,
+                                                      "--max-tokens", str(N_TOKENS)], logs / "g")
+        seeded_cli = pool.submit(_cli_text, [
+            "--prompt", COMPLETION_PROMPT, "--max-tokens", str(N_TOKENS), "--temperature",
+            "0.7", "--top-k", "20", "--seed", "1234"], logs / "s")
+        file, tok = ModelFile(smollm2), smol_tok
+        prompts = [tok.encode(t) for t in harness.prompt_set(N_CLIENTS)]
+        prompts += [tok.encode(tok.render_chat([{"role": "user", "content": CHAT_PROMPT}])),
+                    tok.encode(COMPLETION_PROMPT)]
+        params = [harness.request_params(i, i % 2 == 1, N_TOKENS) for i in range(N_CLIENTS)]
+        params += [SamplingParams(max_tokens=N_TOKENS), SEEDED]
+        plan = plan_stages("15", ["cpu"], file.config.n_layers)
+        with launch_stages(file, plan, slots=1, ctx=CTX, say=lambda s: None) as run:
+            alone = harness.run_alone(run, SchedulerConfig(slots=1, ctx=CTX), tok, prompts,
+                                      params)
+        return {"alone": alone, "greedy_cli": greedy_cli.result(),
+                "seeded_cli": seeded_cli.result()}
+
+
+def test_http_equals_strata_launch_and_the_scheduler_alone(smol, solo):
+    c = smol.client()
+    chat = c.chat.completions.create(model="smollm2-135m", max_tokens=N_TOKENS,
+                                     messages=[{"role": "user", "content": CHAT_PROMPT}])
+    seeded = c.completions.create(model="smollm2-135m", prompt=COMPLETION_PROMPT,
+                                  max_tokens=N_TOKENS, temperature=0.7, seed=1234,
+                                  extra_body={"top_k": 20})
+    greedy_alone, seeded_alone = solo["alone"][N_CLIENTS:]
+    assert chat.choices[0].message.content == solo["greedy_cli"] == \
+        greedy_alone.seq.final_text()
+    assert chat.usage.completion_tokens == len(greedy_alone.seq.generated)
+    assert seeded.choices[0].text == solo["seeded_cli"] == seeded_alone.seq.final_text()
+    assert seeded.usage.completion_tokens == len(seeded_alone.seq.generated)
+    assert seeded.model_extra["seed"] == 1234
+    assert len(greedy_alone.seq.generated) > 3 and len(seeded_alone.seq.generated) > 3
+
+
+def test_8_concurrent_streams_each_get_their_solo_tokens(smol, solo):
+    c = smol.client()
+    texts = harness.prompt_set(N_CLIENTS)
+    start = threading.Barrier(N_CLIENTS)
+
+    def one(i: int) -> str:
+        p = harness.request_params(i, i % 2 == 1, N_TOKENS)
+        extra = {"top_k": p.top_k} if p.temperature else {}
+        start.wait()
+        chunks = c.completions.create(model="smollm2-135m", prompt=texts[i], stream=True,
+                                      max_tokens=N_TOKENS, temperature=p.temperature,
+                                      seed=p.seed, extra_body=extra)
+        return "".join(ch.choices[0].text for ch in chunks)
+
+    with ThreadPoolExecutor(N_CLIENTS) as pool:
+        got = list(pool.map(one, range(N_CLIENTS)))
+    for i, (text, alone) in enumerate(zip(got, solo["alone"][:N_CLIENTS])):
+        assert text == alone.seq.final_text(), f"client {i}"
+    smol.wait_idle()
+
+
+# --- streamed text, without a server ------------------------------------------------------------
+
+def test_text_stream_holds_back_what_may_still_change():
+    from strata.coordinator.openai_api import TextStream
+    decode = lambda ids: "".join(chr(i) for i in ids)  # noqa: E731
+    s = TextStream(decode, ("END",))
+    deltas = [s.push(ord(c)) for c in "abENX"]
+    assert deltas == ["a", "b", "", "", "ENX"]        # "E", "EN" may begin the stop string
+    s = TextStream(decode, ("END",))
+    assert [s.push(ord(c)) for c in "aEND"] == ["a", "", "", ""]
+    assert s.finish("a") == "" and s.sent == "a"
+    s = TextStream(decode, ())
+    assert [s.push(i) for i in (ord("x"), 0xFFFD, ord("y"))] == ["x", "", "\ufffdy"]
+    assert s.finish("x\ufffdyz") == "z"
