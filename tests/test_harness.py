@@ -1,0 +1,43 @@
+"""`strata-bench exact` as a user runs it, and the comparison it rests on."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from strata.launch.harness import first_mismatch, prompt_set
+
+BENCH = (shutil.which("strata-bench", path=os.path.dirname(sys.executable))
+         or shutil.which("strata-bench"))
+
+
+def test_first_mismatch():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2, 3], [1, 2]) == 2       # one stopped early: a mismatch too
+    assert first_mismatch([], [4]) == 0
+
+
+def test_prompt_set_is_distinct():
+    prompts = prompt_set(40)
+    assert len(prompts) == 40 and len(set(prompts)) == 40
+
+
+def test_exact_command_on_a_pipelined_batch(tiny_model, no_stage_left):
+    out = subprocess.run([BENCH, "exact", "--model", str(tiny_model), "--layer-split", "2",
+                          "--ctx-size", "256", "--batch", "4", "--batch-groups", "2",
+                          "--requests", "6", "--tokens", "10"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert sum("same" in line for line in lines) == 12  # 6 requests, greedy and seeded
+    assert lines[-1] == "all requests identical"
+
+
+def test_exact_command_refuses_bad_groups(tiny_model):
+    out = subprocess.run([BENCH, "exact", "--model", str(tiny_model), "--batch", "4",
+                          "--batch-groups", "3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--batch-groups 3 does not divide --batch 4" in out.stderr
+    assert "Traceback" not in out.stderr
