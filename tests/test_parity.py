@@ -6,6 +6,9 @@ Seeded sampling gives the same tokens with 1, 2 and 3 stages and across runs.
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -36,19 +39,30 @@ def model(smollm2):
     return file, Tokenizer.from_gguf(file.reader)
 
 
-def run_pipeline(file, tok, split, params, want_logits=False):
+def launch(file, split):
+    plan = plan_stages(split, ["cpu"], file.config.n_layers)
+    return launch_stages(file, plan, slots=1, ctx=CTX, say=lambda s: None)
+
+
+@pytest.fixture(scope="module")
+def launches(model):
+    """One launch per stage count, shared by the tests of this module."""
+    file, _ = model
+    with ExitStack() as stack:
+        yield {n: stack.enter_context(launch(file, split)) for n, split in SPLITS.items()}
+
+
+def generate(run, tok, params, prompts=PROMPTS, want_logits=False):
     """Generate N_TOKENS for every prompt through real stage processes."""
     out_tokens, out_logits = [], []
-    plan = plan_stages(split, ["cpu"], file.config.n_layers)
-    with launch_stages(file, plan, slots=1, ctx=CTX, say=lambda s: None) as run:
-        for prompt in PROMPTS:
-            logits = {}
-            seq = Sequence(tok.encode(prompt), params, frozenset(), CTX, tok.decode)
-            generate_solo(run.pipe, seq,
-                          on_logits=(lambda p, l: logits.__setitem__(p, l.copy()))
-                          if want_logits else None)
-            out_tokens.append(seq.generated)
-            out_logits.append(logits)
+    for prompt in prompts:
+        logits = {}
+        seq = Sequence(tok.encode(prompt), params, frozenset(), CTX, tok.decode)
+        generate_solo(run.pipe, seq,
+                      on_logits=(lambda p, l: logits.__setitem__(p, l.copy()))
+                      if want_logits else None)
+        out_tokens.append(seq.generated)
+        out_logits.append(logits)
     return out_tokens, out_logits
 
 
@@ -77,11 +91,10 @@ def single_process_greedy(file, ids: list[int]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def greedy_runs(model):
-    file, tok = model
+def greedy_runs(model, launches):
+    _, tok = model
     params = SamplingParams(max_tokens=N_TOKENS)
-    return {n: run_pipeline(file, tok, split, params, want_logits=True)
-            for n, split in SPLITS.items()}
+    return {n: generate(run, tok, params, want_logits=True) for n, run in launches.items()}
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +134,15 @@ def test_pipeline_equals_transformers(model, greedy_runs, hf_model, n_stages):
             assert diff < 1e-3, f"{prompt!r} position {position}: logits differ by {diff}"
 
 
-def test_seeded_sampling_same_across_stage_counts_and_runs(model):
+def test_seeded_sampling_same_across_stage_counts_and_runs(model, launches):
     file, tok = model
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, seed=1234,
                             max_tokens=N_TOKENS)
-    first, _ = run_pipeline(file, tok, SPLITS[1], params)
-    again, _ = run_pipeline(file, tok, SPLITS[1], params)
-    three, _ = run_pipeline(file, tok, SPLITS[3], params)
-    assert first == again
-    assert first == three
-    other_seed, _ = run_pipeline(file, tok, SPLITS[1],
-                                 SamplingParams(temperature=0.8, top_k=40, top_p=0.95,
-                                                min_p=0.02, seed=99, max_tokens=N_TOKENS))
-    assert other_seed != first  # the seed matters: sampling is not greedy in disguise
+    prompts = PROMPTS[:3]
+    by_stages = {n: generate(run, tok, params, prompts)[0] for n, run in launches.items()}
+    with launch(file, SPLITS[1]) as fresh:  # another run: new processes, same draws
+        again, _ = generate(fresh, tok, params, prompts)
+    assert by_stages[2] == by_stages[1] and by_stages[3] == by_stages[1]
+    assert again == by_stages[1]
+    other_seed, _ = generate(launches[1], tok, replace(params, seed=99), prompts)
+    assert other_seed != by_stages[1]  # the seed matters: sampling is not greedy in disguise
