@@ -359,8 +359,8 @@ def solo(smollm2, smol_tok, tmp_path_factory):
     two prompts through `strata-launch --prompt` (run while the solo runs)."""
     logs = tmp_path_factory.mktemp("cli")
     with ThreadPoolExecutor(2) as pool:
-        greedy_cli = pool.submit(_cli_text, ["--chat", "--prompt", CHAT_PROMPT,
-                                                      "--max-tokens", str(N_TOKENS)], logs / "g")
+        greedy_cli = pool.submit(_cli_text, ["--chat", "--prompt", CHAT_PROMPT, "--max-tokens",
+                                             str(N_TOKENS)], logs / "g")
         seeded_cli = pool.submit(_cli_text, [
             "--prompt", COMPLETION_PROMPT, "--max-tokens", str(N_TOKENS), "--temperature",
             "0.7", "--top-k", "20", "--seed", "1234"], logs / "s")

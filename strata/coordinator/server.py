@@ -189,8 +189,8 @@ class Server:
             return  # a missing model means this one (the only one)
         name = body["model"]
         if not isinstance(name, str):
-            raise api.ApiError(400, f"'model' must be a string such as \"{self.cfg.model}\"",
-                               "model", "invalid_type")
+            raise ApiError(400, f"'model' must be a string such as \"{self.cfg.model}\"",
+                           "model", "invalid_type")
         if name not in self.names:
             raise ApiError(404, f"the model {name!r} does not exist here; this server serves "
                                 f"\"{self.cfg.model}\" (GET /v1/models lists it)", "model",
