@@ -260,6 +260,11 @@ def test_graph_replay_equals_eager_on_gpu(gpu_model, capacity):
                 out.append((h, logits.clone(), argmax.clone()))
             for x, y in zip(*out):
                 assert torch.equal(x, y), step
+            # a decode window's graph ran the head of all its rows (pad rows too): a live
+            # row's logits are the same bits as through a block of sampled rows
+            assert eager.window_head is None and graphed.window_head is not None
+            assert torch.equal(graphed.window_head[0][:4], out[0][1])
+            assert torch.equal(graphed.window_head[1][:4], out[0][2])
     for x, y in zip(eager.cache.k + eager.cache.v, graphed.cache.k + graphed.cache.v):
         assert torch.equal(x[:4], y[:4])
     assert graphed.captures >= 2 and len(graphed.graphs) <= capacity

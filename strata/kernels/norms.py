@@ -14,9 +14,3 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
            w_down: torch.Tensor) -> torch.Tensor:
     # x: [R, D]; w_gate, w_up: [F, D]; w_down: [D, F]
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
-
-
-def swiglu_fused(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    # x: [R, D]; w_gate_up: [2F, D] = [gate; up] (one matmul reads both); w_down: [D, F]
-    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w_down)

@@ -14,14 +14,12 @@ def rope_table(rope_dim: int, base: float, max_pos: int) -> tuple[torch.Tensor, 
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [R, H, hd]; cos, sin: [R, rope_dim // 2] fp32 (already indexed by each row's
-    position). The rotation is computed in fp32 and rounded once to x's dtype (a no-op for fp32
-    x: the CPU path is unchanged)."""
+    """x: [R, H, hd]; cos, sin: [R, rope_dim // 2] (already indexed by each row's position)."""
     rope_dim = cos.shape[-1] * 2
-    pairs = x[..., :rope_dim].float().unflatten(-1, (-1, 2))  # [R, H, rope_dim/2, 2]
+    pairs = x[..., :rope_dim].unflatten(-1, (-1, 2))  # [R, H, rope_dim/2, 2]
     x0, x1 = pairs[..., 0], pairs[..., 1]
-    c, s = cos[:, None, :].float(), sin[:, None, :].float()
-    rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
     if rope_dim == x.shape[-1]:
         return rotated
     return torch.cat((rotated, x[..., rope_dim:]), dim=-1)

@@ -6,6 +6,8 @@
             time), beside the HBM limit: the stage's weight and KV bytes / --hbm-tbs.
   pipeline  launched stage processes: wall time per decode window at the coordinator, each
             stage's stage_ms (from the Result) and the messaging overhead = wall - sum(stage_ms).
+  zmq       the floor of that overhead: a ZeroMQ round trip (ipc, 8x576 bf16 frame, our
+            framing) to an echo process, blocking receives vs spinning ones.
 
 Layouts are device lists separated by ';', each split evenly over its devices: "cuda:0" is one
 stage on one GPU, "cuda:0,cuda:1" two stages. docs/BENCHMARKS.md (GPU section) has figures.
@@ -18,8 +20,13 @@ import os
 import time
 from statistics import median
 
+import multiprocessing
+import tempfile
+
 import click
+import numpy as np
 import torch
+import zmq
 
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.windows import Row, build_window
@@ -32,6 +39,45 @@ from strata.stage_worker.graphs import WindowRunner
 from strata.stage_worker.model import KVCache, Rows, StageModel
 
 GREEDY = SamplingParams()
+
+
+def _echo(inbox: str, outbox: str, spin_s: float, n: int) -> None:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(inbox)
+    push.connect(outbox)
+    for _ in range(n):
+        msg, tensors = transport.recv(pull, spin_s)
+        transport.send(push, msg, tensors)
+    pull.close(linger=0)
+    push.close(linger=1000)
+    ctx.term()
+
+
+def zmq_round_trip(spin_s: float, n: int = 2000) -> float:
+    """Median microseconds of a send + echo + receive of a Window header and a 9 KB frame."""
+    run = tempfile.mkdtemp(prefix="zrt-")
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(f"ipc://{run}/back")
+    echo = multiprocessing.get_context("spawn").Process(
+        target=_echo, args=(f"ipc://{run}/fwd", f"ipc://{run}/back", spin_s, n + 100))
+    echo.start()
+    push.connect(f"ipc://{run}/fwd")
+    msg = build_window(1, [Row(s, 100, 7, GREEDY) for s in range(8)], 8)
+    frame = np.zeros((8, 576), np.uint16)
+    times = []
+    for i in range(n + 100):
+        t0 = time.perf_counter()
+        transport.send(push, msg, [frame])
+        transport.recv(pull, spin_s)
+        if i >= 100:
+            times.append((time.perf_counter() - t0) * 1e6)
+    echo.join(10)
+    pull.close(linger=0)
+    push.close(linger=0)
+    ctx.term()
+    return median(times)
 
 
 def _weight_bytes(model: StageModel) -> int:
@@ -87,8 +133,8 @@ def step_times(file: ModelFile, devices: list[str], rows: int, lives: list[int],
                 def window_step():
                     with torch.inference_mode():
                         h = runner.layers(inputs, window)
-                        if is_last:
-                            runner.logits(h[:live])[1].tolist()
+                        if is_last:   # as the worker samples: the window's head, or blocks
+                            (runner.window_head or runner.logits(h[:live]))[1].tolist()
                         else:
                             transport.tensor_frame(h)
 
@@ -101,7 +147,7 @@ def step_times(file: ModelFile, devices: list[str], rows: int, lives: list[int],
                     times.append((time.perf_counter() - t0) * 1e3)
                 row[f"{mode}_ms"] = median(times)
                 if runner.capacity:
-                    graph = runner.graphs[("layers", rows)].graph
+                    graph = next(g for k, g in runner.graphs.items() if k[0] != "head").graph
                     start = torch.cuda.Event(enable_timing=True)
                     end = torch.cuda.Event(enable_timing=True)
                     start.record()
@@ -177,7 +223,7 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
 @click.option("--context", type=int, default=256, show_default=True,
               help="Positions each live slot holds before the measured windows.")
 @click.option("--iters", type=int, default=100, show_default=True)
-@click.option("--what", type=click.Choice(["step", "pipeline", "both"]), default="both",
+@click.option("--what", type=click.Choice(["step", "pipeline", "both", "zmq"]), default="both",
               show_default=True)
 @click.option("--graph-caches", default="0,8", show_default=True,
               help="Pipeline runs: worker --graph-cache values to compare.")
@@ -185,13 +231,25 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
               help="HBM bandwidth (TB/s) for the limit (measured copy rate of an H200).")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs, json_out):
-    file = ModelFile(resolve_model(model))
+    file = None if what == "zmq" else ModelFile(resolve_model(model))
     n_cuda = torch.cuda.device_count()
-    report = {"model": file.path.name, "rows": rows, "context": context,
-              "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if n_cuda else "none", "step": [],
-              "pipeline": []}
+    report = {"model": file and file.path.name, "rows": rows, "context": context,
+              "torch": torch.__version__, "step": [], "pipeline": [],
+              "gpu": torch.cuda.get_device_name(0) if n_cuda else "none"}
+
+    def save():
+        if json_out:
+            with open(json_out, "w") as f:
+                json.dump(report, f, indent=2)
+
+    if what == "zmq":
+        for spin in (0.0, 0.005):
+            us = zmq_round_trip(spin)
+            report[f"zmq_round_trip_us_spin_{spin}"] = us
+            click.echo(f"zmq round trip (ipc, 9 KB frame), spin {spin * 1e3:.0f} ms: {us:.0f} us")
+        layouts = ""
     lives = [int(x) for x in live.split(",")]
-    for layout in layouts.split(";"):
+    for layout in filter(None, layouts.split(";")):
         devices = parse_devices(layout, n_cuda)
         if what in ("step", "both"):
             for s in step_times(file, devices, rows, lives, context, iters):
@@ -212,9 +270,8 @@ def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs
                                f"{' + '.join(f'{x:.3f}' for x in r['stage_ms'])} ms + "
                                f"overhead {r['overhead_ms']:.3f} ms; {r['tok_s']:.1f} tok/s")
                     report["pipeline"].append(r)
-        if json_out:
-            with open(json_out, "w") as f:
-                json.dump(report, f, indent=2)
+        save()
+    save()
 
 
 if __name__ == "__main__":

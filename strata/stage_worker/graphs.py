@@ -3,9 +3,13 @@
 A window's layers are one graph per row count (its shape), captured the first time that shape
 comes and kept in a bounded LRU cache (`--graph-cache N`; 0 = always eager). Inside a graph
 every shape and address is static: the window's rows (slot, position, length) and its input
-(tokens or hidden states) are copied into static buffers, the KV cache is written by
-index_copy_ with tensor indices, and attention reads each row's length from a tensor. The
-head (norm, fp32 logits, argmax) of LOGIT_BLOCK sampled rows is one more graph on the last stage.
+(tokens or hidden states) are copied into static buffers, the RoPE kernel writes K and V at the
+(slot, position) it reads from them (pad rows into the cache's trash slot), and attention reads
+each row's length from them. Graphs are captured lazily, each after one eager warm-up run of
+the same window; the worker captures the usual shapes before its hello (worker.warm_up). The
+head (norm, fp32 logits, argmax) of LOGIT_BLOCK sampled rows is one more graph on the last
+stage; a window of exactly LOGIT_BLOCK rows (a decode window) runs the head of all its rows in
+its own graph instead (`window_head`), which spares the worker a gather, a copy and a replay.
 
 A replay launches the same kernels on the same shapes as the eager path, so it gives the same
 bits (tests/test_gpu.py checks); a shape always runs the same way whatever else is cached.
@@ -28,7 +32,7 @@ class _Captured:
     writes the same values: the capture is preceded by one eager warm-up run (which compiles
     Triton kernels and creates cuBLAS handles outside the capture)."""
 
-    def __init__(self, fn: Callable, inputs: list[torch.Tensor], pool):
+    def __init__(self, fn: Callable, inputs: list[torch.Tensor]):
         self.inputs = [x.clone() for x in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -36,7 +40,11 @@ class _Captured:
             fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # A capture stream of the current device (torch's default one is made once, on the
+        # first device that captured). Each graph has its own memory pool: a pool shared by
+        # graphs cannot be reused once they are all evicted while one of their outputs lives
+        # (torch asserts), and a graph's own pool is small (the window's activations).
+        with torch.cuda.graph(self.graph, stream=torch.cuda.Stream()):
             self.outputs = fn(*self.inputs)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -53,8 +61,10 @@ class WindowRunner:
         self.model, self.cache = model, cache
         self.capacity = graph_cache if model.device.type == "cuda" else 0
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
-        self.pool = torch.cuda.graph_pool_handle() if self.capacity else None
         self.captures = 0  # graphs captured so far (evictions make this exceed the capacity)
+        # (fp32 logits [R, V], argmax [R]) of every row of the last window, when its graph
+        # computed them (last stage, R == LOGIT_BLOCK); None otherwise. Static buffers.
+        self.window_head: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- layers ----------------------------------------------------------------------------
 
@@ -63,6 +73,7 @@ class WindowRunner:
         Returns hidden states [R, D] on the model's device (a static buffer when graphed:
         read it before the next window)."""
         m = self.model
+        self.window_head = None
         if not m.row_tensors:
             return m(inputs.to(m.device), rows, self.cache)
         packed = RowTensors.pack(rows, self.cache.trash)           # host [3, R]
@@ -70,12 +81,21 @@ class WindowRunner:
             inputs = inputs.to(m.dtype)
         if not self.capacity:
             return m(inputs.to(m.device), RowTensors.unpack(packed.to(m.device)), self.cache)
-        key = ("layers", len(rows.slots))
-        graph = self._graph(key, self._layers_fn, [inputs.to(m.device), packed.to(m.device)])
-        return graph(inputs, packed)[0]
+        with_head = m.last and len(rows.slots) == LOGIT_BLOCK
+        key = ("layers+head" if with_head else "layers", len(rows.slots))
+        fn = self._layers_head_fn if with_head else self._layers_fn
+        out = self._graph(key, fn, [inputs.to(m.device), packed.to(m.device)])(inputs, packed)
+        if with_head:
+            self.window_head = out[1:]
+        return out[0]
 
     def _layers_fn(self, inputs: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor]:
         return (self.model(inputs, RowTensors.unpack(packed), self.cache),)
+
+    def _layers_head_fn(self, inputs: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                     ...]:
+        hidden = self.model(inputs, RowTensors.unpack(packed), self.cache)
+        return (hidden,) + self._head_fn(hidden)
 
     # -- head ------------------------------------------------------------------------------
 
@@ -112,6 +132,6 @@ class WindowRunner:
             return graph
         while len(self.graphs) >= self.capacity:
             self.graphs.popitem(last=False)  # least recently used
-        graph = self.graphs[key] = _Captured(fn, example, self.pool)
+        graph = self.graphs[key] = _Captured(fn, example)
         self.captures += 1
         return graph

@@ -5,9 +5,10 @@ Per-window row metadata travels in one `WindowMeta` object built by the runner, 
 style, rather than being threaded through every layer's arguments. Rows come in two forms:
 
 - `Rows` (Python lists): the CPU path, fp32, attention by `attend` (batched per key span).
-- `RowTensors` (device tensors): the CUDA path, bf16, attention by the fixed-order Triton
-  kernel; the layer loop makes no host sync and has static shapes, so it can be captured in a
-  CUDA graph (graphs.py). Pad rows write their KV into the cache's spare (trash) slot.
+- `RowTensors` (device tensors): the CUDA path, bf16, fused row-wise kernels (kernels/fused.py)
+  and the fixed-order Triton attention; the layer loop makes no host sync and has static
+  shapes, so it can be captured in a CUDA graph (graphs.py). Pad rows write their KV into the
+  cache's spare (trash) slot.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.attention import attend, attend_rows
-from strata.kernels.norms import rms_norm, swiglu, swiglu_fused
+from strata.kernels.fused import rms_norm_rows, rope_write_kv, silu_mul
+from strata.kernels.norms import rms_norm, swiglu
 from strata.kernels.rope import apply_rope, rope_table
 from strata.model.gguf_file import ModelConfig, ModelFile
 
@@ -56,14 +58,13 @@ class RowTensors:
 
 @dataclass
 class WindowMeta:
-    """What every layer reads about the window: rotary tables of its rows, and either the
-    list form (with `live`) or the tensor form (with `kv_index`) of its rows."""
-    cos: torch.Tensor                        # [R, rope_dim / 2] fp32
+    """What every layer reads about the window: its rows in list form (with `live`, and the
+    rotary tables indexed by row) or in tensor form (with the whole tables)."""
+    cos: torch.Tensor   # fp32: Rows [R, rope_dim / 2]; RowTensors [ctx, rope_dim / 2]
     sin: torch.Tensor
     rows: Rows | None = None
     live: torch.Tensor | None = None         # Rows: indices of live rows
     tensors: RowTensors | None = None
-    kv_index: torch.Tensor | None = None     # RowTensors: [R * KVH] rows of the flat cache
 
 
 class KVCache:
@@ -98,26 +99,13 @@ class KVCache:
         self.k[layer][slots, :, pos] = k[live]
         self.v[layer][slots, :, pos] = v[live]
 
-    def flat_index(self, rows: RowTensors) -> torch.Tensor:
-        """[R * KVH] row numbers of (slot, kv head, position) in a cache viewed [-1, hd]."""
-        n_kv = self.k[0].shape[1]
-        heads = torch.arange(n_kv, device=rows.slot.device)
-        return ((rows.slot[:, None] * n_kv + heads[None, :]) * self.ctx
-                + rows.pos[:, None]).reshape(-1)
-
-    def write_rows(self, layer: int, index: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> None:
-        # k, v: [R, KVH, hd]; index from flat_index (pad rows land in the trash slot)
-        hd = k.shape[-1]
-        self.k[layer].view(-1, hd).index_copy_(0, index, k.reshape(-1, hd))
-        self.v[layer].view(-1, hd).index_copy_(0, index, v.reshape(-1, hd))
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
 class Layer(torch.nn.Module):
-    def __init__(self, file: ModelFile, index: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, file: ModelFile, index: int, dtype: torch.dtype, device: torch.device,
+                 fused: bool = False):
         super().__init__()
         cfg = file.config
         load = lambda name: file.tensor(f"blk.{index}.{name}.weight", dtype, device)  # noqa: E731
@@ -125,9 +113,9 @@ class Layer(torch.nn.Module):
         # one fused [q; k; v] projection: one matmul instead of three
         self.wqkv = torch.cat([load("attn_q"), load("attn_k"), load("attn_v")])
         self.wo = load("attn_output")
-        # on CUDA one [gate; up] matmul too (the CPU path keeps its arithmetic as it was)
-        self.fused_ffn = device.type != "cpu"
-        if self.fused_ffn:
+        # the tensor path makes one [gate; up] matmul too (the list path keeps its arithmetic)
+        self.fused = fused
+        if fused:
             self.w_gate_up = torch.cat([load("ffn_gate"), load("ffn_up")])
         else:
             self.w_gate, self.w_up = load("ffn_gate"), load("ffn_up")
@@ -136,6 +124,8 @@ class Layer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, meta: WindowMeta, cache: KVCache,
                 layer: int) -> torch.Tensor:
+        if meta.tensors is not None:
+            return self._forward_rows(x, meta, cache, layer)
         cfg = self.cfg
         n = x.shape[0]
         qkv = F.linear(rms_norm(x, self.attn_norm, cfg.rms_eps), self.wqkv)
@@ -144,19 +134,24 @@ class Layer(torch.nn.Module):
         k = qkv[:, q_dim:q_dim + kv_dim].view(n, cfg.n_kv_heads, cfg.head_dim)
         v = qkv[:, q_dim + kv_dim:].view(n, cfg.n_kv_heads, cfg.head_dim)
         q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
-        if meta.tensors is not None:
-            cache.write_rows(layer, meta.kv_index, k, v)
-            attn = attend_rows(q, cache.k[layer], cache.v[layer], meta.tensors.slot,
-                               meta.tensors.length)
-        else:
-            cache.write(layer, meta.rows, meta.live, k, v)
-            attn = attend(q, cache.k[layer], cache.v[layer], meta.rows.slots,
-                          meta.rows.positions)
+        cache.write(layer, meta.rows, meta.live, k, v)
+        attn = attend(q, cache.k[layer], cache.v[layer], meta.rows.slots, meta.rows.positions)
         x = x + F.linear(attn.reshape(n, q_dim), self.wo)
-        h = rms_norm(x, self.ffn_norm, cfg.rms_eps)
-        if self.fused_ffn:
-            return x + swiglu_fused(h, self.w_gate_up, self.w_down)
-        return x + swiglu(h, self.w_gate, self.w_up, self.w_down)
+        return x + swiglu(rms_norm(x, self.ffn_norm, cfg.rms_eps), self.w_gate, self.w_up,
+                          self.w_down)
+
+    def _forward_rows(self, x: torch.Tensor, meta: WindowMeta, cache: KVCache,
+                      layer: int) -> torch.Tensor:
+        """The tensor path: 9 kernels a layer, no host sync (x: [R, D])."""
+        cfg, rows = self.cfg, meta.tensors
+        k_cache, v_cache = cache.k[layer], cache.v[layer]
+        qkv = F.linear(rms_norm_rows(x, self.attn_norm, cfg.rms_eps), self.wqkv)
+        q = rope_write_kv(qkv, meta.cos, meta.sin, rows.slot, rows.pos, k_cache, v_cache,
+                          cfg.n_heads)                                    # [R, H, hd]
+        attn = attend_rows(q, k_cache, v_cache, rows.slot, rows.length)
+        x = torch.addmm(x, attn.view(x.shape[0], -1), self.wo.t())         # x + attn wo^T
+        h = rms_norm_rows(x, self.ffn_norm, cfg.rms_eps)
+        return torch.addmm(x, silu_mul(F.linear(h, self.w_gate_up)), self.w_down.t())
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -181,7 +176,8 @@ class StageModel(torch.nn.Module):
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.row_tensors = self.device.type == "cuda" if row_tensors is None else row_tensors
-        self.layers = torch.nn.ModuleList(Layer(file, i, self.dtype, self.device)
+        self.layers = torch.nn.ModuleList(Layer(file, i, self.dtype, self.device,
+                                                fused=self.row_tensors)
                                           for i in range(start, end))
         load = lambda name: file.tensor(name, self.dtype, self.device)  # noqa: E731
         if self.first:
@@ -199,9 +195,7 @@ class StageModel(torch.nn.Module):
             rows = RowTensors.unpack(RowTensors.pack(rows, cache.trash).to(self.device))
         x = F.embedding(inputs, self.embed) if self.first else inputs.to(self.dtype)
         if isinstance(rows, RowTensors):
-            meta = WindowMeta(self.cos.index_select(0, rows.pos),
-                              self.sin.index_select(0, rows.pos),
-                              tensors=rows, kv_index=cache.flat_index(rows))
+            meta = WindowMeta(self.cos, self.sin, tensors=rows)
         else:
             pos = torch.tensor([max(p, 0) for p in rows.positions])
             meta = WindowMeta(self.cos[pos], self.sin[pos], rows=rows,
@@ -216,6 +210,13 @@ class StageModel(torch.nn.Module):
         h = rms_norm(hidden, self.norm, self.cfg.rms_eps)
         if h.dtype == torch.float32:
             return F.linear(h, self.head).float()
-        if h.is_cuda:
-            return torch.mm(h, self.head.t(), out_dtype=torch.float32)
+        global _MM_FP32_OUT
+        if h.is_cuda and _MM_FP32_OUT:
+            try:
+                return torch.mm(h, self.head.t(), out_dtype=torch.float32)
+            except (TypeError, RuntimeError):  # a torch without mm's out_dtype
+                _MM_FP32_OUT = False
         return F.linear(h.float(), self.head.float())
+
+
+_MM_FP32_OUT = True  # torch.mm(bf16, bf16, out_dtype=float32) works here (else upcast the head)

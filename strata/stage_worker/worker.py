@@ -25,6 +25,8 @@ from strata.stage_worker.model import KVCache, Rows, StageModel
 
 log = logging.getLogger("strata.worker")
 ACTIVATION_DTYPES = ("float32", "uint16")  # fp32 from CPU stages, bf16 bits from CUDA stages
+SPIN_S = 0.005  # a CUDA stage polls this long for its next window before it blocks
+WARM_ROWS = (8, 32)  # the coordinator's default decode window and prompt chunk rows
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,14 @@ class StageWorker:
                              self.model.device, self.model.dtype,
                              trash_slot=self.model.row_tensors)
         self.runner = WindowRunner(self.model, self.cache, cfg.graph_cache)
-        log.info("stage %d: layers [%d, %d) on %s (%s, graph cache %d) loaded in %.1fs; "
-                 "KV cache %.1f MiB", cfg.stage, cfg.layer_start, cfg.layer_end, cfg.device,
-                 str(self.model.dtype).removeprefix("torch."), self.runner.capacity,
-                 time.perf_counter() - t0, self.cache.nbytes() / 2**20)
+        # CPU stages compute on the cores a spinning neighbour would take: they block at once
+        self.spin_s = SPIN_S if self.model.device.type == "cuda" else 0.0
+        warm_s = self.warm_up()
+        log.info("stage %d: layers [%d, %d) on %s (%s, graph cache %d) loaded in %.1fs "
+                 "(graphs warmed in %.1fs); KV cache %.1f MiB", cfg.stage, cfg.layer_start,
+                 cfg.layer_end, cfg.device, str(self.model.dtype).removeprefix("torch."),
+                 self.runner.capacity, time.perf_counter() - t0, warm_s,
+                 self.cache.nbytes() / 2**20)
         self.zmq = zmq.Context()
         self.inbox = self.zmq.socket(zmq.PULL)
         self.inbox.bind(cfg.listen)
@@ -85,6 +91,24 @@ class StageWorker:
             self.to_next = self.zmq.socket(zmq.PUSH)
             self.to_next.connect(cfg.next)
 
+    def warm_up(self) -> float:
+        """Compile the kernels and capture the graphs of the usual window shapes before the
+        hello, so that no request pays for them. Pad rows only: nothing but the cache's trash
+        slot is written. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if not self.runner.capacity:
+            return 0.0
+        m = self.model
+        with torch.inference_mode():
+            for n in WARM_ROWS:
+                inputs = (torch.zeros(n, dtype=torch.long) if m.first
+                          else torch.zeros(n, m.cfg.d_model, dtype=m.dtype))
+                hidden = self.runner.layers(inputs, Rows([-1] * n, [0] * n))
+                if m.last and self.runner.window_head is None:
+                    self.runner.logits(hidden[:1])
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     def hello(self) -> Hello:
         c = self.cfg
         return Hello(PROTOCOL_VERSION, c.stage, c.layer_start, c.layer_end, c.device,
@@ -94,7 +118,7 @@ class StageWorker:
         transport.send(self.to_coordinator, self.hello())
         while True:
             try:
-                msg, tensors = transport.recv(self.inbox)
+                msg, tensors = transport.recv(self.inbox, self.spin_s)
             except ProtocolError as e:
                 self._error(-1, f"malformed message: {e}")
                 continue
@@ -149,19 +173,24 @@ class StageWorker:
         transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms), extra)
 
     @torch.inference_mode()
-    def sample(self, w: Window, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Tokens of the sampled rows, and their fp32 logits [N, V] (on the model's device).
+    def sample(self, w: Window, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """Tokens of the sampled rows, and (if the window wants them) their fp32 logits [N, V].
         Greedy rows take the device's argmax (first index of the maximum, as sample_row);
         sampled rows copy their logits to the host for sample_row."""
         if not w.sample_rows:
             return [], torch.zeros(0, self.model.cfg.vocab)
-        picked = hidden[torch.tensor(w.sample_rows, dtype=torch.long, device=hidden.device)]
-        logits, argmax = self.runner.logits(picked)
         params = [SamplingRow(*p) for p in zip(w.temperature, w.top_k, w.top_p, w.min_p, w.u)]
+        if self.runner.window_head is not None:   # every row's logits, from the window's graph
+            logits, argmax = self.runner.window_head
+            rows = w.sample_rows
+        else:
+            picked = hidden[torch.tensor(w.sample_rows, dtype=torch.long, device=hidden.device)]
+            logits, argmax = self.runner.logits(picked)
+            rows = range(len(w.sample_rows))
         greedy = argmax.tolist()
-        tokens = [greedy[i] if p.temperature <= 0.0 else sample_row(logits[i].cpu(), p)
-                  for i, p in enumerate(params)]
-        return tokens, logits
+        tokens = [greedy[r] if p.temperature <= 0.0 else sample_row(logits[r].cpu(), p)
+                  for r, p in zip(rows, params)]
+        return tokens, (logits[list(rows)] if w.want_logits else None)
 
     def _check(self, w: Window, tensors: list[np.ndarray]) -> None:
         c, d = self.cfg, self.model.cfg.d_model

@@ -1,0 +1,83 @@
+"""Fused row-wise kernels of the CUDA path (Triton), each beside its plain-torch reference.
+
+A decode window is tiny: a stage's time is kernel launches, not arithmetic, even inside a CUDA
+graph (each node costs ~1-2 us). These fuse what plain torch runs as many small kernels:
+
+  rms_norm_rows   RMSNorm of each row (1 kernel instead of ~7)
+  rope_write_kv   RoPE on q and k read from the fused qkv projection, k and v written into
+                  the KV cache at (slot, position) (1 kernel instead of ~25)
+  silu_mul        SiLU(gate) * up of the fused [gate; up] projection (1 instead of 3)
+
+Every program handles one row (and head) and reduces in a fixed order, so results never depend
+on the other rows of a window. Off CUDA (and without TRITON_INTERPRET=1) the torch versions
+run, so the tensor path can be tested on a CPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# --- plain-torch references -----------------------------------------------------------------
+
+def rms_norm_rows_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (y.float() * weight.float()).to(x.dtype)
+
+
+def rope_write_kv_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        slot: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """qkv: [R, (H + 2 KVH) hd]; cos, sin: the full tables [ctx, rope_dim / 2] fp32; slot, pos:
+    [R] int64. Writes rotated k and v at (slot, :, pos) of the caches; returns rotated q
+    [R, H, hd]. Pairs (2i, 2i+1) rotate (llama.cpp's layout of GGUF Q/K weights)."""
+    n, n_kv, hd = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
+    heads = qkv.view(n, n_heads + 2 * n_kv, hd)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]                      # [R, 1, rope/2]
+    rope = c.shape[-1] * 2
+    x = heads[:, :n_heads + n_kv].float()
+    x0, x1 = x[..., 0:rope:2], x[..., 1:rope:2]
+    rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1).flatten(-2)
+    qk = torch.cat((rotated, x[..., rope:]), -1).to(qkv.dtype)             # [R, H + KVH, hd]
+    k_cache[slot, :, pos] = qk[:, n_heads:]
+    v_cache[slot, :, pos] = heads[:, n_heads + n_kv:]
+    return qk[:, :n_heads].contiguous()
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+# --- dispatch --------------------------------------------------------------------------------
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [R, D] -> [R, D]: x * rsqrt(mean(x^2) + eps), rounded to x's dtype, times weight."""
+    if not _use_triton(x):
+        return rms_norm_rows_torch(x, weight, eps)
+    from strata.kernels import fused_triton
+    return fused_triton.rms_norm_rows(x, weight, eps)
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
+                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  n_heads: int) -> torch.Tensor:
+    if not _use_triton(qkv):
+        return rope_write_kv_torch(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads)
+    from strata.kernels import fused_triton
+    return fused_triton.rope_write_kv(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [R, 2F] = [gate | up] -> [R, F]: silu(gate) * up in fp32, rounded once."""
+    if not _use_triton(gate_up):
+        return silu_mul_torch(gate_up)
+    from strata.kernels import fused_triton
+    return fused_triton.silu_mul(gate_up)

@@ -1,0 +1,103 @@
+"""Triton versions of strata.kernels.fused (see there; these are imported only when used).
+
+One program per row (rms_norm_rows), per (row, head) (rope_write_kv) or per (row, block of
+columns) (silu_mul); fixed block sizes and warps for a given shape, no autotuning: the same
+inputs give the same bits, and a row never reads another row.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
+                     BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < n_cols
+    x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    y = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)   # rounded before the weight
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + d, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    n_rows, n_cols = x.shape
+    assert x.stride(1) == 1 and weight.is_contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    block = triton.next_power_of_2(n_cols)
+    _rms_norm_kernel[(n_rows,)](x, weight, out, x.stride(0), out.stride(0), n_cols, eps,
+                                BLOCK_D=block, num_warps=8 if block >= 4096 else 4)
+    return out
+
+
+@triton.jit
+def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, v_ptr,
+                    stride_qkv, stride_table, stride_cs, stride_ch, stride_cp,
+                    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HD: tl.constexpr,
+                    HALF_ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)                  # [0, H): a query head; [H, H + KVH): a kv head
+    pos = tl.load(pos_ptr + row)
+    i = tl.arange(0, BLOCK_HALF)             # pair index: elements 2i, 2i + 1
+    pair = i < HD // 2
+    rot = i < HALF_ROPE
+    c = tl.load(cos_ptr + pos * stride_table + i, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + pos * stride_table + i, mask=rot, other=0.0)
+    src = qkv_ptr + row * stride_qkv + head * HD
+    x0 = tl.load(src + 2 * i, mask=pair, other=0.0).to(tl.float32)
+    x1 = tl.load(src + 2 * i + 1, mask=pair, other=0.0).to(tl.float32)
+    y0 = (x0 * c - x1 * s).to(q_ptr.dtype.element_ty)
+    y1 = (x0 * s + x1 * c).to(q_ptr.dtype.element_ty)
+    if head < N_HEADS:
+        dst = q_ptr + (row * N_HEADS + head) * HD
+        tl.store(dst + 2 * i, y0, mask=pair)
+        tl.store(dst + 2 * i + 1, y1, mask=pair)
+    else:
+        kvh = head - N_HEADS
+        at = tl.load(slot_ptr + row) * stride_cs + kvh * stride_ch + pos * stride_cp
+        tl.store(k_ptr + at + 2 * i, y0, mask=pair)
+        tl.store(k_ptr + at + 2 * i + 1, y1, mask=pair)
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        v = tl.load(qkv_ptr + row * stride_qkv + (N_HEADS + N_KV + kvh) * HD + d, mask=d < HD)
+        tl.store(v_ptr + at + d, v, mask=d < HD)
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
+                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  n_heads: int) -> torch.Tensor:
+    n_rows = qkv.shape[0]
+    n_kv, hd = k_cache.shape[1], k_cache.shape[3]
+    assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32
+    q = torch.empty(n_rows, n_heads, hd, dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_kernel[(n_rows, n_heads + n_kv)](
+        qkv, cos, sin, slot, pos, q, k_cache, v_cache,
+        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_HEADS=n_heads, N_KV=n_kv, HD=hd, HALF_ROPE=cos.shape[1],
+        BLOCK_HALF=triton.next_power_of_2(hd // 2), num_warps=1)
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < n_cols
+    g = tl.load(gu_ptr + row * stride_gu + j, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + n_cols + j, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row * stride_o + j, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    n_rows, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.stride(1) == 1
+    out = torch.empty(n_rows, n_cols, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
+        gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out
