@@ -18,7 +18,6 @@ import json
 import logging
 import signal
 import socket
-import time
 from dataclasses import dataclass
 from typing import Callable
 

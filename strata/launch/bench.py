@@ -107,8 +107,7 @@ def exact(requests, tokens, sampling, **launch):
                f"{prep.sched.slots}, groups {prep.sched.groups}, window rows "
                f"{prep.sched.window_rows}")
     bad = 0
-    with launch_stages(prep.file, prep.plan, slots=prep.sched.slots, ctx=prep.sched.ctx,
-                       say=lambda s: None) as run:
+    with prep.launch(say=lambda s: None) as run:
         for mode in modes:
             params = [harness.request_params(i, mode == "seeded", tokens)
                       for i in range(requests)]
@@ -147,8 +146,7 @@ def throughput(batches, clients, tokens, json_out, **launch):
         configs = {1: prep.sched,
                    auto_groups(batch, len(prep.plan)): replace(
                        prep.sched, groups=auto_groups(batch, len(prep.plan)))}
-        with launch_stages(prep.file, prep.plan, slots=batch, ctx=prep.sched.ctx,
-                           say=lambda s: None) as run:
+        with prep.launch(say=lambda s: None) as run:
             for groups, cfg in configs.items():
                 r = harness.measure_throughput(run, cfg, tok, n_clients, tokens)
                 row = {"batch": batch, "clients": n_clients, "groups": groups,

@@ -14,7 +14,6 @@ from strata.coordinator.scheduler import Scheduler
 from strata.coordinator.server import ServerConfig, bind_socket, run_server
 from strata.launch.options import clean_errors, launch_options, prepare, say
 from strata.launch.plan import PlanError
-from strata.launch.session import launch_stages
 from strata.model.registry import DEFAULT_MODEL
 from strata.model.tokenizer import Tokenizer
 
@@ -62,8 +61,7 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
     text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
     ids = tok.encode(text)
     Sequence(ids, params, tok.stop_ids, prep.sched.ctx)  # refuses an empty or too long prompt
-    with launch_stages(prep.file, prep.plan, slots=prep.sched.slots, ctx=prep.sched.ctx,
-                       log_dir=log_dir, external=set(external_stage), say=say) as run:
+    with prep.launch(log_dir=log_dir, external=set(external_stage), say=say) as run:
         for p in prep.plan:
             say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
         sched = Scheduler(run.pipe, prep.sched, tok.stop_ids, tok.decode)
@@ -82,8 +80,7 @@ def serve(prep, tok, model, host, port, api_key, log_dir, external_stage):
                        host=host, port=port, api_key=api_key)
     sock = bind_socket(host, port)  # a taken port fails before any stage starts
     try:
-        with launch_stages(prep.file, prep.plan, slots=prep.sched.slots, ctx=prep.sched.ctx,
-                           log_dir=log_dir, external=set(external_stage), say=say) as run:
+        with prep.launch(log_dir=log_dir, external=set(external_stage), say=say) as run:
             for p in prep.plan:
                 say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
             failure = run_server(run.pipe, run.procs.check_alive, prep.sched, tok,

@@ -43,10 +43,11 @@ def check_fits(cfg: ModelConfig, plan: list[StagePlan], slots: int, ctx: int,
     for p in plan:
         by_device.setdefault(p.device, []).append(p)
     for device, stages in by_device.items():
+        elem = 4 if device == "cpu" else 2  # fp32 on CPU stages, bf16 on CUDA stages
         layers = sum(p.layer_end - p.layer_start for p in stages)
         weights = sum(weight_bytes(cfg, p.layer_end - p.layer_start, p.layer_start == 0,
-                                   p.layer_end == cfg.n_layers) for p in stages)
-        per_slot = kv_bytes_per_slot(cfg, layers, ctx)
+                                   p.layer_end == cfg.n_layers, elem) for p in stages)
+        per_slot = kv_bytes_per_slot(cfg, layers, ctx, elem)
         budget = int(available(device) * HEADROOM) - weights
         fit = max(0, budget // per_slot)
         if slots > fit:

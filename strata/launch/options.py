@@ -53,6 +53,8 @@ def launch_options(f):
                      help="Rows of a decode window (more slots rotate through several)."),
         click.option("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS, show_default=True,
                      help="Rows of a prompt chunk."),
+        click.option("--graph-cache", type=int, default=8, show_default=True,
+                     help="CUDA graphs kept per stage, one per window shape (0: always eager)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -64,10 +66,17 @@ class Prepared:
     file: ModelFile
     plan: list[StagePlan]
     sched: SchedulerConfig
+    graph_cache: int = 8
+
+    def launch(self, **kwargs):
+        """The stages of this plan, as a context manager (see session.launch_stages)."""
+        from strata.launch.session import launch_stages
+        return launch_stages(self.file, self.plan, slots=self.sched.slots, ctx=self.sched.ctx,
+                             graph_cache=self.graph_cache, **kwargs)
 
 
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
-            chunk_rows, **_) -> Prepared:
+            chunk_rows, graph_cache=8, **_) -> Prepared:
     """Check everything that can be checked before a process starts."""
     if window_rows < 1:
         raise PlanError(f"--window-rows {window_rows} is below 1; a window needs a row")
@@ -75,6 +84,8 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
         raise PlanError(f"--chunk-rows {chunk_rows} is below 1")
     if batch < 1:
         raise PlanError(f"--batch {batch} is below 1")
+    if graph_cache < 0:
+        raise PlanError(f"--graph-cache {graph_cache} is below 0; use 0 to run windows eagerly")
     file = open_model(model, ctx_size)
     plan = plan_stages(layer_split, parse_devices(devices, cuda_count()), file.config.n_layers)
     if batch_groups == "auto":
@@ -90,7 +101,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     check_fits(file.config, plan, batch, ctx_size)
     sched = SchedulerConfig(slots=batch, groups=groups, window_rows=window_rows,
                             chunk_rows=chunk_rows, ctx=ctx_size)
-    return Prepared(file, plan, sched)
+    return Prepared(file, plan, sched, graph_cache)
 
 
 def parse_devices_for(devices: str) -> list[str]:

@@ -50,8 +50,10 @@ class StageProcesses:
     """The worker processes of one launch (spawned, or started by hand for --external-stage)."""
 
     def __init__(self, model: Path, plan: list[StagePlan], *, slots: int, ctx: int,
-                 log_dir: Path | None = None, external: set[int] = frozenset()):
+                 log_dir: Path | None = None, external: set[int] = frozenset(),
+                 graph_cache: int | None = None):
         self.model, self.plan, self.slots, self.ctx = model, plan, slots, ctx
+        self.graph_cache = graph_cache
         self.run_dir = Path(tempfile.mkdtemp(prefix="strata-"))
         self.log_dir = Path(log_dir) if log_dir else self.run_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -79,6 +81,8 @@ class StageProcesses:
                "--device", p.device, "--slots", str(self.slots), "--ctx-size", str(self.ctx)]
         if stage + 1 < len(self.plan):
             cmd += ["--next", self.endpoints.stages[stage + 1]]
+        if self.graph_cache is not None and p.device != "cpu":
+            cmd += ["--graph-cache", str(self.graph_cache)]
         return cmd
 
     def start(self, say=print) -> None:
