@@ -121,15 +121,14 @@ def test_staggered_lifecycle(model, prompts, alone):
 
 
 @pytest.mark.slow
-def test_32_requests_through_4_slots(tiny_model):
-    """32 requests x 128 tokens through 4 slots, against each alone. On the tiny random model:
-    alone means 4096 serial windows, minutes on SmolLM2 (the other cases here use SmolLM2)."""
-    file = ModelFile(tiny_model)
-    tok = Tokenizer.from_gguf(file.reader)
+def test_32_requests_through_4_slots(model):
+    """32 requests x 128 tokens through 4 slots (pipelined), against each alone: the alone
+    side is up to 4096 serial windows, the longest case of the suite (~5 minutes)."""
+    file, tok = model
     texts = harness.prompt_set(32)
     prompts = [tok.encode(t) for t in texts]
     params = [harness.request_params(i, i % 2 == 1, 128) for i in range(32)]
-    with launched(file, "2", 4) as run:
+    with launched(file, SPLITS[2], 4) as run:
         together = harness.run_together(run, SchedulerConfig(slots=4, groups=2, ctx=CTX), tok,
                                         prompts, params)
         alone = harness.run_alone(run, SchedulerConfig(slots=4, groups=1, ctx=CTX), tok,
