@@ -41,3 +41,12 @@ def test_exact_command_refuses_bad_groups(tiny_model):
     assert out.returncode == 2
     assert "--batch-groups 3 does not divide --batch 4" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_peer_arm_prints_its_rate(smollm2):
+    out = subprocess.run([BENCH, "peer", "--model", str(smollm2), "--device", "cpu",
+                          "--batch", "2", "--tokens", "2"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    batch, tokens, rate, ms = out.stdout.splitlines()[-1].split()
+    assert (batch, tokens) == ("2", "2") and float(rate) > 0 and float(ms) > 0
