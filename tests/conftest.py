@@ -8,9 +8,32 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.model.registry import resolve_model
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The test machine is small and shared: with 2 threads each tiny op's OpenMP barrier can
+    wait for a descheduled thread (a 10x slowdown under load). Comparisons stay like for like.
+    A module opts in with pytestmark = pytest.mark.usefixtures("one_torch_thread")."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def triton_devices() -> list:
+    """Where the Triton kernels can be tested: CUDA, and the CPU under TRITON_INTERPRET=1."""
+    out = []
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        out.append("cpu")
+    if torch.cuda.is_available():
+        out.append(pytest.param("cuda", marks=pytest.mark.gpu))
+    return out or [pytest.param("cpu", marks=pytest.mark.skip(
+        reason="needs CUDA, or TRITON_INTERPRET=1 for Triton's interpreter"))]
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ before Python starts; skipped otherwise, and where triton is not installed), and
 (marked gpu). Row independence is checked bit for bit."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -13,21 +12,13 @@ from strata.kernels.attention import attend_reference
 
 triton = pytest.importorskip("triton")
 from strata.kernels.attention_triton import BLOCK_N, attend_rows_triton  # noqa: E402
+from conftest import triton_devices
 
 N_SLOTS, N_HEADS, N_KV, HD, CTX = 5, 6, 2, 24, 4 * BLOCK_N   # group 3, head size not a power of 2
 SLOTS = [0, 1, -1, 2, 3, 4, 0, -1, 1, 2]
 POSITIONS = [0, 1, 5, BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, 2 * BLOCK_N, 0, 3 * BLOCK_N - 2, CTX - 1]
 TRASH = N_SLOTS  # pad rows point at a spare slot
 
-
-def _devices():
-    out = []
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        out.append("cpu")
-    if torch.cuda.is_available():
-        out.append(pytest.param("cuda", marks=pytest.mark.gpu))
-    return out or [pytest.param("cpu", marks=pytest.mark.skip(
-        reason="needs CUDA, or TRITON_INTERPRET=1 for Triton's interpreter"))]
 
 
 def _inputs(device, n_rows, seed=0, dtype=torch.float32):
@@ -53,7 +44,7 @@ def _attend(*args):
         raise
 
 
-@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("device", triton_devices())
 def test_kernel_matches_reference(device):
     q, k, v = _inputs(device, len(SLOTS))
     out = _attend(q, k, v, *_rows(SLOTS, POSITIONS, device))
@@ -64,7 +55,7 @@ def test_kernel_matches_reference(device):
             assert torch.equal(out[r].cpu(), torch.zeros(N_HEADS, HD)), "pad rows are zero"
 
 
-@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("device", triton_devices())
 def test_kernel_ignores_keys_after_the_position_and_other_slots(device):
     q, k, v = _inputs(device, len(SLOTS), seed=1)
     out = _attend(q, k, v, *_rows(SLOTS, POSITIONS, device))
@@ -86,7 +77,7 @@ def test_kernel_ignores_keys_after_the_position_and_other_slots(device):
         assert torch.equal(one[0], out[r])
 
 
-@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("device", triton_devices())
 def test_kernel_is_row_independent(device):
     """A row's bits do not depend on its neighbours, its index or the window's row count."""
     n = 16

@@ -4,7 +4,6 @@ the CPU through Triton's interpreter (TRITON_INTERPRET=1 set before Python start
 (marked gpu)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -12,18 +11,10 @@ import torch
 from strata.kernels import fused
 from strata.kernels.norms import rms_norm
 from strata.kernels.rope import apply_rope, rope_table
+from conftest import triton_devices
 
 H, KVH, HD, CTX, SLOTS = 6, 2, 24, 64, 3
 
-
-def _devices():
-    out = []
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        out.append("cpu")
-    if torch.cuda.is_available():
-        out.append(pytest.param("cuda", marks=pytest.mark.gpu))
-    return out or [pytest.param("cpu", marks=pytest.mark.skip(
-        reason="needs CUDA, or TRITON_INTERPRET=1 for Triton's interpreter"))]
 
 
 def _triton():
@@ -56,7 +47,7 @@ def test_torch_versions_match_the_list_path():
     assert int((k != 0).any(-1).sum()) == 5 * KVH  # nothing else written
 
 
-@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_and_silu_mul(device, dtype):
     if device == "cpu" and dtype == torch.bfloat16:
@@ -78,7 +69,7 @@ def test_rms_norm_and_silu_mul(device, dtype):
     assert torch.equal(_call(kernels.silu_mul, gu[5:6])[0], got[5])
 
 
-@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("rope_dim", [HD, 16])
 def test_rope_write_kv(device, rope_dim):
     kernels = _triton()

@@ -20,14 +20,7 @@ N_SLOTS, N_HEADS, N_KV, HD, CTX = 5, 4, 2, 16, 4 * SPAN
 WINDOW = 8  # the fixed row count of decode windows and prompt chunks in these tests
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The test machine is small and shared: with 2 threads each tiny op's OpenMP barrier can
-    wait for a descheduled thread (a 10x slowdown under load). Comparisons stay like for like."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

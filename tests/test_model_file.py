@@ -23,14 +23,7 @@ TINY = SHAPES["tiny"]  # the conftest tiny_model: F32, seed 1, tied
 SMALL = ModelShape(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=128, vocab=320)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The test machine is small and shared: with 2 threads each tiny op's OpenMP barrier can
-    wait for a descheduled thread (a 10x slowdown under load). Comparisons stay like for like."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _write_llama(path: Path, tensors: dict[str, tuple[np.ndarray, QType | None]],
