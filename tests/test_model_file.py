@@ -15,8 +15,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
 from strata.model.gguf_file import SUPPORTED_TYPES, ModelError, ModelFile
-from strata.model.mkmodel import (SHAPES, ModelShape, random_kquant_blocks, random_tensor,
-                                  write_random_gguf, write_raw_blocks_gguf)
+from strata.model.mkmodel import (SHAPES, ModelShape, add_llama_config, random_kquant_blocks,
+                                  random_tensor, write_random_gguf, write_raw_blocks_gguf)
 from strata.stage_worker.model import KVCache, Rows, StageModel
 
 TINY = SHAPES["tiny"]  # the conftest tiny_model: F32, seed 1, tied
@@ -32,15 +32,7 @@ def _write_llama(path: Path, tensors: dict[str, tuple[np.ndarray, QType | None]]
     when a QType is given)."""
     w = GGUFWriter(path, arch)
     w.add_name(f"test {path.stem}")
-    w.add_block_count(shape.n_layers)
-    w.add_context_length(shape.ctx_len)
-    w.add_embedding_length(shape.d_model)
-    w.add_feed_forward_length(shape.d_ffn)
-    w.add_head_count(shape.n_heads)
-    w.add_head_count_kv(shape.n_kv_heads)
-    w.add_layer_norm_rms_eps(shape.rms_eps)
-    if vocab_size:
-        w.add_vocab_size(shape.vocab)
+    add_llama_config(w, shape, vocab_size)
     for name, (data, raw) in tensors.items():
         w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()

@@ -358,6 +358,21 @@ def estimated_size(shape: ModelShape, weight_type: str = "F32", tied: bool = Tru
     return sum(_tensor_plan(s, qtype)[3] for s in tensor_specs(shape, tied))
 
 
+def add_llama_config(writer: GGUFWriter, shape: ModelShape, vocab_size: bool = True) -> None:
+    """The {arch}.* keys llama.cpp (and strata's ModelFile) read for a model of this shape."""
+    writer.add_block_count(shape.n_layers)
+    writer.add_context_length(shape.ctx_len)
+    writer.add_embedding_length(shape.d_model)
+    writer.add_feed_forward_length(shape.d_ffn)
+    writer.add_head_count(shape.n_heads)
+    writer.add_head_count_kv(shape.n_kv_heads)
+    writer.add_rope_freq_base(float(shape.rope_base))
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_layer_norm_rms_eps(float(shape.rms_eps))
+    if vocab_size:
+        writer.add_vocab_size(shape.vocab)
+
+
 def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int = 0,
                       weight_type: str = "F32", tied: bool = True, arch: str = "llama",
                       std: float = 0.02, name: str | None = None,
@@ -391,16 +406,7 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int =
                             f"{qtype.name}")
     writer.add_file_type(int(_FILE_TYPES[qtype.name]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_block_count(shape.n_layers)
-    writer.add_context_length(shape.ctx_len)
-    writer.add_embedding_length(shape.d_model)
-    writer.add_feed_forward_length(shape.d_ffn)
-    writer.add_head_count(shape.n_heads)
-    writer.add_head_count_kv(shape.n_kv_heads)
-    writer.add_rope_freq_base(float(shape.rope_base))
-    writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_layer_norm_rms_eps(float(shape.rms_eps))
-    writer.add_vocab_size(shape.vocab)
+    add_llama_config(writer, shape)
     add_tokenizer(writer, shape.vocab)
 
     for spec, (tq, decl_shape, decl_dtype, nbytes) in zip(specs, plans):
