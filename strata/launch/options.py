@@ -10,6 +10,7 @@ from strata.coordinator.scheduler import SchedulerConfig, auto_groups
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS
 from strata.launch.memory import check_fits
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages
+from strata.launch.processes import resolve_link
 from strata.model.gguf_file import ModelError, ModelFile
 from strata.model.registry import DEFAULT_MODEL, resolve_model
 
@@ -55,6 +56,11 @@ def launch_options(f):
                      help="Rows of a prompt chunk."),
         click.option("--graph-cache", type=int, default=8, show_default=True,
                      help="CUDA graphs kept per stage, one per window shape (0: always eager)."),
+        click.option("--stage-link", default="auto", show_default=True,
+                     type=click.Choice(["auto", "zmq", "nccl", "gloo"]),
+                     help="Activations between stages: auto = nccl (GPU to GPU) when every "
+                          "stage is on a CUDA device, else zmq frames; gloo links CPU stages "
+                          "through torch.distributed (for tests)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -67,16 +73,18 @@ class Prepared:
     plan: list[StagePlan]
     sched: SchedulerConfig
     graph_cache: int = 8
+    link: str = "zmq"
 
     def launch(self, **kwargs):
         """The stages of this plan, as a context manager (see session.launch_stages)."""
         from strata.launch.session import launch_stages
         return launch_stages(self.file, self.plan, slots=self.sched.slots, ctx=self.sched.ctx,
-                             graph_cache=self.graph_cache, **kwargs)
+                             graph_cache=self.graph_cache, link=self.link,
+                             **kwargs)
 
 
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
-            chunk_rows, graph_cache=8, **_) -> Prepared:
+            chunk_rows, graph_cache=8, stage_link="auto", **_) -> Prepared:
     """Check everything that can be checked before a process starts."""
     if window_rows < 1:
         raise PlanError(f"--window-rows {window_rows} is below 1; a window needs a row")
@@ -101,7 +109,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     check_fits(file.config, plan, batch, ctx_size)
     sched = SchedulerConfig(slots=batch, groups=groups, window_rows=window_rows,
                             chunk_rows=chunk_rows, ctx=ctx_size)
-    return Prepared(file, plan, sched, graph_cache)
+    return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan))
 
 
 def parse_devices_for(devices: str) -> list[str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strata.coordinator.pipeline import PipelineError
-from strata.launch.plan import StagePlan
+from strata.launch.plan import PlanError, StagePlan
 
 PR_SET_PDEATHSIG = 1
 
@@ -40,6 +40,27 @@ def tail(path: Path, lines: int = 12) -> str:
         return "(no log)"
 
 
+LINKS = ("auto", "zmq", "nccl", "gloo")
+
+
+def resolve_link(link: str, plan: list[StagePlan]) -> str:
+    """--stage-link: how activations go between stages. auto = nccl when there are several
+    stages and every one is on a CUDA device (one host), else ZeroMQ frames."""
+    devices = {p.device.split(":")[0] for p in plan}
+    if link not in LINKS:
+        raise PlanError(f"--stage-link {link!r} is not one of {', '.join(LINKS)}")
+    if link == "auto":
+        return "nccl" if len(plan) > 1 and devices == {"cuda"} else "zmq"
+    if len(plan) == 1:
+        return "zmq"  # nothing to link
+    if link == "nccl" and devices != {"cuda"}:
+        raise PlanError("--stage-link nccl needs every stage on a CUDA device; use zmq (or "
+                        "auto) when a stage runs on the CPU")
+    if link == "gloo" and devices != {"cpu"}:
+        raise PlanError("--stage-link gloo links CPU stages; use nccl (or auto) for CUDA stages")
+    return link
+
+
 @dataclass
 class Endpoints:
     inbox: str
@@ -51,9 +72,10 @@ class StageProcesses:
 
     def __init__(self, model: Path, plan: list[StagePlan], *, slots: int, ctx: int,
                  log_dir: Path | None = None, external: set[int] = frozenset(),
-                 graph_cache: int | None = None):
+                 graph_cache: int | None = None, link: str | None = None):
         self.model, self.plan, self.slots, self.ctx = model, plan, slots, ctx
         self.graph_cache = graph_cache
+        self.link = resolve_link(link or os.environ.get("STRATA_STAGE_LINK", "auto"), plan)
         self.run_dir = Path(tempfile.mkdtemp(prefix="strata-"))
         self.log_dir = Path(log_dir) if log_dir else self.run_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -83,6 +105,9 @@ class StageProcesses:
             cmd += ["--next", self.endpoints.stages[stage + 1]]
         if self.graph_cache is not None and p.device != "cpu":
             cmd += ["--graph-cache", str(self.graph_cache)]
+        if self.link != "zmq":
+            cmd += ["--link", self.link, "--link-init", f"file://{self.run_dir}/link",
+                    "--link-world", str(len(self.plan))]
         return cmd
 
     def start(self, say=print) -> None:

@@ -33,10 +33,10 @@ def _raise_interrupt(signum, frame):
 def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx: int = 2048,
                   log_dir: Path | None = None, external: set[int] = frozenset(),
                   hello_timeout: float = 300.0, graph_cache: int | None = None,
-                  say=print) -> Iterator[Launched]:
+                  link: str | None = None, say=print) -> Iterator[Launched]:
     """Spawn the stages, wait for every hello, yield; always shut everything down after."""
     procs = StageProcesses(file.path, plan, slots=slots, ctx=ctx, log_dir=log_dir,
-                           external=external, graph_cache=graph_cache)
+                           external=external, graph_cache=graph_cache, link=link)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     pipe = None
     try:

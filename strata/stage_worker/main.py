@@ -32,7 +32,17 @@ def parse_layers(text: str) -> tuple[int, int]:
               envvar="STRATA_GRAPH_CACHE",
               help="CUDA graphs kept per stage, one per window shape (0: always eager). "
                    "Also read from STRATA_GRAPH_CACHE.")
-def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_size, graph_cache):
+@click.option("--link", type=click.Choice(["zmq", "nccl", "gloo"]), default="zmq",
+              show_default=True,
+              help="How activations come from / go to the neighbouring stages: ZeroMQ frames, "
+                   "or torch.distributed (nccl between GPUs of one host; gloo between CPU "
+                   "processes). Every stage of a launch uses the same.")
+@click.option("--link-init", default="", help="torch.distributed init method of the link "
+              "(e.g. file:///tmp/strata-x/link); the same for every stage.")
+@click.option("--link-world", type=int, default=1, show_default=True,
+              help="Stages in the link (all stages of the launch; rank = --stage).")
+def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_size, graph_cache,
+         link, link_init, link_world):
     """Serve one stage of a layer-split model."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s stage{stage} %(levelname)s %(message)s")
@@ -43,7 +53,8 @@ def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_si
     try:
         cfg = WorkerConfig(model=model, stage=stage, layer_start=start, layer_end=end,
                            listen=listen, coordinator=coordinator, next=next_, device=device,
-                           slots=slots, ctx=ctx_size, graph_cache=graph_cache)
+                           slots=slots, ctx=ctx_size, graph_cache=graph_cache,
+                           link=link, link_init=link_init, link_world=link_world)
         worker = StageWorker(cfg)
     except (ModelError, ValueError) as e:
         click.echo(f"strata-worker: stage {stage}: {e}", err=True)

@@ -21,6 +21,7 @@ from strata.protocol import transport
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
                                       Shutdown, Window)
 from strata.stage_worker.graphs import WindowRunner
+from strata.stage_worker.link import StageLink
 from strata.stage_worker.model import KVCache, Rows, StageModel
 
 log = logging.getLogger("strata.worker")
@@ -42,6 +43,9 @@ class WorkerConfig:
     slots: int = 1
     ctx: int = 2048
     graph_cache: int = 8   # CUDA graphs kept (one per window shape); 0 = eager
+    link: str = "zmq"      # activations to/from neighbours: zmq frames, or nccl / gloo
+    link_init: str = ""    # torch.distributed init method of the link (e.g. file://...)
+    link_world: int = 1    # stages in the link (every stage of the launch)
 
     def __post_init__(self):
         if not 0 <= self.layer_start < self.layer_end:
@@ -50,6 +54,8 @@ class WorkerConfig:
             raise ValueError("--slots and --ctx-size must be at least 1")
         if self.graph_cache < 0:
             raise ValueError(f"--graph-cache {self.graph_cache} is below 0; use 0 for no graphs")
+        if self.link != "zmq" and not self.link_init:
+            raise ValueError(f"--link {self.link} needs --link-init (e.g. file:///tmp/run/link)")
 
 
 class RowError(ValueError):
@@ -76,6 +82,13 @@ class StageWorker:
         # CPU stages compute on the cores a spinning neighbour would take: they block at once
         self.spin_s = SPIN_S if self.model.device.type == "cuda" else 0.0
         warm_s = self.warm_up()
+        self.link = None
+        if cfg.link != "zmq":
+            self.link = StageLink(cfg.link, cfg.link_init, cfg.stage, cfg.link_world,
+                                  self.model.device)
+            self.link.warm_up(file.config.d_model, self.model.dtype)
+            log.info("stage %d: activations over %s (%d stages)", cfg.stage, cfg.link,
+                     cfg.link_world)
         log.info("stage %d: layers [%d, %d) on %s (%s, graph cache %d) loaded in %.1fs "
                  "(graphs warmed in %.1fs); KV cache %.1f MiB", cfg.stage, cfg.layer_start,
                  cfg.layer_end, cfg.device, str(self.model.dtype).removeprefix("torch."),
@@ -138,6 +151,10 @@ class StageWorker:
 
     def run_window(self, w: Window, tensors: list[np.ndarray]) -> None:
         t0 = time.perf_counter()
+        linked = None
+        if self.link is not None and not self.model.first:
+            # first of all: the previous stage sent these whatever this stage decides
+            linked = self.link.recv(len(w.slots), self.model.cfg.d_model, self.model.dtype)
         self._check(w, tensors)
         # rows may extend a slot only without leaving a gap; checked before anything changes,
         # so a refused window leaves the KV as it was
@@ -155,6 +172,8 @@ class StageWorker:
         rows = Rows(w.slots, w.positions)
         if self.model.first:
             inputs = torch.tensor(w.tokens, dtype=torch.long)
+        elif linked is not None:
+            inputs = linked
         else:
             inputs = transport.frame_tensor(tensors[0])  # bf16 bits or fp32, on the host
         with torch.inference_mode():
@@ -162,6 +181,11 @@ class StageWorker:
         for s, p in zip(w.slots, w.positions):
             if s >= 0:
                 self.cache.filled[s] = max(self.cache.filled[s], p + 1)
+        if not self.model.last and self.link is not None:
+            self.link.send(hidden)  # posted before the header goes: see link.py
+            w.stage_ms.append((time.perf_counter() - t0) * 1e3)  # host time: no device wait
+            transport.send(self.to_next, w)
+            return
         if not self.model.last:
             frame = transport.tensor_frame(hidden)  # waits for the device
             w.stage_ms.append((time.perf_counter() - t0) * 1e3)
@@ -209,7 +233,10 @@ class StageWorker:
             slot, length = commit
             if not (0 <= slot < c.slots and 0 <= length <= c.ctx):
                 raise RowError(f"window {w.id}: commit ({slot}, {length}) is out of range")
-        if not self.model.first:
+        if self.link is not None and tensors:
+            raise RowError(f"window {w.id}: {len(tensors)} tensor frame(s) came, but this stage "
+                           f"takes activations over its {self.cfg.link} link")
+        if not self.model.first and self.link is None:
             if len(tensors) != 1 or tensors[0].shape != (len(w.slots), d):
                 raise RowError(f"window {w.id}: expected activations of shape "
                                f"({len(w.slots)}, {d})")
@@ -222,6 +249,8 @@ class StageWorker:
         transport.send(self.to_coordinator, Error(self.cfg.stage, window, message))
 
     def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
         for sock in (self.inbox, self.to_coordinator, self.to_next):
             if sock is not None:
                 sock.close(linger=1000)

@@ -1,0 +1,84 @@
+"""Activations between neighbouring stages through torch.distributed, headers on ZeroMQ.
+
+With a link, stage k sends its hidden states [R, D] straight to stage k+1 (NCCL: GPU to GPU
+over NVLink, no host copy; gloo: between CPU processes, which is how the tests exercise this
+path without a GPU), and the window header still travels on ZeroMQ, alone. The receiver reads
+the row count from the header, so the tensor needs no description of its own.
+
+Ordering: stage k posts the send before it forwards the header, and stage k+1 posts the
+matching receive when the header comes, before it checks anything; both sides handle windows
+in the order they arrive, so the n-th send always meets the n-th receive. A window stage k
+refuses is neither sent nor forwarded. Every stage of a launch joins one process group
+(rank = stage index) through a file in the launch's run directory; only neighbours exchange.
+
+Sends are asynchronous: the hidden states are copied out of the graph's static buffer first (a
+device copy), so the next window may overwrite that buffer while the send is still in flight.
+On NCCL a receive only orders the current CUDA stream after the transfer (the host goes on);
+on gloo it waits on the host.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("strata.link")
+BACKENDS = ("nccl", "gloo")
+MAX_PENDING = 64  # sends kept until they complete (each holds its buffer alive)
+
+
+class StageLink:
+    def __init__(self, backend: str, init: str, stage: int, stages: int,
+                 device: torch.device, timeout_s: float = 600.0):
+        if backend not in BACKENDS:
+            raise ValueError(f"--link {backend!r} is not one of {', '.join(BACKENDS)} (or zmq)")
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"--link nccl needs a CUDA device, not {device}; use --link gloo "
+                             f"or zmq for CPU stages")
+        if backend == "gloo" and device.type != "cpu":
+            raise ValueError(f"--link gloo carries CPU tensors; use --link nccl for {device}")
+        if not 0 <= stage < stages:
+            raise ValueError(f"stage {stage} is outside a link of {stages} stages")
+        self.backend, self.stage, self.stages, self.device = backend, stage, stages, device
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, init_method=init, rank=stage, world_size=stages,
+                                timeout=timedelta(seconds=timeout_s), **kwargs)
+        self.pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
+
+    def warm_up(self, width: int, dtype: torch.dtype) -> None:
+        """One exchange down the chain, so the pairs' communicators exist before any window
+        (their creation takes a while and needs both sides)."""
+        x = torch.zeros(1, width, dtype=dtype, device=self.device)
+        if self.stage > 0:
+            self.recv(1, width, dtype)
+        if self.stage + 1 < self.stages:
+            self.send(x)
+        self.flush()
+
+    def send(self, hidden: torch.Tensor) -> None:
+        """hidden: [R, D] on this stage's device, to the next stage (asynchronous)."""
+        buf = hidden.detach().clone()
+        self.pending.append((dist.isend(buf, self.stage + 1), buf))
+        while self.pending and (len(self.pending) > MAX_PENDING or self.pending[0][0].is_completed()):
+            work, _ = self.pending.popleft()
+            work.wait()
+
+    def recv(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """The previous stage's hidden states of a window of `rows` rows."""
+        buf = torch.empty(rows, width, dtype=dtype, device=self.device)
+        dist.irecv(buf, self.stage - 1).wait()
+        return buf
+
+    def flush(self) -> None:
+        while self.pending:
+            self.pending.popleft()[0].wait()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+            dist.destroy_process_group()
+        except Exception as e:  # a neighbour already gone: nothing left to deliver
+            log.warning("stage %d: closing the link: %s", self.stage, e)

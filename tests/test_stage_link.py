@@ -1,0 +1,82 @@
+"""Activations over torch.distributed (gloo between CPU stages here; nccl on GPUs): the same
+tokens as ZeroMQ frames, in serial and pipelined groups, and a refused window leaves the link
+in step."""
+from __future__ import annotations
+
+import pytest
+
+from strata.coordinator.generate import Sequence, generate_solo
+from strata.coordinator.pipeline import WindowFailed
+from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.scheduler import SchedulerConfig
+from strata.launch import harness
+from strata.launch.plan import PlanError, StagePlan, plan_stages
+from strata.launch.processes import resolve_link
+from strata.launch.session import launch_stages
+from strata.model.gguf_file import ModelFile
+from strata.model.tokenizer import Tokenizer
+from strata.protocol.messages import Window
+
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def model(smollm2):
+    file = ModelFile(smollm2)
+    return file, Tokenizer.from_gguf(file.reader)
+
+
+def test_gloo_link_gives_the_frames_tokens(model, no_stage_left):
+    file, tok = model
+    prompts = [tok.encode(p) for p in harness.prompt_set(4)]
+    params = [harness.request_params(i, i % 2 == 1, 12) for i in range(4)]
+    plan = plan_stages("10,20", ["cpu"], file.config.n_layers)
+    got = {}
+    for link in ("zmq", "gloo"):
+        with launch_stages(file, plan, slots=4, ctx=CTX, link=link, say=lambda s: None) as run:
+            assert run.procs.link == link
+            if link == "gloo":
+                assert "--link" in run.procs.command(1)
+            for groups in (1, 2):
+                cfg = SchedulerConfig(slots=4, groups=groups, ctx=CTX)
+                reqs = harness.run_together(run, cfg, tok, prompts, params)
+                got[link, groups] = [r.seq.generated for r in reqs]
+    assert all(len(t) > 0 for t in got["zmq", 1])
+    assert got["gloo", 1] == got["zmq", 1]
+    assert got["gloo", 2] == got["zmq", 1]
+
+
+def test_refused_window_keeps_the_link_in_step(model, no_stage_left):
+    """Stage 0 refuses a window with a gap: it sends nothing, so the next window's
+    activations still meet their header on stage 1."""
+    file, tok = model
+    prompt = tok.encode("The capital of France is")
+    plan = plan_stages("15", ["cpu"], file.config.n_layers)
+
+    def solo(run):
+        seq = Sequence(prompt, SamplingParams(max_tokens=6), frozenset(), CTX)
+        generate_solo(run.pipe, seq)
+        return seq.generated
+
+    with launch_stages(file, plan, slots=2, ctx=CTX, link="gloo", say=lambda s: None) as run:
+        before = solo(run)
+        run.pipe.submit(Window(id=run.pipe.new_window_id(), slots=[1], positions=[40],
+                               tokens=[5]))
+        with pytest.raises(WindowFailed, match="gap"):
+            run.pipe.receive(timeout=60)
+        assert solo(run) == before
+
+
+def test_resolve_link():
+    cpu2 = [StagePlan(0, 0, 2, "cpu"), StagePlan(1, 2, 4, "cpu")]
+    gpu2 = [StagePlan(0, 0, 2, "cuda:0"), StagePlan(1, 2, 4, "cuda:1")]
+    mixed = [StagePlan(0, 0, 2, "cuda:0"), StagePlan(1, 2, 4, "cpu")]
+    assert resolve_link("auto", cpu2) == "zmq"
+    assert resolve_link("auto", gpu2) == "nccl"
+    assert resolve_link("auto", mixed) == "zmq"
+    assert resolve_link("auto", gpu2[:1]) == "zmq"
+    assert resolve_link("gloo", cpu2) == "gloo"
+    with pytest.raises(PlanError, match="every stage on a CUDA device"):
+        resolve_link("nccl", mixed)
+    with pytest.raises(PlanError, match="links CPU stages"):
+        resolve_link("gloo", gpu2)
