@@ -1,0 +1,188 @@
+"""`strata-bench sweep`: total tok/s against the number of concurrent clients, for several modes
+side by side in one run, as a table, a JSON file and a plot.
+
+  1gpu       one stage holding the whole model on the first device, groups 1
+  serial     the --layer-split stages, groups 1 (a window passes every stage before the next)
+  pipelined  the same stages, groups auto (one group of slots in flight per stage)
+
+Each stage layout is launched once; every client count and every mode of that layout runs inside
+that launch, the modes interleaved per client count so that they share the machine's noise.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, replace
+from statistics import mean, median
+
+import click
+from click.core import ParameterSource
+
+from strata.coordinator.scheduler import SchedulerConfig, auto_groups
+from strata.launch import harness
+from strata.launch.options import (Prepared, clean_errors, launch_options, parse_devices_for,
+                                   prepare)
+from strata.model.tokenizer import Tokenizer
+
+MODES = ("1gpu", "serial", "pipelined")
+COLUMNS = (f"{'mode':>9} {'clients':>7} {'stages':>6} {'groups':>6} {'total tok/s':>11} "
+           f"{'per-req tok/s':>13} {'TTFT med s':>10}")
+
+
+def parse_clients(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]: client counts, each at least 1, in the order given."""
+    try:
+        counts = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--clients {text!r} is not a list of client counts of 1 or more; use "
+                         f"e.g. --clients 1,2,4,8")
+    return counts
+
+
+def parse_modes(text: str) -> list[str]:
+    """'serial,pipelined' -> the modes to run, checked, in the order of MODES."""
+    asked = {m.strip() for m in text.split(",") if m.strip()}
+    unknown = sorted(asked - set(MODES))
+    if unknown or not asked:
+        raise ValueError(f"--modes {text!r}: unknown or empty ({', '.join(unknown) or 'none'}); "
+                         f"choose among {','.join(MODES)}")
+    return [m for m in MODES if m in asked]
+
+
+@dataclass
+class Layout:
+    """One launch of stages and the modes (name -> scheduler config) measured inside it."""
+    prep: Prepared
+    modes: dict[str, SchedulerConfig]
+
+    @property
+    def devices(self) -> str:
+        return ",".join(p.device for p in self.prep.plan)
+
+
+def plan_layouts(launch: dict, modes: list[str], batch: int) -> list[Layout]:
+    """Check every layout before any process starts; modes whose stages are the same share one
+    launch (e.g. 1gpu and a --layer-split of one stage on the same device)."""
+    modes_of: dict[str, tuple[Prepared, SchedulerConfig]] = {}
+    if "1gpu" in modes:
+        first = parse_devices_for(launch["devices"])[0]
+        one = prepare(**{**launch, "layer_split": "auto", "devices": first, "batch": batch,
+                         "batch_groups": "1"})
+        modes_of["1gpu"] = (one, one.sched)
+    if "serial" in modes or "pipelined" in modes:
+        split = prepare(**{**launch, "batch": batch, "batch_groups": "1"})
+        piped = replace(split.sched, groups=auto_groups(batch, len(split.plan)))
+        modes_of |= {m: (split, cfg) for m, cfg in (("serial", split.sched), ("pipelined", piped))
+                     if m in modes}
+    layouts: list[Layout] = []
+    for mode, (prep, cfg) in modes_of.items():
+        same = next((lay for lay in layouts if lay.prep.plan == prep.plan), None)
+        if same is None:
+            layouts.append(same := Layout(prep, {}))
+        same.modes[mode] = cfg
+    return layouts
+
+
+def measure(run, cfg: SchedulerConfig, tok, mode: str, clients: int, tokens: int) -> dict:
+    """One row: `clients` requests at once, `tokens` each, through this launch and config."""
+    r = harness.measure_throughput(run, cfg, tok, clients, tokens)
+    return {"mode": mode, "clients": clients, "stages": len(run.plan), "groups": cfg.groups,
+            "total_tok_s": r.total_tok_s, "per_request_tok_s": mean(r.per_request),
+            "ttft_median_s": median(r.ttft)}
+
+
+def format_row(row: dict) -> str:
+    return (f"{row['mode']:>9} {row['clients']:>7} {row['stages']:>6} {row['groups']:>6} "
+            f"{row['total_tok_s']:>11.2f} {row['per_request_tok_s']:>13.2f} "
+            f"{row['ttft_median_s']:>10.3f}")
+
+
+def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo) -> list[dict]:
+    """Launch each layout once; for each client count, run its modes one after the other."""
+    rows = []
+    for layout in layouts:
+        tok = Tokenizer.from_gguf(layout.prep.file.reader)
+        with layout.prep.launch(say=lambda s: None) as run:
+            # warm-up, not measured: the first windows of each shape (CUDA graph captures)
+            harness.measure_throughput(run, next(iter(layout.modes.values())), tok, 1, 2)
+            for n in clients:
+                for mode, cfg in layout.modes.items():
+                    rows.append(measure(run, cfg, tok, mode, n, tokens))
+                    echo(format_row(rows[-1]))
+    order = {m: i for i, m in enumerate(MODES)}
+    return sorted(rows, key=lambda r: (order[r["mode"]], clients.index(r["clients"])))
+
+
+def check_plot_backend() -> None:
+    """Fail before the sweep, not after it, when --plot cannot be drawn."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib")
+
+
+def plot(path: str, rows: list[dict], title: str) -> None:
+    """Total tok/s against clients (log2 axis), one line per mode, rendered by Agg to PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import ScalarFormatter
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        points = [(r["clients"], r["total_tok_s"]) for r in rows if r["mode"] == mode]
+        ax.plot(*zip(*points), marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["clients"] for r in rows}))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("total tok/s")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=120)
+
+
+@click.command()
+@launch_options
+@click.option("--clients", default="1,2,4,8,16,32", show_default=True,
+              help="Concurrent client counts to measure.")
+@click.option("--modes", default=",".join(MODES), show_default=True,
+              help="Which of 1gpu, serial, pipelined to run.")
+@click.option("--tokens", type=int, default=32, show_default=True, help="Tokens per client.")
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG: total tok/s against clients, one line per mode.")
+@clean_errors("strata-bench sweep")
+def sweep(clients, modes, tokens, json_out, plot_path, **launch):
+    """Total tok/s against concurrent clients for 1gpu, serial and pipelined side by side.
+    --batch defaults to the largest client count; --batch-groups is set by each mode."""
+    from strata.launch.bench import machine  # bench registers this command: import at run time
+
+    counts, chosen = parse_clients(clients), parse_modes(modes)
+    if tokens < 2:
+        raise ValueError(f"--tokens {tokens} is below 2: a per-request rate needs two tokens")
+    if plot_path:
+        check_plot_backend()
+    if click.get_current_context().get_parameter_source("batch") is ParameterSource.DEFAULT:
+        launch["batch"] = max(counts)
+    layouts = plan_layouts(launch, chosen, launch["batch"])
+    model = layouts[0].prep.file.path.name
+    devices = "; ".join(f"{'/'.join(lay.modes)} on {lay.devices}" for lay in layouts)
+    conditions = {"model": model, "tokens_per_client": tokens, "batch": launch["batch"],
+                  "window_rows": launch["window_rows"], "chunk_rows": launch["chunk_rows"],
+                  "ctx_size": launch["ctx_size"], "layer_split": launch["layer_split"],
+                  "devices": devices, "clients": counts, "modes": chosen}
+    click.echo(f"# {model}, {tokens} tokens per client, batch {launch['batch']}, window rows "
+               f"{launch['window_rows']}; {devices}; {machine()}")
+    click.echo(COLUMNS)
+    rows = run_sweep(layouts, counts, tokens, click.echo)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"machine": machine(), "conditions": conditions, "results": rows}, f,
+                      indent=2)
+    if plot_path:
+        plot(plot_path, rows, f"{model}: total tok/s vs concurrent clients\n{devices}")
