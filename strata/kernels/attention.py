@@ -60,6 +60,19 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return attend_rows_masked(q, k_cache, v_cache, slot, length)
 
 
+def attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """attend_rows for the rows of a prompt chunk: every live row (length > 0) belongs to the
+    same slot; pad rows (length 0) may carry any slot and give zeros. On CUDA (or under
+    TRITON_INTERPRET=1) the blocked Triton kernel of attention_chunk_triton.py, which reads each
+    key tile once for a block of rows and keeps every row's bits independent of the others;
+    elsewhere attend_rows_masked (plain torch)."""
+    if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        from strata.kernels.attention_chunk_triton import attend_chunk_triton
+        return attend_chunk_triton(q, k_cache, v_cache, slot, length)
+    return attend_rows_masked(q, k_cache, v_cache, slot, length)
+
+
 def attend_rows_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
     """attend_rows over the whole context with positions >= length masked (plain torch)."""
