@@ -82,9 +82,9 @@ def generate_solo(pipe: Pipeline, seq: Sequence, *, slot: int = 0,
     commits = [(slot, 0)]  # a fresh conversation: nothing of the slot's past is kept
     want_logits = on_logits is not None
 
-    def run(rows: list[Row], shape: int) -> int | None:
+    def run(rows: list[Row], shape: int, chunk: bool = False) -> int | None:
         nonlocal commits
-        w = build_window(pipe.new_window_id(), rows, shape, commits, want_logits)
+        w = build_window(pipe.new_window_id(), rows, shape, commits, want_logits, chunk)
         commits = []
         pipe.submit(w)
         result, tensors = pipe.receive()
@@ -96,7 +96,7 @@ def generate_solo(pipe: Pipeline, seq: Sequence, *, slot: int = 0,
 
     token = None
     for rows in prompt_chunks(slot, seq.prompt, 0, chunk_rows, params):
-        token = run(rows, chunk_rows)
+        token = run(rows, chunk_rows, chunk=True)
     while not seq.accept(token):
         token = run([Row(slot, seq.length - 1, seq.last_token, params)], window_rows)
     return seq

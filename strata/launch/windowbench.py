@@ -188,7 +188,7 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
                 rws = [Row(s, q, prompt[q]) for q in range(a, b)]
                 if b == context:
                     rws[-1] = Row(s, b - 1, prompt[b - 1], GREEDY)
-                pipe.submit(build_window(pipe.new_window_id(), rws, chunk))
+                pipe.submit(build_window(pipe.new_window_id(), rws, chunk, chunk=True))
                 result, _ = pipe.receive(timeout=600)
             last[s] = result.tokens[0]
         pos = {s: context for s in last}

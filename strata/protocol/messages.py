@@ -36,7 +36,9 @@ class Window:
     rows: slots/positions/tokens are [W]; a pad row has slot -1. Before computing, each stage
     applies `commits`: (slot, length) keeps positions [0, length) of that slot's KV.
     `sample` names the rows whose output the last stage samples, with each row's parameters
-    and the uniform draw u the coordinator made for it.
+    and the uniform draw u the coordinator made for it. `chunk` marks a prompt chunk: every
+    live row belongs to one slot (CUDA stages read such rows with the blocked chunk kernel, so
+    a coordinator must mark every prompt row alike to get the same bits each time).
     """
     id: int
     slots: list[int]
@@ -50,6 +52,7 @@ class Window:
     min_p: list[float] = field(default_factory=list)
     u: list[float] = field(default_factory=list)
     want_logits: bool = False
+    chunk: bool = False
     stage_ms: list[float] = field(default_factory=list)  # each stage appends its compute time
 
     def __post_init__(self):

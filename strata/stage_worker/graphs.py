@@ -68,10 +68,10 @@ class WindowRunner:
 
     # -- layers ----------------------------------------------------------------------------
 
-    def layers(self, inputs: torch.Tensor, rows: Rows) -> torch.Tensor:
+    def layers(self, inputs: torch.Tensor, rows: Rows, chunk: bool = False) -> torch.Tensor:
         """inputs: token ids [R] (first stage) or hidden states [R, D], on any device.
-        Returns hidden states [R, D] on the model's device (a static buffer when graphed:
-        read it before the next window)."""
+        chunk: one slot's prompt rows (Window.chunk). Returns hidden states [R, D] on the
+        model's device (a static buffer when graphed: read it before the next window)."""
         m = self.model
         self.window_head = None
         if not m.row_tensors:
@@ -80,10 +80,14 @@ class WindowRunner:
         if not m.first:
             inputs = inputs.to(m.dtype)
         if not self.capacity:
-            return m(inputs.to(m.device), RowTensors.unpack(packed.to(m.device)), self.cache)
-        with_head = m.last and len(rows.slots) == LOGIT_BLOCK
-        key = ("layers+head" if with_head else "layers", len(rows.slots))
-        fn = self._layers_head_fn if with_head else self._layers_fn
+            return m(inputs.to(m.device), RowTensors.unpack(packed.to(m.device)), self.cache,
+                     chunk)
+        with_head = m.last and len(rows.slots) == LOGIT_BLOCK and not chunk
+        if chunk:
+            key, fn = ("chunk", len(rows.slots)), self._chunk_fn
+        else:
+            key = ("layers+head" if with_head else "layers", len(rows.slots))
+            fn = self._layers_head_fn if with_head else self._layers_fn
         out = self._graph(key, fn, [inputs.to(m.device), packed.to(m.device)])(inputs, packed)
         if with_head:
             self.window_head = out[1:]
@@ -91,6 +95,9 @@ class WindowRunner:
 
     def _layers_fn(self, inputs: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor]:
         return (self.model(inputs, RowTensors.unpack(packed), self.cache),)
+
+    def _chunk_fn(self, inputs: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.model(inputs, RowTensors.unpack(packed), self.cache, chunk=True),)
 
     def _layers_head_fn(self, inputs: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor,
                                                                                      ...]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.attention import attend, attend_rows
+from strata.kernels.attention import attend, attend_chunk, attend_rows
 from strata.kernels.fused import rms_norm_rows, rope_write_kv, silu_mul
 from strata.kernels.norms import rms_norm, swiglu
 from strata.kernels.rope import apply_rope, rope_table
@@ -65,6 +65,7 @@ class WindowMeta:
     rows: Rows | None = None
     live: torch.Tensor | None = None         # Rows: indices of live rows
     tensors: RowTensors | None = None
+    chunk: bool = False  # RowTensors of one slot's prompt: the blocked chunk attention
 
 
 class KVCache:
@@ -148,7 +149,8 @@ class Layer(torch.nn.Module):
         qkv = F.linear(rms_norm_rows(x, self.attn_norm, cfg.rms_eps), self.wqkv)
         q = rope_write_kv(qkv, meta.cos, meta.sin, rows.slot, rows.pos, k_cache, v_cache,
                           cfg.n_heads)                                    # [R, H, hd]
-        attn = attend_rows(q, k_cache, v_cache, rows.slot, rows.length)
+        attend_fn = attend_chunk if meta.chunk else attend_rows
+        attn = attend_fn(q, k_cache, v_cache, rows.slot, rows.length)
         x = torch.addmm(x, attn.view(x.shape[0], -1), self.wo.t())         # x + attn wo^T
         h = rms_norm_rows(x, self.ffn_norm, cfg.rms_eps)
         return torch.addmm(x, silu_mul(F.linear(h, self.w_gate_up)), self.w_down.t())
@@ -188,14 +190,16 @@ class StageModel(torch.nn.Module):
                          else load("token_embd.weight" if cfg.tied_head else "output.weight"))
         self.cos, self.sin = (t.to(self.device) for t in rope_table(cfg.rope_dim, cfg.rope_base, ctx))
 
-    def forward(self, inputs: torch.Tensor, rows: Rows | RowTensors,
-                cache: KVCache) -> torch.Tensor:
-        """inputs: token ids [R] on the first stage, else hidden states [R, D]. Returns [R, D]."""
+    def forward(self, inputs: torch.Tensor, rows: Rows | RowTensors, cache: KVCache,
+                chunk: bool = False) -> torch.Tensor:
+        """inputs: token ids [R] on the first stage, else hidden states [R, D]. Returns [R, D].
+        chunk: the rows are one slot's prompt rows (the tensor path's chunk attention; the
+        list path computes every window alike)."""
         if isinstance(rows, Rows) and self.row_tensors:
             rows = RowTensors.unpack(RowTensors.pack(rows, cache.trash).to(self.device))
         x = F.embedding(inputs, self.embed) if self.first else inputs.to(self.dtype)
         if isinstance(rows, RowTensors):
-            meta = WindowMeta(self.cos, self.sin, tensors=rows)
+            meta = WindowMeta(self.cos, self.sin, tensors=rows, chunk=chunk)
         else:
             pos = torch.tensor([max(p, 0) for p in rows.positions])
             meta = WindowMeta(self.cos[pos], self.sin[pos], rows=rows,

@@ -27,7 +27,7 @@ from strata.stage_worker.model import KVCache, Rows, StageModel
 log = logging.getLogger("strata.worker")
 ACTIVATION_DTYPES = ("float32", "uint16")  # fp32 from CPU stages, bf16 bits from CUDA stages
 SPIN_S = 0.005  # a CUDA stage polls this long for its next window before it blocks
-WARM_ROWS = (8, 32)  # the coordinator's default decode window and prompt chunk rows
+WARM_SHAPES = ((8, False), (32, True))  # (rows, chunk): the default decode window and chunk
 
 
 @dataclass(frozen=True)
@@ -113,10 +113,10 @@ class StageWorker:
             return 0.0
         m = self.model
         with torch.inference_mode():
-            for n in WARM_ROWS:
+            for n, chunk in WARM_SHAPES:
                 inputs = (torch.zeros(n, dtype=torch.long) if m.first
                           else torch.zeros(n, m.cfg.d_model, dtype=m.dtype))
-                hidden = self.runner.layers(inputs, Rows([-1] * n, [0] * n))
+                hidden = self.runner.layers(inputs, Rows([-1] * n, [0] * n), chunk=chunk)
                 if m.last and self.runner.window_head is None:
                     self.runner.logits(hidden[:1])
         torch.cuda.synchronize()
@@ -177,7 +177,7 @@ class StageWorker:
         else:
             inputs = transport.frame_tensor(tensors[0])  # bf16 bits or fp32, on the host
         with torch.inference_mode():
-            hidden = self.runner.layers(inputs, rows)
+            hidden = self.runner.layers(inputs, rows, chunk=w.chunk)
         for s, p in zip(w.slots, w.positions):
             if s >= 0:
                 self.cache.filled[s] = max(self.cache.filled[s], p + 1)
@@ -227,6 +227,9 @@ class StageWorker:
                 raise RowError(f"window {w.id}: position {p} is outside the context of {c.ctx}")
             if s >= 0 and self.model.first and not 0 <= t < self.model.cfg.vocab:
                 raise RowError(f"window {w.id}: token {t} is outside the vocabulary")
+        if w.chunk and len({s for s in w.slots if s >= 0}) > 1:
+            raise RowError(f"window {w.id} is marked as a prompt chunk but holds rows of several "
+                           f"slots; a chunk reads one slot's prompt")
         for commit in w.commits:
             if len(commit) != 2:
                 raise RowError(f"window {w.id}: commit {commit} is not a [slot, length] pair")
