@@ -175,3 +175,52 @@ def test_context_limit_ends_with_length():
     req = sched.submit(list(range(3, 13)), SamplingParams(max_tokens=100))
     sched.run()
     assert req.seq.finish_reason == "length" and req.seq.length == 16
+
+
+@pytest.mark.parametrize("slots,groups,depth", [(1, 1, 3), (4, 1, 2), (4, 2, 2), (6, 3, 4)])
+def test_streamed_prompt_chunks_give_solo_tokens(slots, groups, depth):
+    rng = random.Random(slots * 10 + depth)
+    ps = prompts(12, rng) + [[rng.randrange(3, 60) for _ in range(70)]]  # 9 chunks of 8
+    pipe = FakePipeline(slots, 256)
+    sched = Scheduler(pipe, SchedulerConfig(slots=slots, groups=groups, chunk_rows=8, ctx=256,
+                                            prompt_depth=depth), frozenset({STOP}))
+    reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
+    sched.run()
+    assert [r.seq.generated for r in reqs] == run_alone(ps)
+    assert groups < pipe.max_in_flight <= groups * depth  # chunks streamed, within the depth
+    assert sched.idle
+
+
+def test_a_lone_prompt_streams_exactly_depth_chunks():
+    pipe = FakePipeline(1, 256)
+    sched = Scheduler(pipe, SchedulerConfig(slots=1, chunk_rows=8, ctx=256, prompt_depth=3),
+                      frozenset({STOP}))
+    req = sched.submit(list(range(3, 53)), params(0))
+    sched.run()
+    assert pipe.max_in_flight == 3 and req.seq.generated == run_alone([list(range(3, 53))])[0]
+
+
+def test_streamed_prompt_cancelled_or_failed_ends_once():
+    done = []
+    pipe = FakePipeline(2, 256, fail_slot=1)
+    sched = Scheduler(pipe, SchedulerConfig(slots=2, groups=2, chunk_rows=8, ctx=256,
+                                            prompt_depth=3), frozenset({STOP}))
+    ok = sched.submit(list(range(3, 60)), params(0, 4), on_done=done.append)
+    bad = sched.submit(list(range(5, 60)), params(0, 4), on_done=done.append)  # slot 1 fails
+    sched.step()
+    cancelled = sched.submit(list(range(7, 60)), params(0, 4), on_done=done.append)
+    sched.run()
+    assert bad.seq.finish_reason == "error" and done.count(bad) == 1
+    assert ok.seq.finish_reason in ("stop", "length") and done.count(ok) == 1
+    # a cancel while several of its chunks are in flight
+    pipe2 = FakePipeline(1, 256)
+    sched2 = Scheduler(pipe2, SchedulerConfig(slots=1, chunk_rows=8, ctx=256, prompt_depth=3),
+                       frozenset({STOP}))
+    req = sched2.submit(list(range(3, 60)), params(0, 4), on_done=done.append)
+    sched2.step()  # sends 3 chunks, takes the first result
+    assert len(pipe2.queue) == 2
+    sched2.cancel(req)
+    sched2.run()
+    assert req.seq.finish_reason == "cancelled" and done.count(req) == 1 and sched2.idle
+    assert pipe2.kv[0] == sched2.table.slots[0].held
+    assert cancelled.seq.finish_reason in ("stop", "length", "error")

@@ -286,4 +286,5 @@ class Engine:
                                   "reading" if slot.read_pos < prompt else "decoding",
                                   job.id if job else None, prompt, slot.read_pos, req.reused,
                                   len(req.seq.generated), rate))
-        self.snapshot = Snapshot(tuple(views), tuple(s.busy), len(s.queue), self.pipe.windows)
+        self.snapshot = Snapshot(tuple(views), tuple(f > 0 for f in s.flights), len(s.queue),
+                                 self.pipe.windows)

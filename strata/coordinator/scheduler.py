@@ -1,9 +1,12 @@
 """The batch scheduler: slots in groups, windows in flight, admissions, completions, cancels.
 
 Policy only: windows are built by windows.py and run by Pipeline. Every slot belongs to one
-group; a group has at most one window in flight, so a slot's rows are never in two windows at
-once. `groups == 1` is serial (a window passes every stage and returns before the next);
-`groups == G` keeps up to G windows in flight, one per group, each on a different stage.
+group; a group has one window in flight at a time. `groups == 1` is serial (a window passes
+every stage and returns before the next); `groups == G` keeps up to G windows in flight, one per
+group, each on a different stage. One exception: while a group has no decoding slot, it streams
+the prompt chunks of the slot it reads, up to `prompt_depth` in flight (chunk k+1 on stage 0
+while chunk k is on stage 1). Only the last chunk samples, and every stage takes windows in the
+order they were sent, so the chunks compute exactly as one at a time.
 Because every row's arithmetic is independent of its neighbours and every draw depends only on
 (seed, position), no schedule can change a request's tokens.
 """
@@ -32,12 +35,15 @@ class SchedulerConfig:
     window_rows: int = 8
     chunk_rows: int = 32
     ctx: int = 2048
+    prompt_depth: int = 1   # prompt chunks of one slot in flight at once (stages: pipelined)
 
     def __post_init__(self):
         if self.slots < 1:
             raise ValueError(f"--batch {self.slots} is below 1")
         if self.window_rows < 1 or self.chunk_rows < 1:
             raise ValueError("--window-rows and --chunk-rows must be at least 1")
+        if self.prompt_depth < 1:
+            raise ValueError(f"prompt depth {self.prompt_depth} is below 1")
         if self.groups < 1 or self.slots % self.groups:
             raise ValueError(f"--batch-groups {self.groups} does not divide --batch {self.slots}; "
                              f"use a divisor of {self.slots} or auto")
@@ -52,6 +58,7 @@ class Request:
     cancelled: bool = False
     reused: int = 0          # prompt tokens the slot already held
     error: str | None = None
+    notified: bool = False   # on_done was called (exactly once)
 
     @property
     def done(self) -> bool:
@@ -72,7 +79,8 @@ class Scheduler:
         self.table = SlotTable(cfg.slots, cfg.groups)
         self.queue: deque[Request] = deque()
         self.in_flight: dict[int, _Flight] = {}
-        self.busy = [False] * cfg.groups
+        self.flights = [0] * cfg.groups             # windows in flight per group
+        self.streaming: list[Slot | None] = [None] * cfg.groups  # slot whose chunks stream
         self.commits: list[tuple[int, int]] = []   # ride on the next window submitted
         self.prefer_read = [True] * cfg.groups     # alternate prompt chunks and decode windows
         self.cursor = [0] * cfg.groups             # rotation over a group's decoding slots
@@ -105,12 +113,12 @@ class Scheduler:
         """Admit, fill every idle group with a window, then handle one result.
         Returns False when there was nothing to do."""
         for slot in self.table.slots:  # cancelled requests not in flight leave now
-            if not slot.free and slot.request.cancelled and not self.busy[slot.group]:
+            if not slot.free and slot.request.cancelled and not self.flights[slot.group]:
                 self._release(slot, slot.request, "cancelled")
         self._admit()
         for group in range(self.cfg.groups):
-            if not self.busy[group]:
-                self._launch(group)
+            while self._launch(group):
+                pass
         if not self.in_flight:
             if not self.commits:
                 return False
@@ -127,7 +135,7 @@ class Scheduler:
             else:
                 self._fail(flight, str(e))
             return True
-        self.busy[flight.group] = False
+        self._landed(flight.group)
         sampled = iter(result.tokens)
         for slot, req, sampling in flight.rows:
             token = next(sampled) if sampling else None
@@ -158,10 +166,18 @@ class Scheduler:
                 log.info("request %d: slot %d reuses %d of %d prompt tokens", req.id, slot.index,
                          reuse, len(req.seq.prompt))
 
-    def _launch(self, group: int) -> None:
+    def _launch(self, group: int) -> bool:
+        """Submit the group's next window if it may have one now; True if one was sent."""
         slots = [s for s in self.table.in_group(group) if not s.free]
         reading = [s for s in slots if s.read_pos < len(s.request.seq.prompt)]
         decoding = [s for s in slots if s.read_pos >= len(s.request.seq.prompt)]
+        if self.flights[group]:
+            slot = self.streaming[group]
+            if (slot is None or slot not in reading or decoding or slot.request.cancelled
+                    or self.flights[group] >= self.cfg.prompt_depth):
+                return False
+            self._submit_chunk(group, slot)
+            return True
         if reading and (self.prefer_read[group] or not decoding):
             self.prefer_read[group] = False
             self._submit_chunk(group, min(reading, key=lambda s: s.request.id))
@@ -174,6 +190,9 @@ class Scheduler:
                         s.request.seq.params) for s in chosen]
             self._submit(group, rows, self.cfg.window_rows,
                          [(s, s.request, True) for s in chosen])
+        else:
+            return False
+        return True
 
     def _submit_chunk(self, group: int, slot: Slot) -> None:
         seq, start = slot.request.seq, slot.read_pos
@@ -184,14 +203,21 @@ class Scheduler:
             rows[-1] = Row(slot.index, end - 1, seq.prompt[end - 1], seq.params)
         slot.read_pos = end
         slot.held.extend(seq.prompt[start:end])
-        self._submit(group, rows, self.cfg.chunk_rows, [(slot, slot.request, last)])
+        self.streaming[group] = None if last else slot
+        self._submit(group, rows, self.cfg.chunk_rows, [(slot, slot.request, last)], chunk=True)
 
-    def _submit(self, group: int, rows: list[Row], shape: int, owners) -> None:
-        w = build_window(self.pipe.new_window_id(), rows, shape, self.commits)
+    def _submit(self, group: int, rows: list[Row], shape: int, owners,
+                chunk: bool = False) -> None:
+        w = build_window(self.pipe.new_window_id(), rows, shape, self.commits, chunk=chunk)
         self.commits = []
         self.in_flight[w.id] = _Flight(group, owners)
-        self.busy[group] = True
+        self.flights[group] += 1
         self.pipe.submit(w)
+
+    def _landed(self, group: int) -> None:
+        self.flights[group] -= 1
+        if not self.flights[group]:
+            self.streaming[group] = None
 
     def _release(self, slot: Slot, req: Request, reason: str) -> None:
         """The slot keeps its prompt's KV (the conversation cache); nothing decoded stays."""
@@ -201,17 +227,23 @@ class Scheduler:
         self._finish(req, reason)
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.notified:  # a later window of a streamed prompt: the request already ended
+            return
         if req.seq.finish_reason is None or reason == "cancelled":
             req.seq.finish_reason = reason
+        req.notified = True
         req.on_done(req)
 
     def _fail(self, flight: _Flight, message: str) -> None:
         """A stage refused a window: its requests end with the error; the rest go on."""
-        self.busy[flight.group] = False
+        self._landed(flight.group)
         log.error("window failed: %s", message)
         for slot, req, _ in flight.rows:
+            if req.notified:
+                continue
             req.error = message
-            slot.held.clear()  # the stages may hold part of the window: keep nothing
+            if slot.request is req:
+                slot.held.clear()  # the stages may hold part of the window: keep nothing
             self._release(slot, req, "error")
 
 
