@@ -5,6 +5,7 @@
   throughput  C concurrent clients x T tokens: serial vs pipelined groups in one run
   loadtest    C concurrent HTTP clients for a bounded time against strata-launch serving
   sweep       total tok/s against concurrent clients: 1gpu, serial, pipelined side by side
+  prompt      a long prompt's reading rate: serial vs pipelined chunks, FLOP/s and % of peak
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from strata.launch.options import (clean_errors, launch_options, open_model, par
                                    prepare)
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
+from strata.launch.promptbench import prompt
 from strata.launch.sweep import sweep
 from strata.model.gguf_file import ModelFile
 from strata.model.registry import DEFAULT_MODEL, resolve_model
@@ -165,6 +167,7 @@ def throughput(batches, clients, tokens, json_out, **launch):
 
 main.add_command(loadtest)
 main.add_command(sweep)
+main.add_command(prompt)
 
 @main.command()
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
