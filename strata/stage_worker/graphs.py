@@ -44,7 +44,9 @@ class _Captured:
         # first device that captured). Each graph has its own memory pool: a pool shared by
         # graphs cannot be reused once they are all evicted while one of their outputs lives
         # (torch asserts), and a graph's own pool is small (the window's activations).
-        with torch.cuda.graph(self.graph, stream=torch.cuda.Stream()):
+        # thread_local: the NCCL link's watchdog thread queries events during a capture
+        with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(),
+                              capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
