@@ -25,7 +25,7 @@ def test_prompt_bench_serial_and_pipelined(tiny_model, no_stage_left, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads((tmp_path / "p.json").read_text())
     rows = {r["arm"]: r for r in report["results"]}
-    assert rows["serial"]["prompt_depth"] == 1 and rows["pipelined"]["prompt_depth"] == 2
+    assert rows["serial"]["prompt_depth"] == 1 and rows["pipelined"]["prompt_depth"] == 3
     assert report["stages"] == 2 and report["chunk_rows"] == 16
     for r in rows.values():
         assert r["tok_s"] > 0 and abs(r["tok_s"] * r["seconds"] - 100) < 1e-6

@@ -5,7 +5,8 @@ group; a group has one window in flight at a time. `groups == 1` is serial (a wi
 every stage and returns before the next); `groups == G` keeps up to G windows in flight, one per
 group, each on a different stage. One exception: while a group has no decoding slot, it streams
 the prompt chunks of the slot it reads, up to `prompt_depth` in flight (chunk k+1 on stage 0
-while chunk k is on stage 1). Only the last chunk samples, and every stage takes windows in the
+while chunk k is on stage 1; launches use stages + 1, so the next chunk already waits at stage 0
+when a result comes back). Only the last chunk samples, and every stage takes windows in the
 order they were sent, so the chunks compute exactly as one at a time.
 Because every row's arithmetic is independent of its neighbours and every draw depends only on
 (seed, position), no schedule can change a request's tokens.
@@ -35,7 +36,7 @@ class SchedulerConfig:
     window_rows: int = 8
     chunk_rows: int = 32
     ctx: int = 2048
-    prompt_depth: int = 1   # prompt chunks of one slot in flight at once (stages: pipelined)
+    prompt_depth: int = 1   # prompt chunks of one slot in flight at once (> 1: pipelined)
 
     def __post_init__(self):
         if self.slots < 1:

@@ -108,7 +108,8 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
                             f"divisor of {batch} or auto")
     check_fits(file.config, plan, batch, ctx_size)
     sched = SchedulerConfig(slots=batch, groups=groups, window_rows=window_rows,
-                            chunk_rows=chunk_rows, ctx=ctx_size, prompt_depth=len(plan))
+                            chunk_rows=chunk_rows, ctx=ctx_size,
+                            prompt_depth=len(plan) + 1)  # + 1: the next chunk waits at stage 0
     return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan))
 
 

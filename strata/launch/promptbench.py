@@ -3,8 +3,8 @@
 One launch, one slot; each round reads a fresh random prompt of --prompt-tokens tokens (a new
 first token each time, so nothing is reused from the slot's cache) and samples one token, once
 with one chunk in flight at a time (serial: a chunk passes every stage before the next starts)
-and once with as many chunks in flight as there are stages (pipelined: chunk k+1 on stage 0
-while chunk k is on stage 1). The two arms alternate, so they share the machine's noise; the
+and once with stages + 1 chunks in flight (pipelined: chunk k+1 on stage 0 while chunk k is on
+stage 1, and the next one already waiting at stage 0). The two arms alternate, so they share the machine's noise; the
 best round of each is reported.
 
 FLOP rates are given two ways: the issue's convention, 2 x the model's parameters per token
@@ -57,12 +57,14 @@ def read_once(run, cfg: SchedulerConfig, prompt: list[int]) -> float:
               help="Rounds; each reads a fresh prompt in both arms; the best round is kept.")
 @click.option("--peak-tflops", type=float, default=790.0, show_default=True,
               help="Peak bf16 TFLOP/s of one device (790: measured on an H200).")
+@click.option("--depth", type=int, default=None,
+              help="Chunks in flight in the pipelined arm (default: stages + 1).")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @clean_errors("strata-bench prompt")
-def prompt(prompt_tokens, repeats, peak_tflops, json_out, **launch):
+def prompt(prompt_tokens, repeats, peak_tflops, depth, json_out, **launch):
     """Prompt reading: tok/s and TFLOP/s, serial vs pipelined chunks, in one launch."""
-    if prompt_tokens < 1 or repeats < 1:
-        raise ValueError("--prompt-tokens and --repeats must be at least 1")
+    if prompt_tokens < 1 or repeats < 1 or (depth is not None and depth < 1):
+        raise ValueError("--prompt-tokens, --repeats and --depth must be at least 1")
     if launch["ctx_size"] <= prompt_tokens:
         raise ValueError(f"--ctx-size {launch['ctx_size']} cannot hold a prompt of "
                          f"{prompt_tokens} tokens and its answer; use --ctx-size "
@@ -70,7 +72,7 @@ def prompt(prompt_tokens, repeats, peak_tflops, json_out, **launch):
     prep = prepare(**{**launch, "batch": 1, "batch_groups": "1"})
     cfg = prep.file.config
     arms = {"serial": replace(prep.sched, prompt_depth=1),
-            "pipelined": replace(prep.sched, prompt_depth=len(prep.plan))}
+            "pipelined": replace(prep.sched, prompt_depth=depth or prep.sched.prompt_depth)}
     devices = sorted({p.device for p in prep.plan})
     nominal, executed = model_flops(cfg, prompt_tokens)
     peak = peak_tflops * len(devices) * 1e12
