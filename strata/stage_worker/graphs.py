@@ -33,7 +33,8 @@ class _Captured:
     Triton kernels and creates cuBLAS handles outside the capture)."""
 
     def __init__(self, fn: Callable, inputs: list[torch.Tensor]):
-        self.inputs = [x.clone() for x in inputs]
+        """inputs: examples, on the host or the device (copied to the current CUDA device)."""
+        self.inputs = [x.to(torch.cuda.current_device(), copy=True) for x in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -49,9 +50,21 @@ class _Captured:
                               capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
+        # Host inputs go through pinned staging buffers: a copy from pageable memory first
+        # waits for the whole stream (the previous window's replay), which would stall the
+        # host until the GPU is idle, so the next window's host work could not overlap it.
+        self.staging = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                        for x in self.inputs]
+        self.staged = torch.cuda.Event()  # the last copies out of the staging buffers
+
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        for static, x in zip(self.inputs, inputs):
+        self.staged.synchronize()  # done before the last replay began: no wait in practice
+        for static, stage, x in zip(self.inputs, self.staging, inputs):
+            if x.device.type == "cpu":
+                stage.copy_(x)
+                x = stage
             static.copy_(x, non_blocking=True)
+        self.staged.record()
         self.graph.replay()
         return self.outputs  # static: valid until the next replay
 
@@ -90,7 +103,7 @@ class WindowRunner:
         else:
             key = ("layers+head" if with_head else "layers", len(rows.slots))
             fn = self._layers_head_fn if with_head else self._layers_fn
-        out = self._graph(key, fn, [inputs.to(m.device), packed.to(m.device)])(inputs, packed)
+        out = self._graph(key, fn, [inputs, packed])(inputs, packed)
         if with_head:
             self.window_head = out[1:]
         return out[0]
