@@ -53,7 +53,7 @@ class StageLink:
         (their creation takes a while and needs both sides)."""
         x = torch.zeros(1, width, dtype=dtype, device=self.device)
         if self.stage > 0:
-            self.recv(1, width, dtype)
+            self.recv(1, width, dtype).wait()
         if self.stage + 1 < self.stages:
             self.send(x)
         self.flush()
@@ -66,11 +66,11 @@ class StageLink:
             work, _ = self.pending.popleft()
             work.wait()
 
-    def recv(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """The previous stage's hidden states of a window of `rows` rows."""
+    def recv(self, rows: int, width: int, dtype: torch.dtype) -> "Receiving":
+        """Post the receive of the previous stage's hidden states of a window of `rows` rows;
+        `.wait()` on the result gives them."""
         buf = torch.empty(rows, width, dtype=dtype, device=self.device)
-        dist.irecv(buf, self.stage - 1).wait()
-        return buf
+        return Receiving(dist.irecv(buf, self.stage - 1), buf)
 
     def flush(self) -> None:
         while self.pending:
@@ -82,3 +82,15 @@ class StageLink:
             dist.destroy_process_group()
         except Exception as e:  # a neighbour already gone: nothing left to deliver
             log.warning("stage %d: closing the link: %s", self.stage, e)
+
+
+class Receiving:
+    """A posted receive: wait() orders the current stream after it (NCCL) or blocks until the
+    data is here (gloo), then gives the tensor."""
+
+    def __init__(self, work: dist.Work, buf: torch.Tensor):
+        self.work, self.buf = work, buf
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.buf

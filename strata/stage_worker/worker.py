@@ -151,29 +151,25 @@ class StageWorker:
 
     def run_window(self, w: Window, tensors: list[np.ndarray]) -> None:
         t0 = time.perf_counter()
-        linked = None
+        receiving = None
         if self.link is not None and not self.model.first:
-            # first of all: the previous stage sent these whatever this stage decides
-            linked = self.link.recv(len(w.slots), self.model.cfg.d_model, self.model.dtype)
-        self._check(w, tensors)
-        # rows may extend a slot only without leaving a gap; checked before anything changes,
-        # so a refused window leaves the KV as it was
-        reach = list(self.cache.filled)
-        for slot, length in w.commits:
-            reach[slot] = min(reach[slot], length)
-        for s, p in zip(w.slots, w.positions):
-            if s >= 0:
-                if p > reach[s]:
-                    raise RowError(f"window {w.id}: slot {s} holds {reach[s]} positions, so "
-                                   f"position {p} would leave a gap")
-                reach[s] = max(reach[s], p + 1)
+            # posted first of all (the previous stage sent these whatever this stage decides);
+            # waited for only when needed, so the checks below overlap the transfer
+            receiving = self.link.recv(len(w.slots), self.model.cfg.d_model, self.model.dtype)
+        try:
+            self._check(w, tensors)
+            self._check_gaps(w)
+        except RowError:
+            if receiving is not None:
+                receiving.wait()  # complete the transfer: the link stays in step
+            raise
         for slot, length in w.commits:
             self.cache.trim(slot, length)
         rows = Rows(w.slots, w.positions)
         if self.model.first:
             inputs = torch.tensor(w.tokens, dtype=torch.long)
-        elif linked is not None:
-            inputs = linked
+        elif receiving is not None:
+            inputs = receiving.wait()
         else:
             inputs = transport.frame_tensor(tensors[0])  # bf16 bits or fp32, on the host
         with torch.inference_mode():
@@ -215,6 +211,19 @@ class StageWorker:
         tokens = [greedy[r] if p.temperature <= 0.0 else sample_row(logits[r].cpu(), p)
                   for r, p in zip(rows, params)]
         return tokens, (logits[list(rows)] if w.want_logits else None)
+
+    def _check_gaps(self, w: Window) -> None:
+        """Rows may extend a slot only without leaving a gap; checked before anything changes,
+        so a refused window leaves the KV as it was."""
+        reach = list(self.cache.filled)
+        for slot, length in w.commits:
+            reach[slot] = min(reach[slot], length)
+        for s, p in zip(w.slots, w.positions):
+            if s >= 0:
+                if p > reach[s]:
+                    raise RowError(f"window {w.id}: slot {s} holds {reach[s]} positions, so "
+                                   f"position {p} would leave a gap")
+                reach[s] = max(reach[s], p + 1)
 
     def _check(self, w: Window, tensors: list[np.ndarray]) -> None:
         c, d = self.cfg, self.model.cfg.d_model
