@@ -82,6 +82,7 @@ class StageWorker:
         # CPU stages compute on the cores a spinning neighbour would take: they block at once
         self.spin_s = SPIN_S if self.model.device.type == "cuda" else 0.0
         warm_s = self.warm_up()
+        self.unsent = None  # (event, window, t0, Result, frames) of a last-stage window
         self.link = None
         if cfg.link != "zmq":
             self.link = StageLink(cfg.link, cfg.link_init, cfg.stage, cfg.link_world,
@@ -130,12 +131,15 @@ class StageWorker:
     def serve(self) -> None:
         transport.send(self.to_coordinator, self.hello())
         while True:
+            if self.unsent is not None and not self.inbox.poll(0):
+                self._send_unsent()  # nothing else to enqueue: finish the window in hand
             try:
                 msg, tensors = transport.recv(self.inbox, self.spin_s)
             except ProtocolError as e:
                 self._error(-1, f"malformed message: {e}")
                 continue
             if isinstance(msg, Shutdown):
+                self._send_unsent()
                 if self.to_next is not None:
                     transport.send(self.to_next, msg)
                 log.info("stage %d: shutting down (%s)", self.cfg.stage, msg.reason)
@@ -189,8 +193,25 @@ class StageWorker:
             return
         tokens, logits = self.sample(w, hidden)
         extra = [logits.cpu().numpy()] if w.want_logits else []
+        self._send_unsent()
+        if self.model.device.type == "cuda" and not w.sample_rows:
+            # a Result says the window is computed; the device may still be on it (no sampled
+            # row synchronized it): send it once the next window is enqueued, or when idle
+            done = torch.cuda.Event()
+            done.record()
+            self.unsent = (done, w, t0, Result(w.id, tokens, w.stage_ms), extra)
+            return
         w.stage_ms.append((time.perf_counter() - t0) * 1e3)
         transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms), extra)
+
+    def _send_unsent(self) -> None:
+        if self.unsent is None:
+            return
+        done, w, t0, result, extra = self.unsent
+        self.unsent = None
+        done.synchronize()
+        w.stage_ms.append((time.perf_counter() - t0) * 1e3)
+        transport.send(self.to_coordinator, result, extra)
 
     @torch.inference_mode()
     def sample(self, w: Window, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
@@ -257,6 +278,7 @@ class StageWorker:
                                f"float32 or bf16 bits as uint16")
 
     def _error(self, window: int, message: str) -> None:
+        self._send_unsent()  # answers keep the windows' order
         log.warning("stage %d: %s", self.cfg.stage, message)
         transport.send(self.to_coordinator, Error(self.cfg.stage, window, message))
 
