@@ -454,3 +454,40 @@ def test_sampling_params_with_seed():
     assert (a.temperature, a.top_k) == (0.7, 5)
     fixed = SamplingParams(seed=42)
     assert fixed.with_seed() is fixed
+
+
+def _sample_row_full_sort(logits: torch.Tensor, row: SamplingRow) -> int:
+    """sample_row as first written: the whole vocabulary stably sorted, then cut to top_k."""
+    scaled = logits.double() / row.temperature
+    order = torch.argsort(scaled, descending=True, stable=True)
+    if 0 < row.top_k < order.numel():
+        order = order[: row.top_k]
+    probs = torch.softmax(scaled[order], dim=0)
+    keep = probs.numel()
+    if row.top_p < 1.0:
+        cum = torch.cumsum(probs, dim=0)
+        keep = min(keep, int(torch.searchsorted(cum, torch.tensor(row.top_p, dtype=cum.dtype))) + 1)
+    if row.min_p > 0.0:
+        keep = min(keep, max(1, int((probs >= row.min_p * probs[0]).sum())))
+    cdf = torch.cumsum(probs[:keep], dim=0)
+    pick = min(int(torch.searchsorted(cdf, torch.tensor(row.u, dtype=cdf.dtype) * cdf[-1],
+                                      right=True)), keep - 1)
+    return int(order[pick])
+
+
+@pytest.mark.parametrize("vocab,levels", [(1000, 0), (1000, 7), (128256, 0), (49152, 40)])
+def test_top_k_without_a_full_sort_picks_the_same_tokens(vocab, levels):
+    """levels > 0 rounds logits to few values, so ties at the k-th value are everywhere."""
+    g = torch.Generator().manual_seed(vocab + levels)
+    for trial in range(12):
+        logits = torch.randn(vocab, generator=g) * 3
+        if levels:
+            logits = torch.round(logits * levels / 3) / levels
+        for top_k in (1, 2, 20, 50, vocab - 1, vocab, 0):
+            for u in (0.0, 0.37, 0.999999):
+                row = SamplingRow(temperature=0.5 + trial / 8, top_k=top_k,
+                                  top_p=(1.0, 0.9, 0.5)[trial % 3],
+                                  min_p=(0.0, 0.05)[trial % 2], u=u)
+                if top_k == 0 and vocab > 50_000 and trial > 1:
+                    continue  # the full sort is the path itself here: two trials suffice
+                assert sample_row(logits, row) == _sample_row_full_sort(logits, row), (top_k, u)

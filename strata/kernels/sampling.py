@@ -21,17 +21,13 @@ class SamplingRow:
 
 
 def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
-    """logits: [V] (any float dtype). Returns the token id."""
+    """logits: [V] (any float dtype, any device: with top_k only the k candidates leave it;
+    the arithmetic is done on the CPU in float64). Returns the token id."""
     if row.temperature <= 0.0:
         return int(torch.argmax(logits))  # first index of the maximum
-    scaled = logits.double() / row.temperature
-    # Stable sort keeps equal logits in token-id order: the CDF order is fixed.
-    order = torch.argsort(scaled, descending=True, stable=True)
-    sorted_logits = scaled[order]
-    if 0 < row.top_k < sorted_logits.numel():
-        sorted_logits = sorted_logits[: row.top_k]
-        order = order[: row.top_k]
-    probs = torch.softmax(sorted_logits, dim=0)
+    order, kept = _descending(logits, row.top_k)
+    scaled = kept.double() / row.temperature
+    probs = torch.softmax(scaled, dim=0)
     keep = probs.numel()
     if row.top_p < 1.0:
         # smallest prefix whose mass reaches top_p (at least one token)
@@ -44,6 +40,24 @@ def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
     target = torch.tensor(row.u, dtype=cdf.dtype) * cdf[-1]
     pick = min(int(torch.searchsorted(cdf, target, right=True)), keep - 1)
     return int(order[pick])
+
+
+def _descending(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, their logits) on the CPU, by logit descending, ties by token id (a stable
+    sort: the CDF order is fixed); only the first top_k when 0 < top_k < V. Those are found
+    without sorting the vocabulary: every token at or above the k-th largest logit (ties
+    included), in id order, then a stable sort of just these, cut to k: the same ids as the
+    first k of the full stable sort. Dividing by a temperature > 0 keeps this order (float
+    logits map to distinct float64 values), so it is the order of the scaled logits too."""
+    if not 0 < top_k < logits.numel():
+        logits = logits.cpu()
+        order = torch.argsort(logits, descending=True, stable=True)
+        return order, logits[order]
+    kth = torch.topk(logits, top_k, sorted=False).values.min()
+    candidates = torch.nonzero(logits >= kth).squeeze(1).cpu()   # ascending token ids
+    values = logits[candidates.to(logits.device)].cpu()
+    order = torch.argsort(values, descending=True, stable=True)[:top_k]
+    return candidates[order], values[order]
 
 
 def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:

@@ -217,7 +217,7 @@ class StageWorker:
     def sample(self, w: Window, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
         """Tokens of the sampled rows, and (if the window wants them) their fp32 logits [N, V].
         Greedy rows take the device's argmax (first index of the maximum, as sample_row);
-        sampled rows copy their logits to the host for sample_row."""
+        sampled rows go to sample_row (with top_k, only the k candidates leave the device)."""
         if not w.sample_rows:
             return [], torch.zeros(0, self.model.cfg.vocab)
         params = [SamplingRow(*p) for p in zip(w.temperature, w.top_k, w.top_p, w.min_p, w.u)]
@@ -229,7 +229,7 @@ class StageWorker:
             logits, argmax = self.runner.logits(picked)
             rows = range(len(w.sample_rows))
         greedy = argmax.tolist()
-        tokens = [greedy[r] if p.temperature <= 0.0 else sample_row(logits[r].cpu(), p)
+        tokens = [greedy[r] if p.temperature <= 0.0 else sample_row(logits[r], p)
                   for r, p in zip(rows, params)]
         return tokens, (logits[list(rows)] if w.want_logits else None)
 
