@@ -2,12 +2,8 @@
 # device call 4: host inputs of graphed windows through pinned staging buffers (no stream sync
 # per window): GPU tests, exactness on a SmolLM2-shaped model, llama3-8b prompt reading, decode
 # windows and serial vs pipelined at 16 and 32 clients
-cd "$(dirname "$0")/../.." || exit 1
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-python3 -m strata.model.mkmodel llama3-8b /tmp/l8b.gguf --weight-type BF16 --fast > $OUT/mk.log 2>&1 &
-python3 -m strata.model.mkmodel smollm2-135m /tmp/smol.gguf --weight-type BF16 --fast >> $OUT/mk.log 2>&1
+source "$(dirname "$0")/env.sh"
+models
 timeout 120 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -x 2>&1 | tail -2
 B="python3 -m strata.launch.bench"
 timeout 60 $B exact --model /tmp/smol.gguf --devices cuda:0,cuda:1 --layer-split 15 --batch 8 --batch-groups 2 2>&1 | tail -1

@@ -1,12 +1,8 @@
 #!/bin/bash
 # device call 6: a last-stage Result is sent once its window is computed (the next window
-# enqueued first), so --prompt-depth 1 is truly serial: GPU tests, exactness, prompt reading
-cd "$(dirname "$0")/../.." || exit 1
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-python3 -m strata.model.mkmodel llama3-8b /tmp/l8b.gguf --weight-type BF16 --fast > $OUT/mk.log 2>&1 &
-python3 -m strata.model.mkmodel smollm2-135m /tmp/smol.gguf --weight-type BF16 --fast >> $OUT/mk.log 2>&1
+# enqueued first), so one chunk in flight is truly serial: GPU tests, exactness, prompt reading
+source "$(dirname "$0")/env.sh"
+models
 timeout 60 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -x -k "two_gpu or graph" 2>&1 | tail -1
 B="python3 -m strata.launch.bench"
 for g in 1 2; do
