@@ -251,8 +251,11 @@ def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs
     lives = [int(x) for x in live.split(",")]
     for layout in filter(None, layouts.split(";")):
         devices = parse_devices(layout, n_cuda)
+        replay: dict[int, list[float]] = {}   # live rows -> each stage's graph replay (GPU) ms
         if what in ("step", "both"):
             for s in step_times(file, devices, rows, lives, context, iters):
+                if "replay_ms" in s:
+                    replay.setdefault(s["live"], []).append(s["replay_ms"])
                 s["hbm_limit_ms"] = (s["weight_gb"] + s["kv_read_gb"]) / hbm_tbs
                 s["layout"] = layout
                 click.echo(f"step {layout:>14} live {s['live']} stage {s['stage']} "
@@ -269,6 +272,14 @@ def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs
                                f"{r['wall_ms']:.3f} ms = stages "
                                f"{' + '.join(f'{x:.3f}' for x in r['stage_ms'])} ms + "
                                f"overhead {r['overhead_ms']:.3f} ms; {r['tok_s']:.1f} tok/s")
+                    gpu = replay.get(r["live"], [])
+                    if gc_n and len(gpu) == len(r["stage_ms"]):
+                        # stage_ms is host time where a stage does not wait for its device (the
+                        # NCCL link): wall minus the stages' GPU time says what is not compute
+                        r["gpu_ms"], r["wall_minus_gpu_ms"] = gpu, r["wall_ms"] - sum(gpu)
+                        click.echo(f"     GPU (graph replay, measured in-process above) "
+                                   f"{' + '.join(f'{x:.3f}' for x in gpu)} ms: wall - GPU = "
+                                   f"{r['wall_minus_gpu_ms']:.3f} ms per window")
                     report["pipeline"].append(r)
         save()
     save()
