@@ -19,9 +19,9 @@ timeout 100 $B prompt $L8 --ctx-size 4160 --prompt-tokens 4096 --chunk-rows 512 
   --json-out $OUT/prompt_c512.json 2>&1 | grep -v Warn | tee $OUT/prompt_c512.log
 timeout 80 $B prompt $L8 --ctx-size 4160 --prompt-tokens 4096 --chunk-rows 512 --repeats 2 \
   --depth 8 2>&1 | grep -v Warn | tail -1
-[ -n "$SKIP_WINDOW" ] || timeout 110 python3 -m strata.launch.windowbench --model /tmp/l8b.gguf \
-  --layouts "cuda:0,cuda:1" --what pipeline --live 1,8 --iters 50 --graph-caches 8 \
+[ -n "$SKIP_WINDOW" ] || timeout 150 python3 -m strata.launch.windowbench --model /tmp/l8b.gguf \
+  --layouts "cuda:0,cuda:1" --what both --live 1,8 --iters 50 --graph-caches 8 \
   --json-out $OUT/l8b_window.json 2>&1 | grep -v Warn | tee $OUT/l8b_window.log
-timeout 120 $B sweep $L8 --modes serial,pipelined --clients 16,32 --tokens 32 --ctx-size 512 \
+timeout 150 $B sweep $L8 --modes serial,pipelined --clients 16,32 --tokens 128 --ctx-size 512 \
   --json-out $OUT/sweep_l8b.json 2>&1 | grep -v Warn | tee $OUT/sweep_l8b.log
 grep -h "activations over\|Error\|error" /tmp/strata-*/stage*.log 2>/dev/null | sort | uniq -c | head -8
