@@ -50,3 +50,16 @@ def test_parse_clients_and_modes():
     assert parse_modes("pipelined,1gpu") == ["1gpu", "pipelined"]  # in the table's order
     with pytest.raises(ValueError, match="choose among 1gpu,serial,pipelined"):
         parse_modes("2gpu")
+
+
+def test_sweep_takes_the_pipelined_groups_from_batch_groups(tiny_model, no_stage_left, tmp_path):
+    out = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
+                "--ctx-size", "256", "--clients", "4", "--tokens", "3", "--modes", "pipelined",
+                "--batch-groups", "4", "--json-out", str(tmp_path / "s.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    (row,) = json.loads((tmp_path / "s.json").read_text())["results"]
+    assert (row["mode"], row["stages"], row["groups"]) == ("pipelined", 2, 4)
+    bad = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
+                "--clients", "4", "--modes", "pipelined", "--batch-groups", "3")
+    assert bad.returncode == 2 and "does not divide --batch 4" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -62,9 +62,11 @@ class Layout:
         return ",".join(p.device for p in self.prep.plan)
 
 
-def plan_layouts(launch: dict, modes: list[str], batch: int) -> list[Layout]:
+def plan_layouts(launch: dict, modes: list[str], batch: int,
+                 groups: str = "auto") -> list[Layout]:
     """Check every layout before any process starts; modes whose stages are the same share one
-    launch (e.g. 1gpu and a --layer-split of one stage on the same device)."""
+    launch (e.g. 1gpu and a --layer-split of one stage on the same device). groups: the
+    pipelined mode's groups, a number or auto (one per stage)."""
     modes_of: dict[str, tuple[Prepared, SchedulerConfig]] = {}
     if "1gpu" in modes:
         first = parse_devices_for(launch["devices"])[0]
@@ -73,7 +75,9 @@ def plan_layouts(launch: dict, modes: list[str], batch: int) -> list[Layout]:
         modes_of["1gpu"] = (one, one.sched)
     if "serial" in modes or "pipelined" in modes:
         split = prepare(**{**launch, "batch": batch, "batch_groups": "1"})
-        piped = replace(split.sched, groups=auto_groups(batch, len(split.plan)))
+        piped = prepare(**{**launch, "batch": batch, "batch_groups": groups}).sched
+        if piped.groups < 2:  # --batch-groups 1 would make it serial: one group per stage
+            piped = replace(piped, groups=auto_groups(batch, len(split.plan)))
         modes_of |= {m: (split, cfg) for m, cfg in (("serial", split.sched), ("pipelined", piped))
                      if m in modes}
     layouts: list[Layout] = []
@@ -159,7 +163,8 @@ def plot(path: str, rows: list[dict], title: str) -> None:
 @clean_errors("strata-bench sweep")
 def sweep(clients, modes, tokens, json_out, plot_path, **launch):
     """Total tok/s against concurrent clients for 1gpu, serial and pipelined side by side.
-    --batch defaults to the largest client count; --batch-groups is set by each mode."""
+    --batch defaults to the largest client count; --batch-groups sets the pipelined mode's
+    groups (default: one per stage; more groups than stages cover the hops' latency)."""
     from strata.launch.bench import machine  # bench registers this command: import at run time
 
     counts, chosen = parse_clients(clients), parse_modes(modes)
@@ -169,7 +174,9 @@ def sweep(clients, modes, tokens, json_out, plot_path, **launch):
         check_plot_backend()
     if click.get_current_context().get_parameter_source("batch") is ParameterSource.DEFAULT:
         launch["batch"] = max(counts)
-    layouts = plan_layouts(launch, chosen, launch["batch"])
+    groups = ("auto" if click.get_current_context().get_parameter_source("batch_groups")
+              is ParameterSource.DEFAULT else launch["batch_groups"])
+    layouts = plan_layouts(launch, chosen, launch["batch"], groups)
     model = layouts[0].prep.file.path.name
     devices = "; ".join(f"{'/'.join(lay.modes)} on {lay.devices}" for lay in layouts)
     conditions = {"model": model, "tokens_per_client": tokens, "batch": launch["batch"],

@@ -24,4 +24,6 @@ timeout 80 $B prompt $L8 --ctx-size 4160 --prompt-tokens 4096 --chunk-rows 512 -
   --json-out $OUT/l8b_window.json 2>&1 | grep -v Warn | tee $OUT/l8b_window.log
 timeout 150 $B sweep $L8 --modes serial,pipelined --clients 16,32 --tokens 128 --ctx-size 512 \
   --json-out $OUT/sweep_l8b.json 2>&1 | grep -v Warn | tee $OUT/sweep_l8b.log
+timeout 100 $B sweep $L8 --modes pipelined --batch-groups 4 --clients 16,32 --tokens 128 --ctx-size 512 \
+  --json-out $OUT/sweep_l8b_g4.json 2>&1 | grep -v Warn | tee $OUT/sweep_l8b_g4.log
 grep -h "activations over\|Error\|error" /tmp/strata-*/stage*.log 2>/dev/null | sort | uniq -c | head -8
