@@ -75,6 +75,10 @@ def test_resolve_link():
     assert resolve_link("auto", gpu2) == "nccl"
     assert resolve_link("auto", mixed) == "zmq"
     assert resolve_link("auto", gpu2[:1]) == "zmq"
+    one_gpu = [StagePlan(0, 0, 2, "cuda:0"), StagePlan(1, 2, 4, "cuda")]  # the same device
+    assert resolve_link("auto", one_gpu) == "zmq"
+    with pytest.raises(PlanError, match="one GPU per stage"):
+        resolve_link("nccl", one_gpu)
     assert resolve_link("gloo", cpu2) == "gloo"
     with pytest.raises(PlanError, match="every stage on a CUDA device"):
         resolve_link("nccl", mixed)
