@@ -491,3 +491,11 @@ def test_top_k_without_a_full_sort_picks_the_same_tokens(vocab, levels):
                 if top_k == 0 and vocab > 50_000 and trial > 1:
                     continue  # the full sort is the path itself here: two trials suffice
                 assert sample_row(logits, row) == _sample_row_full_sort(logits, row), (top_k, u)
+
+
+def test_top_k_with_nan_logits_picks_what_the_full_sort_picks():
+    logits = torch.tensor([1.0, float("nan"), 2.0, 0.0, float("-inf"), 2.0])
+    for top_k in (1, 2, 3, 5):
+        for u in (0.0, 0.5, 0.99):
+            row = SamplingRow(temperature=0.8, top_k=top_k, u=u)
+            assert sample_row(logits, row) == _sample_row_full_sort(logits, row)

@@ -54,6 +54,9 @@ def _descending(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.T
         order = torch.argsort(logits, descending=True, stable=True)
         return order, logits[order]
     kth = torch.topk(logits, top_k, sorted=False).values.min()
+    if torch.isnan(kth):  # NaN in the top k: take the full sort's order, as it stands
+        order, values = _descending(logits, 0)
+        return order[:top_k], values[:top_k]
     candidates = torch.nonzero(logits >= kth).squeeze(1).cpu()   # ascending token ids
     values = logits[candidates.to(logits.device)].cpu()
     order = torch.argsort(values, descending=True, stable=True)[:top_k]
