@@ -27,6 +27,7 @@ class FakePipeline:
         self.queue: deque = deque()
         self.next_id = 0
         self.max_in_flight = 0
+        self.fail_ids: set[int] = set()  # windows refused by id
 
     def new_window_id(self) -> int:
         self.next_id += 1
@@ -38,7 +39,7 @@ class FakePipeline:
 
     def receive(self, timeout=None):
         w = self.queue.popleft()
-        if self.fail_slot is not None and self.fail_slot in w.slots:
+        if w.id in self.fail_ids or (self.fail_slot is not None and self.fail_slot in w.slots):
             raise WindowFailed(Error(1, w.id, "injected failure"))
         for slot, length in w.commits:
             del self.kv[slot][length:]
@@ -224,3 +225,23 @@ def test_streamed_prompt_cancelled_or_failed_ends_once():
     assert req.seq.finish_reason == "cancelled" and done.count(req) == 1 and sched2.idle
     assert pipe2.kv[0] == sched2.table.slots[0].held
     assert cancelled.seq.finish_reason in ("stop", "length", "error")
+
+
+def test_a_refused_chunk_after_a_cancel_leaves_no_rows_the_stages_lack():
+    """A streamed prompt is cancelled; a chunk still in flight is then refused. The slot must
+    not keep that chunk's rows: a later request with the same prompt reuses only what the
+    stages hold and gets its solo tokens."""
+    prompt = list(range(3, 60))
+    pipe = FakePipeline(1, 256)
+    sched = Scheduler(pipe, SchedulerConfig(slots=1, chunk_rows=8, ctx=256, prompt_depth=3),
+                      frozenset({STOP}))
+    req = sched.submit(prompt, params(0))
+    sched.step()                       # chunks 1-3 sent, chunk 1 answered
+    sched.cancel(req)
+    pipe.fail_ids.add(pipe.queue[1].id)  # chunk 3 will be refused
+    sched.run()
+    assert req.seq.finish_reason == "cancelled"
+    assert pipe.kv[0][:len(sched.table.slots[0].held)] == sched.table.slots[0].held
+    again = sched.submit(prompt, params(0))
+    sched.run()
+    assert again.error is None and again.seq.generated == run_alone([prompt])[0]

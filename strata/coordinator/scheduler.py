@@ -240,7 +240,10 @@ class Scheduler:
         self._landed(flight.group)
         log.error("window failed: %s", message)
         for slot, req, _ in flight.rows:
-            if req.notified:
+            if req.notified:  # a later chunk of a request that already ended (cancelled)
+                if slot.free:  # its slot kept rows this window never wrote: keep none
+                    slot.held.clear()
+                    self.commits.append((slot.index, 0))
                 continue
             req.error = message
             if slot.request is req:
