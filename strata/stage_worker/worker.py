@@ -191,9 +191,9 @@ class StageWorker:
             w.stage_ms.append((time.perf_counter() - t0) * 1e3)
             transport.send(self.to_next, w, [frame])
             return
+        self._send_unsent()  # the previous window: computed before this one, which is enqueued
         tokens, logits = self.sample(w, hidden)
         extra = [logits.cpu().numpy()] if w.want_logits else []
-        self._send_unsent()
         if self.model.device.type == "cuda" and not w.sample_rows:
             # a Result says the window is computed; the device may still be on it (no sampled
             # row synchronized it): send it once the next window is enqueued, or when idle
