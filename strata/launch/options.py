@@ -58,9 +58,9 @@ def launch_options(f):
                      help="CUDA graphs kept per stage, one per window shape (0: always eager)."),
         click.option("--stage-link", default="auto", show_default=True,
                      type=click.Choice(["auto", "zmq", "nccl", "gloo"]),
-                     help="Activations between stages: auto = nccl (GPU to GPU) when every "
-                          "stage is on a CUDA device, else zmq frames; gloo links CPU stages "
-                          "through torch.distributed (for tests)."),
+                     help="Activations between stages: auto = nccl (GPU to GPU) when each "
+                          "stage has a CUDA device of its own, else zmq frames; gloo links CPU "
+                          "stages through torch.distributed (for tests)."),
     ]
     for option in reversed(options):
         f = option(f)
