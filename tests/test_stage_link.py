@@ -10,8 +10,7 @@ from strata.coordinator.pipeline import WindowFailed
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from strata.launch import harness
-from strata.launch.plan import PlanError, StagePlan, plan_stages
-from strata.launch.processes import resolve_link
+from strata.launch.plan import PlanError, StagePlan, plan_stages, resolve_link
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer

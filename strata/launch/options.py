@@ -9,8 +9,7 @@ import click
 from strata.coordinator.scheduler import SchedulerConfig, auto_groups
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS
 from strata.launch.memory import check_fits
-from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages
-from strata.launch.processes import resolve_link
+from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
 from strata.model.gguf_file import ModelError, ModelFile
 from strata.model.registry import DEFAULT_MODEL, resolve_model
 

@@ -1,4 +1,5 @@
-"""Turning --layer-split and --devices into stages, with a sentence for every mistake."""
+"""Turning --layer-split, --devices and --stage-link into stages, with a sentence for every
+mistake."""
 from __future__ import annotations
 
 import re
@@ -70,3 +71,29 @@ def plan_stages(split: str, devices: list[str], n_layers: int) -> list[StagePlan
                         f"stages or one per stage")
     stage_devices = devices * n_stages if len(devices) == 1 else devices
     return [StagePlan(i, edges[i], edges[i + 1], stage_devices[i]) for i in range(n_stages)]
+
+
+LINKS = ("auto", "zmq", "nccl", "gloo")
+
+
+def resolve_link(link: str, plan: list[StagePlan]) -> str:
+    """--stage-link: how activations go between stages. auto = nccl when there are several
+    stages, each on a CUDA device of its own (one host), else ZeroMQ frames."""
+    devices = {p.device.split(":")[0] for p in plan}
+    gpus = {p.device if ":" in p.device else p.device + ":0" for p in plan}
+    shared = len(gpus) < len(plan)  # NCCL refuses two ranks on one GPU
+    if link not in LINKS:
+        raise PlanError(f"--stage-link {link!r} is not one of {', '.join(LINKS)}")
+    if link == "auto":
+        return "nccl" if len(plan) > 1 and devices == {"cuda"} and not shared else "zmq"
+    if len(plan) == 1:
+        return "zmq"  # nothing to link
+    if link == "nccl" and devices != {"cuda"}:
+        raise PlanError("--stage-link nccl needs every stage on a CUDA device; use zmq (or "
+                        "auto) when a stage runs on the CPU")
+    if link == "nccl" and shared:
+        raise PlanError("--stage-link nccl needs one GPU per stage (NCCL refuses two on one "
+                        "device); use zmq (or auto) when stages share a GPU")
+    if link == "gloo" and devices != {"cpu"}:
+        raise PlanError("--stage-link gloo links CPU stages; use nccl (or auto) for CUDA stages")
+    return link

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strata.coordinator.pipeline import PipelineError
-from strata.launch.plan import PlanError, StagePlan
+from strata.launch.plan import StagePlan, resolve_link
 
 PR_SET_PDEATHSIG = 1
 
@@ -40,32 +40,6 @@ def tail(path: Path, lines: int = 12) -> str:
         return "(no log)"
 
 
-LINKS = ("auto", "zmq", "nccl", "gloo")
-
-
-def resolve_link(link: str, plan: list[StagePlan]) -> str:
-    """--stage-link: how activations go between stages. auto = nccl when there are several
-    stages, each on a CUDA device of its own (one host), else ZeroMQ frames."""
-    devices = {p.device.split(":")[0] for p in plan}
-    gpus = {p.device if ":" in p.device else p.device + ":0" for p in plan}
-    shared = len(gpus) < len(plan)  # NCCL refuses two ranks on one GPU
-    if link not in LINKS:
-        raise PlanError(f"--stage-link {link!r} is not one of {', '.join(LINKS)}")
-    if link == "auto":
-        return "nccl" if len(plan) > 1 and devices == {"cuda"} and not shared else "zmq"
-    if len(plan) == 1:
-        return "zmq"  # nothing to link
-    if link == "nccl" and devices != {"cuda"}:
-        raise PlanError("--stage-link nccl needs every stage on a CUDA device; use zmq (or "
-                        "auto) when a stage runs on the CPU")
-    if link == "nccl" and shared:
-        raise PlanError("--stage-link nccl needs one GPU per stage (NCCL refuses two on one "
-                        "device); use zmq (or auto) when stages share a GPU")
-    if link == "gloo" and devices != {"cpu"}:
-        raise PlanError("--stage-link gloo links CPU stages; use nccl (or auto) for CUDA stages")
-    return link
-
-
 @dataclass
 class Endpoints:
     inbox: str
@@ -80,7 +54,7 @@ class StageProcesses:
                  graph_cache: int | None = None, link: str | None = None):
         self.model, self.plan, self.slots, self.ctx = model, plan, slots, ctx
         self.graph_cache = graph_cache
-        self.link = resolve_link(link or os.environ.get("STRATA_STAGE_LINK", "auto"), plan)
+        self.link = resolve_link(link or "auto", plan)
         self.run_dir = Path(tempfile.mkdtemp(prefix="strata-"))
         self.log_dir = Path(log_dir) if log_dir else self.run_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
