@@ -62,9 +62,9 @@ class StageLink:
         """hidden: [R, D] on this stage's device, to the next stage (asynchronous)."""
         buf = hidden.detach().clone()
         self.pending.append((dist.isend(buf, self.stage + 1), buf))
-        while self.pending and (len(self.pending) > MAX_PENDING or self.pending[0][0].is_completed()):
-            work, _ = self.pending.popleft()
-            work.wait()
+        while self.pending and (len(self.pending) > MAX_PENDING
+                                or self.pending[0][0].is_completed()):
+            self.pending.popleft()[0].wait()
 
     def recv(self, rows: int, width: int, dtype: torch.dtype) -> "Receiving":
         """Post the receive of the previous stage's hidden states of a window of `rows` rows;

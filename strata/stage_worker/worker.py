@@ -181,15 +181,14 @@ class StageWorker:
         for s, p in zip(w.slots, w.positions):
             if s >= 0:
                 self.cache.filled[s] = max(self.cache.filled[s], p + 1)
-        if not self.model.last and self.link is not None:
-            self.link.send(hidden)  # posted before the header goes: see link.py
-            w.stage_ms.append((time.perf_counter() - t0) * 1e3)  # host time: no device wait
-            transport.send(self.to_next, w)
-            return
         if not self.model.last:
-            frame = transport.tensor_frame(hidden)  # waits for the device
+            if self.link is not None:
+                self.link.send(hidden)  # posted before the header goes (see link.py); stage_ms
+                frames = []             # is then host time: nothing waits for the device
+            else:
+                frames = [transport.tensor_frame(hidden)]  # waits for the device
             w.stage_ms.append((time.perf_counter() - t0) * 1e3)
-            transport.send(self.to_next, w, [frame])
+            transport.send(self.to_next, w, frames)
             return
         self._send_unsent()  # the previous window: computed before this one, which is enqueued
         tokens, logits = self.sample(w, hidden)
