@@ -74,11 +74,12 @@ def plan_layouts(launch: dict, modes: list[str], batch: int,
                          "batch_groups": "1"})
         modes_of["1gpu"] = (one, one.sched)
     if "serial" in modes or "pipelined" in modes:
-        split = prepare(**{**launch, "batch": batch, "batch_groups": "1"})
-        piped = prepare(**{**launch, "batch": batch, "batch_groups": groups}).sched
+        split = prepare(**{**launch, "batch": batch, "batch_groups": groups})
+        piped = split.sched
         if piped.groups < 2:  # --batch-groups 1 would make it serial: one group per stage
             piped = replace(piped, groups=auto_groups(batch, len(split.plan)))
-        modes_of |= {m: (split, cfg) for m, cfg in (("serial", split.sched), ("pipelined", piped))
+        serial = replace(piped, groups=1)
+        modes_of |= {m: (split, cfg) for m, cfg in (("serial", serial), ("pipelined", piped))
                      if m in modes}
     layouts: list[Layout] = []
     for mode, (prep, cfg) in modes_of.items():
