@@ -4,8 +4,8 @@ One launch, one slot; each round reads a fresh random prompt of --prompt-tokens 
 first token each time, so nothing is reused from the slot's cache) and samples one token, once
 with one chunk in flight at a time (serial: a chunk passes every stage before the next starts)
 and once with stages + 1 chunks in flight (pipelined: chunk k+1 on stage 0 while chunk k is on
-stage 1, and the next one already waiting at stage 0). The two arms alternate, so they share the machine's noise; the
-best round of each is reported.
+stage 1, and the next one already waiting at stage 0). The two arms alternate, so they share
+the machine's noise; the best round of each is reported.
 
 FLOP rates are given two ways: the issue's convention, 2 x the model's parameters per token
 (embedding and head included), and what the stages execute: the layers' matmuls for every row
