@@ -17,6 +17,7 @@ import zmq
 from strata.protocol import transport
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
                                       Shutdown, Window)
+from strata.trace import Trace
 
 
 class PipelineError(RuntimeError):
@@ -44,8 +45,10 @@ class Expect:
 
 class Pipeline:
     def __init__(self, inbox: str, first_stage: str,
-                 check_alive: Callable[[], None] = lambda: None):
-        """check_alive raises PipelineError when a stage process is gone (launch provides it)."""
+                 check_alive: Callable[[], None] = lambda: None, trace: str | None = None):
+        """check_alive raises PipelineError when a stage process is gone (launch provides it).
+        trace: a JSON file for the timeline of windows sent and results received."""
+        self.trace = Trace("coordinator", trace)
         self.zmq = zmq.Context()
         self.inbox = self.zmq.socket(zmq.PULL)
         self.inbox.bind(inbox)
@@ -102,6 +105,7 @@ class Pipeline:
         return self.next_window_id
 
     def submit(self, window: Window) -> None:
+        self.trace.mark(window.id, "chunk" if window.chunk else "submit")
         transport.send(self.to_first, window)
 
     def receive(self, timeout: float | None = None) -> tuple[Result, list[np.ndarray]]:
@@ -113,6 +117,7 @@ class Pipeline:
             if got is not None:
                 msg, tensors = got
                 if isinstance(msg, Result):
+                    self.trace.mark(msg.id, "result")
                     return msg, tensors
                 if isinstance(msg, Error):
                     raise WindowFailed(msg)
@@ -137,6 +142,7 @@ class Pipeline:
             pass
 
     def close(self) -> None:
+        self.trace.close()
         self.inbox.close(linger=0)
         self.to_first.close(linger=500)
         self.zmq.term()

@@ -51,8 +51,10 @@ class StageProcesses:
 
     def __init__(self, model: Path, plan: list[StagePlan], *, slots: int, ctx: int,
                  log_dir: Path | None = None, external: set[int] = frozenset(),
-                 graph_cache: int | None = None, link: str | None = None):
+                 graph_cache: int | None = None, link: str | None = None,
+                 trace_dir: Path | None = None):
         self.model, self.plan, self.slots, self.ctx = model, plan, slots, ctx
+        self.trace_dir = Path(trace_dir) if trace_dir else None
         self.graph_cache = graph_cache
         self.link = resolve_link(link or "auto", plan)
         self.run_dir = Path(tempfile.mkdtemp(prefix="strata-"))
@@ -87,6 +89,8 @@ class StageProcesses:
         if self.link != "zmq":
             cmd += ["--link", self.link, "--link-init", f"file://{self.run_dir}/link",
                     "--link-world", str(len(self.plan))]
+        if self.trace_dir is not None:
+            cmd += ["--trace", str(self.trace_dir / f"stage{stage}.json")]
         return cmd
 
     def start(self, say=print) -> None:

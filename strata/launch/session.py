@@ -33,14 +33,18 @@ def _raise_interrupt(signum, frame):
 def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx: int = 2048,
                   log_dir: Path | None = None, external: set[int] = frozenset(),
                   hello_timeout: float = 300.0, graph_cache: int | None = None,
-                  link: str | None = None, say=print) -> Iterator[Launched]:
-    """Spawn the stages, wait for every hello, yield; always shut everything down after."""
+                  link: str | None = None, trace_dir: Path | None = None,
+                  say=print) -> Iterator[Launched]:
+    """Spawn the stages, wait for every hello, yield; always shut everything down after.
+    trace_dir: every process writes its timeline there (strata/trace.py) when it stops."""
     procs = StageProcesses(file.path, plan, slots=slots, ctx=ctx, log_dir=log_dir,
-                           external=external, graph_cache=graph_cache, link=link)
+                           external=external, graph_cache=graph_cache, link=link,
+                           trace_dir=trace_dir)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     pipe = None
     try:
-        pipe = Pipeline(procs.endpoints.inbox, procs.endpoints.stages[0], procs.check_alive)
+        pipe = Pipeline(procs.endpoints.inbox, procs.endpoints.stages[0], procs.check_alive,
+                        trace=trace_dir and Path(trace_dir) / "coordinator.json")
         procs.start(say=say)
         fingerprint = file.fingerprint()
         expected = [Expect(p.index, p.layer_start, p.layer_end, fingerprint, slots, ctx)

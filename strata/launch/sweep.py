@@ -13,13 +13,14 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from statistics import mean, median
 
 import click
 from click.core import ParameterSource
 
 from strata.coordinator.scheduler import SchedulerConfig, auto_groups
-from strata.launch import harness
+from strata.launch import harness, tracereport
 from strata.launch.options import (Prepared, clean_errors, launch_options, parse_devices_for,
                                    prepare)
 from strata.model.tokenizer import Tokenizer
@@ -104,18 +105,31 @@ def format_row(row: dict) -> str:
             f"{row['ttft_median_s']:>10.3f}")
 
 
-def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo) -> list[dict]:
-    """Launch each layout once; for each client count, run its modes one after the other."""
+def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo,
+              trace_dir: Path | None = None) -> list[dict]:
+    """Launch each layout once; for each client count, run its modes one after the other.
+    With trace_dir, each launch's processes write their timelines under it, and each row gets
+    the decode windows' breakdown (tracereport.summarize) once its launch has stopped."""
     rows = []
-    for layout in layouts:
+    for i, layout in enumerate(layouts):
         tok = Tokenizer.from_gguf(layout.prep.file.reader)
-        with layout.prep.launch(say=lambda s: None) as run:
+        traced = trace_dir and Path(trace_dir) / f"launch{i}"
+        windows: list[tuple[dict, range]] = []
+        with layout.prep.launch(say=lambda s: None, trace_dir=traced) as run:
             # warm-up, not measured: the first windows of each shape (CUDA graph captures)
             harness.measure_throughput(run, next(iter(layout.modes.values())), tok, 1, 2)
             for n in clients:
                 for mode, cfg in layout.modes.items():
+                    first = run.pipe.next_window_id + 1
                     rows.append(measure(run, cfg, tok, mode, n, tokens))
                     echo(format_row(rows[-1]))
+                    windows.append((rows[-1], range(first, run.pipe.next_window_id + 1)))
+        for row, ids in windows if traced else ():
+            row["trace"] = tracereport.summarize(traced, ids=ids)
+            echo(f"# {row['mode']} {row['clients']} clients: "
+                 + "; ".join(f"stage {k} GPU {st['gpu']:.2f} + overhead {st['overhead']:.2f} "
+                             f"ms, busy {row['trace']['busy'][k]:.0%}"
+                             for k, st in enumerate(row["trace"]["stages"])))
     order = {m: i for i, m in enumerate(MODES)}
     return sorted(rows, key=lambda r: (order[r["mode"]], clients.index(r["clients"])))
 
@@ -161,8 +175,11 @@ def plot(path: str, rows: list[dict], title: str) -> None:
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG: total tok/s against clients, one line per mode.")
+@click.option("--trace-dir", type=click.Path(file_okay=False), default=None,
+              help="Trace every process (strata/trace.py) into this folder and print, per "
+                   "row, each stage's GPU and overhead ms per decode window and GPU busy share.")
 @clean_errors("strata-bench sweep")
-def sweep(clients, modes, tokens, json_out, plot_path, **launch):
+def sweep(clients, modes, tokens, json_out, plot_path, trace_dir, **launch):
     """Total tok/s against concurrent clients for 1gpu, serial and pipelined side by side.
     --batch defaults to the largest client count; --batch-groups sets the pipelined mode's
     groups (default: one per stage; more groups than stages cover the hops' latency)."""
@@ -187,7 +204,7 @@ def sweep(clients, modes, tokens, json_out, plot_path, **launch):
     click.echo(f"# {model}, {tokens} tokens per client, batch {launch['batch']}, window rows "
                f"{launch['window_rows']}; {devices}; {machine()}")
     click.echo(COLUMNS)
-    rows = run_sweep(layouts, counts, tokens, click.echo)
+    rows = run_sweep(layouts, counts, tokens, click.echo, trace_dir)
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"machine": machine(), "conditions": conditions, "results": rows}, f,

@@ -5,7 +5,10 @@
             (host work and copies included, synchronized), and the graph replay alone (device
             time), beside the HBM limit: the stage's weight and KV bytes / --hbm-tbs.
   pipeline  launched stage processes: wall time per decode window at the coordinator, each
-            stage's stage_ms (from the Result) and the messaging overhead = wall - sum(stage_ms).
+            stage's stage_ms (from the Result) and the messaging overhead = wall - sum(stage_ms);
+            then, from the processes' traces (strata/trace.py), the window's time as a chain
+            (hops, each stage's GPU time, what lies between) and each stage's overhead: its
+            wall time on the window minus its GPU time.
   zmq       the floor of that overhead: a ZeroMQ round trip (ipc, 8x576 bf16 frame, our
             framing) to an echo process, blocking receives vs spinning ones.
 
@@ -17,7 +20,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import time
+from pathlib import Path
 from statistics import median
 
 import multiprocessing
@@ -30,6 +35,7 @@ import zmq
 
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.windows import Row, build_window
+from strata.launch import tracereport
 from strata.launch.plan import parse_devices, plan_stages
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile
@@ -175,9 +181,10 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
     plan = plan_stages("auto", devices, cfg.n_layers)
     os.environ["STRATA_GRAPH_CACHE"] = str(graph_cache)   # the workers read it
     chunk, warm = 32, 10
-    out = []
+    out, measured = [], []
+    trace_dir = Path(tempfile.mkdtemp(prefix="strata-trace-"))
     with launch_stages(file, plan, slots=rows, ctx=context + len(lives) * (steps + warm) + 64,
-                       say=lambda s: None) as run:
+                       trace_dir=trace_dir, say=lambda s: None) as run:
         pipe = run.pipe
         g = torch.Generator().manual_seed(1)
         last = {}
@@ -193,11 +200,14 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
             last[s] = result.tokens[0]
         pos = {s: context for s in last}
         for live in lives:
-            walls, stage_ms = [], []
+            walls, stage_ms, ids = [], [], set()
             for step in range(warm + steps):
                 rws = [Row(s, pos[s], last[s], GREEDY) for s in range(live)]
                 t0 = time.perf_counter()
-                pipe.submit(build_window(pipe.new_window_id(), rws, rows))
+                w = build_window(pipe.new_window_id(), rws, rows)
+                if step >= warm:
+                    ids.add(w.id)
+                pipe.submit(w)
                 result, _ = pipe.receive(timeout=600)
                 wall = (time.perf_counter() - t0) * 1e3
                 for s, t in enumerate(result.tokens):
@@ -210,6 +220,10 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
                         "wall_ms": median(walls),
                         "stage_ms": [median(s[i] for s in stage_ms) for i in range(len(plan))],
                         "overhead_ms": median(over), "tok_s": live * 1e3 / median(walls)})
+            measured.append(ids)
+    for r, ids in zip(out, measured):   # the processes wrote their traces when they stopped
+        r["trace"] = tracereport.summarize(trace_dir, ids=ids)
+    shutil.rmtree(trace_dir, ignore_errors=True)
     return out
 
 
@@ -272,6 +286,8 @@ def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs
                                f"{r['wall_ms']:.3f} ms = stages "
                                f"{' + '.join(f'{x:.3f}' for x in r['stage_ms'])} ms + "
                                f"overhead {r['overhead_ms']:.3f} ms; {r['tok_s']:.1f} tok/s")
+                    for line in tracereport.format_summary(r["trace"]):
+                        click.echo(f"     {line}")
                     gpu = replay.get(r["live"], [])
                     if gc_n and len(gpu) == len(r["stage_ms"]):
                         # stage_ms is host time where a stage does not wait for its device (the

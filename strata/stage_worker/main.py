@@ -41,8 +41,11 @@ def parse_layers(text: str) -> tuple[int, int]:
               "(e.g. file:///tmp/strata-x/link); the same for every stage.")
 @click.option("--link-world", type=int, default=1, show_default=True,
               help="Stages in the link (all stages of the launch; rank = --stage).")
+@click.option("--trace", default="", help="Write a timeline of this stage's windows (host marks, "
+              "GPU spans) to this JSON file on exit; `python -m strata.launch.tracereport` "
+              "reads it.")
 def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_size, graph_cache,
-         link, link_init, link_world):
+         link, link_init, link_world, trace):
     """Serve one stage of a layer-split model."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s stage{stage} %(levelname)s %(message)s")
@@ -54,7 +57,8 @@ def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_si
         cfg = WorkerConfig(model=model, stage=stage, layer_start=start, layer_end=end,
                            listen=listen, coordinator=coordinator, next=next_, device=device,
                            slots=slots, ctx=ctx_size, graph_cache=graph_cache,
-                           link=link, link_init=link_init, link_world=link_world)
+                           link=link, link_init=link_init, link_world=link_world,
+                           trace=trace)
         worker = StageWorker(cfg)
     except (ModelError, ValueError) as e:
         click.echo(f"strata-worker: stage {stage}: {e}", err=True)

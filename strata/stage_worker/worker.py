@@ -23,6 +23,7 @@ from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolEr
 from strata.stage_worker.graphs import WindowRunner
 from strata.stage_worker.link import StageLink
 from strata.stage_worker.model import KVCache, Rows, StageModel
+from strata.trace import Trace
 
 log = logging.getLogger("strata.worker")
 ACTIVATION_DTYPES = ("float32", "uint16")  # fp32 from CPU stages, bf16 bits from CUDA stages
@@ -46,6 +47,7 @@ class WorkerConfig:
     link: str = "zmq"      # activations to/from neighbours: zmq frames, or nccl / gloo
     link_init: str = ""    # torch.distributed init method of the link (e.g. file://...)
     link_world: int = 1    # stages in the link (every stage of the launch)
+    trace: str = ""        # write a timeline of the windows here on exit (strata/trace.py)
 
     def __post_init__(self):
         if not 0 <= self.layer_start < self.layer_end:
@@ -82,6 +84,7 @@ class StageWorker:
         # CPU stages compute on the cores a spinning neighbour would take: they block at once
         self.spin_s = SPIN_S if self.model.device.type == "cuda" else 0.0
         warm_s = self.warm_up()
+        self.trace = Trace(f"stage{cfg.stage}", cfg.trace or None, self.model.device)
         self.unsent = None  # (event, window, t0, Result, frames) of a last-stage window
         self.link = None
         if cfg.link != "zmq":
@@ -147,6 +150,7 @@ class StageWorker:
             if not isinstance(msg, Window):
                 self._error(-1, f"stage {self.cfg.stage} does not accept {type(msg).__name__}")
                 continue
+            self.trace.mark(msg.id, "came")
             try:
                 self.run_window(msg, tensors)
             except (RowError, ProtocolError) as e:
@@ -176,8 +180,11 @@ class StageWorker:
             inputs = receiving.wait()
         else:
             inputs = transport.frame_tensor(tensors[0])  # bf16 bits or fp32, on the host
+        begun = self.trace.gpu_begin(w.id, "gpu")
         with torch.inference_mode():
             hidden = self.runner.layers(inputs, rows, chunk=w.chunk)
+        self.trace.gpu_end(begun)
+        self.trace.mark(w.id, "queued")
         for s, p in zip(w.slots, w.positions):
             if s >= 0:
                 self.cache.filled[s] = max(self.cache.filled[s], p + 1)
@@ -189,6 +196,7 @@ class StageWorker:
                 frames = [transport.tensor_frame(hidden)]  # waits for the device
             w.stage_ms.append((time.perf_counter() - t0) * 1e3)
             transport.send(self.to_next, w, frames)
+            self.trace.mark(w.id, "sent")
             return
         self._send_unsent()  # the previous window: computed before this one, which is enqueued
         tokens, logits = self.sample(w, hidden)
@@ -202,6 +210,7 @@ class StageWorker:
             return
         w.stage_ms.append((time.perf_counter() - t0) * 1e3)
         transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms), extra)
+        self.trace.mark(w.id, "sent")
 
     def _send_unsent(self) -> None:
         if self.unsent is None:
@@ -211,6 +220,7 @@ class StageWorker:
         done.synchronize()
         w.stage_ms.append((time.perf_counter() - t0) * 1e3)
         transport.send(self.to_coordinator, result, extra)
+        self.trace.mark(w.id, "sent")
 
     @torch.inference_mode()
     def sample(self, w: Window, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
@@ -282,6 +292,7 @@ class StageWorker:
         transport.send(self.to_coordinator, Error(self.cfg.stage, window, message))
 
     def close(self) -> None:
+        self.trace.close()
         if self.link is not None:
             self.link.close()
         for sock in (self.inbox, self.to_coordinator, self.to_next):
