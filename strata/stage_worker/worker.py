@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -85,7 +86,7 @@ class StageWorker:
         self.spin_s = SPIN_S if self.model.device.type == "cuda" else 0.0
         warm_s = self.warm_up()
         self.trace = Trace(f"stage{cfg.stage}", cfg.trace or None, self.model.device)
-        self.unsent = None  # (event, window, t0, Result, frames) of a last-stage window
+        self.unsent = None  # (event, window, t0, host tokens, frames) of a last-stage window
         self.link = None
         if cfg.link != "zmq":
             self.link = StageLink(cfg.link, cfg.link_init, cfg.stage, cfg.link_world,
@@ -199,15 +200,19 @@ class StageWorker:
             self.trace.mark(w.id, "sent")
             return
         self._send_unsent()  # the previous window: computed before this one, which is enqueued
-        tokens, logits = self.sample(w, hidden)
-        extra = [logits.cpu().numpy()] if w.want_logits else []
-        if self.model.device.type == "cuda" and not w.sample_rows:
-            # a Result says the window is computed; the device may still be on it (no sampled
-            # row synchronized it): send it once the next window is enqueued, or when idle
+        if self.model.device.type == "cuda" and not w.want_logits and all(
+                t <= 0.0 for t in w.temperature):
+            # Greedy rows (or none): their tokens come from the device's argmax, copied into
+            # pinned memory behind the window's kernels. The Result waits until the next window
+            # is enqueued or this stage is idle, so the GPU does not idle while this host
+            # syncs, answers and takes the next window (a Result says the window is computed).
+            tokens = self.greedy_tokens(w, hidden)
             done = torch.cuda.Event()
             done.record()
-            self.unsent = (done, w, t0, Result(w.id, tokens, w.stage_ms), extra)
+            self.unsent = (done, w, t0, tokens, [])
             return
+        tokens, logits = self.sample(w, hidden)
+        extra = [logits.cpu().numpy()] if w.want_logits else []
         w.stage_ms.append((time.perf_counter() - t0) * 1e3)
         transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms), extra)
         self.trace.mark(w.id, "sent")
@@ -215,12 +220,33 @@ class StageWorker:
     def _send_unsent(self) -> None:
         if self.unsent is None:
             return
-        done, w, t0, result, extra = self.unsent
+        done, w, t0, tokens, extra = self.unsent  # tokens: a function, read after the sync
         self.unsent = None
         done.synchronize()
         w.stage_ms.append((time.perf_counter() - t0) * 1e3)
-        transport.send(self.to_coordinator, result, extra)
+        transport.send(self.to_coordinator, Result(w.id, tokens(), w.stage_ms), extra)
         self.trace.mark(w.id, "sent")
+
+    @torch.inference_mode()
+    def greedy_tokens(self, w: Window, hidden: torch.Tensor) -> Callable[[], list[int]]:
+        """The argmax of each sampled row, copied without waiting into pinned host memory;
+        the returned function reads them (call it once the device is past this point). No
+        pageable copy to the device either: that would wait for the window's kernels."""
+        if not w.sample_rows:
+            return list
+        host = torch.empty(len(w.sample_rows), dtype=torch.long, pin_memory=True)
+        if self.runner.window_head is not None:   # argmax of every row, from the graph
+            every = torch.empty(len(w.slots), dtype=torch.long, pin_memory=True)
+            every.copy_(self.runner.window_head[1], non_blocking=True)
+
+            def read() -> list[int]:
+                got = every.tolist()
+                return [got[r] for r in w.sample_rows]
+            return read
+        index = torch.tensor(w.sample_rows, dtype=torch.long).pin_memory()
+        picked = hidden[index.to(hidden.device, non_blocking=True)]
+        host.copy_(self.runner.logits(picked)[1], non_blocking=True)
+        return host.tolist
 
     @torch.inference_mode()
     def sample(self, w: Window, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
