@@ -19,6 +19,8 @@ from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolEr
                                       Shutdown, Window)
 from strata.trace import Trace
 
+SPIN_S = 0.005  # as a GPU stage worker waits for its next window (worker.SPIN_S)
+
 
 class PipelineError(RuntimeError):
     """The stages cannot go on (a stage died, refused its hello, or stopped answering)."""
@@ -57,6 +59,9 @@ class Pipeline:
         self.check_alive = check_alive
         self.hellos: dict[int, Hello] = {}
         self.next_window_id = 0
+        # with GPU stages a result is usually a few ms away: poll without sleeping this long
+        # before blocking (set from the hellos; CPU stages need the cores a spin would take)
+        self.spin_s = 0.0
 
     def wait_for_hellos(self, expected: list[Expect], timeout: float | None = 120.0,
                         on_wait: Callable[[float], None] = lambda waited: None) -> list[Hello]:
@@ -77,6 +82,8 @@ class Pipeline:
             if isinstance(msg, Hello):
                 self._check_hello(msg, want)
                 self.hellos[msg.stage] = msg
+        if all(h.device.startswith("cuda") for h in self.hellos.values()):
+            self.spin_s = SPIN_S
         return [self.hellos[s] for s in sorted(self.hellos)]
 
     @staticmethod
@@ -112,6 +119,10 @@ class Pipeline:
         """The next result from the last stage. Raises WindowFailed when a stage refused a
         window, PipelineError when a stage died or nothing came within timeout."""
         start = time.monotonic()
+        if self.spin_s:
+            deadline = time.perf_counter() + self.spin_s
+            while not self.inbox.poll(0) and time.perf_counter() < deadline:
+                pass
         while True:
             got = self._poll(0.2, with_tensors=True)
             if got is not None:

@@ -57,7 +57,9 @@ class _Captured:
                         for x in self.inputs]
         self.staged = torch.cuda.Event()  # the last copies out of the staging buffers
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, *inputs: torch.Tensor,
+                 launching: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, ...]:
+        """launching() is called just before the replay is queued (after the input copies)."""
         self.staged.synchronize()  # done before the last replay began: no wait in practice
         for static, stage, x in zip(self.inputs, self.staging, inputs):
             if x.device.type == "cpu":
@@ -65,6 +67,7 @@ class _Captured:
                 x = stage
             static.copy_(x, non_blocking=True)
         self.staged.record()
+        launching()
         self.graph.replay()
         return self.outputs  # static: valid until the next replay
 
@@ -83,18 +86,23 @@ class WindowRunner:
 
     # -- layers ----------------------------------------------------------------------------
 
-    def layers(self, inputs: torch.Tensor, rows: Rows, chunk: bool = False) -> torch.Tensor:
+    def layers(self, inputs: torch.Tensor, rows: Rows, chunk: bool = False,
+               launching: Callable[[], None] = lambda: None) -> torch.Tensor:
         """inputs: token ids [R] (first stage) or hidden states [R, D], on any device.
         chunk: one slot's prompt rows (Window.chunk). Returns hidden states [R, D] on the
-        model's device (a static buffer when graphed: read it before the next window)."""
+        model's device (a static buffer when graphed: read it before the next window).
+        launching() is called when the host work is done and the kernels are about to be
+        queued (a trace's GPU span starts there)."""
         m = self.model
         self.window_head = None
         if not m.row_tensors:
+            launching()
             return m(inputs.to(m.device), rows, self.cache)
         packed = RowTensors.pack(rows, self.cache.trash)           # host [3, R]
         if not m.first:
             inputs = inputs.to(m.dtype)
         if not self.capacity:
+            launching()
             return m(inputs.to(m.device), RowTensors.unpack(packed.to(m.device)), self.cache,
                      chunk)
         with_head = m.last and len(rows.slots) == LOGIT_BLOCK and not chunk
@@ -103,7 +111,7 @@ class WindowRunner:
         else:
             key = ("layers+head" if with_head else "layers", len(rows.slots))
             fn = self._layers_head_fn if with_head else self._layers_fn
-        out = self._graph(key, fn, [inputs, packed])(inputs, packed)
+        out = self._graph(key, fn, [inputs, packed])(inputs, packed, launching=launching)
         if with_head:
             self.window_head = out[1:]
         return out[0]

@@ -181,10 +181,12 @@ class StageWorker:
             inputs = receiving.wait()
         else:
             inputs = transport.frame_tensor(tensors[0])  # bf16 bits or fp32, on the host
-        begun = self.trace.gpu_begin(w.id, "gpu")
+        begun = []
         with torch.inference_mode():
-            hidden = self.runner.layers(inputs, rows, chunk=w.chunk)
-        self.trace.gpu_end(begun)
+            hidden = self.runner.layers(
+                inputs, rows, chunk=w.chunk,
+                launching=lambda: begun.append(self.trace.gpu_begin(w.id, "gpu")))
+        self.trace.gpu_end(begun[0])
         self.trace.mark(w.id, "queued")
         for s, p in zip(w.slots, w.positions):
             if s >= 0:
