@@ -135,8 +135,7 @@ class StageWorker:
     def serve(self) -> None:
         transport.send(self.to_coordinator, self.hello())
         while True:
-            if self.unsent is not None and not self.inbox.poll(0):
-                self._send_unsent()  # nothing else to enqueue: finish the window in hand
+            self._await_unsent()
             try:
                 msg, tensors = transport.recv(self.inbox, self.spin_s)
             except ProtocolError as e:
@@ -218,6 +217,18 @@ class StageWorker:
         w.stage_ms.append((time.perf_counter() - t0) * 1e3)
         transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms), extra)
         self.trace.mark(w.id, "sent")
+
+    def _await_unsent(self) -> None:
+        """Answer the window in hand once the device has computed it, unless another window
+        comes first: that one is enqueued behind it (run_window answers this one then), so a
+        header that comes while the device works is taken at once, not after the answer."""
+        if self.unsent is None:
+            return
+        done = self.unsent[0]
+        while not self.inbox.poll(0):
+            if done.query():
+                self._send_unsent()
+                return
 
     def _send_unsent(self) -> None:
         if self.unsent is None:
