@@ -15,6 +15,7 @@ from strata.coordinator.generate import Sequence, generate_solo
 from strata.coordinator.sampling import SamplingParams
 from strata.kernels.attention import attend_reference, attend_rows
 from strata.model.gguf_file import ModelFile
+from strata.kernels import fused
 from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.protocol import transport
 from strata.protocol.messages import Shutdown
@@ -165,13 +166,22 @@ def test_attention_kernel_is_row_independent_on_gpu(n_rows):
         assert torch.equal(alone, together), (n_rows, target)
 
 
-@pytest.fixture(scope="module", params=["tiny", "smol-shape"])
+@pytest.fixture(scope="module", params=["tiny", "smol-shape", "smol-skinny"])
 def gpu_model(request, tiny_model):
+    """smol-skinny: SmolLM2's shape with every decode-window matmul on the skinny Triton kernel
+    (normally only weights of 16 MB and more take it), so the model-level checks cover it."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     path = tiny_model if request.param == "tiny" else request.getfixturevalue("smol_shape")
     file = ModelFile(path)
-    return file, StageModel(file, 0, file.config.n_layers, ctx=CTX, device="cuda:0")
+    saved = fused.SKINNY_MIN_BYTES
+    if request.param == "smol-skinny":
+        fused.SKINNY_MIN_BYTES = 0
+        assert all(fused.skinny_blocks(*w.shape, r) for w, r in (
+            (torch.empty(960, 576), False), (torch.empty(576, 576), True),
+            (torch.empty(3072, 576), False), (torch.empty(576, 1536), True)))
+    yield file, StageModel(file, 0, file.config.n_layers, ctx=CTX, device="cuda:0")
+    fused.SKINNY_MIN_BYTES = saved
 
 
 @pytest.mark.gpu

@@ -7,6 +7,10 @@ graph (each node costs ~1-2 us). These fuse what plain torch runs as many small 
   rope_write_kv   RoPE on q and k read from the fused qkv projection, k and v written into
                   the KV cache at (slot, position) (1 kernel instead of ~25)
   silu_mul        SiLU(gate) * up of the fused [gate; up] projection (1 instead of 3)
+  linear_rows     x @ w^T (+ a residual) of a decode window: on CUDA, for a window of at most
+                  16 rows and a large weight, the skinny Triton matmul (kernels/skinny_triton.py:
+                  nearer the HBM limit than cuBLAS at these shapes, and the residual add in
+                  its epilogue without addmm's copy); otherwise cuBLAS (addmm / linear)
 
 Every program handles one row (and head) and reduces in a fixed order, so results never depend
 on the other rows of a window. Off CUDA (and without TRITON_INTERPRET=1) the torch versions
@@ -73,6 +77,38 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot:
         return rope_write_kv_torch(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads)
     from strata.kernels import fused_triton
     return fused_triton.rope_write_kv(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads)
+
+
+SKINNY_MIN_BYTES = 16 << 20  # smaller weights (SmolLM2's) are launch-bound: cuBLAS there
+SKINNY_MAX_ROWS = 16         # skinny_triton.BLOCK_M: decode windows; prompt chunks use cuBLAS
+
+
+def skinny_blocks(n: int, k: int, residual: bool) -> dict | None:
+    """The skinny kernel's blocks for a weight [n, k] (measured on an H200 at the llama3-8b
+    shapes, docs/BENCHMARKS.md), or None where cuBLAS stays: a small weight, or one the blocks
+    do not divide. Depends on the shape only, so a shape always runs the same arithmetic."""
+    if n * k * 2 < SKINNY_MIN_BYTES:
+        return None
+    if residual:                       # o and down projections
+        prefs = [(32, 256, 5), (32, 128, 5), (32, 64, 5)]
+    elif n >= 4 * k:                   # the [gate; up] projection
+        prefs = [(128, 128, 3), (64, 128, 3), (64, 64, 3)]
+    else:                              # qkv
+        prefs = [(64, 128, 5), (64, 64, 5), (32, 64, 5)]
+    for bn, bk, stages in prefs:
+        if n % bn == 0 and k % bk == 0:
+            return {"block_n": bn, "block_k": bk, "stages": stages, "warps": 4}
+    return None
+
+
+def linear_rows(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [R, K], w: [N, K] -> x @ w^T (+ res) [R, N]. The kernel is fixed by (R <= 16, w's
+    shape, device), never by the rows' values, so a row's bits do not depend on its window."""
+    blocks = skinny_blocks(*w.shape, res is not None) if _use_triton(x) else None
+    if blocks is None or x.shape[0] > SKINNY_MAX_ROWS:
+        return F.linear(x, w) if res is None else torch.addmm(res, x, w.t())
+    from strata.kernels.skinny_triton import skinny_mm
+    return skinny_mm(x, w, res, **blocks)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.attention import attend, attend_chunk, attend_rows
-from strata.kernels.fused import rms_norm_rows, rope_write_kv, silu_mul
+from strata.kernels.fused import linear_rows, rms_norm_rows, rope_write_kv, silu_mul
 from strata.kernels.norms import rms_norm, swiglu
 from strata.kernels.rope import apply_rope, rope_table
 from strata.model.gguf_file import ModelConfig, ModelFile
@@ -143,17 +143,18 @@ class Layer(torch.nn.Module):
 
     def _forward_rows(self, x: torch.Tensor, meta: WindowMeta, cache: KVCache,
                       layer: int) -> torch.Tensor:
-        """The tensor path: 9 kernels a layer, no host sync (x: [R, D])."""
+        """The tensor path: 9 kernels a layer, no host sync (x: [R, D]); the matmuls of a
+        decode window of a large model are the skinny Triton kernel (fused.linear_rows)."""
         cfg, rows = self.cfg, meta.tensors
         k_cache, v_cache = cache.k[layer], cache.v[layer]
-        qkv = F.linear(rms_norm_rows(x, self.attn_norm, cfg.rms_eps), self.wqkv)
+        qkv = linear_rows(rms_norm_rows(x, self.attn_norm, cfg.rms_eps), self.wqkv)
         q = rope_write_kv(qkv, meta.cos, meta.sin, rows.slot, rows.pos, k_cache, v_cache,
                           cfg.n_heads)                                    # [R, H, hd]
         attend_fn = attend_chunk if meta.chunk else attend_rows
         attn = attend_fn(q, k_cache, v_cache, rows.slot, rows.length)
-        x = torch.addmm(x, attn.view(x.shape[0], -1), self.wo.t())         # x + attn wo^T
+        x = linear_rows(attn.view(x.shape[0], -1), self.wo, res=x)         # x + attn wo^T
         h = rms_norm_rows(x, self.ffn_norm, cfg.rms_eps)
-        return torch.addmm(x, silu_mul(F.linear(h, self.w_gate_up)), self.w_down.t())
+        return linear_rows(silu_mul(linear_rows(h, self.w_gate_up)), self.w_down, res=x)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
