@@ -1,0 +1,36 @@
+"""The Triton kernels on a CPU, from the default test run: Triton's interpreter must be on
+before Python imports triton, so the kernel tests run again in a child pytest with
+TRITON_INTERPRET=1 (their "cpu" cases, fp32: the interpreter's bf16 is not the GPU's). Each
+kernel is compared there with its plain-torch or float64 reference, and checked for row
+independence. Skipped where triton is not installed (the test extra installs it) or where a
+GPU runs the kernels themselves."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_TESTS = ["tests/test_attention_triton.py", "tests/test_attention_chunk.py",
+                "tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py"]
+
+
+def test_triton_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA runs the Triton kernels themselves (the gpu-marked cases)")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("already under the interpreter: the kernel tests run in this session")
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cpu",
+         *KERNEL_TESTS], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", out.stdout)
+    # every kernel's cases ran (none skipped for an interpreter that cannot run them)
+    assert passed and int(passed.group(1)) >= 20, out.stdout[-2000:]
