@@ -174,7 +174,8 @@ def step_times(file: ModelFile, devices: list[str], rows: int, lives: list[int],
 
 
 def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[int],
-                   context: int, steps: int, graph_cache: int) -> list[dict]:
+                   context: int, steps: int, graph_cache: int,
+                   keep_trace: Path | None = None) -> list[dict]:
     """Per live-row count: wall ms per decode window at the coordinator, stage_ms per stage
     and the overhead (medians over `steps` windows, after a few warm-up windows)."""
     cfg = file.config
@@ -182,7 +183,7 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
     os.environ["STRATA_GRAPH_CACHE"] = str(graph_cache)   # the workers read it
     chunk, warm = 32, 10
     out, measured = [], []
-    trace_dir = Path(tempfile.mkdtemp(prefix="strata-trace-"))
+    trace_dir = keep_trace or Path(tempfile.mkdtemp(prefix="strata-trace-"))
     with launch_stages(file, plan, slots=rows, ctx=context + len(lives) * (steps + warm) + 64,
                        trace_dir=trace_dir, say=lambda s: None) as run:
         pipe = run.pipe
@@ -223,7 +224,8 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
             measured.append(ids)
     for r, ids in zip(out, measured):   # the processes wrote their traces when they stopped
         r["trace"] = tracereport.summarize(trace_dir, ids=ids)
-    shutil.rmtree(trace_dir, ignore_errors=True)
+    if keep_trace is None:
+        shutil.rmtree(trace_dir, ignore_errors=True)
     return out
 
 
@@ -244,7 +246,11 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
 @click.option("--hbm-tbs", type=float, default=4.25, show_default=True,
               help="HBM bandwidth (TB/s) for the limit (measured copy rate of an H200).")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
-def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs, json_out):
+@click.option("--trace-dir", type=click.Path(file_okay=False), default=None,
+              help="Keep the pipeline runs' traces here (one folder per layout and graph "
+                   "cache; python -m strata.launch.tracereport reads them).")
+def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs, json_out,
+         trace_dir):
     file = None if what == "zmq" else ModelFile(resolve_model(model))
     n_cuda = torch.cuda.device_count()
     report = {"model": file and file.path.name, "rows": rows, "context": context,
@@ -280,7 +286,8 @@ def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs
                 report["step"].append(s)
         if what in ("pipeline", "both"):
             for gc_n in (int(x) for x in graph_caches.split(",")):
-                for r in pipeline_times(file, devices, rows, lives, context, iters, gc_n):
+                keep = trace_dir and Path(trace_dir) / f"{layout.replace(',', '+')}-g{gc_n}"
+                for r in pipeline_times(file, devices, rows, lives, context, iters, gc_n, keep):
                     r["layout"] = layout
                     click.echo(f"pipe {layout:>14} live {r['live']} graph-cache {gc_n}: window "
                                f"{r['wall_ms']:.3f} ms = stages "

@@ -173,6 +173,7 @@ class StageWorker:
             raise
         for slot, length in w.commits:
             self.cache.trim(slot, length)
+        self.trace.mark(w.id, "checked")
         rows = Rows(w.slots, w.positions)
         if self.model.first:
             inputs = torch.tensor(w.tokens, dtype=torch.long)
@@ -182,9 +183,8 @@ class StageWorker:
             inputs = transport.frame_tensor(tensors[0])  # bf16 bits or fp32, on the host
         begun = []
         with torch.inference_mode():
-            hidden = self.runner.layers(
-                inputs, rows, chunk=w.chunk,
-                launching=lambda: begun.append(self.trace.gpu_begin(w.id, "gpu")))
+            hidden = self.runner.layers(inputs, rows, chunk=w.chunk, launching=lambda: (
+                self.trace.mark(w.id, "launching"), begun.append(self.trace.gpu_begin(w.id, "gpu"))))
         self.trace.gpu_end(begun[0])
         self.trace.mark(w.id, "queued")
         for s, p in zip(w.slots, w.positions):

@@ -13,5 +13,6 @@ for g in 1 2; do
   timeout 70 $B exact --devices cuda:0,cuda:1 --layer-split 15 --batch 8 --batch-groups $g 2>&1 | tee $OUT/exact_g$g.log | tail -1
 done
 timeout 170 $B sweep --devices cuda:0,cuda:1 --layer-split 15 --clients 1,2,4,8,16,32 --tokens 64 \
-  --json-out $OUT/sweep_smollm2.json --plot $OUT/sweep_smollm2.png 2>&1 | tee $OUT/sweep_smollm2.log
+  --trace-dir /tmp/tr_smol --json-out $OUT/sweep_smollm2.json --plot $OUT/sweep_smollm2.png 2>&1 \
+  | tee $OUT/sweep_smollm2.log
 timeout 70 $B peer --device cuda:0 --batch 8 --tokens 64 2>&1 | grep -v Warn | tee $OUT/peer.log | tail -2
