@@ -51,11 +51,9 @@ class Pipeline:
         """check_alive raises PipelineError when a stage process is gone (launch provides it).
         trace: a JSON file for the timeline of windows sent and results received."""
         self.trace = Trace("coordinator", trace)
-        self.zmq = zmq.Context()
-        self.inbox = self.zmq.socket(zmq.PULL)
-        self.inbox.bind(inbox)
-        self.to_first = self.zmq.socket(zmq.PUSH)
-        self.to_first.connect(first_stage)
+        self.sockets = transport.Sockets()   # unix:// or ZeroMQ, by endpoint
+        self.inbox = self.sockets.pull(inbox)
+        self.to_first = self.sockets.push(first_stage)
         self.check_alive = check_alive
         self.hellos: dict[int, Hello] = {}
         self.next_window_id = 0
@@ -154,6 +152,4 @@ class Pipeline:
 
     def close(self) -> None:
         self.trace.close()
-        self.inbox.close(linger=0)
-        self.to_first.close(linger=500)
-        self.zmq.term()
+        self.sockets.close(linger_ms=500)

@@ -60,6 +60,11 @@ def launch_options(f):
                      help="Activations between stages: auto = nccl (GPU to GPU) when each "
                           "stage has a CUDA device of its own, else zmq frames; gloo links CPU "
                           "stages through torch.distributed (for tests)."),
+        click.option("--transport", default="unix", show_default=True,
+                     type=click.Choice(["unix", "zmq"]),
+                     help="Headers and messages between the processes of this host: unix "
+                          "sockets read by the receiver itself (fast), or ZeroMQ ipc (an I/O "
+                          "thread per side; stages on other hosts always use ZeroMQ tcp)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -73,17 +78,18 @@ class Prepared:
     sched: SchedulerConfig
     graph_cache: int = 8
     link: str = "zmq"
+    transport: str = "unix"
 
     def launch(self, **kwargs):
         """The stages of this plan, as a context manager (see session.launch_stages)."""
         from strata.launch.session import launch_stages
         return launch_stages(self.file, self.plan, slots=self.sched.slots, ctx=self.sched.ctx,
                              graph_cache=self.graph_cache, link=self.link,
-                             **kwargs)
+                             transport=self.transport, **kwargs)
 
 
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
-            chunk_rows, graph_cache=8, stage_link="auto", **_) -> Prepared:
+            chunk_rows, graph_cache=8, stage_link="auto", transport="unix", **_) -> Prepared:
     """Check everything that can be checked before a process starts."""
     if window_rows < 1:
         raise PlanError(f"--window-rows {window_rows} is below 1; a window needs a row")
@@ -109,7 +115,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     sched = SchedulerConfig(slots=batch, groups=groups, window_rows=window_rows,
                             chunk_rows=chunk_rows, ctx=ctx_size,
                             prompt_depth=len(plan) + 1)  # + 1: the next chunk waits at stage 0
-    return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan))
+    return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan), transport)
 
 
 def parse_devices_for(devices: str) -> list[str]:

@@ -52,7 +52,7 @@ class StageProcesses:
     def __init__(self, model: Path, plan: list[StagePlan], *, slots: int, ctx: int,
                  log_dir: Path | None = None, external: set[int] = frozenset(),
                  graph_cache: int | None = None, link: str | None = None,
-                 trace_dir: Path | None = None):
+                 trace_dir: Path | None = None, transport: str = "unix"):
         self.model, self.plan, self.slots, self.ctx = model, plan, slots, ctx
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.graph_cache = graph_cache
@@ -61,9 +61,12 @@ class StageProcesses:
         self.log_dir = Path(log_dir) if log_dir else self.run_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.external = set(external)
+        if transport not in ("unix", "zmq"):
+            raise ValueError(f"--transport {transport!r} is not unix or zmq")
+        scheme = "unix://" if transport == "unix" else "ipc://"  # unix: protocol/unixsock.py
         self.endpoints = Endpoints(
-            inbox=f"ipc://{self.run_dir}/inbox",
-            stages=[f"ipc://{self.run_dir}/stage{p.index}" for p in plan])
+            inbox=f"{scheme}{self.run_dir}/inbox",
+            stages=[f"{scheme}{self.run_dir}/stage{p.index}" for p in plan])
         self.procs: dict[int, subprocess.Popen] = {}
 
     @property

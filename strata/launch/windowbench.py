@@ -9,8 +9,9 @@
             then, from the processes' traces (strata/trace.py), the window's time as a chain
             (hops, each stage's GPU time, what lies between) and each stage's overhead: its
             wall time on the window minus its GPU time.
-  zmq       the floor of that overhead: a ZeroMQ round trip (ipc, 8x576 bf16 frame, our
-            framing) to an echo process, blocking receives vs spinning ones.
+  zmq       the floor of that overhead: a round trip (8x576 bf16 frame, our framing) to an
+            echo process over ZeroMQ ipc:// and over unix:// (protocol/unixsock.py), blocking
+            receives vs spinning ones.
 
 Layouts are device lists separated by ';', each split evenly over its devices: "cuda:0" is one
 stage on one GPU, "cuda:0,cuda:1" two stages. docs/BENCHMARKS.md (GPU section) has figures.
@@ -31,7 +32,6 @@ import tempfile
 import click
 import numpy as np
 import torch
-import zmq
 
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.windows import Row, build_window
@@ -48,28 +48,24 @@ GREEDY = SamplingParams()
 
 
 def _echo(inbox: str, outbox: str, spin_s: float, n: int) -> None:
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.bind(inbox)
-    push.connect(outbox)
+    sockets = transport.Sockets()
+    pull, push = sockets.pull(inbox), sockets.push(outbox)
     for _ in range(n):
         msg, tensors = transport.recv(pull, spin_s)
         transport.send(push, msg, tensors)
-    pull.close(linger=0)
-    push.close(linger=1000)
-    ctx.term()
+    sockets.close(linger_ms=1000)
 
 
-def zmq_round_trip(spin_s: float, n: int = 2000) -> float:
-    """Median microseconds of a send + echo + receive of a Window header and a 9 KB frame."""
+def zmq_round_trip(spin_s: float, n: int = 2000, scheme: str = "ipc") -> float:
+    """Median microseconds of a send + echo + receive of a Window header and a 9 KB frame,
+    over ZeroMQ (ipc://) or the Unix sockets of protocol/unixsock.py (unix://)."""
     run = tempfile.mkdtemp(prefix="zrt-")
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.bind(f"ipc://{run}/back")
+    sockets = transport.Sockets()
+    pull = sockets.pull(f"{scheme}://{run}/back")
     echo = multiprocessing.get_context("spawn").Process(
-        target=_echo, args=(f"ipc://{run}/fwd", f"ipc://{run}/back", spin_s, n + 100))
+        target=_echo, args=(f"{scheme}://{run}/fwd", f"{scheme}://{run}/back", spin_s, n + 100))
     echo.start()
-    push.connect(f"ipc://{run}/fwd")
+    push = sockets.push(f"{scheme}://{run}/fwd")
     msg = build_window(1, [Row(s, 100, 7, GREEDY) for s in range(8)], 8)
     frame = np.zeros((8, 576), np.uint16)
     times = []
@@ -80,9 +76,7 @@ def zmq_round_trip(spin_s: float, n: int = 2000) -> float:
         if i >= 100:
             times.append((time.perf_counter() - t0) * 1e6)
     echo.join(10)
-    pull.close(linger=0)
-    push.close(linger=0)
-    ctx.term()
+    sockets.close(linger_ms=0)
     return median(times)
 
 
@@ -263,10 +257,12 @@ def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs
                 json.dump(report, f, indent=2)
 
     if what == "zmq":
-        for spin in (0.0, 0.005):
-            us = zmq_round_trip(spin)
-            report[f"zmq_round_trip_us_spin_{spin}"] = us
-            click.echo(f"zmq round trip (ipc, 9 KB frame), spin {spin * 1e3:.0f} ms: {us:.0f} us")
+        for scheme in ("ipc", "unix"):
+            for spin in (0.0, 0.005):
+                us = zmq_round_trip(spin, scheme=scheme)
+                report[f"{scheme}_round_trip_us_spin_{spin}"] = us
+                click.echo(f"round trip over {scheme}:// ({'ZeroMQ' if scheme == 'ipc' else 'Unix sockets'}, "
+                           f"9 KB frame), spin {spin * 1e3:.0f} ms: {us:.0f} us")
         layouts = ""
     lives = [int(x) for x in live.split(",")]
     for layout in filter(None, layouts.split(";")):

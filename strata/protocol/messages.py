@@ -108,27 +108,36 @@ def decode(obj) -> object:
     if cls is None:
         raise ProtocolError(f"unknown message type {obj['type']!r}")
     kwargs = {}
-    for f in fields(cls):
-        if f.name not in obj:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise ProtocolError(f"{cls.__name__} lacks field {f.name!r}")
+    for name, type_name, expected, required, items in _SCHEMAS[cls]:
+        if name not in obj:
+            if required:
+                raise ProtocolError(f"{cls.__name__} lacks field {name!r}")
             continue
-        value = obj[f.name]
-        expected = _FIELD_TYPES[f.type]
+        value = obj[name]
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ProtocolError(f"{cls.__name__}.{f.name} should be {f.type}, "
+            raise ProtocolError(f"{cls.__name__}.{name} should be {type_name}, "
                                 f"got {type(value).__name__}")
-        if f.type.startswith("list[") and not _list_ok(value, f.type):
-            raise ProtocolError(f"{cls.__name__}.{f.name} should be {f.type}")
-        kwargs[f.name] = value
+        if items is not None and not _list_ok(value, items):
+            raise ProtocolError(f"{cls.__name__}.{name} should be {type_name}")
+        kwargs[name] = value
     return cls(**kwargs)
 
 
-def _list_ok(value: list, type_name: str) -> bool:
-    inner = type_name[5:-1]
-    if inner == "int":
-        return all(isinstance(x, int) and not isinstance(x, bool) for x in value)
-    if inner == "float":
-        return all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
-    return all(isinstance(x, list) and _list_ok(x, "list[int]") for x in value)
+_INT, _NUMBER = frozenset({int}), frozenset({int, float})  # type(True) is bool: not in these
 
+
+def _list_ok(value: list, items: str) -> bool:
+    """items: "int", "float" or "list[int]" (the declared list[...]'s inner type)."""
+    if items == "int":
+        return {type(x) for x in value} <= _INT
+    if items == "float":
+        return {type(x) for x in value} <= _NUMBER
+    return all(type(x) is list and {type(y) for y in x} <= _INT for x in value)
+
+
+# per message class: (field, declared type, accepted Python type, required, list items type
+# or None), read once
+_SCHEMAS = {cls: [(f.name, f.type, _FIELD_TYPES[f.type],
+                   f.default is MISSING and f.default_factory is MISSING,
+                   f.type[5:-1] if f.type.startswith("list[") else None) for f in fields(cls)]
+            for cls in MESSAGE_TYPES.values()}

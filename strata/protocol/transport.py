@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from strata.protocol import unixsock
 from strata.protocol.messages import ProtocolError, decode, encode
 
 _DTYPES = {"float32", "float16", "int64", "int32", "uint16"}  # uint16 carries bf16 bits
@@ -57,11 +58,46 @@ def _bytes(frame) -> bytes:
     return frame.bytes if isinstance(frame, zmq.Frame) else frame
 
 
-def send(sock: zmq.Socket, msg, tensors: list[np.ndarray] = ()) -> None:
+class Sockets:
+    """The sockets of one process, by endpoint: `unix://PATH` over Unix stream sockets
+    (unixsock.py: same host, no I/O threads), anything else (ipc://, tcp://) over ZeroMQ.
+    Both give PUSH/PULL with send_multipart, recv_multipart, poll(ms) and close(linger)."""
+
+    def __init__(self):
+        self._zmq: zmq.Context | None = None
+        self._open: list = []
+
+    def pull(self, endpoint: str):
+        return self._open_socket(endpoint, zmq.PULL)
+
+    def push(self, endpoint: str):
+        return self._open_socket(endpoint, zmq.PUSH)
+
+    def _open_socket(self, endpoint: str, kind: int):
+        if endpoint.startswith(unixsock.SCHEME):
+            sock = (unixsock.UnixPull if kind == zmq.PULL else unixsock.UnixPush)(endpoint)
+        else:
+            if self._zmq is None:
+                self._zmq = zmq.Context()
+            sock = self._zmq.socket(kind)
+            (sock.bind if kind == zmq.PULL else sock.connect)(endpoint)
+        self._open.append(sock)
+        return sock
+
+    def close(self, linger_ms: int = 1000) -> None:
+        for sock in self._open:
+            sock.close(linger=linger_ms)
+        self._open.clear()
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
+
+
+def send(sock, msg, tensors: list[np.ndarray] = ()) -> None:
     sock.send_multipart(pack(msg, tensors), copy=False)
 
 
-def recv(sock: zmq.Socket, spin_s: float = 0.0) -> tuple[object, list[np.ndarray]]:
+def recv(sock, spin_s: float = 0.0) -> tuple[object, list[np.ndarray]]:
     """The next message. With spin_s, poll without sleeping for up to that long first: a
     message that comes meanwhile skips the receiving thread's wake-up, which costs ~0.1 ms
     (more in a VM) per hop; for processes whose next message is usually that close (a GPU

@@ -14,7 +14,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import zmq
 
 from strata.kernels.sampling import SamplingRow, sample_row
 from strata.model.gguf_file import ModelFile
@@ -99,15 +98,10 @@ class StageWorker:
                  cfg.layer_end, cfg.device, str(self.model.dtype).removeprefix("torch."),
                  self.runner.capacity, time.perf_counter() - t0, warm_s,
                  self.cache.nbytes() / 2**20)
-        self.zmq = zmq.Context()
-        self.inbox = self.zmq.socket(zmq.PULL)
-        self.inbox.bind(cfg.listen)
-        self.to_coordinator = self.zmq.socket(zmq.PUSH)
-        self.to_coordinator.connect(cfg.coordinator)
-        self.to_next = None
-        if cfg.next:
-            self.to_next = self.zmq.socket(zmq.PUSH)
-            self.to_next.connect(cfg.next)
+        self.sockets = transport.Sockets()   # unix:// or ZeroMQ, by endpoint
+        self.inbox = self.sockets.pull(cfg.listen)
+        self.to_coordinator = self.sockets.push(cfg.coordinator)
+        self.to_next = self.sockets.push(cfg.next) if cfg.next else None
 
     def warm_up(self) -> float:
         """Compile the kernels and capture the graphs of the usual window shapes before the
@@ -197,8 +191,8 @@ class StageWorker:
             else:
                 frames = [transport.tensor_frame(hidden)]  # waits for the device
             w.stage_ms.append((time.perf_counter() - t0) * 1e3)
+            self.trace.mark(w.id, "sent")   # marked as it goes: the receiver may be quicker
             transport.send(self.to_next, w, frames)
-            self.trace.mark(w.id, "sent")
             return
         self._send_unsent()  # the previous window: computed before this one, which is enqueued
         if self.model.device.type == "cuda" and not w.want_logits and all(
@@ -215,8 +209,8 @@ class StageWorker:
         tokens, logits = self.sample(w, hidden)
         extra = [logits.cpu().numpy()] if w.want_logits else []
         w.stage_ms.append((time.perf_counter() - t0) * 1e3)
-        transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms), extra)
         self.trace.mark(w.id, "sent")
+        transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms), extra)
 
     def _await_unsent(self) -> None:
         """Answer the window in hand once the device has computed it, unless another window
@@ -237,8 +231,9 @@ class StageWorker:
         self.unsent = None
         done.synchronize()
         w.stage_ms.append((time.perf_counter() - t0) * 1e3)
-        transport.send(self.to_coordinator, Result(w.id, tokens(), w.stage_ms), extra)
+        result = Result(w.id, tokens(), w.stage_ms)
         self.trace.mark(w.id, "sent")
+        transport.send(self.to_coordinator, result, extra)
 
     @torch.inference_mode()
     def greedy_tokens(self, w: Window, hidden: torch.Tensor) -> Callable[[], list[int]]:
@@ -334,7 +329,4 @@ class StageWorker:
         self.trace.close()
         if self.link is not None:
             self.link.close()
-        for sock in (self.inbox, self.to_coordinator, self.to_next):
-            if sock is not None:
-                sock.close(linger=1000)
-        self.zmq.term()
+        self.sockets.close(linger_ms=1000)

@@ -1,0 +1,230 @@
+"""PUSH/PULL over Unix stream sockets: the same-host transport (`unix://PATH` endpoints).
+
+ZeroMQ hands every message to an I/O thread on each side, and waking those threads is most of
+a hop's cost on a VM: a ZeroMQ round trip with spinning receivers takes ~130 us on the
+development VM and a hop 0.15-0.3 ms on the lent GPU hosts, while the same round trip over a
+Unix socket that the receiver reads itself takes ~6 us (docs/BENCHMARKS.md). These two classes
+keep the part of ZeroMQ's PUSH/PULL contract strata relies on, and nothing else:
+
+  - a PULL socket binds and takes messages from any number of PUSH sockets (fan-in), each
+    sender's messages whole and in order;
+  - a PUSH socket may connect before its peer binds, and a send never waits for the peer:
+    what the kernel does not take at once goes to a sender thread, in order (ZeroMQ queues
+    too), and a message for a peer that never comes is dropped at close, after `linger`.
+
+A message is its frames (bytes-like): on the wire a u64 length, a u32 frame count, a u64 size
+per frame, then the frames. Received frames are memoryviews of one bytes object.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections import deque
+
+_LEN = struct.Struct("<Q")
+_COUNT = struct.Struct("<I")
+SCHEME = "unix://"
+
+
+def path_of(endpoint: str) -> str:
+    if not endpoint.startswith(SCHEME):
+        raise ValueError(f"{endpoint!r} is not a unix:// endpoint")
+    return endpoint[len(SCHEME):]
+
+
+def encode(frames) -> list:
+    sizes = [memoryview(f).nbytes for f in frames]
+    head = _COUNT.pack(len(frames)) + b"".join(_LEN.pack(n) for n in sizes)
+    return [_LEN.pack(len(head) + sum(sizes)) + head, *frames]
+
+
+def decode(payload: bytes) -> list[memoryview]:
+    view = memoryview(payload)
+    (count,) = _COUNT.unpack_from(view, 0)
+    sizes = [_LEN.unpack_from(view, 4 + 8 * i)[0] for i in range(count)]
+    at, frames = 4 + 8 * count, []
+    for n in sizes:
+        frames.append(view[at:at + n])
+        at += n
+    return frames
+
+
+class UnixPull:
+    def __init__(self, endpoint: str):
+        self.path = path_of(endpoint)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.buffers: dict[socket.socket, bytearray] = {}
+        self.ready: deque[bytes] = deque()   # whole messages, in arrival order
+        self.scratch = bytearray(1 << 20)
+
+    def poll(self, timeout_ms: int | None = 0) -> bool:
+        """True when a whole message is there; waits up to timeout_ms (None: forever)."""
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while not self.ready:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            for key, _ in self.selector.select(left):   # one epoll_wait: what is readable
+                self._read(key.fileobj)
+            if left == 0.0:
+                break
+        return bool(self.ready)
+
+    def recv_multipart(self, copy: bool = False) -> list[memoryview]:
+        self.poll(None)
+        return decode(self.ready.popleft())
+
+    def _read(self, sock: socket.socket) -> None:
+        """Accept new senders, or read what one connection has, without waiting."""
+        if sock is self.listener:
+            while True:
+                try:
+                    conn, _ = self.listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    return
+                conn.setblocking(False)
+                self.buffers[conn] = bytearray()
+                self.selector.register(conn, selectors.EVENT_READ)
+        buf = self.buffers[sock]
+        while True:
+            try:
+                n = sock.recv_into(self.scratch)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                n = 0
+            if not n:  # the sender closed: what it sent whole is kept
+                self.selector.unregister(sock)
+                sock.close()
+                del self.buffers[sock]
+                return
+            buf += memoryview(self.scratch)[:n]
+            self._split(buf)
+            if n < len(self.scratch):
+                return
+
+    def _split(self, buf: bytearray) -> None:
+        while len(buf) >= 8:
+            (n,) = _LEN.unpack_from(buf, 0)
+            if len(buf) < 8 + n:
+                return
+            self.ready.append(bytes(buf[8:8 + n]))
+            del buf[:8 + n]
+
+    def close(self, linger: int = 0) -> None:
+        for conn in self.buffers:
+            conn.close()
+        self.buffers.clear()
+        self.selector.close()
+        self.listener.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class UnixPush:
+    RETRY_S = 0.005  # a sender thread retries a peer that is not listening yet this often
+
+    def __init__(self, endpoint: str):
+        self.path = path_of(endpoint)
+        self.sock: socket.socket | None = None
+        self.lock = threading.Lock()
+        self.backlog: deque[list] = deque()   # parts the kernel did not take yet, in order
+        self.wake = threading.Condition(self.lock)
+        self.closing = False
+        self.thread: threading.Thread | None = None
+
+    def send_multipart(self, frames, copy: bool = False) -> None:
+        parts = encode(frames)
+        with self.lock:
+            if not self.backlog and self._connected():
+                parts = self._send_now(parts)
+                if not parts:
+                    return
+            self.backlog.append(parts)
+            self._start_thread()
+            self.wake.notify()
+
+    def _connected(self) -> bool:
+        if self.sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.path)
+            except OSError:  # not bound yet (or gone): the sender thread retries
+                sock.close()
+                return False
+            sock.setblocking(False)
+            self.sock = sock
+        return True
+
+    def _send_now(self, parts: list) -> list:
+        """Send what the kernel takes without waiting; return what is left."""
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:
+            try:
+                n = self.sock.sendmsg(views)
+            except (BlockingIOError, InterruptedError):
+                return views
+            except OSError as e:  # the peer is gone: as ZeroMQ, nothing to deliver to
+                if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                    raise
+                return []
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
+        return []
+
+    def _start_thread(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._drain, name="unix-push", daemon=True)
+            self.thread.start()
+
+    def _drain(self) -> None:
+        with self.lock:
+            while True:
+                while not self.backlog and not self.closing:
+                    self.wake.wait()
+                if not self.backlog:
+                    return
+                if not self._connected():
+                    self.wake.wait(self.RETRY_S)
+                    continue
+                left = self._send_now(self.backlog[0])
+                if left:
+                    self.backlog[0] = left
+                    sock = self.sock
+                    self.lock.release()   # let the caller queue more while the peer reads
+                    try:
+                        select.select([], [sock], [], 0.05)
+                    except (OSError, ValueError):  # closed meanwhile: close() dropped the rest
+                        pass
+                    finally:
+                        self.lock.acquire()
+                else:
+                    self.backlog.popleft()
+
+    def close(self, linger: int = 0) -> None:
+        """Wait up to linger ms for queued messages to go, then drop the rest and close."""
+        deadline = time.monotonic() + linger / 1000
+        with self.lock:
+            self.closing = True
+            self.wake.notify()
+            while self.backlog and time.monotonic() < deadline:
+                self.wake.wait(0.005)
+            self.backlog.clear()
+            if self.sock is not None:
+                self.sock.close()
+                self.sock = None
+            self.wake.notify()
