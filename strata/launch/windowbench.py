@@ -169,7 +169,7 @@ def step_times(file: ModelFile, devices: list[str], rows: int, lives: list[int],
 
 def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[int],
                    context: int, steps: int, graph_cache: int,
-                   keep_trace: Path | None = None) -> list[dict]:
+                   keep_trace: Path | None = None, transport: str = "unix") -> list[dict]:
     """Per live-row count: wall ms per decode window at the coordinator, stage_ms per stage
     and the overhead (medians over `steps` windows, after a few warm-up windows)."""
     cfg = file.config
@@ -179,7 +179,7 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
     out, measured = [], []
     trace_dir = keep_trace or Path(tempfile.mkdtemp(prefix="strata-trace-"))
     with launch_stages(file, plan, slots=rows, ctx=context + len(lives) * (steps + warm) + 64,
-                       trace_dir=trace_dir, say=lambda s: None) as run:
+                       trace_dir=trace_dir, transport=transport, say=lambda s: None) as run:
         pipe = run.pipe
         g = torch.Generator().manual_seed(1)
         last = {}
@@ -212,6 +212,7 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
                     stage_ms.append(result.stage_ms)
             over = [w - sum(s) for w, s in zip(walls, stage_ms)]
             out.append({"stages": len(plan), "graph_cache": graph_cache, "live": live,
+                        "transport": transport,
                         "wall_ms": median(walls),
                         "stage_ms": [median(s[i] for s in stage_ms) for i in range(len(plan))],
                         "overhead_ms": median(over), "tok_s": live * 1e3 / median(walls)})
@@ -243,8 +244,10 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
 @click.option("--trace-dir", type=click.Path(file_okay=False), default=None,
               help="Keep the pipeline runs' traces here (one folder per layout and graph "
                    "cache; python -m strata.launch.tracereport reads them).")
+@click.option("--transports", default="unix", show_default=True,
+              help="Pipeline runs: the transports to compare (unix, zmq), comma-separated.")
 def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs, json_out,
-         trace_dir):
+         trace_dir, transports):
     file = None if what == "zmq" else ModelFile(resolve_model(model))
     n_cuda = torch.cuda.device_count()
     report = {"model": file and file.path.name, "rows": rows, "context": context,
@@ -281,12 +284,14 @@ def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs
                            f"{s['hbm_limit_ms']:.3f} ms ({s['weight_gb']:.2f} GB weights)")
                 report["step"].append(s)
         if what in ("pipeline", "both"):
-            for gc_n in (int(x) for x in graph_caches.split(",")):
-                keep = trace_dir and Path(trace_dir) / f"{layout.replace(',', '+')}-g{gc_n}"
-                for r in pipeline_times(file, devices, rows, lives, context, iters, gc_n, keep):
+            runs = [(int(g), t) for g in graph_caches.split(",") for t in transports.split(",")]
+            for gc_n, tr in runs:
+                keep = trace_dir and Path(trace_dir) / f"{layout.replace(',', '+')}-g{gc_n}-{tr}"
+                for r in pipeline_times(file, devices, rows, lives, context, iters, gc_n, keep,
+                                        tr):
                     r["layout"] = layout
-                    click.echo(f"pipe {layout:>14} live {r['live']} graph-cache {gc_n}: window "
-                               f"{r['wall_ms']:.3f} ms = stages "
+                    click.echo(f"pipe {layout:>14} live {r['live']} graph-cache {gc_n} {tr}: "
+                               f"window {r['wall_ms']:.3f} ms = stages "
                                f"{' + '.join(f'{x:.3f}' for x in r['stage_ms'])} ms + "
                                f"overhead {r['overhead_ms']:.3f} ms; {r['tok_s']:.1f} tok/s")
                     for line in tracereport.format_summary(r["trace"]):
