@@ -18,11 +18,11 @@ wait $MK; tail -3 $OUT/mkmodel.log
 B="python3 -m strata.launch.bench"
 L8="--model /tmp/l8b.gguf --devices cuda:0,cuda:1 --layer-split 16"
 timeout 150 python3 -m strata.launch.windowbench --model /tmp/l8b.gguf --layouts "cuda:0,cuda:1" \
-  --what both --live 1,8 --iters 50 --graph-caches 8 --json-out $OUT/l8b_window.json \
-  --trace-dir /tmp/tr_window 2>&1 | grep -v Warn | tee $OUT/l8b_window.log
-python3 tools/gpu/host_marks.py /tmp/tr_window/cuda:0+cuda:1-g8 | tee -a $OUT/l8b_window.log
+  --what both --live 1,8 --iters 50 --graph-caches 8 --transports unix,zmq \
+  --json-out $OUT/l8b_window.json --trace-dir /tmp/tr_window 2>&1 | grep -v Warn | tee $OUT/l8b_window.log
+for d in /tmp/tr_window/*; do echo "$d"; python3 tools/gpu/host_marks.py "$d"; done | tee -a $OUT/l8b_window.log
 timeout 170 $B sweep $L8 --modes serial,pipelined --clients 16,32 --tokens 128 --ctx-size 512 \
   --trace-dir /tmp/tr_sweep --json-out $OUT/sweep_l8b.json 2>&1 | grep -v Warn | tee $OUT/sweep_l8b.log
-timeout 100 $B prompt $L8 --ctx-size 4160 --prompt-tokens 4096 --chunk-rows 512 --repeats 3 \
+[ -n "$SKIP_PROMPT" ] || timeout 100 $B prompt $L8 --ctx-size 4160 --prompt-tokens 4096 --chunk-rows 512 --repeats 3 \
   --json-out $OUT/prompt_c512.json 2>&1 | grep -v Warn | tee $OUT/prompt_c512.log
 grep -h "activations over\|Error\|error" /tmp/strata-*/stage*.log 2>/dev/null | sort | uniq -c | head -8
