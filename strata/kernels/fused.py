@@ -111,17 +111,6 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = Non
     return skinny_mm(x, w, res, **blocks)
 
 
-def gated_linear_rows(gate_up: torch.Tensor, w: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate_up [R, 2F], times w [N, F]^T, plus res: where the skinny
-    kernel runs, one kernel (silu_mul in its operand loads); otherwise silu_mul, then
-    linear_rows."""
-    blocks = skinny_blocks(*w.shape, True) if _use_triton(gate_up) else None
-    if blocks is None or gate_up.shape[0] > SKINNY_MAX_ROWS:
-        return linear_rows(silu_mul(gate_up), w, res)
-    from strata.kernels.skinny_triton import skinny_mm
-    return skinny_mm(gate_up, w, res, gated=True, **blocks)
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [R, 2F] = [gate | up] -> [R, F]: silu(gate) * up in fp32, rounded once."""
     if not _use_triton(gate_up):

@@ -22,8 +22,8 @@ BLOCK_M = 16
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, res_ptr, out_ptr, M, K,
                    stride_xm, stride_wn, stride_rm, stride_om,
-                   HAS_RES: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                   HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -34,11 +34,6 @@ def _skinny_kernel(x_ptr, w_ptr, res_ptr, out_ptr, M, K,
         w = tl.load(w_ptr + n[:, None] * stride_wn + (k0 + kk)[None, :])      # [BN, BK]
         x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=row_ok,
                     other=0.0)                                                # [BM, BK]
-        if GATED:  # x is [gate | up] (2K wide): silu(gate) * up, as fused.silu_mul rounds it
-            g = x.to(tl.float32)
-            u = tl.load(x_ptr + m[:, None] * stride_xm + K + (k0 + kk)[None, :], mask=row_ok,
-                        other=0.0).to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g)) * u).to(w.dtype)
         acc = tl.dot(w, tl.trans(x), acc)
     out = tl.trans(acc)                                                       # [BM, BN]
     if HAS_RES:
@@ -49,15 +44,11 @@ def _skinny_kernel(x_ptr, w_ptr, res_ptr, out_ptr, M, K,
 
 
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None, *,
-              gated: bool = False, block_n: int = 64, block_k: int = 128, stages: int = 4,
+              block_n: int = 64, block_k: int = 128, stages: int = 4,
               warps: int = 4) -> torch.Tensor:
     """x: [M, K] (M <= 16), w: [N, K], res: [M, N] or None -> [M, N] in x's dtype.
-    gated: x is [gate | up], [M, 2K], and the product takes silu(gate) * up (rounded to x's
-    dtype, as fused.silu_mul) in its place: the down projection without a kernel before it.
     N must divide by block_n and K by block_k (the llama shapes do)."""
     m, k = x.shape
-    if gated:
-        k //= 2
     n = w.shape[0]
     if m > BLOCK_M or w.shape[1] != k or n % block_n or k % block_k:
         raise ValueError(f"skinny_mm: x {tuple(x.shape)}, w {tuple(w.shape)} do not fit blocks "
@@ -67,17 +58,14 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
     r = res if res is not None else out
     _skinny_kernel[(n // block_n,)](
         x, w, r, out, m, k, x.stride(0), w.stride(0), r.stride(0), out.stride(0),
-        HAS_RES=res is not None, GATED=gated, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_RES=res is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=stages, num_warps=warps)
     return out
 
 
-def skinny_mm_torch(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
-                    gated: bool = False) -> torch.Tensor:
-    """The reference: fp32 products and sums, one rounding (gated: silu_mul first)."""
-    if gated:
-        gate, up = x.float().chunk(2, dim=-1)
-        x = (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype)
+def skinny_mm_torch(x: torch.Tensor, w: torch.Tensor,
+                    res: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: fp32 products and sums, one rounding."""
     out = x.float() @ w.float().t()
     if res is not None:
         out += res.float()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.attention import attend, attend_chunk, attend_rows
-from strata.kernels.fused import gated_linear_rows, linear_rows, rms_norm_rows, rope_write_kv
+from strata.kernels.fused import linear_rows, rms_norm_rows, rope_write_kv, silu_mul
 from strata.kernels.norms import rms_norm, swiglu
 from strata.kernels.rope import apply_rope, rope_table
 from strata.model.gguf_file import ModelConfig, ModelFile
@@ -154,7 +154,7 @@ class Layer(torch.nn.Module):
         attn = attend_fn(q, k_cache, v_cache, rows.slot, rows.length)
         x = linear_rows(attn.view(x.shape[0], -1), self.wo, res=x)         # x + attn wo^T
         h = rms_norm_rows(x, self.ffn_norm, cfg.rms_eps)
-        return gated_linear_rows(linear_rows(h, self.w_gate_up), self.w_down, res=x)
+        return linear_rows(silu_mul(linear_rows(h, self.w_gate_up)), self.w_down, res=x)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
