@@ -60,10 +60,13 @@ class Trace:
         return event
 
     def _anchor(self) -> tuple[torch.cuda.Event, float]:
+        """An event and its host time: the middle of record .. synchronize returning."""
+        torch.cuda.synchronize()
         event = torch.cuda.Event(enable_timing=True)
+        before = time.perf_counter()
         event.record()
         event.synchronize()
-        return event, time.perf_counter()
+        return event, (before + time.perf_counter()) / 2
 
     def close(self) -> None:
         """Write the file (once); GPU spans are resolved here, after a synchronization."""

@@ -108,3 +108,65 @@ def test_strata_messages_over_either_endpoint(tmp_path, scheme):
     assert msg == Result(7, [1, 2, 3], [0.5])
     assert np.array_equal(tensors[0], logits)
     sockets.close(linger_ms=100)
+
+
+def test_empty_frames_go_through_both_paths(endpoint):
+    """A (0, V) array (a chunk's logits when no row samples) is a frame of no bytes, sent at
+    once or by the sender thread (peer not bound yet), and the socket goes on working."""
+    push = unixsock.UnixPush(endpoint)
+    empty = np.zeros((0, 5), np.float32)
+    push.send_multipart([b"queued", empty])          # no receiver yet: the sender thread
+    pull = unixsock.UnixPull(endpoint)
+    head, frame = pull.recv_multipart()
+    assert bytes(head) == b"queued" and memoryview(frame).nbytes == 0
+    push.send_multipart([b"direct", empty])
+    push.send_multipart([b"after"])
+    assert [bytes(f) for f in pull.recv_multipart()] == [b"direct", b""]
+    assert bytes(pull.recv_multipart()[0]) == b"after"
+    push.close(linger=100)
+    pull.close()
+
+
+def test_a_restarted_receiver_binds_the_same_path_and_gets_later_messages(endpoint):
+    pull = unixsock.UnixPull(endpoint)
+    push = unixsock.UnixPush(endpoint)
+    push.send_multipart([b"one"])
+    assert bytes(pull.recv_multipart()[0]) == b"one"
+    pull.listener.close()          # dies without cleaning up: its socket file stays
+    for conn in pull.buffers:
+        conn.close()
+    again = unixsock.UnixPull(endpoint)
+    deadline = time.monotonic() + 5
+    while not again.poll(10) and time.monotonic() < deadline:
+        push.send_multipart([b"two"])   # the first sends find the dead peer and are dropped
+    assert bytes(again.recv_multipart()[0]) == b"two"
+    push.close(linger=100)
+    again.close()
+
+
+def test_launch_over_either_transport_gives_the_same_tokens_and_logits(tiny_model, no_stage_left):
+    """Two CPU stages, a prompt longer than one chunk, logits wanted: the first chunk's Result
+    carries an empty logits frame. Unix sockets and ZeroMQ give the same tokens and logits."""
+    from strata.coordinator.generate import Sequence, generate_solo
+    from strata.coordinator.sampling import SamplingParams
+    from strata.launch.plan import plan_stages
+    from strata.launch.session import launch_stages
+    from strata.model.gguf_file import ModelFile
+
+    file = ModelFile(tiny_model)
+    plan = plan_stages("2", ["cpu"], file.config.n_layers)
+    prompt = [(7 * i) % file.config.vocab for i in range(45)]   # two chunks of 32 rows
+    got = {}
+    for transport_name in ("unix", "zmq"):
+        with launch_stages(file, plan, slots=1, ctx=128, transport=transport_name,
+                           say=lambda s: None) as run:
+            assert run.procs.endpoints.inbox.startswith(
+                "unix://" if transport_name == "unix" else "ipc://")
+            logits = {}
+            seq = Sequence(prompt, SamplingParams(max_tokens=6), frozenset(), 128)
+            generate_solo(run.pipe, seq, on_logits=lambda p, x: logits.__setitem__(p, x.copy()))
+            got[transport_name] = (seq.generated, logits)
+    tokens, logits = got["unix"]
+    assert len(tokens) == 6 and sorted(logits) == list(range(45, 51))
+    assert tokens == got["zmq"][0]
+    assert all(np.array_equal(logits[p], got["zmq"][1][p]) for p in logits)

@@ -5,8 +5,9 @@ coordinator.json and stage{k}.json. A window's wall time (coordinator: sent to r
 into a chain that adds up to it exactly:
 
     to stage 0's GPU      sent by the coordinator -> stage 0's kernels start
-    stage k GPU           its kernels (CUDA events; the last stage's head included for decode
-                          windows, whose graph holds it)
+    stage k GPU           its kernels (CUDA events; on the last stage the head is included for
+                          windows of 8 rows, whose graph holds it; other windows' head falls
+                          under "last stage after GPU")
     stage k-1 -> k        stage k-1's kernels end -> stage k's start (the link or the frames, the
                           header, stage k's host work, and any wait for stage k's GPU)
     last stage after GPU  its kernels end -> its Result is sent (sync, sampling)
@@ -91,7 +92,8 @@ def stage_overheads(traces: dict[str, dict], w: int) -> list[dict[str, float]]:
 def busy(traces: dict[str, dict], windows: list[int]) -> list[float]:
     """Each stage's GPU time over the interval from the first window sent to the last result."""
     c = traces["coordinator"]["marks"]
-    t0, t1 = _sent(c[windows[0]]), c[windows[-1]]["result"]
+    t0 = min(_sent(c[w]) for w in windows)        # results may come back out of id order
+    t1 = max(c[w]["result"] for w in windows)
     return [sum(b - a for w, (a, b) in traces[s]["spans"].items() if t0 <= a and b <= t1)
             / (t1 - t0) for s in _stages(traces)]
 

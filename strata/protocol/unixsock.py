@@ -18,6 +18,7 @@ per frame, then the frames. Received frames are memoryviews of one bytes object.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import select
 import selectors
@@ -26,6 +27,8 @@ import struct
 import threading
 import time
 from collections import deque
+
+log = logging.getLogger("strata.unixsock")
 
 _LEN = struct.Struct("<Q")
 _COUNT = struct.Struct("<I")
@@ -59,6 +62,10 @@ class UnixPull:
     def __init__(self, endpoint: str):
         self.path = path_of(endpoint)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:  # a file left by a process that died (as ZeroMQ's ipc:// does, bind takes it)
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
         self.listener.bind(self.path)
         self.listener.listen(64)
         self.listener.setblocking(False)
@@ -169,7 +176,7 @@ class UnixPush:
 
     def _send_now(self, parts: list) -> list:
         """Send what the kernel takes without waiting; return what is left."""
-        views = [memoryview(p).cast("B") for p in parts]
+        views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]  # (0, V): none
         while views:
             try:
                 n = self.sock.sendmsg(views)
@@ -178,6 +185,8 @@ class UnixPush:
             except OSError as e:  # the peer is gone: as ZeroMQ, nothing to deliver to
                 if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
                     raise
+                self.sock.close()   # the next message connects again (a restarted peer)
+                self.sock = None
                 return []
             while views and n >= views[0].nbytes:
                 n -= views[0].nbytes
@@ -201,14 +210,19 @@ class UnixPush:
                 if not self._connected():
                     self.wake.wait(self.RETRY_S)
                     continue
-                left = self._send_now(self.backlog[0])
+                try:
+                    left = self._send_now(self.backlog[0])
+                except Exception as e:  # never leave the socket with a dead sender thread
+                    log.error("dropping a message for %s: %s", self.path, e)
+                    left = []
                 if left:
                     self.backlog[0] = left
-                    sock = self.sock
+                    writable = select.poll()   # poll, not select: any fd number
+                    writable.register(self.sock, select.POLLOUT)
                     self.lock.release()   # let the caller queue more while the peer reads
                     try:
-                        select.select([], [sock], [], 0.05)
-                    except (OSError, ValueError):  # closed meanwhile: close() dropped the rest
+                        writable.poll(50)
+                    except OSError:  # closed meanwhile: close() dropped the rest
                         pass
                     finally:
                         self.lock.acquire()
