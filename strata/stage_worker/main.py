@@ -22,7 +22,9 @@ def parse_layers(text: str) -> tuple[int, int]:
 @click.option("--model", required=True, help="Path of the GGUF file.")
 @click.option("--stage", type=int, required=True, help="This stage's index.")
 @click.option("--layers", required=True, help="Layer range START:END (END exclusive).")
-@click.option("--listen", required=True, help="Endpoint to bind for input (ipc://, tcp://).")
+@click.option("--listen", required=True,
+              help="Endpoint to bind for input: unix://PATH (Unix sockets, one host) or "
+                   "ipc://, tcp:// (ZeroMQ).")
 @click.option("--coordinator", required=True, help="The coordinator's inbox endpoint.")
 @click.option("--next", "next_", default=None, help="The next stage's endpoint (not on the last).")
 @click.option("--device", default="cpu", show_default=True)
