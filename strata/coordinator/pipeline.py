@@ -19,8 +19,6 @@ from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolEr
                                       Shutdown, Window)
 from strata.trace import Trace
 
-SPIN_S = 0.005  # as a GPU stage worker waits for its next window (worker.SPIN_S)
-
 
 class PipelineError(RuntimeError):
     """The stages cannot go on (a stage died, refused its hello, or stopped answering)."""
@@ -81,7 +79,7 @@ class Pipeline:
                 self._check_hello(msg, want)
                 self.hellos[msg.stage] = msg
         if all(h.device.startswith("cuda") for h in self.hellos.values()):
-            self.spin_s = SPIN_S
+            self.spin_s = transport.SPIN_S
         return [self.hellos[s] for s in sorted(self.hellos)]
 
     @staticmethod
@@ -118,9 +116,7 @@ class Pipeline:
         window, PipelineError when a stage died or nothing came within timeout."""
         start = time.monotonic()
         if self.spin_s:
-            deadline = time.perf_counter() + self.spin_s
-            while not self.inbox.poll(0) and time.perf_counter() < deadline:
-                pass
+            transport.spin(self.inbox, self.spin_s)
         while True:
             got = self._poll(0.2, with_tensors=True)
             if got is not None:

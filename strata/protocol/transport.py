@@ -97,15 +97,23 @@ def send(sock, msg, tensors: list[np.ndarray] = ()) -> None:
     sock.send_multipart(pack(msg, tensors), copy=False)
 
 
+SPIN_S = 0.005  # how long a process driving GPUs polls for its next message before it blocks
+
+
+def spin(sock, seconds: float) -> None:
+    """Poll without sleeping for up to `seconds` (or until a message is there): a message
+    that comes meanwhile skips the receiving thread's wake-up, which costs ~0.1 ms (more in a
+    VM) per hop; for processes whose next message is usually that close (a GPU stage between
+    windows, a coordinator of GPU stages). CPU stages do not: they need the cores."""
+    deadline = time.perf_counter() + seconds
+    while not sock.poll(0) and time.perf_counter() < deadline:
+        pass
+
+
 def recv(sock, spin_s: float = 0.0) -> tuple[object, list[np.ndarray]]:
-    """The next message. With spin_s, poll without sleeping for up to that long first: a
-    message that comes meanwhile skips the receiving thread's wake-up, which costs ~0.1 ms
-    (more in a VM) per hop; for processes whose next message is usually that close (a GPU
-    stage between windows). Then block as usual."""
+    """The next message, after spin(sock, spin_s) when spin_s > 0; then block as usual."""
     if spin_s > 0:
-        deadline = time.perf_counter() + spin_s
-        while not sock.poll(0) and time.perf_counter() < deadline:
-            pass
+        spin(sock, spin_s)
     return unpack(sock.recv_multipart(copy=False))
 
 

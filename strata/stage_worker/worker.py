@@ -27,7 +27,6 @@ from strata.trace import Trace
 
 log = logging.getLogger("strata.worker")
 ACTIVATION_DTYPES = ("float32", "uint16")  # fp32 from CPU stages, bf16 bits from CUDA stages
-SPIN_S = 0.005  # a CUDA stage polls this long for its next window before it blocks
 WARM_SHAPES = ((8, False), (32, True))  # (rows, chunk): the default decode window and chunk
 
 
@@ -82,7 +81,7 @@ class StageWorker:
                              trash_slot=self.model.row_tensors)
         self.runner = WindowRunner(self.model, self.cache, cfg.graph_cache)
         # CPU stages compute on the cores a spinning neighbour would take: they block at once
-        self.spin_s = SPIN_S if self.model.device.type == "cuda" else 0.0
+        self.spin_s = transport.SPIN_S if self.model.device.type == "cuda" else 0.0
         warm_s = self.warm_up()
         self.trace = Trace(f"stage{cfg.stage}", cfg.trace or None, self.model.device)
         self.unsent = None  # (event, window, t0, host tokens, frames) of a last-stage window
