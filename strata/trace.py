@@ -31,6 +31,7 @@ class Trace:
             torch.device(device).type == "cuda"
         self.marks: list[tuple[int, str, float]] = []
         self.spans: list[tuple[int, str, object, object]] = []
+        self._begun: tuple[int, object] | None = None   # the GPU span opened, not yet closed
         self._anchor0 = self._anchor() if self.cuda else None
 
     @property
@@ -41,16 +42,18 @@ class Trace:
         if self.path is not None:
             self.marks.append((window, what, time.perf_counter()))
 
-    def gpu_begin(self, window: int, what: str):
-        """Record an event on the current stream (on a CPU device, where compute is
-        synchronous, the host time); pass the result to gpu_end."""
-        if self.path is None:
-            return None
-        return window, what, self._now()
+    def gpu_begin(self, window: int) -> None:
+        """Open a window's GPU span: an event on the current stream (on a CPU device, where
+        compute is synchronous, the host time)."""
+        if self.path is not None:
+            self._begun = (window, self._now())
 
-    def gpu_end(self, begun) -> None:
-        if begun is not None:
-            self.spans.append((*begun, self._now()))
+    def gpu_end(self) -> None:
+        """Close the span gpu_begin opened (none when the window never launched)."""
+        if self._begun is not None:
+            window, start = self._begun
+            self.spans.append((window, "gpu", start, self._now()))
+            self._begun = None
 
     def _now(self):
         if not self.cuda:

@@ -21,7 +21,8 @@ CTX = 256
 def test_trace_off_records_nothing(tmp_path):
     t = Trace("stage0", None)
     t.mark(1, "came")
-    t.gpu_end(t.gpu_begin(1, "gpu"))
+    t.gpu_begin(1)
+    t.gpu_end()
     t.close()
     assert not t.on and not t.marks and not t.spans and not list(tmp_path.iterdir())
 

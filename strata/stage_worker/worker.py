@@ -174,11 +174,14 @@ class StageWorker:
             inputs = receiving.wait()
         else:
             inputs = transport.frame_tensor(tensors[0])  # bf16 bits or fp32, on the host
-        begun = []
+
+        def launching() -> None:  # host work done, the kernels go next
+            self.trace.mark(w.id, "launching")
+            self.trace.gpu_begin(w.id)
+
         with torch.inference_mode():
-            hidden = self.runner.layers(inputs, rows, chunk=w.chunk, launching=lambda: (
-                self.trace.mark(w.id, "launching"), begun.append(self.trace.gpu_begin(w.id, "gpu"))))
-        self.trace.gpu_end(begun[0])
+            hidden = self.runner.layers(inputs, rows, chunk=w.chunk, launching=launching)
+        self.trace.gpu_end()
         self.trace.mark(w.id, "queued")
         for s, p in zip(w.slots, w.positions):
             if s >= 0:
@@ -241,7 +244,6 @@ class StageWorker:
         pageable copy to the device either: that would wait for the window's kernels."""
         if not w.sample_rows:
             return list
-        host = torch.empty(len(w.sample_rows), dtype=torch.long, pin_memory=True)
         if self.runner.window_head is not None:   # argmax of every row, from the graph
             every = torch.empty(len(w.slots), dtype=torch.long, pin_memory=True)
             every.copy_(self.runner.window_head[1], non_blocking=True)
@@ -252,6 +254,7 @@ class StageWorker:
             return read
         index = torch.tensor(w.sample_rows, dtype=torch.long).pin_memory()
         picked = hidden[index.to(hidden.device, non_blocking=True)]
+        host = torch.empty(len(w.sample_rows), dtype=torch.long, pin_memory=True)
         host.copy_(self.runner.logits(picked)[1], non_blocking=True)
         return host.tolist
 
