@@ -55,10 +55,14 @@ def test_parse_clients_and_modes():
 def test_sweep_takes_the_pipelined_groups_from_batch_groups(tiny_model, no_stage_left, tmp_path):
     out = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
                 "--ctx-size", "256", "--clients", "4", "--tokens", "3", "--modes", "pipelined",
-                "--batch-groups", "4", "--json-out", str(tmp_path / "s.json"))
+                "--batch-groups", "4", "--json-out", str(tmp_path / "s.json"),
+                "--trace-dir", str(tmp_path / "traces"))
     assert out.returncode == 0, out.stdout + out.stderr
     (row,) = json.loads((tmp_path / "s.json").read_text())["results"]
     assert (row["mode"], row["stages"], row["groups"]) == ("pipelined", 2, 4)
+    # --trace-dir: the row's decode windows, split per stage, printed and in the JSON
+    assert row["trace"]["windows"] > 0 and len(row["trace"]["stages"]) == 2
+    assert "# pipelined 4 clients: stage 0 GPU " in out.stdout and "stage 1 GPU" in out.stdout
     bad = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
                 "--clients", "4", "--modes", "pipelined", "--batch-groups", "3")
     assert bad.returncode == 2 and "does not divide --batch 4" in bad.stderr

@@ -127,9 +127,7 @@ def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo,
         for row, ids in windows if traced else ():
             row["trace"] = tracereport.summarize(traced, ids=ids)
             echo(f"# {row['mode']} {row['clients']} clients: "
-                 + "; ".join(f"stage {k} GPU {st['gpu']:.2f} + overhead {st['overhead']:.2f} "
-                             f"ms, busy {row['trace']['busy'][k]:.0%}"
-                             for k, st in enumerate(row["trace"]["stages"])))
+                 f"{tracereport.stages_line(row['trace'])}")
     order = {m: i for i, m in enumerate(MODES)}
     return sorted(rows, key=lambda r: (order[r["mode"]], clients.index(r["clients"])))
 

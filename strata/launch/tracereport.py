@@ -116,6 +116,12 @@ def summarize(trace_dir: Path, skip: int = 0, ids: range | None = None,
             "busy": busy(traces, ws)}
 
 
+def stages_line(s: dict) -> str:
+    """Each stage's GPU and overhead ms per window and busy share, on one line."""
+    return "; ".join(f"stage {k} GPU {st['gpu']:.2f} + overhead {st['overhead']:.2f} ms, "
+                     f"busy {s['busy'][k]:.0%}" for k, st in enumerate(s["stages"]))
+
+
 def format_summary(s: dict) -> list[str]:
     lines = [f"{s['windows']} windows, medians in ms: "
              + ", ".join(f"{k} {v:.3f}" for k, v in s["chain_ms"].items())]

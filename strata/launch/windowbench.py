@@ -56,7 +56,7 @@ def _echo(inbox: str, outbox: str, spin_s: float, n: int) -> None:
     sockets.close(linger_ms=1000)
 
 
-def zmq_round_trip(spin_s: float, n: int = 2000, scheme: str = "ipc") -> float:
+def round_trip(spin_s: float, n: int = 2000, scheme: str = "ipc") -> float:
     """Median microseconds of a send + echo + receive of a Window header and a 9 KB frame,
     over ZeroMQ (ipc://) or the Unix sockets of protocol/unixsock.py (unix://)."""
     run = tempfile.mkdtemp(prefix="zrt-")
@@ -169,7 +169,7 @@ def step_times(file: ModelFile, devices: list[str], rows: int, lives: list[int],
 
 def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[int],
                    context: int, steps: int, graph_cache: int,
-                   keep_trace: Path | None = None, transport: str = "unix") -> list[dict]:
+                   keep_trace: Path | None = None, via: str = "unix") -> list[dict]:
     """Per live-row count: wall ms per decode window at the coordinator, stage_ms per stage
     and the overhead (medians over `steps` windows, after a few warm-up windows)."""
     cfg = file.config
@@ -179,7 +179,7 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
     out, measured = [], []
     trace_dir = keep_trace or Path(tempfile.mkdtemp(prefix="strata-trace-"))
     with launch_stages(file, plan, slots=rows, ctx=context + len(lives) * (steps + warm) + 64,
-                       trace_dir=trace_dir, transport=transport, say=lambda s: None) as run:
+                       trace_dir=trace_dir, transport=via, say=lambda s: None) as run:
         pipe = run.pipe
         g = torch.Generator().manual_seed(1)
         last = {}
@@ -212,7 +212,7 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
                     stage_ms.append(result.stage_ms)
             over = [w - sum(s) for w, s in zip(walls, stage_ms)]
             out.append({"stages": len(plan), "graph_cache": graph_cache, "live": live,
-                        "transport": transport,
+                        "transport": via,
                         "wall_ms": median(walls),
                         "stage_ms": [median(s[i] for s in stage_ms) for i in range(len(plan))],
                         "overhead_ms": median(over), "tok_s": live * 1e3 / median(walls)})
@@ -260,12 +260,12 @@ def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs
                 json.dump(report, f, indent=2)
 
     if what == "zmq":
-        for scheme in ("ipc", "unix"):
+        for scheme, name in (("ipc", "ZeroMQ"), ("unix", "Unix sockets")):
             for spin in (0.0, 0.005):
-                us = zmq_round_trip(spin, scheme=scheme)
+                us = round_trip(spin, scheme=scheme)
                 report[f"{scheme}_round_trip_us_spin_{spin}"] = us
-                click.echo(f"round trip over {scheme}:// ({'ZeroMQ' if scheme == 'ipc' else 'Unix sockets'}, "
-                           f"9 KB frame), spin {spin * 1e3:.0f} ms: {us:.0f} us")
+                click.echo(f"round trip over {scheme}:// ({name}, 9 KB frame), spin "
+                           f"{spin * 1e3:.0f} ms: {us:.0f} us")
         layouts = ""
     lives = [int(x) for x in live.split(",")]
     for layout in filter(None, layouts.split(";")):
