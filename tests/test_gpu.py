@@ -73,9 +73,23 @@ def _cache(model: StageModel, n_slots: int) -> KVCache:
 
 # --- on the CPU: the tensor path's pieces ---------------------------------------------------
 
-def test_row_tensors_path_matches_list_path_on_cpu(tiny_model):
+@pytest.mark.parametrize("skinny", [False, True])
+def test_row_tensors_path_matches_list_path_on_cpu(tiny_model, skinny, monkeypatch):
     """The tensor form of rows (trash slot for pad rows, flat KV index, masked attention)
-    computes what the list form computes, in fp32 on the CPU."""
+    computes what the list form computes, in fp32 on the CPU. skinny: decode windows through
+    the skinny kernels with the norms and SiLU folded in (blocks small enough for the tiny
+    model; under TRITON_INTERPRET=1 they run, else the test would not tell)."""
+    if skinny:
+        if not fused._use_triton(torch.zeros(1)):
+            pytest.skip("the skinny kernels run on CUDA or under TRITON_INTERPRET=1")
+        monkeypatch.setattr(fused, "SKINNY_MIN_BYTES", 0)
+        monkeypatch.setattr(fused, "_BLOCKS", {kind: [(16, 64, 2)] for kind in fused._BLOCKS})
+        from strata.kernels import skinny_triton
+        calls = []
+        for name in ("gate_up_silu", "skinny_mm"):
+            kernel = getattr(skinny_triton, name)
+            monkeypatch.setattr(skinny_triton, name, lambda *a, _k=kernel, _n=name, **kw:
+                                calls.append(_n) or _k(*a, **kw))
     file = ModelFile(tiny_model)
     lists = StageModel(file, 0, 4, ctx=CTX)
     tensors = StageModel(file, 0, 4, ctx=CTX, row_tensors=True)
@@ -91,6 +105,8 @@ def test_row_tensors_path_matches_list_path_on_cpu(tiny_model):
     for x, y in zip(a.k + a.v, b.k + b.v):
         torch.testing.assert_close(x, y[:3], rtol=1e-5, atol=1e-5)  # slot 1 untouched in both
         assert x[1].abs().sum() == 0 and y[1].abs().sum() == 0
+    if skinny:   # the decode window's 4 layers took the folded kernels, the chunks did not
+        assert calls.count("gate_up_silu") == 4 and calls.count("skinny_mm") == 12
 
 
 def test_bf16_frames_round_trip_bit_for_bit():
@@ -168,8 +184,9 @@ def test_attention_kernel_is_row_independent_on_gpu(n_rows):
 
 @pytest.fixture(scope="module", params=["tiny", "smol-shape", "smol-skinny"])
 def gpu_model(request, tiny_model):
-    """smol-skinny: SmolLM2's shape with every decode-window matmul on the skinny Triton kernel
-    (normally only weights of 16 MB and more take it), so the model-level checks cover it."""
+    """smol-skinny: SmolLM2's shape with every decode-window projection on the skinny Triton
+    kernels, the norms and SiLU folded in (normally only weights of 16 MB and more take
+    them), so the model-level checks cover them."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     path = tiny_model if request.param == "tiny" else request.getfixturevalue("smol_shape")
@@ -177,9 +194,8 @@ def gpu_model(request, tiny_model):
     saved = fused.SKINNY_MIN_BYTES
     if request.param == "smol-skinny":
         fused.SKINNY_MIN_BYTES = 0
-        assert all(fused.skinny_blocks(*w.shape, r) for w, r in (
-            (torch.empty(960, 576), False), (torch.empty(576, 576), True),
-            (torch.empty(3072, 576), False), (torch.empty(576, 1536), True)))
+        assert all(fused.skinny_blocks(n, k, kind) for n, k, kind in (
+            (960, 576, "qkv"), (576, 576, "res"), (3072, 576, "gate_up"), (576, 1536, "res")))
     yield file, StageModel(file, 0, file.config.n_layers, ctx=CTX, device="cuda:0")
     fused.SKINNY_MIN_BYTES = saved
 

@@ -1,6 +1,7 @@
-"""The decode-window matmul (kernels/skinny_triton.py, dispatched by fused.linear_rows): the
-reference product on CUDA and under Triton's interpreter, each row's bits independent of the
-other rows of its window, the residual in the epilogue, and cuBLAS kept where it should be."""
+"""The decode-window projections (kernels/skinny_triton.py, dispatched by fused.linear_rows,
+norm_linear_rows and norm_gate_up_silu): their references on CUDA and under Triton's
+interpreter, each row's bits independent of the other rows of its window, the residual, norm,
+and SiLU folded in, and cuBLAS kept where it should be."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,15 @@ from strata.kernels import fused
 from conftest import triton_devices
 
 BLOCKS = {"block_n": 32, "block_k": 64, "stages": 2, "warps": 4}  # small shapes for the interpreter
+
+
+def _call(f, *args, **kwargs):
+    try:
+        return f(*args, **kwargs)
+    except Exception as e:  # triton's interpreter vs a numpy it does not support yet
+        if "0-dimensional" in str(e):
+            pytest.skip(f"triton's interpreter fails with this numpy: {e}")
+        raise
 
 
 def _skinny():
@@ -56,12 +66,13 @@ def test_skinny_refuses_what_its_blocks_do_not_fit():
 
 
 def test_linear_rows_picks_by_shape_and_keeps_cublas_off_cuda():
-    # llama3-8b's projections take the skinny kernel; SmolLM2's (small) stay on cuBLAS
-    assert fused.skinny_blocks(6144, 4096, False)["block_n"] == 64
-    assert fused.skinny_blocks(28672, 4096, False)["block_n"] == 128
-    assert fused.skinny_blocks(4096, 14336, True)["block_k"] == 256
-    assert fused.skinny_blocks(960, 576, False) is None
-    assert fused.skinny_blocks(4100, 14336, True) is None   # no block divides 4100
+    # llama3-8b's projections take the skinny kernels; SmolLM2's (small) stay on cuBLAS
+    assert fused.skinny_blocks(6144, 4096, "qkv")["block_n"] == 64
+    assert fused.skinny_blocks(28672, 4096, "gate_up")["block_k"] == 64   # 64 gate + 64 up
+    assert fused.skinny_blocks(28672, 4096)["block_n"] == 128             # plain, unfolded
+    assert fused.skinny_blocks(4096, 14336, "res")["block_k"] == 256
+    assert fused.skinny_blocks(960, 576, "qkv") is None
+    assert fused.skinny_blocks(4100, 14336, "res") is None   # no block divides 4100
     # on a CPU (no interpreter) the tensor path is unchanged: linear and addmm, bit for bit
     g = torch.Generator().manual_seed(4)
     x, w, res = torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g), \
@@ -70,3 +81,69 @@ def test_linear_rows_picks_by_shape_and_keeps_cublas_off_cuda():
         pytest.skip("TRITON_INTERPRET=1: the CPU runs the Triton kernels")
     assert torch.equal(fused.linear_rows(x, w), F.linear(x, w))
     assert torch.equal(fused.linear_rows(x, w, res), torch.addmm(res, x, w.t()))
+
+
+def _cases(device):
+    """fp32 under the interpreter (its bf16 is not the GPU's), bf16 on CUDA, and a tolerance."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    return dtype, (1e-4 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_norm_folded_into_the_product(device):
+    """rmsnorm(x) @ w^T + res with the norm folded in: the reference, and rmsnorm then the
+    product to within rounding; a row alone and among 15 others gives the same bits."""
+    sk = _skinny()
+    dtype, tol = _cases(device)
+    g = torch.Generator().manual_seed(5)
+    n, k = 64, 256
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+    x = (3 * torch.randn(8, k, generator=g)).to(device, dtype)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    res = torch.randn(8, n, generator=g).to(device, dtype)
+    got = _call(sk.skinny_mm, x, w, res, norm, 1e-5, **BLOCKS)
+    torch.testing.assert_close(got, sk.skinny_mm_torch(x, w, res, norm, 1e-5), atol=tol, rtol=tol)
+    unfolded = sk.skinny_mm_torch(fused.rms_norm_rows_torch(x, norm, 1e-5), w, res)
+    torch.testing.assert_close(got, unfolded, atol=2 * tol, rtol=2 * tol)
+    other = torch.randn(16, k, generator=g).to(device, dtype)
+    other[9] = x[4]
+    res16 = torch.randn(16, n, generator=g).to(device, dtype)
+    res16[9] = res[4]
+    assert torch.equal(sk.skinny_mm(x[4:5], w, res[4:5], norm, 1e-5, **BLOCKS)[0], got[4])
+    assert torch.equal(sk.skinny_mm(other, w, res16, norm, 1e-5, **BLOCKS)[9], got[4])
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_gate_up_silu(device, with_norm):
+    sk = _skinny()
+    dtype, tol = _cases(device)
+    g = torch.Generator().manual_seed(6)
+    f, k = 64, 256
+    w = (torch.randn(2 * f, k, generator=g) * 0.05).to(device, dtype)
+    x = (2 * torch.randn(8, k, generator=g)).to(device, dtype)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype) if with_norm else None
+    got = _call(sk.gate_up_silu, x, w, norm, 1e-5, **BLOCKS)
+    assert got.shape == (8, f)
+    torch.testing.assert_close(got, sk.gate_up_silu_torch(x, w, norm, 1e-5), atol=tol, rtol=tol)
+    if norm is None:   # the fold is silu_mul of the plain product
+        want = fused.silu_mul_torch(sk.skinny_mm_torch(x, w))
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    other = torch.randn(16, k, generator=g).to(device, dtype)
+    other[0] = x[6]
+    assert torch.equal(sk.gate_up_silu(x[6:7], w, norm, 1e-5, **BLOCKS)[0], got[6])
+    assert torch.equal(sk.gate_up_silu(other, w, norm, 1e-5, **BLOCKS)[0], got[6])
+
+
+def test_folded_dispatch_falls_back_to_the_kernels_apart():
+    """Off CUDA (no interpreter), and for small weights, norm_linear_rows and
+    norm_gate_up_silu are rms_norm_rows then the projection (then silu_mul), bit for bit."""
+    if fused._use_triton(torch.zeros(1)):
+        pytest.skip("TRITON_INTERPRET=1: the CPU runs the Triton kernels")
+    g = torch.Generator().manual_seed(9)
+    x, norm = torch.randn(3, 128, generator=g), 1 + 0.1 * torch.randn(128, generator=g)
+    w, wg = torch.randn(96, 128, generator=g), torch.randn(64, 128, generator=g)
+    h = fused.rms_norm_rows(x, norm, 1e-5)
+    assert torch.equal(fused.norm_linear_rows(x, norm, 1e-5, w), fused.linear_rows(h, w))
+    assert torch.equal(fused.norm_gate_up_silu(x, norm, 1e-5, wg),
+                       fused.silu_mul(fused.linear_rows(h, wg)))

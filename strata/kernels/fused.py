@@ -11,6 +11,9 @@ graph (each node costs ~1-2 us). These fuse what plain torch runs as many small 
                   16 rows and a large weight, the skinny Triton matmul (kernels/skinny_triton.py:
                   nearer the HBM limit than cuBLAS at these shapes, and the residual add in
                   its epilogue without addmm's copy); otherwise cuBLAS (addmm / linear)
+  norm_linear_rows, norm_gate_up_silu
+                  where the skinny kernels take the window, the norm and the projection (and
+                  SiLU) as one kernel; otherwise the kernels above one after another
 
 Every program handles one row (and head) and reduces in a fixed order, so results never depend
 on the other rows of a window. Off CUDA (and without TRITON_INTERPRET=1) the torch versions
@@ -81,34 +84,73 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot:
 
 SKINNY_MIN_BYTES = 16 << 20  # smaller weights (SmolLM2's) are launch-bound: cuBLAS there
 SKINNY_MAX_ROWS = 16         # skinny_triton.BLOCK_M: decode windows; prompt chunks use cuBLAS
+FOLD = {"qkv", "gate_up"}  # projections whose norm (and SiLU) the skinny kernels fold in
+                           # (tools/gpu/bench_fold.py times each choice side by side)
+
+# (block_n, block_k, stages) by projection, the first that divides the shape; measured on an
+# H200 at the llama3-8b shapes (docs/BENCHMARKS.md). gate_up's block_n counts output columns,
+# each with a gate and an up row; qkv's lies within a head.
+_BLOCKS = {"res": [(32, 256, 5), (32, 128, 5), (32, 64, 5)],         # o and down + residual
+           "gate_up": [(64, 64, 4), (32, 64, 4)],
+           "qkv": [(64, 256, 4), (64, 128, 5), (32, 64, 5)],   # norm folded in
+           "plain": [(64, 128, 5), (64, 64, 5), (32, 64, 5)],
+           "wide": [(128, 128, 3), (64, 128, 3), (64, 64, 3)]}  # plain, n >= 4k (gate_up)
 
 
-def skinny_blocks(n: int, k: int, residual: bool) -> dict | None:
-    """The skinny kernel's blocks for a weight [n, k] (measured on an H200 at the llama3-8b
-    shapes, docs/BENCHMARKS.md), or None where cuBLAS stays: a small weight, or one the blocks
-    do not divide. Depends on the shape only, so a shape always runs the same arithmetic."""
+def skinny_blocks(n: int, k: int, kind: str = "plain") -> dict | None:
+    """The skinny kernels' blocks for a weight [n, k] used as `kind` ("res", "gate_up", "qkv"
+    or "plain"), or None where cuBLAS stays: a small weight, or one the blocks do not divide.
+    Depends on the shape only, so a shape always runs the same arithmetic."""
     if n * k * 2 < SKINNY_MIN_BYTES:
         return None
-    if residual:                       # o and down projections
-        prefs = [(32, 256, 5), (32, 128, 5), (32, 64, 5)]
-    elif n >= 4 * k:                   # the [gate; up] projection
-        prefs = [(128, 128, 3), (64, 128, 3), (64, 64, 3)]
-    else:                              # qkv
-        prefs = [(64, 128, 5), (64, 64, 5), (32, 64, 5)]
-    for bn, bk, stages in prefs:
-        if n % bn == 0 and k % bk == 0:
+    cols = n // 2 if kind == "gate_up" else n
+    if kind == "plain" and n >= 4 * k:
+        kind = "wide"
+    for bn, bk, stages in _BLOCKS[kind]:
+        if cols % bn == 0 and k % bk == 0:
             return {"block_n": bn, "block_k": bk, "stages": stages, "warps": 4}
     return None
 
 
+def _skinny(x: torch.Tensor, w: torch.Tensor, kind: str) -> dict | None:
+    """Blocks if the window takes the skinny kernels (a decode window, a large weight, CUDA
+    or the interpreter): fixed by (R <= 16, w's shape, device), never by the rows' values, so
+    a row's bits do not depend on its window."""
+    if x.shape[0] > SKINNY_MAX_ROWS or not _use_triton(x):
+        return None
+    return skinny_blocks(*w.shape, kind)
+
+
 def linear_rows(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [R, K], w: [N, K] -> x @ w^T (+ res) [R, N]. The kernel is fixed by (R <= 16, w's
-    shape, device), never by the rows' values, so a row's bits do not depend on its window."""
-    blocks = skinny_blocks(*w.shape, res is not None) if _use_triton(x) else None
-    if blocks is None or x.shape[0] > SKINNY_MAX_ROWS:
+    """x: [R, K], w: [N, K] -> x @ w^T (+ res) [R, N]: the skinny kernel, else cuBLAS (addmm /
+    linear)."""
+    blocks = _skinny(x, w, "plain" if res is None else "res")
+    if blocks is None:
         return F.linear(x, w) if res is None else torch.addmm(res, x, w.t())
     from strata.kernels.skinny_triton import skinny_mm
     return skinny_mm(x, w, res, **blocks)
+
+
+def norm_linear_rows(x: torch.Tensor, norm: torch.Tensor, eps: float,
+                     w: torch.Tensor) -> torch.Tensor:
+    """rms_norm_rows, then x @ w^T: one skinny kernel with the norm folded in for a decode
+    window of a large model (the qkv projection), else those two."""
+    blocks = _skinny(x, w, "qkv") if "qkv" in FOLD else None
+    if blocks is not None:
+        from strata.kernels.skinny_triton import skinny_mm
+        return skinny_mm(x, w, norm=norm, eps=eps, **blocks)
+    return linear_rows(rms_norm_rows(x, norm, eps), w)
+
+
+def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float,
+                      w: torch.Tensor) -> torch.Tensor:
+    """rms_norm_rows, the [gate; up] projection and silu_mul: one skinny kernel for a decode
+    window of a large model (skinny_triton.gate_up_silu), else those three."""
+    blocks = _skinny(x, w, "gate_up") if "gate_up" in FOLD else None
+    if blocks is not None:
+        from strata.kernels.skinny_triton import gate_up_silu
+        return gate_up_silu(x, w, norm, eps, **blocks)
+    return silu_mul(linear_rows(rms_norm_rows(x, norm, eps), w))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
