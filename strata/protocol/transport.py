@@ -97,7 +97,9 @@ def send(sock, msg, tensors: list[np.ndarray] = ()) -> None:
     sock.send_multipart(pack(msg, tensors), copy=False)
 
 
-SPIN_S = 0.005  # how long a process driving GPUs polls for its next message before it blocks
+SPIN_S = 0.05  # how long a process driving GPUs polls for its next message before it blocks:
+               # longer than a decode window (llama3-8b over two H200s: ~5 ms a window), so
+               # the coordinator's wait for a result does not end in a blocking wake-up
 
 
 def spin(sock, seconds: float) -> None:

@@ -16,9 +16,11 @@ bits (tests/test_gpu.py checks); a shape always runs the same way whatever else 
 """
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Callable
 
+import numpy as np
 import torch
 
 from strata.stage_worker.model import KVCache, Rows, RowTensors, StageModel
@@ -50,19 +52,27 @@ class _Captured:
                               capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
-        # Host inputs go through pinned staging buffers: a copy from pageable memory first
-        # waits for the whole stream (the previous window's replay), which would stall the
-        # host until the GPU is idle, so the next window's host work could not overlap it.
-        self.staging = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-                        for x in self.inputs]
+        # Host inputs go through page-locked staging buffers: a copy from pageable memory
+        # first waits for the whole stream (the previous window's replay), which would stall
+        # the host until the GPU is idle, so the next window's host work could not overlap it.
+        # Registered with cudaHostRegister rather than taken from torch's pinned pool, whose
+        # copies also record an event each (~15 us more a copy on the lent VMs), and filled in
+        # place through numpy (tools/gpu/host_steps.py).
+        self.staging = [_page_locked(x.shape, x.dtype) for x in self.inputs]
+        self.host = [t.numpy() if t.dtype != torch.bfloat16 else None for t in self.staging]
         self.staged = torch.cuda.Event()  # the last copies out of the staging buffers
 
-    def __call__(self, *inputs: torch.Tensor,
+    def __call__(self, *inputs: "torch.Tensor | Callable[[np.ndarray], None]",
                  launching: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, ...]:
-        """launching() is called just before the replay is queued (after the input copies)."""
+        """inputs: a tensor (host or device), or fill(array) that writes a host input into its
+        staging buffer in place. launching() is called just before the replay is queued (after
+        the input copies)."""
         self.staged.synchronize()  # done before the last replay began: no wait in practice
-        for static, stage, x in zip(self.inputs, self.staging, inputs):
-            if x.device.type == "cpu":
+        for static, stage, host, x in zip(self.inputs, self.staging, self.host, inputs):
+            if callable(x):
+                x(host)
+                x = stage
+            elif x.device.type == "cpu":
                 stage.copy_(x)
                 x = stage
             static.copy_(x, non_blocking=True)
@@ -70,6 +80,18 @@ class _Captured:
         launching()
         self.graph.replay()
         return self.outputs  # static: valid until the next replay
+
+
+def _page_locked(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor registered with CUDA (unregistered when it is collected), or one from
+    torch's pinned pool where registering fails."""
+    t = torch.empty(shape, dtype=dtype)
+    cudart = torch.cuda.cudart()
+    if t.numel() and int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
+                                                  0)) == 0:
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+        return t
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 class WindowRunner:
@@ -98,33 +120,51 @@ class WindowRunner:
         if not m.row_tensors:
             launching()
             return m(inputs.to(m.device), rows, self.cache)
-        packed = RowTensors.pack(rows, self.cache.trash)           # host [3, R]
-        if not m.first:
-            inputs = inputs.to(m.dtype)
         if not self.capacity:
+            packed = RowTensors.pack(rows, self.cache.trash)
             launching()
-            return m(inputs.to(m.device), RowTensors.unpack(packed.to(m.device)), self.cache,
-                     chunk)
+            inputs = inputs.to(m.device) if m.first else inputs.to(m.device, m.dtype)
+            return m(inputs, RowTensors.unpack(packed.to(m.device)), self.cache, chunk)
+        # the graph's inputs: the first stage's rows and tokens in one host tensor [4, R] (one
+        # copy to the device), a later stage's hidden states [R, D] and rows [3, R]; the rows
+        # are written straight into the graph's staging buffer
+        tokens = inputs.tolist() if m.first else None
+
+        def fill(out: np.ndarray) -> None:
+            RowTensors.fill(out, rows, self.cache.trash, tokens)
+
+        def example() -> list[torch.Tensor]:
+            packed = RowTensors.pack(rows, self.cache.trash, tokens)
+            return [packed] if m.first else [inputs.to(m.dtype), packed]
+
         with_head = m.last and len(rows.slots) == LOGIT_BLOCK and not chunk
         if chunk:
             key, fn = ("chunk", len(rows.slots)), self._chunk_fn
         else:
             key = ("layers+head" if with_head else "layers", len(rows.slots))
             fn = self._layers_head_fn if with_head else self._layers_fn
-        out = self._graph(key, fn, [inputs, packed])(inputs, packed, launching=launching)
+        graph_inputs = [fill] if m.first else [inputs.to(m.dtype), fill]
+        out = self._graph(key, fn, example)(*graph_inputs, launching=launching)
         if with_head:
             self.window_head = out[1:]
         return out[0]
 
-    def _layers_fn(self, inputs: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.model(inputs, RowTensors.unpack(packed), self.cache),)
+    def _forward(self, inputs: tuple[torch.Tensor, ...], chunk: bool = False) -> torch.Tensor:
+        """The model on a graph's inputs: ([4, R] rows and tokens) or (hidden, [3, R] rows)."""
+        if self.model.first:
+            (packed,) = inputs
+            return self.model(packed[3], RowTensors.unpack(packed), self.cache, chunk)
+        hidden, packed = inputs
+        return self.model(hidden, RowTensors.unpack(packed), self.cache, chunk)
 
-    def _chunk_fn(self, inputs: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.model(inputs, RowTensors.unpack(packed), self.cache, chunk=True),)
+    def _layers_fn(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self._forward(inputs),)
 
-    def _layers_head_fn(self, inputs: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                     ...]:
-        hidden = self.model(inputs, RowTensors.unpack(packed), self.cache)
+    def _chunk_fn(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self._forward(inputs, chunk=True),)
+
+    def _layers_head_fn(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hidden = self._forward(inputs)
         return (hidden,) + self._head_fn(hidden)
 
     # -- head ------------------------------------------------------------------------------
@@ -145,7 +185,7 @@ class WindowRunner:
     def _head(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.capacity:
             return self._head_fn(block)
-        graph = self._graph(("head", block.shape[0]), self._head_fn, [block])
+        graph = self._graph(("head", block.shape[0]), self._head_fn, lambda: [block])
         out = graph(block)
         return out[0].clone(), out[1].clone()  # several blocks may replay this graph
 
@@ -155,13 +195,14 @@ class WindowRunner:
 
     # -- the cache ---------------------------------------------------------------------------
 
-    def _graph(self, key: tuple, fn: Callable, example: list[torch.Tensor]) -> _Captured:
+    def _graph(self, key: tuple, fn: Callable,
+               example: Callable[[], list[torch.Tensor]]) -> _Captured:
         graph = self.graphs.get(key)
         if graph is not None:
             self.graphs.move_to_end(key)
             return graph
         while len(self.graphs) >= self.capacity:
             self.graphs.popitem(last=False)  # least recently used
-        graph = self.graphs[key] = _Captured(fn, example)
+        graph = self.graphs[key] = _Captured(fn, example())
         self.captures += 1
         return graph

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from strata.kernels.attention import attend, attend_chunk, attend_rows
-from strata.kernels.fused import linear_rows, rms_norm_rows, rope_write_kv, silu_mul
+from strata.kernels.fused import (linear_rows, norm_gate_up_silu, norm_linear_rows,
+                                  rope_write_kv)
 from strata.kernels.norms import rms_norm, swiglu
 from strata.kernels.rope import apply_rope, rope_table
 from strata.model.gguf_file import ModelConfig, ModelFile
@@ -37,19 +39,28 @@ class Rows:
 @dataclass
 class RowTensors:
     """The rows of one window as int64 device tensors [R] (views of one packed [3, R] tensor, so
-    one copy moves them and a graph can read them from a static buffer)."""
+    one copy moves them and a graph can read them from a static buffer; the first stage's
+    [4, R] holds its token ids too)."""
     slot: torch.Tensor    # pad rows: the cache's trash slot
     pos: torch.Tensor     # pad rows: 0
     length: torch.Tensor  # keys a row attends to: position + 1; pad rows: 0
 
     @staticmethod
-    def pack(rows: Rows, trash: int) -> torch.Tensor:
-        """[3, R] int64 on the host: slot, position, length per row."""
-        live = [s >= 0 for s in rows.slots]
-        return torch.tensor([[s if ok else trash for s, ok in zip(rows.slots, live)],
-                             [p if ok else 0 for p, ok in zip(rows.positions, live)],
-                             [p + 1 if ok else 0 for p, ok in zip(rows.positions, live)]],
-                            dtype=torch.long)
+    def pack(rows: Rows, trash: int, tokens: list[int] | None = None) -> torch.Tensor:
+        """[3, R] int64 on the host: slot, position, length per row; with tokens, [4, R] with
+        the token ids last (the first stage's whole input in one tensor: one copy)."""
+        out = np.empty((3 if tokens is None else 4, len(rows.slots)), dtype=np.int64)
+        RowTensors.fill(out, rows, trash, tokens)
+        return torch.from_numpy(out)
+
+    @staticmethod
+    def fill(out: np.ndarray, rows: Rows, trash: int, tokens: list[int] | None = None) -> None:
+        """Write pack's values into an int64 array [3, R] or [4, R] (a staging buffer)."""
+        out[0] = [s if s >= 0 else trash for s in rows.slots]
+        out[1] = [p if s >= 0 else 0 for s, p in zip(rows.slots, rows.positions)]
+        out[2] = [p + 1 if s >= 0 else 0 for s, p in zip(rows.slots, rows.positions)]
+        if tokens is not None:
+            out[3] = tokens
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> "RowTensors":
@@ -143,18 +154,19 @@ class Layer(torch.nn.Module):
 
     def _forward_rows(self, x: torch.Tensor, meta: WindowMeta, cache: KVCache,
                       layer: int) -> torch.Tensor:
-        """The tensor path: 9 kernels a layer, no host sync (x: [R, D]); the matmuls of a
-        decode window of a large model are the skinny Triton kernel (fused.linear_rows)."""
+        """The tensor path, no host sync (x: [R, D]). A decode window of a large model runs 6
+        kernels a layer: norm + qkv, RoPE + KV write, attention, o + residual, norm + gate_up +
+        SiLU, down + residual (kernels/skinny_triton.py); other windows 9 (kernels/fused.py)."""
         cfg, rows = self.cfg, meta.tensors
         k_cache, v_cache = cache.k[layer], cache.v[layer]
-        qkv = linear_rows(rms_norm_rows(x, self.attn_norm, cfg.rms_eps), self.wqkv)
+        qkv = norm_linear_rows(x, self.attn_norm, cfg.rms_eps, self.wqkv)
         q = rope_write_kv(qkv, meta.cos, meta.sin, rows.slot, rows.pos, k_cache, v_cache,
                           cfg.n_heads)                                    # [R, H, hd]
         attend_fn = attend_chunk if meta.chunk else attend_rows
         attn = attend_fn(q, k_cache, v_cache, rows.slot, rows.length)
         x = linear_rows(attn.view(x.shape[0], -1), self.wo, res=x)         # x + attn wo^T
-        h = rms_norm_rows(x, self.ffn_norm, cfg.rms_eps)
-        return linear_rows(silu_mul(linear_rows(h, self.w_gate_up)), self.w_down, res=x)
+        h = norm_gate_up_silu(x, self.ffn_norm, cfg.rms_eps, self.w_gate_up)
+        return linear_rows(h, self.w_down, res=x)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
