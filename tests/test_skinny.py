@@ -147,3 +147,21 @@ def test_folded_dispatch_falls_back_to_the_kernels_apart():
     assert torch.equal(fused.norm_linear_rows(x, norm, 1e-5, w), fused.linear_rows(h, w))
     assert torch.equal(fused.norm_gate_up_silu(x, norm, 1e-5, wg),
                        fused.silu_mul(fused.linear_rows(h, wg)))
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_head_logits_in_fp32_with_the_final_norm(device):
+    """The head: rmsnorm(x) @ w^T kept in fp32 (no rounding of the accumulator), against the
+    reference, and a row's logits the same alone and in a block of 8."""
+    sk = _skinny()
+    dtype, tol = _cases(device)
+    g = torch.Generator().manual_seed(10)
+    w = (torch.randn(96, 128, generator=g) * 0.05).to(device, dtype)
+    x = torch.randn(8, 128, generator=g).to(device, dtype)
+    norm = (1 + 0.1 * torch.randn(128, generator=g)).to(device, dtype)
+    got = _call(sk.skinny_mm, x, w, None, norm, 1e-5, out_dtype=torch.float32, **BLOCKS)
+    assert got.dtype == torch.float32
+    want = sk.skinny_mm_torch(x, w, None, norm, 1e-5, out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, atol=tol / 10, rtol=tol / 10)
+    alone = sk.skinny_mm(x[6:7], w, None, norm, 1e-5, out_dtype=torch.float32, **BLOCKS)
+    assert torch.equal(alone[0], got[6])

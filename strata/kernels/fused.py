@@ -84,7 +84,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot:
 
 SKINNY_MIN_BYTES = 16 << 20  # smaller weights (SmolLM2's) are launch-bound: cuBLAS there
 SKINNY_MAX_ROWS = 16         # skinny_triton.BLOCK_M: decode windows; prompt chunks use cuBLAS
-FOLD = {"qkv", "gate_up"}  # projections whose norm (and SiLU) the skinny kernels fold in
+FOLD = {"qkv", "gate_up", "head"}  # projections whose norm (and SiLU) the skinny kernels fold in
                            # (tools/gpu/bench_fold.py times each choice side by side)
 
 # (block_n, block_k, stages) by projection, the first that divides the shape; measured on an
@@ -93,6 +93,7 @@ FOLD = {"qkv", "gate_up"}  # projections whose norm (and SiLU) the skinny kernel
 _BLOCKS = {"res": [(32, 256, 5), (32, 128, 5), (32, 64, 5)],         # o and down + residual
            "gate_up": [(64, 64, 4), (32, 64, 4)],
            "qkv": [(64, 256, 4), (64, 128, 5), (32, 64, 5)],   # norm folded in
+           "head": [(128, 128, 3), (64, 128, 4), (64, 64, 4)],   # final norm, fp32 logits
            "plain": [(64, 128, 5), (64, 64, 5), (32, 64, 5)],
            "wide": [(128, 128, 3), (64, 128, 3), (64, 64, 3)]}  # plain, n >= 4k (gate_up)
 
@@ -140,6 +141,17 @@ def norm_linear_rows(x: torch.Tensor, norm: torch.Tensor, eps: float,
         from strata.kernels.skinny_triton import skinny_mm
         return skinny_mm(x, w, norm=norm, eps=eps, **blocks)
     return linear_rows(rms_norm_rows(x, norm, eps), w)
+
+
+def norm_head_rows(x: torch.Tensor, norm: torch.Tensor, eps: float,
+                   w: torch.Tensor) -> torch.Tensor | None:
+    """fp32 logits rmsnorm(x) @ w^T of a block of rows, by the skinny kernel with the norm
+    folded in where it takes them (a large head on CUDA), else None: the caller's cuBLAS."""
+    blocks = _skinny(x, w, "head") if "head" in FOLD else None
+    if blocks is None:
+        return None
+    from strata.kernels.skinny_triton import skinny_mm
+    return skinny_mm(x, w, norm=norm, eps=eps, out_dtype=torch.float32, **blocks)
 
 
 def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float,

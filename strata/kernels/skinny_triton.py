@@ -2,7 +2,8 @@
 
     skinny_mm     out = x @ w^T (+ res), or rmsnorm(x) @ w^T: the o and down projections
                   with the residual added in the epilogue (as addmm, without addmm's copy of
-                  the residual), the qkv projection with its norm folded in
+                  the residual), the qkv projection with its norm folded in, the head (final
+                  norm folded in, fp32 logits)
     gate_up_silu  h = silu(g) * u of [g | u] = rmsnorm(x) @ [w_gate; w_up]^T: the FFN's norm,
                   projection and SiLU in one kernel
 
@@ -115,12 +116,14 @@ def _check(x: torch.Tensor, w: torch.Tensor, cols: int, block_n: int, block_k: i
 
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
               norm: torch.Tensor | None = None, eps: float = 0.0, *, block_n: int = 64,
-              block_k: int = 128, stages: int = 4, warps: int = 4) -> torch.Tensor:
+              block_k: int = 128, stages: int = 4, warps: int = 4,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x: [M, K] (M <= 16), w: [N, K], res: [M, N] or None, norm: the RMSNorm weight [K] to
-    apply to x first, or None -> [M, N] in x's dtype. block_n divides N, block_k K."""
+    apply to x first, or None -> [M, N] in out_dtype (default x's; float32 keeps the
+    accumulator's bits, as the head's logits want). block_n divides N, block_k K."""
     n = w.shape[0]
     _check(x, w, n, block_n, block_k)
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
     r = res if res is not None else out
     _skinny_kernel[(n // block_n,)](
         x, norm if norm is not None else x, w, r, out, x.shape[0], x.shape[1], eps,
@@ -157,11 +160,12 @@ def normed_product(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None =
 
 
 def skinny_mm_torch(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
-                    norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                    norm: torch.Tensor | None = None, eps: float = 0.0,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     out = normed_product(x, w, norm, eps)
     if res is not None:
         out += res.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 def gate_up_silu_torch(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.attention import attend, attend_chunk, attend_rows
-from strata.kernels.fused import (linear_rows, norm_gate_up_silu, norm_linear_rows,
-                                  rope_write_kv)
+from strata.kernels.fused import (linear_rows, norm_gate_up_silu, norm_head_rows,
+                                  norm_linear_rows, rope_write_kv)
 from strata.kernels.norms import rms_norm, swiglu
 from strata.kernels.rope import apply_rope, rope_table
 from strata.model.gguf_file import ModelConfig, ModelFile
@@ -223,7 +223,13 @@ class StageModel(torch.nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] -> logits [N, V] in fp32 (last stage only). bf16 hidden states and
-        head give fp32 logits straight from the matmul's fp32 accumulator (no bf16 rounding)."""
+        head give fp32 logits straight from the matmul's fp32 accumulator (no bf16 rounding):
+        the skinny kernel with the norm folded in for a large head (fused.norm_head_rows), else
+        the norm, then cuBLAS."""
+        if hidden.dtype != torch.float32:
+            out = norm_head_rows(hidden, self.norm, self.cfg.rms_eps, self.head)
+            if out is not None:
+                return out
         h = rms_norm(hidden, self.norm, self.cfg.rms_eps)
         if h.dtype == torch.float32:
             return F.linear(h, self.head).float()

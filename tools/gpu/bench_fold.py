@@ -1,6 +1,6 @@
 """Folded decode-window kernels against the kernels apart, and programmatic dependent launch,
 side by side (a device-call experiment, not a test). Usage: bench_fold.py (part 1);
-bench_fold.py MODEL START:END (part 2)
+bench_fold.py MODEL START:END (part 2); bench_fold.py head (part 3)
 
 1. At the llama3-8b shapes, M = 8: norm + qkv (apart: rms_norm_rows, skinny_mm) against
    skinny_mm with the norm folded in, in several blocks, and norm + gate_up + SiLU against
@@ -8,6 +8,7 @@ bench_fold.py MODEL START:END (part 2)
    CUDA graph with the weights rotating past L2 (bench_kernels.timed).
 2. Layers START:END of MODEL as a stage replays an 8-row decode window, each projection's
    fold on or off (fused.FOLD).
+3. The head (128256 x 4096): final norm and fp32 logits by cuBLAS against the skinny kernel.
 """
 import itertools
 import sys
@@ -75,6 +76,33 @@ def kernels():
     _table("norm + gate_up + silu", ws[0], rows)
 
 
+def head():
+    """The last stage's head at llama3-8b's vocabulary: final norm + fp32 logits by cuBLAS
+    (StageModel.logits before 4th session) against the skinny kernel with the norm folded in."""
+    from strata.kernels.norms import rms_norm
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(8, D, generator=g, **bf)
+    norm = 1 + 0.1 * torch.randn(D, generator=g, **bf)
+    ws = _weights(128256, D, g)
+    n = len(ws)
+    rows = [("apart: norm, cublas mm fp32 out", timed(lambda i: torch.mm(
+        rms_norm(x, norm, 1e-5), ws[i % n].t(), out_dtype=torch.float32), n=8))]
+    ref = sk.skinny_mm_torch(x, ws[0], None, norm, 1e-5, out_dtype=torch.float32)
+    for bn, bk, st in ((128, 128, 3), (64, 128, 4), (64, 128, 5), (64, 256, 4), (128, 64, 4),
+                       (64, 64, 4), (32, 256, 5)):
+        b = dict(block_n=bn, block_k=bk, stages=st, out_dtype=torch.float32)
+        try:
+            out = sk.skinny_mm(x, ws[0], None, norm, 1e-5, **b)
+        except Exception as e:
+            print(f"  head {bn}x{bk} s{st}: {type(e).__name__}")
+            continue
+        err = (out - ref).abs().max().item()
+        alone = torch.equal(sk.skinny_mm(x[2:3], ws[0], None, norm, 1e-5, **b)[0], out[2])
+        us = timed(lambda i: sk.skinny_mm(x, ws[i % n], None, norm, 1e-5, **b), n=8)
+        rows.append((f"skinny_mm+norm fp32 {bn}x{bk} s{st} err {err:.3g} rowind {alone}", us))
+    _table("norm + head", ws[0], rows)
+
+
 def _table(name, w, rows):
     limit = w.numel() * 2 / HBM * 1e6
     rows.sort(key=lambda r: r[1])
@@ -94,7 +122,7 @@ def stage(path, span):
     print(f"stage [{start}:{end}]: {weights / 1e9:.2f} GB of layer weights, "
           f"HBM limit {weights / HBM * 1e3:.3f} ms")
     base = None
-    for fold in (set(), {"gate_up"}, {"qkv"}, {"qkv", "gate_up"}):
+    for fold in (set(), {"gate_up"}, {"qkv"}, {"qkv", "gate_up"}, {"qkv", "gate_up", "head"}):
         fused.FOLD = fold
         cache = KVCache(len(model.layers), 8, cfg, 512, model.device, model.dtype,
                         trash_slot=True)
@@ -115,12 +143,14 @@ def stage(path, span):
         err = (out.float() - base.float()).norm() / base.float().norm()
         print(f"  {a.elapsed_time(b) / 40:.3f} ms  folded {sorted(fold) or 'none'} "
               f"(hidden vs apart: relative {err:.2g})")
-    fused.FOLD = {"qkv", "gate_up"}
+    fused.FOLD = {"qkv", "gate_up", "head"}
 
 
 if __name__ == "__main__":
     torch.cuda.set_device(0)
     if len(sys.argv) > 2:
         stage(sys.argv[1], sys.argv[2])
+    elif sys.argv[1:] == ["head"]:
+        head()
     else:
         kernels()
