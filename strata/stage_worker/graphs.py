@@ -61,13 +61,16 @@ class _Captured:
         self.staging = [_page_locked(x.shape, x.dtype) for x in self.inputs]
         self.host = [t.numpy() if t.dtype != torch.bfloat16 else None for t in self.staging]
         self.staged = torch.cuda.Event()  # the last copies out of the staging buffers
+        # the stream windows replay on (the caller's; Event.record() would look it up each time)
+        self.stream = torch.cuda.current_stream()
 
     def __call__(self, *inputs: "torch.Tensor | Callable[[np.ndarray], None]",
                  launching: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, ...]:
         """inputs: a tensor (host or device), or fill(array) that writes a host input into its
         staging buffer in place. launching() is called just before the replay is queued (after
         the input copies)."""
-        self.staged.synchronize()  # done before the last replay began: no wait in practice
+        if not self.staged.query():  # done before the last replay began: no wait in practice
+            self.staged.synchronize()
         for static, stage, host, x in zip(self.inputs, self.staging, self.host, inputs):
             if callable(x):
                 x(host)
@@ -76,7 +79,7 @@ class _Captured:
                 stage.copy_(x)
                 x = stage
             static.copy_(x, non_blocking=True)
-        self.staged.record()
+        self.staged.record(self.stream)
         launching()
         self.graph.replay()
         return self.outputs  # static: valid until the next replay
@@ -108,15 +111,20 @@ class WindowRunner:
 
     # -- layers ----------------------------------------------------------------------------
 
-    def layers(self, inputs: torch.Tensor, rows: Rows, chunk: bool = False,
+    def layers(self, inputs: torch.Tensor | list[int], rows: Rows, chunk: bool = False,
                launching: Callable[[], None] = lambda: None) -> torch.Tensor:
-        """inputs: token ids [R] (first stage) or hidden states [R, D], on any device.
-        chunk: one slot's prompt rows (Window.chunk). Returns hidden states [R, D] on the
-        model's device (a static buffer when graphed: read it before the next window).
-        launching() is called when the host work is done and the kernels are about to be
-        queued (a trace's GPU span starts there)."""
+        """inputs: token ids (first stage: a list, or a tensor [R]) or hidden states [R, D],
+        on any device. chunk: one slot's prompt rows (Window.chunk). Returns hidden states
+        [R, D] on the model's device (a static buffer when graphed: read it before the next
+        window). launching() is called when the host work is done and the kernels are about
+        to be queued (a trace's GPU span starts there)."""
         m = self.model
         self.window_head = None
+        tokens = None
+        if m.first:   # a graphed window never makes a tensor of them: they go to its staging
+            tokens = inputs if isinstance(inputs, list) else inputs.tolist()
+            if not (self.capacity and m.row_tensors):
+                inputs = torch.tensor(tokens, dtype=torch.long)
         if not m.row_tensors:
             launching()
             return m(inputs.to(m.device), rows, self.cache)
@@ -128,7 +136,6 @@ class WindowRunner:
         # the graph's inputs: the first stage's rows and tokens in one host tensor [4, R] (one
         # copy to the device), a later stage's hidden states [R, D] and rows [3, R]; the rows
         # are written straight into the graph's staging buffer
-        tokens = inputs.tolist() if m.first else None
 
         def fill(out: np.ndarray) -> None:
             RowTensors.fill(out, rows, self.cache.trash, tokens)

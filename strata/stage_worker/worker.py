@@ -173,7 +173,7 @@ class StageWorker:
         self.trace.mark(w.id, "checked")
         rows = Rows(w.slots, w.positions)
         if self.model.first:
-            inputs = torch.tensor(w.tokens, dtype=torch.long)
+            inputs = w.tokens   # the runner writes them into its staging buffer
         elif receiving is not None:
             inputs = receiving.wait()
         else:
