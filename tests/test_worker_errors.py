@@ -150,8 +150,9 @@ def test_worker_refuses_bad_messages_and_keeps_serving(stage):
         assert_sentence(reply, *words, window=window_id)
         assert stage.proc.poll() is None, stage.log_text()
 
-    # A window of pad rows only (one that carries commits, say) computes and samples nothing.
-    pad = stage.ask(window(19, [-1, -1], [0, 0], [0, 0]))
+    # A window of pad rows only (one that carries commits, say) computes and samples nothing;
+    # a pad row's token is not looked up (out of the vocabulary here), nor does it need to be.
+    pad = stage.ask(window(19, [-1, -1], [0, 0], [VOCAB + 5, -3]))
     assert isinstance(pad, Result) and pad.id == 19 and pad.tokens == [], pad
     # Slot 0 still holds exactly the prompt: position 4 follows on without a gap ...
     nxt = stage.ask(window(20, [0], [4], ref.tokens, sample=[0]))

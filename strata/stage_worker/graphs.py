@@ -123,6 +123,8 @@ class WindowRunner:
         tokens = None
         if m.first:   # a graphed window never makes a tensor of them: they go to its staging
             tokens = inputs if isinstance(inputs, list) else inputs.tolist()
+            # a pad row's token is never checked, and the embedding must not see it
+            tokens = [t if s >= 0 else 0 for s, t in zip(rows.slots, tokens)]
             if not (self.capacity and m.row_tensors):
                 inputs = torch.tensor(tokens, dtype=torch.long)
         if not m.row_tensors:
