@@ -20,12 +20,13 @@ from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.protocol import transport
 from strata.protocol.messages import Shutdown
 from strata.stage_worker.graphs import WindowRunner
-from strata.stage_worker.model import KVCache, Rows, StageModel
+from strata.stage_worker.model import KVCache, Rows, RowTensors, StageModel
 from strata.stage_worker.worker import WorkerConfig
 
 CTX = 256
 WINDOW = 8   # decode window rows
 CHUNK = 32   # prompt chunk rows
+
 
 def cuda_devices() -> list[str]:
     """Two stages' devices: cuda:0 and cuda:1, or cuda:0 twice on a one-GPU machine."""
@@ -107,6 +108,18 @@ def test_row_tensors_path_matches_list_path_on_cpu(tiny_model, skinny, monkeypat
         assert x[1].abs().sum() == 0 and y[1].abs().sum() == 0
     if skinny:   # the decode window's 4 layers took the folded kernels, the chunks did not
         assert calls.count("gate_up_silu") == 4 and calls.count("skinny_mm") == 12
+
+
+def test_rows_fill_a_staging_buffer_as_pack_makes_them():
+    """A graphed window writes its rows (and the first stage's tokens) straight into its
+    staging buffer: the same values as RowTensors.pack, pad rows on the trash slot."""
+    rows = Rows([2, -1, 0], [7, 0, 3])
+    for tokens in (None, [5, 0, 9]):
+        packed = RowTensors.pack(rows, 4, tokens)
+        buf = np.full(tuple(packed.shape), -7, dtype=np.int64)
+        RowTensors.fill(buf, rows, 4, tokens)
+        assert torch.equal(torch.from_numpy(buf), packed)
+    assert packed.tolist() == [[2, 4, 0], [7, 0, 3], [8, 0, 4], [5, 0, 9]]
 
 
 def test_bf16_frames_round_trip_bit_for_bit():

@@ -71,6 +71,7 @@ def test_linear_rows_picks_by_shape_and_keeps_cublas_off_cuda():
     assert fused.skinny_blocks(28672, 4096, "gate_up")["block_k"] == 64   # 64 gate + 64 up
     assert fused.skinny_blocks(28672, 4096)["block_n"] == 128             # plain, unfolded
     assert fused.skinny_blocks(4096, 14336, "res")["block_k"] == 256
+    assert fused.skinny_blocks(128256, 4096, "head")["block_n"] == 128   # llama3's head
     assert fused.skinny_blocks(960, 576, "qkv") is None
     assert fused.skinny_blocks(4100, 14336, "res") is None   # no block divides 4100
     # on a CPU (no interpreter) the tensor path is unchanged: linear and addmm, bit for bit

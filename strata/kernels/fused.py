@@ -11,9 +11,10 @@ graph (each node costs ~1-2 us). These fuse what plain torch runs as many small 
                   16 rows and a large weight, the skinny Triton matmul (kernels/skinny_triton.py:
                   nearer the HBM limit than cuBLAS at these shapes, and the residual add in
                   its epilogue without addmm's copy); otherwise cuBLAS (addmm / linear)
-  norm_linear_rows, norm_gate_up_silu
+  norm_linear_rows, norm_gate_up_silu, norm_head_rows
                   where the skinny kernels take the window, the norm and the projection (and
-                  SiLU) as one kernel; otherwise the kernels above one after another
+                  SiLU) as one kernel; otherwise the kernels above one after another (the
+                  head: None, and the caller's cuBLAS)
 
 Every program handles one row (and head) and reduces in a fixed order, so results never depend
 on the other rows of a window. Off CUDA (and without TRITON_INTERPRET=1) the torch versions
@@ -84,23 +85,26 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot:
 
 SKINNY_MIN_BYTES = 16 << 20  # smaller weights (SmolLM2's) are launch-bound: cuBLAS there
 SKINNY_MAX_ROWS = 16         # skinny_triton.BLOCK_M: decode windows; prompt chunks use cuBLAS
-FOLD = {"qkv", "gate_up", "head"}  # projections whose norm (and SiLU) the skinny kernels fold in
-                           # (tools/gpu/bench_fold.py times each choice side by side)
+# The projections whose norm (and SiLU) the skinny kernels fold in. A benchmark's knob:
+# tools/gpu/bench_fold.py times each choice side by side; the model always runs all three.
+FOLD = {"qkv", "gate_up", "head"}
 
 # (block_n, block_k, stages) by projection, the first that divides the shape; measured on an
 # H200 at the llama3-8b shapes (docs/BENCHMARKS.md). gate_up's block_n counts output columns,
-# each with a gate and an up row; qkv's lies within a head.
+# each with a gate and an up row. "plain" and "wide" serve linear_rows without a residual
+# (the projections apart, as bench_fold.py times them).
 _BLOCKS = {"res": [(32, 256, 5), (32, 128, 5), (32, 64, 5)],         # o and down + residual
            "gate_up": [(64, 64, 4), (32, 64, 4)],
            "qkv": [(64, 256, 4), (64, 128, 5), (32, 64, 5)],   # norm folded in
            "head": [(128, 128, 3), (64, 128, 4), (64, 64, 4)],   # final norm, fp32 logits
            "plain": [(64, 128, 5), (64, 64, 5), (32, 64, 5)],
-           "wide": [(128, 128, 3), (64, 128, 3), (64, 64, 3)]}  # plain, n >= 4k (gate_up)
+           "wide": [(128, 128, 3), (64, 128, 3), (64, 64, 3)]}  # plain, n >= 4k
 
 
 def skinny_blocks(n: int, k: int, kind: str = "plain") -> dict | None:
-    """The skinny kernels' blocks for a weight [n, k] used as `kind` ("res", "gate_up", "qkv"
-    or "plain"), or None where cuBLAS stays: a small weight, or one the blocks do not divide.
+    """The skinny kernels' blocks for a weight [n, k] used as `kind` ("res", "gate_up", "qkv",
+    "head" or "plain", which is "wide" for n >= 4k), or None where cuBLAS stays: a small
+    weight, or one the blocks do not divide.
     Depends on the shape only, so a shape always runs the same arithmetic."""
     if n * k * 2 < SKINNY_MIN_BYTES:
         return None

@@ -106,12 +106,16 @@ def _gate_up_silu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, M, K, F, eps,
              mask=m[:, None] < M)
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, cols: int, block_n: int, block_k: int) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, cols: int, block_n: int, block_k: int,
+           norm: torch.Tensor | None = None, res: torch.Tensor | None = None) -> None:
     m, k = x.shape
     if m > BLOCK_M or w.shape[1] != k or cols % block_n or k % block_k:
         raise ValueError(f"skinny kernel: x {tuple(x.shape)}, w {tuple(w.shape)} do not fit "
                          f"blocks ({BLOCK_M} rows, {block_n} x {block_k})")
-    assert x.stride(1) == 1 and w.stride(1) == 1
+    # the kernels read these without masks: internal invariants of the callers
+    assert x.stride(1) == 1 and w.stride(1) == 1 and x.dtype == w.dtype
+    assert norm is None or (norm.shape == (k,) and norm.is_contiguous())
+    assert res is None or (res.shape == (m, w.shape[0]) and res.stride(1) == 1)
 
 
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
@@ -122,7 +126,7 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
     apply to x first, or None -> [M, N] in out_dtype (default x's; float32 keeps the
     accumulator's bits, as the head's logits want). block_n divides N, block_k K."""
     n = w.shape[0]
-    _check(x, w, n, block_n, block_k)
+    _check(x, w, n, block_n, block_k, norm, res)
     out = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
     r = res if res is not None else out
     _skinny_kernel[(n // block_n,)](
@@ -138,7 +142,8 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = N
                  warps: int = 4) -> torch.Tensor:
     """x: [M, K], w: [2F, K] = [w_gate; w_up], norm: [K] or None -> silu(g) * u [M, F]."""
     f = w.shape[0] // 2
-    _check(x, w, f, block_n, block_k)
+    _check(x, w, f, block_n, block_k, norm)
+    assert w.shape[0] % 2 == 0, "w is [w_gate; w_up]: an even number of rows"
     out = torch.empty(x.shape[0], f, dtype=x.dtype, device=x.device)
     _gate_up_silu_kernel[(f // block_n,)](
         x, norm if norm is not None else x, w, out, x.shape[0], x.shape[1], f, eps,

@@ -97,9 +97,11 @@ def send(sock, msg, tensors: list[np.ndarray] = ()) -> None:
     sock.send_multipart(pack(msg, tensors), copy=False)
 
 
-SPIN_S = 0.05  # how long a process driving GPUs polls for its next message before it blocks:
-               # longer than a decode window (llama3-8b over two H200s: ~5 ms a window), so
-               # the coordinator's wait for a result does not end in a blocking wake-up
+# How long a process driving GPUs polls for its next message before it blocks: longer than
+# a decode window (llama3-8b over two H200s: ~5 ms), so the coordinator's wait for a result
+# does not end in a blocking wake-up. The price: each such process keeps a core busy for up
+# to this long after every message (a GPU host has cores to spare; CPU stages never spin).
+SPIN_S = 0.05
 
 
 def spin(sock, seconds: float) -> None:

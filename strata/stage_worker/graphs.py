@@ -16,6 +16,9 @@ bits (tests/test_gpu.py checks); a shape always runs the same way whatever else 
 """
 from __future__ import annotations
 
+import ctypes
+import logging
+import math
 import weakref
 from collections import OrderedDict
 from typing import Callable
@@ -26,6 +29,8 @@ import torch
 from strata.stage_worker.model import KVCache, Rows, RowTensors, StageModel
 
 LOGIT_BLOCK = 8  # sampled rows go through the head in blocks of this many rows (fixed shape)
+_PAGE = 4096
+log = logging.getLogger("strata.graphs")
 
 
 class _Captured:
@@ -52,14 +57,17 @@ class _Captured:
                               capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
-        # Host inputs go through page-locked staging buffers: a copy from pageable memory
+        # Host inputs (those whose example is on the host: the rows, and hidden states that
+        # come as frames) go through page-locked staging buffers: a copy from pageable memory
         # first waits for the whole stream (the previous window's replay), which would stall
         # the host until the GPU is idle, so the next window's host work could not overlap it.
         # Registered with cudaHostRegister rather than taken from torch's pinned pool, whose
         # copies also record an event each (~15 us more a copy on the lent VMs), and filled in
         # place through numpy (tools/gpu/host_steps.py).
-        self.staging = [_page_locked(x.shape, x.dtype) for x in self.inputs]
-        self.host = [t.numpy() if t.dtype != torch.bfloat16 else None for t in self.staging]
+        self.staging = [_page_locked(x.shape, x.dtype) if x.device.type == "cpu" else None
+                        for x in inputs]
+        self.host = [t.numpy() if t is not None and t.dtype != torch.bfloat16 else None
+                     for t in self.staging]
         self.staged = torch.cuda.Event()  # the last copies out of the staging buffers
         # the stream windows replay on (the caller's; Event.record() would look it up each time)
         self.stream = torch.cuda.current_stream()
@@ -75,7 +83,7 @@ class _Captured:
             if callable(x):
                 x(host)
                 x = stage
-            elif x.device.type == "cpu":
+            elif x.device.type == "cpu" and stage is not None:
                 stage.copy_(x)
                 x = stage
             static.copy_(x, non_blocking=True)
@@ -86,15 +94,35 @@ class _Captured:
 
 
 def _page_locked(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A host tensor registered with CUDA (unregistered when it is collected), or one from
-    torch's pinned pool where registering fails."""
-    t = torch.empty(shape, dtype=dtype)
+    """A host tensor on whole pages of its own (so no other registration overlaps them),
+    registered with CUDA and unregistered when it is collected; or, where registering fails,
+    one from torch's pinned pool."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    size = -(-nbytes // _PAGE) * _PAGE
+    raw = torch.empty(size + _PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _PAGE
+    pages = raw[start:start + size]
     cudart = torch.cuda.cudart()
-    if t.numel() and int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
-                                                  0)) == 0:
-        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
-        return t
+    err = int(cudart.cudaHostRegister(pages.data_ptr(), size, 0)) if size else -1
+    if err == 0:
+        out = pages[:nbytes].view(dtype).view(shape)
+        weakref.finalize(out, cudart.cudaHostUnregister, pages.data_ptr())
+        return out
+    if size:
+        _clear_cuda_error()
+        log.warning("could not page-lock a staging buffer of %d bytes (CUDA error %d); it "
+                    "comes from torch's pinned pool, whose copies are slower", nbytes, err)
     return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def _clear_cuda_error() -> None:
+    """A failed cudaHostRegister stays this thread's last CUDA error, which torch's check
+    after its next kernel launch would raise: read it off with cudaGetLastError (best effort:
+    where the runtime's symbols are visible in the process, as torch loads them)."""
+    try:
+        ctypes.CDLL(None).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
 
 
 class WindowRunner:
@@ -211,7 +239,8 @@ class WindowRunner:
             self.graphs.move_to_end(key)
             return graph
         while len(self.graphs) >= self.capacity:
-            self.graphs.popitem(last=False)  # least recently used
+            _, evicted = self.graphs.popitem(last=False)  # least recently used
+            evicted.staged.synchronize()  # its staging buffers are freed: no copy may be left
         graph = self.graphs[key] = _Captured(fn, example())
         self.captures += 1
         return graph

@@ -155,6 +155,7 @@ class StageWorker:
                 self._error(msg.id, str(e))
 
     def run_window(self, w: Window, tensors: list[np.ndarray]) -> None:
+        """Runs inside serve()'s inference mode (as greedy_tokens and sample do)."""
         t0 = time.perf_counter()
         receiving = None
         if self.link is not None and not self.model.first:
@@ -240,7 +241,6 @@ class StageWorker:
         self.trace.mark(w.id, "sent")
         transport.send(self.to_coordinator, result, extra)
 
-    @torch.inference_mode()
     def greedy_tokens(self, w: Window, hidden: torch.Tensor) -> Callable[[], list[int]]:
         """The argmax of each sampled row, copied without waiting into pinned host memory;
         the returned function reads them (call it once the device is past this point). No
@@ -261,7 +261,6 @@ class StageWorker:
         host.copy_(self.runner.logits(picked)[1], non_blocking=True)
         return host.tolist
 
-    @torch.inference_mode()
     def sample(self, w: Window, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
         """Tokens of the sampled rows, and (if the window wants them) their fp32 logits [N, V].
         Greedy rows take the device's argmax (first index of the maximum, as sample_row);
