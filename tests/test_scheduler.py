@@ -245,3 +245,70 @@ def test_a_refused_chunk_after_a_cancel_leaves_no_rows_the_stages_lack():
     again = sched.submit(prompt, params(0))
     sched.run()
     assert again.error is None and again.seq.generated == run_alone([prompt])[0]
+
+
+class RecordingPipeline(FakePipeline):
+    """Records each window as it is sent: 'chunk <slot>' or 'decode <live rows>'."""
+
+    def __init__(self, slots: int, ctx: int):
+        super().__init__(slots, ctx)
+        self.sent: list[str] = []
+
+    def submit(self, w) -> None:
+        live = [s for s in w.slots if s >= 0]
+        self.sent.append(f"chunk {live[0]}" if w.chunk else f"decode {len(live)}")
+        super().submit(w)
+
+
+def test_a_new_request_joins_the_least_loaded_group():
+    sched = Scheduler(FakePipeline(6, 256), SchedulerConfig(slots=6, groups=2, ctx=256),
+                      frozenset({STOP}))
+    long = sched.submit(list(range(3, 103)), params(0))    # group 0, 100 prompt tokens
+    short = sched.submit([5, 6, 7], params(1))              # group 1: no busy slot
+    third = sched.submit([8, 9, 10], params(2))             # both have one: fewer tokens left
+    fourth = sched.submit([11, 12], params(3))              # group 0 has 1 busy slot, group 1 2
+    sched._admit()
+    assert [r.slot.group for r in (long, short, third, fourth)] == [0, 1, 1, 0]
+    sched.run()
+    assert ([r.seq.generated for r in (long, short, third, fourth)]
+            == run_alone([r.seq.prompt for r in (long, short, third, fourth)]))
+
+
+def test_prompts_go_first_while_the_decode_window_has_room():
+    """Three prompts of 3 chunks each arrive while one slot decodes: with a window of 8 rows
+    every chunk is read before the next decode window; with a full window (2 rows, 2 decoding
+    slots) a third prompt's chunks alternate with decode windows."""
+    pipe = RecordingPipeline(4, 256)
+    sched = Scheduler(pipe, SchedulerConfig(slots=4, window_rows=8, chunk_rows=4, ctx=256),
+                      frozenset())
+    first = sched.submit([5, 6], SamplingParams(max_tokens=30))
+    sched.step()
+    sched.step()
+    assert pipe.sent == ["chunk 0", "decode 1"]
+    late = [sched.submit(list(range(10 + 12 * i, 22 + 12 * i)), SamplingParams(max_tokens=4))
+            for i in range(3)]
+    sched.run()
+    assert pipe.sent[2:11] == ["chunk 1"] * 3 + ["chunk 2"] * 3 + ["chunk 3"] * 3
+    assert pipe.sent[11] == "decode 4"
+    ps = [first.seq.prompt] + [r.seq.prompt for r in late]
+    got = [r.seq.generated for r in [first] + late]
+    want = []
+    for p, n in zip(ps, (30, 4, 4, 4)):
+        alone = Scheduler(FakePipeline(1, 256), SchedulerConfig(slots=1, chunk_rows=4, ctx=256),
+                          frozenset())
+        want.append(alone.submit(p, SamplingParams(max_tokens=n)).seq)
+        alone.run()
+    assert got == [s.generated for s in want]
+
+    full = RecordingPipeline(3, 256)
+    sched = Scheduler(full, SchedulerConfig(slots=3, window_rows=2, chunk_rows=4, ctx=256),
+                      frozenset())
+    for p in ([5, 6], [7, 8]):
+        sched.submit(p, SamplingParams(max_tokens=30))
+    for _ in range(4):
+        sched.step()
+    assert full.sent == ["chunk 0", "chunk 1", "decode 2", "decode 2"]
+    sched.submit(list(range(10, 22)), SamplingParams(max_tokens=4))
+    for _ in range(6):
+        sched.step()
+    assert full.sent[4:10] == ["chunk 2", "decode 2"] * 3

@@ -8,6 +8,15 @@ the prompt chunks of the slot it reads, up to `prompt_depth` in flight (chunk k+
 while chunk k is on stage 1; launches use stages + 1, so the next chunk already waits at stage 0
 when a result comes back). Only the last chunk samples, and every stage takes windows in the
 order they were sent, so the chunks compute exactly as one at a time.
+
+Which window next, in a group: each prompt chunk (oldest request first) delays the decoding
+slots by one window whenever it runs, so the order only decides who waits when. While the
+decode window has a free row, prompts go first: the reading request gets its first token
+sooner and joins the window, which costs about the same with one more row. Once the window is
+full, chunks and decode windows alternate, so a long prompt slows the streams by half instead
+of stopping them. A new request takes a slot of the group with the fewest busy slots (then the
+fewest prompt tokens left to read), unless a slot holds its prefix, so the groups stay equally
+full and none runs on alone at the end.
 Because every row's arithmetic is independent of its neighbours and every draw depends only on
 (seed, position), no schedule can change a request's tokens.
 """
@@ -154,7 +163,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.queue:
-            chosen = self.table.choose(self.queue[0].seq.prompt)
+            chosen = self.table.choose(self.queue[0].seq.prompt, self._group_load)
             if chosen is None:
                 return
             slot, reuse = chosen
@@ -166,6 +175,11 @@ class Scheduler:
             if reuse:
                 log.info("request %d: slot %d reuses %d of %d prompt tokens", req.id, slot.index,
                          reuse, len(req.seq.prompt))
+
+    def _group_load(self, group: int) -> tuple[int, int]:
+        """(busy slots, prompt tokens left to read): a new request joins the least loaded group."""
+        busy = [s for s in self.table.in_group(group) if not s.free]
+        return len(busy), sum(len(s.request.seq.prompt) - s.read_pos for s in busy)
 
     def _launch(self, group: int) -> bool:
         """Submit the group's next window if it may have one now; True if one was sent."""
@@ -179,7 +193,8 @@ class Scheduler:
                 return False
             self._submit_chunk(group, slot)
             return True
-        if reading and (self.prefer_read[group] or not decoding):
+        room = len(decoding) < self.cfg.window_rows  # the decode window has a free row
+        if reading and (self.prefer_read[group] or room):
             self.prefer_read[group] = False
             self._submit_chunk(group, min(reading, key=lambda s: s.request.id))
         elif decoding:

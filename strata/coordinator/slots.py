@@ -9,6 +9,7 @@ reading the whole history fresh.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 @dataclass
@@ -42,9 +43,12 @@ class SlotTable:
     def in_group(self, group: int) -> list[Slot]:
         return [s for s in self.slots if s.group == group]
 
-    def choose(self, prompt: list[int]) -> tuple[Slot, int] | None:
+    def choose(self, prompt: list[int],
+               group_load: Callable[[int], Any] | None = None) -> tuple[Slot, int] | None:
         """A free slot for this prompt and how many of its tokens the slot already holds.
-        Prefers the longest held prefix, then a never-used slot, then the least recently used."""
+        Prefers the longest held prefix; without one, the group with the least `group_load`
+        (compared as given; None: any group), and in it a never-used slot, then the least
+        recently used."""
         free = [s for s in self.slots if s.free]
         if not free:
             return None
@@ -53,7 +57,11 @@ class SlotTable:
                                         -s.last_used))
         reuse = min(common_prefix(best.held, prompt), len(prompt) - 1)
         if reuse == 0:
-            best = min(free, key=lambda s: s.last_used)
+            pool = free
+            if group_load is not None:
+                group = min(sorted({s.group for s in free}), key=group_load)
+                pool = [s for s in free if s.group == group]
+            best = min(pool, key=lambda s: s.last_used)
         self.admissions += 1
         best.last_used = self.admissions
         return best, reuse
