@@ -56,51 +56,20 @@ def _row_scale(acc, sq, K, eps, NORM: tl.constexpr):
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, M, N, K, eps,
+def _skinny_kernel(x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, M, K, eps,
                    stride_xm, stride_wn, stride_rm, stride_om,
-                   NORM: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   STAGES: tl.constexpr):
-    block = tl.program_id(0)
-    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+                   NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
-    k_len = K // SPLIT
-    k_start = tl.program_id(1) * k_len
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)       # out^T: the weight is the MMA's M
     sq = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in tl.range(k_start, k_start + k_len, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         w = tl.load(w_ptr + n[:, None] * stride_wn + (k0 + kk)[None, :])      # [BN, BK]
         x, s = _x_tile(x_ptr, g_ptr, m, k0 + kk, M, stride_xm, NORM, BLOCK_M)
         sq += s
         acc = tl.dot(w, tl.trans(x), acc)
-    if SPLIT == 1:
-        _skinny_store(acc, sq, res_ptr, out_ptr, m, n, M, K, eps, stride_rm, stride_om, NORM,
-                      HAS_RES)
-    else:
-        # each part of K stores its sums; the last of a column block to finish adds the parts
-        # in part order (the same bits whichever finishes last) and stores the output
-        part = part_ptr + ((tl.program_id(1) * tl.num_programs(0) + block)
-                           * (BLOCK_N + 1) * BLOCK_M)
-        tl.store(part + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + m[None, :], acc)
-        tl.store(part + BLOCK_N * BLOCK_M + m, sq)
-        tl.debug_barrier()  # every thread's stores before the release below
-        if tl.atomic_add(count_ptr + block, 1, sem="acq_rel") == SPLIT - 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            sq = tl.zeros([BLOCK_M], tl.float32)
-            for p in tl.static_range(SPLIT):
-                part = part_ptr + (p * tl.num_programs(0) + block) * (BLOCK_N + 1) * BLOCK_M
-                acc += tl.load(part + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + m[None, :],
-                               cache_modifier=".cg")
-                sq += tl.load(part + BLOCK_N * BLOCK_M + m, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + block, 0)  # ready for the next launch
-            _skinny_store(acc, sq, res_ptr, out_ptr, m, n, M, K, eps, stride_rm, stride_om,
-                          NORM, HAS_RES)
-
-
-@triton.jit
-def _skinny_store(acc, sq, res_ptr, out_ptr, m, n, M, K, eps, stride_rm, stride_om,
-                  NORM: tl.constexpr, HAS_RES: tl.constexpr):
     out = _row_scale(acc, sq, K, eps, NORM)                                   # [BM, BN]
     row_ok = m[:, None] < M
     if HAS_RES:
@@ -151,44 +120,21 @@ def _check(x: torch.Tensor, w: torch.Tensor, cols: int, block_n: int, block_k: i
 
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
               norm: torch.Tensor | None = None, eps: float = 0.0, *, block_n: int = 64,
-              block_k: int = 128, stages: int = 4, warps: int = 4, split: int = 1,
+              block_k: int = 128, stages: int = 4, warps: int = 4,
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x: [M, K] (M <= 16), w: [N, K], res: [M, N] or None, norm: the RMSNorm weight [K] to
     apply to x first, or None -> [M, N] in out_dtype (default x's; float32 keeps the
-    accumulator's bits, as the head's logits want). block_n divides N, split * block_k K.
-    split > 1: each column block's K is walked in `split` parts by as many programs, and the
-    parts are added in order (more programs in flight for a narrow weight; the sums differ
-    from split 1's, so a shape keeps one split)."""
+    accumulator's bits, as the head's logits want). block_n divides N, block_k K."""
     n = w.shape[0]
-    _check(x, w, n, block_n, block_k * split, norm, res)
+    _check(x, w, n, block_n, block_k, norm, res)
     out = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
     r = res if res is not None else out
-    part, count = _split_buffers(x.device, n // block_n, block_n, split)
-    _skinny_kernel[(n // block_n, split)](
-        x, norm if norm is not None else x, w, r, out, part, count, x.shape[0], n, x.shape[1],
-        eps, x.stride(0), w.stride(0), r.stride(0), out.stride(0),
-        NORM=norm is not None, HAS_RES=res is not None, SPLIT=split, BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
+    _skinny_kernel[(n // block_n,)](
+        x, norm if norm is not None else x, w, r, out, x.shape[0], x.shape[1], eps,
+        x.stride(0), w.stride(0), r.stride(0), out.stride(0),
+        NORM=norm is not None, HAS_RES=res is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=block_k, STAGES=stages, num_warps=warps)
     return out
-
-
-_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_buffers(device: torch.device, blocks: int, block_n: int,
-                   split: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K's scratch for a grid: each program's sums [block_n + 1, BLOCK_M] fp32 and a
-    counter per column block (zero between launches: the last program resets it). One per
-    (device, grid, split): a stage runs its windows one after another on one stream, so its
-    layers share it. Made by the eager run that precedes a graph's capture, never inside it.
-    split 1 needs none (a 1-element stand-in)."""
-    key = (device, blocks, block_n, split)
-    if key not in _SPLIT_BUFFERS:
-        parts = split * blocks * (block_n + 1) * BLOCK_M if split > 1 else 1
-        _SPLIT_BUFFERS[key] = (torch.empty(parts, dtype=torch.float32, device=device),
-                               torch.zeros(blocks if split > 1 else 1, dtype=torch.int32,
-                                           device=device))
-    return _SPLIT_BUFFERS[key]
 
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
