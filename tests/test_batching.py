@@ -102,7 +102,8 @@ def test_staggered_lifecycle(model, prompts, alone):
                 early = sched.submit(prompts[4], replace(seeded[4], max_tokens=3))  # ...reused
             if a_when_read is None and long_req.seq.generated:
                 a_when_read = len(a.seq.generated)
-        # a kept decoding while the long prompt was read (chunks alternate with decode windows)
+        # a kept decoding while the long prompt was read: the long prompt joins the group with
+        # fewer busy slots (b's; c joined a's), and a's group runs its windows between its chunks
         assert a_when_read - a_before >= 5
         sched.run()
         alone_long = Scheduler(run.pipe, SchedulerConfig(slots=4, groups=1, ctx=CTX),

@@ -52,9 +52,11 @@ class FakePipeline:
         tokens = []
         for row, u in zip(w.sample_rows, w.u):
             s, p = w.slots[row], w.positions[row]
-            history = self.kv[s][:p + 1]
-            tokens.append((7 * sum(history) + 13 * p + int(u * 1000)) % 60 + 2)  # 2 = STOP
+            tokens.append(self.token(self.kv[s][:p + 1], p, u))
         return Result(w.id, tokens), []
+
+    def token(self, history: list[int], p: int, u: float) -> int:
+        return (7 * sum(history) + 13 * p + int(u * 1000)) % 60 + 2  # 2 = STOP
 
 
 def prompts(n: int, rng: random.Random) -> list[list[int]]:
@@ -274,10 +276,27 @@ def test_a_new_request_joins_the_least_loaded_group():
             == run_alone([r.seq.prompt for r in (long, short, third, fourth)]))
 
 
+def test_one_client_at_a_time_keeps_every_groups_conversations():
+    """Under light load the groups tie, and the least recently used slot of any group is
+    taken: six conversations in turn keep six slots, and each one's second turn reuses its
+    prompt."""
+    sched = Scheduler(FakePipeline(8, 64), SchedulerConfig(slots=8, groups=2, ctx=64),
+                      frozenset({STOP}))
+    first = []
+    for i in range(6):
+        first.append(sched.submit([10 + i, 11 + i, 12], params(0, 2)))
+        sched.run()
+    assert sorted(r.slot.index for r in first) == [0, 1, 2, 3, 4, 5]
+    for i, r in enumerate(first):
+        again = sched.submit([10 + i, 11 + i, 12, 40], params(0, 2))
+        sched.run()
+        assert again.slot is r.slot and again.reused == 3
+
+
 def test_prompts_go_first_while_the_decode_window_has_room():
     """Three prompts of 3 chunks each arrive while one slot decodes: with a window of 8 rows
-    every chunk is read before the next decode window; with a full window (2 rows, 2 decoding
-    slots) a third prompt's chunks alternate with decode windows."""
+    8 chunks go first, then a decode window, then the last chunk; with a full window (2 rows,
+    2 decoding slots) a third prompt's chunks alternate with decode windows."""
     pipe = RecordingPipeline(4, 256)
     sched = Scheduler(pipe, SchedulerConfig(slots=4, window_rows=8, chunk_rows=4, ctx=256),
                       frozenset())
@@ -288,8 +307,8 @@ def test_prompts_go_first_while_the_decode_window_has_room():
     late = [sched.submit(list(range(10 + 12 * i, 22 + 12 * i)), SamplingParams(max_tokens=4))
             for i in range(3)]
     sched.run()
-    assert pipe.sent[2:11] == ["chunk 1"] * 3 + ["chunk 2"] * 3 + ["chunk 3"] * 3
-    assert pipe.sent[11] == "decode 4"
+    assert pipe.sent[2:10] == ["chunk 1"] * 3 + ["chunk 2"] * 3 + ["chunk 3"] * 2
+    assert pipe.sent[10:13] == ["decode 3", "chunk 3", "decode 4"]
     ps = [first.seq.prompt] + [r.seq.prompt for r in late]
     got = [r.seq.generated for r in [first] + late]
     want = []
@@ -312,3 +331,20 @@ def test_prompts_go_first_while_the_decode_window_has_room():
     for _ in range(6):
         sched.step()
     assert full.sent[4:10] == ["chunk 2", "decode 2"] * 3
+
+
+def test_arrivals_cannot_starve_a_decoding_slot():
+    """Requests that end at their first token keep arriving at a free slot: the decoding slot
+    still gets a window after at most window_rows chunks."""
+    pipe = RecordingPipeline(2, 256)
+    sched = Scheduler(pipe, SchedulerConfig(slots=2, window_rows=8, chunk_rows=4, ctx=256),
+                      frozenset())
+    long = sched.submit([5, 6], SamplingParams(max_tokens=20))
+    sched.step()
+    for i in range(40):
+        sched.submit([7 + i % 50, 8, 9, 10], SamplingParams(max_tokens=1))
+    sched.run()
+    assert long.seq.finish_reason == "length"
+    decodes = [0] + [i for i, w in enumerate(pipe.sent) if w.startswith("decode")]  # 0: its chunk
+    assert max(b - a for a, b in zip(decodes, decodes[1:])) <= 8 + 1
+    assert sum(w.startswith("chunk") for w in pipe.sent) == 41

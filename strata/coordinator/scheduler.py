@@ -10,13 +10,15 @@ when a result comes back). Only the last chunk samples, and every stage takes wi
 order they were sent, so the chunks compute exactly as one at a time.
 
 Which window next, in a group: each prompt chunk (oldest request first) delays the decoding
-slots by one window whenever it runs, so the order only decides who waits when. While the
-decode window has a free row, prompts go first: the reading request gets its first token
-sooner and joins the window, which costs about the same with one more row. Once the window is
-full, chunks and decode windows alternate, so a long prompt slows the streams by half instead
-of stopping them. A new request takes a slot of the group with the fewest busy slots (then the
-fewest prompt tokens left to read), unless a slot holds its prefix, so the groups stay equally
-full and none runs on alone at the end.
+slots by one window whenever it runs; the order decides who waits when. While the decode
+window has a free row, up to window_rows chunks in a row go first: a reading request gets its
+first token sooner and joins the window, which costs about the same with one more row.
+Otherwise chunks and decode windows alternate, so a long prompt slows the streams by half
+instead of stopping them; a decoding slot waits at most window_rows chunks for its next
+token. A new request takes a slot of the group with the fewest busy slots (then the fewest
+prompt tokens left to read; then the least recently used slot of any group), unless a slot
+holds its prefix, so the groups stay about equally full and none runs on alone at the end.
+Prompt chunks stream (`prompt_depth`) only while their group has no decoding slot.
 Because every row's arithmetic is independent of its neighbours and every draw depends only on
 (seed, position), no schedule can change a request's tokens.
 """
@@ -93,6 +95,7 @@ class Scheduler:
         self.streaming: list[Slot | None] = [None] * cfg.groups  # slot whose chunks stream
         self.commits: list[tuple[int, int]] = []   # ride on the next window submitted
         self.prefer_read = [True] * cfg.groups     # alternate prompt chunks and decode windows
+        self.ahead = [0] * cfg.groups              # chunks sent in a row while slots decode
         self.cursor = [0] * cfg.groups             # rotation over a group's decoding slots
 
     # --- requests -----------------------------------------------------------------------------
@@ -177,7 +180,8 @@ class Scheduler:
                          reuse, len(req.seq.prompt))
 
     def _group_load(self, group: int) -> tuple[int, int]:
-        """(busy slots, prompt tokens left to read): a new request joins the least loaded group."""
+        """(busy slots, prompt tokens left to read): a new request joins the least loaded group.
+        A heuristic: decode work still to come (max_tokens) is not counted."""
         busy = [s for s in self.table.in_group(group) if not s.free]
         return len(busy), sum(len(s.request.seq.prompt) - s.read_pos for s in busy)
 
@@ -193,12 +197,16 @@ class Scheduler:
                 return False
             self._submit_chunk(group, slot)
             return True
-        room = len(decoding) < self.cfg.window_rows  # the decode window has a free row
-        if reading and (self.prefer_read[group] or room):
+        # while the decode window has a free row, up to window_rows chunks in a row go first
+        first = (len(decoding) < self.cfg.window_rows
+                 and self.ahead[group] < self.cfg.window_rows)
+        if reading and (self.prefer_read[group] or not decoding or first):
             self.prefer_read[group] = False
+            self.ahead[group] += bool(decoding)
             self._submit_chunk(group, min(reading, key=lambda s: s.request.id))
         elif decoding:
             self.prefer_read[group] = True
+            self.ahead[group] = 0
             start = self.cursor[group] % len(decoding)
             chosen = (decoding[start:] + decoding[:start])[: self.cfg.window_rows]
             self.cursor[group] = start + len(chosen)

@@ -46,9 +46,10 @@ class SlotTable:
     def choose(self, prompt: list[int],
                group_load: Callable[[int], Any] | None = None) -> tuple[Slot, int] | None:
         """A free slot for this prompt and how many of its tokens the slot already holds.
-        Prefers the longest held prefix; without one, the group with the least `group_load`
-        (compared as given; None: any group), and in it a never-used slot, then the least
-        recently used."""
+        Prefers the longest held prefix; without one, a slot of the group with the least
+        `group_load` (compared as given; None: any group), and among those a never-used slot,
+        then the least recently used (so under light load every group's slots keep
+        conversations)."""
         free = [s for s in self.slots if s.free]
         if not free:
             return None
@@ -57,11 +58,8 @@ class SlotTable:
                                         -s.last_used))
         reuse = min(common_prefix(best.held, prompt), len(prompt) - 1)
         if reuse == 0:
-            pool = free
-            if group_load is not None:
-                group = min(sorted({s.group for s in free}), key=group_load)
-                pool = [s for s in free if s.group == group]
-            best = min(pool, key=lambda s: s.last_used)
+            load = {g: group_load(g) if group_load else 0 for g in {s.group for s in free}}
+            best = min(free, key=lambda s: (load[s.group], s.last_used))
         self.admissions += 1
         best.last_used = self.admissions
         return best, reuse
