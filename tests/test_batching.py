@@ -169,3 +169,18 @@ def test_groups_must_divide_batch():
     with pytest.raises(ValueError, match="does not divide"):
         SchedulerConfig(slots=6, groups=4)
     assert auto_groups(8, 2) == 2 and auto_groups(9, 2) == 1 and auto_groups(6, 4) == 3
+
+
+@pytest.mark.parametrize("batch,groups,drafts", [(1, 1, 7), (4, 2, 3)])
+def test_drafts_give_the_solo_tokens(model, prompts, alone, batch, groups, drafts):
+    """Draft tokens (prompt lookup) verified in the windows' spare rows: every request still
+    gets its plain solo tokens, greedy and seeded, and some drafts were accepted."""
+    file, tok = model
+    with launched(file, SPLITS[2], batch) as run:
+        cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX, draft_tokens=drafts)
+        accepted = 0
+        for mode in ("greedy", "seeded"):
+            got = harness.run_together(run, cfg, tok, prompts, params_for(mode))
+            assert_same(alone[mode], got, f"drafts, batch {batch}, groups {groups}, {mode}")
+            accepted += sum(r.accepted for r in got)
+    assert accepted > 0

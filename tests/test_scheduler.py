@@ -333,6 +333,55 @@ def test_prompts_go_first_while_the_decode_window_has_room():
     assert full.sent[4:10] == ["chunk 2", "decode 2"] * 3
 
 
+class RepeatingPipeline(FakePipeline):
+    """The next token repeats the one four places back, but a draw above 0.8 bumps it: greedy
+    requests repeat their last four tokens for ever (prompt lookup's drafts are right), sampled
+    ones now and then break the pattern (drafts are wrong)."""
+
+    def token(self, history: list[int], p: int, u: float) -> int:
+        back = history[-4] if len(history) >= 4 else 3
+        return (back - 3 + (u > 0.8)) % 11 + 3
+
+
+@pytest.mark.parametrize("slots,groups,window_rows,draft", [(1, 1, 8, 7), (4, 1, 8, 3),
+                                                           (4, 2, 8, 4), (6, 3, 4, 2)])
+def test_drafts_give_the_tokens_of_plain_decoding(slots, groups, window_rows, draft):
+    rng = random.Random(slots * 10 + draft)
+    ps = [[rng.randrange(3, 14) for _ in range(rng.randrange(1, 30))] for _ in range(10)]
+    runs = {}
+    for k in (0, draft):
+        pipe = RepeatingPipeline(slots, 256)
+        sched = Scheduler(pipe, SchedulerConfig(slots=slots, groups=groups,
+                                                window_rows=window_rows, chunk_rows=8, ctx=256,
+                                                draft_tokens=k), frozenset())
+        reqs = [sched.submit(p, params(i, 40)) for i, p in enumerate(ps)]
+        sched.run()
+        runs[k] = reqs, pipe.next_id
+        assert all(r.seq.finish_reason == "length" for r in reqs)
+        for slot in sched.table.slots:  # no row of a rejected draft stays on the stages
+            assert pipe.kv[slot.index] == slot.held
+    (plain, plain_windows), (drafted, windows) = runs[0], runs[draft]
+    assert [r.seq.generated for r in drafted] == [r.seq.generated for r in plain]
+    accepted = sum(r.accepted for r in drafted)
+    assert 0 < accepted < sum(r.drafted for r in drafted)  # some drafts right, some wrong
+    assert windows < plain_windows
+
+
+def test_drafts_stop_at_the_end_of_a_request():
+    """A stop token or max_tokens reached inside a window's drafts ends the request there."""
+    for stop, max_tokens in ((frozenset({7}), 60), (frozenset(), 5)):
+        out = []
+        for k in (0, 6):
+            pipe = RepeatingPipeline(1, 128)
+            sched = Scheduler(pipe, SchedulerConfig(slots=1, chunk_rows=8, ctx=128,
+                                                    draft_tokens=k), stop)
+            req = sched.submit([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=max_tokens))
+            sched.run()
+            out.append((req.seq.generated, req.seq.finish_reason))
+            assert pipe.kv[0] == sched.table.slots[0].held
+        assert out[0] == out[1]
+
+
 def test_arrivals_cannot_starve_a_decoding_slot():
     """Requests that end at their first token keep arriving at a free slot: the decoding slot
     still gets a window after at most window_rows chunks."""
@@ -348,3 +397,8 @@ def test_arrivals_cannot_starve_a_decoding_slot():
     decodes = [0] + [i for i, w in enumerate(pipe.sent) if w.startswith("decode")]  # 0: its chunk
     assert max(b - a for a, b in zip(decodes, decodes[1:])) <= 8 + 1
     assert sum(w.startswith("chunk") for w in pipe.sent) == 41
+
+
+def test_draft_tokens_must_leave_a_row_for_the_slot():
+    with pytest.raises(ValueError, match="--draft-tokens 8 must be"):
+        SchedulerConfig(window_rows=8, draft_tokens=8)

@@ -87,15 +87,12 @@ class Snapshot:
     windows: int = 0
 
 
-def _window_kind(w: Window, chunk_rows: int, window_rows: int) -> str:
-    """decode: one row per slot, each sampling; prefill: a prompt chunk of one slot; commit:
-    pad rows only, carrying the commits of slots that went idle."""
+def _window_kind(w: Window) -> str:
+    """decode: the decoding slots' rows (with any drafts they verify); prefill: a prompt chunk
+    of one slot; commit: pad rows only, carrying the commits of slots that went idle."""
     if all(s < 0 for s in w.slots):
         return "commit"
-    if chunk_rows != window_rows:
-        return "decode" if len(w.slots) == window_rows else "prefill"
-    live = [s for s in w.slots if s >= 0]
-    return "decode" if len(set(live)) == len(live) == len(w.sample_rows) else "prefill"
+    return "prefill" if w.chunk else "decode"
 
 
 class _TimedPipe:
@@ -111,8 +108,7 @@ class _TimedPipe:
         return self.pipe.new_window_id()
 
     def submit(self, w: Window) -> None:
-        self.sent[w.id] = (time.perf_counter(),
-                           _window_kind(w, self.cfg.chunk_rows, self.cfg.window_rows))
+        self.sent[w.id] = (time.perf_counter(), _window_kind(w))
         self.pipe.submit(w)
 
     def receive(self, timeout: float | None = None):

@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from strata.coordinator.drafts import PromptLookup
 from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import Pipeline, WindowFailed
 from strata.coordinator.sampling import SamplingParams
@@ -48,6 +49,7 @@ class SchedulerConfig:
     chunk_rows: int = 32
     ctx: int = 2048
     prompt_depth: int = 1   # prompt chunks of one slot in flight at once (> 1: pipelined)
+    draft_tokens: int = 0   # at most this many draft rows per slot in a decode window (drafts.py)
 
     def __post_init__(self):
         if self.slots < 1:
@@ -56,6 +58,10 @@ class SchedulerConfig:
             raise ValueError("--window-rows and --chunk-rows must be at least 1")
         if self.prompt_depth < 1:
             raise ValueError(f"prompt depth {self.prompt_depth} is below 1")
+        if not 0 <= self.draft_tokens < self.window_rows:
+            raise ValueError(f"--draft-tokens {self.draft_tokens} must be at least 0 and below "
+                             f"--window-rows {self.window_rows} (a slot's row and its drafts "
+                             f"share one window)")
         if self.groups < 1 or self.slots % self.groups:
             raise ValueError(f"--batch-groups {self.groups} does not divide --batch {self.slots}; "
                              f"use a divisor of {self.slots} or auto")
@@ -71,6 +77,9 @@ class Request:
     reused: int = 0          # prompt tokens the slot already held
     error: str | None = None
     notified: bool = False   # on_done was called (exactly once)
+    drafter: PromptLookup | None = None
+    drafted: int = 0         # draft tokens sent in windows
+    accepted: int = 0        # of them, equal to the token sampled at their position
 
     @property
     def done(self) -> bool:
@@ -80,7 +89,8 @@ class Request:
 @dataclass
 class _Flight:
     group: int
-    rows: list[tuple[Slot, Request, bool]]  # (slot, request, is a decode row)
+    # per slot in the window: (slot, request, rows sampled, draft tokens those rows verify)
+    rows: list[tuple[Slot, Request, int, list[int]]]
 
 
 class Scheduler:
@@ -150,13 +160,28 @@ class Scheduler:
             return True
         self._landed(flight.group)
         sampled = iter(result.tokens)
-        for slot, req, sampling in flight.rows:
-            token = next(sampled) if sampling else None
+        for slot, req, n, drafts in flight.rows:
+            tokens = [next(sampled) for _ in range(n)]
             if req.cancelled:
                 self._release(slot, req, "cancelled")
-            elif token is not None and req.seq.accept(token):
-                self._release(slot, req, req.seq.finish_reason)
+            elif tokens:
+                self._accept(slot, req, tokens, drafts)
         return True
+
+    def _accept(self, slot: Slot, req: Request, tokens: list[int], drafts: list[int]) -> None:
+        """tokens[j] was sampled at position L + j (L: the sequence's length before); it
+        counts while the drafts before it equal the tokens sampled at their positions."""
+        start = req.seq.length
+        for j, token in enumerate(tokens):
+            if req.seq.accept(token):
+                self._release(slot, req, req.seq.finish_reason)
+                return
+            if j == len(drafts) or drafts[j] != token:
+                break
+        req.drafted += len(drafts)
+        req.accepted += j
+        if j < len(drafts):  # rows of rejected drafts hold KV past L + j: drop it
+            self.commits.append((slot.index, start + j))
 
     def run(self) -> None:
         while self.step():
@@ -210,10 +235,16 @@ class Scheduler:
             start = self.cursor[group] % len(decoding)
             chosen = (decoding[start:] + decoding[:start])[: self.cfg.window_rows]
             self.cursor[group] = start + len(chosen)
-            rows = [Row(s.index, s.request.seq.length - 1, s.request.seq.last_token,
-                        s.request.seq.params) for s in chosen]
-            self._submit(group, rows, self.cfg.window_rows,
-                         [(s, s.request, True) for s in chosen])
+            spare = self.cfg.window_rows - len(chosen)   # pad rows: room for drafts
+            rows, owners = [], []
+            for i, s in enumerate(chosen):
+                seq = s.request.seq
+                drafts = self._drafts(s.request, spare // (len(chosen) - i))  # an even share
+                spare -= len(drafts)
+                rows += [Row(s.index, seq.length - 1 + j, t, seq.params)
+                         for j, t in enumerate([seq.last_token] + drafts)]
+                owners.append((s, s.request, 1 + len(drafts), drafts))
+            self._submit(group, rows, self.cfg.window_rows, owners)
         else:
             return False
         return True
@@ -228,7 +259,21 @@ class Scheduler:
         slot.read_pos = end
         slot.held.extend(seq.prompt[start:end])
         self.streaming[group] = None if last else slot
-        self._submit(group, rows, self.cfg.chunk_rows, [(slot, slot.request, last)], chunk=True)
+        self._submit(group, rows, self.cfg.chunk_rows, [(slot, slot.request, int(last), [])],
+                     chunk=True)
+
+    def _drafts(self, req: Request, room: int) -> list[int]:
+        """Draft tokens for the request's next window: within the room left, the context,
+        and the tokens it may still generate (the last row's token is sampled anyway)."""
+        seq = req.seq
+        k = min(self.cfg.draft_tokens, room, seq.ctx - seq.length,
+                seq.params.max_tokens - len(seq.generated) - 1)
+        if k <= 0:
+            return []
+        if req.drafter is None:
+            req.drafter = PromptLookup(seq.prompt)
+        req.drafter.extend(seq.generated[len(req.drafter.tokens) - len(seq.prompt):])
+        return req.drafter.propose(k)
 
     def _submit(self, group: int, rows: list[Row], shape: int, owners,
                 chunk: bool = False) -> None:
@@ -262,7 +307,7 @@ class Scheduler:
         """A stage refused a window: its requests end with the error; the rest go on."""
         self._landed(flight.group)
         log.error("window failed: %s", message)
-        for slot, req, _ in flight.rows:
+        for slot, req, _, _ in flight.rows:
             if req.notified:  # a later chunk of a request that already ended (cancelled)
                 if slot.free:  # its slot kept rows this window never wrote: keep none
                     slot.held.clear()

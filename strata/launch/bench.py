@@ -6,6 +6,7 @@
   loadtest    C concurrent HTTP clients for a bounded time against strata-launch serving
   sweep       total tok/s against concurrent clients: 1gpu, serial, pipelined side by side
   prompt      a long prompt's reading rate: serial vs pipelined chunks, FLOP/s and % of peak
+  drafts      decoding with draft tokens against without, side by side; tokens compared
 """
 from __future__ import annotations
 
@@ -107,10 +108,10 @@ def exact(requests, tokens, sampling, **launch):
     tok = Tokenizer.from_gguf(prep.file.reader)
     prompts = [tok.encode(p) for p in harness.prompt_set(requests)]
     modes = ["greedy", "seeded"] if sampling == "both" else [sampling]
-    alone_cfg = replace(prep.sched, groups=1)
+    alone_cfg = replace(prep.sched, groups=1, draft_tokens=0)  # plain decoding, one at a time
     click.echo(f"# {requests} requests x {tokens} tokens, {len(prep.plan)} stage(s), batch "
                f"{prep.sched.slots}, groups {prep.sched.groups}, window rows "
-               f"{prep.sched.window_rows}")
+               f"{prep.sched.window_rows}, draft tokens {prep.sched.draft_tokens}")
     bad = 0
     with prep.launch(say=lambda s: None) as run:
         for mode in modes:
@@ -163,6 +164,59 @@ def throughput(batches, clients, tokens, json_out, **launch):
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"machine": machine(), "tokens": tokens, "results": rows}, f, indent=2)
+
+
+@main.command()
+@launch_options
+@click.option("--clients", type=int, default=1, show_default=True)
+@click.option("--tokens", type=int, default=128, show_default=True, help="Tokens per client.")
+@click.option("--repeats", type=int, default=2, show_default=True,
+              help="Rounds; each runs both arms, alternating; the best of each is kept.")
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+@clean_errors("strata-bench drafts")
+def drafts(clients, tokens, repeats, json_out, **launch):
+    """Decoding with draft tokens (--draft-tokens, prompt lookup) against without, side by
+    side in one launch: total tok/s, windows, drafts accepted; exit 1 if any request's tokens
+    differ between the arms."""
+    prep = prepare(**launch)
+    k = prep.sched.draft_tokens or prep.sched.window_rows - 1
+    tok = Tokenizer.from_gguf(prep.file.reader)
+    arms = {"plain": replace(prep.sched, draft_tokens=0),
+            "drafts": replace(prep.sched, draft_tokens=k)}
+    click.echo(f"# {clients} client(s) x {tokens} tokens, greedy, {len(prep.plan)} stage(s), "
+               f"batch {prep.sched.slots}, groups {prep.sched.groups}, window rows "
+               f"{prep.sched.window_rows}, up to {k} drafts a slot; {machine()}")
+    click.echo(f"{'arm':>6} {'total tok/s':>11} {'windows':>7} {'tok/window':>10} "
+               f"{'drafted':>7} {'accepted':>8}")
+    best: dict[str, dict] = {}
+    generated: dict[str, list[list[int]]] = {}
+    with prep.launch(say=lambda s: None) as run:
+        harness.measure_throughput(run, arms["plain"], tok, 1, 2)  # warm-up (graph captures)
+        for _ in range(repeats):
+            for arm, cfg in arms.items():
+                first = run.pipe.next_window_id
+                r, reqs = harness.measure_throughput(run, cfg, tok, clients, tokens,
+                                                     with_requests=True)
+                row = {"arm": arm, "total_tok_s": r.total_tok_s,
+                       "windows": run.pipe.next_window_id - first,
+                       "drafted": sum(q.drafted for q in reqs),
+                       "accepted": sum(q.accepted for q in reqs)}
+                if arm not in best or row["total_tok_s"] > best[arm]["total_tok_s"]:
+                    best[arm] = row
+                generated.setdefault(arm, [q.seq.generated for q in reqs])
+    for row in best.values():
+        click.echo(f"{row['arm']:>6} {row['total_tok_s']:>11.2f} {row['windows']:>7} "
+                   f"{clients * tokens / row['windows']:>10.2f} {row['drafted']:>7} "
+                   f"{row['accepted']:>8}")
+    same = generated["plain"] == generated["drafts"]
+    click.echo(f"drafts/plain {best['drafts']['total_tok_s'] / best['plain']['total_tok_s']:.2f}x"
+               f"; {'every request has the same tokens' if same else 'TOKENS DIFFER'}")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"machine": machine(), "clients": clients, "tokens": tokens,
+                       "draft_tokens": k, "results": list(best.values()), "same": same}, f,
+                      indent=2)
+    sys.exit(0 if same else 1)
 
 
 main.add_command(loadtest)

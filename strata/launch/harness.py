@@ -80,8 +80,9 @@ class Throughput:
 
 
 def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,
-                       max_tokens: int) -> Throughput:
-    """`clients` requests arrive at once; each decodes exactly max_tokens tokens (no EOS)."""
+                       max_tokens: int, with_requests: bool = False):
+    """`clients` requests arrive at once; each decodes exactly max_tokens tokens (no EOS).
+    Returns the Throughput, and with_requests the requests too."""
     sched = Scheduler(run.pipe, cfg, frozenset(), tok.decode)
     start = time.perf_counter()
     first: dict[int, float] = {}
@@ -99,4 +100,5 @@ def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,
     tokens = sum(len(r.seq.generated) for r in reqs)
     per_request = [(len(r.seq.generated) - 1) / (last[i] - first[i])
                    for i, r in enumerate(reqs) if len(r.seq.generated) > 1 and last[i] > first[i]]
-    return Throughput(clients, tokens, seconds, [first[i] - start for i in first], per_request)
+    out = Throughput(clients, tokens, seconds, [first[i] - start for i in first], per_request)
+    return (out, reqs) if with_requests else out

@@ -53,6 +53,10 @@ def launch_options(f):
                      help="Rows of a decode window (more slots rotate through several)."),
         click.option("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS, show_default=True,
                      help="Rows of a prompt chunk."),
+        click.option("--draft-tokens", type=int, default=0, show_default=True,
+                     help="Draft tokens a decoding slot may verify in its window's spare rows "
+                          "(prompt lookup; the same tokens, fewer windows where text repeats; "
+                          "0 = off)."),
         click.option("--graph-cache", type=int, default=8, show_default=True,
                      help="CUDA graphs kept per stage, one per window shape (0: always eager)."),
         click.option("--stage-link", default="auto", show_default=True,
@@ -89,7 +93,8 @@ class Prepared:
 
 
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
-            chunk_rows, graph_cache=8, stage_link="auto", transport="unix", **_) -> Prepared:
+            chunk_rows, graph_cache=8, stage_link="auto", transport="unix", draft_tokens=0,
+            **_) -> Prepared:
     """Check everything that can be checked before a process starts."""
     if window_rows < 1:
         raise PlanError(f"--window-rows {window_rows} is below 1; a window needs a row")
@@ -97,6 +102,10 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
         raise PlanError(f"--chunk-rows {chunk_rows} is below 1")
     if batch < 1:
         raise PlanError(f"--batch {batch} is below 1")
+    if not 0 <= draft_tokens < window_rows:
+        raise PlanError(f"--draft-tokens {draft_tokens} must be at least 0 and below "
+                        f"--window-rows {window_rows}: a slot's own row and its drafts share "
+                        f"one window")
     if graph_cache < 0:
         raise PlanError(f"--graph-cache {graph_cache} is below 0; use 0 to run windows eagerly")
     file = open_model(model, ctx_size)
@@ -113,7 +122,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
                             f"divisor of {batch} or auto")
     check_fits(file.config, plan, batch, ctx_size)
     sched = SchedulerConfig(slots=batch, groups=groups, window_rows=window_rows,
-                            chunk_rows=chunk_rows, ctx=ctx_size,
+                            chunk_rows=chunk_rows, ctx=ctx_size, draft_tokens=draft_tokens,
                             prompt_depth=len(plan) + 1)  # + 1: the next chunk waits at stage 0
     return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan), transport)
 

@@ -1,0 +1,50 @@
+"""Draft tokens for a decoding slot, verified in its next window (speculative decoding).
+
+A slot with drafts d_1..d_k sends k + 1 rows in one window: its last token at position L - 1
+and the drafts at L..L + k - 1, every row sampled. The last stage answers t_0..t_k, where t_j
+is the token for position L + j given the rows before it. t_0 is always the slot's next token;
+t_j (j >= 1) counts only if d_1..d_j equal t_0..t_{j-1}. So a window yields 1 to k + 1 tokens,
+and they are exactly the tokens of plain decoding (DESIGN.md, exactness 4): each row is
+computed in the same window shape as a decode row, with the same KV before it (the accepted
+drafts wrote the same keys and values a decode row of that token would), and each draw is
+keyed by (seed, position). Drafts only change how many windows a request takes. The KV rows
+of rejected drafts are dropped by a commit on the next window.
+
+The drafter here is prompt lookup (n-gram matching): the tokens that followed the latest
+earlier occurrence of the request's last n tokens (n = 3, 2, 1), from its prompt and what it
+generated. It needs no model and pays on text that repeats what came before (quoting,
+editing code, summaries, loops of a small model). A model's MTP head would propose here too.
+"""
+from __future__ import annotations
+
+MAX_NGRAM = 3
+
+
+class PromptLookup:
+    """Incremental n-gram index of one request's tokens: proposing is O(1), each new token
+    O(MAX_NGRAM)."""
+
+    def __init__(self, tokens: list[int] = ()):
+        self.tokens: list[int] = []
+        # n-gram -> where the tokens after its latest occurrence (that has any) begin
+        self.follow: list[dict[tuple[int, ...], int]] = [{} for _ in range(MAX_NGRAM + 1)]
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        for token in tokens:
+            end = len(self.tokens)  # the n-grams ending here now have a continuation
+            for n in range(1, MAX_NGRAM + 1):
+                if end >= n:
+                    self.follow[n][tuple(self.tokens[end - n:end])] = end
+            self.tokens.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest tail
+        n-gram seen before; [] when none was."""
+        if k <= 0:
+            return []
+        for n in range(min(MAX_NGRAM, len(self.tokens)), 0, -1):
+            start = self.follow[n].get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return self.tokens[start:start + k]
+        return []
