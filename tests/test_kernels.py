@@ -273,8 +273,8 @@ def test_prompt_resumed_from_a_cache_gives_identical_kv(tiny_stage):
     ref_hidden = _read_prompt(tiny_stage, a, 0, tokens)
     b = _cache(tiny_stage, 1)
     _read_prompt(tiny_stage, b, 0, tokens[:37] + _prompt(3, seed=9))  # 3 stray positions
-    b.trim(0, 21)
-    assert b.filled[0] == 21 and b.k[0][0, :, 21:40].abs().sum() == 0
+    b.trim(0, 21)   # positions 21-39 keep stray values, never read: each is written again first
+    assert b.filled[0] == 21 and b.k[0][0, :, 21:40].abs().sum() > 0
     rest, start = [], 21
     while start < len(tokens):
         end = min(start + WINDOW, len(tokens))

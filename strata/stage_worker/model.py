@@ -96,12 +96,12 @@ class KVCache:
         self.filled = [0] * n_slots  # positions [0, filled) of each slot hold this conversation
 
     def trim(self, slot: int, length: int) -> None:
-        """Keep positions [0, length) of a slot; zero the rest so nothing stale remains."""
-        if length < self.filled[slot]:
-            for k, v in zip(self.k, self.v):
-                k[slot, :, length:self.filled[slot]] = 0
-                v[slot, :, length:self.filled[slot]] = 0
-            self.filled[slot] = length
+        """Keep positions [0, length) of a slot. What lies past them stays in memory but is
+        never read: a row at position p reads keys [0, p] of its slot, p <= filled (the
+        worker refuses gaps), and every position below p is held or written by the same
+        window before attention. Zeroing it cost two kernels per layer on a GPU, ~0.3 ms a
+        commit on SmolLM2, paid by every rejected draft."""
+        self.filled[slot] = min(self.filled[slot], length)
 
     def write(self, layer: int, rows: Rows, live: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
