@@ -173,14 +173,14 @@ class Scheduler:
         counts while the drafts before it equal the tokens sampled at their positions."""
         start = req.seq.length
         for j, token in enumerate(tokens):
-            if req.seq.accept(token):
-                self._release(slot, req, req.seq.finish_reason)
-                return
-            if j == len(drafts) or drafts[j] != token:
+            done = req.seq.accept(token)
+            if done or j == len(drafts) or drafts[j] != token:
                 break
         req.drafted += len(drafts)
-        req.accepted += j
-        if j < len(drafts):  # rows of rejected drafts hold KV past L + j: drop it
+        req.accepted += j      # drafts equal to the token sampled at their position
+        if done:
+            self._release(slot, req, req.seq.finish_reason)
+        elif j < len(drafts):  # rows of rejected drafts hold KV past L + j: drop it
             self.commits.append((slot.index, start + j))
 
     def run(self) -> None:
