@@ -175,9 +175,9 @@ def throughput(batches, clients, tokens, json_out, **launch):
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @clean_errors("strata-bench drafts")
 def drafts(clients, tokens, repeats, json_out, **launch):
-    """Decoding with draft tokens (--draft-tokens, prompt lookup) against without, side by
-    side in one launch: total tok/s, windows, drafts accepted; exit 1 if any request's tokens
-    differ between the arms."""
+    """Decoding with draft tokens (--draft-tokens, prompt lookup; 0 here means window rows - 1)
+    against without, side by side in one launch: total tok/s, windows, drafts accepted; exit 1
+    if any request's tokens differ between the arms."""
     prep = prepare(**launch)
     k = prep.sched.draft_tokens or prep.sched.window_rows - 1
     tok = Tokenizer.from_gguf(prep.file.reader)
@@ -195,8 +195,8 @@ def drafts(clients, tokens, repeats, json_out, **launch):
         for _ in range(repeats):
             for arm, cfg in arms.items():
                 first = run.pipe.next_window_id
-                r, reqs = harness.measure_throughput(run, cfg, tok, clients, tokens,
-                                                     with_requests=True)
+                r = harness.measure_throughput(run, cfg, tok, clients, tokens)
+                reqs = r.requests
                 row = {"arm": arm, "total_tok_s": r.total_tok_s,
                        "windows": run.pipe.next_window_id - first,
                        "drafted": sum(q.drafted for q in reqs),

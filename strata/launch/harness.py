@@ -3,7 +3,7 @@ throughput measurement (concurrent clients), shared by strata-bench and the test
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
@@ -73,6 +73,7 @@ class Throughput:
     seconds: float
     ttft: list[float]
     per_request: list[float]
+    requests: list[Request] = field(default_factory=list, repr=False)
 
     @property
     def total_tok_s(self) -> float:
@@ -80,9 +81,8 @@ class Throughput:
 
 
 def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,
-                       max_tokens: int, with_requests: bool = False):
-    """`clients` requests arrive at once; each decodes exactly max_tokens tokens (no EOS).
-    Returns the Throughput, and with_requests the requests too."""
+                       max_tokens: int) -> Throughput:
+    """`clients` requests arrive at once; each decodes exactly max_tokens tokens (no EOS)."""
     sched = Scheduler(run.pipe, cfg, frozenset(), tok.decode)
     start = time.perf_counter()
     first: dict[int, float] = {}
@@ -100,5 +100,5 @@ def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,
     tokens = sum(len(r.seq.generated) for r in reqs)
     per_request = [(len(r.seq.generated) - 1) / (last[i] - first[i])
                    for i, r in enumerate(reqs) if len(r.seq.generated) > 1 and last[i] > first[i]]
-    out = Throughput(clients, tokens, seconds, [first[i] - start for i in first], per_request)
-    return (out, reqs) if with_requests else out
+    return Throughput(clients, tokens, seconds, [first[i] - start for i in first], per_request,
+                      reqs)

@@ -102,10 +102,6 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
         raise PlanError(f"--chunk-rows {chunk_rows} is below 1")
     if batch < 1:
         raise PlanError(f"--batch {batch} is below 1")
-    if not 0 <= draft_tokens < window_rows:
-        raise PlanError(f"--draft-tokens {draft_tokens} must be at least 0 and below "
-                        f"--window-rows {window_rows}: a slot's own row and its drafts share "
-                        f"one window")
     if graph_cache < 0:
         raise PlanError(f"--graph-cache {graph_cache} is below 0; use 0 to run windows eagerly")
     file = open_model(model, ctx_size)
