@@ -2,8 +2,8 @@
 tok/s, in a second, without GPUs. A model, not a measurement: each stage takes a fixed time
 per window (decode or prompt chunk), windows queue at each stage in order, and the hops and the
 coordinator's step cost fixed times (defaults: the llama3-8b shape on two H200s, from the
-sweep's traces). It found the tail that admission and prompt order left (docs/BENCHMARKS.md,
-"Admission and prompt order").
+sweep's traces). Use it to see what a change of admission or prompt order does to
+serial against pipelined groups before measuring it on GPUs.
 
     python tools/schedsim.py --model /tmp/l8b.gguf --clients 16,32 --tokens 128
 """
@@ -16,7 +16,7 @@ import gguf
 
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
-from strata.launch.harness import prompt_set
+from strata.bench.harness import prompt_set
 from strata.model.tokenizer import Tokenizer
 from strata.protocol.messages import Result
 

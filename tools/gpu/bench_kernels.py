@@ -1,4 +1,4 @@
-"""Decode-window kernels of the llama3-8b shape, alternatives side by side (a device-call
+"""Decode-window kernels of the llama3-8b shape, alternatives side by side (an
 experiment, not a test): each layer matmul at M = 8 by cuBLAS (linear, addmm) and by
 kernels/skinny_triton.py in several block configurations (checked against the fp32 reference
 and for row independence), and the per-row attention kernel in several configurations."""

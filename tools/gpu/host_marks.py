@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 from statistics import median
 
-from strata.launch import tracereport
+from strata.bench import tracereport
 
 traces = tracereport.load(Path(sys.argv[1]))
 ids = tracereport.windows_through(traces)[10:]

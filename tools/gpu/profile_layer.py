@@ -1,4 +1,4 @@
-"""Where a decode window's GPU time goes on one stage (a device-call experiment, not a test):
+"""Where a decode window's GPU time goes on one stage (an experiment, not a test):
 the kernels of an eager 8-row window under torch.profiler, each layer matmul alone against
 its HBM time, and the graph replay. Usage: python3 tools/gpu/profile_layer.py MODEL START:END"""
 import sys

