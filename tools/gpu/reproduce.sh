@@ -9,7 +9,11 @@
 set -u
 OUT=${1:?usage: reproduce.sh OUTDIR [exact window sweep prompt smollm2 drafts peer tests]}
 shift
-PARTS=${*:-exact window sweep prompt smollm2 drafts peer tests}
+ALL="exact window sweep prompt smollm2 drafts peer tests"
+PARTS=${*:-$ALL}
+for part in $PARTS; do
+  [[ " $ALL " == *" $part "* ]] || { echo "unknown part '$part': use $ALL"; exit 2; }
+done
 L8B=${L8B:-/tmp/l8b.gguf}
 cd "$(dirname "$0")/../.." || exit 1
 mkdir -p "$OUT"
@@ -26,7 +30,10 @@ run() {  # run NAME SECONDS COMMAND...: the command's output to OUT/NAME.log and
 }
 
 llama() {  # the llama3-8b shape, written once (about 15 s)
-  [ -f "$L8B" ] || run mkmodel 300 strata-mkmodel llama3-8b "$L8B" --weight-type BF16 --fast
+  [ -f "$L8B" ] && return
+  echo "== mkmodel: writing $L8B (log: $OUT/mkmodel.log)"
+  timeout 300 strata-mkmodel llama3-8b "$L8B" --weight-type BF16 --fast > "$OUT/mkmodel.log" 2>&1 \
+    || { echo "== mkmodel failed: see $OUT/mkmodel.log"; rm -f "$L8B"; }
 }
 
 { nvidia-smi -L; nproc; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -65,7 +72,6 @@ for part in $PARTS; do
       run peer 200 strata-bench peer --device cuda:0 --batch 8 --tokens 64 ;;
     tests)    # the GPU tests
       run tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider tests ;;
-    *) echo "unknown part '$part': use exact window sweep prompt smollm2 drafts peer tests"; exit 2 ;;
   esac
 done
 
