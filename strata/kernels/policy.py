@@ -40,7 +40,8 @@ class KernelPolicy:
     skinny_min_bytes: int = 16 << 20
     skinny_max_rows: int = 16          # skinny_triton.BLOCK_M: decode windows
     fold: frozenset[str] = FOLD_ALL
-    blocks: Mapping[str, tuple[tuple[int, int, int], ...]] = field(default_factory=lambda: SKINNY_BLOCKS)
+    blocks: Mapping[str, tuple[tuple[int, int, int], ...]] = field(
+        default_factory=lambda: SKINNY_BLOCKS)
     mm_fp32_out: bool = True
 
     @classmethod

@@ -103,12 +103,9 @@ class StageWorker:
     def serve(self) -> None:
         transport.send(self.to_coordinator, self.hello())
         with torch.inference_mode():  # entered once: ~14 us a window on the lent VMs
-            self._serve()
+            while self.step():
+                pass
         self.close()
-
-    def _serve(self) -> None:
-        while self.step():
-            pass
 
     def step(self) -> bool:
         """Take the next message and act on it; False once it was a Shutdown. Runs inside
