@@ -1,5 +1,5 @@
-"""The fused row-wise kernels of the CUDA path (strata/kernels/fused.py): the plain-torch
-versions against the list path's kernels, and the Triton versions against the torch ones on
+"""The fused row-wise kernels (strata/kernels/fused.py): the plain-torch versions against the
+plain layer arithmetic (norms.py, rope.py), and the Triton versions against the torch ones on
 the CPU through Triton's interpreter (TRITON_INTERPRET=1 set before Python starts) and on CUDA
 (marked gpu)."""
 from __future__ import annotations

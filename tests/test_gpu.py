@@ -7,6 +7,8 @@ tensor path's pieces on the CPU (row tensors with masked attention, bf16 frames,
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -15,12 +17,12 @@ from strata.coordinator.generate import Sequence, generate_solo
 from strata.coordinator.sampling import SamplingParams
 from strata.kernels.attention import attend_reference, attend_rows
 from strata.model.gguf_file import ModelFile
-from strata.kernels import fused
+from strata.kernels.policy import KernelPolicy
 from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.protocol import transport
 from strata.protocol.messages import Shutdown
-from strata.stage_worker.graphs import WindowRunner
 from strata.stage_worker.model import KVCache, Rows, RowTensors, StageModel
+from strata.stage_worker.runner import WindowRunner
 from strata.stage_worker.worker import WorkerConfig
 
 CTX = 256
@@ -68,23 +70,27 @@ def _read_prompt(model, cache, slot, tokens, first_chunk=CHUNK) -> torch.Tensor:
 
 
 def _cache(model: StageModel, n_slots: int) -> KVCache:
-    return KVCache(len(model.layers), n_slots, model.cfg, CTX, model.device, model.dtype,
-                   trash_slot=model.row_tensors)
+    return KVCache(len(model.layers), n_slots, model.cfg, CTX, model.device, model.dtype)
 
 
 # --- on the CPU: the tensor path's pieces ---------------------------------------------------
 
+SMALL_BLOCKS = {kind: ((16, 64, 2),) for kind in ("res", "gate_up", "qkv", "head", "plain",
+                                                   "wide")}
+
+
 @pytest.mark.parametrize("skinny", [False, True])
-def test_row_tensors_path_matches_list_path_on_cpu(tiny_model, skinny, monkeypatch):
-    """The tensor form of rows (trash slot for pad rows, flat KV index, masked attention)
-    computes what the list form computes, in fp32 on the CPU. skinny: decode windows through
-    the skinny kernels with the norms and SiLU folded in (blocks small enough for the tiny
-    model; under TRITON_INTERPRET=1 they run, else the test would not tell)."""
+def test_triton_kernels_compute_what_their_fallbacks_compute_on_cpu(tiny_model, skinny,
+                                                                    monkeypatch):
+    """The model with the Triton kernels (RMSNorm, RoPE + KV write, attention, SiLU; with
+    skinny, decode windows through the skinny kernels with the norms and SiLU folded in, at
+    blocks small enough for the tiny model) computes what it computes with their plain-torch
+    fallbacks, in fp32 on the CPU: under TRITON_INTERPRET=1, else there is nothing to tell."""
+    if not KernelPolicy.for_device("cpu").triton:
+        pytest.skip("the Triton kernels run on the CPU under TRITON_INTERPRET=1")
+    triton = KernelPolicy(triton=True)
     if skinny:
-        if not fused._use_triton(torch.zeros(1)):
-            pytest.skip("the skinny kernels run on CUDA or under TRITON_INTERPRET=1")
-        monkeypatch.setattr(fused, "SKINNY_MIN_BYTES", 0)
-        monkeypatch.setattr(fused, "_BLOCKS", {kind: [(16, 64, 2)] for kind in fused._BLOCKS})
+        triton = KernelPolicy(triton=True, skinny_min_bytes=0, blocks=SMALL_BLOCKS)
         from strata.kernels import skinny_triton
         calls = []
         for name in ("gate_up_silu", "skinny_mm"):
@@ -92,19 +98,19 @@ def test_row_tensors_path_matches_list_path_on_cpu(tiny_model, skinny, monkeypat
             monkeypatch.setattr(skinny_triton, name, lambda *a, _k=kernel, _n=name, **kw:
                                 calls.append(_n) or _k(*a, **kw))
     file = ModelFile(tiny_model)
-    lists = StageModel(file, 0, 4, ctx=CTX)
-    tensors = StageModel(file, 0, 4, ctx=CTX, row_tensors=True)
-    a, b = _cache(lists, 3), _cache(tensors, 3)
-    assert b.trash == 3 and b.k[0].shape[0] == 4 and a.trash is None
+    ref = StageModel(file, 0, 4, ctx=CTX, policy=KernelPolicy(triton=False))
+    got = StageModel(file, 0, 4, ctx=CTX, policy=triton)
+    a, b = _cache(ref, 3), _cache(got, 3)
+    assert b.trash == 3 and b.k[0].shape[0] == 4
     for slot, n in [(0, 40), (2, 70)]:
         tokens = _prompt(n, slot, file.config.vocab)
-        torch.testing.assert_close(_read_prompt(tensors, b, slot, tokens),
-                                   _read_prompt(lists, a, slot, tokens), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_read_prompt(got, b, slot, tokens),
+                                   _read_prompt(ref, a, slot, tokens), rtol=1e-5, atol=1e-5)
     rows = [(0, 40, 5), (2, 70, 9)]
-    torch.testing.assert_close(_run(tensors, b, rows, WINDOW)[:2], _run(lists, a, rows, WINDOW)[:2],
+    torch.testing.assert_close(_run(got, b, rows, WINDOW)[:2], _run(ref, a, rows, WINDOW)[:2],
                                rtol=1e-5, atol=1e-5)
     for x, y in zip(a.k + a.v, b.k + b.v):
-        torch.testing.assert_close(x, y[:3], rtol=1e-5, atol=1e-5)  # slot 1 untouched in both
+        torch.testing.assert_close(x[:3], y[:3], rtol=1e-5, atol=1e-5)  # slot 1 untouched
         assert x[1].abs().sum() == 0 and y[1].abs().sum() == 0
     if skinny:   # the decode window's 4 layers took the folded kernels, the chunks did not
         assert calls.count("gate_up_silu") == 4 and calls.count("skinny_mm") == 12
@@ -204,13 +210,13 @@ def gpu_model(request, tiny_model):
         pytest.skip("needs a CUDA device")
     path = tiny_model if request.param == "tiny" else request.getfixturevalue("smol_shape")
     file = ModelFile(path)
-    saved = fused.SKINNY_MIN_BYTES
+    policy = KernelPolicy.for_device("cuda:0")
     if request.param == "smol-skinny":
-        fused.SKINNY_MIN_BYTES = 0
-        assert all(fused.skinny_blocks(n, k, kind) for n, k, kind in (
+        policy = dataclasses.replace(policy, skinny_min_bytes=0)
+        assert all(policy.skinny_blocks(n, k, kind) for n, k, kind in (
             (960, 576, "qkv"), (576, 576, "res"), (3072, 576, "gate_up"), (576, 1536, "res")))
-    yield file, StageModel(file, 0, file.config.n_layers, ctx=CTX, device="cuda:0")
-    fused.SKINNY_MIN_BYTES = saved
+    return file, StageModel(file, 0, file.config.n_layers, ctx=CTX, device="cuda:0",
+                            policy=policy)
 
 
 @pytest.mark.gpu
@@ -220,7 +226,7 @@ def test_gpu_model_is_bf16_and_close_to_fp32_cpu(tiny_model):
     file = ModelFile(tiny_model)
     cpu = StageModel(file, 0, 4, ctx=CTX)
     dev = StageModel(file, 0, 4, ctx=CTX, device="cuda:0")
-    assert dev.dtype == torch.bfloat16 and dev.row_tensors and dev.layers[0].wqkv.is_cuda
+    assert dev.dtype == torch.bfloat16 and dev.policy.triton and dev.layers[0].wqkv.is_cuda
     tokens = _prompt(70, 1, file.config.vocab)
     ref = _read_prompt(cpu, _cache(cpu, 1), 0, tokens)
     got = _read_prompt(dev, _cache(dev, 1), 0, tokens).float().cpu()
@@ -286,24 +292,24 @@ def test_graph_replay_equals_eager_on_gpu(gpu_model, capacity):
                 for a in range(0, len(pr), CHUNK):
                     chunk = [(s, p, pr[p]) for p in range(a, min(a + CHUNK, len(pr)))]
                     chunk += [(-1, 0, 0)] * (CHUNK - len(chunk))
-                    runner.layers(torch.tensor([t for *_, t in chunk]),
-                                  Rows([c[0] for c in chunk], [c[1] for c in chunk]))
+                    runner.run(torch.tensor([t for *_, t in chunk]),
+                               Rows([c[0] for c in chunk], [c[1] for c in chunk]))
         for step in range(6):
             rows = [(s, len(prompts[s]) + step, (7 * s + step) % vocab) for s in range(4)]
             rows += [(-1, 0, 0)] * (WINDOW - len(rows))
             out = []
             for runner in (eager, graphed):
-                h = runner.layers(torch.tensor([t for *_, t in rows]),
-                                  Rows([r[0] for r in rows], [r[1] for r in rows])).clone()
+                h, head = runner.run(torch.tensor([t for *_, t in rows]),
+                                     Rows([r[0] for r in rows], [r[1] for r in rows]),
+                                     sample_rows=[0, 1, 2, 3])
                 logits, argmax = runner.logits(h[:4])
-                out.append((h, logits.clone(), argmax.clone()))
+                out.append((h.clone(), logits.clone(), argmax.clone(),
+                            head.logits[head.rows].clone(), head.argmax[head.rows].clone()))
             for x, y in zip(*out):
                 assert torch.equal(x, y), step
-            # a decode window's graph ran the head of all its rows (pad rows too): a live
-            # row's logits are the same bits as through a block of sampled rows
-            assert eager.window_head is None and graphed.window_head is not None
-            assert torch.equal(graphed.window_head[0][:4], out[0][1])
-            assert torch.equal(graphed.window_head[1][:4], out[0][2])
+            # the eager head ran blocks of the sampled rows; a decode window's graph ran the
+            # head of all its rows (pad rows too): a live row's logits are the same bits
+            assert torch.equal(out[0][3], out[0][1]) and torch.equal(out[0][4], out[0][2])
     for x, y in zip(eager.cache.k + eager.cache.v, graphed.cache.k + graphed.cache.v):
         assert torch.equal(x[:4], y[:4])
     assert graphed.captures >= 2 and len(graphed.graphs) <= capacity

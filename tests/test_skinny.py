@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels import fused
+from strata.kernels.policy import KernelPolicy
 from conftest import triton_devices
 
 BLOCKS = {"block_n": 32, "block_k": 64, "stages": 2, "warps": 4}  # small shapes for the interpreter
@@ -21,6 +22,10 @@ def _call(f, *args, **kwargs):
         if "0-dimensional" in str(e):
             pytest.skip(f"triton's interpreter fails with this numpy: {e}")
         raise
+
+
+def _interpreting() -> bool:
+    return KernelPolicy.for_device("cpu").triton
 
 
 def _skinny():
@@ -43,7 +48,7 @@ def test_skinny_matches_reference_and_rows_are_independent(device, residual):
         if "0-dimensional" in str(e):
             pytest.skip(f"triton's interpreter fails with this numpy: {e}")
         raise
-    want = sk.skinny_mm_torch(x, w, res)
+    want = fused.skinny_mm_torch(x, w, res)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     # row 2 beside other rows, alone (1 row) and in a full window of 16: the same bits
@@ -57,7 +62,7 @@ def test_skinny_matches_reference_and_rows_are_independent(device, residual):
 
 def test_skinny_refuses_what_its_blocks_do_not_fit():
     sk = _skinny()
-    assert sk.BLOCK_M == fused.SKINNY_MAX_ROWS
+    assert sk.BLOCK_M == KernelPolicy(triton=True).skinny_max_rows
     w, x = torch.zeros(96, 256), torch.zeros(17, 256)
     with pytest.raises(ValueError, match="do not fit blocks"):
         sk.skinny_mm(x, w, **BLOCKS)            # 17 rows
@@ -67,21 +72,21 @@ def test_skinny_refuses_what_its_blocks_do_not_fit():
 
 def test_linear_rows_picks_by_shape_and_keeps_cublas_off_cuda():
     # llama3-8b's projections take the skinny kernels; SmolLM2's (small) stay on cuBLAS
-    assert fused.skinny_blocks(6144, 4096, "qkv")["block_n"] == 64
-    assert fused.skinny_blocks(28672, 4096, "gate_up")["block_k"] == 64   # 64 gate + 64 up
-    assert fused.skinny_blocks(28672, 4096)["block_n"] == 128             # plain, unfolded
-    assert fused.skinny_blocks(4096, 14336, "res")["block_k"] == 256
-    assert fused.skinny_blocks(128256, 4096, "head")["block_n"] == 128   # llama3's head
-    assert fused.skinny_blocks(960, 576, "qkv") is None
-    assert fused.skinny_blocks(4100, 14336, "res") is None   # no block divides 4100
-    # on a CPU (no interpreter) the tensor path is unchanged: linear and addmm, bit for bit
+    blocks = KernelPolicy(triton=True).skinny_blocks
+    assert blocks(6144, 4096, "qkv")["block_n"] == 64
+    assert blocks(28672, 4096, "gate_up")["block_k"] == 64   # 64 gate + 64 up
+    assert blocks(28672, 4096)["block_n"] == 128             # plain, unfolded
+    assert blocks(4096, 14336, "res")["block_k"] == 256
+    assert blocks(128256, 4096, "head")["block_n"] == 128   # llama3's head
+    assert blocks(960, 576, "qkv") is None
+    assert blocks(4100, 14336, "res") is None   # no block divides 4100
+    # without the Triton kernels the projections are linear and addmm, bit for bit
     g = torch.Generator().manual_seed(4)
     x, w, res = torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g), \
         torch.randn(8, 32, generator=g)
-    if fused._use_triton(x):
-        pytest.skip("TRITON_INTERPRET=1: the CPU runs the Triton kernels")
-    assert torch.equal(fused.linear_rows(x, w), F.linear(x, w))
-    assert torch.equal(fused.linear_rows(x, w, res), torch.addmm(res, x, w.t()))
+    torch_only = KernelPolicy(triton=False, skinny_min_bytes=0)
+    assert torch.equal(fused.linear_rows(x, w, policy=torch_only), F.linear(x, w))
+    assert torch.equal(fused.linear_rows(x, w, res, torch_only), torch.addmm(res, x, w.t()))
 
 
 def _cases(device):
@@ -103,8 +108,9 @@ def test_norm_folded_into_the_product(device):
     norm = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
     res = torch.randn(8, n, generator=g).to(device, dtype)
     got = _call(sk.skinny_mm, x, w, res, norm, 1e-5, **BLOCKS)
-    torch.testing.assert_close(got, sk.skinny_mm_torch(x, w, res, norm, 1e-5), atol=tol, rtol=tol)
-    unfolded = sk.skinny_mm_torch(fused.rms_norm_rows_torch(x, norm, 1e-5), w, res)
+    want = fused.skinny_mm_torch(x, w, res, norm, 1e-5)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    unfolded = fused.skinny_mm_torch(fused.rms_norm_rows_torch(x, norm, 1e-5), w, res)
     torch.testing.assert_close(got, unfolded, atol=2 * tol, rtol=2 * tol)
     other = torch.randn(16, k, generator=g).to(device, dtype)
     other[9] = x[4]
@@ -126,9 +132,9 @@ def test_gate_up_silu(device, with_norm):
     norm = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype) if with_norm else None
     got = _call(sk.gate_up_silu, x, w, norm, 1e-5, **BLOCKS)
     assert got.shape == (8, f)
-    torch.testing.assert_close(got, sk.gate_up_silu_torch(x, w, norm, 1e-5), atol=tol, rtol=tol)
+    torch.testing.assert_close(got, fused.gate_up_silu_torch(x, w, norm, 1e-5), atol=tol, rtol=tol)
     if norm is None:   # the fold is silu_mul of the plain product
-        want = fused.silu_mul_torch(sk.skinny_mm_torch(x, w))
+        want = fused.silu_mul_torch(fused.skinny_mm_torch(x, w))
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     other = torch.randn(16, k, generator=g).to(device, dtype)
     other[0] = x[6]
@@ -137,17 +143,19 @@ def test_gate_up_silu(device, with_norm):
 
 
 def test_folded_dispatch_falls_back_to_the_kernels_apart():
-    """Off CUDA (no interpreter), and for small weights, norm_linear_rows and
+    """Without the Triton kernels, and for small weights, norm_linear_rows and
     norm_gate_up_silu are rms_norm_rows then the projection (then silu_mul), bit for bit."""
-    if fused._use_triton(torch.zeros(1)):
-        pytest.skip("TRITON_INTERPRET=1: the CPU runs the Triton kernels")
     g = torch.Generator().manual_seed(9)
     x, norm = torch.randn(3, 128, generator=g), 1 + 0.1 * torch.randn(128, generator=g)
     w, wg = torch.randn(96, 128, generator=g), torch.randn(64, 128, generator=g)
-    h = fused.rms_norm_rows(x, norm, 1e-5)
-    assert torch.equal(fused.norm_linear_rows(x, norm, 1e-5, w), fused.linear_rows(h, w))
-    assert torch.equal(fused.norm_gate_up_silu(x, norm, 1e-5, wg),
-                       fused.silu_mul(fused.linear_rows(h, wg)))
+    for policy in (KernelPolicy(triton=False, skinny_min_bytes=0), KernelPolicy(triton=True)):
+        if policy.triton and not _interpreting():
+            continue   # the Triton kernels need CUDA or the interpreter
+        h = fused.rms_norm_rows(x, norm, 1e-5, policy)
+        assert torch.equal(fused.norm_linear_rows(x, norm, 1e-5, w, policy),
+                           fused.linear_rows(h, w, policy=policy))
+        assert torch.equal(fused.norm_gate_up_silu(x, norm, 1e-5, wg, policy),
+                           fused.silu_mul(fused.linear_rows(h, wg, policy=policy), policy))
 
 
 @pytest.mark.parametrize("device", triton_devices())
@@ -162,7 +170,7 @@ def test_head_logits_in_fp32_with_the_final_norm(device):
     norm = (1 + 0.1 * torch.randn(128, generator=g)).to(device, dtype)
     got = _call(sk.skinny_mm, x, w, None, norm, 1e-5, out_dtype=torch.float32, **BLOCKS)
     assert got.dtype == torch.float32
-    want = sk.skinny_mm_torch(x, w, None, norm, 1e-5, out_dtype=torch.float32)
+    want = fused.skinny_mm_torch(x, w, None, norm, 1e-5, out_dtype=torch.float32)
     torch.testing.assert_close(got, want, atol=tol / 10, rtol=tol / 10)
     alone = sk.skinny_mm(x[6:7], w, None, norm, 1e-5, out_dtype=torch.float32, **BLOCKS)
     assert torch.equal(alone[0], got[6])

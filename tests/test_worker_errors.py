@@ -1,6 +1,8 @@
-"""One stage worker driven with raw ZeroMQ: every malformed or impossible message gets an Error
-with a sentence, the worker keeps serving, a refused window changes nothing, and a Shutdown
-ends it with exit code 0."""
+"""A stage worker's refusals: every malformed or impossible message gets an Error with a
+sentence, the worker keeps serving, a refused window changes nothing. The cases drive a
+StageWorker in this process through its sockets, one message a step; one case runs a real
+`strata-worker` process that answers an Error, goes on, and ends with exit code 0 on a
+Shutdown; one checks that strata-worker takes the model names strata-launch takes."""
 from __future__ import annotations
 
 import shutil
@@ -12,10 +14,14 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 import zmq
+from click.testing import CliRunner
 
 from strata.protocol import transport
 from strata.protocol.messages import Error, Hello, Result, Shutdown, Window
+from strata.stage_worker.main import main as worker_main
+from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 CTX = 64     # --ctx-size of the worker
 VOCAB = 320  # the tiny model's vocabulary
@@ -103,52 +109,83 @@ def assert_sentence(msg, *words: str, window: int | None = None) -> None:
 
 PROMPT = [72, 101, 108, 108]  # 4 tokens at positions 0..3 of slot 0
 
+BAD = [  # (frames, words the sentence must hold, window id of the Error)
+    ([b"\xc1\xc1 not msgpack"], ["malformed", "not msgpack"], -1),
+    ([bytes(range(256))], ["malformed"], -1),
+    (header([1, 2, 3]), ["malformed", "type"], -1),
+    (header({"type": "Bogus", "id": 3}), ["unknown message type", "Bogus"], -1),
+    (header({"type": "Window", "id": 4, "slots": [0], "positions": [4]}),
+     ["Window lacks field", "tokens"], -1),
+    (header({"type": "Window", "id": 5, "slots": [0], "positions": "4", "tokens": [1]}),
+     ["positions", "list[int]"], -1),
+    (header({"type": "Window", "id": 6, "slots": [0, 0], "positions": [4], "tokens": [1]}),
+     ["differ in length"], -1),
+    (header({**msgpack.unpackb(window(7, [0], [4], [1], sample=[0])[0]), "sample_rows": [1]}),
+     ["sampled row", "out of range"], -1),
+    (header({"type": "Window", "id": 8, "slots": [0], "positions": [4], "tokens": [1],
+             "tensors": [["float32", [2]]]}), ["1 tensors but 0 frames"], -1),
+    (transport.pack(Hello(1, 0, 0, 4, "cpu", "x", 1, 1, CTX)), ["does not accept Hello"], -1),
+    (window(22, [], [], []), ["window 22 has no rows"], 22),
+    (window(9, [1], [0], [1]), ["slot 1 does not exist"], 9),
+    (window(10, [0], [CTX], [1]), [f"position {CTX}", "outside the context"], 10),
+    (window(11, [0], [-2], [1]), ["position -2", "outside the context"], 11),
+    (window(12, [0], [9], [1]), ["slot 0 holds 4 positions", "position 9", "gap"], 12),
+    (window(13, [0], [4], [VOCAB]), [f"token {VOCAB}", "outside the vocabulary"], 13),
+    (window(14, [0], [4], [-1]), ["token -1", "outside the vocabulary"], 14),
+    (window(15, [0], [4], [1], commits=[(0, CTX + 1)]), ["commit", "out of range"], 15),
+    (window(16, [0], [4], [1], commits=[(2, 0)]), ["commit", "out of range"], 16),
+    (header({**msgpack.unpackb(window(17, [0], [4], [1])[0]), "commits": [[0]]}),
+     ["commit", "[0]"], 17),
+    # A refused window must change nothing: this one would trim slot 0 to 1 position.
+    (window(18, [0], [5], [1], commits=[(0, 1)]), ["slot 0 holds 1 positions", "gap"], 18),
+]
 
-def test_worker_refuses_bad_messages_and_keeps_serving(stage):
-    hello = stage.recv(timeout=STARTUP_S)
-    assert isinstance(hello, Hello)
-    assert (hello.stage, hello.layer_start, hello.layer_end) == (0, 0, 4)
-    assert (hello.pid, hello.slots, hello.ctx) == (stage.proc.pid, 1, CTX)
 
+class InProcess:
+    """A StageWorker of the tiny model's 4 layers (stage 0 and last) in this process, with the
+    two sockets a coordinator would hold; ask() sends frames and runs one step."""
+
+    def __init__(self, worker: StageWorker, inbox: zmq.Socket, out: zmq.Socket):
+        self.worker, self.inbox, self.out = worker, inbox, out
+
+    def ask(self, frames: list):
+        self.out.send_multipart(frames)
+        with torch.inference_mode():
+            assert self.worker.step()
+        assert self.inbox.poll(5000), "the worker answered nothing"
+        return transport.recv(self.inbox)[0]
+
+
+@pytest.fixture
+def in_process(tiny_model):
+    run = Path(tempfile.mkdtemp(prefix="strata-w-"))  # short: ipc paths are limited
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(f"ipc://{run}/inbox")
+    worker = StageWorker(WorkerConfig(model=str(tiny_model), stage=0, layer_start=0,
+                                      layer_end=4, listen=f"ipc://{run}/s0",
+                                      coordinator=f"ipc://{run}/inbox", next=None, ctx=CTX))
+    out = ctx.socket(zmq.PUSH)
+    out.connect(f"ipc://{run}/s0")
+    try:
+        yield InProcess(worker, inbox, out)
+    finally:
+        worker.close()
+        inbox.close(linger=0)
+        out.close(linger=0)
+        ctx.term()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_worker_refuses_bad_messages_and_keeps_serving(in_process):
+    stage = in_process
     # A reference: the greedy token after the prompt, from a fresh slot.
     ref = stage.ask(window(1, [0] * 4, range(4), PROMPT, commits=[(0, 0)], sample=[3]))
     assert isinstance(ref, Result) and ref.id == 1 and len(ref.tokens) == 1, ref
     assert 0 <= ref.tokens[0] < VOCAB
 
-    bad = [  # (frames, words the sentence must hold, window id of the Error)
-        ([b"\xc1\xc1 not msgpack"], ["malformed", "not msgpack"], -1),
-        ([bytes(range(256))], ["malformed"], -1),
-        (header([1, 2, 3]), ["malformed", "type"], -1),
-        (header({"type": "Bogus", "id": 3}), ["unknown message type", "Bogus"], -1),
-        (header({"type": "Window", "id": 4, "slots": [0], "positions": [4]}),
-         ["Window lacks field", "tokens"], -1),
-        (header({"type": "Window", "id": 5, "slots": [0], "positions": "4", "tokens": [1]}),
-         ["positions", "list[int]"], -1),
-        (header({"type": "Window", "id": 6, "slots": [0, 0], "positions": [4], "tokens": [1]}),
-         ["differ in length"], -1),
-        (header({**msgpack.unpackb(window(7, [0], [4], [1], sample=[0])[0]), "sample_rows": [1]}),
-         ["sampled row", "out of range"], -1),
-        (header({"type": "Window", "id": 8, "slots": [0], "positions": [4], "tokens": [1],
-                 "tensors": [["float32", [2]]]}), ["1 tensors but 0 frames"], -1),
-        (transport.pack(Hello(1, 0, 0, 4, "cpu", "x", 1, 1, CTX)), ["does not accept Hello"], -1),
-        (window(22, [], [], []), ["window 22 has no rows"], 22),
-        (window(9, [1], [0], [1]), ["slot 1 does not exist"], 9),
-        (window(10, [0], [CTX], [1]), [f"position {CTX}", "outside the context"], 10),
-        (window(11, [0], [-2], [1]), ["position -2", "outside the context"], 11),
-        (window(12, [0], [9], [1]), ["slot 0 holds 4 positions", "position 9", "gap"], 12),
-        (window(13, [0], [4], [VOCAB]), [f"token {VOCAB}", "outside the vocabulary"], 13),
-        (window(14, [0], [4], [-1]), ["token -1", "outside the vocabulary"], 14),
-        (window(15, [0], [4], [1], commits=[(0, CTX + 1)]), ["commit", "out of range"], 15),
-        (window(16, [0], [4], [1], commits=[(2, 0)]), ["commit", "out of range"], 16),
-        (header({**msgpack.unpackb(window(17, [0], [4], [1])[0]), "commits": [[0]]}),
-         ["commit", "[0]"], 17),
-        # A refused window must change nothing: this one would trim slot 0 to 1 position.
-        (window(18, [0], [5], [1], commits=[(0, 1)]), ["slot 0 holds 1 positions", "gap"], 18),
-    ]
-    for frames, words, window_id in bad:
-        reply = stage.ask(frames)
-        assert_sentence(reply, *words, window=window_id)
-        assert stage.proc.poll() is None, stage.log_text()
+    for frames, words, window_id in BAD:
+        assert_sentence(stage.ask(frames), *words, window=window_id)
 
     # A window of pad rows only (one that carries commits, say) computes and samples nothing;
     # a pad row's token is not looked up (out of the vocabulary here), nor does it need to be.
@@ -161,6 +198,32 @@ def test_worker_refuses_bad_messages_and_keeps_serving(stage):
     again = stage.ask(window(21, [0] * 4, range(4), PROMPT, commits=[(0, 0)], sample=[3]))
     assert isinstance(again, Result) and again.tokens == ref.tokens, (again, ref)
 
+    stage.out.send_multipart(transport.pack(Shutdown("test over")))
+    with torch.inference_mode():
+        assert not stage.worker.step()
+
+
+def test_worker_process_answers_an_error_and_goes_on(stage):
+    """A real strata-worker: a refused window gets an Error, the next window its Result, and a
+    Shutdown ends the process with exit code 0."""
+    hello = stage.recv(timeout=STARTUP_S)
+    assert isinstance(hello, Hello)
+    assert (hello.stage, hello.layer_start, hello.layer_end) == (0, 0, 4)
+    assert (hello.pid, hello.slots, hello.ctx) == (stage.proc.pid, 1, CTX)
+    assert_sentence(stage.ask(window(9, [1], [0], [1])), "slot 1 does not exist", window=9)
+    assert_sentence(stage.ask([b"\xc1\xc1 not msgpack"]), "malformed", window=-1)
+    ok = stage.ask(window(1, [0] * 4, range(4), PROMPT, commits=[(0, 0)], sample=[3]))
+    assert isinstance(ok, Result) and ok.id == 1 and len(ok.tokens) == 1, ok
     stage.send_frames(transport.pack(Shutdown("test over")))
     assert stage.proc.wait(timeout=20) == 0, stage.log_text()
     assert "shutting down (test over)" in stage.log_text()
+
+
+def test_worker_takes_the_registry_model_names(smollm2, tmp_path):
+    """strata-worker --model smollm2-135m opens the embedded model, as strata-launch does: a
+    layer range past its 30 layers is then refused with the model's own count."""
+    result = CliRunner().invoke(worker_main, [
+        "--model", "smollm2-135m", "--stage", "0", "--layers", "0:99",
+        "--listen", f"ipc://{tmp_path}/s0", "--coordinator", f"ipc://{tmp_path}/inbox"])
+    assert result.exit_code == 2, result.output
+    assert "exceeds the model's 30 layers" in result.output, result.output

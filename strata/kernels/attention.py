@@ -8,9 +8,10 @@ own matrix product in a batched matmul. Rows with the same L share one batched c
 batch count varies with the window, the per-element shape never does.
 """
 import math
-import os
 
 import torch
+
+from strata.kernels.policy import KernelPolicy
 
 SPAN = 64  # key positions are read in multiples of this
 
@@ -49,41 +50,44 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slot: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+                slot: torch.Tensor, length: torch.Tensor,
+                policy: KernelPolicy | None = None) -> torch.Tensor:
     """The same attention with the rows given as tensors (no host sync, graph-capturable):
     slot [R] int64, length [R] int64 = position + 1 (0 for a pad row, whose output is zero).
-    On CUDA (or under TRITON_INTERPRET=1) the fixed-order Triton kernel of attention_triton.py;
-    elsewhere a masked plain-torch version, for tests of the tensor path on a CPU."""
-    if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    With the policy's Triton kernels, the fixed-order kernel of attention_triton.py;
+    otherwise `attend` (plain torch, key spans of the rows' own positions)."""
+    if _triton(policy, q):
         from strata.kernels.attention_triton import attend_rows_triton
         return attend_rows_triton(q, k_cache, v_cache, slot, length)
-    return attend_rows_masked(q, k_cache, v_cache, slot, length)
+    return attend_row_tensors(q, k_cache, v_cache, slot, length)
 
 
 def attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+                 slot: torch.Tensor, length: torch.Tensor,
+                 policy: KernelPolicy | None = None) -> torch.Tensor:
     """attend_rows for the rows of a prompt chunk: every live row (length > 0) belongs to the
-    same slot; pad rows (length 0) may carry any slot and give zeros. On CUDA (or under
-    TRITON_INTERPRET=1) the blocked Triton kernel of attention_chunk_triton.py, which reads each
-    key tile once for a block of rows and keeps every row's bits independent of the others;
-    elsewhere attend_rows_masked (plain torch)."""
-    if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    same slot; pad rows (length 0) may carry any slot and give zeros. With the policy's Triton
+    kernels, the blocked kernel of attention_chunk_triton.py, which reads each key tile once
+    for a block of rows and keeps every row's bits independent of the others; otherwise
+    `attend` (plain torch), as for any window."""
+    if _triton(policy, q):
         from strata.kernels.attention_chunk_triton import attend_chunk_triton
         return attend_chunk_triton(q, k_cache, v_cache, slot, length)
-    return attend_rows_masked(q, k_cache, v_cache, slot, length)
+    return attend_row_tensors(q, k_cache, v_cache, slot, length)
 
 
-def attend_rows_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def attend_row_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-    """attend_rows over the whole context with positions >= length masked (plain torch)."""
-    n_rows, n_heads, hd = q.shape
-    n_kv, ctx = k_cache.shape[1], k_cache.shape[2]
-    qg = q.view(n_rows, n_kv, n_heads // n_kv, hd)                      # [R, KVH, g, hd]
-    scores = torch.matmul(qg, k_cache[slot].transpose(-1, -2)).float() / math.sqrt(hd)
-    masked = torch.arange(ctx, device=q.device)[None, :] >= length[:, None]   # [R, ctx]
-    scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)  # pad rows: all masked
-    return torch.matmul(probs, v_cache[slot]).view(n_rows, n_heads, hd)
+    """`attend` on rows given as tensors (a host sync: the torch fallback is never graphed).
+    Reading only each row's span of keys, not the whole context, keeps a CPU decode step's
+    attention proportional to the positions held."""
+    lengths = length.tolist()
+    slots = [s if n > 0 else -1 for s, n in zip(slot.tolist(), lengths)]
+    return attend(q, k_cache, v_cache, slots, [max(n - 1, 0) for n in lengths])
+
+
+def _triton(policy: KernelPolicy | None, q: torch.Tensor) -> bool:
+    return (policy if policy is not None else KernelPolicy.for_device(q.device)).triton
 
 
 def attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -18,18 +18,14 @@ graph (each node costs ~1-2 us). These fuse what plain torch runs as many small 
 
 Every program handles one row (and head) and reduces in a fixed order, so results never depend
 on the other rows of a window. Off CUDA (and without TRITON_INTERPRET=1) the torch versions
-run, so the tensor path can be tested on a CPU.
+run: the same path computes on every device (kernels/policy.py says which runs where).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+from strata.kernels.policy import KernelPolicy
 
 
 # --- plain-torch references -----------------------------------------------------------------
@@ -64,11 +60,38 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
-# --- dispatch --------------------------------------------------------------------------------
+def normed_product(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
+                   eps: float = 0.0) -> torch.Tensor:
+    """fp32 [M, N]: x @ w^T, with the norm folded in as the skinny kernels fold it."""
+    if norm is None:
+        return x.float() @ w.float().t()
+    xf = x.float()
+    scaled = (xf * norm.float()).to(x.dtype).float()
+    return (scaled @ w.float().t()) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
-def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def skinny_mm_torch(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
+                    norm: torch.Tensor | None = None, eps: float = 0.0,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """skinny_triton.skinny_mm's arithmetic in fp32, one rounding per output."""
+    out = normed_product(x, w, norm, eps)
+    if res is not None:
+        out += res.float()
+    return out.to(out_dtype or x.dtype)
+
+
+def gate_up_silu_torch(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
+                       eps: float = 0.0) -> torch.Tensor:
+    """skinny_triton.gate_up_silu's arithmetic: the projection rounded, then silu_mul."""
+    return silu_mul_torch(normed_product(x, w, norm, eps).to(x.dtype))
+
+
+# --- dispatch: the Triton kernels where the policy runs them, else the references ----------
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  policy: KernelPolicy | None = None) -> torch.Tensor:
     """x: [R, D] -> [R, D]: x * rsqrt(mean(x^2) + eps), rounded to x's dtype, times weight."""
-    if not _use_triton(x):
+    if not _policy(policy, x).triton:
         return rms_norm_rows_torch(x, weight, eps)
     from strata.kernels import fused_triton
     return fused_triton.rms_norm_rows(x, weight, eps)
@@ -76,102 +99,67 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
                   pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  n_heads: int) -> torch.Tensor:
-    if not _use_triton(qkv):
+                  n_heads: int, policy: KernelPolicy | None = None) -> torch.Tensor:
+    if not _policy(policy, qkv).triton:
         return rope_write_kv_torch(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads)
     from strata.kernels import fused_triton
     return fused_triton.rope_write_kv(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads)
 
 
-SKINNY_MIN_BYTES = 16 << 20  # smaller weights (SmolLM2's) are launch-bound: cuBLAS there
-SKINNY_MAX_ROWS = 16         # skinny_triton.BLOCK_M: decode windows; prompt chunks use cuBLAS
-# The projections whose norm (and SiLU) the skinny kernels fold in. A benchmark's knob:
-# tools/gpu/bench_fold.py times each choice side by side; the model always runs all three.
-FOLD = {"qkv", "gate_up", "head"}
-
-# (block_n, block_k, stages) by projection, the first that divides the shape; measured on an
-# H200 at the llama3-8b shapes (docs/BENCHMARKS.md). gate_up's block_n counts output columns,
-# each with a gate and an up row. "plain" and "wide" serve linear_rows without a residual
-# (the projections apart, as bench_fold.py times them).
-_BLOCKS = {"res": [(32, 256, 5), (32, 128, 5), (32, 64, 5)],         # o and down + residual
-           "gate_up": [(64, 64, 4), (32, 64, 4)],
-           "qkv": [(64, 256, 4), (64, 128, 5), (32, 64, 5)],   # norm folded in
-           "head": [(128, 128, 3), (64, 128, 4), (64, 64, 4)],   # final norm, fp32 logits
-           "plain": [(64, 128, 5), (64, 64, 5), (32, 64, 5)],
-           "wide": [(128, 128, 3), (64, 128, 3), (64, 64, 3)]}  # plain, n >= 4k
-
-
-def skinny_blocks(n: int, k: int, kind: str = "plain") -> dict | None:
-    """The skinny kernels' blocks for a weight [n, k] used as `kind` ("res", "gate_up", "qkv",
-    "head" or "plain", which is "wide" for n >= 4k), or None where cuBLAS stays: a small
-    weight, or one the blocks do not divide.
-    Depends on the shape only, so a shape always runs the same arithmetic."""
-    if n * k * 2 < SKINNY_MIN_BYTES:
-        return None
-    cols = n // 2 if kind == "gate_up" else n
-    if kind == "plain" and n >= 4 * k:
-        kind = "wide"
-    for bn, bk, stages in _BLOCKS[kind]:
-        if cols % bn == 0 and k % bk == 0:
-            return {"block_n": bn, "block_k": bk, "stages": stages, "warps": 4}
-    return None
-
-
-def _skinny(x: torch.Tensor, w: torch.Tensor, kind: str) -> dict | None:
-    """Blocks if the window takes the skinny kernels (a decode window, a large weight, CUDA
-    or the interpreter): fixed by (R <= 16, w's shape, device), never by the rows' values, so
-    a row's bits do not depend on its window."""
-    if x.shape[0] > SKINNY_MAX_ROWS or not _use_triton(x):
-        return None
-    return skinny_blocks(*w.shape, kind)
-
-
-def linear_rows(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None) -> torch.Tensor:
+def linear_rows(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
+                policy: KernelPolicy | None = None) -> torch.Tensor:
     """x: [R, K], w: [N, K] -> x @ w^T (+ res) [R, N]: the skinny kernel, else cuBLAS (addmm /
     linear)."""
-    blocks = _skinny(x, w, "plain" if res is None else "res")
+    blocks = _policy(policy, x).skinny(x, w, "plain" if res is None else "res")
     if blocks is None:
         return F.linear(x, w) if res is None else torch.addmm(res, x, w.t())
     from strata.kernels.skinny_triton import skinny_mm
     return skinny_mm(x, w, res, **blocks)
 
 
-def norm_linear_rows(x: torch.Tensor, norm: torch.Tensor, eps: float,
-                     w: torch.Tensor) -> torch.Tensor:
+def norm_linear_rows(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor,
+                     policy: KernelPolicy | None = None) -> torch.Tensor:
     """rms_norm_rows, then x @ w^T: one skinny kernel with the norm folded in for a decode
     window of a large model (the qkv projection), else those two."""
-    blocks = _skinny(x, w, "qkv") if "qkv" in FOLD else None
+    policy = _policy(policy, x)
+    blocks = policy.skinny(x, w, "qkv")
     if blocks is not None:
         from strata.kernels.skinny_triton import skinny_mm
         return skinny_mm(x, w, norm=norm, eps=eps, **blocks)
-    return linear_rows(rms_norm_rows(x, norm, eps), w)
+    return linear_rows(rms_norm_rows(x, norm, eps, policy), w, policy=policy)
 
 
-def norm_head_rows(x: torch.Tensor, norm: torch.Tensor, eps: float,
-                   w: torch.Tensor) -> torch.Tensor | None:
+def norm_head_rows(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor,
+                   policy: KernelPolicy | None = None) -> torch.Tensor | None:
     """fp32 logits rmsnorm(x) @ w^T of a block of rows, by the skinny kernel with the norm
     folded in where it takes them (a large head on CUDA), else None: the caller's cuBLAS."""
-    blocks = _skinny(x, w, "head") if "head" in FOLD else None
+    blocks = _policy(policy, x).skinny(x, w, "head")
     if blocks is None:
         return None
     from strata.kernels.skinny_triton import skinny_mm
     return skinny_mm(x, w, norm=norm, eps=eps, out_dtype=torch.float32, **blocks)
 
 
-def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float,
-                      w: torch.Tensor) -> torch.Tensor:
+def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor,
+                      policy: KernelPolicy | None = None) -> torch.Tensor:
     """rms_norm_rows, the [gate; up] projection and silu_mul: one skinny kernel for a decode
     window of a large model (skinny_triton.gate_up_silu), else those three."""
-    blocks = _skinny(x, w, "gate_up") if "gate_up" in FOLD else None
+    policy = _policy(policy, x)
+    blocks = policy.skinny(x, w, "gate_up")
     if blocks is not None:
         from strata.kernels.skinny_triton import gate_up_silu
         return gate_up_silu(x, w, norm, eps, **blocks)
-    return silu_mul(linear_rows(rms_norm_rows(x, norm, eps), w))
+    return silu_mul(linear_rows(rms_norm_rows(x, norm, eps, policy), w, policy=policy), policy)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, policy: KernelPolicy | None = None) -> torch.Tensor:
     """gate_up: [R, 2F] = [gate | up] -> [R, F]: silu(gate) * up in fp32, rounded once."""
-    if not _use_triton(gate_up):
+    if not _policy(policy, gate_up).triton:
         return silu_mul_torch(gate_up)
     from strata.kernels import fused_triton
     return fused_triton.silu_mul(gate_up)
+
+
+def _policy(policy: KernelPolicy | None, x: torch.Tensor) -> KernelPolicy:
+    """The caller's policy, or the default one of x's device (callers outside a model)."""
+    return policy if policy is not None else KernelPolicy.for_device(x.device)

@@ -1,4 +1,5 @@
-"""The projections of a decode window (a few rows, large weights) as Triton kernels.
+"""The projections of a decode window (a few rows, large weights) as Triton kernels (their
+plain-torch references: kernels/fused.py).
 
     skinny_mm     out = x @ w^T (+ res), or rmsnorm(x) @ w^T: the o and down projections
                   with the residual added in the epilogue (as addmm, without addmm's copy of
@@ -150,30 +151,3 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = N
         x.stride(0), w.stride(0), out.stride(0), NORM=norm is not None, BLOCK_M=BLOCK_M,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
     return out
-
-
-# --- plain-torch references: the kernels' arithmetic in fp32, one rounding per output --------
-
-def normed_product(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
-                   eps: float = 0.0) -> torch.Tensor:
-    """fp32 [M, N]: x @ w^T, with the norm folded in as the kernels fold it."""
-    if norm is None:
-        return x.float() @ w.float().t()
-    xf = x.float()
-    scaled = (xf * norm.float()).to(x.dtype).float()
-    return (scaled @ w.float().t()) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def skinny_mm_torch(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
-                    norm: torch.Tensor | None = None, eps: float = 0.0,
-                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    out = normed_product(x, w, norm, eps)
-    if res is not None:
-        out += res.float()
-    return out.to(out_dtype or x.dtype)
-
-
-def gate_up_silu_torch(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
-                       eps: float = 0.0) -> torch.Tensor:
-    from strata.kernels.fused import silu_mul_torch
-    return silu_mul_torch(normed_product(x, w, norm, eps).to(x.dtype))

@@ -41,8 +41,8 @@ from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile
 from strata.model.registry import DEFAULT_MODEL, resolve_model
 from strata.protocol import transport
-from strata.stage_worker.graphs import WindowRunner
 from strata.stage_worker.model import KVCache, Rows, StageModel
+from strata.stage_worker.runner import WindowRunner
 
 GREEDY = SamplingParams()
 
@@ -120,7 +120,7 @@ def step_times(file: ModelFile, devices: list[str], rows: int, lives: list[int],
         is_last, caches = model.last, {}
         for mode, capacity in (("eager", 0), ("graph", 8)) if cuda else (("eager", 0),):
             cache = KVCache(len(model.layers), rows, cfg, context + 64, model.device,
-                            model.dtype, trash_slot=model.row_tensors)
+                            model.dtype)
             for t in cache.k + cache.v:  # keys [0, context) of every slot hold something
                 t[:, :, :context].normal_(generator=g)
             caches[mode] = WindowRunner(model, cache, capacity)
@@ -132,10 +132,12 @@ def step_times(file: ModelFile, devices: list[str], rows: int, lives: list[int],
             for mode, runner in caches.items():
                 def window_step():
                     with torch.inference_mode():
-                        h = runner.layers(inputs, window)
-                        if is_last:   # as the worker samples: the window's head, or blocks
-                            (runner.window_head or runner.logits(h[:live]))[1].tolist()
-                        else:
+                        # as the worker samples: the window's head, or blocks
+                        h, head = runner.run(inputs, window,
+                                             sample_rows=list(range(live)) if is_last else [])
+                        if head is not None:
+                            head.argmax.tolist()
+                        elif not is_last:
                             transport.tensor_frame(h)
 
                 for _ in range(5):

@@ -7,6 +7,7 @@ import sys
 import click
 
 from strata.model.gguf_file import ModelError
+from strata.model.registry import DEFAULT_MODEL, resolve_model
 from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 
@@ -19,7 +20,8 @@ def parse_layers(text: str) -> tuple[int, int]:
 
 
 @click.command()
-@click.option("--model", required=True, help="Path of the GGUF file.")
+@click.option("--model", required=True,
+              help=f"A model name ({DEFAULT_MODEL}) or the path of a GGUF file.")
 @click.option("--stage", type=int, required=True, help="This stage's index.")
 @click.option("--layers", required=True, help="Layer range START:END (END exclusive).")
 @click.option("--listen", required=True,
@@ -56,7 +58,8 @@ def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_si
     if os.environ.get("STRATA_FAULT") == f"crash-at-start:{stage}":
         raise RuntimeError(f"stage {stage}: crash at start requested by STRATA_FAULT")
     try:
-        cfg = WorkerConfig(model=model, stage=stage, layer_start=start, layer_end=end,
+        path = resolve_model(model, say=lambda s: click.echo(f"strata-worker: {s}", err=True))
+        cfg = WorkerConfig(model=str(path), stage=stage, layer_start=start, layer_end=end,
                            listen=listen, coordinator=coordinator, next=next_, device=device,
                            slots=slots, ctx=ctx_size, graph_cache=graph_cache,
                            link=link, link_init=link_init, link_world=link_world,

@@ -7,9 +7,10 @@ bench_fold.py MODEL START:END (part 2); bench_fold.py head (part 3)
    gate_up_silu; each checked against its reference and for row independence, timed in a
    CUDA graph with the weights rotating past L2 (bench_kernels.timed).
 2. Layers START:END of MODEL as a stage replays an 8-row decode window, each projection's
-   fold on or off (fused.FOLD).
+   fold on or off (a KernelPolicy's fold).
 3. The head (128256 x 4096): final norm and fp32 logits by cuBLAS against the skinny kernel.
 """
+import dataclasses
 import itertools
 import sys
 
@@ -19,9 +20,10 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import HBM, timed  # noqa: E402
 
 from strata.kernels import fused, skinny_triton as sk  # noqa: E402
+from strata.kernels.policy import KernelPolicy  # noqa: E402
 from strata.model.gguf_file import ModelFile  # noqa: E402
-from strata.stage_worker.graphs import WindowRunner  # noqa: E402
 from strata.stage_worker.model import KVCache, Rows, StageModel  # noqa: E402
+from strata.stage_worker.runner import WindowRunner  # noqa: E402
 
 D, FFN, H, KV, HD = 4096, 14336, 32, 8, 128
 bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -39,10 +41,10 @@ def kernels():
 
     ws = _weights((H + 2 * KV) * HD, D, g)
     n = len(ws)
-    plain = fused.skinny_blocks(*ws[0].shape)
+    plain = KernelPolicy(triton=True).skinny_blocks(*ws[0].shape)
     rows = [("apart: norm, skinny", timed(lambda i: sk.skinny_mm(
         fused.rms_norm_rows(x, norm, 1e-5), ws[i % n], **plain)))]
-    ref = sk.skinny_mm_torch(x, ws[0], None, norm, 1e-5)
+    ref = fused.skinny_mm_torch(x, ws[0], None, norm, 1e-5)
     for bn, bk, st in itertools.product((32, 64), (64, 128, 256), (4, 5)):
         b = dict(block_n=bn, block_k=bk, stages=st)
         try:
@@ -58,10 +60,10 @@ def kernels():
 
     ws = _weights(2 * FFN, D, g)
     n = len(ws)
-    wide = fused.skinny_blocks(*ws[0].shape)
+    wide = KernelPolicy(triton=True).skinny_blocks(*ws[0].shape)
     rows = [("apart: norm, skinny, silu", timed(lambda i: fused.silu_mul(
         sk.skinny_mm(fused.rms_norm_rows(x, norm, 1e-5), ws[i % n], **wide))))]
-    ref = sk.gate_up_silu_torch(x, ws[0], norm, 1e-5)
+    ref = fused.gate_up_silu_torch(x, ws[0], norm, 1e-5)
     for bn, bk, st in itertools.product((32, 64), (64, 128), (3, 4, 5)):
         b = dict(block_n=bn, block_k=bk, stages=st)
         try:
@@ -87,7 +89,7 @@ def head():
     n = len(ws)
     rows = [("apart: norm, cublas mm fp32 out", timed(lambda i: torch.mm(
         rms_norm(x, norm, 1e-5), ws[i % n].t(), out_dtype=torch.float32), n=8))]
-    ref = sk.skinny_mm_torch(x, ws[0], None, norm, 1e-5, out_dtype=torch.float32)
+    ref = fused.skinny_mm_torch(x, ws[0], None, norm, 1e-5, out_dtype=torch.float32)
     for bn, bk, st in ((128, 128, 3), (64, 128, 4), (64, 128, 5), (64, 256, 4), (128, 64, 4),
                        (64, 64, 4), (32, 256, 5)):
         b = dict(block_n=bn, block_k=bk, stages=st, out_dtype=torch.float32)
@@ -113,7 +115,8 @@ def _table(name, w, rows):
 
 def stage(path, span):
     start, end = (int(x) for x in span.split(":"))
-    model = StageModel(ModelFile(path), start, end, ctx=512, device="cuda:0")
+    file = ModelFile(path)
+    model = StageModel(file, start, end, ctx=512, device="cuda:0")
     cfg = model.cfg
     inputs = (torch.randint(0, cfg.vocab, (8,)) if model.first
               else torch.randn(8, cfg.d_model).to(model.dtype))
@@ -123,14 +126,13 @@ def stage(path, span):
           f"HBM limit {weights / HBM * 1e3:.3f} ms")
     base = None
     for fold in (set(), {"gate_up"}, {"qkv"}, {"qkv", "gate_up"}, {"qkv", "gate_up", "head"}):
-        fused.FOLD = fold
-        cache = KVCache(len(model.layers), 8, cfg, 512, model.device, model.dtype,
-                        trash_slot=True)
+        policy = dataclasses.replace(model.policy, fold=frozenset(fold))
+        model = StageModel(file, start, end, ctx=512, device="cuda:0", policy=policy)
+        cache = KVCache(len(model.layers), 8, cfg, 512, model.device, model.dtype)
         runner = WindowRunner(model, cache, 8)
         with torch.inference_mode():
-            out = runner.layers(inputs, rows).clone()
-            graph = runner.graphs[("layers+head" if runner.window_head is not None
-                                   else "layers", 8)].graph
+            out = runner.run(inputs, rows)[0].clone()
+            graph = runner.graphs[("layers+head" if model.last else "layers", 8)].graph
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(3):
                 graph.replay()
@@ -143,7 +145,6 @@ def stage(path, span):
         err = (out.float() - base.float()).norm() / base.float().norm()
         print(f"  {a.elapsed_time(b) / 40:.3f} ms  folded {sorted(fold) or 'none'} "
               f"(hidden vs apart: relative {err:.2g})")
-    fused.FOLD = {"qkv", "gate_up", "head"}
 
 
 if __name__ == "__main__":

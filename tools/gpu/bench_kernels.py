@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels import attention_triton as at
-from strata.kernels.skinny_triton import skinny_mm, skinny_mm_torch
+from strata.kernels.fused import skinny_mm_torch
+from strata.kernels.skinny_triton import skinny_mm
 
 HBM = 4.25e12
 D, FFN, H, KV, HD = 4096, 14336, 32, 8, 128

@@ -8,19 +8,19 @@ from statistics import median
 import torch
 
 from strata.model.gguf_file import ModelFile
-from strata.stage_worker.graphs import WindowRunner
 from strata.stage_worker.model import KVCache, Rows, RowTensors, StageModel
+from strata.stage_worker.runner import WindowRunner
 
 
 def main(path):
     torch.cuda.set_device(0)
     model = StageModel(ModelFile(path), 0, 2, ctx=512, device="cuda:0")
-    cache = KVCache(2, 8, model.cfg, 512, model.device, model.dtype, trash_slot=True)
+    cache = KVCache(2, 8, model.cfg, 512, model.device, model.dtype)
     runner = WindowRunner(model, cache, 8)
     tokens = [5] + [0] * 7
     rows = Rows([0] + [-1] * 7, [100] + [0] * 7)
     with torch.inference_mode():
-        runner.layers(torch.tensor(tokens), rows)
+        runner.run(torch.tensor(tokens), rows)
         cap = next(iter(runner.graphs.values()))
         static, stage = cap.inputs[0], cap.staging[0]
         plain = torch.empty_like(stage, pin_memory=False)
@@ -36,8 +36,8 @@ def main(path):
         for _ in range(300):
             torch.cuda.synchronize()
             time.sleep(0.0005)
-            timed("whole runner.layers (to the replay's return)",
-                  lambda: runner.layers(torch.tensor(tokens), rows))
+            timed("whole runner.run (to the replay's return)",
+                  lambda: runner.run(torch.tensor(tokens), rows))
             torch.cuda.synchronize()
             time.sleep(0.0005)
             packed = timed("RowTensors.pack with tokens",

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from strata.model.gguf_file import ModelFile
-from strata.stage_worker.graphs import WindowRunner
 from strata.stage_worker.model import KVCache, Rows, StageModel
+from strata.stage_worker.runner import WindowRunner
 
 HBM = 4.25e12
 
@@ -34,24 +34,24 @@ def main():
     cfg = file.config
     torch.cuda.set_device(0)
     model = StageModel(file, start, end, ctx=512, device="cuda:0")
-    cache = KVCache(len(model.layers), 8, cfg, 512, model.device, model.dtype, trash_slot=True)
+    cache = KVCache(len(model.layers), 8, cfg, 512, model.device, model.dtype)
     rows = Rows(list(range(8)), [256] * 8)
     inputs = (torch.randint(0, cfg.vocab, (8,)) if model.first
               else torch.randn(8, cfg.d_model).to(model.dtype))
     eager, graphed = WindowRunner(model, cache, 0), WindowRunner(model, cache, 8)
     with torch.inference_mode():
         for _ in range(3):
-            eager.layers(inputs, rows)
+            eager.run(inputs, rows)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
-                eager.layers(inputs, rows)
+                eager.run(inputs, rows)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
                                         max_name_column_width=70))
         total = sum(e.device_time_total for e in prof.key_averages()) / 10
         print(f"sum of kernel times per window: {total / 1e3:.3f} ms")
-        graphed.layers(inputs, rows)
+        graphed.run(inputs, rows)
         graph = next(iter(graphed.graphs.values())).graph
         print(f"graph replay per window: {timed(graph.replay, 50) / 1e3:.3f} ms")
 

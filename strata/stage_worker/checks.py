@@ -1,0 +1,72 @@
+"""The checks a window passes before a stage changes anything: a refused window gets a
+sentence (RowError) and leaves the KV cache as it was."""
+from __future__ import annotations
+
+import numpy as np
+
+from strata.model.gguf_file import ModelConfig
+from strata.protocol.messages import Window
+from strata.stage_worker.config import WorkerConfig
+
+ACTIVATION_DTYPES = ("float32", "uint16")  # fp32 from CPU stages, bf16 bits from CUDA stages
+
+
+class RowError(ValueError):
+    """A window whose rows this stage cannot run (the coordinator gets the sentence)."""
+
+
+def check_window(w: Window, tensors: list[np.ndarray], cfg: WorkerConfig, model: ModelConfig,
+                 first: bool, filled: list[int]) -> None:
+    """Raises RowError unless stage `cfg` (its model's first stage or not; slot s holding
+    positions [0, filled[s])) can run window w with these activation frames."""
+    _check_rows(w, cfg, model, first)
+    _check_activations(w, tensors, cfg, model, first)
+    _check_gaps(w, filled)
+
+
+def _check_rows(w: Window, c: WorkerConfig, model: ModelConfig, first: bool) -> None:
+    if not w.slots:
+        raise RowError(f"window {w.id} has no rows; send at least one (pad rows have slot -1)")
+    for s, p, t in zip(w.slots, w.positions, w.tokens):
+        if s >= c.slots:
+            raise RowError(f"window {w.id}: slot {s} does not exist (this stage has {c.slots})")
+        if s >= 0 and not 0 <= p < c.ctx:
+            raise RowError(f"window {w.id}: position {p} is outside the context of {c.ctx}")
+        if s >= 0 and first and not 0 <= t < model.vocab:
+            raise RowError(f"window {w.id}: token {t} is outside the vocabulary")
+    if w.chunk and len({s for s in w.slots if s >= 0}) > 1:
+        raise RowError(f"window {w.id} is marked as a prompt chunk but holds rows of several "
+                       f"slots; a chunk reads one slot's prompt")
+    for commit in w.commits:
+        if len(commit) != 2:
+            raise RowError(f"window {w.id}: commit {commit} is not a [slot, length] pair")
+        slot, length = commit
+        if not (0 <= slot < c.slots and 0 <= length <= c.ctx):
+            raise RowError(f"window {w.id}: commit ({slot}, {length}) is out of range")
+
+
+def _check_activations(w: Window, tensors: list[np.ndarray], c: WorkerConfig,
+                       model: ModelConfig, first: bool) -> None:
+    if c.link != "zmq" and tensors:
+        raise RowError(f"window {w.id}: {len(tensors)} tensor frame(s) came, but this stage "
+                       f"takes activations over its {c.link} link")
+    if not first and c.link == "zmq":
+        if len(tensors) != 1 or tensors[0].shape != (len(w.slots), model.d_model):
+            raise RowError(f"window {w.id}: expected activations of shape "
+                           f"({len(w.slots)}, {model.d_model})")
+        if str(tensors[0].dtype) not in ACTIVATION_DTYPES:
+            raise RowError(f"window {w.id}: activations of dtype {tensors[0].dtype}; send "
+                           f"float32 or bf16 bits as uint16")
+
+
+def _check_gaps(w: Window, filled: list[int]) -> None:
+    """Rows may extend a slot only without leaving a gap (after the window's commits)."""
+    reach = list(filled)
+    for slot, length in w.commits:
+        reach[slot] = min(reach[slot], length)
+    for s, p in zip(w.slots, w.positions):
+        if s >= 0:
+            if p > reach[s]:
+                raise RowError(f"window {w.id}: slot {s} holds {reach[s]} positions, so "
+                               f"position {p} would leave a gap")
+            reach[s] = max(reach[s], p + 1)
