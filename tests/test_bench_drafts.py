@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata.launch.bench", "drafts", *args],
+    return subprocess.run([sys.executable, "-m", "strata.bench", "drafts", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 

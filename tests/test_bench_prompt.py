@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from strata.launch.promptbench import model_flops
+from strata.bench.promptbench import model_flops
 from strata.model.gguf_file import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata.launch.bench", "prompt", *args],
+    return subprocess.run([sys.executable, "-m", "strata.bench", "prompt", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from strata.launch.sweep import parse_clients, parse_modes
+from strata.bench.sweep import parse_clients, parse_modes
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata.launch.bench", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "strata.bench", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import sys
 
-from strata.launch.harness import first_mismatch, prompt_set
+from strata.bench.harness import first_mismatch, prompt_set
 
 BENCH = (shutil.which("strata-bench", path=os.path.dirname(sys.executable))
          or shutil.which("strata-bench"))

@@ -19,6 +19,7 @@ from strata.model.tokenizer import Tokenizer
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="strata", prog_name="strata-launch")
 @launch_options
 @click.option("--prompt", default=None, help="The prompt text. Without it, serve HTTP.")
 @click.option("--chat", is_flag=True, help="Render the prompt as one user message with the "
