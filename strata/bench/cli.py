@@ -165,19 +165,25 @@ def throughput(batches, clients, tokens, json_out, **launch):
 
 
 @main.command()
-@launch_options
+@launch_options(skip=("--draft-tokens",))
+@click.option("--draft-tokens", type=int, default=None,
+              help="Draft tokens a slot may verify in the drafts arm (prompt lookup), 1 or more "
+                   "[default: --window-rows - 1]; the plain arm has none.")
 @click.option("--clients", type=int, default=1, show_default=True)
 @click.option("--tokens", type=int, default=128, show_default=True, help="Tokens per client.")
 @click.option("--repeats", type=int, default=2, show_default=True,
               help="Rounds; each runs both arms, alternating; the best of each is kept.")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @clean_errors("strata-bench drafts")
-def drafts(clients, tokens, repeats, json_out, **launch):
-    """Decoding with draft tokens (--draft-tokens, prompt lookup; 0 here means window rows - 1)
-    against without, side by side in one launch: total tok/s, windows, drafts accepted; exit 1
-    if any request's tokens differ between the arms."""
-    prep = prepare(**launch)
-    k = prep.sched.draft_tokens or prep.sched.window_rows - 1
+def drafts(draft_tokens, clients, tokens, repeats, json_out, **launch):
+    """Decoding with draft tokens (prompt lookup) against without, side by side in one launch:
+    total tok/s, windows, drafts accepted; exit 1 if any request's tokens differ between the
+    arms."""
+    if draft_tokens is not None and draft_tokens < 1:
+        raise ValueError(f"--draft-tokens {draft_tokens} leaves the drafts arm without drafts; "
+                         f"give 1 or more, or leave it out for --window-rows - 1")
+    k = launch["window_rows"] - 1 if draft_tokens is None else draft_tokens
+    prep = prepare(**launch, draft_tokens=k)  # SchedulerConfig checks k against the window
     tok = Tokenizer.from_gguf(prep.file.reader)
     arms = {"plain": replace(prep.sched, draft_tokens=0),
             "drafts": replace(prep.sched, draft_tokens=k)}
