@@ -9,7 +9,7 @@ event, so the trace records an anchor event at start and one at close, each sync
 timed on the host, and places every event on the host clock between them (linearly, so the
 GPU clock's drift over a run cancels). On a CPU device, where compute is synchronous, a span
 is host time.
-`strata.launch.tracereport` reads a launch's files and says where a window's time goes.
+`strata.bench.tracereport` reads a launch's files and says where a window's time goes.
 
 Tracing costs two events and a few list appends a window; off (no path), every call returns
 at once.

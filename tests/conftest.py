@@ -79,3 +79,46 @@ def no_stage_left(monkeypatch):
     left = stage_processes(own)
     shutil.rmtree(own, ignore_errors=True)
     assert not left, f"stage processes left behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def _tiny_stages(tiny_model):
+    """One launch of the tiny model: 2 CPU stages, 4 slots, 256 positions, for the session."""
+    from strata.launch.options import prepare
+
+    prep = prepare(model=str(tiny_model), layer_split="2", devices="cpu", ctx_size=256, batch=4,
+                   batch_groups="1", window_rows=8, chunk_rows=32)
+    own = tempfile.mkdtemp(prefix="stb", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tempfile, "tempdir", own)
+        stages = prep.launch(say=lambda s: None)
+        run = stages.__enter__()
+    yield prep, run
+    stages.__exit__(None, None, None)
+    shutil.rmtree(own, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_stages(_tiny_stages, monkeypatch):
+    """Commands run in-process (click's CliRunner) reuse the session's launch of the tiny model
+    wherever they would launch the same stages with no more slots or positions than it has, and
+    no trace; any other launch is their own. Yields the plans that were served by it."""
+    from contextlib import nullcontext
+
+    from strata.launch.options import Prepared
+
+    prep, run = _tiny_stages
+    own_launch = Prepared.launch
+    served = []
+
+    def launch(self, **kwargs):
+        if (self.file.path == prep.file.path and self.plan == prep.plan
+                and self.sched.slots <= run.slots and self.sched.ctx <= run.ctx
+                and (self.link, self.transport) == (prep.link, prep.transport)
+                and not kwargs.get("trace_dir")):
+            served.append(self.plan)
+            return nullcontext(run)
+        return own_launch(self, **kwargs)
+
+    monkeypatch.setattr(Prepared, "launch", launch)
+    yield served

@@ -12,7 +12,7 @@ import pytest
 
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig, auto_groups
-from strata.launch import harness
+from strata.bench import harness
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile

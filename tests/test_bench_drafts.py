@@ -1,25 +1,25 @@
-"""`strata-bench drafts` as a user runs it: both arms give every request the same tokens, the
-windows and drafts add up, and a draft count that leaves no row gets a sentence."""
+"""`strata-bench drafts` as a user runs it (in-process, on the session's launch of the tiny
+model): both arms give every request the same tokens, the windows and drafts add up, and a
+draft count that leaves no row gets a sentence."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from click.testing import CliRunner
 
-
-def bench(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata.launch.bench", "drafts", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+from strata.bench.cli import main
 
 
-def test_drafts_bench_plain_and_drafts(tiny_model, no_stage_left, tmp_path):
+def bench(*args: str):
+    return CliRunner().invoke(main, ["drafts", *args], prog_name="strata-bench")
+
+
+def test_drafts_bench_plain_and_drafts(tiny_model, shared_stages, tmp_path):
     out = bench("--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
                 "--ctx-size", "256", "--clients", "2", "--batch", "2", "--tokens", "24",
                 "--draft-tokens", "3", "--repeats", "1", "--json-out", str(tmp_path / "d.json"))
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.exit_code == 0, (out.output, out.exception)
+    assert len(shared_stages) == 1
     assert "every request has the same tokens" in out.stdout
     report = json.loads((tmp_path / "d.json").read_text())
     rows = {r["arm"]: r for r in report["results"]}
@@ -30,7 +30,7 @@ def test_drafts_bench_plain_and_drafts(tiny_model, no_stage_left, tmp_path):
     assert rows["drafts"]["windows"] <= rows["plain"]["windows"]
 
 
-def test_drafts_need_a_row_for_the_slot(tiny_model, no_stage_left):
+def test_drafts_need_a_row_for_the_slot(tiny_model):
     out = bench("--model", str(tiny_model), "--devices", "cpu", "--draft-tokens", "8")
-    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.exit_code == 2, (out.output, out.exception)
     assert "--draft-tokens 8 must be at least 0 and below --window-rows 8" in out.stderr

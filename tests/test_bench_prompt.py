@@ -1,28 +1,27 @@
-"""`strata-bench prompt` as a user runs it: both arms read the whole prompt, figures add up, and
-a context too small for the prompt gets a sentence."""
+"""`strata-bench prompt` as a user runs it (in-process, on the session's launch of the tiny
+model): both arms read the whole prompt, figures add up, and a context too small for the prompt
+gets a sentence."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-from strata.launch.promptbench import model_flops
+from click.testing import CliRunner
+
+from strata.bench.cli import main
+from strata.bench.promptbench import model_flops
 from strata.model.gguf_file import ModelConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+
+def bench(*args: str):
+    return CliRunner().invoke(main, ["prompt", *args], prog_name="strata-bench")
 
 
-def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata.launch.bench", "prompt", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def test_prompt_bench_serial_and_pipelined(tiny_model, no_stage_left, tmp_path):
+def test_prompt_bench_serial_and_pipelined(tiny_model, shared_stages, tmp_path):
     out = bench("--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
                 "--ctx-size", "256", "--chunk-rows", "16", "--prompt-tokens", "100",
                 "--repeats", "2", "--peak-tflops", "1", "--json-out", str(tmp_path / "p.json"))
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.exit_code == 0, (out.output, out.exception)
+    assert len(shared_stages) == 1
     report = json.loads((tmp_path / "p.json").read_text())
     rows = {r["arm"]: r for r in report["results"]}
     assert rows["serial"]["prompt_depth"] == 1 and rows["pipelined"]["prompt_depth"] == 3
@@ -32,10 +31,10 @@ def test_prompt_bench_serial_and_pipelined(tiny_model, no_stage_left, tmp_path):
     assert rows["serial"]["speedup_vs_serial"] == 1.0
 
 
-def test_prompt_bench_needs_room_for_the_prompt(tiny_model, no_stage_left):
+def test_prompt_bench_needs_room_for_the_prompt(tiny_model):
     out = bench("--model", str(tiny_model), "--devices", "cpu", "--ctx-size", "64",
                 "--prompt-tokens", "100")
-    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.exit_code == 2, (out.output, out.exception)
     assert "--ctx-size 64 cannot hold a prompt of 100 tokens" in out.stderr
 
 

@@ -1,22 +1,22 @@
-"""The coordinator is a library: a hand-written greedy loop drives the stage workers and gets
-the text strata-launch prints. And a stage started by hand (--external-stage) joins a launch."""
+"""The coordinator is a library: examples/custom_coordinator.py starts the stage workers, drives
+them with a greedy loop of its own and prints the text strata-launch prints. And a stage started
+by hand (--external-stage) joins a launch."""
 from __future__ import annotations
 
 import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
-from strata.coordinator.pipeline import Expect, Pipeline
-from strata.coordinator.windows import Row, build_window
-from strata.coordinator.sampling import SamplingParams
-from strata.launch.plan import plan_stages
-from strata.launch.processes import StageProcesses
-from strata.model.gguf_file import ModelFile
-from strata.model.tokenizer import Tokenizer
-
-PROMPT = "The three primary colours are"
-N_TOKENS = 16
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "custom_coordinator.py"
+# more than one prompt window of 32 rows
+PROMPT = ("The three primary colours of light are red, green and blue, which screens mix into "
+          "every other colour. The three primary colours of paint, as painters have learnt them "
+          "for centuries, are")
+N_TOKENS = 12
 
 
 def launch_cli(*args, env=None, **popen) -> subprocess.Popen:
@@ -24,48 +24,28 @@ def launch_cli(*args, env=None, **popen) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env, **popen)
 
 
-def my_greedy_coordinator(model_path, split: str, ctx: int = 128) -> str:
-    """A whole coordinator: start the workers, say hello, read the prompt, decode greedily."""
-    file = ModelFile(model_path)
-    tok = Tokenizer.from_gguf(file.reader)
-    plan = plan_stages(split, ["cpu"], file.config.n_layers)
-    procs = StageProcesses(file.path, plan, slots=1, ctx=ctx)
-    pipe = Pipeline(procs.endpoints.inbox, procs.endpoints.stages[0], procs.check_alive)
-    try:
-        procs.start()
-        pipe.wait_for_hellos([Expect(p.index, p.layer_start, p.layer_end, file.fingerprint(),
-                                     1, ctx) for p in plan])
-        greedy = SamplingParams(seed=0)
-        ids = tok.encode(PROMPT)
-        # the prompt in 32-row chunks; the last row samples the first token
-        rows = [Row(0, p, t) for p, t in enumerate(ids)]
-        rows[-1] = Row(0, len(ids) - 1, ids[-1], greedy)
-        for start in range(0, len(rows), 32):
-            pipe.submit(build_window(pipe.new_window_id(), rows[start:start + 32], 32,
-                                     commits=[(0, 0)] if start == 0 else []))
-            result, _ = pipe.receive(timeout=60)
-        out = [result.tokens[0]]
-        # then one row per 8-row decode window
-        while len(out) < N_TOKENS and out[-1] not in tok.stop_ids:
-            row = Row(0, len(ids) + len(out) - 1, out[-1], greedy)
-            pipe.submit(build_window(pipe.new_window_id(), [row], 8))
-            result, _ = pipe.receive(timeout=60)
-            out.append(result.tokens[0])
-        return tok.decode([t for t in out if t not in tok.stop_ids])
-    finally:
-        pipe.shutdown()
-        procs.stop()
-        pipe.close()
-
-
-def test_hand_written_coordinator_matches_strata_launch(smollm2, no_stage_left):
-    mine = my_greedy_coordinator(smollm2, "15")
-    cli = launch_cli("--model", str(smollm2), "--layer-split", "15", "--ctx-size", "128",
-                     "--prompt", PROMPT, "--max-tokens", str(N_TOKENS))
+def test_example_coordinator_matches_strata_launch(smollm2, no_stage_left):
+    args = ["--model", str(smollm2), "--layer-split", "15", "--devices", "cpu", "--ctx-size", "128",
+            "--prompt", PROMPT, "--max-tokens", str(N_TOKENS)]
+    mine = subprocess.Popen([sys.executable, str(EXAMPLE), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    cli = launch_cli(*args)
     out, err = cli.communicate(timeout=300)
     assert cli.returncode == 0, err
-    assert out.rstrip("\n") == mine
-    assert len(mine) > 10
+    printed, err = mine.communicate(timeout=300)
+    assert mine.returncode == 0, err
+    assert printed == out and len(out.strip()) > 10
+    assert not list(Path(no_stage_left).glob("strata-*"))  # its run directory is removed
+
+
+def test_readme_shows_the_example():
+    """The README's "A coordinator of your own" code is the example's loop, line for line."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## A coordinator of your own"):]
+    start = section.index("```python\n") + len("```python\n")
+    snippet = section[start:section.index("\n```\n", start)]
+    assert textwrap.indent(snippet, "    ") in EXAMPLE.read_text()
+    assert "python examples/custom_coordinator.py" in section
 
 
 def test_external_stage_joins_and_gives_the_same_text(tiny_model, no_stage_left):

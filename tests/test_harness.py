@@ -1,4 +1,5 @@
-"""`strata-bench exact` as a user runs it, and the comparison it rests on."""
+"""`strata-bench exact` as a user runs it (in-process, on the session's launch of the tiny
+model), and the comparison it rests on; `strata-bench peer` through the console script."""
 from __future__ import annotations
 
 import os
@@ -6,7 +7,10 @@ import shutil
 import subprocess
 import sys
 
-from strata.launch.harness import first_mismatch, prompt_set
+from click.testing import CliRunner
+
+from strata.bench.cli import main
+from strata.bench.harness import first_mismatch, prompt_set
 
 BENCH = (shutil.which("strata-bench", path=os.path.dirname(sys.executable))
          or shutil.which("strata-bench"))
@@ -24,23 +28,22 @@ def test_prompt_set_is_distinct():
     assert len(prompts) == 40 and len(set(prompts)) == 40
 
 
-def test_exact_command_on_a_pipelined_batch(tiny_model, no_stage_left):
-    out = subprocess.run([BENCH, "exact", "--model", str(tiny_model), "--layer-split", "2",
-                          "--ctx-size", "256", "--batch", "4", "--batch-groups", "2",
-                          "--requests", "6", "--tokens", "10"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
+def test_exact_command_on_a_pipelined_batch(tiny_model, shared_stages):
+    out = CliRunner().invoke(main, ["exact", "--model", str(tiny_model), "--layer-split", "2",
+                                    "--ctx-size", "256", "--batch", "4", "--batch-groups", "2",
+                                    "--requests", "6", "--tokens", "10"])
+    assert out.exit_code == 0, (out.output, out.exception)
+    assert len(shared_stages) == 1
     lines = out.stdout.splitlines()
     assert sum("same" in line for line in lines) == 12  # 6 requests, greedy and seeded
     assert lines[-1] == "all requests identical"
 
 
 def test_exact_command_refuses_bad_groups(tiny_model):
-    out = subprocess.run([BENCH, "exact", "--model", str(tiny_model), "--batch", "4",
-                          "--batch-groups", "3"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
+    out = CliRunner().invoke(main, ["exact", "--model", str(tiny_model), "--batch", "4",
+                                    "--batch-groups", "3"])
+    assert out.exit_code == 2, (out.output, out.exception)
     assert "--batch-groups 3 does not divide --batch 4" in out.stderr
-    assert "Traceback" not in out.stderr
 
 
 def test_peer_arm_prints_its_rate(smollm2):

@@ -26,9 +26,11 @@ START_S = 90.0  # longest wait for the stages to say hello (a shared 2-core mach
 LONG_CTX = 32768  # generation until the signal: ~30k tokens is minutes even for the tiny model
 
 
-def launch(args: list[str], log_dir: Path, env: dict | None = None, timeout: float = 120.0):
+def launch(args: list[str], log_dir: Path | None, env: dict | None = None,
+           timeout: float = 120.0):
     assert LAUNCH, "strata-launch is not installed"
-    return subprocess.run([LAUNCH, *args, "--log-dir", str(log_dir)], capture_output=True,
+    logs = ["--log-dir", str(log_dir)] if log_dir else []
+    return subprocess.run([LAUNCH, *args, *logs], capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL,
                           env={**os.environ, **(env or {})})
 
@@ -201,6 +203,38 @@ def test_two_stage_run_succeeds_and_shuts_down(tiny_model, tmp_path, no_stage_le
     for stage in (0, 1):  # each stage left by the Shutdown message, not by a signal
         log = (tmp_path / f"stage{stage}.log").read_text()
         assert f"stage {stage}: shutting down (coordinator exit)" in log, log
+
+
+def run_dirs(tmp: str) -> list[Path]:
+    """The run directories strata left in the temporary directory `tmp` (TMPDIR)."""
+    return sorted(Path(tmp).glob("strata-*"))
+
+
+def test_clean_run_leaves_no_run_directory(tiny_model, tmp_path, no_stage_left):
+    """Without --log-dir, a clean run removes its run directory, logs and all; with it, the
+    logs stay where --log-dir asked, and nothing else."""
+    args = ["--model", str(tiny_model), "--layer-split", "2", "--prompt", "hello",
+            "--max-tokens", "4"]
+    r = launch(args, None)
+    assert r.returncode == 0, r.stderr
+    assert run_dirs(no_stage_left) == [], r.stderr
+    r = launch(args, tmp_path / "logs")
+    assert r.returncode == 0, r.stderr
+    assert run_dirs(no_stage_left) == [], r.stderr
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["stage0.log", "stage1.log"]
+    assert "kept" not in r.stderr
+
+
+def test_failed_run_keeps_its_logs_and_says_where(tiny_model, no_stage_left):
+    r = launch(["--model", str(tiny_model), "--layer-split", "2", "--prompt", "hi"], None,
+               env={"STRATA_FAULT": "crash-at-start:1"})
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    (kept,) = run_dirs(no_stage_left)
+    assert f"strata: the stage logs are kept in {kept}" in r.stderr.splitlines(), r.stderr
+    assert f"last lines of {kept / 'stage1.log'}" in r.stderr  # the path the error names
+    assert sorted(p.name for p in kept.iterdir()) == ["stage0.log", "stage1.log"]  # no socket
+    assert "crash at start requested by STRATA_FAULT" in (kept / "stage1.log").read_text()
+    assert_no_traceback(r.stderr)
 
 
 def _sigint_default():

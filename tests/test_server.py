@@ -26,8 +26,8 @@ import pytest
 from conftest import stage_processes
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
-from strata.launch import harness
-from strata.launch.loadtest import ServerProcess
+from strata.bench import harness
+from strata.bench.loadtest import ServerProcess
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile
@@ -304,7 +304,7 @@ def test_disconnect_beside_another_request(tiny):
 
 def test_short_load_test(tiny_model, tmp_path, no_stage_left):
     out = subprocess.run(
-        [sys.executable, "-m", "strata.launch.bench", "loadtest", "--model", str(tiny_model),
+        [sys.executable, "-m", "strata.bench", "loadtest", "--model", str(tiny_model),
          "--layer-split", "2", "--batch", "4", "--batch-groups", "2", "--ctx-size", str(CTX),
          "--clients", "12", "--duration", "6", "--max-tokens", "6", "--log-dir", str(tmp_path),
          "--json-out", str(tmp_path / "load.json")],

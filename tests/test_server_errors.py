@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-from strata.launch.loadtest import ServerProcess
+from strata.bench.loadtest import ServerProcess
 from test_server import CTX, START_S, Serving
 
 KEY = "sekret-key"

@@ -9,7 +9,7 @@ from strata.coordinator.generate import Sequence, generate_solo
 from strata.coordinator.pipeline import WindowFailed
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
-from strata.launch import harness
+from strata.bench import harness
 from strata.launch.plan import PlanError, StagePlan, plan_stages, resolve_link
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from strata.coordinator.scheduler import SchedulerConfig
-from strata.launch import harness, tracereport
+from strata.bench import harness, tracereport
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile

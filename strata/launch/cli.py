@@ -19,6 +19,7 @@ from strata.model.tokenizer import Tokenizer
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="strata", prog_name="strata-launch")
 @launch_options
 @click.option("--prompt", default=None, help="The prompt text. Without it, serve HTTP.")
 @click.option("--chat", is_flag=True, help="Render the prompt as one user message with the "
@@ -33,7 +34,8 @@ from strata.model.tokenizer import Tokenizer
 @click.option("--external-stage", type=int, multiple=True,
               help="Don't spawn stage K: print its strata-worker command and wait for it.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
-              help="Where each stage writes its log (default: a temporary run directory).")
+              help="Where each stage writes its log (default: the temporary run directory, "
+                   "removed after a clean run, kept after a failure and named on stderr).")
 @click.option("-v", "--verbose", is_flag=True, help="Log the coordinator's decisions.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Serving (no --prompt): the address to listen on.")

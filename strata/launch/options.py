@@ -33,8 +33,11 @@ def open_model(model: str, ctx_size: int) -> ModelFile:
     return file
 
 
-def launch_options(f):
-    """Decorator: the shared options, passed to the command as keyword arguments."""
+def launch_options(f=None, *, skip: tuple[str, ...] = ()):
+    """Decorator: the shared options, passed to the command as keyword arguments.
+    `@launch_options(skip=("--draft-tokens",))` leaves out the options a command defines itself."""
+    if f is None:
+        return lambda g: launch_options(g, skip=skip)
     options = [
         click.option("--model", default=DEFAULT_MODEL, show_default=True,
                      help="smollm2-135m (embedded) or the path of a GGUF file."),
@@ -70,8 +73,10 @@ def launch_options(f):
                           "sockets read by the receiver itself (fast), or ZeroMQ ipc (an I/O "
                           "thread per side; stages on other hosts always use ZeroMQ tcp)."),
     ]
+    own = len(getattr(f, "__click_params__", []))  # the command's options, applied before these
     for option in reversed(options):
         f = option(f)
+    f.__click_params__[own:] = [p for p in f.__click_params__[own:] if not set(p.opts) & set(skip)]
     return f
 
 

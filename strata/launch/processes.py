@@ -9,6 +9,7 @@ import ctypes
 import functools
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,12 +58,13 @@ class StageProcesses:
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.graph_cache = graph_cache
         self.link = resolve_link(link or "auto", plan)
+        if transport not in ("unix", "zmq"):
+            raise ValueError(f"--transport {transport!r} is not unix or zmq")
+        # the sockets and the link's meeting file; the stage logs too, unless log_dir is given
         self.run_dir = Path(tempfile.mkdtemp(prefix="strata-"))
         self.log_dir = Path(log_dir) if log_dir else self.run_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.external = set(external)
-        if transport not in ("unix", "zmq"):
-            raise ValueError(f"--transport {transport!r} is not unix or zmq")
         scheme = "unix://" if transport == "unix" else "ipc://"  # unix: protocol/unixsock.py
         self.endpoints = Endpoints(
             inbox=f"{scheme}{self.run_dir}/inbox",
@@ -120,12 +122,15 @@ class StageProcesses:
                 raise PipelineError(f"stage {stage} exited with code {code}; last lines of "
                                     f"{self.log_path(stage)}:\n{quoted}")
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Wait for a graceful exit (after Shutdown was sent), then terminate, then kill."""
+    def stop(self, grace: float = 5.0) -> bool:
+        """Wait for a graceful exit (after Shutdown was sent), then terminate, then kill.
+        False when a stage exited by itself with an error code (a slow one, terminated after
+        the grace period, is not counted: a loaded machine can delay any exit)."""
+        clean = True
         deadline = time.monotonic() + grace
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                clean &= proc.wait(timeout=max(0.0, deadline - time.monotonic())) == 0
             except subprocess.TimeoutExpired:
                 proc.terminate()
         for proc in self.procs.values():
@@ -134,8 +139,15 @@ class StageProcesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        return clean
+
+    def remove_run_dir(self, keep_logs: bool) -> Path | None:
+        """Remove the run directory once every stage has stopped; with keep_logs, keep the stage
+        logs it holds (no --log-dir) and return where they are."""
+        if not keep_logs or self.log_dir != self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return None
         for name in os.listdir(self.run_dir):
             if not name.endswith(".log"):
                 (self.run_dir / name).unlink(missing_ok=True)
-        if self.log_dir != self.run_dir and not os.listdir(self.run_dir):
-            self.run_dir.rmdir()
+        return self.run_dir

@@ -3,6 +3,7 @@ together and torn down together on any failure (a context manager)."""
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
                   link: str | None = None, trace_dir: Path | None = None,
                   transport: str = "unix", say=print) -> Iterator[Launched]:
     """Spawn the stages, wait for every hello, yield; always shut everything down after.
+    log_dir: where each stage writes stage<K>.log; without it the logs live in the run directory,
+    which is removed after a clean run and kept (its path on stderr) after a failure.
     trace_dir: every process writes its timeline there (strata/trace.py) when it stops.
     transport: unix (Unix sockets, protocol/unixsock.py) or zmq (ZeroMQ ipc) between them."""
     procs = StageProcesses(file.path, plan, slots=slots, ctx=ctx, log_dir=log_dir,
@@ -43,6 +46,7 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
                            trace_dir=trace_dir, transport=transport)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     pipe = None
+    outcome = "failed"
     try:
         pipe = Pipeline(procs.endpoints.inbox, procs.endpoints.stages[0], procs.check_alive,
                         trace=trace_dir and Path(trace_dir) / "coordinator.json")
@@ -59,10 +63,18 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
 
         pipe.wait_for_hellos(expected, timeout=None if external else hello_timeout, on_wait=note)
         yield Launched(file, pipe, procs, plan, slots, ctx)
+        outcome = "done"
+    except KeyboardInterrupt:  # Ctrl-C (which the stages get too) or SIGTERM: not a failure
+        outcome = "interrupted"
+        raise
     finally:
         if pipe is not None:
             pipe.shutdown()
-        procs.stop()
+        stopped_cleanly = procs.stop()
         if pipe is not None:
             pipe.close()
         signal.signal(signal.SIGTERM, previous)
+        failed = outcome == "failed" or (outcome == "done" and not stopped_cleanly)
+        kept = procs.remove_run_dir(keep_logs=failed)
+        if kept is not None:
+            print(f"strata: the stage logs are kept in {kept}", file=sys.stderr)

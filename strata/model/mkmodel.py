@@ -463,6 +463,7 @@ def _cli():
     import click
 
     @click.command(name="strata-mkmodel", context_settings={"help_option_names": ["-h", "--help"]})
+    @click.version_option(package_name="strata", prog_name="strata-mkmodel")
     @click.argument("shape_name", metavar="SHAPE")
     @click.argument("out", metavar="OUT.gguf", type=click.Path(dir_okay=False, path_type=Path))
     @click.option("--weight-type", default="BF16", show_default=True,

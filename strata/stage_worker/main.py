@@ -19,7 +19,8 @@ def parse_layers(text: str) -> tuple[int, int]:
     return start, end
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="strata", prog_name="strata-worker")
 @click.option("--model", required=True,
               help=f"A model name ({DEFAULT_MODEL}) or the path of a GGUF file.")
 @click.option("--stage", type=int, required=True, help="This stage's index.")
@@ -46,7 +47,7 @@ def parse_layers(text: str) -> tuple[int, int]:
 @click.option("--link-world", type=int, default=1, show_default=True,
               help="Stages in the link (all stages of the launch; rank = --stage).")
 @click.option("--trace", default="", help="Write a timeline of this stage's windows (host marks, "
-              "GPU spans) to this JSON file on exit; `python -m strata.launch.tracereport` "
+              "GPU spans) to this JSON file on exit; `python -m strata.bench.tracereport` "
               "reads it.")
 def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_size, graph_cache,
          link, link_init, link_world, trace):

@@ -1,4 +1,4 @@
-"""`python -m strata.launch.tracereport DIR`: where a window's time goes, from a launch's traces.
+"""`python -m strata.bench.tracereport DIR`: where a window's time goes, from a launch's traces.
 
 DIR holds what `launch_stages(trace_dir=DIR)` had every process write (strata/trace.py):
 coordinator.json and stage{k}.json. A window's wall time (coordinator: sent to result) splits
@@ -148,7 +148,7 @@ def chrome(trace_dir: Path) -> list[dict]:
     return events
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("trace_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--skip", type=int, default=0, show_default=True,
               help="Leave out the first N windows (warm-up, prompts).")

@@ -20,7 +20,8 @@ import click
 from click.core import ParameterSource
 
 from strata.coordinator.scheduler import SchedulerConfig, auto_groups
-from strata.launch import harness, tracereport
+from strata.bench import harness, tracereport
+from strata.bench.harness import machine
 from strata.launch.options import (Prepared, clean_errors, launch_options, parse_devices_for,
                                    prepare)
 from strata.model.tokenizer import Tokenizer
@@ -181,8 +182,6 @@ def sweep(clients, modes, tokens, json_out, plot_path, trace_dir, **launch):
     """Total tok/s against concurrent clients for 1gpu, serial and pipelined side by side.
     --batch defaults to the largest client count; --batch-groups sets the pipelined mode's
     groups (default: one per stage; more groups than stages cover the hops' latency)."""
-    from strata.launch.bench import machine  # bench registers this command: import at run time
-
     counts, chosen = parse_clients(clients), parse_modes(modes)
     if tokens < 2:
         raise ValueError(f"--tokens {tokens} is below 2: a per-request rate needs two tokens")

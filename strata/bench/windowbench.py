@@ -1,4 +1,4 @@
-"""`python -m strata.launch.windowbench`: the cost of one decode window, in two ways.
+"""`python -m strata.bench.windowbench`: the cost of one decode window, in two ways.
 
   step      in-process, per stage: a window of R rows through the stage's layers (and head on
             the last stage), eager and replayed from a CUDA graph, as the worker runs it
@@ -35,7 +35,7 @@ import torch
 
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.windows import Row, build_window
-from strata.launch import tracereport
+from strata.bench import tracereport
 from strata.launch.plan import parse_devices, plan_stages
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile
@@ -226,7 +226,7 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
     return out
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option("--layouts", default="cuda:0;cuda:0,cuda:1", show_default=True,
               help="Device lists separated by ';', each split evenly (one stage per device).")
@@ -245,7 +245,7 @@ def pipeline_times(file: ModelFile, devices: list[str], rows: int, lives: list[i
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @click.option("--trace-dir", type=click.Path(file_okay=False), default=None,
               help="Keep the pipeline runs' traces here (one folder per layout and graph "
-                   "cache; python -m strata.launch.tracereport reads them).")
+                   "cache; python -m strata.bench.tracereport reads them).")
 @click.option("--transports", default="unix", show_default=True,
               help="Pipeline runs: the transports to compare (unix, zmq), comma-separated.")
 def main(model, layouts, rows, live, context, iters, what, graph_caches, hbm_tbs, json_out,

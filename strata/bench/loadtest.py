@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import click
 
-from strata.launch import harness
+from strata.bench import harness
 from strata.launch.options import clean_errors, launch_options
 
 SERVING = re.compile(r"^strata: serving (\S+) on (http://\S+/v1) ")

@@ -7,11 +7,13 @@
   sweep       total tok/s against concurrent clients: 1gpu, serial, pipelined side by side
   prompt      a long prompt's reading rate: serial vs pipelined chunks, FLOP/s and % of peak
   drafts      decoding with draft tokens against without, side by side; tokens compared
+  peer        the same prompts through HF transformers `generate` (the arm compared with)
+
+`python -m strata.bench` runs the same command.
 """
 from __future__ import annotations
 
 import json
-import platform
 import sys
 import time
 from contextlib import ExitStack
@@ -19,34 +21,30 @@ from dataclasses import replace
 from statistics import mean, median
 
 import click
-import torch
 
 from strata.coordinator.generate import Sequence, generate_solo
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import auto_groups
-from strata.launch import harness
-from strata.launch.loadtest import loadtest
+from strata.bench import harness
+from strata.bench.harness import machine
+from strata.bench.loadtest import loadtest
+from strata.bench.peer import peer
+from strata.bench.promptbench import prompt
+from strata.bench.sweep import sweep
 from strata.launch.options import (clean_errors, launch_options, open_model, parse_devices_for,
                                    prepare)
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
-from strata.launch.promptbench import prompt
-from strata.launch.sweep import sweep
-from strata.model.gguf_file import ModelFile
-from strata.model.registry import DEFAULT_MODEL, resolve_model
+from strata.model.registry import DEFAULT_MODEL
 from strata.model.tokenizer import Tokenizer
 
 BENCH_PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="strata", prog_name="strata-bench")
 def main():
     """Benchmarks and harnesses of strata; each prints its figures."""
-
-
-def machine() -> str:
-    return (f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
-            f"torch {torch.__version__}")
 
 
 @main.command()
@@ -167,19 +165,25 @@ def throughput(batches, clients, tokens, json_out, **launch):
 
 
 @main.command()
-@launch_options
+@launch_options(skip=("--draft-tokens",))
+@click.option("--draft-tokens", type=int, default=None,
+              help="Draft tokens a slot may verify in the drafts arm (prompt lookup), 1 or more "
+                   "[default: --window-rows - 1]; the plain arm has none.")
 @click.option("--clients", type=int, default=1, show_default=True)
 @click.option("--tokens", type=int, default=128, show_default=True, help="Tokens per client.")
 @click.option("--repeats", type=int, default=2, show_default=True,
               help="Rounds; each runs both arms, alternating; the best of each is kept.")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @clean_errors("strata-bench drafts")
-def drafts(clients, tokens, repeats, json_out, **launch):
-    """Decoding with draft tokens (--draft-tokens, prompt lookup; 0 here means window rows - 1)
-    against without, side by side in one launch: total tok/s, windows, drafts accepted; exit 1
-    if any request's tokens differ between the arms."""
-    prep = prepare(**launch)
-    k = prep.sched.draft_tokens or prep.sched.window_rows - 1
+def drafts(draft_tokens, clients, tokens, repeats, json_out, **launch):
+    """Decoding with draft tokens (prompt lookup) against without, side by side in one launch:
+    total tok/s, windows, drafts accepted; exit 1 if any request's tokens differ between the
+    arms."""
+    if draft_tokens is not None and draft_tokens < 1:
+        raise ValueError(f"--draft-tokens {draft_tokens} leaves the drafts arm without drafts; "
+                         f"give 1 or more, or leave it out for --window-rows - 1")
+    k = launch["window_rows"] - 1 if draft_tokens is None else draft_tokens
+    prep = prepare(**launch, draft_tokens=k)  # SchedulerConfig checks k against the window
     tok = Tokenizer.from_gguf(prep.file.reader)
     arms = {"plain": replace(prep.sched, draft_tokens=0),
             "drafts": replace(prep.sched, draft_tokens=k)}
@@ -222,45 +226,7 @@ def drafts(clients, tokens, repeats, json_out, **launch):
 main.add_command(loadtest)
 main.add_command(sweep)
 main.add_command(prompt)
-
-@main.command()
-@click.option("--model", default=DEFAULT_MODEL, show_default=True)
-@click.option("--device", default="cuda:0", show_default=True)
-@click.option("--batch", type=int, default=8, show_default=True)
-@click.option("--tokens", type=int, default=32, show_default=True, help="Tokens per request.")
-@clean_errors("strata-bench peer")
-def peer(model, device, batch, tokens):
-    """The peer arm: HF transformers `generate` (eager; bf16 on CUDA, fp32 on CPU) on one
-    device, with the same model and the harness's prompts at the same batch; prints tok/s."""
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model(model)
-    tok = Tokenizer.from_gguf(ModelFile(path).reader)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    hf = hf.to(device).eval()
-    prompts = [tok.encode(p) for p in harness.prompt_set(batch)]
-    width = max(len(p) for p in prompts)  # left-padded to the longest, as generate expects
-    ids = torch.tensor([[tok.eos_id] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-
-    def run(n: int) -> float:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, pad_token_id=tok.eos_id)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    run(2)  # warm-up
-    seconds = run(tokens)
-    click.echo(f"# HF transformers generate, {path.name}, {dtype}, {device}, {machine()}")
-    click.echo(f"{'batch':>5} {'tokens':>6} {'total tok/s':>11} {'ms/step':>8}")
-    click.echo(f"{batch:>5} {tokens:>6} {batch * tokens / seconds:>11.2f} "
-               f"{1e3 * seconds / tokens:>8.1f}")
+main.add_command(peer)
 
 
 if __name__ == "__main__":

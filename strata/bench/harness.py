@@ -2,6 +2,7 @@
 throughput measurement (concurrent clients), shared by strata-bench and the tests."""
 from __future__ import annotations
 
+import platform
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,13 @@ PROMPTS = [
     "SELECT name, COUNT(*) FROM orders",
     "Dear team, thank you for",
 ]
+
+
+def machine() -> str:
+    """The conditions every benchmark prints beside its figures."""
+    import torch
+    return (f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}")
 
 
 def prompt_set(n: int) -> list[str]:
