@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 from strata.coordinator.engine import Engine, Finished, Job
 from strata.coordinator.sampling import SamplingParams
@@ -50,3 +52,10 @@ def test_the_engine_survives_a_window_that_cannot_be_sent():
     assert engine.failure is None
     assert [s.state for s in engine.snapshot.slots] == ["idle", "idle"]
 
+
+
+def test_the_engine_and_server_import_neither_torch_nor_zmq():
+    code = ("import sys, strata.coordinator.engine, strata.coordinator.server; "
+            "print(sorted({'torch', 'zmq'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -328,3 +328,21 @@ def test_window_over_real_sockets(zmq_context, tmp_path, kind):
     with pytest.raises(ProtocolError, match="not msgpack"):
         transport.recv(pull)
     assert transport.recv(pull) == (Shutdown("done"), [])
+
+
+def test_socket_failures_are_transport_errors(zmq_context, tmp_path):
+    """A socket that fails raises the protocol's TransportError, whichever kind it is."""
+    sockets = transport.Sockets()
+    try:
+        with pytest.raises(transport.TransportError, match="cannot bind"):
+            sockets.pull(f"unix://{tmp_path}/no-such-dir/inbox")
+        with pytest.raises(transport.TransportError, match="cannot connect"):
+            sockets.push("tcp://no host here")
+    finally:
+        sockets.close(linger_ms=0)
+    push = zmq_context.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDTIMEO, 0)   # no peer: a send cannot be queued
+    push.connect(f"ipc://{tmp_path}/nobody")
+    push.close()
+    with pytest.raises(transport.TransportError, match="cannot send a Shutdown"):
+        transport.send(push, Shutdown("x"))
