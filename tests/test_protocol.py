@@ -187,6 +187,15 @@ def test_window_missing_field_and_defaults():
     assert back == Window(id=1, slots=[0], positions=[0], tokens=[5])
 
 
+def test_a_field_this_version_does_not_know_is_ignored():
+    """Room for later per-row extras: a window carrying a field added by a later version
+    decodes as the window without it."""
+    header = encode(_window())
+    header["logprobs"] = [5, 0]   # one per sampled row
+    back, _ = unpack(_raw(header))
+    assert back == _window()
+
+
 @pytest.mark.parametrize("cls_name, field_name, value, words", [
     ("Hello", "slots", "8", ["Hello.slots", "should be int", "got str"]),
     ("Hello", "stage", True, ["Hello.stage", "should be int", "got bool"]),
