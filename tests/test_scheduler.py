@@ -454,5 +454,19 @@ def test_arrivals_cannot_starve_a_decoding_slot():
 
 
 def test_draft_tokens_must_leave_a_row_for_the_slot():
-    with pytest.raises(ValueError, match="--draft-tokens 8 must be"):
+    with pytest.raises(ValueError, match="draft_tokens 8 must be at least 0 and below "
+                                         "window_rows 8"):
         SchedulerConfig(window_rows=8, draft_tokens=8)
+
+
+def test_config_errors_name_fields_and_the_cli_names_its_flags():
+    from strata.launch.options import CHOICES, FLAGS
+    with pytest.raises(ValueError) as e:
+        SchedulerConfig(slots=6, groups=4)
+    assert str(e.value) == "groups 4 does not divide slots 6; use a divisor of 6"
+    assert e.value.render(FLAGS, CHOICES) == ("--batch-groups 4 does not divide --batch 6; use "
+                                              "a divisor of 6 or auto")
+    with pytest.raises(ValueError) as e:
+        SchedulerConfig(chunk_rows=0)
+    assert str(e.value) == "chunk_rows 0 is below 1; use 1 or more"
+    assert e.value.render(FLAGS).startswith("--chunk-rows 0 is below 1")

@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from strata.coordinator.config import SchedulerConfig, auto_groups  # noqa: F401 (re-exported)
 from strata.coordinator.drafts import PromptLookup
 from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
@@ -38,32 +39,6 @@ from strata.coordinator.slots import Slot, SlotTable
 from strata.coordinator.windows import Row, build_window
 
 log = logging.getLogger("strata.scheduler")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    slots: int = 1
-    groups: int = 1
-    window_rows: int = 8
-    chunk_rows: int = 32
-    ctx: int = 2048
-    prompt_depth: int = 1   # prompt chunks of one slot in flight at once (> 1: pipelined)
-    draft_tokens: int = 0   # at most this many draft rows per slot in a decode window (drafts.py)
-
-    def __post_init__(self):
-        if self.slots < 1:
-            raise ValueError(f"--batch {self.slots} is below 1")
-        if self.window_rows < 1 or self.chunk_rows < 1:
-            raise ValueError("--window-rows and --chunk-rows must be at least 1")
-        if self.prompt_depth < 1:
-            raise ValueError(f"prompt depth {self.prompt_depth} is below 1")
-        if not 0 <= self.draft_tokens < self.window_rows:
-            raise ValueError(f"--draft-tokens {self.draft_tokens} must be at least 0 and below "
-                             f"--window-rows {self.window_rows} (a slot's row and its drafts "
-                             f"share one window)")
-        if self.groups < 1 or self.slots % self.groups:
-            raise ValueError(f"--batch-groups {self.groups} does not divide --batch {self.slots}; "
-                             f"use a divisor of {self.slots} or auto")
 
 
 @dataclass
@@ -386,9 +361,4 @@ class Scheduler:
             if slot.request is req:
                 slot.held.clear()  # the stages may hold part of the window: keep nothing
             self._release(slot, req, "error")
-
-
-def auto_groups(slots: int, stages: int) -> int:
-    """One group per stage, or the largest count below that divides the slots."""
-    return max(g for g in range(1, min(slots, stages) + 1) if slots % g == 0)
 
