@@ -268,7 +268,7 @@ def test_a_window_that_cannot_be_sent_ends_only_its_requests(groups, depth):
                        on_done=done.append)
     reqs += [sched.submit(p, params(i + 4), on_done=done.append) for i, p in enumerate(ps[4:])]
     sched.run()
-    assert bad.seq.finish_reason == "error" and "could not send a window" in bad.error
+    assert bad.seq.finish_reason == "error" and "could not send its window" in bad.error
     assert done.count(bad) == 1 and bad.seq.generated == []
     assert [r.seq.generated for r in reqs] == run_alone(ps)
     assert all(r.error is None for r in reqs) and sched.idle

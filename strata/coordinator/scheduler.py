@@ -317,7 +317,7 @@ class Scheduler:
             # nothing reached the stages: the commits ride on the next window, and only the
             # requests of this window end
             self.commits = commits + self.commits
-            self._fail(_Flight(group, owners), f"the coordinator could not send a window "
+            self._fail(_Flight(group, owners), f"the coordinator could not send its window "
                        f"({type(e).__name__}: {e})", landed=False)
             return
         self.in_flight[w.id] = _Flight(group, owners)
