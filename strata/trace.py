@@ -12,7 +12,7 @@ is host time.
 `strata.bench.tracereport` reads a launch's files and says where a window's time goes.
 
 Tracing costs two events and a few list appends a window; off (no path), every call returns
-at once.
+at once. torch is imported only by a trace that times CUDA spans.
 """
 from __future__ import annotations
 
@@ -21,14 +21,11 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 
 class Trace:
     def __init__(self, name: str, path: str | os.PathLike | None, device=None):
         self.name, self.path = name, Path(path) if path else None
-        self.cuda = self.path is not None and device is not None and \
-            torch.device(device).type == "cuda"
+        self.cuda = self.path is not None and device is not None and _on_cuda(device)
         self.marks: list[tuple[int, str, float]] = []
         self.spans: list[tuple[int, str, object, object]] = []
         self._begun: tuple[int, object] | None = None   # the GPU span opened, not yet closed
@@ -58,12 +55,14 @@ class Trace:
     def _now(self):
         if not self.cuda:
             return time.perf_counter()
+        import torch
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def _anchor(self) -> tuple[torch.cuda.Event, float]:
-        """An event and its host time: the middle of record .. synchronize returning."""
+    def _anchor(self) -> tuple[object, float]:
+        """A torch.cuda.Event and its host time: the middle of record .. synchronize returning."""
+        import torch
         torch.cuda.synchronize()
         event = torch.cuda.Event(enable_timing=True)
         before = time.perf_counter()
@@ -89,3 +88,8 @@ class Trace:
             json.dump({"name": self.name, "pid": os.getpid(),
                        "marks": [list(m) for m in self.marks], "spans": spans}, f)
         self.path = None
+
+
+def _on_cuda(device) -> bool:
+    import torch
+    return torch.device(device).type == "cuda"

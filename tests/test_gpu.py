@@ -143,7 +143,7 @@ def test_bf16_frames_round_trip_bit_for_bit():
 
 
 def test_graph_cache_must_not_be_negative():
-    with pytest.raises(ValueError, match="--graph-cache"):
+    with pytest.raises(ValueError, match="graph_cache -1 is below 0"):
         WorkerConfig(model="m", stage=0, layer_start=0, layer_end=1, listen="ipc://a",
                      coordinator="ipc://b", next=None, graph_cache=-1)
 

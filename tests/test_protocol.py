@@ -187,6 +187,15 @@ def test_window_missing_field_and_defaults():
     assert back == Window(id=1, slots=[0], positions=[0], tokens=[5])
 
 
+def test_a_field_this_version_does_not_know_is_ignored():
+    """Room for later per-row extras: a window carrying a field added by a later version
+    decodes as the window without it."""
+    header = encode(_window())
+    header["logprobs"] = [5, 0]   # one per sampled row
+    back, _ = unpack(_raw(header))
+    assert back == _window()
+
+
 @pytest.mark.parametrize("cls_name, field_name, value, words", [
     ("Hello", "slots", "8", ["Hello.slots", "should be int", "got str"]),
     ("Hello", "stage", True, ["Hello.stage", "should be int", "got bool"]),
@@ -328,3 +337,21 @@ def test_window_over_real_sockets(zmq_context, tmp_path, kind):
     with pytest.raises(ProtocolError, match="not msgpack"):
         transport.recv(pull)
     assert transport.recv(pull) == (Shutdown("done"), [])
+
+
+def test_socket_failures_are_transport_errors(zmq_context, tmp_path):
+    """A socket that fails raises the protocol's TransportError, whichever kind it is."""
+    sockets = transport.Sockets()
+    try:
+        with pytest.raises(transport.TransportError, match="cannot bind"):
+            sockets.pull(f"unix://{tmp_path}/no-such-dir/inbox")
+        with pytest.raises(transport.TransportError, match="cannot connect"):
+            sockets.push("tcp://no host here")
+    finally:
+        sockets.close(linger_ms=0)
+    push = zmq_context.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDTIMEO, 0)   # no peer: a send cannot be queued
+    push.connect(f"ipc://{tmp_path}/nobody")
+    push.close()
+    with pytest.raises(transport.TransportError, match="cannot send a Shutdown"):
+        transport.send(push, Shutdown("x"))

@@ -16,6 +16,7 @@ from strata.coordinator.pipeline import WindowFailed
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.protocol.messages import Error, Result
+from strata.protocol.transport import pack, unpack
 
 STOP = 2
 
@@ -34,6 +35,7 @@ class FakePipeline:
         return self.next_id
 
     def submit(self, w) -> None:
+        w, _ = unpack(pack(w))  # what a stage would get: the window as the wire carries it
         self.queue.append(w)
         self.max_in_flight = max(self.max_in_flight, len(self.queue))
 
@@ -249,6 +251,58 @@ def test_a_refused_chunk_after_a_cancel_leaves_no_rows_the_stages_lack():
     assert again.error is None and again.seq.generated == run_alone([prompt])[0]
 
 
+@pytest.mark.parametrize("groups,depth", [(1, 1), (2, 3)])
+def test_a_window_that_cannot_be_sent_ends_only_its_requests(groups, depth):
+    """top_k 2**64 passes SamplingParams but not msgpack: the window sampling its first token
+    fails to encode. That request ends with an error; its slot is free and holds nothing the
+    stages lack; every other request gets its solo tokens."""
+    rng = random.Random(3)
+    ps = prompts(8, rng)
+    bad_prompt = list(range(3, 45))   # several chunks: earlier ones are in flight when it fails
+    pipe = FakePipeline(4, 256)
+    sched = Scheduler(pipe, SchedulerConfig(slots=4, groups=groups, chunk_rows=8, ctx=256,
+                                            prompt_depth=depth), frozenset({STOP}))
+    done = []
+    reqs = [sched.submit(p, params(i), on_done=done.append) for i, p in enumerate(ps[:4])]
+    bad = sched.submit(bad_prompt, SamplingParams(temperature=0.5, top_k=2**64, seed=1),
+                       on_done=done.append)
+    reqs += [sched.submit(p, params(i + 4), on_done=done.append) for i, p in enumerate(ps[4:])]
+    sched.run()
+    assert bad.seq.finish_reason == "error" and "could not send its window" in bad.error
+    assert done.count(bad) == 1 and bad.seq.generated == []
+    assert [r.seq.generated for r in reqs] == run_alone(ps)
+    assert all(r.error is None for r in reqs) and sched.idle
+    for slot in sched.table.slots:
+        assert pipe.kv[slot.index] == slot.held
+    again = sched.submit(bad_prompt, params(1))   # the failed slot's prefix is not trusted
+    sched.run()
+    assert again.seq.generated == run_alone([bad_prompt, bad_prompt])[1]
+
+
+def test_each_scheduler_numbers_its_own_requests():
+    a, b = (Scheduler(FakePipeline(1, 64), SchedulerConfig(slots=1, ctx=64), frozenset({STOP}))
+            for _ in range(2))
+    assert [a.submit([5], params(0)).id for _ in range(2)] == [1, 2]
+    assert b.submit([5], params(0)).id == 1
+
+
+def test_snapshot_says_what_each_slot_does():
+    sched = Scheduler(FakePipeline(2, 64), SchedulerConfig(slots=2, groups=2, chunk_rows=4,
+                                                           ctx=64), frozenset())
+    long, short = sched.submit(list(range(3, 13)), params(0)), sched.submit([5, 6], params(0))
+    sched.step()  # both groups sent a chunk; one result came back
+    snap = sched.snapshot()
+    assert snap.queued == 0 and sum(snap.in_flight) == 1
+    by_request = {s.request: s for s in snap.slots}
+    assert by_request[long.id].state == "reading" and by_request[long.id].prompt_tokens == 10
+    assert by_request[short.id].state in ("reading", "decoding")
+    sched.cancel(long)
+    sched.cancel(short)
+    sched.run()
+    snap = sched.snapshot()
+    assert [s.state for s in snap.slots] == ["idle", "idle"] and not any(snap.in_flight)
+
+
 class RecordingPipeline(FakePipeline):
     """Records each window as it is sent: 'chunk <slot>' or 'decode <live rows>'."""
 
@@ -400,5 +454,19 @@ def test_arrivals_cannot_starve_a_decoding_slot():
 
 
 def test_draft_tokens_must_leave_a_row_for_the_slot():
-    with pytest.raises(ValueError, match="--draft-tokens 8 must be"):
+    with pytest.raises(ValueError, match="draft_tokens 8 must be at least 0 and below "
+                                         "window_rows 8"):
         SchedulerConfig(window_rows=8, draft_tokens=8)
+
+
+def test_config_errors_name_fields_and_the_cli_names_its_flags():
+    from strata.launch.options import CHOICES, FLAGS
+    with pytest.raises(ValueError) as e:
+        SchedulerConfig(slots=6, groups=4)
+    assert str(e.value) == "groups 4 does not divide slots 6; use a divisor of 6"
+    assert e.value.render(FLAGS, CHOICES) == ("--batch-groups 4 does not divide --batch 6; use "
+                                              "a divisor of 6 or auto")
+    with pytest.raises(ValueError) as e:
+        SchedulerConfig(chunk_rows=0)
+    assert str(e.value) == "chunk_rows 0 is below 1; use 1 or more"
+    assert e.value.render(FLAGS).startswith("--chunk-rows 0 is below 1")

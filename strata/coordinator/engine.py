@@ -7,7 +7,9 @@ and the stages.
 Only the engine thread touches the Pipeline (ZeroMQ sockets are not thread-safe). Idle, it
 blocks on its command queue; busy, it takes every waiting command between two results, so a
 new request joins at the next window. After each step it publishes a snapshot of the slots
-for /v1/status, so the event loop never reads the scheduler's live state.
+for /v1/status, so the event loop never reads the scheduler's live state. A window that cannot
+be built or sent ends only the requests in it (the scheduler's doing); the engine stops only
+when the stages cannot go on.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.pipeline import Pipeline, WindowFailed
 from strata.coordinator.sampling import SamplingParams
-from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
+from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig, SlotState
 from strata.protocol.messages import Window
 
 log = logging.getLogger("strata.engine")
@@ -63,6 +65,21 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody listens any more
             pass
+
+
+@dataclass(frozen=True)
+class Submit:
+    job: Job
+
+
+@dataclass(frozen=True)
+class Cancel:
+    job: Job
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
 
 
 @dataclass(frozen=True)
@@ -109,7 +126,11 @@ class _TimedPipe:
 
     def submit(self, w: Window) -> None:
         self.sent[w.id] = (time.perf_counter(), _window_kind(w))
-        self.pipe.submit(w)
+        try:
+            self.pipe.submit(w)
+        except Exception:
+            del self.sent[w.id]
+            raise
 
     def receive(self, timeout: float | None = None):
         try:
@@ -153,18 +174,18 @@ class Engine:
         with self._lock:
             if not self._accepting:
                 raise EngineDown(self.failure or "the server is stopping")
-            self.commands.put(("submit", job))
+            self.commands.put(Submit(job))
 
     def cancel(self, job: Job) -> None:
         """The job ends at its slot's next window; no token of it is delivered after that."""
-        self.commands.put(("cancel", job))
+        self.commands.put(Cancel(job))
 
     def stop(self, wait: bool = True) -> None:
         """Refuse new jobs, cancel every job, let the windows in flight return, end the thread;
         wait: until the thread has ended (or stop_grace has passed)."""
         with self._lock:
             self._accepting = False
-        self.commands.put(("stop", None))
+        self.commands.put(Stop())
         if wait and self._thread.is_alive():
             self._thread.join(self.stop_grace + 2)
 
@@ -177,10 +198,9 @@ class Engine:
     def _run(self) -> None:
         try:
             while True:
-                # idle, with no commits left to carry: sleep until a command comes
-                idle = self.scheduler.idle and not self.scheduler.commits
-                self._take_commands(block=idle and not self._stopping)
-                if self._stopping and self.scheduler.idle and not self.scheduler.commits:
+                # idle (no commits left to carry either): sleep until a command comes
+                self._take_commands(block=self.scheduler.idle and not self._stopping)
+                if self._stopping and self.scheduler.idle:
                     return
                 # stopping, a stage that never answers must not hold the server up for ever
                 self.scheduler.step(timeout=self.stop_grace if self._stopping else None)
@@ -197,24 +217,26 @@ class Engine:
                 self._end(job, Finished("error", list(job.request.seq.generated), "", reason,
                                         down=True))
             while not self.commands.empty():
-                kind, job = self.commands.get_nowait()
-                if kind == "submit":
-                    self._end(job, Finished("error", [], "", reason, down=True))
+                command = self.commands.get_nowait()
+                if isinstance(command, Submit):
+                    self._end(command.job, Finished("error", [], "", reason, down=True))
             self._publish()
 
     def _take_commands(self, block: bool) -> None:
         while True:
             try:
-                kind, job = self.commands.get(block=block)
+                command = self.commands.get(block=block)
             except queue.Empty:
                 return
             block = False
-            if kind == "submit":
-                self._submit(job)
-            elif kind == "cancel":
-                if job.request is not None and not job.request.done:
-                    self.scheduler.cancel(job.request)
-            elif kind == "stop":
+            if isinstance(command, Submit):
+                self._submit(command.job)
+            elif isinstance(command, Cancel):
+                req = command.job.request
+                if req is not None and not req.done:
+                    self.scheduler.cancel(req)
+            else:
+                assert isinstance(command, Stop), command
                 self._stopping = True
                 with self._lock:
                     self._accepting = False
@@ -264,23 +286,18 @@ class Engine:
         job.post(fin)
 
     def _publish(self) -> None:
-        s = self.scheduler
+        snap = self.scheduler.snapshot()
         now = time.monotonic()
-        views = []
-        for slot in s.table.slots:
-            req = slot.request
-            if req is None:
-                views.append(SlotView(slot.index, slot.group, "idle", held=len(slot.held)))
-                continue
-            job = self._jobs.get(req.id)
-            prompt = len(req.seq.prompt)
-            rate = None
-            if job is not None and job.tokens > 1 and job.last_token > job.first_token:
-                # until now, so a stalled slot's rate falls
-                rate = (job.tokens - 1) / (now - job.first_token)
-            views.append(SlotView(slot.index, slot.group,
-                                  "reading" if slot.read_pos < prompt else "decoding",
-                                  job.id if job else None, prompt, slot.read_pos, req.reused,
-                                  len(req.seq.generated), rate))
-        self.snapshot = Snapshot(tuple(views), tuple(f > 0 for f in s.flights), len(s.queue),
-                                 self.pipe.windows)
+        self.snapshot = Snapshot(tuple(self._view(s, now) for s in snap.slots), snap.in_flight,
+                                 snap.queued, self.pipe.windows)
+
+    def _view(self, s: SlotState, now: float) -> SlotView:
+        if s.request is None:
+            return SlotView(s.slot, s.group, s.state, held=s.held)
+        job = self._jobs.get(s.request)
+        rate = None
+        if job is not None and job.tokens > 1 and job.last_token > job.first_token:
+            # until now, so a stalled slot's rate falls
+            rate = (job.tokens - 1) / (now - job.first_token)
+        return SlotView(s.slot, s.group, s.state, job.id if job else None, s.prompt_tokens,
+                        s.read, s.reused, s.generated, rate)

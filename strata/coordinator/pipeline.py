@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import zmq
 
 from strata.protocol import transport
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
@@ -138,12 +137,14 @@ class Pipeline:
             msg, tensors = transport.recv(self.inbox)
         except ProtocolError as e:
             raise PipelineError(f"a stage sent a malformed message: {e}") from e
+        except transport.TransportError as e:
+            raise PipelineError(f"the coordinator's inbox failed: {e}") from e
         return (msg, tensors) if with_tensors else msg
 
     def shutdown(self, reason: str = "coordinator exit") -> None:
         try:
             transport.send(self.to_first, Shutdown(reason))
-        except zmq.ZMQError:
+        except transport.TransportError:
             pass
 
     def close(self) -> None:

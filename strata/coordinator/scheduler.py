@@ -30,48 +30,22 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from strata.coordinator.config import SchedulerConfig, auto_groups  # noqa: F401 (re-exported)
 from strata.coordinator.drafts import PromptLookup
 from strata.coordinator.generate import Sequence
-from strata.coordinator.pipeline import Pipeline, WindowFailed
+from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.slots import Slot, SlotTable
 from strata.coordinator.windows import Row, build_window
 
 log = logging.getLogger("strata.scheduler")
-_ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    slots: int = 1
-    groups: int = 1
-    window_rows: int = 8
-    chunk_rows: int = 32
-    ctx: int = 2048
-    prompt_depth: int = 1   # prompt chunks of one slot in flight at once (> 1: pipelined)
-    draft_tokens: int = 0   # at most this many draft rows per slot in a decode window (drafts.py)
-
-    def __post_init__(self):
-        if self.slots < 1:
-            raise ValueError(f"--batch {self.slots} is below 1")
-        if self.window_rows < 1 or self.chunk_rows < 1:
-            raise ValueError("--window-rows and --chunk-rows must be at least 1")
-        if self.prompt_depth < 1:
-            raise ValueError(f"prompt depth {self.prompt_depth} is below 1")
-        if not 0 <= self.draft_tokens < self.window_rows:
-            raise ValueError(f"--draft-tokens {self.draft_tokens} must be at least 0 and below "
-                             f"--window-rows {self.window_rows} (a slot's row and its drafts "
-                             f"share one window)")
-        if self.groups < 1 or self.slots % self.groups:
-            raise ValueError(f"--batch-groups {self.groups} does not divide --batch {self.slots}; "
-                             f"use a divisor of {self.slots} or auto")
 
 
 @dataclass
 class Request:
+    id: int                  # unique within its scheduler, in order of submission
     seq: Sequence
     on_done: Callable[["Request"], None] = lambda r: None
-    id: int = field(default_factory=lambda: next(_ids))
     slot: Slot | None = None
     cancelled: bool = False
     reused: int = 0          # prompt tokens the slot already held
@@ -86,11 +60,52 @@ class Request:
         return self.seq.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RowOwner:
+    """A slot's rows in a window in flight: the request they serve, how many of them sample
+    (0 for a prompt chunk before the last), and the draft tokens those sampled rows verify."""
+    slot: Slot
+    request: Request
+    sampled: int
+    drafts: list[int] = field(default_factory=list)
+
+
 @dataclass
 class _Flight:
     group: int
-    # per slot in the window: (slot, request, rows sampled, draft tokens those rows verify)
-    rows: list[tuple[Slot, Request, int, list[int]]]
+    owners: list[RowOwner]   # in row order; sampled tokens come back in this order
+
+
+@dataclass
+class Group:
+    """A group's window state: a group has one window in flight, or while it has no decoding
+    slot, up to prompt_depth chunks of the slot whose prompt streams."""
+    flights: int = 0                 # windows in flight
+    streaming: Slot | None = None    # the slot whose chunks stream
+    prefer_read: bool = True         # alternate prompt chunks and decode windows
+    ahead: int = 0                   # chunks sent in a row while slots decode
+    cursor: int = 0                  # rotation over the group's decoding slots
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """One slot as the scheduler sees it between two steps."""
+    slot: int
+    group: int
+    state: str                 # idle | reading | decoding
+    request: int | None = None
+    prompt_tokens: int = 0
+    read: int = 0              # prompt tokens in the slot's KV so far
+    reused: int = 0            # of them, held from an earlier request (the conversation cache)
+    generated: int = 0
+    held: int = 0              # an idle slot's cached prompt tokens
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    slots: tuple[SlotState, ...]
+    in_flight: tuple[bool, ...]   # per group: a window is out
+    queued: int
 
 
 class Scheduler:
@@ -100,13 +115,10 @@ class Scheduler:
         self.stop_ids, self.detokenize = stop_ids, detokenize
         self.table = SlotTable(cfg.slots, cfg.groups)
         self.queue: deque[Request] = deque()
-        self.in_flight: dict[int, _Flight] = {}
-        self.flights = [0] * cfg.groups             # windows in flight per group
-        self.streaming: list[Slot | None] = [None] * cfg.groups  # slot whose chunks stream
+        self.in_flight: dict[int, _Flight] = {}     # window id -> what its rows serve
+        self.groups = [Group() for _ in range(cfg.groups)]
         self.commits: list[tuple[int, int]] = []   # ride on the next window submitted
-        self.prefer_read = [True] * cfg.groups     # alternate prompt chunks and decode windows
-        self.ahead = [0] * cfg.groups              # chunks sent in a row while slots decode
-        self.cursor = [0] * cfg.groups             # rotation over a group's decoding slots
+        self._ids = itertools.count(1)
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -115,7 +127,7 @@ class Scheduler:
                on_done: Callable[[Request], None] = lambda r: None) -> Request:
         seq = Sequence(prompt, params.with_seed(), self.stop_ids, self.cfg.ctx, self.detokenize,
                        on_token=on_token)
-        req = Request(seq, on_done)
+        req = Request(next(self._ids), seq, on_done)
         self.queue.append(req)
         return req
 
@@ -128,7 +140,24 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.queue and not self.in_flight and all(s.free for s in self.table.slots)
+        """Nothing queued, in flight, in a slot or left to commit: step() has nothing to do."""
+        return (not self.queue and not self.in_flight and not self.commits
+                and all(s.free for s in self.table.slots))
+
+    def snapshot(self) -> SchedulerSnapshot:
+        views = []
+        for slot in self.table.slots:
+            req = slot.request
+            if req is None:
+                views.append(SlotState(slot.index, slot.group, "idle", held=len(slot.held)))
+                continue
+            prompt = len(req.seq.prompt)
+            views.append(SlotState(slot.index, slot.group,
+                                   "reading" if slot.read_pos < prompt else "decoding",
+                                   req.id, prompt, slot.read_pos, req.reused,
+                                   len(req.seq.generated)))
+        return SchedulerSnapshot(tuple(views), tuple(g.flights > 0 for g in self.groups),
+                                 len(self.queue))
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -136,7 +165,7 @@ class Scheduler:
         """Admit, fill every idle group with a window, then handle one result.
         Returns False when there was nothing to do."""
         for slot in self.table.slots:  # cancelled requests not in flight leave now
-            if not slot.free and slot.request.cancelled and not self.flights[slot.group]:
+            if not slot.free and slot.request.cancelled and not self.groups[slot.group].flights:
                 self._release(slot, slot.request, "cancelled")
         self._admit()
         for group in range(self.cfg.groups):
@@ -160,12 +189,12 @@ class Scheduler:
             return True
         self._landed(flight.group)
         sampled = iter(result.tokens)
-        for slot, req, n, drafts in flight.rows:
-            tokens = [next(sampled) for _ in range(n)]
-            if req.cancelled:
-                self._release(slot, req, "cancelled")
+        for o in flight.owners:
+            tokens = [next(sampled) for _ in range(o.sampled)]
+            if o.request.cancelled:
+                self._release(o.slot, o.request, "cancelled")
             elif tokens:
-                self._accept(slot, req, tokens, drafts)
+                self._accept(o.slot, o.request, tokens, o.drafts)
         return True
 
     def _accept(self, slot: Slot, req: Request, tokens: list[int], drafts: list[int]) -> None:
@@ -215,26 +244,26 @@ class Scheduler:
         slots = [s for s in self.table.in_group(group) if not s.free]
         reading = [s for s in slots if s.read_pos < len(s.request.seq.prompt)]
         decoding = [s for s in slots if s.read_pos >= len(s.request.seq.prompt)]
-        if self.flights[group]:
-            slot = self.streaming[group]
+        g = self.groups[group]
+        if g.flights:
+            slot = g.streaming
             if (slot is None or slot not in reading or decoding or slot.request.cancelled
-                    or self.flights[group] >= self.cfg.prompt_depth):
+                    or g.flights >= self.cfg.prompt_depth):
                 return False
             self._submit_chunk(group, slot)
             return True
         # while the decode window has a free row, up to window_rows chunks in a row go first
-        first = (len(decoding) < self.cfg.window_rows
-                 and self.ahead[group] < self.cfg.window_rows)
-        if reading and (self.prefer_read[group] or not decoding or first):
-            self.prefer_read[group] = False
-            self.ahead[group] += bool(decoding)
+        first = len(decoding) < self.cfg.window_rows and g.ahead < self.cfg.window_rows
+        if reading and (g.prefer_read or not decoding or first):
+            g.prefer_read = False
+            g.ahead += bool(decoding)
             self._submit_chunk(group, min(reading, key=lambda s: s.request.id))
         elif decoding:
-            self.prefer_read[group] = True
-            self.ahead[group] = 0
-            start = self.cursor[group] % len(decoding)
+            g.prefer_read = True
+            g.ahead = 0
+            start = g.cursor % len(decoding)
             chosen = (decoding[start:] + decoding[:start])[: self.cfg.window_rows]
-            self.cursor[group] = start + len(chosen)
+            g.cursor = start + len(chosen)
             spare = self.cfg.window_rows - len(chosen)   # pad rows: room for drafts
             rows, owners = [], []
             for i, s in enumerate(chosen):
@@ -243,7 +272,7 @@ class Scheduler:
                 spare -= len(drafts)
                 rows += [Row(s.index, seq.length - 1 + j, t, seq.params)
                          for j, t in enumerate([seq.last_token] + drafts)]
-                owners.append((s, s.request, 1 + len(drafts), drafts))
+                owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
             self._submit(group, rows, self.cfg.window_rows, owners)
         else:
             return False
@@ -258,8 +287,8 @@ class Scheduler:
             rows[-1] = Row(slot.index, end - 1, seq.prompt[end - 1], seq.params)
         slot.read_pos = end
         slot.held.extend(seq.prompt[start:end])
-        self.streaming[group] = None if last else slot
-        self._submit(group, rows, self.cfg.chunk_rows, [(slot, slot.request, int(last), [])],
+        self.groups[group].streaming = None if last else slot
+        self._submit(group, rows, self.cfg.chunk_rows, [RowOwner(slot, slot.request, int(last))],
                      chunk=True)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
@@ -275,18 +304,30 @@ class Scheduler:
         req.drafter.extend(seq.generated[len(req.drafter.tokens) - len(seq.prompt):])
         return req.drafter.propose(k)
 
-    def _submit(self, group: int, rows: list[Row], shape: int, owners,
+    def _submit(self, group: int, rows: list[Row], shape: int, owners: list[RowOwner],
                 chunk: bool = False) -> None:
-        w = build_window(self.pipe.new_window_id(), rows, shape, self.commits, chunk=chunk)
-        self.commits = []
+        commits, self.commits = self.commits, []
+        try:
+            w = build_window(self.pipe.new_window_id(), rows, shape, commits, chunk=chunk)
+            self.pipe.submit(w)
+        except PipelineError:
+            raise
+        except Exception as e:  # e.g. a sampling parameter the wire cannot carry
+            assert owners, f"a window of commits only failed: {e!r}"
+            # nothing reached the stages: the commits ride on the next window, and only the
+            # requests of this window end
+            self.commits = commits + self.commits
+            self._fail(_Flight(group, owners), f"the coordinator could not send its window "
+                       f"({type(e).__name__}: {e})", landed=False)
+            return
         self.in_flight[w.id] = _Flight(group, owners)
-        self.flights[group] += 1
-        self.pipe.submit(w)
+        self.groups[group].flights += 1
 
     def _landed(self, group: int) -> None:
-        self.flights[group] -= 1
-        if not self.flights[group]:
-            self.streaming[group] = None
+        g = self.groups[group]
+        g.flights -= 1
+        if not g.flights:
+            g.streaming = None
 
     def _release(self, slot: Slot, req: Request, reason: str) -> None:
         """The slot keeps its prompt's KV (the conversation cache); nothing decoded stays."""
@@ -303,11 +344,14 @@ class Scheduler:
         req.notified = True
         req.on_done(req)
 
-    def _fail(self, flight: _Flight, message: str) -> None:
-        """A stage refused a window: its requests end with the error; the rest go on."""
-        self._landed(flight.group)
+    def _fail(self, flight: _Flight, message: str, landed: bool = True) -> None:
+        """A window failed (a stage refused it, or it could not be sent: landed=False): its
+        requests end with the error; the rest go on."""
+        if landed:
+            self._landed(flight.group)
         log.error("window failed: %s", message)
-        for slot, req, _, _ in flight.rows:
+        for o in flight.owners:
+            slot, req = o.slot, o.request
             if req.notified:  # a later chunk of a request that already ended (cancelled)
                 if slot.free:  # its slot kept rows this window never wrote: keep none
                     slot.held.clear()
@@ -317,9 +361,4 @@ class Scheduler:
             if slot.request is req:
                 slot.held.clear()  # the stages may hold part of the window: keep nothing
             self._release(slot, req, "error")
-
-
-def auto_groups(slots: int, stages: int) -> int:
-    """One group per stage, or the largest count below that divides the slots."""
-    return max(g for g in range(1, min(slots, stages) + 1) if slots % g == 0)
 

@@ -224,7 +224,7 @@ class Server:
             why = fin.error or "the server is stopping"
             return ApiError(503, f"{why}; the request was not completed, retry it once the "
                                  f"server is back", code="unavailable")
-        return ApiError(500, f"a stage refused this request's window: {fin.error}",
+        return ApiError(500, f"this request's window failed: {fin.error}",
                         code="stage_error")
 
     async def _complete(self, job: Job, p: api.Parsed) -> web.Response:

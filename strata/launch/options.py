@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import click
 
-from strata.coordinator.scheduler import SchedulerConfig, auto_groups
+from strata.config_error import ConfigError
+from strata.coordinator.config import SchedulerConfig, auto_groups
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS
 from strata.launch.memory import check_fits
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
@@ -25,8 +26,6 @@ def cuda_count() -> int:
 
 def open_model(model: str, ctx_size: int) -> ModelFile:
     file = ModelFile(resolve_model(model, say=say))
-    if ctx_size < 1:
-        raise ModelError(f"--ctx-size {ctx_size} is below 1")
     if ctx_size > file.config.ctx_len:
         raise ModelError(f"--ctx-size {ctx_size} exceeds the {file.config.ctx_len} positions "
                          f"the model was trained for; use --ctx-size {file.config.ctx_len} or less")
@@ -100,36 +99,39 @@ class Prepared:
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
             chunk_rows, graph_cache=8, stage_link="auto", transport="unix", draft_tokens=0,
             **_) -> Prepared:
-    """Check everything that can be checked before a process starts."""
-    if window_rows < 1:
-        raise PlanError(f"--window-rows {window_rows} is below 1; a window needs a row")
-    if chunk_rows < 1:
-        raise PlanError(f"--chunk-rows {chunk_rows} is below 1")
-    if batch < 1:
-        raise PlanError(f"--batch {batch} is below 1")
-    if graph_cache < 0:
-        raise PlanError(f"--graph-cache {graph_cache} is below 0; use 0 to run windows eagerly")
-    file = open_model(model, ctx_size)
-    plan = plan_stages(layer_split, parse_devices(devices, cuda_count()), file.config.n_layers)
+    """Check everything that can be checked before a process starts. The values are checked
+    by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
+    the flags."""
+    from strata.stage_worker.config import check_stage_settings
     if batch_groups == "auto":
-        groups = auto_groups(batch, len(plan))
+        groups = None
     else:
         try:
             groups = int(batch_groups)
         except ValueError:
             raise PlanError(f"--batch-groups {batch_groups!r} is not a number or auto") from None
-        if groups < 1 or batch % groups:
-            raise PlanError(f"--batch-groups {groups} does not divide --batch {batch}; use a "
-                            f"divisor of {batch} or auto")
-    check_fits(file.config, plan, batch, ctx_size)
-    sched = SchedulerConfig(slots=batch, groups=groups, window_rows=window_rows,
-                            chunk_rows=chunk_rows, ctx=ctx_size, draft_tokens=draft_tokens,
+    check_stage_settings(batch, ctx_size, graph_cache)
+    file = open_model(model, ctx_size)
+    plan = plan_stages(layer_split, parse_devices(devices, cuda_count()), file.config.n_layers)
+    if groups is None:
+        groups = auto_groups(batch, len(plan))
+    sched = SchedulerConfig(slots=batch, groups=groups,
+                            window_rows=window_rows, chunk_rows=chunk_rows, ctx=ctx_size,
+                            draft_tokens=draft_tokens,
                             prompt_depth=len(plan) + 1)  # + 1: the next chunk waits at stage 0
+    check_fits(file.config, plan, batch, ctx_size)
     return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan), transport)
 
 
 def parse_devices_for(devices: str) -> list[str]:
     return parse_devices(devices, cuda_count())
+
+
+# the library's config fields as strata-launch's flags, and the choices only the CLI offers
+FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--window-rows",
+         "chunk_rows": "--chunk-rows", "ctx": "--ctx-size", "draft_tokens": "--draft-tokens",
+         "graph_cache": "--graph-cache"}
+CHOICES = {"groups": "auto"}
 
 
 def clean_errors(command_name: str):
@@ -146,6 +148,9 @@ def clean_errors(command_name: str):
         def run(*args, **kwargs):
             try:
                 return f(*args, **kwargs)
+            except ConfigError as e:
+                say(f"{command_name}: {e.render(FLAGS, CHOICES)}")
+                sys.exit(2)
             except (ModelError, PlanError, RequestError, ValueError) as e:
                 say(f"{command_name}: {e}")
                 sys.exit(2)

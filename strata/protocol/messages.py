@@ -7,6 +7,7 @@ Never pickle: a message from another version or another program is checked field
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
+from typing import Callable
 
 PROTOCOL_VERSION = 1
 
@@ -89,15 +90,57 @@ class Shutdown:
     reason: str = ""
 
 
-MESSAGE_TYPES = {cls.__name__: cls for cls in (Hello, Window, Result, Error, Shutdown)}
-_FIELD_TYPES = {"int": int, "str": str, "bool": bool, "float": (int, float),
-                "list[int]": list, "list[float]": list, "list[list[int]]": list}
+@dataclass(frozen=True)
+class Kind:
+    """A field's type on the wire: its name (for error messages) and a check of a decoded
+    value. msgpack gives exact Python types, so the checks compare types (bool is not int)."""
+    name: str
+    check: Callable[[object], bool]
+
+
+_INT, _NUMBER = frozenset({int}), frozenset({int, float})
+
+INT = Kind("int", lambda v: type(v) is int)
+FLOAT = Kind("float", lambda v: type(v) in _NUMBER)     # msgpack may carry 1.0 as 1
+BOOL = Kind("bool", lambda v: type(v) is bool)
+STR = Kind("str", lambda v: type(v) is str)
+INTS = Kind("list[int]", lambda v: type(v) is list and {type(x) for x in v} <= _INT)
+FLOATS = Kind("list[float]", lambda v: type(v) is list and {type(x) for x in v} <= _NUMBER)
+PAIRS = Kind("list[list[int]]", lambda v: type(v) is list and all(
+    type(x) is list and {type(y) for y in x} <= _INT for x in v))
+
+# Each message's fields on the wire, in the dataclass's order (the order encode writes them).
+# A field with a default in the dataclass may be absent from a message: it takes the default.
+# Decoders ignore keys they do not know, so a later version adds a field without breaking an
+# older reader. Per-row extras of a Window (logprobs wanted, penalties, a grammar state, a
+# draft's origin) go that way: each is a new optional list, parallel to `sample_rows` (extras
+# of sampled rows) or to `slots` (extras of every row), whose empty default means "none for any
+# row", so a window without them encodes as today. An extra a stage must not ignore comes with
+# a PROTOCOL_VERSION bump, which the hello handshake checks.
+SCHEMAS: dict[type, dict[str, Kind]] = {
+    Hello: {"version": INT, "stage": INT, "layer_start": INT, "layer_end": INT, "device": STR,
+            "fingerprint": STR, "pid": INT, "slots": INT, "ctx": INT},
+    Window: {"id": INT, "slots": INTS, "positions": INTS, "tokens": INTS, "commits": PAIRS,
+             "sample_rows": INTS, "temperature": FLOATS, "top_k": INTS, "top_p": FLOATS,
+             "min_p": FLOATS, "u": FLOATS, "want_logits": BOOL, "chunk": BOOL,
+             "stage_ms": FLOATS},
+    Result: {"id": INT, "tokens": INTS, "stage_ms": FLOATS},
+    Error: {"stage": INT, "window": INT, "message": STR},
+    Shutdown: {"reason": STR},
+}
+MESSAGE_TYPES = {cls.__name__: cls for cls in SCHEMAS}
+# per message class: (field, kind, required), in the dataclass's order
+_FIELDS = {cls: [(f.name, SCHEMAS[cls][f.name],
+                  f.default is MISSING and f.default_factory is MISSING) for f in fields(cls)]
+           for cls in SCHEMAS}
+assert all([f.name for f in fields(cls)] == list(schema) for cls, schema in SCHEMAS.items()), \
+    "a message's schema must list its dataclass fields, in order"
 
 
 def encode(msg) -> dict:
     out = {"type": type(msg).__name__}
-    for f in fields(msg):
-        out[f.name] = getattr(msg, f.name)
+    for name, _, _ in _FIELDS[type(msg)]:
+        out[name] = getattr(msg, name)
     return out
 
 
@@ -108,36 +151,21 @@ def decode(obj) -> object:
     if cls is None:
         raise ProtocolError(f"unknown message type {obj['type']!r}")
     kwargs = {}
-    for name, type_name, expected, required, items in _SCHEMAS[cls]:
+    for name, kind, required in _FIELDS[cls]:
         if name not in obj:
             if required:
                 raise ProtocolError(f"{cls.__name__} lacks field {name!r}")
             continue
         value = obj[name]
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ProtocolError(f"{cls.__name__}.{name} should be {type_name}, "
-                                f"got {type(value).__name__}")
-        if items is not None and not _list_ok(value, items):
-            raise ProtocolError(f"{cls.__name__}.{name} should be {type_name}")
+        if not kind.check(value):
+            raise ProtocolError(f"{cls.__name__}.{name} should be {kind.name}, "
+                                f"got {_type_of(value)}")
         kwargs[name] = value
     return cls(**kwargs)
 
 
-_INT, _NUMBER = frozenset({int}), frozenset({int, float})  # type(True) is bool: not in these
-
-
-def _list_ok(value: list, items: str) -> bool:
-    """items: "int", "float" or "list[int]" (the declared list[...]'s inner type)."""
-    if items == "int":
-        return {type(x) for x in value} <= _INT
-    if items == "float":
-        return {type(x) for x in value} <= _NUMBER
-    return all(type(x) is list and {type(y) for y in x} <= _INT for x in value)
-
-
-# per message class: (field, declared type, accepted Python type, required, list items type
-# or None), read once
-_SCHEMAS = {cls: [(f.name, f.type, _FIELD_TYPES[f.type],
-                   f.default is MISSING and f.default_factory is MISSING,
-                   f.type[5:-1] if f.type.startswith("list[") else None) for f in fields(cls)]
-            for cls in MESSAGE_TYPES.values()}
+def _type_of(value) -> str:
+    """int, or for a list the types it holds: list[bool, int]."""
+    if type(value) is not list:
+        return type(value).__name__
+    return f"list[{', '.join(sorted({_type_of(x) for x in value}))}]"

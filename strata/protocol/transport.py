@@ -1,18 +1,29 @@
-"""ZeroMQ framing: a msgpack header frame, then one raw frame per tensor (zero-copy sends).
+"""Framing: a msgpack header frame, then one raw frame per tensor (zero-copy sends).
 
 The header's "tensors" entry lists [dtype, shape] for each extra frame, so a receiver checks
 sizes before it trusts a buffer. Tensors travel as numpy arrays; torch code converts at the edge.
+zmq is imported only when a ZeroMQ socket is opened, torch only by the tensor helpers at the end.
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import msgpack
 import numpy as np
-import zmq
 
 from strata.protocol import unixsock
 from strata.protocol.messages import ProtocolError, decode, encode
+
+
+class TransportError(RuntimeError):
+    """A socket failed to send or receive (a peer gone, an endpoint that cannot be used)."""
+
+
+def _socket_errors() -> tuple[type[BaseException], ...]:
+    """What the sockets raise: OSError (Unix sockets), zmq.ZMQError once zmq is in use."""
+    zmq = sys.modules.get("zmq")
+    return (OSError,) if zmq is None else (OSError, zmq.ZMQError)
 
 _DTYPES = {"float32", "float16", "int64", "int32", "uint16"}  # uint16 carries bf16 bits
 
@@ -24,7 +35,7 @@ def pack(msg, tensors: list[np.ndarray] = ()) -> list:
 
 
 def unpack(frames: list) -> tuple[object, list[np.ndarray]]:
-    """frames: bytes or zmq.Frame. Raises ProtocolError on anything malformed."""
+    """frames: bytes, memoryviews or zmq.Frame. Raises ProtocolError on anything malformed."""
     if not frames:
         raise ProtocolError("empty message")
     try:
@@ -44,7 +55,7 @@ def unpack(frames: list) -> tuple[object, list[np.ndarray]]:
                 raise ProtocolError(f"tensor dtype {dtype!r} is not allowed")
             if any(type(d) is not int or d < 0 for d in shape):  # reshape would infer a -1
                 raise ValueError(f"shape {shape!r} is not a list of sizes")
-            buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
+            buf = getattr(frame, "buffer", frame)   # a zmq.Frame's memoryview
             arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
         except ProtocolError:
             raise
@@ -55,7 +66,7 @@ def unpack(frames: list) -> tuple[object, list[np.ndarray]]:
 
 
 def _bytes(frame) -> bytes:
-    return frame.bytes if isinstance(frame, zmq.Frame) else frame
+    return getattr(frame, "bytes", frame)   # a zmq.Frame's bytes
 
 
 class Sockets:
@@ -64,23 +75,28 @@ class Sockets:
     Both give PUSH/PULL with send_multipart, recv_multipart, poll(ms) and close(linger)."""
 
     def __init__(self):
-        self._zmq: zmq.Context | None = None
+        self._zmq = None   # the zmq.Context, once a ZeroMQ socket is opened
         self._open: list = []
 
     def pull(self, endpoint: str):
-        return self._open_socket(endpoint, zmq.PULL)
+        return self._open_socket(endpoint, pull=True)
 
     def push(self, endpoint: str):
-        return self._open_socket(endpoint, zmq.PUSH)
+        return self._open_socket(endpoint, pull=False)
 
-    def _open_socket(self, endpoint: str, kind: int):
-        if endpoint.startswith(unixsock.SCHEME):
-            sock = (unixsock.UnixPull if kind == zmq.PULL else unixsock.UnixPush)(endpoint)
-        else:
-            if self._zmq is None:
-                self._zmq = zmq.Context()
-            sock = self._zmq.socket(kind)
-            (sock.bind if kind == zmq.PULL else sock.connect)(endpoint)
+    def _open_socket(self, endpoint: str, pull: bool):
+        try:
+            if endpoint.startswith(unixsock.SCHEME):
+                sock = (unixsock.UnixPull if pull else unixsock.UnixPush)(endpoint)
+            else:
+                import zmq
+                if self._zmq is None:
+                    self._zmq = zmq.Context()
+                sock = self._zmq.socket(zmq.PULL if pull else zmq.PUSH)
+                (sock.bind if pull else sock.connect)(endpoint)
+        except _socket_errors() as e:
+            raise TransportError(f"cannot {'bind' if pull else 'connect to'} {endpoint}: "
+                                 f"{e}") from e
         self._open.append(sock)
         return sock
 
@@ -94,7 +110,13 @@ class Sockets:
 
 
 def send(sock, msg, tensors: list[np.ndarray] = ()) -> None:
-    sock.send_multipart(pack(msg, tensors), copy=False)
+    """Raises TransportError when the socket fails (the message is encoded first: a value the
+    wire cannot carry raises from msgpack before anything is sent)."""
+    frames = pack(msg, tensors)
+    try:
+        sock.send_multipart(frames, copy=False)
+    except _socket_errors() as e:
+        raise TransportError(f"cannot send a {type(msg).__name__}: {e}") from e
 
 
 # How long a process driving GPUs polls for its next message before it blocks: longer than
@@ -118,7 +140,11 @@ def recv(sock, spin_s: float = 0.0) -> tuple[object, list[np.ndarray]]:
     """The next message, after spin(sock, spin_s) when spin_s > 0; then block as usual."""
     if spin_s > 0:
         spin(sock, spin_s)
-    return unpack(sock.recv_multipart(copy=False))
+    try:
+        frames = sock.recv_multipart(copy=False)
+    except _socket_errors() as e:
+        raise TransportError(f"cannot receive: {e}") from e
+    return unpack(frames)
 
 
 # --- torch tensors at the edge: bf16 has no numpy dtype, so it travels as its bits in uint16 ---

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strata.config_error import ConfigError
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -25,9 +27,17 @@ class WorkerConfig:
     def __post_init__(self):
         if not 0 <= self.layer_start < self.layer_end:
             raise ValueError(f"layer range {self.layer_start}:{self.layer_end} is empty")
-        if self.slots < 1 or self.ctx < 1:
-            raise ValueError("--slots and --ctx-size must be at least 1")
-        if self.graph_cache < 0:
-            raise ValueError(f"--graph-cache {self.graph_cache} is below 0; use 0 for no graphs")
+        check_stage_settings(self.slots, self.ctx, self.graph_cache)
         if self.link != "zmq" and not self.link_init:
-            raise ValueError(f"--link {self.link} needs --link-init (e.g. file:///tmp/run/link)")
+            raise ConfigError("link_init", f"{{link}} {self.link} needs {{link_init}} "
+                              f"(e.g. file:///tmp/run/link)")
+
+
+def check_stage_settings(slots: int, ctx: int, graph_cache: int) -> None:
+    """The settings every stage of a launch shares; a launcher checks them before it spawns."""
+    for name, value in (("slots", slots), ("ctx", ctx)):
+        if value < 1:
+            raise ConfigError(name, f"{{{name}}} {value} is below 1", "use 1 or more")
+    if graph_cache < 0:
+        raise ConfigError("graph_cache", f"{{graph_cache}} {graph_cache} is below 0",
+                          "use 0 to run windows eagerly")

@@ -6,9 +6,14 @@ import sys
 
 import click
 
+from strata.config_error import ConfigError
 from strata.model.gguf_file import ModelError
 from strata.model.registry import DEFAULT_MODEL, resolve_model
 from strata.stage_worker.worker import StageWorker, WorkerConfig
+
+# WorkerConfig's fields as this command's options
+FLAGS = {"slots": "--slots", "ctx": "--ctx-size", "graph_cache": "--graph-cache",
+         "link": "--link", "link_init": "--link-init"}
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -67,7 +72,8 @@ def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_si
                            trace=trace)
         worker = StageWorker(cfg)
     except (ModelError, ValueError) as e:
-        click.echo(f"strata-worker: stage {stage}: {e}", err=True)
+        text = e.render(FLAGS) if isinstance(e, ConfigError) else str(e)
+        click.echo(f"strata-worker: stage {stage}: {text}", err=True)
         sys.exit(2)
     worker.serve()
 

@@ -1,0 +1,61 @@
+"""The engine thread against the fake pipeline of test_scheduler (no model, no processes)."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+from strata.coordinator.engine import Engine, Finished, Job
+from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.scheduler import SchedulerConfig
+from test_scheduler import STOP, FakePipeline, params, run_alone
+
+
+async def _finish(engine: Engine, name: str, prompt: list[int], p: SamplingParams):
+    """Submits a job and waits for its Finished; returns (tokens streamed, Finished)."""
+    job = Job(name, prompt, p.with_seed(), asyncio.get_running_loop(), asyncio.Queue())
+    engine.submit(job)
+    tokens = []
+    while True:
+        item = await asyncio.wait_for(job.events.get(), 30)
+        if isinstance(item, Finished):
+            return tokens, item
+        tokens.append(item)
+
+
+def test_the_engine_survives_a_window_that_cannot_be_sent():
+    """A job whose sampling parameters the wire cannot carry (submitted past the HTTP parser)
+    ends with an error; the jobs beside it and after it are served exactly, and the engine
+    stays alive with every slot idle."""
+    ps = [[5, 6, 7], list(range(3, 30)), [9, 8, 7, 6]]
+
+    async def main():
+        engine = Engine(FakePipeline(2, 256), SchedulerConfig(slots=2, groups=2, chunk_rows=8,
+                                                              ctx=256), frozenset({STOP}),
+                        lambda ids: "")
+        engine.start()
+        try:
+            bad = SamplingParams(temperature=0.5, top_k=2**64, seed=3)
+            results = await asyncio.gather(
+                _finish(engine, "a", ps[0], params(0)),
+                _finish(engine, "bad", list(range(3, 40)), bad),
+                _finish(engine, "b", ps[1], params(1)))
+            later = await _finish(engine, "c", ps[2], params(2))
+            return engine, results, later
+        finally:
+            engine.stop()
+
+    engine, (a, bad, b), c = asyncio.run(main())
+    assert bad[1].reason == "error" and not bad[1].down and "could not send" in bad[1].error
+    assert [a[0], b[0], c[0]] == run_alone(ps)
+    assert all(f.reason in ("stop", "length") for _, f in (a, b, c))
+    assert engine.failure is None
+    assert [s.state for s in engine.snapshot.slots] == ["idle", "idle"]
+
+
+
+def test_the_engine_and_server_import_neither_torch_nor_zmq():
+    code = ("import sys, strata.coordinator.engine, strata.coordinator.server; "
+            "print(sorted({'torch', 'zmq'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
