@@ -171,7 +171,7 @@ def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int,
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise fields.wrong_type("stream_options", "an object", opts, "{\"include_usage\": true}")
-    if opts and set(opts) - {"include_usage"}:
+    if opts and set(opts) - {"include_usage", "include_obfuscation"}:  # the latter: no-op
         raise fields.bad("stream_options", "stream_options takes only 'include_usage'; remove "
                                            "the rest")
     include_usage = stream and fields.boolean(opts or {}, "include_usage", False)
