@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from strata.coordinator.openai_api import TextStream, _failure_links, _stop_prefix_at_end
 from strata.coordinator.request_fields import STOP_MAX_CHARS
 from strata.coordinator.server import ServeError, ServerConfig, bind_socket
+from strata.model.gguf_file import ModelFile
+from strata.model.tokenizer import Tokenizer
 from test_server import Serving
 from test_server_errors import assert_error
 
@@ -239,6 +241,27 @@ def test_another_client_answers_within_2s_while_the_worst_run(server):
     for t in threads:
         t.join(READ_TIMEOUT + 30)
     assert_unharmed(server)
+
+
+def test_tokenizing_a_long_prompt_leaves_other_threads_running(tiny_model):
+    tok = Tokenizer.from_gguf(ModelFile(tiny_model).reader)
+    text = "Once upon a time, " * 10000  # 180 KB: a second or so of tokenizing
+    gaps, done = [], threading.Event()
+
+    def tick() -> None:  # what the event loop does while a worker thread tokenizes
+        while not done.is_set():
+            t0 = time.monotonic()
+            time.sleep(0.005)
+            gaps.append(time.monotonic() - t0)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    t0 = time.monotonic()
+    tok.encode(text)
+    spent = time.monotonic() - t0
+    done.set()
+    ticker.join()
+    assert max(gaps) < spent / 3, (max(gaps), spent)
 
 
 # --- refused parameters -----------------------------------------------------------------------
