@@ -142,10 +142,8 @@ class ConnectionPool:
         self.open: Counter[str] = Counter()
 
     def __call__(self) -> _Connection:
-        # lingering_time 0: the unread rest of a refused body is not waited for
         return _Connection(self, self.server, loop=asyncio.get_running_loop(),
-                           keepalive_timeout=self.limits.read_timeout, lingering_time=0,
-                           **self.handler_args)
+                           keepalive_timeout=self.limits.read_timeout, **self.handler_args)
 
     def admit(self, client: str) -> str | None:
         """None if the connection may open (it is then counted), else why not."""

@@ -74,8 +74,10 @@ class Server:
         except ApiError as e:
             status = e.status
             response = web.json_response(e.body(), status=e.status)
-            if e.status == 408:  # the rest of the body may still come: never read it
-                response.force_close()
+            if e.status == 408:  # the rest of the body may never come: close, don't wait
+                await response.prepare(request)
+                await response.write_eof()
+                request.protocol.force_close()
             return response
         except web.HTTPException as e:
             status = e.status
