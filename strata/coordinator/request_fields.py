@@ -84,8 +84,8 @@ def bad(name: str, message: str) -> ApiError:
 
 
 def kind(v) -> str:
-    return {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+    return {type(None): "null", bool: "a boolean", int: "an integer", float: "a number",
+            str: "a string", list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
 
 
 def wrong_type(name: str, want: str, v, example: str) -> ApiError:
