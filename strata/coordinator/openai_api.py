@@ -11,26 +11,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from strata.coordinator import request_fields as fields
+from strata.coordinator.request_fields import ApiError
 from strata.coordinator.sampling import SamplingParams
 
 COMPLETIONS_MAX_TOKENS = 16   # OpenAI's (and vLLM's) default for /v1/completions
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class ApiError(Exception):
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-             404: "invalid_request_error", 405: "invalid_request_error",
-             413: "invalid_request_error", 500: "server_error", 503: "server_error"}
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message,
-                          "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)
@@ -42,122 +28,52 @@ class Parsed:
     include_usage: bool
 
 
-# --- fields -----------------------------------------------------------------------------------
+# --- sampling ---------------------------------------------------------------------------------
 
-def _kind(v) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+TEMPERATURE_MIN, TEMPERATURE_MAX = 1e-6, 100.0   # for a positive temperature (0 is greedy)
 
 
-def _wrong_type(name: str, want: str, v, example: str) -> ApiError:
-    shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
-    return ApiError(400, f"'{name}' must be {want}, not {_kind(v)} ({shown}); e.g. "
-                         f"\"{name}\": {example}", name, "invalid_type")
-
-
-def _number(body: dict, name: str, default: float, example: str) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _wrong_type(name, "a number", v, example)
-    return float(v)
-
-
-def _integer(body: dict, name: str, default: int | None, example: str) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _wrong_type(name, "an integer", v, example)
-    return v
-
-
-def _boolean(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _wrong_type(name, "a boolean", v, "true")
-    return v
-
-
-def _bad(name: str, message: str) -> ApiError:
-    return ApiError(400, message, name, "invalid_value")
-
-
-def _refuse_unsupported(body: dict, chat: bool) -> None:
-    """Fields strata cannot honour yet: refused, never silently ignored."""
-    n = _integer(body, "n", 1, "1")
-    if n != 1:
-        raise _bad("n", f"n={n} is not supported: strata returns one choice per request; send "
-                        f"{n} requests instead (give each its own seed for different samples)")
-    best_of = _integer(body, "best_of", 1, "1")
-    if best_of != 1:
-        raise _bad("best_of", f"best_of={best_of} is not supported; remove 'best_of'")
-    lp = body.get("logprobs")
-    if lp not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        name = "logprobs" if lp not in (None, False) else "top_logprobs"
-        raise _bad(name, "logprobs are not supported yet (the last stage returns token ids "
-                         "only); remove 'logprobs' and 'top_logprobs' from the request")
-    if not chat and _boolean(body, "echo", False):
-        raise _bad("echo", "echo is not supported; remove 'echo' (the prompt is yours already)")
-    if not chat and body.get("suffix") not in (None, ""):
-        raise _bad("suffix", "suffix (fill-in-the-middle) is not supported; remove 'suffix'")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, "0") != 0:
-            raise _bad(name, f"{name} is not supported; remove it or set it to 0")
-    if body.get("logit_bias"):
-        raise _bad("logit_bias", "logit_bias is not supported; remove 'logit_bias'")
-    if chat and (body.get("tools") or body.get("functions")):
-        name = "tools" if body.get("tools") else "functions"
-        raise _bad(name, f"'{name}' (function calling) is not supported; remove it")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _bad("response_format", "only response_format {\"type\": \"text\"} is supported; "
-                                      "remove 'response_format'")
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise _wrong_type("stop", "a string or an array of strings", v, "[\"\\n\\n\"]")
-    if any(s == "" for s in stops):
-        raise _bad("stop", "a stop string is empty (it would end every answer at once); remove "
-                           "it")
-    return tuple(stops)
-
-
-def _sampling(body: dict, max_tokens: int) -> SamplingParams:
-    temperature = _number(body, "temperature", 0.0, "0.7")
+def _sampling(body: dict, vocab: int) -> dict:
+    """SamplingParams' fields but max_tokens, each bounded."""
+    temperature = fields.number(body, "temperature", 0.0, "0.7")
     if temperature < 0:
-        raise _bad("temperature", f"temperature {temperature:g} is below 0; use 0 for greedy "
-                                  f"or a positive value such as 0.7")
-    top_p = _number(body, "top_p", 1.0, "0.9")
+        raise fields.bad("temperature", f"temperature {temperature:g} is below 0; use 0 for "
+                                        f"greedy or a positive value such as 0.7")
+    if temperature and not TEMPERATURE_MIN <= temperature <= TEMPERATURE_MAX:
+        raise fields.bad("temperature", f"temperature {temperature:g} is outside "
+                                        f"[{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}]; use 0 for "
+                                        f"greedy or a value such as 0.7")
+    top_p = fields.number(body, "top_p", 1.0, "0.9")
     if not 0 < top_p <= 1:
-        raise _bad("top_p", f"top_p {top_p:g} is outside (0, 1]; use 1 to turn it off, or a "
-                            f"value such as 0.9")
-    top_k = _integer(body, "top_k", 0, "40")
-    if top_k < 0:
-        if top_k != -1:
-            raise _bad("top_k", f"top_k {top_k} is below 0; use 0 (or -1) to turn it off")
-        top_k = 0  # vLLM's spelling of "off"
-    min_p = _number(body, "min_p", 0.0, "0.05")
+        raise fields.bad("top_p", f"top_p {top_p:g} is outside (0, 1]; use 1 to turn it off, "
+                                  f"or a value such as 0.9")
+    raw = body.get("top_k")
+    top_k = 0 if raw == -1 and raw is not True else \
+        fields.integer(body, "top_k", 0, "40", 0, None, "use 0 (or -1) to turn it off")
+    top_k = min(top_k, vocab)  # -1 is vLLM's "off"; beyond the vocabulary means all of it
+    min_p = fields.number(body, "min_p", 0.0, "0.05")
     if not 0 <= min_p <= 1:
-        raise _bad("min_p", f"min_p {min_p:g} is outside [0, 1]; use 0 to turn it off")
-    seed = _integer(body, "seed", None, "1234")
-    if seed is not None and not 0 <= seed < 2**64:
-        raise _bad("seed", f"seed {seed} is outside [0, 2**64); use a non-negative integer")
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                          seed=seed, max_tokens=max_tokens, stop=_stop(body)).with_seed()
+        raise fields.bad("min_p", f"min_p {min_p:g} is outside [0, 1]; use 0 to turn it off")
+    seed = fields.integer(body, "seed", None, "1234", 0, 2**64 - 1,
+                          "use a non-negative integer below 2**64")
+    return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                stop=fields.stop(body))
 
 
 # --- prompts ----------------------------------------------------------------------------------
+
+def _checked(encode, ctx: int, longest_token: int, name: str):
+    """`encode` for prompt text: refuses what no tokenizer can read, and a text too long for
+    the context before the tokenizer spends time on it."""
+    def checked(text: str) -> list[int]:
+        fields.text(name, text)
+        if len(text) >= ctx * longest_token:  # at least len(text) / longest_token tokens
+            raise fields.bad(name, f"the prompt has {len(text)} characters, more than this "
+                                   f"server's context of {ctx} tokens can hold; shorten it, or "
+                                   f"start strata-launch with a larger --ctx-size")
+        return encode(text)
+    return checked
+
 
 def completion_prompt(body: dict, encode, vocab: int) -> list[int]:
     """'prompt': a string, or an array of token ids (or one of either, in an array)."""
@@ -169,19 +85,22 @@ def completion_prompt(body: dict, encode, vocab: int) -> list[int]:
         p = p[0]
     if isinstance(p, str):
         if not p:
-            raise _bad("prompt", "the prompt is empty; give at least one character of text")
+            raise fields.bad("prompt", "the prompt is empty; give at least one character of "
+                                       "text")
         return encode(p)
     if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         if not p:
-            raise _bad("prompt", "the prompt is empty; give at least one token")
+            raise fields.bad("prompt", "the prompt is empty; give at least one token")
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
-            raise _bad("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise fields.bad("prompt", f"token id {fields.shown(bad[0])} is outside the "
+                                       f"vocabulary [0, {vocab})")
         return list(p)
     if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise _bad("prompt", f"'prompt' holds {len(p)} prompts; strata takes one per request, "
-                             f"so send them as {len(p)} requests")
-    raise _wrong_type("prompt", "a string or an array of token ids", p, "\"Once upon a time\"")
+        raise fields.bad("prompt", f"'prompt' holds {len(p)} prompts; strata takes one per "
+                                   f"request, so send them as {len(p)} requests")
+    raise fields.wrong_type("prompt", "a string or an array of token ids", p,
+                            "\"Once upon a time\"")
 
 
 def _content(i: int, m: dict) -> str:
@@ -196,14 +115,15 @@ def _content(i: int, m: dict) -> str:
         for part in c:
             if not isinstance(part, dict) or part.get("type") != "text" or \
                     not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else _kind(part)
-                raise _bad(f"messages[{i}].content", f"messages[{i}] has a content part of type "
-                                                     f"{kind!r}; strata reads text parts only "
-                                                     f"({{\"type\": \"text\", \"text\": ...}})")
+                kind = fields.shown(part.get("type")) if isinstance(part, dict) else \
+                    fields.kind(part)
+                raise fields.bad(f"messages[{i}].content",
+                                 f"messages[{i}] has a content part of type {kind}; strata "
+                                 f"reads text parts only ({{\"type\": \"text\", \"text\": ...}})")
             texts.append(part["text"])
         return "".join(texts)
-    raise _wrong_type(f"messages[{i}].content", "a string or an array of text parts", c,
-                      "\"Hello\"")
+    raise fields.wrong_type(f"messages[{i}].content", "a string or an array of text parts", c,
+                            "\"Hello\"")
 
 
 def chat_prompt(body: dict, render_chat, encode) -> list[int]:
@@ -213,60 +133,74 @@ def chat_prompt(body: dict, render_chat, encode) -> list[int]:
                             "[{\"role\": \"user\", \"content\": \"Hello\"}]", "messages",
                        "missing_required_parameter")
     if not isinstance(msgs, list):
-        raise _wrong_type("messages", "an array of messages", msgs,
-                          "[{\"role\": \"user\", \"content\": \"Hello\"}]")
+        raise fields.wrong_type("messages", "an array of messages", msgs,
+                                "[{\"role\": \"user\", \"content\": \"Hello\"}]")
     if not msgs:
-        raise _bad("messages", "'messages' is empty; give at least one message")
+        raise fields.bad("messages", "'messages' is empty; give at least one message")
     clean = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise _wrong_type(f"messages[{i}]", "an object", m,
-                              "{\"role\": \"user\", \"content\": \"Hello\"}")
+            raise fields.wrong_type(f"messages[{i}]", "an object", m,
+                                    "{\"role\": \"user\", \"content\": \"Hello\"}")
         role = m.get("role")
-        if role not in ROLES:
-            raise _bad(f"messages[{i}].role", f"messages[{i}] has role {role!r}; use one of "
-                                              f"{', '.join(ROLES)}")
+        if not isinstance(role, str) or role not in ROLES:
+            raise fields.bad(f"messages[{i}].role", f"messages[{i}] has role "
+                                                    f"{fields.shown(role)}; use one of "
+                                                    f"{', '.join(ROLES)}")
         clean.append({"role": "system" if role == "developer" else role,
                       "content": _content(i, m)})
     if all(not m["content"] for m in clean):
-        raise _bad("messages", "every message is empty; give some text to answer")
+        raise fields.bad("messages", "every message is empty; give some text to answer")
     try:
         text = render_chat(clean)
     except Exception as e:  # the model's template refuses (e.g. roles must alternate)
-        raise _bad("messages", f"the model's chat template refused these messages: {e}") from e
+        raise fields.bad("messages", f"the model's chat template refused these messages: "
+                                     f"{e}") from e
     return encode(text)
 
 
-def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int) -> Parsed:
+def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int,
+          longest_token: int) -> Parsed:
+    """The request `body` (parsed JSON) checked into a Parsed; every number bounded before the
+    prompt is tokenized. `longest_token`: the most characters one token spells."""
     if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, not {_kind(body)}")
-    _refuse_unsupported(body, chat)
-    stream = _boolean(body, "stream", False)
+        raise ApiError(400, f"the request body must be a JSON object, not {fields.kind(body)}; "
+                            f"send e.g. {{\"prompt\": \"Hello\"}}")
+    fields.refuse_unsupported(body, chat)
+    stream = fields.boolean(body, "stream", False)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
-        raise _wrong_type("stream_options", "an object", opts, "{\"include_usage\": true}")
-    include_usage = stream and _boolean(opts or {}, "include_usage", False)
+        raise fields.wrong_type("stream_options", "an object", opts, "{\"include_usage\": true}")
+    if opts and set(opts) - {"include_usage", "include_obfuscation"}:  # the latter: no-op
+        raise fields.bad("stream_options", "stream_options takes only 'include_usage'; remove "
+                                           "the rest")
+    include_usage = stream and fields.boolean(opts or {}, "include_usage", False)
+    knobs = _sampling(body, vocab)
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = fields.integer(body, name, None, "64", 1, None, "ask for at least one token")
+    if max_tokens is not None and max_tokens > ctx:
+        raise fields.bad(name, f"{name} is above this server's context of {ctx} tokens; lower "
+                               f"{name}, or start strata-launch with a larger --ctx-size")
+    where = "messages" if chat else "prompt"
+    encode = _checked(encode, ctx, longest_token, where)
     prompt = chat_prompt(body, render_chat, encode) if chat else \
         completion_prompt(body, encode, vocab)
     if len(prompt) >= ctx:
-        raise _bad("messages" if chat else "prompt",
-                   f"the prompt has {len(prompt)} tokens, which leaves no room to generate in "
-                   f"this server's context of {ctx}; shorten it, or start strata-launch with a "
-                   f"larger --ctx-size")
-    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    max_tokens = _integer(body, name, None, "64")
+        raise fields.bad(where, f"the prompt has {len(prompt)} tokens, which leaves no room to "
+                                f"generate in this server's context of {ctx}; shorten it, or "
+                                f"start strata-launch with a larger --ctx-size")
     if max_tokens is None:
         max_tokens = min(COMPLETIONS_MAX_TOKENS, ctx - len(prompt)) if not chat else \
             ctx - len(prompt)
-    elif max_tokens < 1:
-        raise _bad(name, f"{name} {max_tokens} is below 1; ask for at least one token")
     elif len(prompt) + max_tokens > ctx:
-        raise _bad(name, f"this server's context is {ctx} tokens, but {len(prompt) + max_tokens} "
-                         f"were requested ({len(prompt)} in the prompt, {max_tokens} for the "
-                         f"completion); lower {name} to {ctx - len(prompt)} or less, shorten the "
-                         f"prompt, or start strata-launch with a larger --ctx-size")
-    return Parsed(chat, prompt, _sampling(body, max_tokens), stream, include_usage)
+        raise fields.bad(name, f"this server's context is {ctx} tokens, but "
+                               f"{len(prompt) + max_tokens} were requested ({len(prompt)} in "
+                               f"the prompt, {max_tokens} for the completion); lower {name} to "
+                               f"{ctx - len(prompt)} or less, shorten the prompt, or start "
+                               f"strata-launch with a larger --ctx-size")
+    return Parsed(chat, prompt, SamplingParams(**knobs, max_tokens=max_tokens).with_seed(),
+                  stream, include_usage)
 
 
 # --- streamed text ---------------------------------------------------------------------------
@@ -278,6 +212,7 @@ class TextStream:
 
     def __init__(self, decode, stop: tuple[str, ...]):
         self.decode, self.stop = decode, stop
+        self.fail = [_failure_links(s) for s in stop]
         self.ids: list[int] = []
         self.sent = ""
 
@@ -289,7 +224,7 @@ class TextStream:
             if cut >= 0:
                 text = text[:cut]
         text = text.rstrip("\ufffd")
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])),
+        hold = max((_stop_prefix_at_end(text, s, f) for s, f in zip(self.stop, self.fail)),
                    default=0)
         return self._advance(text[:len(text) - hold])
 
@@ -301,6 +236,31 @@ class TextStream:
             return ""
         delta, self.sent = text[len(self.sent):], text
         return delta
+
+
+def _failure_links(s: str) -> list[int]:
+    """KMP: fail[i] = length of the longest proper prefix of s[:i + 1] that is also its
+    suffix."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+def _stop_prefix_at_end(text: str, stop: str, fail: list[int]) -> int:
+    """Length of the longest proper prefix of `stop` that `text` ends with, in time linear in
+    len(stop): only the last len(stop) - 1 characters of the text can hold it."""
+    k = 0
+    for c in text[max(0, len(text) - len(stop) + 1):] if len(stop) > 1 else "":
+        while k and (k == len(stop) or stop[k] != c):
+            k = fail[k - 1]
+        if stop[k] == c:
+            k += 1
+    return k if k < len(stop) else fail[k - 1]
 
 
 # --- responses --------------------------------------------------------------------------------

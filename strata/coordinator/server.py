@@ -6,7 +6,9 @@
     GET  /metrics  Prometheus text
 
 With an API key, every /v1 route wants `Authorization: Bearer KEY`. Every refusal is OpenAI's
-error object with a sentence saying what to change; the server stays up after each. A client
+error object with a sentence saying what to change; the server stays up after each. Request
+bodies are parsed and their prompts tokenized in a worker thread, so no request holds up the
+event loop; connections.py bounds connections and the time a request may take to arrive. A client
 that goes away (handler_cancellation) has its request cancelled: its slot frees at the next
 window and none of its tokens reach anyone.
 """
@@ -18,57 +20,19 @@ import json
 import logging
 import signal
 import socket
-from dataclasses import dataclass
 from typing import Callable
 
 from aiohttp import web
 
 from strata.coordinator import openai_api as api
+from strata.coordinator.connections import ConnectionPool, Limits
+from strata.coordinator.connections import ServeError, ServerConfig, bind_socket  # noqa: F401
 from strata.coordinator.engine import Engine, EngineDown, Finished, Job
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.openai_api import ApiError
+from strata.coordinator.request_fields import shown
 
 log = logging.getLogger("strata.server")
-
-
-class ServeError(ValueError):
-    """The server cannot start as asked; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model: str                      # the id clients name in "model"
-    aliases: tuple[str, ...] = ()   # other names accepted for it (the --model text, file name)
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: str | None = None
-    max_body: int = 2 << 20         # bytes of a request body
-    stop_grace: float = 10.0        # seconds for the windows in flight when stopping
-
-    def __post_init__(self):
-        if not 0 <= self.port < 65536:
-            raise ServeError(f"--port {self.port} is outside 0..65535")
-        if self.api_key == "":
-            raise ServeError("--api-key is empty; give a key, or leave the option out")
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind before the stages start (a taken port fails fast); listen once they are ready."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ServeError(f"--host {host!r} does not resolve ({e.strerror}); use an address "
-                         f"such as 127.0.0.1 or 0.0.0.0") from None
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); stop what uses it or "
-                         f"choose another --port") from None
-    return sock
 
 
 class Server:
@@ -100,8 +64,7 @@ class Server:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        route = request.match_info.route.resource
-        endpoint = route.canonical if route is not None else "unmatched"
+        endpoint = await self._endpoint(request)
         status = 500
         try:
             self._authorize(request)
@@ -110,7 +73,12 @@ class Server:
             return response
         except ApiError as e:
             status = e.status
-            return web.json_response(e.body(), status=e.status)
+            response = web.json_response(e.body(), status=e.status)
+            if e.status == 408:  # the rest of the body may never come: close, don't wait
+                await response.prepare(request)
+                await response.write_eof()
+                request.protocol.force_close()
+            return response
         except web.HTTPException as e:
             status = e.status
             return web.json_response(self._http_error(request, e).body(), status=e.status,
@@ -125,6 +93,18 @@ class Server:
             return web.json_response(e.body(), status=500)
         finally:
             self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    @staticmethod
+    async def _endpoint(request: web.Request) -> str:
+        """The route's path for /metrics: a known path asked with the wrong method too."""
+        resource = request.match_info.route.resource
+        if resource is not None:
+            return resource.canonical
+        for resource in request.app.router.resources():
+            match, allowed = await resource.resolve(request)
+            if match is None and allowed:
+                return resource.canonical
+        return "unmatched"
 
     def _authorize(self, request: web.Request) -> None:
         if self.cfg.api_key is None or not request.path.startswith("/v1"):
@@ -161,15 +141,25 @@ class Server:
                              f"{self.cfg.max_body} bytes; send a shorter prompt",
                         code="request_too_large")
 
-    async def _json(self, request: web.Request):
+    async def _body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self.cfg.max_body:
             raise self._too_large(request)
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.cfg.read_timeout):
+                return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large(request) from None
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within "
+                                f"{self.cfg.read_timeout:g} s; send all of it (as many bytes "
+                                f"as Content-Length says)", code="timeout") from None
+
+    def _json(self, raw: bytes):
         try:
             return json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, "the request body nests arrays or objects too deeply; send a "
+                                "flat JSON object", code="invalid_json") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON ({e}); send one JSON "
                                 f"object, e.g. {{\"model\": \"{self.cfg.model}\", \"prompt\": "
@@ -191,15 +181,21 @@ class Server:
             raise ApiError(400, f"'model' must be a string such as \"{self.cfg.model}\"",
                            "model", "invalid_type")
         if name not in self.names:
-            raise ApiError(404, f"the model {name!r} does not exist here; this server serves "
-                                f"\"{self.cfg.model}\" (GET /v1/models lists it)", "model",
+            raise ApiError(404, f"the model {shown(name)} does not exist here; this server "
+                                f"serves \"{self.cfg.model}\" (GET /v1/models lists it)", "model",
                            "model_not_found")
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        body = await self._json(request)
+    def _parse(self, raw: bytes, chat: bool) -> api.Parsed:
+        body = self._json(raw)
         self._check_model(body)
-        p = api.parse(body, chat=chat, encode=self.tok.encode, render_chat=self.tok.render_chat,
-                      vocab=self.vocab, ctx=self.ctx)
+        return api.parse(body, chat=chat, encode=self.tok.encode,
+                         render_chat=self.tok.render_chat, vocab=self.vocab, ctx=self.ctx,
+                         longest_token=self.tok.longest_token)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        raw = await self._body(request)
+        # parsing renders and tokenizes the prompt: off the event loop, which keeps serving
+        p = await asyncio.to_thread(self._parse, raw, chat)
         job = Job(api.new_id(chat), p.prompt, p.params, asyncio.get_running_loop(),
                   asyncio.Queue())
         try:
@@ -365,10 +361,14 @@ async def _serve(server: Server, sock: socket.socket, say) -> str | None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=log)
+    handler_args = {"access_log": log}
+    runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=1.0,
+                           **handler_args)
     await runner.setup()
-    site = web.SockSite(runner, sock, shutdown_timeout=1.0)
-    await site.start()
+    limits = Limits(server.cfg.read_timeout, server.cfg.max_connections,
+                    server.cfg.max_client_connections)
+    listening = await loop.create_server(ConnectionPool(runner.server, limits, handler_args),
+                                         sock=sock)
     host, port = sock.getsockname()[:2]
     cfg = server.engine.cfg
     say(f"strata: serving {server.cfg.model} on http://{_url_host(host)}:{port}/v1 "
@@ -382,6 +382,7 @@ async def _serve(server: Server, sock: socket.socket, say) -> str | None:
         return failure
     finally:
         server.engine.stop(wait=False)
+        listening.close()
         await runner.cleanup()
 
 

@@ -43,9 +43,17 @@ from strata.model.tokenizer import Tokenizer
               help="Serving: the TCP port (0 = any free port; the URL printed names it).")
 @click.option("--api-key", default=None,
               help="Serving: every /v1 route then wants 'Authorization: Bearer KEY'.")
+@click.option("--read-timeout", type=float, default=30.0, show_default=True,
+              help="Serving: seconds a client has to send a request's headers, and again its "
+                   "body; a connection idle that long between requests is closed.")
+@click.option("--max-connections", type=int, default=512, show_default=True,
+              help="Serving: open connections in all; more get a 503.")
+@click.option("--max-client-connections", type=int, default=128, show_default=True,
+              help="Serving: open connections from one client address; more get a 503.")
 @clean_errors("strata-launch")
 def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
-         external_stage, log_dir, verbose, host, port, api_key, **launch):
+         external_stage, log_dir, verbose, host, port, api_key, read_timeout, max_connections,
+         max_client_connections, **launch):
     """Run a GGUF model split across stage processes and print the generated text; without
     --prompt, serve the OpenAI-compatible HTTP API (sampling then comes with each request)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -59,7 +67,10 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
                             f"0..{len(prep.plan) - 1}")
     tok = Tokenizer.from_gguf(prep.file.reader)
     if prompt is None:
-        return serve(prep, tok, launch["model"], host, port, api_key, log_dir, external_stage)
+        limits = dict(read_timeout=read_timeout, max_connections=max_connections,
+                      max_client_connections=max_client_connections)
+        return serve(prep, tok, launch["model"], host, port, api_key, log_dir, external_stage,
+                     limits)
     text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
     ids = tok.encode(text)
     Sequence(ids, params, tok.stop_ids, prep.sched.ctx)  # refuses an empty or too long prompt
@@ -76,10 +87,10 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
             f"finish: {req.seq.finish_reason}, seed {params.seed}]")
 
 
-def serve(prep, tok, model, host, port, api_key, log_dir, external_stage):
+def serve(prep, tok, model, host, port, api_key, log_dir, external_stage, limits):
     cfg = ServerConfig(model=model if model == DEFAULT_MODEL else prep.file.path.stem,
                        aliases=(model, prep.file.path.name, str(prep.file.path)),
-                       host=host, port=port, api_key=api_key)
+                       host=host, port=port, api_key=api_key, **limits)
     sock = bind_socket(host, port)  # a taken port fails before any stage starts
     try:
         with prep.launch(log_dir=log_dir, external=set(external_stage), say=say) as run:

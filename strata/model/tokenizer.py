@@ -222,6 +222,9 @@ class Tokenizer:
         self._stop_ids = stop_ids
         self._chat_template = chat_template
         self.vocab_size: int = len(tokens)
+        # a token spells at most this many characters (GGUF spellings are one character per
+        # byte), so a text of n characters has at least n / longest_token tokens
+        self.longest_token: int = max(len(t) for t in tokens)
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
@@ -300,7 +303,9 @@ class Tokenizer:
         """Token ids of `text`. Control and user-defined tokens written in it ("<|im_start|>") are
         read as their ids. BOS is prepended only when the file asks for it, and not a second time
         when `text` already starts with it (a rendered chat template often does)."""
-        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it): a long text tokenized
+        # in a worker thread leaves the caller's other threads running
+        ids: list[int] = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if self._add_bos and (not ids or ids[0] != self._bos_id):
             assert self._bos_id is not None  # from_gguf refuses add_bos without a bos id
             ids.insert(0, self._bos_id)
