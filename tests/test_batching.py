@@ -22,6 +22,7 @@ What each case proves:
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from dataclasses import replace
 
 import pytest
@@ -30,7 +31,7 @@ from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig, auto_groups
 from strata.launch import harness
 from strata.launch.plan import plan_stages
-from strata.launch.session import launch_stages
+from strata.launch.session import Launched, launch_stages
 from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer
 
@@ -38,11 +39,14 @@ CTX = 512
 N_REQUESTS = 8
 N_TOKENS = 24
 LONG_PROMPT = 360  # tokens: 12 chunks of 32
+SLOTS = 8  # the most any case uses
 
 
 class Subject:
-    """A model under test, its stage splits (stage count -> --layer-split), its prompts and,
-    once asked for, each prompt's tokens alone."""
+    """A model under test, its stage splits (stage count -> --layer-split), its prompts, and
+    once asked for, each prompt's tokens alone. Its launch (SLOTS slots, which every case's
+    scheduler uses a part of) stays up from one case to the next while they ask for the same
+    stage count; one launch per subject at a time, so SmolLM2's stages are not loaded twice."""
 
     def __init__(self, path, splits: dict[int, str]):
         self.file = ModelFile(path)
@@ -50,19 +54,29 @@ class Subject:
         self.splits = splits
         self.prompts = [self.tok.encode(p) for p in harness.prompt_set(N_REQUESTS)]
         self._alone: dict[str, list[list[int]]] | None = None
+        self._launch: tuple[int, Launched] | None = None
+        self._stack = ExitStack()
 
-    def launched(self, stages: int, slots: int):
-        plan = plan_stages(self.splits[stages], ["cpu"], self.file.config.n_layers)
-        return launch_stages(self.file, plan, slots=slots, ctx=CTX, say=lambda s: None)
+    def run(self, stages: int) -> Launched:
+        if self._launch is None or self._launch[0] != stages:
+            self.close()
+            plan = plan_stages(self.splits[stages], ["cpu"], self.file.config.n_layers)
+            run = self._stack.enter_context(launch_stages(self.file, plan, slots=SLOTS, ctx=CTX,
+                                                          say=lambda s: None))
+            self._launch = stages, run
+        return self._launch[1]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._launch = None
 
     def alone(self) -> dict[str, list[list[int]]]:
         """Each request alone, greedy and seeded: 2 stages, one slot, one request at a time."""
         if self._alone is None:
             cfg = SchedulerConfig(slots=1, groups=1, ctx=CTX)
-            with self.launched(2, 1) as run:
-                self._alone = {mode: [r.seq.generated for r in harness.run_alone(
-                    run, cfg, self.tok, self.prompts, params_for(mode))]
-                    for mode in ("greedy", "seeded")}
+            self._alone = {mode: [r.seq.generated for r in harness.run_alone(
+                self.run(2), cfg, self.tok, self.prompts, params_for(mode))]
+                for mode in ("greedy", "seeded")}
             for mode, texts in self._alone.items():  # the comparisons see real, varied output
                 assert sum(len(t) == N_TOKENS for t in texts) >= N_REQUESTS // 2, (mode, texts)
                 assert len({tuple(t) for t in texts}) == N_REQUESTS, (mode, texts)
@@ -76,19 +90,25 @@ SMOLLM2 = pytest.param("smollm2", id="smollm2", marks=pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")
-def made() -> dict[str, Subject]:
-    return {}
+def made():
+    subjects: dict[str, Subject] = {}
+    yield subjects
+    for s in subjects.values():
+        s.close()
 
 
 @pytest.fixture
-def subject(request, made) -> Subject:
-    """The subject named by the test's parameter, made once per module (a plain module-scoped
+def subject(request, made):
+    """The subject named by the test's parameter, made once per module (a module-scoped
     fixture would be made again for every parameter set that names it)."""
     name = request.param
     if name not in made:
         fixture, splits = SUBJECTS[name]
         made[name] = Subject(request.getfixturevalue(fixture), splits)
-    return made[name]
+    failed = request.session.testsfailed
+    yield made[name]
+    if request.session.testsfailed != failed:
+        made[name].close()  # a failed case may have left windows in flight
 
 
 def params_for(mode: str, n: int = N_REQUESTS, tokens: int = N_TOKENS):
@@ -111,14 +131,13 @@ def assert_same(alone_tokens, requests, label):
 ], indirect=["subject"])
 def test_batched_equals_alone(subject, stages, batch):
     alone = subject.alone()
-    with subject.launched(stages, batch) as run:
-        for groups in sorted({1, 2, auto_groups(batch, stages)}):
-            cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX)
-            for mode in ("greedy", "seeded"):
-                got = harness.run_together(run, cfg, subject.tok, subject.prompts,
-                                           params_for(mode))
-                assert_same(alone[mode], got, f"{stages} stages, batch {batch}, groups {groups}, "
-                                              f"{mode}")
+    run = subject.run(stages)
+    for groups in sorted({1, 2, auto_groups(batch, stages)}):
+        cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX)
+        for mode in ("greedy", "seeded"):
+            got = harness.run_together(run, cfg, subject.tok, subject.prompts, params_for(mode))
+            assert_same(alone[mode], got,
+                        f"{stages} stages, batch {batch}, groups {groups}, {mode}")
 
 
 @pytest.mark.parametrize("subject", [VARIED, SMOLLM2], indirect=True)
@@ -129,30 +148,30 @@ def test_staggered_lifecycle(subject):
     long_prompt = tok.encode(harness.PROMPTS[12] * 4)[:LONG_PROMPT]
     assert len(long_prompt) == LONG_PROMPT
     seeded = params_for("seeded")
-    with subject.launched(3, 4) as run:
-        sched = Scheduler(run.pipe, SchedulerConfig(slots=4, groups=2, ctx=CTX), tok.stop_ids,
-                          tok.decode)
-        a, b, c = (sched.submit(prompts[i], seeded[i]) for i in range(3))
-        while min(len(r.seq.generated) for r in (a, b, c)) < 3:
-            sched.step()
-        long_req = sched.submit(long_prompt, SamplingParams(max_tokens=8))
-        a_before, a_when_read = len(a.seq.generated), None
-        early = None
-        while not long_req.done:
-            sched.step()
-            if len(b.seq.generated) >= 6 and not b.cancelled:
-                sched.cancel(b)      # b's slot is freed at its next window...
-                early = sched.submit(prompts[4], replace(seeded[4], max_tokens=3))  # ...reused
-            if a_when_read is None and long_req.seq.generated:
-                a_when_read = len(a.seq.generated)
-        # a kept decoding while the long prompt was read: the long prompt joins the group with
-        # fewer busy slots (b's; c joined a's), and a's group runs its windows between its chunks
-        assert a_when_read - a_before >= 5
-        sched.run()
-        alone_long = Scheduler(run.pipe, SchedulerConfig(slots=4, groups=1, ctx=CTX),
-                               tok.stop_ids, tok.decode)
-        ref_long = alone_long.submit(long_prompt, SamplingParams(max_tokens=8))
-        alone_long.run()
+    run = subject.run(3)
+    sched = Scheduler(run.pipe, SchedulerConfig(slots=4, groups=2, ctx=CTX), tok.stop_ids,
+                      tok.decode)
+    a, b, c = (sched.submit(prompts[i], seeded[i]) for i in range(3))
+    while min(len(r.seq.generated) for r in (a, b, c)) < 3:
+        sched.step()
+    long_req = sched.submit(long_prompt, SamplingParams(max_tokens=8))
+    a_before, a_when_read = len(a.seq.generated), None
+    early = None
+    while not long_req.done:
+        sched.step()
+        if len(b.seq.generated) >= 6 and not b.cancelled:
+            sched.cancel(b)      # b's slot is freed at its next window...
+            early = sched.submit(prompts[4], replace(seeded[4], max_tokens=3))  # ...reused
+        if a_when_read is None and long_req.seq.generated:
+            a_when_read = len(a.seq.generated)
+    # a kept decoding while the long prompt was read: the long prompt joins the group with
+    # fewer busy slots (b's; c joined a's), and a's group runs its windows between its chunks
+    assert a_when_read - a_before >= 5
+    sched.run()
+    alone_long = Scheduler(run.pipe, SchedulerConfig(slots=4, groups=1, ctx=CTX),
+                           tok.stop_ids, tok.decode)
+    ref_long = alone_long.submit(long_prompt, SamplingParams(max_tokens=8))
+    alone_long.run()
     assert b.seq.finish_reason == "cancelled"
     assert b.seq.generated == alone["seeded"][1][:len(b.seq.generated)]
     assert early.slot is b.slot  # the only slot free when it arrived
@@ -170,11 +189,11 @@ def test_32_requests_through_4_slots(subject):
     tok = subject.tok
     prompts = [tok.encode(t) for t in harness.prompt_set(32)]
     params = [harness.request_params(i, i % 2 == 1, N_TOKENS) for i in range(32)]
-    with subject.launched(2, 4) as run:
-        together = harness.run_together(run, SchedulerConfig(slots=4, groups=2, ctx=CTX), tok,
-                                        prompts, params)
-        alone = harness.run_alone(run, SchedulerConfig(slots=4, groups=1, ctx=CTX), tok,
-                                  prompts, params)
+    run = subject.run(2)
+    together = harness.run_together(run, SchedulerConfig(slots=4, groups=2, ctx=CTX), tok,
+                                    prompts, params)
+    alone = harness.run_alone(run, SchedulerConfig(slots=4, groups=1, ctx=CTX), tok,
+                              prompts, params)
     assert_same([r.seq.generated for r in alone], together, "32 requests through 4 slots")
     assert all(r.seq.finish_reason in ("stop", "length") for r in together)
     assert sum(len(r.seq.generated) for r in together) > 32 * N_TOKENS // 2  # most ran long
@@ -186,20 +205,20 @@ def test_multi_turn_reuses_the_slot_and_equals_a_fresh_read(subject, caplog):
     tok = subject.tok
     turn1 = tok.render_chat([{"role": "user", "content": "Name a colour."}])
     params = SamplingParams(max_tokens=12)
-    with subject.launched(2, 2) as run:
-        sched = Scheduler(run.pipe, SchedulerConfig(slots=2, groups=2, ctx=CTX), tok.stop_ids,
-                          tok.decode)
-        first = sched.submit(tok.encode(turn1), params)
+    run = subject.run(2)
+    sched = Scheduler(run.pipe, SchedulerConfig(slots=2, groups=2, ctx=CTX), tok.stop_ids,
+                      tok.decode)
+    first = sched.submit(tok.encode(turn1), params)
+    sched.run()
+    history = tok.encode(turn1) + first.seq.generated + tok.encode(
+        "<|im_end|>\n<|im_start|>user\nAnd another one?<|im_end|>\n<|im_start|>assistant\n")
+    with caplog.at_level(logging.INFO, logger="strata.scheduler"):
+        second = sched.submit(history, params)
         sched.run()
-        history = tok.encode(turn1) + first.seq.generated + tok.encode(
-            "<|im_end|>\n<|im_start|>user\nAnd another one?<|im_end|>\n<|im_start|>assistant\n")
-        with caplog.at_level(logging.INFO, logger="strata.scheduler"):
-            second = sched.submit(history, params)
-            sched.run()
-        fresh_sched = Scheduler(run.pipe, SchedulerConfig(slots=2, groups=1, ctx=CTX),
-                                tok.stop_ids, tok.decode)
-        fresh = fresh_sched.submit(history, params)
-        fresh_sched.run()
+    fresh_sched = Scheduler(run.pipe, SchedulerConfig(slots=2, groups=1, ctx=CTX),
+                            tok.stop_ids, tok.decode)
+    fresh = fresh_sched.submit(history, params)
+    fresh_sched.run()
     assert second.slot is first.slot
     assert second.reused == len(tok.encode(turn1))  # the prompt of turn 1, not its answer
     assert f"reuses {second.reused} of {len(history)} prompt tokens" in caplog.text
@@ -222,12 +241,11 @@ def test_drafts_give_the_solo_tokens(subject, batch, groups, drafts):
     """Draft tokens (prompt lookup) verified in the windows' spare rows: every request still
     gets its plain solo tokens, greedy and seeded, and some drafts were accepted."""
     alone = subject.alone()
-    with subject.launched(2, batch) as run:
-        cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX, draft_tokens=drafts)
-        accepted = 0
-        for mode in ("greedy", "seeded"):
-            got = harness.run_together(run, cfg, subject.tok, subject.prompts,
-                                       params_for(mode))
-            assert_same(alone[mode], got, f"drafts, batch {batch}, groups {groups}, {mode}")
-            accepted += sum(r.accepted for r in got)
+    run = subject.run(2)
+    cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX, draft_tokens=drafts)
+    accepted = 0
+    for mode in ("greedy", "seeded"):
+        got = harness.run_together(run, cfg, subject.tok, subject.prompts, params_for(mode))
+        assert_same(alone[mode], got, f"drafts, batch {batch}, groups {groups}, {mode}")
+        accepted += sum(r.accepted for r in got)
     assert accepted > 0
