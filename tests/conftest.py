@@ -48,6 +48,16 @@ def tiny_model(tmp_path_factory) -> Path:
     return write_random_gguf(path, SHAPES["tiny"], seed=1)
 
 
+@pytest.fixture(scope="session")
+def varied_model(tmp_path_factory) -> Path:
+    """The tiny shape with an untied head and weights of std 0.2 instead of 0.02. Its tokens
+    depend on the whole context (tiny_model's greedy text repeats the last token), so greedy
+    and seeded texts are long and varied, and a row that reads a wrong position, slot or cache
+    entry changes them: for exactness tests that must be able to fail."""
+    path = tmp_path_factory.mktemp("models") / "varied.gguf"
+    return write_random_gguf(path, SHAPES["tiny"], seed=1, std=0.2, tied=False)
+
+
 def stage_processes(marker: str = "") -> list[int]:
     """Pids of running strata stage workers (whose command line holds `marker`)."""
     pids = []

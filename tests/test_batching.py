@@ -1,11 +1,28 @@
-"""Batch slots and groups on the real SmolLM2: every request gets exactly its solo tokens.
+"""Batch slots and groups: every request gets exactly its solo tokens.
 
-"Alone" is computed once (2 stages, one request at a time) and every batched run, with 2 or 3
-stages, batch 4 or 8, groups 1, 2 or auto, greedy or seeded, is compared with it token by token.
+"Alone" is computed once per model (2 stages, one request at a time) and every batched run is
+compared with it token by token. The matrix runs on `varied_model` (conftest: a tiny random
+model whose tokens depend on the whole context, so a row that reads a wrong position, slot or
+cache entry changes the text); each property runs once more on the real SmolLM2 (marked slow).
+What each case proves:
+
+- test_batched_equals_alone: together == alone, with 8 requests through 4 or 8 slots (slots
+  shared by windows, reused by later requests); serial (groups 1) == pipelined (groups 2 and
+  auto) == alone; greedy and seeded; 2 and 3 stages.
+- test_staggered_lifecycle: a long prompt admitted while slots decode (its chunks go between
+  their windows), a cancelled request whose slot is reused at once, one finishing early;
+  pipelined over 3 stages.
+- test_32_requests_through_4_slots: the long lifecycle, each slot reused 8 times, pipelined
+  (varied model only).
+- test_multi_turn_reuses_the_slot_and_equals_a_fresh_read: the prompt cache: a follow-up reads
+  only what its slot does not hold, and gets the tokens of a fresh read.
+- test_drafts_give_the_solo_tokens: draft rows in the decode windows change no token, and some
+  drafts are accepted.
 """
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from dataclasses import replace
 
 import pytest
@@ -14,46 +31,88 @@ from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig, auto_groups
 from strata.bench import harness
 from strata.launch.plan import plan_stages
-from strata.launch.session import launch_stages
+from strata.launch.session import Launched, launch_stages
 from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer
 
 CTX = 512
 N_REQUESTS = 8
 N_TOKENS = 24
-SPLITS = {2: "15", 3: "10,20"}
+LONG_PROMPT = 360  # tokens: 12 chunks of 32
+SLOTS = 8  # the most any case uses
+
+
+class Subject:
+    """A model under test, its stage splits (stage count -> --layer-split), its prompts, and
+    once asked for, each prompt's tokens alone. Its launch (SLOTS slots, which every case's
+    scheduler uses a part of) stays up from one case to the next while they ask for the same
+    stage count; one launch per subject at a time, so SmolLM2's stages are not loaded twice."""
+
+    def __init__(self, path, splits: dict[int, str]):
+        self.file = ModelFile(path)
+        self.tok = Tokenizer.from_gguf(self.file.reader)
+        self.splits = splits
+        self.prompts = [self.tok.encode(p) for p in harness.prompt_set(N_REQUESTS)]
+        self._alone: dict[str, list[list[int]]] | None = None
+        self._launch: tuple[int, Launched] | None = None
+        self._stack = ExitStack()
+
+    def run(self, stages: int) -> Launched:
+        if self._launch is None or self._launch[0] != stages:
+            self.close()
+            plan = plan_stages(self.splits[stages], ["cpu"], self.file.config.n_layers)
+            run = self._stack.enter_context(launch_stages(self.file, plan, slots=SLOTS, ctx=CTX,
+                                                          say=lambda s: None))
+            self._launch = stages, run
+        return self._launch[1]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._launch = None
+
+    def alone(self) -> dict[str, list[list[int]]]:
+        """Each request alone, greedy and seeded: 2 stages, one slot, one request at a time."""
+        if self._alone is None:
+            cfg = SchedulerConfig(slots=1, groups=1, ctx=CTX)
+            self._alone = {mode: [r.seq.generated for r in harness.run_alone(
+                self.run(2), cfg, self.tok, self.prompts, params_for(mode))]
+                for mode in ("greedy", "seeded")}
+            for mode, texts in self._alone.items():  # the comparisons see real, varied output
+                assert sum(len(t) == N_TOKENS for t in texts) >= N_REQUESTS // 2, (mode, texts)
+                assert len({tuple(t) for t in texts}) == N_REQUESTS, (mode, texts)
+        return self._alone
+
+
+SUBJECTS = {"varied": ("varied_model", {2: "2", 3: "1,2"}),
+            "smollm2": ("smollm2", {2: "15", 3: "10,20"})}
+VARIED = pytest.param("varied", id="varied")
+SMOLLM2 = pytest.param("smollm2", id="smollm2", marks=pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")
-def model(smollm2):
-    file = ModelFile(smollm2)
-    return file, Tokenizer.from_gguf(file.reader)
+def made():
+    subjects: dict[str, Subject] = {}
+    yield subjects
+    for s in subjects.values():
+        s.close()
 
 
-@pytest.fixture(scope="module")
-def prompts(model):
-    _, tok = model
-    return [tok.encode(p) for p in harness.prompt_set(N_REQUESTS)]
+@pytest.fixture
+def subject(request, made):
+    """The subject named by the test's parameter, made once per module (a module-scoped
+    fixture would be made again for every parameter set that names it)."""
+    name = request.param
+    if name not in made:
+        fixture, splits = SUBJECTS[name]
+        made[name] = Subject(request.getfixturevalue(fixture), splits)
+    failed = request.session.testsfailed
+    yield made[name]
+    if request.session.testsfailed != failed:
+        made[name].close()  # a failed case may have left windows in flight
 
 
 def params_for(mode: str, n: int = N_REQUESTS, tokens: int = N_TOKENS):
     return [harness.request_params(i, mode == "seeded", tokens) for i in range(n)]
-
-
-def launched(file, split, slots):
-    plan = plan_stages(split, ["cpu"], file.config.n_layers)
-    return launch_stages(file, plan, slots=slots, ctx=CTX, say=lambda s: None)
-
-
-@pytest.fixture(scope="module")
-def alone(model, prompts):
-    """Each request alone: 2 stages, one slot, one request at a time."""
-    file, tok = model
-    cfg = SchedulerConfig(slots=1, groups=1, ctx=CTX)
-    with launched(file, SPLITS[2], 1) as run:
-        return {mode: [r.seq.generated for r in
-                       harness.run_alone(run, cfg, tok, prompts, params_for(mode))]
-                for mode in ("greedy", "seeded")}
 
 
 def assert_same(alone_tokens, requests, label):
@@ -63,53 +122,56 @@ def assert_same(alone_tokens, requests, label):
                             f"{want[at:at + 4]}, together {req.seq.generated[at:at + 4]}")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("batch", [4, 8])
-def test_batched_equals_alone(model, prompts, alone, stages, batch):
-    file, tok = model
-    with launched(file, SPLITS[stages], batch) as run:
-        for groups in sorted({1, 2, auto_groups(batch, stages)}):
-            cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX)
-            for mode in ("greedy", "seeded"):
-                got = harness.run_together(run, cfg, tok, prompts, params_for(mode))
-                assert_same(alone[mode], got, f"{stages} stages, batch {batch}, groups {groups}, "
-                                              f"{mode}")
-    assert any(len(t) == N_TOKENS for t in alone["greedy"])  # the comparison saw real output
+@pytest.mark.parametrize("subject,stages,batch", [
+    pytest.param("varied", 2, 4, id="varied-2stages-batch4"),
+    pytest.param("varied", 2, 8, id="varied-2stages-batch8"),
+    pytest.param("varied", 3, 4, id="varied-3stages-batch4"),
+    pytest.param("varied", 3, 8, id="varied-3stages-batch8"),
+    pytest.param("smollm2", 3, 4, id="smollm2-3stages-batch4", marks=pytest.mark.slow),
+], indirect=["subject"])
+def test_batched_equals_alone(subject, stages, batch):
+    alone = subject.alone()
+    run = subject.run(stages)
+    for groups in sorted({1, 2, auto_groups(batch, stages)}):
+        cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX)
+        for mode in ("greedy", "seeded"):
+            got = harness.run_together(run, cfg, subject.tok, subject.prompts, params_for(mode))
+            assert_same(alone[mode], got,
+                        f"{stages} stages, batch {batch}, groups {groups}, {mode}")
 
 
-@pytest.mark.slow
-def test_staggered_lifecycle(model, prompts, alone):
+@pytest.mark.parametrize("subject", [VARIED, SMOLLM2], indirect=True)
+def test_staggered_lifecycle(subject):
     """A long prompt admitted while 3 slots decode, one request cancelled and its slot reused,
     one finishing early; pipelined over 3 stages."""
-    file, tok = model
-    long_prompt = tok.encode(harness.PROMPTS[12] * 4)  # ~12 chunks of 32
-    assert len(long_prompt) > 300
+    tok, prompts, alone = subject.tok, subject.prompts, subject.alone()
+    long_prompt = tok.encode(harness.PROMPTS[12] * 4)[:LONG_PROMPT]
+    assert len(long_prompt) == LONG_PROMPT
     seeded = params_for("seeded")
-    with launched(file, SPLITS[3], 4) as run:
-        sched = Scheduler(run.pipe, SchedulerConfig(slots=4, groups=2, ctx=CTX), tok.stop_ids,
-                          tok.decode)
-        a, b, c = (sched.submit(prompts[i], seeded[i]) for i in range(3))
-        while min(len(r.seq.generated) for r in (a, b, c)) < 3:
-            sched.step()
-        long_req = sched.submit(long_prompt, SamplingParams(max_tokens=8))
-        a_before, a_when_read = len(a.seq.generated), None
-        early = None
-        while not long_req.done:
-            sched.step()
-            if len(b.seq.generated) >= 6 and not b.cancelled:
-                sched.cancel(b)      # b's slot is freed at its next window...
-                early = sched.submit(prompts[4], replace(seeded[4], max_tokens=3))  # ...reused
-            if a_when_read is None and long_req.seq.generated:
-                a_when_read = len(a.seq.generated)
-        # a kept decoding while the long prompt was read: the long prompt joins the group with
-        # fewer busy slots (b's; c joined a's), and a's group runs its windows between its chunks
-        assert a_when_read - a_before >= 5
-        sched.run()
-        alone_long = Scheduler(run.pipe, SchedulerConfig(slots=4, groups=1, ctx=CTX),
-                               tok.stop_ids, tok.decode)
-        ref_long = alone_long.submit(long_prompt, SamplingParams(max_tokens=8))
-        alone_long.run()
+    run = subject.run(3)
+    sched = Scheduler(run.pipe, SchedulerConfig(slots=4, groups=2, ctx=CTX), tok.stop_ids,
+                      tok.decode)
+    a, b, c = (sched.submit(prompts[i], seeded[i]) for i in range(3))
+    while min(len(r.seq.generated) for r in (a, b, c)) < 3:
+        sched.step()
+    long_req = sched.submit(long_prompt, SamplingParams(max_tokens=8))
+    a_before, a_when_read = len(a.seq.generated), None
+    early = None
+    while not long_req.done:
+        sched.step()
+        if len(b.seq.generated) >= 6 and not b.cancelled:
+            sched.cancel(b)      # b's slot is freed at its next window...
+            early = sched.submit(prompts[4], replace(seeded[4], max_tokens=3))  # ...reused
+        if a_when_read is None and long_req.seq.generated:
+            a_when_read = len(a.seq.generated)
+    # a kept decoding while the long prompt was read: the long prompt joins the group with
+    # fewer busy slots (b's; c joined a's), and a's group runs its windows between its chunks
+    assert a_when_read - a_before >= 5
+    sched.run()
+    alone_long = Scheduler(run.pipe, SchedulerConfig(slots=4, groups=1, ctx=CTX),
+                           tok.stop_ids, tok.decode)
+    ref_long = alone_long.submit(long_prompt, SamplingParams(max_tokens=8))
+    alone_long.run()
     assert b.seq.finish_reason == "cancelled"
     assert b.seq.generated == alone["seeded"][1][:len(b.seq.generated)]
     assert early.slot is b.slot  # the only slot free when it arrived
@@ -121,42 +183,42 @@ def test_staggered_lifecycle(model, prompts, alone):
     assert sched.idle
 
 
-@pytest.mark.slow
-def test_32_requests_through_4_slots(model):
-    """32 requests x 128 tokens through 4 slots (pipelined), against each alone: the alone
-    side is up to 4096 serial windows, the longest case of the suite (~5 minutes)."""
-    file, tok = model
-    texts = harness.prompt_set(32)
-    prompts = [tok.encode(t) for t in texts]
-    params = [harness.request_params(i, i % 2 == 1, 128) for i in range(32)]
-    with launched(file, SPLITS[2], 4) as run:
-        together = harness.run_together(run, SchedulerConfig(slots=4, groups=2, ctx=CTX), tok,
-                                        prompts, params)
-        alone = harness.run_alone(run, SchedulerConfig(slots=4, groups=1, ctx=CTX), tok,
-                                  prompts, params)
+@pytest.mark.parametrize("subject", [VARIED], indirect=True)
+def test_32_requests_through_4_slots(subject):
+    """32 requests x 24 tokens through 4 slots (pipelined), against each alone."""
+    tok = subject.tok
+    prompts = [tok.encode(t) for t in harness.prompt_set(32)]
+    params = [harness.request_params(i, i % 2 == 1, N_TOKENS) for i in range(32)]
+    run = subject.run(2)
+    together = harness.run_together(run, SchedulerConfig(slots=4, groups=2, ctx=CTX), tok,
+                                    prompts, params)
+    alone = harness.run_alone(run, SchedulerConfig(slots=4, groups=1, ctx=CTX), tok,
+                              prompts, params)
     assert_same([r.seq.generated for r in alone], together, "32 requests through 4 slots")
     assert all(r.seq.finish_reason in ("stop", "length") for r in together)
-    assert sum(len(r.seq.generated) for r in together) > 32 * 64  # most ran long
+    assert sum(len(r.seq.generated) for r in together) > 32 * N_TOKENS // 2  # most ran long
+    assert len({r.slot.index for r in together}) == 4
 
 
-def test_multi_turn_reuses_the_slot_and_equals_a_fresh_read(model, caplog):
-    file, tok = model
+@pytest.mark.parametrize("subject", [VARIED, SMOLLM2], indirect=True)
+def test_multi_turn_reuses_the_slot_and_equals_a_fresh_read(subject, caplog):
+    tok = subject.tok
     turn1 = tok.render_chat([{"role": "user", "content": "Name a colour."}])
     params = SamplingParams(max_tokens=12)
-    with launched(file, SPLITS[2], 2) as run:
-        sched = Scheduler(run.pipe, SchedulerConfig(slots=2, groups=2, ctx=CTX), tok.stop_ids,
-                          tok.decode)
-        first = sched.submit(tok.encode(turn1), params)
+    run = subject.run(2)
+    sched = Scheduler(run.pipe, SchedulerConfig(slots=2, groups=2, ctx=CTX), tok.stop_ids,
+                      tok.decode)
+    first = sched.submit(tok.encode(turn1), params)
+    sched.run()
+    history = tok.encode(turn1) + first.seq.generated + tok.encode(
+        "<|im_end|>\n<|im_start|>user\nAnd another one?<|im_end|>\n<|im_start|>assistant\n")
+    with caplog.at_level(logging.INFO, logger="strata.scheduler"):
+        second = sched.submit(history, params)
         sched.run()
-        history = tok.encode(turn1) + first.seq.generated + tok.encode(
-            "<|im_end|>\n<|im_start|>user\nAnd another one?<|im_end|>\n<|im_start|>assistant\n")
-        with caplog.at_level(logging.INFO, logger="strata.scheduler"):
-            second = sched.submit(history, params)
-            sched.run()
-        fresh_sched = Scheduler(run.pipe, SchedulerConfig(slots=2, groups=1, ctx=CTX),
-                                tok.stop_ids, tok.decode)
-        fresh = fresh_sched.submit(history, params)
-        fresh_sched.run()
+    fresh_sched = Scheduler(run.pipe, SchedulerConfig(slots=2, groups=1, ctx=CTX),
+                            tok.stop_ids, tok.decode)
+    fresh = fresh_sched.submit(history, params)
+    fresh_sched.run()
     assert second.slot is first.slot
     assert second.reused == len(tok.encode(turn1))  # the prompt of turn 1, not its answer
     assert f"reuses {second.reused} of {len(history)} prompt tokens" in caplog.text
@@ -171,16 +233,20 @@ def test_groups_must_divide_batch():
     assert auto_groups(8, 2) == 2 and auto_groups(9, 2) == 1 and auto_groups(6, 4) == 3
 
 
-@pytest.mark.parametrize("batch,groups,drafts", [(1, 1, 7), (4, 2, 3)])
-def test_drafts_give_the_solo_tokens(model, prompts, alone, batch, groups, drafts):
+@pytest.mark.parametrize("subject,batch,groups,drafts", [
+    pytest.param("varied", 1, 1, 7, id="varied-batch1-drafts7"),
+    pytest.param("varied", 4, 2, 3, id="varied-batch4-groups2-drafts3"),
+    pytest.param("smollm2", 4, 2, 3, id="smollm2-batch4-groups2-drafts3", marks=pytest.mark.slow),
+], indirect=["subject"])
+def test_drafts_give_the_solo_tokens(subject, batch, groups, drafts):
     """Draft tokens (prompt lookup) verified in the windows' spare rows: every request still
     gets its plain solo tokens, greedy and seeded, and some drafts were accepted."""
-    file, tok = model
-    with launched(file, SPLITS[2], batch) as run:
-        cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX, draft_tokens=drafts)
-        accepted = 0
-        for mode in ("greedy", "seeded"):
-            got = harness.run_together(run, cfg, tok, prompts, params_for(mode))
-            assert_same(alone[mode], got, f"drafts, batch {batch}, groups {groups}, {mode}")
-            accepted += sum(r.accepted for r in got)
+    alone = subject.alone()
+    run = subject.run(2)
+    cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX, draft_tokens=drafts)
+    accepted = 0
+    for mode in ("greedy", "seeded"):
+        got = harness.run_together(run, cfg, subject.tok, subject.prompts, params_for(mode))
+        assert_same(alone[mode], got, f"drafts, batch {batch}, groups {groups}, {mode}")
+        accepted += sum(r.accepted for r in got)
     assert accepted > 0

@@ -32,6 +32,8 @@ N_TOKENS = 32
 CTX = 256
 SPLITS = {1: "auto", 2: "15", 3: "10,20"}
 
+pytestmark = pytest.mark.slow  # SmolLM2 in four launches and in transformers
+
 
 @pytest.fixture(scope="module")
 def model(smollm2):
@@ -67,10 +69,11 @@ def generate(run, tok, params, prompts=PROMPTS, want_logits=False):
 
 
 @torch.inference_mode()
-def single_process_greedy(file, ids: list[int]) -> list[int]:
-    """The same windows (fixed chunk and decode shapes) run by one StageModel in-process."""
-    model = StageModel(file, 0, file.config.n_layers, ctx=CTX)
-    cache = KVCache(file.config.n_layers, 1, file.config, CTX, model.device, model.dtype)
+def single_process_greedy(model: StageModel, ids: list[int]) -> list[int]:
+    """The same windows (fixed chunk and decode shapes) run by one StageModel in-process, with
+    a fresh cache."""
+    cfg = model.cfg
+    cache = KVCache(cfg.n_layers, 1, cfg, CTX, model.device, model.dtype)
 
     def step(rows: list[tuple[int, int]], shape: int) -> int:
         pad = shape - len(rows)
@@ -113,8 +116,9 @@ def test_stage_counts_give_identical_greedy_tokens(greedy_runs):
 
 def test_pipeline_equals_single_process_forward(model, greedy_runs):
     file, tok = model
+    whole = StageModel(file, 0, file.config.n_layers, ctx=CTX)
     for prompt, tokens in zip(PROMPTS, greedy_runs[1][0]):
-        assert single_process_greedy(file, tok.encode(prompt)) == tokens, prompt
+        assert single_process_greedy(whole, tok.encode(prompt)) == tokens, prompt
 
 
 @pytest.mark.parametrize("n_stages", [1, 3])

@@ -306,7 +306,7 @@ def test_short_load_test(tiny_model, tmp_path, no_stage_left):
     out = subprocess.run(
         [sys.executable, "-m", "strata.bench", "loadtest", "--model", str(tiny_model),
          "--layer-split", "2", "--batch", "4", "--batch-groups", "2", "--ctx-size", str(CTX),
-         "--clients", "12", "--duration", "6", "--max-tokens", "6", "--log-dir", str(tmp_path),
+         "--clients", "12", "--duration", "2", "--max-tokens", "6", "--log-dir", str(tmp_path),
          "--json-out", str(tmp_path / "load.json")],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -378,6 +378,7 @@ def solo(smollm2, smol_tok, tmp_path_factory):
                 "seeded_cli": seeded_cli.result()}
 
 
+@pytest.mark.slow
 def test_http_equals_strata_launch_and_the_scheduler_alone(smol, solo):
     c = smol.client()
     chat = c.chat.completions.create(model="smollm2-135m", max_tokens=N_TOKENS,
@@ -395,6 +396,7 @@ def test_http_equals_strata_launch_and_the_scheduler_alone(smol, solo):
     assert len(greedy_alone.seq.generated) > 3 and len(seeded_alone.seq.generated) > 3
 
 
+@pytest.mark.slow
 def test_8_concurrent_streams_each_get_their_solo_tokens(smol, solo):
     c = smol.client()
     texts = harness.prompt_set(N_CLIENTS)

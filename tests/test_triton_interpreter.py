@@ -20,6 +20,7 @@ KERNEL_TESTS = ["tests/test_attention_triton.py", "tests/test_attention_chunk.py
                 "tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py"]
 
 
+@pytest.mark.slow
 def test_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
