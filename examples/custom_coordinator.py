@@ -36,13 +36,13 @@ def generate(pipe: Pipeline, tok: Tokenizer, prompt: list[int], max_tokens: int)
     for i, rows in enumerate(prompt_chunks(SLOT, prompt, 0, CHUNK_ROWS, greedy)):
         commits = [(SLOT, 0)] if i == 0 else []  # (slot, length kept): the slot starts empty
         pipe.submit(build_window(pipe.new_window_id(), rows, CHUNK_ROWS, commits, chunk=True))
-        result, _ = pipe.receive(timeout=60)
+        result, _ = pipe.receive()
     out = [result.tokens[0]]
     while len(out) < max_tokens and out[-1] not in tok.stop_ids:
         # one row: the last token at its position, sampling the token after it
         row = Row(SLOT, len(prompt) + len(out) - 1, out[-1], greedy)
         pipe.submit(build_window(pipe.new_window_id(), [row], WINDOW_ROWS))
-        result, _ = pipe.receive(timeout=60)
+        result, _ = pipe.receive()
         out.append(result.tokens[0])
     return out
 
@@ -71,7 +71,7 @@ def main() -> None:
     try:
         procs.start()
         pipe.wait_for_hellos([Expect(p.index, p.layer_start, p.layer_end, file.fingerprint(),
-                                     1, a.ctx_size) for p in plan])
+                                     1, a.ctx_size) for p in plan], timeout=300)
         tokens = generate(pipe, tok, prompt, a.max_tokens)
         print(tok.decode([t for t in tokens if t not in tok.stop_ids]))
         done = True
