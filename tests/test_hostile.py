@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 
 from strata.coordinator.openai_api import TextStream, _failure_links, _stop_prefix_at_end
 from strata.coordinator.request_fields import STOP_MAX_CHARS
-from strata.coordinator.server import ServeError, ServerConfig, bind_socket
+from strata.config_error import ConfigError
+from strata.coordinator.server import ServerConfig
+from strata.launch.options import FLAGS
+from strata.launch.serving import ServeError, bind_socket
 from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer
 from test_server import Serving
@@ -351,5 +354,6 @@ def test_a_bad_host_is_not_called_a_busy_port():
     ("max_connections", 0, "--max-connections"),
     ("max_client_connections", -1, "--max-client-connections")])
 def test_limits_out_of_range_are_refused_at_start(field, value, option):
-    with pytest.raises(ServeError, match=option):
+    with pytest.raises(ConfigError) as e:
         ServerConfig(model="m", **{field: value})
+    assert e.value.field == field and e.value.render(FLAGS).startswith(option)

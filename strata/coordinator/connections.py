@@ -9,23 +9,18 @@ request's headers; the body's is bounded where the handler reads it.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
-import socket
 from collections import Counter
 from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from strata.config_error import ConfigError
 from strata.coordinator.request_fields import ApiError
 
 log = logging.getLogger("strata.server")
-
-
-class ServeError(ValueError):
-    """The server cannot start as asked; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -43,41 +38,17 @@ class ServerConfig:
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
-            raise ServeError(f"--port {self.port} is outside 0..65535")
+            raise ConfigError("port", f"{{port}} {self.port} is outside 0..65535")
         if not 0 < self.read_timeout < float("inf"):
-            raise ServeError(f"--read-timeout {self.read_timeout:g} is not a positive number "
-                             f"of seconds; give e.g. 30")
-        for name, n in (("--max-connections", self.max_connections),
-                        ("--max-client-connections", self.max_client_connections)):
+            raise ConfigError("read_timeout", f"{{read_timeout}} {self.read_timeout:g} is not "
+                              f"a positive number of seconds", "give e.g. 30")
+        for name, n in (("max_connections", self.max_connections),
+                        ("max_client_connections", self.max_client_connections)):
             if n < 1:
-                raise ServeError(f"{name} {n} is below 1; give at least 1")
+                raise ConfigError(name, f"{{{name}}} {n} is below 1", "give at least 1")
         if self.api_key == "":
-            raise ServeError("--api-key is empty; give a key, or leave the option out")
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind before the stages start (a taken port fails fast); listen once they are ready."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ServeError(f"--host {host!r} does not resolve ({e.strerror}); use an address "
-                         f"such as 127.0.0.1 or 0.0.0.0") from None
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); stop what uses "
-                             f"it or choose another --port") from None
-        if e.errno == errno.EACCES:
-            raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); choose a --port "
-                             f"of 1024 or above") from None
-        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); --host must be an "
-                         f"address of this machine, such as 127.0.0.1 or 0.0.0.0") from None
-    return sock
+            raise ConfigError("api_key", "{api_key} is empty",
+                              "give a key, or leave it out")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import asyncio
 import hmac
 import json
 import logging
-import signal
 import socket
 from typing import Callable
 
@@ -26,7 +25,7 @@ from aiohttp import web
 
 from strata.coordinator import openai_api as api
 from strata.coordinator.connections import ConnectionPool, Limits
-from strata.coordinator.connections import ServeError, ServerConfig, bind_socket  # noqa: F401
+from strata.coordinator.connections import ServerConfig
 from strata.coordinator.engine import Engine, EngineDown, Finished, Job
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.openai_api import ApiError
@@ -338,48 +337,26 @@ def stage_table(hellos: dict) -> list[dict]:
              "pid": h.pid} for _, h in sorted(hellos.items())]
 
 
-def run_server(pipe, check_alive: Callable[[], None], sched_cfg, tok, vocab: int,
-               cfg: ServerConfig, sock: socket.socket, say: Callable[[str], None]) -> str | None:
-    """Serve until SIGINT or SIGTERM; then stop taking requests, cancel the running ones and
-    wait for the windows in flight. The caller stops the stages afterwards. Returns why the
-    stages stopped serving before the signal came, if they did."""
-    metrics = Metrics()
-    engine = Engine(pipe, sched_cfg, tok.stop_ids, tok.decode, metrics, cfg.stop_grace)
-    server = Server(engine, tok, vocab, cfg, metrics, stage_table(pipe.hellos), check_alive)
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    engine.start()
-    try:
-        return asyncio.run(_serve(server, sock, say))
-    finally:
-        engine.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-async def _serve(server: Server, sock: socket.socket, say) -> str | None:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+async def serve(server: Server, sock: socket.socket, stop: asyncio.Event,
+                ready: Callable[[str], None]) -> str | None:
+    """Serve on the bound `sock` until `stop` is set; `ready(url)` once listening. Then stop
+    taking requests, cancel the running ones and wait for the windows in flight (the engine's
+    stop grace). Returns why the stages stopped serving before `stop` was set, if they did."""
     handler_args = {"access_log": log}
     runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=1.0,
                            **handler_args)
     await runner.setup()
     limits = Limits(server.cfg.read_timeout, server.cfg.max_connections,
                     server.cfg.max_client_connections)
-    listening = await loop.create_server(ConnectionPool(runner.server, limits, handler_args),
-                                         sock=sock)
+    listening = await asyncio.get_running_loop().create_server(
+        ConnectionPool(runner.server, limits, handler_args), sock=sock)
     host, port = sock.getsockname()[:2]
-    cfg = server.engine.cfg
-    say(f"strata: serving {server.cfg.model} on http://{_url_host(host)}:{port}/v1 "
-        f"({len(server.stages)} stages, batch {cfg.slots}, groups {cfg.groups})")
+    ready(f"http://{_url_host(host)}:{port}/v1")
     try:
         await stop.wait()
         # a stage that dies of the same Ctrl-C (sent to the whole process group) is noticed
-        # later than this: only a failure seen before the signal counts
-        failure = server.engine.failure
-        say("strata: stopping")
-        return failure
+        # later than this: only a failure seen before the stop counts
+        return server.engine.failure
     finally:
         server.engine.stop(wait=False)
         listening.close()

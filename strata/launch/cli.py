@@ -11,7 +11,8 @@ from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler
-from strata.coordinator.server import ServerConfig, bind_socket, run_server
+from strata.coordinator.server import ServerConfig
+from strata.launch.serving import bind_socket, run_server
 from strata.launch.options import clean_errors, launch_options, prepare, say
 from strata.launch.plan import PlanError
 from strata.model.registry import DEFAULT_MODEL

@@ -130,7 +130,9 @@ def parse_devices_for(devices: str) -> list[str]:
 # the library's config fields as strata-launch's flags, and the choices only the CLI offers
 FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--window-rows",
          "chunk_rows": "--chunk-rows", "ctx": "--ctx-size", "draft_tokens": "--draft-tokens",
-         "graph_cache": "--graph-cache"}
+         "graph_cache": "--graph-cache", "port": "--port", "api_key": "--api-key",
+         "read_timeout": "--read-timeout", "max_connections": "--max-connections",
+         "max_client_connections": "--max-client-connections"}
 CHOICES = {"groups": "auto"}
 
 
