@@ -1,8 +1,8 @@
 """PUSH/PULL over Unix stream sockets: the same-host transport (`unix://PATH` endpoints).
 
 ZeroMQ hands every message to an I/O thread on each side, and waking those threads is most of
-a hop's cost on a VM: a ZeroMQ round trip with spinning receivers takes ~130 us on the
-development VM and a hop 0.15-0.3 ms on the lent GPU hosts, while the same round trip over a
+a hop's cost on a VM: a ZeroMQ round trip with spinning receivers takes ~130 us on a 2-core
+x86_64 VM and a hop 0.15-0.3 ms on an H200 host, while the same round trip over a
 Unix socket that the receiver reads itself takes ~6 us (docs/BENCHMARKS.md). These two classes
 keep the part of ZeroMQ's PUSH/PULL contract strata relies on, and nothing else:
 

@@ -50,7 +50,7 @@ class Captured:
         # first waits for the whole stream (the previous window's replay), which would stall
         # the host until the GPU is idle, so the next window's host work could not overlap it.
         # Registered with cudaHostRegister rather than taken from torch's pinned pool, whose
-        # copies also record an event each (~15 us more a copy on the lent VMs), and filled in
+        # copies also record an event each (~15 us more a copy on an H200 host), and filled in
         # place through numpy (tools/gpu/host_steps.py).
         self.staging = [_page_locked(x.shape, x.dtype) if x.device.type == "cpu" else None
                         for x in inputs]
