@@ -97,8 +97,9 @@ class _Connection(RequestHandler):
             return super().handle_error(request, status, exc, message)
         log.info("refused a malformed request from %s: %s", request.remote, message or exc)
         reason = (message or str(exc) or "malformed request").splitlines()[0]
-        e = ApiError(status, f"the HTTP request is malformed ({reason}); send a well-formed "
-                             f"request with headers of at most 8190 bytes each",
+        fix = ("send headers of at most 8190 bytes each" if "too long" in reason.lower()
+               or "too large" in reason.lower() else "send a well-formed HTTP/1.1 request")
+        e = ApiError(status, f"the HTTP request is malformed ({reason}); {fix}",
                      code="bad_http_request")
         resp = web.json_response(e.body(), status=status)
         resp.force_close()

@@ -48,7 +48,7 @@ def _sampling(body: dict, vocab: int) -> dict:
         raise fields.bad("top_p", f"top_p {top_p:g} is outside (0, 1]; use 1 to turn it off, "
                                   f"or a value such as 0.9")
     raw = body.get("top_k")
-    top_k = 0 if raw == -1 and raw is not True else \
+    top_k = 0 if type(raw) is int and raw == -1 else \
         fields.integer(body, "top_k", 0, "40", 0, None, "use 0 (or -1) to turn it off")
     top_k = min(top_k, vocab)  # -1 is vLLM's "off"; beyond the vocabulary means all of it
     min_p = fields.number(body, "min_p", 0.0, "0.05")
@@ -256,11 +256,11 @@ def _stop_prefix_at_end(text: str, stop: str, fail: list[int]) -> int:
     len(stop): only the last len(stop) - 1 characters of the text can hold it."""
     k = 0
     for c in text[max(0, len(text) - len(stop) + 1):] if len(stop) > 1 else "":
-        while k and (k == len(stop) or stop[k] != c):
+        while k and stop[k] != c:   # k < len(stop) - 1: at most that many characters seen
             k = fail[k - 1]
         if stop[k] == c:
             k += 1
-    return k if k < len(stop) else fail[k - 1]
+    return k
 
 
 # --- responses --------------------------------------------------------------------------------

@@ -108,7 +108,10 @@ class Pipeline:
 
     def submit(self, window: Window) -> None:
         self.trace.mark(window.id, "chunk" if window.chunk else "submit")
-        transport.send(self.to_first, window)
+        try:
+            transport.send(self.to_first, window)
+        except transport.TransportError as e:  # the first stage's socket is gone
+            raise PipelineError(f"cannot send to stage 0: {e}") from None
 
     def receive(self, timeout: float | None = None) -> tuple[Result, list[np.ndarray]]:
         """The next result from the last stage. Raises WindowFailed when a stage refused a

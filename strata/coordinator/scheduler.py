@@ -313,6 +313,7 @@ class Scheduler:
         except PipelineError:
             raise
         except Exception as e:  # e.g. a sampling parameter the wire cannot carry
+            # a window of commits only holds small ints, which always encode
             assert owners, f"a window of commits only failed: {e!r}"
             # nothing reached the stages: the commits ride on the next window, and only the
             # requests of this window end
@@ -345,10 +346,14 @@ class Scheduler:
         req.on_done(req)
 
     def _fail(self, flight: _Flight, message: str, landed: bool = True) -> None:
-        """A window failed (a stage refused it, or it could not be sent: landed=False): its
-        requests end with the error; the rest go on."""
+        """A window failed (a stage refused it, or it could not be sent: landed=False): every
+        request with a row in it ends with the error (a decode window's neighbours too); the
+        rest go on."""
         if landed:
             self._landed(flight.group)
+        g = self.groups[flight.group]
+        if any(o.slot is g.streaming for o in flight.owners):
+            g.streaming = None  # its chunks stop here
         log.error("window failed: %s", message)
         for o in flight.owners:
             slot, req = o.slot, o.request

@@ -24,8 +24,7 @@ from typing import Callable
 from aiohttp import web
 
 from strata.coordinator import openai_api as api
-from strata.coordinator.connections import ConnectionPool, Limits
-from strata.coordinator.connections import ServerConfig
+from strata.coordinator.connections import ConnectionPool, Limits, ServerConfig
 from strata.coordinator.engine import Engine, EngineDown, Finished, Job
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.openai_api import ApiError
@@ -144,11 +143,10 @@ class Server:
         if request.content_length is not None and request.content_length > self.cfg.max_body:
             raise self._too_large(request)
         try:
-            async with asyncio.timeout(self.cfg.read_timeout):
-                return await request.read()
+            return await asyncio.wait_for(request.read(), self.cfg.read_timeout)
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large(request) from None
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise ApiError(408, f"the request body did not arrive within "
                                 f"{self.cfg.read_timeout:g} s; send all of it (as many bytes "
                                 f"as Content-Length says)", code="timeout") from None

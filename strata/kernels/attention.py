@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from strata.kernels.policy import KernelPolicy
+from strata.kernels.policy import KernelPolicy, policy_or_default
 
 SPAN = 64  # key positions are read in multiples of this
 
@@ -56,7 +56,7 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot [R] int64, length [R] int64 = position + 1 (0 for a pad row, whose output is zero).
     With the policy's Triton kernels, the fixed-order kernel of attention_triton.py;
     otherwise `attend` (plain torch, key spans of the rows' own positions)."""
-    if _triton(policy, q):
+    if policy_or_default(policy, q).triton:
         from strata.kernels.attention_triton import attend_rows_triton
         return attend_rows_triton(q, k_cache, v_cache, slot, length)
     return attend_row_tensors(q, k_cache, v_cache, slot, length)
@@ -70,7 +70,7 @@ def attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kernels, the blocked kernel of attention_chunk_triton.py, which reads each key tile once
     for a block of rows and keeps every row's bits independent of the others; otherwise
     `attend` (plain torch), as for any window."""
-    if _triton(policy, q):
+    if policy_or_default(policy, q).triton:
         from strata.kernels.attention_chunk_triton import attend_chunk_triton
         return attend_chunk_triton(q, k_cache, v_cache, slot, length)
     return attend_row_tensors(q, k_cache, v_cache, slot, length)
@@ -84,10 +84,6 @@ def attend_row_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     lengths = length.tolist()
     slots = [s if n > 0 else -1 for s, n in zip(slot.tolist(), lengths)]
     return attend(q, k_cache, v_cache, slots, [max(n - 1, 0) for n in lengths])
-
-
-def _triton(policy: KernelPolicy | None, q: torch.Tensor) -> bool:
-    return (policy if policy is not None else KernelPolicy.for_device(q.device)).triton
 
 
 def attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

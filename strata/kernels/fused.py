@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.policy import KernelPolicy
+from strata.kernels.policy import KernelPolicy, policy_or_default
 
 
 # --- plain-torch references -----------------------------------------------------------------
@@ -91,7 +91,7 @@ def gate_up_silu_torch(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | No
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
                   policy: KernelPolicy | None = None) -> torch.Tensor:
     """x: [R, D] -> [R, D]: x * rsqrt(mean(x^2) + eps), rounded to x's dtype, times weight."""
-    if not _policy(policy, x).triton:
+    if not policy_or_default(policy, x).triton:
         return rms_norm_rows_torch(x, weight, eps)
     from strata.kernels import fused_triton
     return fused_triton.rms_norm_rows(x, weight, eps)
@@ -100,7 +100,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
                   pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   n_heads: int, policy: KernelPolicy | None = None) -> torch.Tensor:
-    if not _policy(policy, qkv).triton:
+    if not policy_or_default(policy, qkv).triton:
         return rope_write_kv_torch(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads)
     from strata.kernels import fused_triton
     return fused_triton.rope_write_kv(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads)
@@ -110,7 +110,7 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = Non
                 policy: KernelPolicy | None = None) -> torch.Tensor:
     """x: [R, K], w: [N, K] -> x @ w^T (+ res) [R, N]: the skinny kernel, else cuBLAS (addmm /
     linear)."""
-    blocks = _policy(policy, x).skinny(x, w, "plain" if res is None else "res")
+    blocks = policy_or_default(policy, x).skinny(x, w, "plain" if res is None else "res")
     if blocks is None:
         return F.linear(x, w) if res is None else torch.addmm(res, x, w.t())
     from strata.kernels.skinny_triton import skinny_mm
@@ -121,7 +121,7 @@ def norm_linear_rows(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.T
                      policy: KernelPolicy | None = None) -> torch.Tensor:
     """rms_norm_rows, then x @ w^T: one skinny kernel with the norm folded in for a decode
     window of a large model (the qkv projection), else those two."""
-    policy = _policy(policy, x)
+    policy = policy_or_default(policy, x)
     blocks = policy.skinny(x, w, "qkv")
     if blocks is not None:
         from strata.kernels.skinny_triton import skinny_mm
@@ -133,7 +133,7 @@ def norm_head_rows(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Ten
                    policy: KernelPolicy | None = None) -> torch.Tensor | None:
     """fp32 logits rmsnorm(x) @ w^T of a block of rows, by the skinny kernel with the norm
     folded in where it takes them (a large head on CUDA), else None: the caller's cuBLAS."""
-    blocks = _policy(policy, x).skinny(x, w, "head")
+    blocks = policy_or_default(policy, x).skinny(x, w, "head")
     if blocks is None:
         return None
     from strata.kernels.skinny_triton import skinny_mm
@@ -144,7 +144,7 @@ def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.
                       policy: KernelPolicy | None = None) -> torch.Tensor:
     """rms_norm_rows, the [gate; up] projection and silu_mul: one skinny kernel for a decode
     window of a large model (skinny_triton.gate_up_silu), else those three."""
-    policy = _policy(policy, x)
+    policy = policy_or_default(policy, x)
     blocks = policy.skinny(x, w, "gate_up")
     if blocks is not None:
         from strata.kernels.skinny_triton import gate_up_silu
@@ -154,12 +154,7 @@ def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.
 
 def silu_mul(gate_up: torch.Tensor, policy: KernelPolicy | None = None) -> torch.Tensor:
     """gate_up: [R, 2F] = [gate | up] -> [R, F]: silu(gate) * up in fp32, rounded once."""
-    if not _policy(policy, gate_up).triton:
+    if not policy_or_default(policy, gate_up).triton:
         return silu_mul_torch(gate_up)
     from strata.kernels import fused_triton
     return fused_triton.silu_mul(gate_up)
-
-
-def _policy(policy: KernelPolicy | None, x: torch.Tensor) -> KernelPolicy:
-    """The caller's policy, or the default one of x's device (callers outside a model)."""
-    return policy if policy is not None else KernelPolicy.for_device(x.device)

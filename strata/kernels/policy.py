@@ -7,6 +7,7 @@ rather than switching module state.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -74,11 +75,18 @@ class KernelPolicy:
         return self.skinny_blocks(*w.shape, kind)
 
 
+@functools.cache
 def _mm_fp32_out(device: torch.device) -> bool:
-    """Whether this torch's mm takes out_dtype (bf16 x bf16 -> fp32) on the device."""
+    """Whether this torch's mm takes out_dtype (bf16 x bf16 -> fp32) on the device (probed
+    once a device: never inside a CUDA graph's capture, which builds its model's policy first)."""
     a = torch.zeros(1, 8, dtype=torch.bfloat16, device=device)
     try:
         torch.mm(a, a.t(), out_dtype=torch.float32)
     except (TypeError, RuntimeError):
         return False
     return True
+
+
+def policy_or_default(policy: KernelPolicy | None, t: torch.Tensor) -> KernelPolicy:
+    """The caller's policy, or the default one of t's device (callers outside a model)."""
+    return policy if policy is not None else KernelPolicy.for_device(t.device)

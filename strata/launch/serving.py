@@ -55,13 +55,17 @@ def run_server(pipe, check_alive: Callable[[], None], sched_cfg, tok, vocab: int
 
     async def until_signal() -> str | None:
         stop = asyncio.Event()
+
+        def on_signal() -> None:
+            if not stop.is_set():
+                say("strata: stopping")
+                stop.set()
+
         for sig in previous:
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        failure = await serve(server, sock, stop, lambda url: say(
+            asyncio.get_running_loop().add_signal_handler(sig, on_signal)
+        return await serve(server, sock, stop, lambda url: say(
             f"strata: serving {cfg.model} on {url} ({len(server.stages)} stages, batch "
             f"{sched_cfg.slots}, groups {sched_cfg.groups})"))
-        say("strata: stopping")
-        return failure
 
     engine.start()
     try:

@@ -13,7 +13,7 @@ else is cached.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ class WindowRunner:
         self.captures = 0  # graphs captured so far (evictions make this exceed the capacity)
 
     def run(self, inputs: torch.Tensor | list[int], rows: Rows, *, chunk: bool = False,
-            sample_rows: list[int] = (), launching: Callable[[], None] = lambda: None
+            sample_rows: Sequence[int] = (), launching: Callable[[], None] = lambda: None
             ) -> tuple[torch.Tensor, HeadOutput | None]:
         """inputs: token ids (first stage: a list, or a tensor [R]) or hidden states [R, D],
         on any device. chunk: one slot's prompt rows (Window.chunk). sample_rows: the rows

@@ -184,7 +184,9 @@ class StageWorker:
         self._answer(answer)
 
     def _commit(self, w: Window) -> None:
-        """Trim the slots the window commits, then claim its rows' positions (checked: no gap)."""
+        """Trim the slots the window commits, then claim its rows' positions (checked: no gap).
+        Nothing between this and the compute may refuse the window: a refusal must leave the
+        KV cache as it was (check_window has refused all it can)."""
         for slot, length in w.commits:
             self.cache.trim(slot, length)
         for s, p in zip(w.slots, w.positions):
@@ -221,6 +223,7 @@ class StageWorker:
         header that comes while the device works is taken at once, not after the answer."""
         if self.pending is None:
             return
+        assert self.pending.done is not None  # only the deferred greedy answer waits
         while not self.inbox.poll(0):
             if self.pending.done.query():
                 self._answer_pending()

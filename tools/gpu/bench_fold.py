@@ -80,7 +80,7 @@ def kernels():
 
 def head():
     """The last stage's head at llama3-8b's vocabulary: final norm + fp32 logits by cuBLAS
-    (StageModel.logits before 4th session) against the skinny kernel with the norm folded in."""
+    (the plain path: final norm, then cuBLAS with fp32 output) against the skinny kernel with the norm folded in."""
     from strata.kernels.norms import rms_norm
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(8, D, generator=g, **bf)
