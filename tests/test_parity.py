@@ -28,7 +28,7 @@ PROMPTS = [
     "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
     "Les trois couleurs du drapeau français sont",
 ]
-N_TOKENS = 32
+N_TOKENS = 16  # per prompt: five prompts of varied text, each run several times on a CPU
 CTX = 256
 SPLITS = {1: "auto", 2: "15", 3: "10,20"}
 
