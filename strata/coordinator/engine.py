@@ -83,17 +83,10 @@ class Stop:
 
 
 @dataclass(frozen=True)
-class SlotView:
-    slot: int
-    group: int
-    state: str                 # idle | reading | decoding
+class SlotView(SlotState):
+    """A slot as /v1/status shows it: the scheduler's view, with its job's id and rate."""
     job: str | None = None
-    prompt_tokens: int = 0
-    read: int = 0              # prompt tokens in the slot's KV so far
-    reused: int = 0            # of them, held from an earlier request (the conversation cache)
-    generated: int = 0
     tok_s: float | None = None  # generated tokens per second since the first
-    held: int = 0              # an idle slot's cached prompt tokens
 
 
 @dataclass(frozen=True)
@@ -292,12 +285,9 @@ class Engine:
                                  snap.queued, self.pipe.windows)
 
     def _view(self, s: SlotState, now: float) -> SlotView:
-        if s.request is None:
-            return SlotView(s.slot, s.group, s.state, held=s.held)
-        job = self._jobs.get(s.request)
+        job = self._jobs.get(s.request) if s.request is not None else None
         rate = None
         if job is not None and job.tokens > 1 and job.last_token > job.first_token:
             # until now, so a stalled slot's rate falls
             rate = (job.tokens - 1) / (now - job.first_token)
-        return SlotView(s.slot, s.group, s.state, job.id if job else None, s.prompt_tokens,
-                        s.read, s.reused, s.generated, rate)
+        return SlotView(**vars(s), job=job.id if job else None, tok_s=rate)
