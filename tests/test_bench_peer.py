@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from strata.bench import llamacpp
 from strata.bench.cli import main
+from strata.bench.sweep import load_peer
 
 # llama-batched-bench's stdout for -npp 128 -ntg 128 -npl 1,8,16 (its format strings:
 # tools/batched-bench/batched-bench.cpp); the load messages go to stderr
@@ -122,6 +123,9 @@ def test_peer_llamacpp_prints_and_writes_each_client_count(tiny_model, fake_bin,
         assert r["decode_tok_s"] == pytest.approx(b * 8 / (0.5 + 0.01 * b), rel=1e-3)
         assert float(t[2]) == pytest.approx(r["decode_tok_s"], abs=0.01)
         assert float(t[3]) == pytest.approx(r["prompt_and_generated_tok_s"], abs=0.01)
+    # the file strata-bench sweep --peer-json reads, for a sweep counting the same tokens
+    assert load_peer(str(tmp_path / "p.json"), 16, 8)["decode_tok_s"] == \
+        {r["clients"]: r["decode_tok_s"] for r in report["results"]}
 
 
 def test_peer_llamacpp_on_one_device_has_no_split(tiny_model, fake_bin, tmp_path):
