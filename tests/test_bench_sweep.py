@@ -133,7 +133,8 @@ def test_sweep_puts_llamacpp_beside(tiny_model, no_stage_left, shared_stages, tm
 
 @pytest.mark.parametrize("extra, says", [
     ([], "run the sweep with --prompt-tokens 40 --tokens 5 so both count the same"),
-    (["--prompt-tokens", "40", "--tokens", "6"], "run the sweep with --prompt-tokens 40 --tokens 5"),
+    (["--prompt-tokens", "40", "--tokens", "6"],
+     "run the sweep with --prompt-tokens 40 --tokens 5"),
     (["--prompt-tokens", "300", "--tokens", "5"], "need 305 positions a request, past --ctx-size"),
 ])
 def test_sweep_refuses_a_peer_counted_otherwise(tiny_model, tmp_path, extra, says):

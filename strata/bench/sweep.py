@@ -244,8 +244,9 @@ def sweep(clients, modes, tokens, prompt_tokens, json_out, plot_path, peer_json,
           **launch):
     """Tok/s against concurrent clients for 1gpu, serial and pipelined side by side: generated
     tokens over the run, and llama.cpp's two rates (decode; prompt and generated tokens), with
-    --prompt-tokens read as its -npp and --peer-json its rows beside. --batch defaults to the largest client count; --batch-groups sets the pipelined mode's
-    groups (default: one per stage; more groups than stages cover the hops' latency)."""
+    --prompt-tokens read as its -npp and --peer-json its rows beside. --batch defaults to the
+    largest client count; --batch-groups sets the pipelined mode's groups (default: one per
+    stage; more groups than stages cover the hops' latency)."""
     counts, chosen = parse_clients(clients), parse_modes(modes)
     if tokens < 2:
         raise ValueError(f"--tokens {tokens} is below 2: a per-request rate needs two tokens")
