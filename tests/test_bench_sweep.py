@@ -8,7 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from strata.bench.cli import main
+from strata.bench.harness import decode_phase, prompt_ids, prompt_set
 from strata.bench.sweep import parse_clients, parse_modes
+from strata.model.gguf_file import ModelFile
+from strata.model.tokenizer import Tokenizer
 
 
 def bench(*args: str):
@@ -62,3 +65,89 @@ def test_sweep_takes_the_pipelined_groups_from_batch_groups(tiny_model, no_stage
     bad = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
                 "--clients", "4", "--modes", "pipelined", "--batch-groups", "3")
     assert bad.exit_code == 2 and "does not divide --batch 4" in bad.stderr
+
+
+def test_decode_phase_starts_when_every_prompt_is_read():
+    # request 0: tokens at 1, 2, 3; request 1 reads longer, first token at 2.5, then 3.5, 4
+    assert decode_phase([[1.0, 2.0, 3.0], [2.5, 3.5, 4.0]]) == (3, 1.5)
+    assert decode_phase([[1.0, 1.5, 2.0, 3.0]]) == (3, 2.0)  # one client: after its first
+
+
+def test_prompt_ids_are_exactly_n_tokens(tiny_model):
+    tok = Tokenizer.from_gguf(ModelFile(tiny_model).reader)
+    for n in (1, 7, 100):
+        prompts = prompt_ids(tok, 20, n)
+        assert len(prompts) == 20 and {len(p) for p in prompts} == {n}
+    long = prompt_ids(tok, 3, 100)
+    assert long[0][:5] == tok.encode(prompt_set(1)[0])[:5] and long[0] != long[1]
+
+
+def test_sweep_prompt_tokens_counts_as_llamacpp_does(tiny_model, no_stage_left, shared_stages,
+                                                     tmp_path):
+    out = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
+                "--ctx-size", "256", "--clients", "1,3", "--tokens", "5", "--prompt-tokens",
+                "40", "--modes", "serial,pipelined", "--json-out", str(tmp_path / "s.json"))
+    assert out.exit_code == 0, (out.output, out.exception)
+    assert len(shared_stages) == 1
+    assert "40-token prompts, 5 tokens per client" in out.stdout.splitlines()[0]
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["conditions"]["prompt_tokens"] == 40
+    for r in report["results"]:
+        assert r["prompt_tokens_read"] == 40 * r["clients"]  # every prompt whole, 40 tokens
+        generated = 5 * r["clients"]
+        # (prompt + generated) and generated tokens over the same run's seconds
+        assert r["prompt_and_generated_tok_s"] / r["total_tok_s"] == \
+            pytest.approx((40 * r["clients"] + generated) / generated)
+        assert r["decode_tok_s"] > 0
+    assert len(out.stdout.splitlines()[1].split("tok/s")) == 5  # total, per-req, decode, pp+tg
+
+
+def peer_report(path, prompt_tokens=40, tokens=5):
+    """A report as strata-bench peer --engine llama.cpp --json-out writes it (tests/
+    test_bench_peer.py checks that command's file against load_peer)."""
+    rows = [{"clients": c, "prompt_tokens": prompt_tokens, "tokens": tokens,
+             "decode_tok_s": 100.0 * c, "prompt_and_generated_tok_s": 300.0 * c}
+            for c in (1, 8)]
+    path.write_text(json.dumps({"machine": "elsewhere", "results": rows, "conditions": {
+        "engine": "llama.cpp", "model": "tiny.gguf", "prompt_tokens": prompt_tokens,
+        "tokens_per_client": tokens, "clients": [1, 8], "devices": "cuda:0"}}))
+    return path
+
+
+def test_sweep_puts_llamacpp_beside(tiny_model, no_stage_left, shared_stages, tmp_path):
+    peer = peer_report(tmp_path / "peer.json")
+    out = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
+                "--ctx-size", "256", "--clients", "1,2", "--tokens", "5", "--prompt-tokens",
+                "40", "--modes", "pipelined", "--peer-json", str(peer), "--json-out",
+                str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png"))
+    assert out.exit_code == 0, (out.output, out.exception)
+    lines = out.stdout.splitlines()
+    assert lines[1].startswith(f"# llama.cpp: {peer}") and lines[2].endswith("llama.cpp decode")
+    assert lines[3].split()[-1] == "100.00"  # 1 client: llama.cpp's row for 1
+    assert lines[4].split()[-1] == "-"       # 2 clients: llama.cpp has no row for 2
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert [r["peer_decode_tok_s"] for r in report["results"]] == [100.0, None]
+    assert report["peer"]["conditions"]["engine"] == "llama.cpp"
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("extra, says", [
+    ([], "run the sweep with --prompt-tokens 40 --tokens 5 so both count the same"),
+    (["--prompt-tokens", "40", "--tokens", "6"],
+     "run the sweep with --prompt-tokens 40 --tokens 5"),
+    (["--prompt-tokens", "300", "--tokens", "5"], "need 305 positions a request, past --ctx-size"),
+])
+def test_sweep_refuses_a_peer_counted_otherwise(tiny_model, tmp_path, extra, says):
+    peer = peer_report(tmp_path / "peer.json")
+    out = bench("sweep", "--model", str(tiny_model), "--ctx-size", "256", "--peer-json",
+                str(peer), *extra)
+    assert out.exit_code == 2, (out.output, out.exception)
+    assert says in out.stderr
+
+
+def test_sweep_refuses_a_file_that_is_no_peer_report(tiny_model, tmp_path):
+    (tmp_path / "x.json").write_text('{"results": []}')
+    out = bench("sweep", "--model", str(tiny_model), "--peer-json", str(tmp_path / "x.json"),
+                "--prompt-tokens", "8")
+    assert out.exit_code == 2, (out.output, out.exception)
+    assert "is not a report of strata-bench peer --engine llama.cpp --json-out" in out.stderr

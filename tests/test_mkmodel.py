@@ -87,7 +87,8 @@ def test_metadata(tiny_files):
         "llama.rope.dimension_count": 16,
         "llama.vocab_size": TINY.vocab,
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "gpt2",
+        # a name llama.cpp knows (src/llama-vocab.cpp lists "gpt-2", not "gpt2", for this split)
+        "tokenizer.ggml.pre": "gpt-2",
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.chat_template": CHAT_TEMPLATE,
     }
@@ -146,6 +147,28 @@ def test_tokenizer_roundtrip_with_tokenizers(tiny_files):
     assert max(ids) < TINY.vocab
     assert tokens.index("Ġthe") in ids and tokens.index("<|im_start|>") == ids[0]
     assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_strata_reads_the_written_tokenizer(tiny_files):
+    """strata's Tokenizer loads the file's tokenizer.ggml.pre and splits text as GPT-2 does, the
+    split the merges were made for: the same ids as a plain GPT-2 ByteLevel pipeline."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    from strata.model.tokenizer import Tokenizer
+
+    r = gguf.GGUFReader(tiny_files["F32"])
+    tok = Tokenizer.from_gguf(r)
+    tokens = _field(r, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ")) for m in _field(r, "tokenizer.ggml.merges")]
+    gpt2 = Backend(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    gpt2.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    for text in ("the cat is on the mat, héllo ✓", "they're 12345 items;\n\n  indented",
+                 "x = f(a, b)  # 3.14"):
+        ids = tok.encode(text)
+        assert ids == gpt2.encode(text).ids, text
+        assert tok.decode(ids) == text
+    assert tok.encode("<|im_start|>user") == [tokens.index("<|im_start|>"), *tok.encode("user")]
 
 
 def test_chat_template_renders():

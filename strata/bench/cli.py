@@ -7,7 +7,7 @@
   sweep       total tok/s against concurrent clients: 1gpu, serial, pipelined side by side
   prompt      a long prompt's reading rate: serial vs pipelined chunks, FLOP/s and % of peak
   drafts      decoding with draft tokens against without, side by side; tokens compared
-  peer        the same prompts through HF transformers `generate` (the arm compared with)
+  peer        the arms compared with: HF transformers `generate`, llama.cpp's batched bench
 
 `python -m strata.bench` runs the same command.
 """

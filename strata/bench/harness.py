@@ -74,39 +74,73 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def prompt_ids(tok, clients: int, length: int) -> list[list[int]]:
+    """`clients` prompts of exactly `length` tokens each (as llama-batched-bench's -npp): the
+    harness's texts, each repeated until long enough, then cut."""
+    prompts = []
+    for text in prompt_set(clients):
+        ids = tok.encode(text)
+        assert ids, text
+        prompts.append((ids * -(-length // len(ids)))[:length])
+    return prompts
+
+
 @dataclass
 class Throughput:
+    """One run of concurrent clients. The decode phase runs from the moment every prompt has
+    been read (the last request's first token) to the last token: llama.cpp's T_TG, whose
+    clients all decode from its start. decode_tokens are the tokens sampled in it."""
     clients: int
-    tokens: int
-    seconds: float
+    tokens: int              # generated, all requests
+    seconds: float           # from the first submit to the last token
     ttft: list[float]
     per_request: list[float]
     requests: list[Request] = field(default_factory=list, repr=False)
+    prompt_tokens: int = 0   # read, all requests
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
 
     @property
     def total_tok_s(self) -> float:
+        """Generated tokens per second over the whole run."""
         return self.tokens / self.seconds
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second in the decode phase (llama-batched-bench's S_TG)."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def prompt_and_generated_tok_s(self) -> float:
+        """Prompt and generated tokens per second over the whole run (llama-batched-bench's S)."""
+        return (self.prompt_tokens + self.tokens) / self.seconds
 
 
 def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,
-                       max_tokens: int) -> Throughput:
-    """`clients` requests arrive at once; each decodes exactly max_tokens tokens (no EOS)."""
+                       max_tokens: int, prompt_tokens: int | None = None) -> Throughput:
+    """`clients` requests arrive at once; each decodes exactly max_tokens tokens (no EOS).
+    Prompts: the harness's texts, or with prompt_tokens, prompt_ids of that length."""
     sched = Scheduler(run.pipe, cfg, frozenset(), tok.decode)
+    prompts = (prompt_ids(tok, clients, prompt_tokens) if prompt_tokens
+               else [tok.encode(text) for text in prompt_set(clients)])
     start = time.perf_counter()
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-    reqs = []
-    for i, text in enumerate(prompt_set(clients)):
-        def on_token(t, i=i):
-            now = time.perf_counter()
-            first.setdefault(i, now)
-            last[i] = now
-        reqs.append(sched.submit(tok.encode(text), SamplingParams(max_tokens=max_tokens),
-                                 on_token=on_token))
+    stamps: list[list[float]] = [[] for _ in prompts]  # each request's token arrival times
+    reqs = [sched.submit(p, SamplingParams(max_tokens=max_tokens),
+                         on_token=lambda t, i=i: stamps[i].append(time.perf_counter()))
+            for i, p in enumerate(prompts)]
     sched.run()
     seconds = time.perf_counter() - start
+    assert all(stamps), "every request samples at least one token"
     tokens = sum(len(r.seq.generated) for r in reqs)
-    per_request = [(len(r.seq.generated) - 1) / (last[i] - first[i])
-                   for i, r in enumerate(reqs) if len(r.seq.generated) > 1 and last[i] > first[i]]
-    return Throughput(clients, tokens, seconds, [first[i] - start for i in first], per_request,
-                      reqs)
+    per_request = [(len(s) - 1) / (s[-1] - s[0]) for s in stamps if len(s) > 1 and s[-1] > s[0]]
+    decode_tokens, decode_seconds = decode_phase(stamps)
+    return Throughput(clients, tokens, seconds, [s[0] - start for s in stamps], per_request,
+                      reqs, prompt_tokens=sum(len(p) for p in prompts),
+                      decode_tokens=decode_tokens, decode_seconds=decode_seconds)
+
+
+def decode_phase(stamps: list[list[float]]) -> tuple[int, float]:
+    """(tokens, seconds) of the decode phase, from each request's token arrival times: from
+    the last request's first token (every prompt read) to the last token."""
+    read = max(s[0] for s in stamps)
+    return sum(t > read for s in stamps for t in s), max(s[-1] for s in stamps) - read

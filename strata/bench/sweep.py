@@ -7,6 +7,12 @@ side by side in one run, as a table, a JSON file and a plot.
 
 Each stage layout is launched once; every client count and every mode of that layout runs inside
 that launch, the modes interleaved per client count so that they share the machine's noise.
+
+Besides generated tokens over the run (total tok/s), each row has the two rates llama.cpp's
+llama-batched-bench reports (strata/bench/llamacpp.py): the decode rate (tokens sampled after
+every prompt has been read, over that time: its S_TG) and prompt and generated tokens over the
+run (its S). With --prompt-tokens N every prompt is N tokens, as its -npp; --peer-json puts the
+rows of `strata-bench peer --engine llama.cpp --json-out` beside strata's.
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from strata.model.tokenizer import Tokenizer
 
 MODES = ("1gpu", "serial", "pipelined")
 COLUMNS = (f"{'mode':>9} {'clients':>7} {'stages':>6} {'groups':>6} {'total tok/s':>11} "
-           f"{'per-req tok/s':>13} {'TTFT med s':>10}")
+           f"{'per-req tok/s':>13} {'TTFT med s':>10} {'decode tok/s':>12} {'pp+tg tok/s':>11}")
+PEER_COLUMN = f" {'llama.cpp decode':>16}"
 
 
 def parse_clients(text: str) -> list[int]:
@@ -92,25 +99,55 @@ def plan_layouts(launch: dict, modes: list[str], batch: int,
     return layouts
 
 
-def measure(run, cfg: SchedulerConfig, tok, mode: str, clients: int, tokens: int) -> dict:
-    """One row: `clients` requests at once, `tokens` each, through this launch and config."""
-    r = harness.measure_throughput(run, cfg, tok, clients, tokens)
+def measure(run, cfg: SchedulerConfig, tok, mode: str, clients: int, tokens: int,
+            prompt_tokens: int | None = None) -> dict:
+    """One row: `clients` requests at once, `tokens` each, through this launch and config;
+    prompts of prompt_tokens tokens, or the harness's texts."""
+    r = harness.measure_throughput(run, cfg, tok, clients, tokens, prompt_tokens)
     return {"mode": mode, "clients": clients, "stages": len(run.plan), "groups": cfg.groups,
             "total_tok_s": r.total_tok_s, "per_request_tok_s": mean(r.per_request),
-            "ttft_median_s": median(r.ttft)}
+            "ttft_median_s": median(r.ttft), "prompt_tokens_read": r.prompt_tokens,
+            "decode_tok_s": r.decode_tok_s,
+            "prompt_and_generated_tok_s": r.prompt_and_generated_tok_s}
 
 
 def format_row(row: dict) -> str:
-    return (f"{row['mode']:>9} {row['clients']:>7} {row['stages']:>6} {row['groups']:>6} "
+    line = (f"{row['mode']:>9} {row['clients']:>7} {row['stages']:>6} {row['groups']:>6} "
             f"{row['total_tok_s']:>11.2f} {row['per_request_tok_s']:>13.2f} "
-            f"{row['ttft_median_s']:>10.3f}")
+            f"{row['ttft_median_s']:>10.3f} {row['decode_tok_s']:>12.2f} "
+            f"{row['prompt_and_generated_tok_s']:>11.2f}")
+    if "peer_decode_tok_s" not in row:
+        return line
+    peer = row["peer_decode_tok_s"]
+    return line + (f" {peer:>16.2f}" if peer is not None else f" {'-':>16}")
+
+
+def load_peer(path: str, prompt_tokens: int | None, tokens: int) -> dict:
+    """The report of `strata-bench peer --engine llama.cpp --json-out`, checked to count what
+    this sweep counts: the same prompt and generated tokens a request."""
+    try:
+        report = json.loads(Path(path).read_text())
+        cond = report["conditions"]
+        measured = (int(cond["prompt_tokens"]), int(cond["tokens_per_client"]))
+        by_clients = {int(r["clients"]): float(r["decode_tok_s"]) for r in report["results"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"--peer-json {path} is not a report of strata-bench peer --engine "
+                         f"llama.cpp --json-out; write one with that command") from None
+    if measured != (prompt_tokens, tokens):
+        raise ValueError(f"--peer-json {path} measured {measured[0]}-token prompts and "
+                         f"{measured[1]} tokens a request; run the sweep with --prompt-tokens "
+                         f"{measured[0]} --tokens {measured[1]} so both count the same")
+    return {"conditions": cond, "machine": report.get("machine"), "decode_tok_s": by_clients,
+            "rows": report["results"]}
 
 
 def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo,
-              trace_dir: Path | None = None) -> list[dict]:
+              trace_dir: Path | None = None, prompt_tokens: int | None = None,
+              peer: dict | None = None) -> list[dict]:
     """Launch each layout once; for each client count, run its modes one after the other.
     With trace_dir, each launch's processes write their timelines under it, and each row gets
-    the decode windows' breakdown (tracereport.summarize) once its launch has stopped."""
+    the decode windows' breakdown (tracereport.summarize) once its launch has stopped. With
+    peer (load_peer), each row carries llama.cpp's decode rate at its client count."""
     rows = []
     for i, layout in enumerate(layouts):
         tok = Tokenizer.from_gguf(layout.prep.file.reader)
@@ -122,7 +159,9 @@ def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo,
             for n in clients:
                 for mode, cfg in layout.modes.items():
                     first = run.pipe.next_window_id + 1
-                    rows.append(measure(run, cfg, tok, mode, n, tokens))
+                    rows.append(measure(run, cfg, tok, mode, n, tokens, prompt_tokens))
+                    if peer is not None:
+                        rows[-1]["peer_decode_tok_s"] = peer["decode_tok_s"].get(n)
                     echo(format_row(rows[-1]))
                     windows.append((rows[-1], range(first, run.pipe.next_window_id + 1)))
         for row, ids in windows if traced else ():
@@ -139,27 +178,42 @@ def check_plot_backend() -> None:
         raise ValueError("--plot needs matplotlib: pip install matplotlib")
 
 
-def plot(path: str, rows: list[dict], title: str) -> None:
-    """Total tok/s against clients (log2 axis), one line per mode, rendered by Agg to PNG."""
+PANELS = (("decode_tok_s", "decode tok/s (llama.cpp's S_TG)", "decode_tok_s"),
+          ("prompt_and_generated_tok_s", "prompt + generated tok/s (its S)",
+           "prompt_and_generated_tok_s"),
+          ("total_tok_s", "generated tok/s over the run", None))
+
+
+def plot(path: str, rows: list[dict], title: str, peer: dict | None = None) -> None:
+    """Tok/s against clients (log2 axis), one line per mode, in three panels: the decode rate,
+    prompt and generated tokens, generated tokens; llama.cpp's rows (peer) dashed beside the
+    first two. Rendered by Agg to PNG."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import ScalarFormatter
 
-    fig = Figure(figsize=(7, 4.5))
+    fig = Figure(figsize=(14, 4.5))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        points = [(r["clients"], r["total_tok_s"]) for r in rows if r["mode"] == mode]
-        ax.plot(*zip(*points), marker="o", label=mode)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r["clients"] for r in rows}))
-    ax.xaxis.set_major_formatter(ScalarFormatter())
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("total tok/s")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    counts = sorted({r["clients"] for r in rows})
+    for i, (key, label, peer_key) in enumerate(PANELS):
+        ax = fig.add_subplot(1, len(PANELS), i + 1)
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            points = [(r["clients"], r[key]) for r in rows if r["mode"] == mode]
+            ax.plot(*zip(*points), marker="o", label=mode)
+        if peer is not None and peer_key is not None:
+            points = sorted((r["clients"], r[peer_key]) for r in peer["rows"])
+            ax.plot(*zip(*points), marker="s", linestyle="--", color="black",
+                    label=f"llama.cpp, {peer['conditions'].get('devices')}")
+            counts = sorted(set(counts) | {c for c, _ in points})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=120)
 
@@ -171,20 +225,38 @@ def plot(path: str, rows: list[dict], title: str) -> None:
 @click.option("--modes", default=",".join(MODES), show_default=True,
               help="Which of 1gpu, serial, pipelined to run.")
 @click.option("--tokens", type=int, default=32, show_default=True, help="Tokens per client.")
+@click.option("--prompt-tokens", type=int, default=None,
+              help="Every client's prompt has exactly this many tokens (llama-batched-bench's "
+                   "-npp) [default: the harness's texts, of mixed lengths].")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a PNG: total tok/s against clients, one line per mode.")
+              help="Write a PNG: decode, prompt + generated and generated tok/s against "
+                   "clients, one line per mode.")
+@click.option("--peer-json", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="The JSON of strata-bench peer --engine llama.cpp --json-out with the same "
+                   "--prompt-tokens and --tokens: its decode rate beside strata's, in the table "
+                   "and the plot.")
 @click.option("--trace-dir", type=click.Path(file_okay=False), default=None,
               help="Trace every process (strata/trace.py) into this folder and print, per "
                    "row, each stage's GPU and overhead ms per decode window and GPU busy share.")
 @clean_errors("strata-bench sweep")
-def sweep(clients, modes, tokens, json_out, plot_path, trace_dir, **launch):
-    """Total tok/s against concurrent clients for 1gpu, serial and pipelined side by side.
-    --batch defaults to the largest client count; --batch-groups sets the pipelined mode's
-    groups (default: one per stage; more groups than stages cover the hops' latency)."""
+def sweep(clients, modes, tokens, prompt_tokens, json_out, plot_path, peer_json, trace_dir,
+          **launch):
+    """Tok/s against concurrent clients for 1gpu, serial and pipelined side by side: generated
+    tokens over the run, and llama.cpp's two rates (decode; prompt and generated tokens), with
+    --prompt-tokens read as its -npp and --peer-json its rows beside. --batch defaults to the
+    largest client count; --batch-groups sets the pipelined mode's groups (default: one per
+    stage; more groups than stages cover the hops' latency)."""
     counts, chosen = parse_clients(clients), parse_modes(modes)
     if tokens < 2:
         raise ValueError(f"--tokens {tokens} is below 2: a per-request rate needs two tokens")
+    if prompt_tokens is not None and prompt_tokens < 1:
+        raise ValueError(f"--prompt-tokens {prompt_tokens}: give 1 or more tokens a prompt")
+    if prompt_tokens is not None and prompt_tokens + tokens > launch["ctx_size"]:
+        raise ValueError(f"--prompt-tokens {prompt_tokens} and --tokens {tokens} need "
+                         f"{prompt_tokens + tokens} positions a request, past --ctx-size "
+                         f"{launch['ctx_size']}; raise --ctx-size or shorten them")
+    peer = load_peer(peer_json, prompt_tokens, tokens) if peer_json else None
     if plot_path:
         check_plot_backend()
     if click.get_current_context().get_parameter_source("batch") is ParameterSource.DEFAULT:
@@ -197,14 +269,23 @@ def sweep(clients, modes, tokens, json_out, plot_path, trace_dir, **launch):
     conditions = {"model": model, "tokens_per_client": tokens, "batch": launch["batch"],
                   "window_rows": launch["window_rows"], "chunk_rows": launch["chunk_rows"],
                   "ctx_size": launch["ctx_size"], "layer_split": launch["layer_split"],
-                  "devices": devices, "clients": counts, "modes": chosen}
-    click.echo(f"# {model}, {tokens} tokens per client, batch {launch['batch']}, window rows "
-               f"{launch['window_rows']}; {devices}; {machine()}")
-    click.echo(COLUMNS)
-    rows = run_sweep(layouts, counts, tokens, click.echo, trace_dir)
+                  "devices": devices, "clients": counts, "modes": chosen,
+                  "prompt_tokens": prompt_tokens}
+    prompts = f"{prompt_tokens}-token prompts" if prompt_tokens else "the harness's prompts"
+    click.echo(f"# {model}, {prompts}, {tokens} tokens per client, batch {launch['batch']}, "
+               f"window rows {launch['window_rows']}; {devices}; {machine()}")
+    if peer is not None:
+        click.echo(f"# llama.cpp: {peer_json}, {peer['conditions'].get('model')} on "
+                   f"{peer['conditions'].get('devices')}; {peer['machine']}")
+    click.echo(COLUMNS + (PEER_COLUMN if peer is not None else ""))
+    rows = run_sweep(layouts, counts, tokens, click.echo, trace_dir, prompt_tokens, peer)
     if json_out:
+        report = {"machine": machine(), "conditions": conditions, "results": rows}
+        if peer is not None:
+            report["peer"] = {"file": peer_json, "machine": peer["machine"],
+                              "conditions": peer["conditions"], "results": peer["rows"]}
         with open(json_out, "w") as f:
-            json.dump({"machine": machine(), "conditions": conditions, "results": rows}, f,
-                      indent=2)
+            json.dump(report, f, indent=2)
     if plot_path:
-        plot(plot_path, rows, f"{model}: total tok/s vs concurrent clients\n{devices}")
+        plot(plot_path, rows, f"{model}, {prompts}, {tokens} tokens a client: tok/s vs "
+                              f"concurrent clients\n{devices}", peer)

