@@ -89,3 +89,140 @@ def test_more_decoding_slots_than_the_maximum_take_turns():
         turns = [k for k, live in enumerate(full) if slot in live]
         assert all(b - a <= 2 for a, b in zip(turns, turns[1:])), (slot, turns)
     assert [r.seq.generated for r in reqs] == run_alone(prompts)
+
+
+class RepeatsTwelveBack(FakePipeline):
+    """The next token repeats the one 12 places back: prompt lookup proposes up to 11 right
+    drafts, more than any window's pad rows."""
+
+    def token(self, history: list[int], p: int, u: float) -> int:
+        return history[-12] if len(history) >= 12 else 3
+
+
+@pytest.mark.parametrize("slots,decoding,draft_tokens", [(1, 1, 15), (16, 9, 7), (8, 8, 7)])
+def test_drafts_fill_only_the_spare_rows_of_the_rounded_size(slots, decoding, draft_tokens):
+    """A window with d decoding slots has round8(d) rows whatever the maximum (16 here) and
+    the drafts on offer allow: its drafts take exactly the round8(d) - d pad rows. 8 decoding
+    slots leave none."""
+    cfg = SchedulerConfig(slots=slots, window_rows=16, ctx=128, draft_tokens=draft_tokens)
+    prompts = [list(range(3 + i, 15 + i)) * 2 for i in range(decoding)]
+    sampling = [SamplingParams(max_tokens=40)] * decoding
+    rec, reqs = run_recorded(cfg, prompts, sampling, pipe=RepeatsTwelveBack(slots, 128))
+    steady = [(rows, live) for rows, live in rec.decodes if len(set(live)) == decoding]
+    assert len(steady) >= 4
+    for rows, live in steady[:-1]:  # the last one: max_tokens leaves room for fewer drafts
+        assert rows == round8(decoding) and len(live) == rows, (rows, live)
+    for rows, live in rec.decodes:
+        assert rows == round8(len(set(live))) and len(live) <= rows, (rows, live)
+    drafted = sum(r.drafted for r in reqs)
+    assert drafted == sum(len(live) - len(set(live)) for _, live in rec.decodes)
+    assert (drafted > 0) == (decoding % 8 != 0) and sum(r.accepted for r in reqs) == drafted
+    plain = run_recorded(SchedulerConfig(slots=slots, ctx=128), prompts, sampling,
+                         pipe=RepeatsTwelveBack(slots, 128))[1]
+    assert [r.seq.generated for r in reqs] == [r.seq.generated for r in plain]
+
+
+def test_auto_window_rows_hold_a_group_of_slots_up_to_64():
+    for slots, groups, rows in [(1, 1, 8), (9, 1, 16), (40, 1, 40), (100, 1, 64), (64, 2, 32),
+                                (24, 3, 8), (128, 2, 64)]:
+        assert SchedulerConfig(slots=slots, groups=groups).window_rows == rows, (slots, groups)
+    assert SchedulerConfig(slots=100, window_rows=16).window_rows == 16
+
+
+@pytest.mark.parametrize("rows,fix", [(0, "use 8"), (12, "use 16"), (72, "use 64"),
+                                      (-8, "use 8")])
+def test_window_rows_must_be_a_multiple_of_8_up_to_64(rows, fix):
+    from strata.launch.options import CHOICES, FLAGS
+    with pytest.raises(ValueError) as e:
+        SchedulerConfig(window_rows=rows)
+    assert str(e.value) == (f"window_rows {rows} is not a multiple of 8 from 8 to 64 (the most "
+                            f"rows a stage takes in a decode window); {fix}")
+    assert e.value.render(FLAGS, CHOICES).startswith(f"--window-rows {rows} is not")
+    assert e.value.render(FLAGS, CHOICES).endswith(f"; {fix} or auto")
+
+
+def test_draft_tokens_stay_below_the_maximum():
+    with pytest.raises(ValueError, match="draft_tokens 16 must be at least 0 and below "
+                                         "window_rows 16"):
+        SchedulerConfig(slots=9, draft_tokens=16)   # auto: 16 rows
+    assert SchedulerConfig(slots=9, draft_tokens=15).window_rows == 16
+
+
+def test_the_cli_takes_auto_or_a_number(tiny_model):
+    """64 slots over 2 stages with auto groups: 2 groups of 32-row windows; a window size that
+    is not a number gets a sentence before any stage starts."""
+    from strata.launch.cli import main
+    from strata.launch.options import prepare
+
+    prep = prepare(model=str(tiny_model), layer_split="2", devices="cpu", ctx_size=64, batch=64,
+                   batch_groups="auto", window_rows="auto", chunk_rows=32)
+    assert len(prep.plan) == 2 and prep.sched.groups == 2 and prep.sched.window_rows == 32
+    prep = prepare(model=str(tiny_model), layer_split="2", devices="cpu", ctx_size=64, batch=64,
+                   batch_groups="1", window_rows="24", chunk_rows=32)
+    assert prep.sched.groups == 1 and prep.sched.window_rows == 24
+    r = CliRunner().invoke(main, ["--model", str(tiny_model), "--devices", "cpu",
+                                  "--window-rows", "wide", "--prompt", "x"],
+                           prog_name="strata-launch")
+    assert r.exit_code == 2 and r.stderr == ("strata-launch: --window-rows 'wide' is not a "
+                                             "number or auto\n"), (r.output, r.exception)
+    r = CliRunner().invoke(main, ["--model", str(tiny_model), "--devices", "cpu",
+                                  "--window-rows", "20", "--prompt", "x"],
+                           prog_name="strata-launch")
+    assert r.exit_code == 2 and r.stderr.startswith("strata-launch: --window-rows 20 is not a "
+                                                    "multiple of 8"), (r.output, r.exception)
+    assert r.stderr.endswith("; use 24 or auto\n")
+    r = CliRunner().invoke(main, ["-h"], prog_name="strata-launch")
+    assert "--window-rows TEXT" in r.output and "[default: auto]" in r.output
+
+
+def prometheus(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_histogram_and_status_show_each_decode_window():
+    """Through the engine and the HTTP server: 9 requests in one group of 9 slots decode
+    9, 8, ..., 1 at a time (request i: i + 1 windows), so the windows have 16, then eight
+    times 8 rows; /metrics counts them, /v1/status shows the last one."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    n = 9
+    metrics = Metrics()
+    engine = Engine(FakePipeline(n, 64), SchedulerConfig(slots=n, ctx=64), frozenset(),
+                    lambda ids: "", metrics)
+    server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, [], lambda: None)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(str(i), [3 + i, 4], SamplingParams(max_tokens=2 + i).with_seed(), loop,
+                    asyncio.Queue()) for i in range(n)]
+        for job in jobs:
+            engine.submit(job)
+        engine.start()
+        try:
+            for job in jobs:
+                while not isinstance(await asyncio.wait_for(job.events.get(), 30), Finished):
+                    pass
+            async with TestClient(TestServer(server.app())) as client:
+                status = await (await client.get("/v1/status")).json()
+                text = await (await client.get("/metrics")).text()
+        finally:
+            engine.stop()
+        return status, text
+
+    status, text = asyncio.run(main())
+    assert status["window_rows"] == 16
+    assert status["groups"] == [{"group": 0, "slots": list(range(n)), "window_in_flight": False,
+                                 "decode_window": {"rows": 8, "live": 1}}]
+    m = prometheus(text)
+    assert m['strata_window_rows_count{counted="size"}'] == n
+    assert m['strata_window_rows_bucket{counted="size",le="8.0"}'] == n - 1
+    assert m['strata_window_rows_bucket{counted="size",le="16.0"}'] == n
+    assert m['strata_window_rows_sum{counted="size"}'] == 16 + 8 * (n - 1)
+    assert m['strata_window_rows_sum{counted="live"}'] == sum(range(1, n + 1))
+    assert m['strata_window_rows_bucket{counted="live",le="8.0"}'] == n - 1
+    assert m['strata_window_rows_bucket{counted="live",le="64.0"}'] == n
