@@ -226,3 +226,68 @@ def test_histogram_and_status_show_each_decode_window():
     assert m['strata_window_rows_sum{counted="live"}'] == sum(range(1, n + 1))
     assert m['strata_window_rows_bucket{counted="live",le="8.0"}'] == n - 1
     assert m['strata_window_rows_bucket{counted="live",le="64.0"}'] == n
+
+
+# --- a real launch: windows that change size during the run give every request its solo tokens
+
+CTX = 256
+LONG = 32   # tokens of the requests that come first and end last
+
+
+@pytest.fixture(scope="module")
+def varied_launch(varied_model):
+    """The varied tiny model (conftest) on 2 CPU stages with 24 slots; its 24 prompts (the
+    harness's set without its long one) and their params (odd ones seeded); each request's
+    tokens alone."""
+    from strata.launch.plan import plan_stages
+    from strata.launch.session import launch_stages
+    from strata.model.gguf_file import ModelFile
+    from strata.model.tokenizer import Tokenizer
+
+    file = ModelFile(varied_model)
+    tok = Tokenizer.from_gguf(file.reader)
+    texts = [t for i, t in enumerate(harness.prompt_set(25)) if i != 12]
+    prompts = [tok.encode(t) for t in texts]
+    sampling = [harness.request_params(i, i % 2 == 1, LONG if i < 3 else 8 + (i % 4) * 3)
+                for i in range(24)]
+    plan = plan_stages("2", ["cpu"], file.config.n_layers)
+    with launch_stages(file, plan, slots=24, ctx=CTX, say=lambda s: None) as run:
+        alone = harness.run_alone(run, SchedulerConfig(slots=1, ctx=CTX), tok, prompts,
+                                  sampling)
+        yield run, tok, prompts, sampling, [r.seq.generated for r in alone]
+
+
+@pytest.mark.parametrize("groups,most", [(1, 24), (2, 16)])
+def test_windows_that_grow_and_shrink_give_solo_tokens(varied_launch, groups, most):
+    """3 requests decode (8-row windows); 21 more arrive in three waves, shorter ones, so the
+    windows grow to their maximum (24 rows, or 16 with 2 groups of 12 slots), then shrink back
+    to 8 as they end; one is cancelled. Greedy and seeded requests alike get their tokens
+    alone (where the stages' arithmetic is batch-invariant: windows of 8 to 24 rows)."""
+    run, tok, prompts, sampling, alone = varied_launch
+    rec = Recorder(run.pipe)
+    cfg = SchedulerConfig(slots=24, groups=groups, ctx=CTX)
+    assert cfg.window_rows == most
+    sched = Scheduler(rec, cfg, tok.stop_ids, tok.decode)
+    reqs = [sched.submit(prompts[i], sampling[i]) for i in range(3)]
+    while min(len(r.seq.generated) for r in reqs) < 3:
+        sched.step()
+    for wave in (range(3, 10), range(10, 17), range(17, 24)):
+        reqs += [sched.submit(prompts[i], sampling[i]) for i in wave]
+        for _ in range(4):
+            sched.step()
+    cancelled = reqs[5]
+    while len(cancelled.seq.generated) < 3:
+        sched.step()
+    sched.cancel(cancelled)
+    sched.run()
+    assert sched.idle
+    sizes = [rows for rows, _ in rec.decodes]
+    assert all(rows == round8(len(live)) for rows, live in rec.decodes)
+    assert sizes[0] == 8 and most in sizes and sizes[-1] == 8, sizes   # 8 -> most -> 8
+    assert cancelled.seq.finish_reason == "cancelled"
+    for i, r in enumerate(reqs):
+        want = alone[i][:len(r.seq.generated)] if r is cancelled else alone[i]
+        at = harness.first_mismatch(want, r.seq.generated)
+        assert at is None, (f"request {i} differs at token {at}: alone {want[at:at + 4]}, "
+                            f"in varying windows {r.seq.generated[at:at + 4]}")
+    assert sum(len(t) >= 8 for t in alone) >= 16   # real, long texts were compared
