@@ -24,7 +24,7 @@ from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.coordinator.server import Server
 from strata.coordinator.connections import ServerConfig
-from test_scheduler import STOP, FakePipeline, RepeatingPipeline, params, run_alone
+from test_scheduler import FakePipeline, params
 
 
 def round8(n: int) -> int:
@@ -37,6 +37,8 @@ class Recorder:
     def __init__(self, pipe):
         self.pipe = pipe
         self.decodes: list[tuple[int, list[int]]] = []
+        self.sched: Scheduler | None = None   # if set: count its decoding slots at each window
+        self.decoding: list[int] = []
 
     def new_window_id(self) -> int:
         return self.pipe.new_window_id()
@@ -44,6 +46,9 @@ class Recorder:
     def submit(self, w) -> None:
         if not w.chunk and any(s >= 0 for s in w.slots):
             self.decodes.append((len(w.slots), [s for s in w.slots if s >= 0]))
+            if self.sched is not None:
+                self.decoding.append(sum(not s.free and s.read_pos >= len(s.request.seq.prompt)
+                                         for s in self.sched.table.slots))
         self.pipe.submit(w)
 
     def receive(self, timeout=None):
@@ -61,34 +66,44 @@ def run_recorded(cfg: SchedulerConfig, prompts, sampling, pipe=None, stop=frozen
 
 @pytest.mark.parametrize("n", [1, 9, 40])
 def test_a_window_has_its_decoding_slots_rounded_up_to_8(n):
-    """n one-chunk prompts at once through n slots (auto window rows): all n are read first
-    (the window can take them), then request i decodes i + 1 windows, so the windows hold
-    n, n - 1, ..., 1 decoding slots, with those counts rounded up to 8 rows."""
+    """n one-chunk prompts at once through n slots (auto window rows: n rounded up to 8).
+    Every decode window holds every slot decoding at the time (prompts are read 8 or 9 at a
+    time between windows), with their count rounded up to 8 rows; all n decode together, then
+    they end (request i after 8 + i tokens) until one is left."""
     cfg = SchedulerConfig(slots=n, ctx=64)
     assert cfg.window_rows == round8(n)
     prompts = [[3 + i % 50, 4] for i in range(n)]
-    rec, reqs = run_recorded(cfg, prompts, [SamplingParams(max_tokens=2 + i) for i in range(n)])
-    assert [len(live) for _, live in rec.decodes] == list(range(n, 0, -1))
-    assert [rows for rows, _ in rec.decodes] == [round8(k) for k in range(n, 0, -1)]
-    assert [len(r.seq.generated) for r in reqs] == [2 + i for i in range(n)]
+    rec = Recorder(FakePipeline(n, 64))
+    sched = rec.sched = Scheduler(rec, cfg, frozenset())
+    reqs = [sched.submit(p, SamplingParams(max_tokens=8 + i)) for i, p in enumerate(prompts)]
+    sched.run()
+    assert [len(live) for _, live in rec.decodes] == rec.decoding
+    assert [rows for rows, _ in rec.decodes] == [round8(k) for k in rec.decoding]
+    assert max(rec.decoding) == n and rec.decoding[-1] == 1 and rec.decodes[-1][0] == 8
+    assert [len(r.seq.generated) for r in reqs] == [8 + i for i in range(n)]
 
 
 def test_more_decoding_slots_than_the_maximum_take_turns():
-    """70 slots in one group: windows of at most 64 rows (the maximum); while more than 64
-    slots decode, each window starts where the last one stopped, so no slot sits out more than
-    one full window; every request gets its solo tokens."""
-    n = 70
+    """80 slots in one group: windows of at most 64 rows (the maximum). Slots join (8 read
+    between two windows) and 10 leave early; while more than 64 decode, each window starts
+    after the slot that ended the last one, so no slot sits out more than one full window;
+    every request gets its solo tokens."""
+    n = 80
     cfg = SchedulerConfig(slots=n, ctx=256, chunk_rows=8)
     assert cfg.window_rows == MAX_WINDOW_ROWS
     prompts = [[3 + i % 50, 4 + i % 7] for i in range(n)]
-    rec, reqs = run_recorded(cfg, prompts, [params(i) for i in range(n)], stop=frozenset({STOP}))
+    sampling = [params(i, 12 if i % 8 == 3 else 40) for i in range(n)]
+    rec, reqs = run_recorded(cfg, prompts, sampling)
     assert all(rows == min(round8(len(live)), 64) for rows, live in rec.decodes)
     full = [set(live) for rows, live in rec.decodes if len(live) == 64]
     assert len(full) >= 10
     for slot in range(n):
         turns = [k for k, live in enumerate(full) if slot in live]
         assert all(b - a <= 2 for a, b in zip(turns, turns[1:])), (slot, turns)
-    assert [r.seq.generated for r in reqs] == run_alone(prompts)
+    alone = [run_recorded(SchedulerConfig(slots=1, ctx=256, chunk_rows=8), [p], [sp])[1][0]
+             .seq.generated
+             for p, sp in zip(prompts, sampling)]
+    assert [r.seq.generated for r in reqs] == alone
 
 
 class RepeatsTwelveBack(FakePipeline):
@@ -226,6 +241,35 @@ def test_histogram_and_status_show_each_decode_window():
     assert m['strata_window_rows_sum{counted="live"}'] == sum(range(1, n + 1))
     assert m['strata_window_rows_bucket{counted="live",le="8.0"}'] == n - 1
     assert m['strata_window_rows_bucket{counted="live",le="64.0"}'] == n
+
+
+def test_a_long_prompt_delays_a_large_windows_streams_by_8_chunks_at_most():
+    """64 slots (auto: windows of up to 64 rows), one slot decoding, a prompt of 40 chunks
+    arrives: the window could take its row, but the stream still gets a window after at most
+    8 chunks, then chunks and windows alternate; both get their solo tokens."""
+    cfg = SchedulerConfig(slots=64, ctx=512, chunk_rows=8)
+    assert cfg.window_rows == 64
+    pipe = FakePipeline(64, 512)
+    sent = []
+
+    class Kinds(Recorder):
+        def submit(self, w) -> None:
+            sent.append("chunk" if w.chunk else "decode")
+            super().submit(w)
+
+    sched = Scheduler(Kinds(pipe), cfg, frozenset())
+    stream = sched.submit([5, 6], SamplingParams(max_tokens=60))
+    sched.step()
+    prompts = [[5, 6], [3 + i % 50 for i in range(320)]]
+    long = sched.submit(prompts[1], SamplingParams(max_tokens=4))
+    sched.run()
+    decodes = [0] + [i for i, kind in enumerate(sent) if kind == "decode"]  # 0: its chunk
+    while_read = [b - a for a, b in zip(decodes, decodes[1:])][:10]
+    assert max(while_read) <= 8 + 1 and sent[1:10] == ["chunk"] * 8 + ["decode"]
+    alone = [run_recorded(SchedulerConfig(slots=1, ctx=512, chunk_rows=8), [p],
+                          [SamplingParams(max_tokens=n)])[1][0].seq.generated
+             for p, n in zip(prompts, (60, 4))]
+    assert [stream.seq.generated, long.seq.generated] == alone
 
 
 # --- a real launch: windows that change size during the run give every request its solo tokens

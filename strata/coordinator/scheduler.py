@@ -21,11 +21,11 @@ size (batch-invariant kernels), so the size changes no token.
 
 Which window next, in a group: each prompt chunk (oldest request first) delays the decoding
 slots by one window whenever it runs; the order decides who waits when. While the decode
-window can take one more row (fewer decoding slots than window_rows), up to window_rows chunks
-in a row go first: a reading request gets its first token sooner and joins the window, which
-costs about the same with one more row. Otherwise chunks and decode windows alternate, so a long
-prompt slows the streams by half instead of stopping them; a decoding slot waits at most
-window_rows chunks for its next token. A new request takes a slot of the group with the fewest
+window can take one more row (fewer decoding slots than window_rows), up to CHUNKS_FIRST (8)
+chunks in a row go first: reading requests get their first token sooner and join the window,
+which costs about the same with a few more rows. Otherwise chunks and decode windows alternate,
+so a long prompt slows the streams by half instead of stopping them; a decoding slot waits at
+most 8 chunks for its next token, whatever window_rows is. A new request takes a slot of the group with the fewest
 busy slots (then the fewest prompt tokens left to read; then the least recently used slot of
 any group), unless a slot holds its prefix, so the groups stay about equally full and none runs
 on alone at the end. Prompt chunks stream (`prompt_depth`) only while their group has no
@@ -51,6 +51,8 @@ from strata.coordinator.slots import Slot, SlotTable
 from strata.coordinator.windows import Row, build_window
 
 log = logging.getLogger("strata.scheduler")
+
+CHUNKS_FIRST = 8   # prompt chunks sent in a row while the decode window can grow
 
 
 @dataclass
@@ -274,8 +276,8 @@ class Scheduler:
                 return False
             self._submit_chunk(group, slot)
             return True
-        # while the decode window can take one more row, up to window_rows chunks go first
-        first = len(decoding) < self.cfg.window_rows and g.ahead < self.cfg.window_rows
+        # while the decode window can take one more row, up to CHUNKS_FIRST chunks go first
+        first = len(decoding) < self.cfg.window_rows and g.ahead < CHUNKS_FIRST
         if reading and (g.prefer_read or not decoding or first):
             g.prefer_read = False
             g.ahead += bool(decoding)
