@@ -10,8 +10,8 @@ when a result comes back). Only the last chunk samples, and every stage takes wi
 order they were sent, so the chunks compute exactly as one at a time.
 
 Window sizes: a prompt chunk is always chunk_rows rows. A decode window takes the group's
-decoding slots, at most window_rows of them (more take turns: each window starts where the
-last one stopped), and has that many rows rounded up to a multiple of 8 (WINDOW_ROW_STEP):
+decoding slots, at most window_rows of them (more take turns in slot order, from the slot
+after the last one served), and has that many rows rounded up to a multiple of 8 (WINDOW_ROW_STEP):
 1 decoding slot -> 8 rows, 9 -> 16, 40 -> 40, 70 with window_rows 64 -> 64 rows each window.
 So a window reads the weights once for all its rows, and a lone request pays for 8 rows, not
 for window_rows. The rounding's spare rows are pad rows (slot -1); with draft_tokens, the
@@ -25,11 +25,11 @@ window can take one more row (fewer decoding slots than window_rows), up to CHUN
 chunks in a row go first: reading requests get their first token sooner and join the window,
 which costs about the same with a few more rows. Otherwise chunks and decode windows alternate,
 so a long prompt slows the streams by half instead of stopping them; a decoding slot waits at
-most 8 chunks for its next token, whatever window_rows is. A new request takes a slot of the group with the fewest
-busy slots (then the fewest prompt tokens left to read; then the least recently used slot of
-any group), unless a slot holds its prefix, so the groups stay about equally full and none runs
-on alone at the end. Prompt chunks stream (`prompt_depth`) only while their group has no
-decoding slot.
+most 8 chunks for its next token, whatever window_rows is. A new request takes a slot of the
+group with the fewest busy slots (then the fewest prompt tokens left to read; then the least
+recently used slot of any group), unless a slot holds its prefix, so the groups stay about
+equally full and none runs on alone at the end. Prompt chunks stream (`prompt_depth`) only
+while their group has no decoding slot.
 Because every row's arithmetic is independent of its neighbours and of its window's size, and
 every draw depends only on (seed, position), no schedule can change a request's tokens.
 """
