@@ -272,6 +272,24 @@ def test_a_long_prompt_delays_a_large_windows_streams_by_8_chunks_at_most():
     assert [stream.seq.generated, long.seq.generated] == alone
 
 
+def test_commits_of_an_idle_scheduler_ride_on_the_smallest_decode_window():
+    """A finished request's decoded rows are dropped by a commit; with nothing else to run,
+    it rides on a window of 8 pad rows (a size every stage takes), and the stage then holds
+    just the prompt."""
+    pipe = FakePipeline(1, 64)
+    shapes = []
+
+    class Shapes(Recorder):
+        def submit(self, w) -> None:
+            shapes.append((len(w.slots), [s for s in w.slots if s >= 0], w.commits))
+            super().submit(w)
+
+    sched = Scheduler(Shapes(pipe), SchedulerConfig(ctx=64), frozenset())
+    sched.submit([5, 6, 7], SamplingParams(max_tokens=4))
+    sched.run()
+    assert shapes[-1] == (8, [], [[0, 3]]) and pipe.kv[0] == [5, 6, 7]
+
+
 # --- a real launch: windows that change size during the run give every request its solo tokens
 
 CTX = 256

@@ -41,8 +41,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from strata.coordinator.config import (SchedulerConfig, auto_groups,  # noqa: F401 (re-exported)
-                                       round_rows)
+from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_groups re-exported)
+    WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
 from strata.coordinator.drafts import PromptLookup
 from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
@@ -199,8 +199,9 @@ class Scheduler:
             if not self.commits:
                 return False
             # idle with commits pending (a finished or cancelled slot's decoded rows): carry them
-            # on a window of one pad row, so no stage keeps rows no slot holds
-            self._submit(0, [], 1, [])
+            # on a window of pad rows (the smallest decode window), so no stage keeps rows no
+            # slot holds
+            self._submit(0, [], WINDOW_ROW_STEP, [])
         try:
             result, _ = self.pipe.receive(timeout=timeout)
             flight = self.in_flight.pop(result.id)
