@@ -1,9 +1,10 @@
 """Decode windows sized to the load: a group's window has its decoding slots rounded up to a
 multiple of 8 rows, at most window_rows (auto: a group's slots rounded up to 8, at most 64).
 
-Against the fake pipeline of test_scheduler: the sizes as windows go out, rotation past the
-maximum, drafts only in the rounding's spare rows, the config's sentences, the
-strata_window_rows histogram and /v1/status. Then one real launch of the varied tiny model on
+Against the fake pipeline of test_scheduler: the sizes as windows go out, turns past the
+maximum, drafts only in the rounding's spare rows, the config's and the CLI's sentences, the
+strata_window_rows histogram and /v1/status, the bound on prompt chunks before a decode
+window, and the 8 pad rows that carry an idle scheduler's commits. Then one real launch of the varied tiny model on
 two CPU stages, whose windows grow from 8 to 24 rows and shrink back while requests arrive,
 end and are cancelled: every request's tokens equal its tokens alone.
 """
