@@ -82,8 +82,8 @@ def run_alone(ps, ctx=256):
     return out
 
 
-@pytest.mark.parametrize("slots,groups,window_rows", [(4, 1, 8), (4, 2, 8), (8, 4, 2),
-                                                      (16, 2, 4), (6, 3, 1)])
+@pytest.mark.parametrize("slots,groups,window_rows", [(4, 1, 8), (4, 2, 8), (8, 4, None),
+                                                      (24, 1, 8), (20, 2, 8), (6, 3, None)])
 def test_any_schedule_gives_solo_tokens(slots, groups, window_rows):
     rng = random.Random(slots * 100 + groups)
     ps = prompts(24, rng)
@@ -349,8 +349,8 @@ def test_one_client_at_a_time_keeps_every_groups_conversations():
 
 def test_prompts_go_first_while_the_decode_window_has_room():
     """Three prompts of 3 chunks each arrive while one slot decodes: with a window of 8 rows
-    8 chunks go first, then a decode window, then the last chunk; with a full window (2 rows,
-    2 decoding slots) a third prompt's chunks alternate with decode windows."""
+    8 chunks go first, then a decode window, then the last chunk; with a full window (8 rows,
+    8 decoding slots) a ninth prompt's chunks alternate with decode windows."""
     pipe = RecordingPipeline(4, 256)
     sched = Scheduler(pipe, SchedulerConfig(slots=4, window_rows=8, chunk_rows=4, ctx=256),
                       frozenset())
@@ -373,18 +373,18 @@ def test_prompts_go_first_while_the_decode_window_has_room():
         alone.run()
     assert got == [s.generated for s in want]
 
-    full = RecordingPipeline(3, 256)
-    sched = Scheduler(full, SchedulerConfig(slots=3, window_rows=2, chunk_rows=4, ctx=256),
+    full = RecordingPipeline(9, 256)
+    sched = Scheduler(full, SchedulerConfig(slots=9, window_rows=8, chunk_rows=4, ctx=256),
                       frozenset())
-    for p in ([5, 6], [7, 8]):
-        sched.submit(p, SamplingParams(max_tokens=30))
-    for _ in range(4):
+    for i in range(8):
+        sched.submit([5 + i, 6], SamplingParams(max_tokens=30))
+    for _ in range(10):
         sched.step()
-    assert full.sent == ["chunk 0", "chunk 1", "decode 2", "decode 2"]
+    assert full.sent == [f"chunk {i}" for i in range(8)] + ["decode 8", "decode 8"]
     sched.submit(list(range(10, 22)), SamplingParams(max_tokens=4))
     for _ in range(6):
         sched.step()
-    assert full.sent[4:10] == ["chunk 2", "decode 2"] * 3
+    assert full.sent[10:16] == ["chunk 8", "decode 8"] * 3
 
 
 class RepeatingPipeline(FakePipeline):
@@ -398,7 +398,8 @@ class RepeatingPipeline(FakePipeline):
 
 
 @pytest.mark.parametrize("slots,groups,window_rows,draft", [(1, 1, 8, 7), (4, 1, 8, 3),
-                                                           (4, 2, 8, 4), (6, 3, 4, 2)])
+                                                           (4, 2, 8, 4), (6, 3, 8, 2),
+                                                           (18, 2, 16, 7)])
 def test_drafts_give_the_tokens_of_plain_decoding(slots, groups, window_rows, draft):
     rng = random.Random(slots * 10 + draft)
     ps = [[rng.randrange(3, 14) for _ in range(rng.randrange(1, 30))] for _ in range(10)]

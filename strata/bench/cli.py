@@ -182,11 +182,11 @@ def drafts(draft_tokens, clients, tokens, repeats, json_out, **launch):
     if draft_tokens is not None and draft_tokens < 1:
         raise ValueError(f"--draft-tokens {draft_tokens} leaves the drafts arm without drafts; "
                          f"give 1 or more, or leave it out for --window-rows - 1")
-    k = launch["window_rows"] - 1 if draft_tokens is None else draft_tokens
-    prep = prepare(**launch, draft_tokens=k)  # SchedulerConfig checks k against the window
+    prep = prepare(**launch)  # resolves --window-rows auto
+    k = prep.sched.window_rows - 1 if draft_tokens is None else draft_tokens
     tok = Tokenizer.from_gguf(prep.file.reader)
     arms = {"plain": replace(prep.sched, draft_tokens=0),
-            "drafts": replace(prep.sched, draft_tokens=k)}
+            "drafts": replace(prep.sched, draft_tokens=k)}  # checks k against the window
     click.echo(f"# {clients} client(s) x {tokens} tokens, greedy, {len(prep.plan)} stage(s), "
                f"batch {prep.sched.slots}, groups {prep.sched.groups}, window rows "
                f"{prep.sched.window_rows}, up to {k} drafts a slot; {machine()}")

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.pipeline import Pipeline, WindowFailed
 from strata.coordinator.sampling import SamplingParams
-from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig, SlotState
+from strata.coordinator.scheduler import (DecodeWindow, Request, Scheduler, SchedulerConfig,
+                                          SlotState)
 from strata.protocol.messages import Window
 
 log = logging.getLogger("strata.engine")
@@ -95,6 +96,7 @@ class Snapshot:
     in_flight: tuple[bool, ...] = ()   # per group: a window is out
     queued: int = 0
     windows: int = 0
+    decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
 
 
 def _window_kind(w: Window) -> str:
@@ -118,12 +120,15 @@ class _TimedPipe:
         return self.pipe.new_window_id()
 
     def submit(self, w: Window) -> None:
-        self.sent[w.id] = (time.perf_counter(), _window_kind(w))
+        kind = _window_kind(w)
+        self.sent[w.id] = (time.perf_counter(), kind)
         try:
             self.pipe.submit(w)
         except Exception:
             del self.sent[w.id]
             raise
+        if self.metrics is not None and kind == "decode":
+            self.metrics.observe_decode_window(len(w.slots), sum(s >= 0 for s in w.slots))
 
     def receive(self, timeout: float | None = None):
         try:
@@ -282,7 +287,7 @@ class Engine:
         snap = self.scheduler.snapshot()
         now = time.monotonic()
         self.snapshot = Snapshot(tuple(self._view(s, now) for s in snap.slots), snap.in_flight,
-                                 snap.queued, self.pipe.windows)
+                                 snap.queued, self.pipe.windows, snap.decode_windows)
 
     def _view(self, s: SlotState, now: float) -> SlotView:
         job = self._jobs.get(s.request) if s.request is not None else None

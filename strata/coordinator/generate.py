@@ -75,7 +75,8 @@ class Sequence:
 def generate_solo(pipe: Pipeline, seq: Sequence, *, slot: int = 0,
                   chunk_rows: int = DEFAULT_CHUNK_ROWS, window_rows: int = DEFAULT_WINDOW_ROWS,
                   on_logits: Callable | None = None) -> Sequence:
-    """Read the prompt in fixed chunks, then decode one row per window until the end.
+    """Read the prompt in fixed chunks, then decode one row per window until the end (a window
+    of window_rows rows: 8, the size the scheduler gives one decoding slot).
     on_logits(position, logits[V]) receives the logits each token was sampled from."""
     params = seq.params.with_seed()
     seq.params = params

@@ -10,6 +10,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # a CPU window of a small model takes milliseconds, a prompt chunk of a big one seconds
 WINDOW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ROW_BUCKETS = tuple(range(8, 65, 8))   # decode windows are multiples of 8 rows, up to 64
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
 
 
@@ -35,6 +36,10 @@ class Metrics:
         self.window = Histogram("strata_window_seconds", "One window from submit to its result, "
                                 "as the coordinator sees it (all stages and transfers)", ["kind"],
                                 buckets=WINDOW_BUCKETS, registry=r)
+        self.window_rows = Histogram("strata_window_rows", "Rows of each decode window sent: "
+                                     "counted=size, all its rows; counted=live, those of "
+                                     "requests (the rest are padding)", ["counted"],
+                                     buckets=ROW_BUCKETS, registry=r)
         self.ttft = Histogram("strata_time_to_first_token_seconds", "From submit to the first "
                               "generated token", buckets=REQUEST_BUCKETS, registry=r)
         self.request_seconds = Histogram("strata_request_seconds", "From submit to the end of "
@@ -55,6 +60,10 @@ class Metrics:
         self.window.labels(kind).observe(seconds)
         for stage, ms in enumerate(stage_ms):
             self.stage_window.labels(str(stage), kind).observe(ms / 1e3)
+
+    def observe_decode_window(self, rows: int, live: int) -> None:
+        self.window_rows.labels("size").observe(rows)
+        self.window_rows.labels("live").observe(live)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,18 +9,29 @@ while chunk k is on stage 1; launches use stages + 1, so the next chunk already 
 when a result comes back). Only the last chunk samples, and every stage takes windows in the
 order they were sent, so the chunks compute exactly as one at a time.
 
+Window sizes: a prompt chunk is always chunk_rows rows. A decode window takes the group's
+decoding slots, at most window_rows of them (more take turns in slot order, from the slot
+after the last one served), and has that many rows rounded up to a multiple of 8 (WINDOW_ROW_STEP):
+1 decoding slot -> 8 rows, 9 -> 16, 40 -> 40, 70 with window_rows 64 -> 64 rows each window.
+So a window reads the weights once for all its rows, and a lone request pays for 8 rows, not
+for window_rows. The rounding's spare rows are pad rows (slot -1); with draft_tokens, the
+decoding slots share them out evenly for drafts (drafts.py). Drafts never make a window larger
+than its decoding slots' rounded size. The stages compute a row the same whatever the window's
+size (batch-invariant kernels), so the size changes no token.
+
 Which window next, in a group: each prompt chunk (oldest request first) delays the decoding
 slots by one window whenever it runs; the order decides who waits when. While the decode
-window has a free row, up to window_rows chunks in a row go first: a reading request gets its
-first token sooner and joins the window, which costs about the same with one more row.
-Otherwise chunks and decode windows alternate, so a long prompt slows the streams by half
-instead of stopping them; a decoding slot waits at most window_rows chunks for its next
-token. A new request takes a slot of the group with the fewest busy slots (then the fewest
-prompt tokens left to read; then the least recently used slot of any group), unless a slot
-holds its prefix, so the groups stay about equally full and none runs on alone at the end.
-Prompt chunks stream (`prompt_depth`) only while their group has no decoding slot.
-Because every row's arithmetic is independent of its neighbours and every draw depends only on
-(seed, position), no schedule can change a request's tokens.
+window can take one more row (fewer decoding slots than window_rows), up to CHUNKS_FIRST (8)
+chunks in a row go first: reading requests get their first token sooner and join the window,
+which costs about the same with a few more rows. Otherwise chunks and decode windows alternate,
+so a long prompt slows the streams by half instead of stopping them; a decoding slot waits at
+most 8 chunks for its next token, whatever window_rows is. A new request takes a slot of the
+group with the fewest busy slots (then the fewest prompt tokens left to read; then the least
+recently used slot of any group), unless a slot holds its prefix, so the groups stay about
+equally full and none runs on alone at the end. Prompt chunks stream (`prompt_depth`) only
+while their group has no decoding slot.
+Because every row's arithmetic is independent of its neighbours and of its window's size, and
+every draw depends only on (seed, position), no schedule can change a request's tokens.
 """
 from __future__ import annotations
 
@@ -30,7 +41,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from strata.coordinator.config import SchedulerConfig, auto_groups  # noqa: F401 (re-exported)
+from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_groups re-exported)
+    WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
 from strata.coordinator.drafts import PromptLookup
 from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
@@ -39,6 +51,8 @@ from strata.coordinator.slots import Slot, SlotTable
 from strata.coordinator.windows import Row, build_window
 
 log = logging.getLogger("strata.scheduler")
+
+CHUNKS_FIRST = 8   # prompt chunks sent in a row while the decode window can grow
 
 
 @dataclass
@@ -76,6 +90,14 @@ class _Flight:
     owners: list[RowOwner]   # in row order; sampled tokens come back in this order
 
 
+@dataclass(frozen=True)
+class DecodeWindow:
+    """A decode window's size: `rows` in all, `live` of them rows of requests (decoding slots
+    and their drafts); the rest are pad rows."""
+    rows: int
+    live: int
+
+
 @dataclass
 class Group:
     """A group's window state: a group has one window in flight, or while it has no decoding
@@ -84,7 +106,8 @@ class Group:
     streaming: Slot | None = None    # the slot whose chunks stream
     prefer_read: bool = True         # alternate prompt chunks and decode windows
     ahead: int = 0                   # chunks sent in a row while slots decode
-    cursor: int = 0                  # rotation over the group's decoding slots
+    cursor: int = -1                 # the slot that ended the last decode window
+    last_decode: DecodeWindow | None = None   # the last decode window sent
 
 
 @dataclass(frozen=True)
@@ -106,6 +129,7 @@ class SchedulerSnapshot:
     slots: tuple[SlotState, ...]
     in_flight: tuple[bool, ...]   # per group: a window is out
     queued: int
+    decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
 
 
 class Scheduler:
@@ -157,7 +181,7 @@ class Scheduler:
                                    req.id, prompt, slot.read_pos, req.reused,
                                    len(req.seq.generated)))
         return SchedulerSnapshot(tuple(views), tuple(g.flights > 0 for g in self.groups),
-                                 len(self.queue))
+                                 len(self.queue), tuple(g.last_decode for g in self.groups))
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -175,8 +199,9 @@ class Scheduler:
             if not self.commits:
                 return False
             # idle with commits pending (a finished or cancelled slot's decoded rows): carry them
-            # on a window of one pad row, so no stage keeps rows no slot holds
-            self._submit(0, [], 1, [])
+            # on a window of pad rows (the smallest decode window), so no stage keeps rows no
+            # slot holds
+            self._submit(0, [], WINDOW_ROW_STEP, [])
         try:
             result, _ = self.pipe.receive(timeout=timeout)
             flight = self.in_flight.pop(result.id)
@@ -252,8 +277,8 @@ class Scheduler:
                 return False
             self._submit_chunk(group, slot)
             return True
-        # while the decode window has a free row, up to window_rows chunks in a row go first
-        first = len(decoding) < self.cfg.window_rows and g.ahead < self.cfg.window_rows
+        # while the decode window can take one more row, up to CHUNKS_FIRST chunks go first
+        first = len(decoding) < self.cfg.window_rows and g.ahead < CHUNKS_FIRST
         if reading and (g.prefer_read or not decoding or first):
             g.prefer_read = False
             g.ahead += bool(decoding)
@@ -261,22 +286,33 @@ class Scheduler:
         elif decoding:
             g.prefer_read = True
             g.ahead = 0
-            start = g.cursor % len(decoding)
-            chosen = (decoding[start:] + decoding[:start])[: self.cfg.window_rows]
-            g.cursor = start + len(chosen)
-            spare = self.cfg.window_rows - len(chosen)   # pad rows: room for drafts
-            rows, owners = [], []
-            for i, s in enumerate(chosen):
-                seq = s.request.seq
-                drafts = self._drafts(s.request, spare // (len(chosen) - i))  # an even share
-                spare -= len(drafts)
-                rows += [Row(s.index, seq.length - 1 + j, t, seq.params)
-                         for j, t in enumerate([seq.last_token] + drafts)]
-                owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
-            self._submit(group, rows, self.cfg.window_rows, owners)
+            self._submit_decode(group, decoding)
         else:
             return False
         return True
+
+    def _submit_decode(self, group: int, decoding: list[Slot]) -> None:
+        """The next decode window of the group: up to window_rows decoding slots (in rotation),
+        its rows rounded up to a multiple of 8; the pad rows are the room for drafts."""
+        g = self.groups[group]
+        # in slot order, from the slot after the last one served: slots that join or leave
+        # don't make others skip their turn
+        order = ([s for s in decoding if s.index > g.cursor]
+                 + [s for s in decoding if s.index <= g.cursor])
+        chosen = order[: self.cfg.window_rows]
+        g.cursor = chosen[-1].index
+        size = round_rows(len(chosen))   # <= window_rows, itself a multiple of 8
+        spare = size - len(chosen)
+        rows, owners = [], []
+        for i, s in enumerate(chosen):
+            seq = s.request.seq
+            drafts = self._drafts(s.request, spare // (len(chosen) - i))  # an even share
+            spare -= len(drafts)
+            rows += [Row(s.index, seq.length - 1 + j, t, seq.params)
+                     for j, t in enumerate([seq.last_token] + drafts)]
+            owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
+        if self._submit(group, rows, size, owners):
+            g.last_decode = DecodeWindow(size, len(rows))
 
     def _submit_chunk(self, group: int, slot: Slot) -> None:
         seq, start = slot.request.seq, slot.read_pos
@@ -305,7 +341,8 @@ class Scheduler:
         return req.drafter.propose(k)
 
     def _submit(self, group: int, rows: list[Row], shape: int, owners: list[RowOwner],
-                chunk: bool = False) -> None:
+                chunk: bool = False) -> bool:
+        """Sends the window; False when it could not be built or sent (its requests ended)."""
         commits, self.commits = self.commits, []
         try:
             w = build_window(self.pipe.new_window_id(), rows, shape, commits, chunk=chunk)
@@ -320,9 +357,10 @@ class Scheduler:
             self.commits = commits + self.commits
             self._fail(_Flight(group, owners), f"the coordinator could not send its window "
                        f"({type(e).__name__}: {e})", landed=False)
-            return
+            return False
         self.in_flight[w.id] = _Flight(group, owners)
         self.groups[group].flights += 1
+        return True
 
     def _landed(self, group: int) -> None:
         g = self.groups[group]

@@ -316,7 +316,10 @@ class Server:
                             tok_s=None if s.tok_s is None else round(s.tok_s, 2))
             slots.append(view)
         groups = [{"group": g, "slots": [s.slot for s in snap.slots if s.group == g],
-                   "window_in_flight": busy} for g, busy in enumerate(snap.in_flight)]
+                   "window_in_flight": busy,
+                   # the last decode window sent: its rows and, of them, rows of requests
+                   "decode_window": None if w is None else {"rows": w.rows, "live": w.live}}
+                  for g, (busy, w) in enumerate(zip(snap.in_flight, snap.decode_windows))]
         error = self.health_error()
         return web.json_response({
             "model": self.cfg.model, "healthy": error is None, "error": error,

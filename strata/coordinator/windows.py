@@ -1,17 +1,19 @@
 """Building windows: fixed shapes, so a row's arithmetic never depends on its neighbours.
 
-A prompt chunk is `chunk_rows` rows of one slot (the last chunk padded); a decode window is
-`window_rows` rows, one per decoding slot (padded). Pad rows have slot -1.
+A prompt chunk is `chunk_rows` rows of one slot (the last chunk padded); a decode window has
+one row per decoding slot (and its drafts), padded to a multiple of 8 rows (the scheduler picks
+the size: scheduler.py). Pad rows have slot -1.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strata.coordinator.config import WINDOW_ROW_STEP
 from strata.coordinator.sampling import SamplingParams, draw_uniform
 from strata.protocol.messages import Window
 
 DEFAULT_CHUNK_ROWS = 32
-DEFAULT_WINDOW_ROWS = 8
+DEFAULT_WINDOW_ROWS = WINDOW_ROW_STEP  # a decode window of one live row (a request alone)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import click
 
 from strata.config_error import ConfigError
-from strata.coordinator.config import SchedulerConfig, auto_groups
-from strata.coordinator.windows import DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS
+from strata.coordinator.config import MAX_WINDOW_ROWS, SchedulerConfig, auto_groups
+from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.launch.memory import check_fits
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
 from strata.model.gguf_file import ModelError, ModelFile
@@ -50,9 +50,16 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
         click.option("--batch", type=int, default=1, show_default=True,
                      help="Slots: requests decoding together (more wait in a queue)."),
         click.option("--batch-groups", default="1", show_default=True,
-                     help="1 = serial windows; G or auto = G groups of slots in flight at once."),
-        click.option("--window-rows", type=int, default=DEFAULT_WINDOW_ROWS, show_default=True,
-                     help="Rows of a decode window (more slots rotate through several)."),
+                     help="1 = serial windows; G = G groups of slots with a window in flight "
+                          "each (G divides --batch); auto = one group per stage, or the "
+                          "largest count below that divides --batch (64 slots over 2 stages: "
+                          "2 groups of 32)."),
+        click.option("--window-rows", default="auto", show_default=True,
+                     help=f"The most rows of a decode window: a multiple of 8 up to "
+                          f"{MAX_WINDOW_ROWS}, or auto = a group's slots (--batch / groups) "
+                          f"rounded up to 8, at most {MAX_WINDOW_ROWS}. Each decode window has "
+                          f"its decoding slots rounded up to 8 rows (1 slot: 8 rows, 9: 16), "
+                          f"up to this; more slots take turns."),
         click.option("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS, show_default=True,
                      help="Rows of a prompt chunk."),
         click.option("--draft-tokens", type=int, default=0, show_default=True,
@@ -103,13 +110,8 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
     the flags."""
     from strata.stage_worker.config import check_stage_settings
-    if batch_groups == "auto":
-        groups = None
-    else:
-        try:
-            groups = int(batch_groups)
-        except ValueError:
-            raise PlanError(f"--batch-groups {batch_groups!r} is not a number or auto") from None
+    groups = _number_or_auto("--batch-groups", batch_groups)
+    window_rows = _number_or_auto("--window-rows", window_rows)
     check_stage_settings(batch, ctx_size, graph_cache)
     file = open_model(model, ctx_size)
     plan = plan_stages(layer_split, parse_devices(devices, cuda_count()), file.config.n_layers)
@@ -123,6 +125,16 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan), transport)
 
 
+def _number_or_auto(flag: str, value) -> int | None:
+    """An int, or None for auto."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise PlanError(f"{flag} {value!r} is not a number or auto") from None
+
+
 def parse_devices_for(devices: str) -> list[str]:
     return parse_devices(devices, cuda_count())
 
@@ -133,7 +145,7 @@ FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--windo
          "graph_cache": "--graph-cache", "port": "--port", "api_key": "--api-key",
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
          "max_client_connections": "--max-client-connections"}
-CHOICES = {"groups": "auto"}
+CHOICES = {"groups": "auto", "window_rows": "auto"}
 
 
 def clean_errors(command_name: str):
