@@ -266,14 +266,16 @@ def sweep(clients, modes, tokens, prompt_tokens, json_out, plot_path, peer_json,
     layouts = plan_layouts(launch, chosen, launch["batch"], groups)
     model = layouts[0].prep.file.path.name
     devices = "; ".join(f"{'/'.join(lay.modes)} on {lay.devices}" for lay in layouts)
+    # the most rows a decode window takes, per layout (auto: a group's slots, up to 64)
+    window_rows = {"/".join(lay.modes): lay.prep.sched.window_rows for lay in layouts}
     conditions = {"model": model, "tokens_per_client": tokens, "batch": launch["batch"],
-                  "window_rows": launch["window_rows"], "chunk_rows": launch["chunk_rows"],
+                  "window_rows": window_rows, "chunk_rows": launch["chunk_rows"],
                   "ctx_size": launch["ctx_size"], "layer_split": launch["layer_split"],
                   "devices": devices, "clients": counts, "modes": chosen,
                   "prompt_tokens": prompt_tokens}
     prompts = f"{prompt_tokens}-token prompts" if prompt_tokens else "the harness's prompts"
     click.echo(f"# {model}, {prompts}, {tokens} tokens per client, batch {launch['batch']}, "
-               f"window rows {launch['window_rows']}; {devices}; {machine()}")
+               f"window rows up to {_named(window_rows)}; {devices}; {machine()}")
     if peer is not None:
         click.echo(f"# llama.cpp: {peer_json}, {peer['conditions'].get('model')} on "
                    f"{peer['conditions'].get('devices')}; {peer['machine']}")
@@ -289,3 +291,8 @@ def sweep(clients, modes, tokens, prompt_tokens, json_out, plot_path, peer_json,
     if plot_path:
         plot(plot_path, rows, f"{model}, {prompts}, {tokens} tokens a client: tok/s vs "
                               f"concurrent clients\n{devices}", peer)
+
+
+def _named(values: dict) -> str:
+    """{"1gpu": 64, "serial/pipelined": 32} -> "64 (1gpu), 32 (serial/pipelined)"."""
+    return ", ".join(f"{v} ({k})" for k, v in values.items())
