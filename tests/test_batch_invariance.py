@@ -81,13 +81,13 @@ def _project(kind: str, x: torch.Tensor, w: torch.Tensor, norm, res, policy) -> 
 
 
 def _check_projection(kind, n, k, device, policy, sizes=SIZES, seed=0):
-    g = _gen(seed)
-    dtype = _dtype(device)
-    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
-    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
-    x = torch.randn(1, k, generator=g).to(device, dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    like = dict(device=device, dtype=_dtype(device))
+    w = torch.randn(n, k, generator=g, device=device).mul_(0.05).to(like["dtype"])
+    norm = (1 + 0.1 * torch.randn(k, generator=g, device=device)).to(**like)
+    x = torch.randn(1, k, generator=g, device=device).to(**like)
     out_n = n // 2 if kind == "gate_up" else n
-    res = torch.randn(1, out_n, generator=g).to(device, dtype)
+    res = torch.randn(1, out_n, generator=g, device=device).to(**like)
     ref = None
     for (window, at), (res_w, _) in zip(_windows(x, seed + 1, sizes),
                                         _windows(res, seed + 2, sizes)):
