@@ -67,7 +67,10 @@ L8B = [("qkv", 6144, 4096), ("res", 4096, 4096), ("gate_up", 28672, 4096),
        ("res", 4096, 14336), ("head", 128256, 4096)]
 SMOL = [("qkv", 960, 576), ("res", 576, 576), ("gate_up", 3072, 576), ("res", 576, 1536),
         ("head", 49152, 576)]
-TILES = [(16, 32, 64), (16,)]   # a tile that fits the window / a 16-row tile over row blocks
+# the row tiles: one that fits the window (every weight), a 16-row tile over row blocks, and
+# the default policy's choice (16-row tiles for small weights, else one that fits)
+TILES = {"fit": dict(row_tiles=(16, 32, 64), fit_min_bytes=0), "16": dict(row_tiles=(16,)),
+         "default": {}}
 
 
 def _project(kind: str, x: torch.Tensor, w: torch.Tensor, norm, res, policy) -> torch.Tensor:
@@ -98,27 +101,33 @@ def _check_projection(kind, n, k, device, policy, sizes=SIZES, seed=0):
         assert torch.equal(out[at], ref), f"{kind} {n}x{k}: {window.shape[0]} rows differ"
 
 
+def _policy(device: str, tiles: str) -> KernelPolicy:
+    return dataclasses.replace(KernelPolicy.for_device(device), **TILES[tiles])
+
+
 @pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("tiles", TILES, ids=["fit", "16"])
+@pytest.mark.parametrize("tiles", ["fit", "16"])
 @pytest.mark.parametrize("kind, n, k", PROJECTIONS)
 def test_skinny_projection_rows_are_invariant(device, tiles, kind, n, k,
                                              rowwise_interpreter_dot):
     """Under the interpreter, its dot made row-independent (numpy's is not: see the fixture),
-    the kernels' row tiles and masks; on CUDA, the tensor cores' tiles of 16, 32 and 64 rows."""
-    policy = dataclasses.replace(KernelPolicy.for_device(device), row_tiles=tiles)
+    the kernels' row tiles and masks (every tile, and rows a tile masks: 24 and 40); on CUDA,
+    the tensor cores' tiles of 16, 32 and 64 rows."""
+    policy = _policy(device, tiles)
     assert policy.triton
-    _check_projection(kind, n, k, device, policy)
+    sizes = (1, 8, 24, 40) if device == "cpu" else SIZES
+    _check_projection(kind, n, k, device, policy, sizes)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("tiles", TILES, ids=["fit", "16"])
+@pytest.mark.parametrize("tiles", ["fit", "16"])
 @pytest.mark.parametrize("kind, n, k", L8B + SMOL)
 def test_skinny_projection_rows_are_invariant_at_model_shapes_on_gpu(tiles, kind, n, k):
     """llama3-8b's and SmolLM2's projections, windows of every row tile (and rows the tile
     masks: 24 and 40)."""
-    policy = dataclasses.replace(KernelPolicy.for_device("cuda"), row_tiles=tiles)
-    _check_projection(kind, n, k, "cuda", policy, sizes=(1, 8, 16, 24, 32, 40, 64))
+    _check_projection(kind, n, k, "cuda", _policy("cuda", tiles),
+                      sizes=(1, 8, 16, 24, 32, 40, 64))
 
 
 @pytest.mark.parametrize("kind, n, k", [p for p in PROJECTIONS if p[0] != "head"] + SMOL[:-1])
@@ -194,13 +203,18 @@ def _shape(name: str, layers: int, **changes):
 
 
 # name: (layers, vocabulary on the CPU): every matmul shape of the real model (llama3-1b's
-# weights are of 16 MB and more in bf16); on the CPU the vocabulary is cut (the head's rows)
-MODELS = {"tiny": (4, None), "smollm2-135m": (2, 4096), "llama3-1b": (1, 4096)}
+# weights are of 16 MB and more in bf16); on the CPU the vocabulary is cut (the head's rows).
+# llama3-8b's layer runs on CUDA only: there cuBLAS gives a row other bits at 64 rows than at
+# 8 (its o and down projections), so the stage test fails if a decode matmul goes to cuBLAS.
+MODELS = {"tiny": (4, None), "smollm2-135m": (2, 4096), "llama3-1b": (1, 4096),
+          "llama3-8b": (1, None)}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def model_file(request, tmp_path_factory) -> ModelFile:
     layers, vocab = MODELS[request.param]
+    if request.param == "llama3-8b" and not torch.cuda.is_available():
+        pytest.skip("llama3-8b's layer: on CUDA only (a GB in fp32 on the CPU)")
     shape = _shape(request.param, layers)
     if vocab and not torch.cuda.is_available():
         shape = dataclasses.replace(shape, vocab=vocab)
@@ -290,13 +304,12 @@ def test_stage_rows_are_invariant(model_file, rowwise_interpreter_dot):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("tiles", TILES, ids=["fit", "16"])
+@pytest.mark.parametrize("tiles", ["default", "fit"])
 def test_stage_rows_are_invariant_on_gpu_eager_and_graphed(model_file, tiles):
     """bf16 on CUDA, every decode size from 8 to 64 rows: eagerly, and replayed from one CUDA
     graph per size (layers and head in the window's graph), all the same bits."""
-    policy = dataclasses.replace(KernelPolicy.for_device("cuda:0"), row_tiles=tiles)
     model = StageModel(model_file, 0, model_file.config.n_layers, ctx=CTX, device="cuda:0",
-                       policy=policy)
+                       policy=_policy("cuda:0", tiles))
     sizes = tuple(range(8, 65, 8))
     runs = []
     with torch.inference_mode():

@@ -77,44 +77,41 @@ def _cache(model: StageModel, n_slots: int) -> KVCache:
 
 SMALL_BLOCKS = {kind: ((16, 64, 2),) for kind in ("res", "gate_up", "qkv", "head", "plain",
                                                    "wide")}
-NO_SKINNY = {kind: () for kind in SMALL_BLOCKS}   # every decode matmul: torch in 8-row blocks
 
 
-@pytest.mark.parametrize("skinny", [False, True])
-def test_triton_kernels_compute_what_their_fallbacks_compute_on_cpu(tiny_model, skinny,
-                                                                    monkeypatch):
-    """The model with the Triton kernels (RMSNorm, RoPE + KV write, attention, SiLU; with
-    skinny, decode windows through the skinny kernels with the norms and SiLU folded in)
-    computes what it computes with their plain-torch fallbacks, in fp32 on the CPU: under
-    TRITON_INTERPRET=1, else there is nothing to tell."""
+def test_triton_kernels_compute_what_their_fallbacks_compute_on_cpu(tiny_model, monkeypatch):
+    """The model with the Triton kernels (RMSNorm, RoPE + KV write, attention; decode windows'
+    projections on the skinny kernels, at blocks small enough for the tiny model, with the
+    FFN's norm and SiLU folded in and the qkv's norm apart) computes what it computes with
+    their plain-torch fallbacks, in fp32 on the CPU: under TRITON_INTERPRET=1, else there is
+    nothing to tell. Two layers and 8-row windows: the interpreter takes ~0.1 s a row-layer."""
     if not KernelPolicy.for_device("cpu").triton:
         pytest.skip("the Triton kernels run on the CPU under TRITON_INTERPRET=1")
-    triton = KernelPolicy(triton=True, blocks=NO_SKINNY)
-    if skinny:
-        triton = KernelPolicy(triton=True, blocks=SMALL_BLOCKS)
-        from strata.kernels import skinny_triton
-        calls = []
-        for name in ("gate_up_silu", "skinny_mm"):
-            kernel = getattr(skinny_triton, name)
-            monkeypatch.setattr(skinny_triton, name, lambda *a, _k=kernel, _n=name, **kw:
-                                calls.append(_n) or _k(*a, **kw))
+    triton = KernelPolicy(triton=True, blocks=SMALL_BLOCKS, fold=frozenset({"gate_up"}))
+    from strata.kernels import skinny_triton
+    calls = []
+    for name in ("gate_up_silu", "skinny_mm"):
+        kernel = getattr(skinny_triton, name)
+        monkeypatch.setattr(skinny_triton, name, lambda *a, _k=kernel, _n=name, **kw:
+                            calls.append(_n) or _k(*a, **kw))
     file = ModelFile(tiny_model)
-    ref = StageModel(file, 0, 4, ctx=CTX, policy=KernelPolicy(triton=False))
-    got = StageModel(file, 0, 4, ctx=CTX, policy=triton)
+    ref = StageModel(file, 0, 2, ctx=CTX, policy=KernelPolicy(triton=False))
+    got = StageModel(file, 0, 2, ctx=CTX, policy=triton)
     a, b = _cache(ref, 3), _cache(got, 3)
     assert b.trash == 3 and b.k[0].shape[0] == 4
-    for slot, n in [(0, 20), (2, 37)]:
+    for slot, n in [(0, 6), (2, 7)]:   # each prompt read as one decode window
         tokens = _prompt(n, slot, file.config.vocab)
-        torch.testing.assert_close(_read_prompt(got, b, slot, tokens),
-                                   _read_prompt(ref, a, slot, tokens), rtol=1e-5, atol=1e-5)
-    rows = [(0, 20, 5), (2, 37, 9)]
+        rows = [(slot, p, t) for p, t in enumerate(tokens)]
+        torch.testing.assert_close(_run(got, b, rows, WINDOW)[:n],
+                                   _run(ref, a, rows, WINDOW)[:n], rtol=1e-5, atol=1e-5)
+    rows = [(0, 6, 5), (2, 7, 9)]
     torch.testing.assert_close(_run(got, b, rows, WINDOW)[:2], _run(ref, a, rows, WINDOW)[:2],
                                rtol=1e-5, atol=1e-5)
     for x, y in zip(a.k + a.v, b.k + b.v):
         torch.testing.assert_close(x[:3], y[:3], rtol=1e-5, atol=1e-5)  # slot 1 untouched
         assert x[1].abs().sum() == 0 and y[1].abs().sum() == 0
-    if skinny:   # the decode window's 4 layers took the folded kernels, the chunks did not
-        assert calls.count("gate_up_silu") == 4 and calls.count("skinny_mm") == 12
+    # 3 windows of 2 layers: qkv (norm apart), o, down on skinny_mm; gate_up folded
+    assert calls.count("gate_up_silu") == 6 and calls.count("skinny_mm") == 18
 
 
 def test_rows_fill_a_staging_buffer_as_pack_makes_them():

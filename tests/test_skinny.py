@@ -93,6 +93,8 @@ def test_linear_rows_picks_by_shape_and_keeps_cublas_off_cuda():
     tiles = [policy.skinny(torch.zeros(m, 4096), w, "res", decode=True)["block_m"]
              for m in (8, 16, 24, 64)]
     assert tiles == [16, 16, 32, 64]
+    small = torch.zeros(576, 576)   # SmolLM2's o: 16-row tiles over row blocks
+    assert policy.skinny(torch.zeros(64, 576), small, "res", decode=True)["block_m"] == 16
     assert policy.skinny(torch.zeros(32, 4096), w, "res", decode=False) is None
     # without the Triton kernels the projections are linear and addmm, bit for bit: a chunk
     # whole, a decode window in blocks of 8 rows

@@ -39,16 +39,22 @@ class KernelPolicy:
     otherwise their plain-torch fallbacks do. Every matmul of a decode window (at most
     MAX_DECODE_ROWS rows) takes the skinny kernel where its blocks divide the weight, with the
     norm (and SiLU) folded into the projections named in `fold`; `row_tiles` are the kernel's
-    BLOCK_M choices (the smallest that holds the window, else the largest with a grid over
-    row blocks). A decode window's matmul the skinny kernel does not take (no Triton, or a
-    shape its blocks do not divide) runs in calls of ROW_BLOCK rows, each of the same shape.
-    Prompt chunks (fixed shapes) take cuBLAS / torch whole. mm_fp32_out: bf16 head logits
-    come straight from torch.mm(out_dtype=float32) (else the head is upcast)."""
+    BLOCK_M choices: the smallest that holds the window (each weight tile read once for all
+    rows), else the largest with a grid over row blocks. A weight under `fit_min_bytes`
+    (SmolLM2's layers) takes the first tile over row blocks instead: its few column blocks
+    leave most SMs idle, and its re-reads hit L2 (an H200 at 64 rows: 5 us against 8 for
+    SmolLM2's qkv, 40 against 29 for llama3-8b's; tools/gpu/bench_tiles.py). Every tile gives
+    a row the same bits (tests/test_batch_invariance.py). A decode window's matmul the skinny
+    kernel does not take (no Triton, or a shape its blocks do not divide) runs in calls of
+    ROW_BLOCK rows, each of the same shape. Prompt chunks (fixed shapes) take cuBLAS / torch
+    whole. mm_fp32_out: bf16 head logits come straight from torch.mm(out_dtype=float32) (else
+    the head is upcast)."""
     triton: bool
     fold: frozenset[str] = FOLD_ALL
     blocks: Mapping[str, tuple[tuple[int, int, int], ...]] = field(
         default_factory=lambda: SKINNY_BLOCKS)
     row_tiles: tuple[int, ...] = (16, 32, 64)
+    fit_min_bytes: int = 16 << 20
     mm_fp32_out: bool = True
 
     @classmethod
@@ -81,7 +87,8 @@ class KernelPolicy:
         blocks = self.skinny_blocks(*w.shape, kind)
         if blocks is None:
             return None
-        tile = next((t for t in self.row_tiles if x.shape[0] <= t), self.row_tiles[-1])
+        tiles = self.row_tiles if w.numel() * 2 >= self.fit_min_bytes else self.row_tiles[:1]
+        tile = next((t for t in tiles if x.shape[0] <= t), tiles[-1])
         return {**blocks, "block_m": tile}
 
 

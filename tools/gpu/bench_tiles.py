@@ -11,7 +11,8 @@ us per call (from a CUDA graph, weights rotated beyond L2) for fit, 16 and cuBLA
 row 0's bits equal those at M = 8 ("=" yes, "x" no).
 
 Part 2 (`stage MODEL.gguf`): a whole stage (all layers and the head) replayed from its CUDA
-graph for windows of 8, 16, ..., 64 live rows, each design: ms per window.
+graph for windows of 8, 16, ..., 64 live rows, each design and the default policy (16-row
+tiles for weights under 16 MB, else fit): ms per window.
 
     python tools/gpu/bench_tiles.py kernels
     python tools/gpu/bench_tiles.py stage l8b.gguf
@@ -35,7 +36,8 @@ SHAPES = {"llama3-8b": [("qkv", 6144, 4096), ("res", 4096, 4096), ("gate_up", 28
                         ("res", 4096, 14336), ("head", 128256, 4096)],
           "smollm2": [("qkv", 960, 576), ("res", 576, 576), ("gate_up", 3072, 576),
                       ("res", 576, 1536), ("head", 49152, 576)]}
-DESIGNS = {"fit": (16, 32, 64), "16": (16,)}
+DESIGNS = {"fit": dict(row_tiles=(16, 32, 64), fit_min_bytes=0), "16": dict(row_tiles=(16,)),
+           "default": {}}   # default: 16-row tiles for weights under 16 MB, else fit
 ROWS = (1, 8, 16, 32, 64)
 
 
@@ -66,7 +68,8 @@ def _ours(policy):
 
 def kernels() -> None:
     base = KernelPolicy.for_device("cuda")
-    arms = {name: _ours(dataclasses.replace(base, row_tiles=t)) for name, t in DESIGNS.items()}
+    arms = {name: _ours(dataclasses.replace(base, **d)) for name, d in DESIGNS.items()
+            if name != "default"}
     arms["cublas"] = _cublas
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -106,8 +109,8 @@ def stage(path: str, iters: int = 50) -> None:
     print(f"{'design':>7} " + " ".join(f"{r:>7}" for r in sizes))
     model = StageModel(file, 0, cfg.n_layers, ctx=320, device="cuda:0", policy=base)
     cache = KVCache(len(model.layers), 64, cfg, 320, model.device, model.dtype)
-    for name, tiles in DESIGNS.items():
-        policy = dataclasses.replace(base, row_tiles=tiles)
+    for name, design in DESIGNS.items():
+        policy = dataclasses.replace(base, **design)
         model.policy = policy          # the same weights under each design's policy
         for layer in model.layers:
             layer.policy = policy
