@@ -20,7 +20,7 @@ from strata.kernels.attention import attend_rows
 from strata.kernels.policy import KernelPolicy
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_random_gguf
-from strata.stage_worker.model import KVCache, Rows, RowTensors, StageModel
+from strata.stage_worker.model import KVCache, Rows, StageModel
 from strata.stage_worker.runner import WindowRunner
 from conftest import triton_devices
 from test_attention_chunk import rowwise_interpreter_dot  # noqa: F401 (a fixture)

@@ -104,10 +104,10 @@ def test_linear_rows_picks_by_shape_and_keeps_cublas_off_cuda():
     torch_only = KernelPolicy(triton=False)
     assert torch.equal(fused.linear_rows(x, w, policy=torch_only), F.linear(x, w))
     assert torch.equal(fused.linear_rows(x, w, res, torch_only), torch.addmm(res, x, w.t()))
-    padded = torch.cat([x, torch.zeros(4, 64)])
-    assert torch.equal(fused.linear_rows(x, w, res, torch_only, decode=True), torch.cat(
-        [torch.addmm(r, b, w.t()) for b, r in zip(padded.split(8),
-                                                   torch.cat([res, torch.zeros(4, 32)]).split(8))])[:20])
+    xs = torch.cat([x, torch.zeros(4, 64)]).split(8)        # 20 rows: 3 blocks, the last padded
+    rs = torch.cat([res, torch.zeros(4, 32)]).split(8)
+    blocked = torch.cat([torch.addmm(r, b, w.t()) for b, r in zip(xs, rs)])[:20]
+    assert torch.equal(fused.linear_rows(x, w, res, torch_only, decode=True), blocked)
 
 
 def _cases(device):

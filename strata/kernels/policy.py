@@ -42,9 +42,10 @@ class KernelPolicy:
     BLOCK_M choices: the smallest that holds the window (each weight tile read once for all
     rows), else the largest with a grid over row blocks. A weight under `fit_min_bytes`
     (SmolLM2's layers) takes the first tile over row blocks instead: its few column blocks
-    leave most SMs idle, and its re-reads hit L2 (an H200 at 64 rows: 5 us against 8 for
-    SmolLM2's qkv, 40 against 29 for llama3-8b's; tools/gpu/bench_tiles.py). Every tile gives
-    a row the same bits (tests/test_batch_invariance.py). A decode window's matmul the skinny
+    leave most SMs idle, and its re-reads hit L2 (an H200, 64 rows, 16-row tiles against one
+    64-row tile: SmolLM2's qkv 5 us against 8, llama3-8b's 40 against 29;
+    tools/gpu/bench_tiles.py). Every tile gives a row the same bits
+    (tests/test_batch_invariance.py). A decode window's matmul the skinny
     kernel does not take (no Triton, or a shape its blocks do not divide) runs in calls of
     ROW_BLOCK rows, each of the same shape. Prompt chunks (fixed shapes) take cuBLAS / torch
     whole. mm_fp32_out: bf16 head logits come straight from torch.mm(out_dtype=float32) (else
