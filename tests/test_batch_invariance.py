@@ -18,6 +18,7 @@ import torch
 from strata.kernels import fused
 from strata.kernels.attention import attend_rows
 from strata.kernels.policy import KernelPolicy
+from strata.kernels.sampling import SamplingRow, sample_row
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.stage_worker.model import KVCache, Rows, StageModel
@@ -268,7 +269,8 @@ def _prefill(model: StageModel, cache: KVCache, runner=None) -> None:
 
 
 def _stage_outputs(model: StageModel, cache: KVCache, rows, at, runner=None):
-    """The target rows' hidden states, fp32 logits, argmax and KV (layer 0 and last)."""
+    """The target rows' hidden states, fp32 logits, argmax, sampled tokens (the last stage's
+    sampling of each row, seeded) and KV (layer 0 and last)."""
     ids = torch.tensor([t for *_, t in rows])
     r = Rows([s for s, *_ in rows], [p for _, p, _ in rows])
     if runner is None:
@@ -280,11 +282,13 @@ def _stage_outputs(model: StageModel, cache: KVCache, rows, at, runner=None):
         logits, argmax = head.logits[head.rows], head.argmax[head.rows]
     kv = [c[s, :, p].clone() for c in (cache.k[0], cache.v[-1]) for s, p, _ in
           (rows[i] for i in at)]
-    return [hidden[at].clone(), logits[at].clone(), argmax[at].clone(), *kv]
+    sampled = torch.tensor([sample_row(logits[i], SamplingRow(0.8, 40, 0.9, 0.05, u))
+                            for i, u in zip(at, (0.13, 0.37, 0.61, 0.85, 0.99))])
+    return [hidden[at].clone(), logits[at].clone(), argmax[at].clone(), sampled, *kv]
 
 
 def _same(outs: list, size: int) -> None:
-    names = ["hidden", "logits", "argmax"] + ["kv"] * (len(outs[0]) - 3)
+    names = ["hidden", "logits", "argmax", "sampled tokens"] + ["kv"] * (len(outs[0]) - 4)
     for name, x, y in zip(names, outs[0], outs[-1]):
         assert torch.equal(x, y), f"{name} of a row differs alone and in a {size}-row window"
 
