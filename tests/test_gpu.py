@@ -79,41 +79,39 @@ SMALL_BLOCKS = {kind: ((16, 64, 2),) for kind in ("res", "gate_up", "qkv", "head
                                                    "wide")}
 
 
-@pytest.mark.parametrize("skinny", [False, True])
-def test_triton_kernels_compute_what_their_fallbacks_compute_on_cpu(tiny_model, skinny,
-                                                                    monkeypatch):
-    """The model with the Triton kernels (RMSNorm, RoPE + KV write, attention, SiLU; with
-    skinny, decode windows through the skinny kernels with the norms and SiLU folded in, at
-    blocks small enough for the tiny model) computes what it computes with their plain-torch
-    fallbacks, in fp32 on the CPU: under TRITON_INTERPRET=1, else there is nothing to tell."""
+def test_triton_kernels_compute_what_their_fallbacks_compute_on_cpu(tiny_model, monkeypatch):
+    """The model with the Triton kernels (RMSNorm, RoPE + KV write, attention; decode windows'
+    projections on the skinny kernels, at blocks small enough for the tiny model, with the
+    FFN's norm and SiLU folded in and the qkv's norm apart) computes what it computes with
+    their plain-torch fallbacks, in fp32 on the CPU: under TRITON_INTERPRET=1, else there is
+    nothing to tell. Two layers and 8-row windows: the interpreter takes ~0.1 s a row-layer."""
     if not KernelPolicy.for_device("cpu").triton:
         pytest.skip("the Triton kernels run on the CPU under TRITON_INTERPRET=1")
-    triton = KernelPolicy(triton=True)
-    if skinny:
-        triton = KernelPolicy(triton=True, skinny_min_bytes=0, blocks=SMALL_BLOCKS)
-        from strata.kernels import skinny_triton
-        calls = []
-        for name in ("gate_up_silu", "skinny_mm"):
-            kernel = getattr(skinny_triton, name)
-            monkeypatch.setattr(skinny_triton, name, lambda *a, _k=kernel, _n=name, **kw:
-                                calls.append(_n) or _k(*a, **kw))
+    triton = KernelPolicy(triton=True, blocks=SMALL_BLOCKS, fold=frozenset({"gate_up"}))
+    from strata.kernels import skinny_triton
+    calls = []
+    for name in ("gate_up_silu", "skinny_mm"):
+        kernel = getattr(skinny_triton, name)
+        monkeypatch.setattr(skinny_triton, name, lambda *a, _k=kernel, _n=name, **kw:
+                            calls.append(_n) or _k(*a, **kw))
     file = ModelFile(tiny_model)
-    ref = StageModel(file, 0, 4, ctx=CTX, policy=KernelPolicy(triton=False))
-    got = StageModel(file, 0, 4, ctx=CTX, policy=triton)
+    ref = StageModel(file, 0, 2, ctx=CTX, policy=KernelPolicy(triton=False))
+    got = StageModel(file, 0, 2, ctx=CTX, policy=triton)
     a, b = _cache(ref, 3), _cache(got, 3)
     assert b.trash == 3 and b.k[0].shape[0] == 4
-    for slot, n in [(0, 40), (2, 70)]:
+    for slot, n in [(0, 6), (2, 7)]:   # each prompt read as one decode window
         tokens = _prompt(n, slot, file.config.vocab)
-        torch.testing.assert_close(_read_prompt(got, b, slot, tokens),
-                                   _read_prompt(ref, a, slot, tokens), rtol=1e-5, atol=1e-5)
-    rows = [(0, 40, 5), (2, 70, 9)]
+        rows = [(slot, p, t) for p, t in enumerate(tokens)]
+        torch.testing.assert_close(_run(got, b, rows, WINDOW)[:n],
+                                   _run(ref, a, rows, WINDOW)[:n], rtol=1e-5, atol=1e-5)
+    rows = [(0, 6, 5), (2, 7, 9)]
     torch.testing.assert_close(_run(got, b, rows, WINDOW)[:2], _run(ref, a, rows, WINDOW)[:2],
                                rtol=1e-5, atol=1e-5)
     for x, y in zip(a.k + a.v, b.k + b.v):
         torch.testing.assert_close(x[:3], y[:3], rtol=1e-5, atol=1e-5)  # slot 1 untouched
         assert x[1].abs().sum() == 0 and y[1].abs().sum() == 0
-    if skinny:   # the decode window's 4 layers took the folded kernels, the chunks did not
-        assert calls.count("gate_up_silu") == 4 and calls.count("skinny_mm") == 12
+    # 3 windows of 2 layers: qkv (norm apart), o, down on skinny_mm; gate_up folded
+    assert calls.count("gate_up_silu") == 6 and calls.count("skinny_mm") == 18
 
 
 def test_rows_fill_a_staging_buffer_as_pack_makes_them():
@@ -201,20 +199,21 @@ def test_attention_kernel_is_row_independent_on_gpu(n_rows):
         assert torch.equal(alone, together), (n_rows, target)
 
 
-@pytest.fixture(scope="module", params=["tiny", "smol-shape", "smol-skinny"])
+@pytest.fixture(scope="module", params=["tiny", "smol-shape", "smol-rowblocks"])
 def gpu_model(request, tiny_model):
-    """smol-skinny: SmolLM2's shape with every decode-window projection on the skinny Triton
-    kernels, the norms and SiLU folded in (normally only weights of 16 MB and more take
-    them), so the model-level checks cover them."""
+    """Every decode-window projection on the skinny Triton kernels, the norms and SiLU folded
+    in; smol-rowblocks: SmolLM2's shape with the skinny kernels' 16-row tile over row blocks
+    instead of a tile that fits the window."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     path = tiny_model if request.param == "tiny" else request.getfixturevalue("smol_shape")
     file = ModelFile(path)
     policy = KernelPolicy.for_device("cuda:0")
-    if request.param == "smol-skinny":
-        policy = dataclasses.replace(policy, skinny_min_bytes=0)
-        assert all(policy.skinny_blocks(n, k, kind) for n, k, kind in (
-            (960, 576, "qkv"), (576, 576, "res"), (3072, 576, "gate_up"), (576, 1536, "res")))
+    assert all(policy.skinny_blocks(n, k, kind) for n, k, kind in (
+        (960, 576, "qkv"), (576, 576, "res"), (3072, 576, "gate_up"), (576, 1536, "res"),
+        (49152, 576, "head")))
+    if request.param == "smol-rowblocks":
+        policy = dataclasses.replace(policy, row_tiles=(16,))
     return file, StageModel(file, 0, file.config.n_layers, ctx=CTX, device="cuda:0",
                             policy=policy)
 

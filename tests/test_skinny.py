@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels import fused
-from strata.kernels.policy import KernelPolicy
+from strata.kernels.policy import MAX_DECODE_ROWS, KernelPolicy
 from conftest import triton_devices
 
 BLOCKS = {"block_n": 32, "block_k": 64, "stages": 2, "warps": 4}  # small shapes for the interpreter
@@ -62,31 +62,52 @@ def test_skinny_matches_reference_and_rows_are_independent(device, residual):
 
 def test_skinny_refuses_what_its_blocks_do_not_fit():
     sk = _skinny()
-    assert sk.BLOCK_M == KernelPolicy(triton=True).skinny_max_rows
-    w, x = torch.zeros(96, 256), torch.zeros(17, 256)
+    assert sk.MAX_ROWS == MAX_DECODE_ROWS and sk.ROW_TILES == KernelPolicy(True).row_tiles
+    assert [sk.row_tile(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    w, x = torch.zeros(96, 256), torch.zeros(65, 256)
     with pytest.raises(ValueError, match="do not fit blocks"):
-        sk.skinny_mm(x, w, **BLOCKS)            # 17 rows
+        sk.skinny_mm(x, w, **BLOCKS)            # 65 rows
     with pytest.raises(ValueError, match="do not fit blocks"):
         sk.skinny_mm(x[:8], w[:90], **BLOCKS)   # 90 columns, blocks of 32
+    with pytest.raises(ValueError, match="do not fit blocks"):
+        sk.skinny_mm(x[:8], w, block_m=8, **BLOCKS)   # not a row tile
+    # deeper pipelines than fit in shared memory are cut, never the blocks
+    assert sk.fit_stages(4, 16, 64, 256) == 4 and sk.fit_stages(4, 64, 64, 256) == 3
 
 
 def test_linear_rows_picks_by_shape_and_keeps_cublas_off_cuda():
-    # llama3-8b's projections take the skinny kernels; SmolLM2's (small) stay on cuBLAS
+    # the weight's shape alone picks the blocks along N and K: llama3-8b's, SmolLM2's and the
+    # tiny model's projections all take the skinny kernels
     blocks = KernelPolicy(triton=True).skinny_blocks
     assert blocks(6144, 4096, "qkv")["block_n"] == 64
     assert blocks(28672, 4096, "gate_up")["block_k"] == 64   # 64 gate + 64 up
     assert blocks(28672, 4096)["block_n"] == 128             # plain, unfolded
     assert blocks(4096, 14336, "res")["block_k"] == 256
     assert blocks(128256, 4096, "head")["block_n"] == 128   # llama3's head
-    assert blocks(960, 576, "qkv") is None
+    assert blocks(960, 576, "qkv")["block_k"] == 64 and blocks(49152, 576, "head")
+    assert blocks(128, 64, "qkv") and blocks(256, 64, "gate_up") and blocks(320, 64, "head")
     assert blocks(4100, 14336, "res") is None   # no block divides 4100
-    # without the Triton kernels the projections are linear and addmm, bit for bit
+    # the row tile follows the window; a prompt chunk never takes the skinny kernel
+    policy = KernelPolicy(triton=True)
+    w = torch.zeros(4096, 4096)
+    tiles = [policy.skinny(torch.zeros(m, 4096), w, "res", decode=True)["block_m"]
+             for m in (8, 16, 24, 64)]
+    assert tiles == [16, 16, 32, 64]
+    small = torch.zeros(576, 576)   # SmolLM2's o: 16-row tiles over row blocks
+    assert policy.skinny(torch.zeros(64, 576), small, "res", decode=True)["block_m"] == 16
+    assert policy.skinny(torch.zeros(32, 4096), w, "res", decode=False) is None
+    # without the Triton kernels the projections are linear and addmm, bit for bit: a chunk
+    # whole, a decode window in blocks of 8 rows
     g = torch.Generator().manual_seed(4)
-    x, w, res = torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g), \
-        torch.randn(8, 32, generator=g)
-    torch_only = KernelPolicy(triton=False, skinny_min_bytes=0)
+    x, w, res = torch.randn(20, 64, generator=g), torch.randn(32, 64, generator=g), \
+        torch.randn(20, 32, generator=g)
+    torch_only = KernelPolicy(triton=False)
     assert torch.equal(fused.linear_rows(x, w, policy=torch_only), F.linear(x, w))
     assert torch.equal(fused.linear_rows(x, w, res, torch_only), torch.addmm(res, x, w.t()))
+    xs = torch.cat([x, torch.zeros(4, 64)]).split(8)        # 20 rows: 3 blocks, the last padded
+    rs = torch.cat([res, torch.zeros(4, 32)]).split(8)
+    blocked = torch.cat([torch.addmm(r, b, w.t()) for b, r in zip(xs, rs)])[:20]
+    assert torch.equal(fused.linear_rows(x, w, res, torch_only, decode=True), blocked)
 
 
 def _cases(device):
@@ -143,19 +164,21 @@ def test_gate_up_silu(device, with_norm):
 
 
 def test_folded_dispatch_falls_back_to_the_kernels_apart():
-    """Without the Triton kernels, and for small weights, norm_linear_rows and
+    """Without the Triton kernels, or without the folds, norm_linear_rows and
     norm_gate_up_silu are rms_norm_rows then the projection (then silu_mul), bit for bit."""
     g = torch.Generator().manual_seed(9)
     x, norm = torch.randn(3, 128, generator=g), 1 + 0.1 * torch.randn(128, generator=g)
     w, wg = torch.randn(96, 128, generator=g), torch.randn(64, 128, generator=g)
-    for policy in (KernelPolicy(triton=False, skinny_min_bytes=0), KernelPolicy(triton=True)):
+    for policy in (KernelPolicy(triton=False), KernelPolicy(triton=True, fold=frozenset())):
         if policy.triton and not _interpreting():
             continue   # the Triton kernels need CUDA or the interpreter
-        h = fused.rms_norm_rows(x, norm, 1e-5, policy)
-        assert torch.equal(fused.norm_linear_rows(x, norm, 1e-5, w, policy),
-                           fused.linear_rows(h, w, policy=policy))
-        assert torch.equal(fused.norm_gate_up_silu(x, norm, 1e-5, wg, policy),
-                           fused.silu_mul(fused.linear_rows(h, wg, policy=policy), policy))
+        for decode in (False, True):
+            h = fused.rms_norm_rows(x, norm, 1e-5, policy, decode)
+            assert torch.equal(fused.norm_linear_rows(x, norm, 1e-5, w, policy, decode),
+                               fused.linear_rows(h, w, policy=policy, decode=decode))
+            assert torch.equal(fused.norm_gate_up_silu(x, norm, 1e-5, wg, policy, decode),
+                               fused.silu_mul(fused.linear_rows(h, wg, policy=policy,
+                                                                decode=decode), policy))
 
 
 @pytest.mark.parametrize("device", triton_devices())

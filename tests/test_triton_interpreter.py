@@ -2,8 +2,12 @@
 before Python imports triton, so the kernel tests run again in a child pytest with
 TRITON_INTERPRET=1 (their "cpu" cases, fp32: the interpreter's bf16 is not the GPU's). Each
 kernel is compared there with its plain-torch or float64 reference, and checked for row
-independence. Skipped where triton is not installed (the test extra installs it) or where a
-GPU runs the kernels themselves."""
+independence (the skinny matmul at every row tile). The interpreter runs each program in
+Python (~5 ms a program), so the cases of hundreds of rows stay with the GPU: the chunk
+attention's 100- and 512-row references (its 1-, 7- and 32-row ones run, across blocks and
+partial blocks) and its row independence with 4-row blocks (the default blocks run). Skipped
+where triton is not installed (the test extra installs it) or where a GPU runs the kernels
+themselves."""
 from __future__ import annotations
 
 import os
@@ -17,7 +21,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["tests/test_attention_triton.py", "tests/test_attention_chunk.py",
-                "tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py"]
+                "tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py",
+                "tests/test_batch_invariance.py"]
+CASES = "cpu and not 512 and not 100 and not bm4"
 
 
 @pytest.mark.slow
@@ -28,10 +34,10 @@ def test_triton_kernels_under_the_interpreter():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("already under the interpreter: the kernel tests run in this session")
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cpu",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", CASES,
          *KERNEL_TESTS], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     passed = re.search(r"(\d+) passed", out.stdout)
     # every kernel's cases ran (none skipped for an interpreter that cannot run them)
-    assert passed and int(passed.group(1)) >= 20, out.stdout[-2000:]
+    assert passed and int(passed.group(1)) >= 30, out.stdout[-2000:]

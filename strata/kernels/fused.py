@@ -7,25 +7,43 @@ graph (each node costs ~1-2 us). These fuse what plain torch runs as many small 
   rope_write_kv   RoPE on q and k read from the fused qkv projection, k and v written into
                   the KV cache at (slot, position) (1 kernel instead of ~25)
   silu_mul        SiLU(gate) * up of the fused [gate; up] projection (1 instead of 3)
-  linear_rows     x @ w^T (+ a residual) of a decode window: on CUDA, for a window of at most
-                  16 rows and a large weight, the skinny Triton matmul (kernels/skinny_triton.py:
-                  nearer the HBM limit than cuBLAS at these shapes, and the residual add in
-                  its epilogue without addmm's copy); otherwise cuBLAS (addmm / linear)
+  linear_rows     x @ w^T (+ a residual): for a decode window (up to 64 rows) the skinny
+                  Triton matmul (kernels/skinny_triton.py: nearer the HBM limit than cuBLAS at
+                  these shapes, the residual add in its epilogue, and one order along K for
+                  every row count); a prompt chunk's rows go to cuBLAS / torch whole (addmm /
+                  linear: a chunk has a fixed shape)
   norm_linear_rows, norm_gate_up_silu, norm_head_rows
                   where the skinny kernels take the window, the norm and the projection (and
                   SiLU) as one kernel; otherwise the kernels above one after another (the
-                  head: None, and the caller's cuBLAS)
+                  head: None, and the caller's matmul)
 
 Every program handles one row (and head) and reduces in a fixed order, so results never depend
 on the other rows of a window. Off CUDA (and without TRITON_INTERPRET=1) the torch versions
-run: the same path computes on every device (kernels/policy.py says which runs where).
+run: the same path computes on every device (kernels/policy.py says which runs where). A
+decode window's matmul that no skinny kernel takes (the plain-torch path, or a weight shape
+the kernel's blocks do not divide) runs in calls of ROW_BLOCK (8) rows, each the same shape,
+and so do the torch norms of a decode window: a row's bits then do not depend on how many rows
+share its window on the CPU either (a torch matmul's blocking changes with its row count).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.policy import KernelPolicy, policy_or_default
+from strata.kernels.policy import ROW_BLOCK, KernelPolicy, policy_or_default
+
+
+def by_row_blocks(fn, x: torch.Tensor, *row_args: torch.Tensor) -> torch.Tensor:
+    """fn(x_block, *row_arg_blocks) over blocks of ROW_BLOCK rows of x (and of each row_arg),
+    the last block padded with zero rows, the results joined and cut to x's rows: every call
+    has the same shape whatever x's row count."""
+    n = x.shape[0]
+    if n == ROW_BLOCK:
+        return fn(x, *row_args)
+    pad = -n % ROW_BLOCK
+    tensors = [F.pad(t, (0, 0, 0, pad)) if pad else t for t in (x, *row_args)]
+    outs = [fn(*blocks) for blocks in zip(*(t.split(ROW_BLOCK) for t in tensors))]
+    return torch.cat(outs)[:n]
 
 
 # --- plain-torch references -----------------------------------------------------------------
@@ -89,9 +107,13 @@ def gate_up_silu_torch(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | No
 # --- dispatch: the Triton kernels where the policy runs them, else the references ----------
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                  policy: KernelPolicy | None = None) -> torch.Tensor:
-    """x: [R, D] -> [R, D]: x * rsqrt(mean(x^2) + eps), rounded to x's dtype, times weight."""
+                  policy: KernelPolicy | None = None, decode: bool = False) -> torch.Tensor:
+    """x: [R, D] -> [R, D]: x * rsqrt(mean(x^2) + eps), rounded to x's dtype, times weight.
+    The Triton kernel is one program per row; the torch version takes a decode window in
+    blocks of ROW_BLOCK rows."""
     if not policy_or_default(policy, x).triton:
+        if decode:
+            return by_row_blocks(lambda b: rms_norm_rows_torch(b, weight, eps), x)
         return rms_norm_rows_torch(x, weight, eps)
     from strata.kernels import fused_triton
     return fused_triton.rms_norm_rows(x, weight, eps)
@@ -107,33 +129,41 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot:
 
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
-                policy: KernelPolicy | None = None) -> torch.Tensor:
-    """x: [R, K], w: [N, K] -> x @ w^T (+ res) [R, N]: the skinny kernel, else cuBLAS (addmm /
-    linear)."""
-    blocks = policy_or_default(policy, x).skinny(x, w, "plain" if res is None else "res")
-    if blocks is None:
-        return F.linear(x, w) if res is None else torch.addmm(res, x, w.t())
-    from strata.kernels.skinny_triton import skinny_mm
-    return skinny_mm(x, w, res, **blocks)
+                policy: KernelPolicy | None = None, decode: bool = False) -> torch.Tensor:
+    """x: [R, K], w: [N, K] -> x @ w^T (+ res) [R, N]. decode: x is a decode window's rows
+    (the skinny kernel, else the matmul in blocks of ROW_BLOCK rows); otherwise a prompt
+    chunk's (addmm / linear whole)."""
+    blocks = policy_or_default(policy, x).skinny(x, w, "plain" if res is None else "res",
+                                                 decode)
+    if blocks is not None:
+        from strata.kernels.skinny_triton import skinny_mm
+        return skinny_mm(x, w, res, **blocks)
+    if res is None:
+        return by_row_blocks(lambda b: F.linear(b, w), x) if decode else F.linear(x, w)
+    if decode:
+        return by_row_blocks(lambda b, r: torch.addmm(r, b, w.t()), x, res)
+    return torch.addmm(res, x, w.t())
 
 
 def norm_linear_rows(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor,
-                     policy: KernelPolicy | None = None) -> torch.Tensor:
+                     policy: KernelPolicy | None = None, decode: bool = False) -> torch.Tensor:
     """rms_norm_rows, then x @ w^T: one skinny kernel with the norm folded in for a decode
-    window of a large model (the qkv projection), else those two."""
+    window (the qkv projection), else those two."""
     policy = policy_or_default(policy, x)
-    blocks = policy.skinny(x, w, "qkv")
+    blocks = policy.skinny(x, w, "qkv", decode)
     if blocks is not None:
         from strata.kernels.skinny_triton import skinny_mm
         return skinny_mm(x, w, norm=norm, eps=eps, **blocks)
-    return linear_rows(rms_norm_rows(x, norm, eps, policy), w, policy=policy)
+    return linear_rows(rms_norm_rows(x, norm, eps, policy, decode), w, policy=policy,
+                       decode=decode)
 
 
 def norm_head_rows(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor,
                    policy: KernelPolicy | None = None) -> torch.Tensor | None:
-    """fp32 logits rmsnorm(x) @ w^T of a block of rows, by the skinny kernel with the norm
-    folded in where it takes them (a large head on CUDA), else None: the caller's cuBLAS."""
-    blocks = policy_or_default(policy, x).skinny(x, w, "head")
+    """fp32 logits rmsnorm(x) @ w^T of rows to sample (at most a decode window's), by the
+    skinny kernel with the norm folded in where it takes them, else None: the caller's
+    matmul."""
+    blocks = policy_or_default(policy, x).skinny(x, w, "head", decode=True)
     if blocks is None:
         return None
     from strata.kernels.skinny_triton import skinny_mm
@@ -141,15 +171,16 @@ def norm_head_rows(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Ten
 
 
 def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor,
-                      policy: KernelPolicy | None = None) -> torch.Tensor:
+                      policy: KernelPolicy | None = None, decode: bool = False) -> torch.Tensor:
     """rms_norm_rows, the [gate; up] projection and silu_mul: one skinny kernel for a decode
-    window of a large model (skinny_triton.gate_up_silu), else those three."""
+    window (skinny_triton.gate_up_silu), else those three."""
     policy = policy_or_default(policy, x)
-    blocks = policy.skinny(x, w, "gate_up")
+    blocks = policy.skinny(x, w, "gate_up", decode)
     if blocks is not None:
         from strata.kernels.skinny_triton import gate_up_silu
         return gate_up_silu(x, w, norm, eps, **blocks)
-    return silu_mul(linear_rows(rms_norm_rows(x, norm, eps, policy), w, policy=policy), policy)
+    h = rms_norm_rows(x, norm, eps, policy, decode)
+    return silu_mul(linear_rows(h, w, policy=policy, decode=decode), policy)
 
 
 def silu_mul(gate_up: torch.Tensor, policy: KernelPolicy | None = None) -> torch.Tensor:

@@ -15,34 +15,47 @@ from typing import Mapping
 
 import torch
 
-# (block_n, block_k, stages) by projection, the first that divides the shape; measured on an
-# H200 at the llama3-8b shapes (docs/BENCHMARKS.md). gate_up's block_n counts output columns,
-# each with a gate and an up row. "plain" and "wide" serve linear_rows without a residual.
+# (block_n, block_k, stages) by projection, the first that divides the weight's shape: the
+# tiles along K (and N) are fixed by the weight, never by the window's rows. Measured on an
+# H200 at the llama3-8b shapes (docs/BENCHMARKS.md); the last entries (block_k 64) divide
+# SmolLM2's (K = 576) and the tiny test model's. gate_up's block_n counts output columns, each
+# with a gate and an up row. "plain" and "wide" serve linear_rows without a residual.
 SKINNY_BLOCKS = MappingProxyType({
-    "res": ((32, 256, 5), (32, 128, 5), (32, 64, 5)),        # o and down + residual
-    "gate_up": ((64, 64, 4), (32, 64, 4)),
-    "qkv": ((64, 256, 4), (64, 128, 5), (32, 64, 5)),        # norm folded in
-    "head": ((128, 128, 3), (64, 128, 4), (64, 64, 4)),      # final norm, fp32 logits
-    "plain": ((64, 128, 5), (64, 64, 5), (32, 64, 5)),
-    "wide": ((128, 128, 3), (64, 128, 3), (64, 64, 3)),      # plain, n >= 4k
+    "res": ((32, 256, 5), (32, 128, 5), (32, 64, 5), (16, 64, 5)),   # o and down + residual
+    "gate_up": ((64, 64, 4), (32, 64, 4), (16, 64, 4)),
+    "qkv": ((64, 256, 4), (64, 128, 5), (32, 64, 5), (16, 64, 5)),   # norm folded in
+    "head": ((128, 128, 3), (64, 128, 4), (64, 64, 4), (16, 64, 4)),  # final norm, fp32 logits
+    "plain": ((64, 128, 5), (64, 64, 5), (32, 64, 5), (16, 64, 5)),
+    "wide": ((128, 128, 3), (64, 128, 3), (64, 64, 3), (16, 64, 3)),  # plain, n >= 4k
 })
 FOLD_ALL = frozenset({"qkv", "gate_up", "head"})
+MAX_DECODE_ROWS = 64   # a decode window's rows at most (the largest row tile)
+ROW_BLOCK = 8          # rows per call where a decode window's matmul is not a skinny kernel
 
 
 @dataclass(frozen=True)
 class KernelPolicy:
     """triton: the Triton kernels run (a CUDA device, or TRITON_INTERPRET=1 on the CPU);
-    otherwise their plain-torch fallbacks do. A decode window of at most `skinny_max_rows`
-    rows takes the skinny matmul for a weight of `skinny_min_bytes` or more (smaller weights,
-    SmolLM2's, are launch-bound: cuBLAS there), with the norm (and SiLU) folded into the
-    projections named in `fold`. mm_fp32_out: bf16 head logits come straight from
-    torch.mm(out_dtype=float32) (else the head is upcast)."""
+    otherwise their plain-torch fallbacks do. Every matmul of a decode window (at most
+    MAX_DECODE_ROWS rows) takes the skinny kernel where its blocks divide the weight, with the
+    norm (and SiLU) folded into the projections named in `fold`; `row_tiles` are the kernel's
+    BLOCK_M choices: the smallest that holds the window (each weight tile read once for all
+    rows), else the largest with a grid over row blocks. A weight under `fit_min_bytes`
+    (SmolLM2's layers) takes the first tile over row blocks instead: its few column blocks
+    leave most SMs idle, and its re-reads hit L2 (an H200, 64 rows, 16-row tiles against one
+    64-row tile: SmolLM2's qkv 5 us against 8, llama3-8b's 40 against 29;
+    tools/gpu/bench_tiles.py). Every tile gives a row the same bits
+    (tests/test_batch_invariance.py). A decode window's matmul the skinny
+    kernel does not take (no Triton, or a shape its blocks do not divide) runs in calls of
+    ROW_BLOCK rows, each of the same shape. Prompt chunks (fixed shapes) take cuBLAS / torch
+    whole. mm_fp32_out: bf16 head logits come straight from torch.mm(out_dtype=float32) (else
+    the head is upcast)."""
     triton: bool
-    skinny_min_bytes: int = 16 << 20
-    skinny_max_rows: int = 16          # skinny_triton.BLOCK_M: decode windows
     fold: frozenset[str] = FOLD_ALL
     blocks: Mapping[str, tuple[tuple[int, int, int], ...]] = field(
         default_factory=lambda: SKINNY_BLOCKS)
+    row_tiles: tuple[int, ...] = (16, 32, 64)
+    fit_min_bytes: int = 16 << 20
     mm_fp32_out: bool = True
 
     @classmethod
@@ -52,11 +65,9 @@ class KernelPolicy:
         return cls(triton=triton, mm_fp32_out=device.type == "cuda" and _mm_fp32_out(device))
 
     def skinny_blocks(self, n: int, k: int, kind: str = "plain") -> dict | None:
-        """The skinny kernels' blocks for a weight [n, k] used as `kind` ("res", "gate_up",
-        "qkv", "head" or "plain", which is "wide" for n >= 4k), or None where cuBLAS stays: a
-        small weight, or one the blocks do not divide."""
-        if n * k * 2 < self.skinny_min_bytes:
-            return None
+        """The skinny kernels' blocks along N and K for a weight [n, k] used as `kind` ("res",
+        "gate_up", "qkv", "head" or "plain", which is "wide" for n >= 4k): the weight's shape
+        alone picks them. None where no block divides the shape."""
         cols = n // 2 if kind == "gate_up" else n
         if kind == "plain" and n >= 4 * k:
             kind = "wide"
@@ -65,14 +76,21 @@ class KernelPolicy:
                 return {"block_n": bn, "block_k": bk, "stages": stages, "warps": 4}
         return None
 
-    def skinny(self, x: torch.Tensor, w: torch.Tensor, kind: str) -> dict | None:
-        """Blocks if x's window takes the skinny kernels (a decode window, a large weight, the
-        Triton kernels on), else None; fixed by (R, w's shape, the policy), never by values."""
-        if x.shape[0] > self.skinny_max_rows or not self.triton:
+    def skinny(self, x: torch.Tensor, w: torch.Tensor, kind: str, decode: bool) -> dict | None:
+        """Blocks (with the row tile) if x's rows take the skinny kernel: a decode window, the
+        Triton kernels on, a weight the blocks divide; else None. Fixed by (x's rows, w's
+        shape, the policy), never by values; the tiles along K by w's shape alone."""
+        if not decode or not self.triton:
             return None
+        assert x.shape[0] <= MAX_DECODE_ROWS, "checks.py refuses larger decode windows"
         if kind in ("qkv", "gate_up", "head") and kind not in self.fold:
             return None
-        return self.skinny_blocks(*w.shape, kind)
+        blocks = self.skinny_blocks(*w.shape, kind)
+        if blocks is None:
+            return None
+        tiles = self.row_tiles if w.numel() * 2 >= self.fit_min_bytes else self.row_tiles[:1]
+        tile = next((t for t in tiles if x.shape[0] <= t), tiles[-1])
+        return {**blocks, "block_m": tile}
 
 
 @functools.cache

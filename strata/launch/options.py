@@ -66,7 +66,7 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                      help="Draft tokens a decoding slot may verify in its window's spare rows "
                           "(prompt lookup; the same tokens, fewer windows where text repeats; "
                           "0 = off)."),
-        click.option("--graph-cache", type=int, default=8, show_default=True,
+        click.option("--graph-cache", type=int, default=16, show_default=True,
                      help="CUDA graphs kept per stage, one per window shape (0: always eager)."),
         click.option("--stage-link", default="auto", show_default=True,
                      type=click.Choice(["auto", "zmq", "nccl", "gloo"]),
@@ -91,7 +91,7 @@ class Prepared:
     file: ModelFile
     plan: list[StagePlan]
     sched: SchedulerConfig
-    graph_cache: int = 8
+    graph_cache: int = 16
     link: str = "zmq"
     transport: str = "unix"
 
@@ -104,7 +104,7 @@ class Prepared:
 
 
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
-            chunk_rows, graph_cache=8, stage_link="auto", transport="unix", draft_tokens=0,
+            chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
             **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from strata.kernels.policy import MAX_DECODE_ROWS
 from strata.model.gguf_file import ModelConfig
 from strata.protocol.messages import Window
 from strata.stage_worker.config import WorkerConfig
@@ -27,6 +28,9 @@ def check_window(w: Window, tensors: list[np.ndarray], cfg: WorkerConfig, model:
 def _check_rows(w: Window, c: WorkerConfig, model: ModelConfig, first: bool) -> None:
     if not w.slots:
         raise RowError(f"window {w.id} has no rows; send at least one (pad rows have slot -1)")
+    if not w.chunk and len(w.slots) > MAX_DECODE_ROWS:
+        raise RowError(f"window {w.id} has {len(w.slots)} rows; a decode window holds at most "
+                       f"{MAX_DECODE_ROWS}, so send the rest in another window")
     for s, p, t in zip(w.slots, w.positions, w.tokens):
         if s >= c.slots:
             raise RowError(f"window {w.id}: slot {s} does not exist (this stage has {c.slots})")

@@ -18,7 +18,7 @@ class WorkerConfig:
     device: str = "cpu"
     slots: int = 1
     ctx: int = 2048
-    graph_cache: int = 8   # CUDA graphs kept (one per window shape); 0 = eager
+    graph_cache: int = 16  # CUDA graphs kept (one per window shape); 0 = eager
     link: str = "zmq"      # activations to/from neighbours: zmq frames, or nccl / gloo
     link_init: str = ""    # torch.distributed init method of the link (e.g. file://...)
     link_world: int = 1    # stages in the link (every stage of the launch)

@@ -38,7 +38,7 @@ def parse_layers(text: str) -> tuple[int, int]:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--slots", type=int, default=1, show_default=True)
 @click.option("--ctx-size", type=int, default=2048, show_default=True)
-@click.option("--graph-cache", type=int, default=8, show_default=True,
+@click.option("--graph-cache", type=int, default=16, show_default=True,
               envvar="STRATA_GRAPH_CACHE",
               help="CUDA graphs kept per stage, one per window shape (0: always eager). "
                    "Also read from STRATA_GRAPH_CACHE.")

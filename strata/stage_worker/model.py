@@ -8,7 +8,9 @@ with fused row-wise kernels (kernels/fused.py) and row-independent attention; th
 makes no host sync on a CUDA device and has static shapes, so it can be captured in a CUDA
 graph (graphs.py). Pad rows write their KV into the cache's spare (trash) slot. Which kernel
 computes what (Triton or its torch fallback, cuBLAS or the skinny matmul) is the model's
-`KernelPolicy`. CPU stages compute in fp32, CUDA stages in bf16.
+`KernelPolicy`. CPU stages compute in fp32, CUDA stages in bf16. A decode window (up to 64
+rows) gives each row the same bits whatever its row count (tests/test_batch_invariance.py); a
+prompt chunk, of a fixed shape, takes cuBLAS / torch whole.
 """
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.attention import attend_chunk, attend_rows
-from strata.kernels.fused import (linear_rows, norm_gate_up_silu, norm_head_rows,
-                                  norm_linear_rows, rope_write_kv)
+from strata.kernels.fused import (by_row_blocks, linear_rows, norm_gate_up_silu,
+                                  norm_head_rows, norm_linear_rows, rope_write_kv)
 from strata.kernels.norms import rms_norm
-from strata.kernels.policy import KernelPolicy
+from strata.kernels.policy import MAX_DECODE_ROWS, KernelPolicy
 from strata.kernels.rope import rope_table
 from strata.model.gguf_file import ModelConfig, ModelFile
 
@@ -121,19 +123,21 @@ class Layer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, meta: WindowMeta, cache: KVCache,
                 layer: int) -> torch.Tensor:
-        """x: [R, D] -> [R, D]. A decode window of a large model on CUDA runs 6 kernels a
-        layer: norm + qkv, RoPE + KV write, attention, o + residual, norm + gate_up + SiLU,
-        down + residual (kernels/skinny_triton.py); other windows 9 (kernels/fused.py)."""
-        cfg, rows, policy = self.cfg, meta.rows, self.policy
+        """x: [R, D] -> [R, D]. A decode window on CUDA runs 6 kernels a layer: norm + qkv,
+        RoPE + KV write, attention, o + residual, norm + gate_up + SiLU, down + residual
+        (kernels/skinny_triton.py), each row's bits the same whatever R is; a prompt chunk 9
+        (kernels/fused.py, cuBLAS for its fixed shape)."""
+        cfg, rows, policy, decode = self.cfg, meta.rows, self.policy, not meta.chunk
         k_cache, v_cache = cache.k[layer], cache.v[layer]
-        qkv = norm_linear_rows(x, self.attn_norm, cfg.rms_eps, self.wqkv, policy)
+        qkv = norm_linear_rows(x, self.attn_norm, cfg.rms_eps, self.wqkv, policy, decode)
         q = rope_write_kv(qkv, meta.cos, meta.sin, rows.slot, rows.pos, k_cache, v_cache,
                           cfg.n_heads, policy)                            # [R, H, hd]
         attend_fn = attend_chunk if meta.chunk else attend_rows
         attn = attend_fn(q, k_cache, v_cache, rows.slot, rows.length, policy)
-        x = linear_rows(attn.view(x.shape[0], -1), self.wo, res=x, policy=policy)  # x + attn wo^T
-        h = norm_gate_up_silu(x, self.ffn_norm, cfg.rms_eps, self.w_gate_up, policy)
-        return linear_rows(h, self.w_down, res=x, policy=policy)
+        attn = attn.view(x.shape[0], -1)
+        x = linear_rows(attn, self.wo, res=x, policy=policy, decode=decode)   # x + attn wo^T
+        h = norm_gate_up_silu(x, self.ffn_norm, cfg.rms_eps, self.w_gate_up, policy, decode)
+        return linear_rows(h, self.w_down, res=x, policy=policy, decode=decode)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -179,17 +183,22 @@ class StageModel(torch.nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, D] -> logits [N, V] in fp32 (last stage only). bf16 hidden states and
-        head give fp32 logits straight from the matmul's fp32 accumulator (no bf16 rounding):
-        the skinny kernel with the norm folded in for a large head (fused.norm_head_rows), else
-        the norm, then cuBLAS."""
+        """hidden: [N, D] rows to sample -> logits [N, V] in fp32 (last stage only), a row's
+        bits the same whatever N is. bf16 hidden states and head give fp32 logits straight from
+        the matmul's fp32 accumulator (no bf16 rounding): the skinny kernel with the norm
+        folded in (fused.norm_head_rows), else the norm, then the matmul in blocks of 8 rows."""
+        if hidden.shape[0] > MAX_DECODE_ROWS:
+            return torch.cat([self.logits(h) for h in hidden.split(MAX_DECODE_ROWS)])
         if hidden.dtype != torch.float32:
             out = norm_head_rows(hidden, self.norm, self.cfg.rms_eps, self.head, self.policy)
             if out is not None:
                 return out
+        return by_row_blocks(self._head_block, hidden)
+
+    def _head_block(self, hidden: torch.Tensor) -> torch.Tensor:
         h = rms_norm(hidden, self.norm, self.cfg.rms_eps)
         if h.dtype == torch.float32:
-            return F.linear(h, self.head).float()
+            return F.linear(h, self.head)
         if self.policy.mm_fp32_out:
             return torch.mm(h, self.head.t(), out_dtype=torch.float32)
         return F.linear(h.float(), self.head.float())

@@ -1,14 +1,16 @@
 """Computing one window of a stage: its layers, eagerly or by replaying a CUDA graph, and on the
 last stage the head of its sampled rows. `WindowRunner.run` returns what it computed.
 
-A window's layers are one graph per row count (its shape), captured the first time that shape
-comes and kept in a bounded LRU cache (`--graph-cache N`; 0 = always eager; CPU stages run
-eagerly). Graphs are captured lazily, each after one eager warm-up run of the same window; the
-worker captures the usual shapes before its hello (worker.warm_up). The head (norm, fp32
-logits, argmax) of LOGIT_BLOCK sampled rows is one more graph on the last stage; a window of
-exactly LOGIT_BLOCK rows (a decode window) runs the head of all its rows in its own graph
-instead, which spares a gather, a copy and a replay. A shape always runs the same way whatever
-else is cached.
+A window's layers are one graph per row count (its shape: decode windows of 8, 16, ..., 64
+rows, the prompt chunk), captured the first time that shape comes and kept in a bounded LRU
+cache (`--graph-cache N`, default 16: the 8 decode sizes, the chunk and the head fit; 0 =
+always eager; CPU stages run eagerly). Graphs are captured lazily, each after one eager warm-up
+run of the same window; the worker captures the usual shapes before its hello
+(worker.warm_up). On the last stage a decode window runs the head (norm, fp32 logits, argmax)
+of all its rows in its own graph, which spares a gather, a copy and a replay; a prompt chunk's
+sampled rows go through the head in blocks of LOGIT_BLOCK rows, one more graph. A row's bits
+do not depend on the window's size (the kernels are batch-invariant), and a shape always runs
+the same way whatever else is cached.
 """
 from __future__ import annotations
 
@@ -60,8 +62,8 @@ class WindowRunner:
     def _layers(self, inputs: torch.Tensor | list[int], rows: Rows, chunk: bool,
                 launching: Callable[[], None]
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The hidden states [R, D] and, when the window's graph computed them (last stage, R ==
-        LOGIT_BLOCK), (fp32 logits [R, V], argmax [R]) of every row; else None."""
+        """The hidden states [R, D] and, when the window's graph computed them (last stage, a
+        decode window), (fp32 logits [R, V], argmax [R]) of every row; else None."""
         m = self.model
         tokens = None
         if m.first:   # a graphed window never makes a tensor of them: they go to its staging
@@ -86,7 +88,7 @@ class WindowRunner:
             packed = RowTensors.pack(rows, self.cache.trash, tokens)
             return [packed] if m.first else [inputs.to(m.dtype), packed]
 
-        with_head = m.last and len(rows.slots) == LOGIT_BLOCK and not chunk
+        with_head = m.last and not chunk
         if chunk:
             key, fn = ("chunk", len(rows.slots)), self._chunk_fn
         else:
@@ -118,7 +120,8 @@ class WindowRunner:
 
     def logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: [N, D] rows to sample (last stage). Returns (fp32 logits [N, V], argmax [N]),
-        computed in fixed blocks of LOGIT_BLOCK rows (a row's logits never depend on N)."""
+        computed in blocks of LOGIT_BLOCK rows (one graph shape; a row's logits never depend
+        on N)."""
         n = hidden.shape[0]
         blocks = -(-n // LOGIT_BLOCK)
         padded = torch.zeros(blocks * LOGIT_BLOCK, hidden.shape[1], dtype=hidden.dtype,

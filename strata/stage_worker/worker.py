@@ -29,7 +29,9 @@ from strata.trace import Trace
 
 __all__ = ["PendingAnswer", "RowError", "StageWorker", "WorkerConfig"]
 log = logging.getLogger("strata.worker")
-WARM_SHAPES = ((8, False), (32, True))  # (rows, chunk): the default decode window and chunk
+WARM_SHAPES = ((8, False), (32, True))  # (rows, chunk): graphs captured before the hello
+WARM_TILES = (32, 64)   # decode windows run eagerly before the hello: the kernels' other row
+                        # tiles compile then (16 rows share the 8-row window's tile)
 
 
 @dataclass
@@ -81,17 +83,28 @@ class StageWorker:
 
     def warm_up(self) -> float:
         """Compile the kernels and capture the graphs of the usual window shapes (and the
-        head's) before the hello, so that no request pays for them. Pad rows only: nothing but
-        the cache's trash slot is written. Returns the seconds it took."""
+        head's) before the hello, and compile the kernels of the other decode sizes' row tiles
+        (their graphs are captured when a window of that size first comes), so that no
+        request pays for a compilation. Pad rows only: nothing but the cache's trash slot is
+        written. Returns the seconds it took."""
         t0 = time.perf_counter()
         if not self.runner.capacity:
             return 0.0
         m = self.model
+
+        def pads(n: int) -> tuple[torch.Tensor, Rows]:
+            inputs = (torch.zeros(n, dtype=torch.long) if m.first
+                      else torch.zeros(n, m.cfg.d_model, dtype=m.dtype))
+            return inputs, Rows([-1] * n, [0] * n)
+
         with torch.inference_mode():
             for n, chunk in WARM_SHAPES:
-                inputs = (torch.zeros(n, dtype=torch.long) if m.first
-                          else torch.zeros(n, m.cfg.d_model, dtype=m.dtype))
-                self.runner.run(inputs, Rows([-1] * n, [0] * n), chunk=chunk, sample_rows=[0])
+                self.runner.run(*pads(n), chunk=chunk, sample_rows=[0])
+            for n in WARM_TILES:
+                inputs, rows = pads(n)
+                hidden = m(inputs.to(m.device), rows, self.cache)
+                if m.last:
+                    m.logits(hidden)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
