@@ -154,8 +154,10 @@ def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo,
         traced = trace_dir and Path(trace_dir) / f"launch{i}"
         windows: list[tuple[dict, range]] = []
         with layout.prep.launch(say=lambda s: None, trace_dir=traced) as run:
-            # warm-up, not measured: the first windows of each shape (CUDA graph captures)
-            harness.measure_throughput(run, next(iter(layout.modes.values())), tok, 1, 2)
+            # warm-up, not measured: the first windows of each shape (CUDA graph captures,
+            # one per decode window size: the most clients pass through most sizes)
+            harness.measure_throughput(run, next(iter(layout.modes.values())), tok,
+                                       max(clients), min(tokens, 16))
             for n in clients:
                 for mode, cfg in layout.modes.items():
                     first = run.pipe.next_window_id + 1
