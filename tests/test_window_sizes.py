@@ -23,6 +23,7 @@ from strata.coordinator.engine import Engine, Finished, Job
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.coordinator.server import Server
 from strata.coordinator.connections import ServerConfig
 from test_scheduler import FakePipeline, params
@@ -189,6 +190,23 @@ def test_the_cli_takes_auto_or_a_number(tiny_model):
     assert r.stderr.endswith("; use 24 or auto\n")
     r = CliRunner().invoke(main, ["-h"], prog_name="strata-launch")
     assert "--window-rows TEXT" in r.output and "[default: auto]" in r.output
+
+
+def test_chunk_rows_auto_follows_the_stages_devices(tiny_model):
+    """--chunk-rows auto: 128-row chunks when every stage is on a CUDA device, 32 otherwise
+    (CPU stages compute every row of a chunk); a number is taken as given."""
+    from strata.launch.options import GPU_CHUNK_ROWS, auto_chunk_rows, prepare
+    from strata.launch.plan import StagePlan
+
+    prep = prepare(model=str(tiny_model), layer_split="2", devices="cpu", ctx_size=64, batch=4,
+                   batch_groups="1", window_rows="auto", chunk_rows="auto")
+    assert prep.sched.chunk_rows == DEFAULT_CHUNK_ROWS == 32
+    prep = prepare(model=str(tiny_model), layer_split="2", devices="cpu", ctx_size=64, batch=4,
+                   batch_groups="1", window_rows="auto", chunk_rows="16")
+    assert prep.sched.chunk_rows == 16
+    gpus = [StagePlan(0, 0, 2, "cuda:0"), StagePlan(1, 2, 4, "cuda:1")]
+    assert auto_chunk_rows(gpus) == GPU_CHUNK_ROWS == 128
+    assert auto_chunk_rows([gpus[0], StagePlan(1, 2, 4, "cpu")]) == DEFAULT_CHUNK_ROWS
 
 
 def prometheus(text: str) -> dict[str, float]:

@@ -271,7 +271,8 @@ def sweep(clients, modes, tokens, prompt_tokens, json_out, plot_path, peer_json,
     # the most rows a decode window takes, per layout (auto: a group's slots, up to 64)
     window_rows = {"/".join(lay.modes): lay.prep.sched.window_rows for lay in layouts}
     conditions = {"model": model, "tokens_per_client": tokens, "batch": launch["batch"],
-                  "window_rows": window_rows, "chunk_rows": launch["chunk_rows"],
+                  "window_rows": window_rows,
+                  "chunk_rows": {"/".join(lay.modes): lay.prep.sched.chunk_rows for lay in layouts},
                   "ctx_size": launch["ctx_size"], "layer_split": launch["layer_split"],
                   "devices": devices, "clients": counts, "modes": chosen,
                   "prompt_tokens": prompt_tokens}

@@ -15,6 +15,11 @@ from strata.model.gguf_file import ModelError, ModelFile
 from strata.model.registry import DEFAULT_MODEL, resolve_model
 
 
+# prompt chunk rows on CUDA stages: a 128-token prompt in one chunk (docs/BENCHMARKS.md, the
+# comparison with llama.cpp); CPU stages compute every row, so their chunks stay small
+GPU_CHUNK_ROWS = 128
+
+
 def say(text: str) -> None:
     click.echo(text, err=True)
 
@@ -60,8 +65,11 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           f"rounded up to 8, at most {MAX_WINDOW_ROWS}. Each decode window has "
                           f"its decoding slots rounded up to 8 rows (1 slot: 8 rows, 9: 16), "
                           f"up to this; more slots take turns."),
-        click.option("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS, show_default=True,
-                     help="Rows of a prompt chunk."),
+        click.option("--chunk-rows", default="auto", show_default=True,
+                     help=f"Rows of a prompt chunk (one slot's prompt tokens), or auto = "
+                          f"{GPU_CHUNK_ROWS} when every stage is on a CUDA device (a chunk "
+                          f"costs about what a decode window does: fewer, larger chunks read "
+                          f"prompts faster), else {DEFAULT_CHUNK_ROWS}."),
         click.option("--draft-tokens", type=int, default=0, show_default=True,
                      help="Draft tokens a decoding slot may verify in its window's spare rows "
                           "(prompt lookup; the same tokens, fewer windows where text repeats; "
@@ -112,17 +120,27 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     from strata.stage_worker.config import check_stage_settings
     groups = _number_or_auto("--batch-groups", batch_groups)
     window_rows = _number_or_auto("--window-rows", window_rows)
+    chunk_rows = _number_or_auto("--chunk-rows", chunk_rows)
     check_stage_settings(batch, ctx_size, graph_cache)
     file = open_model(model, ctx_size)
     plan = plan_stages(layer_split, parse_devices(devices, cuda_count()), file.config.n_layers)
     if groups is None:
         groups = auto_groups(batch, len(plan))
+    if chunk_rows is None:
+        chunk_rows = auto_chunk_rows(plan)
     sched = SchedulerConfig(slots=batch, groups=groups,
                             window_rows=window_rows, chunk_rows=chunk_rows, ctx=ctx_size,
                             draft_tokens=draft_tokens,
                             prompt_depth=len(plan) + 1)  # + 1: the next chunk waits at stage 0
     check_fits(file.config, plan, batch, ctx_size)
     return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan), transport)
+
+
+def auto_chunk_rows(plan: list[StagePlan]) -> int:
+    """--chunk-rows auto: GPU_CHUNK_ROWS when every stage is on a CUDA device, else the
+    coordinator's default."""
+    cuda = all(p.device.startswith("cuda") for p in plan)
+    return GPU_CHUNK_ROWS if cuda else DEFAULT_CHUNK_ROWS
 
 
 def _number_or_auto(flag: str, value) -> int | None:
@@ -145,7 +163,7 @@ FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--windo
          "graph_cache": "--graph-cache", "port": "--port", "api_key": "--api-key",
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
          "max_client_connections": "--max-client-connections"}
-CHOICES = {"groups": "auto", "window_rows": "auto"}
+CHOICES = {"groups": "auto", "window_rows": "auto", "chunk_rows": "auto"}
 
 
 def clean_errors(command_name: str):
