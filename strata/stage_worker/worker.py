@@ -29,7 +29,9 @@ from strata.trace import Trace
 
 __all__ = ["PendingAnswer", "RowError", "StageWorker", "WorkerConfig"]
 log = logging.getLogger("strata.worker")
-WARM_SHAPES = ((8, False), (32, True))  # (rows, chunk): graphs captured before the hello
+# (rows, chunk): graphs captured before the hello: the 1-client decode window and the prompt
+# chunk of CUDA stages (strata-launch's --chunk-rows auto); other shapes when they first come
+WARM_SHAPES = ((8, False), (128, True))
 WARM_TILES = (32, 64)   # decode windows run eagerly before the hello: the kernels' other row
                         # tiles compile then (16 rows share the 8-row window's tile)
 
