@@ -36,7 +36,8 @@ def _window(**kw) -> Window:
                 min_p=[0.0, 0.05],
                 u=[0.0, 0.123456789012345],
                 want_logits=True,
-                stage_ms=[1.5, 2])
+                stage_ms=[1.5, 2],
+                propose=[[0, 3], [5, 1]])
     args.update(kw)
     return Window(**args)
 
@@ -60,7 +61,8 @@ MESSAGES = {
     "hello": _hello(),
     "window": _window(),
     "window-defaults": Window(id=0, slots=[3], positions=[0], tokens=[11]),
-    "result": Result(id=17, tokens=[42, 7], stage_ms=[0.25, 1.0, 3.5]),
+    "result": Result(id=17, tokens=[42, 7], stage_ms=[0.25, 1.0, 3.5],
+                     proposals=[[0, 9, 8, 7], [5, 4]]),
     "error": Error(stage=2, window=17, message="window 17: position 9000 is outside the context"),
     "error-no-window": Error(stage=0, window=-1, message="malformed message: ünïcode ✓"),
     "shutdown": Shutdown(reason="user pressed ctrl-c"),
@@ -233,6 +235,9 @@ def test_wrong_field_type(cls_name, field_name, value, words):
     (dict(sample_rows=[0, 8]), ["sampled row is out of range or a pad row"]),
     (dict(sample_rows=[0, 4]), ["sampled row is out of range or a pad row"]),  # row 4 is a pad
     (dict(sample_rows=[0, -1]), ["sampled row is out of range or a pad row"]),
+    (dict(propose=[[3, 2]]), ["proposal request is not [slot, k >= 1]"]),   # slot 3 has no row
+    (dict(propose=[[0, 0]]), ["proposal request is not [slot, k >= 1]"]),
+    (dict(propose=[[0]]), ["proposal request is not [slot, k >= 1]"]),
 ])
 def test_window_inconsistent_lists(change, words):
     header = encode(_window())

@@ -55,6 +55,9 @@ class Window:
     want_logits: bool = False
     chunk: bool = False
     stage_ms: list[float] = field(default_factory=list)  # each stage appends its compute time
+    # [slot, k]: after sampling, the last stage's drafter proposes k tokens for the slot from
+    # the rows this window accepts (Result.proposals); a stage without a drafter ignores it
+    propose: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self):
         n = len(self.slots)
@@ -65,6 +68,9 @@ class Window:
             raise ProtocolError(f"window {self.id}: sampling lists differ in length")
         if any(not 0 <= r < n or self.slots[r] < 0 for r in self.sample_rows):
             raise ProtocolError(f"window {self.id}: a sampled row is out of range or a pad row")
+        if any(len(p) != 2 or p[0] not in self.slots or p[1] < 1 for p in self.propose):
+            raise ProtocolError(f"window {self.id}: a proposal request is not [slot, k >= 1] "
+                                f"for a slot with rows in the window")
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Result:
     id: int
     tokens: list[int]
     stage_ms: list[float] = field(default_factory=list)
+    proposals: list[list[int]] = field(default_factory=list)  # [slot, d1, ..., dk] per propose
 
 
 @dataclass
@@ -123,8 +130,8 @@ SCHEMAS: dict[type, dict[str, Kind]] = {
     Window: {"id": INT, "slots": INTS, "positions": INTS, "tokens": INTS, "commits": PAIRS,
              "sample_rows": INTS, "temperature": FLOATS, "top_k": INTS, "top_p": FLOATS,
              "min_p": FLOATS, "u": FLOATS, "want_logits": BOOL, "chunk": BOOL,
-             "stage_ms": FLOATS},
-    Result: {"id": INT, "tokens": INTS, "stage_ms": FLOATS},
+             "stage_ms": FLOATS, "propose": PAIRS},
+    Result: {"id": INT, "tokens": INTS, "stage_ms": FLOATS, "proposals": PAIRS},
     Error: {"stage": INT, "window": INT, "message": STR},
     Shutdown: {"reason": STR},
 }
