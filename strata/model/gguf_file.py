@@ -98,7 +98,9 @@ class ModelFile:
             vocab = self.tensors["token_embd.weight"].shape[-1]
         return ModelConfig(
             arch=arch,
-            n_layers=int(need("block_count")),
+            # a NextN (MTP) layer sits at the last block indices (strata/model/nextn.py)
+            n_layers=int(need("block_count")) - int(_field(self.reader,
+                                                           f"{arch}.nextn_predict_layers", 0) or 0),
             d_model=d_model,
             n_heads=n_heads,
             n_kv_heads=int(_field(self.reader, f"{arch}.attention.head_count_kv", n_heads)),
