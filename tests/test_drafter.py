@@ -255,6 +255,27 @@ def test_a_sidecar_drafts_as_the_model_files_own_head(models):
     assert outs[0] == outs[1] and len(outs[0][1][0]) == 5, outs
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_last_stage_without_the_embedding_drafts_alike(models, tmp_path, tied):
+    """A last stage that is not the first loads the token embedding for the head (a tied
+    head: it is the stage's output head): the same proposals as a stage of every layer,
+    given the same hidden states and tokens."""
+    path = models["nextn"] if not tied else write_random_gguf(
+        tmp_path / "tied.gguf", TINY, seed=1, std=0.2, nextn=True)
+    file = ModelFile(path)
+    whole = StageModel(file, 0, TINY.n_layers, ctx=CTX)
+    cache = KVCache(TINY.n_layers, 2, file.config, CTX, whole.device, whole.dtype)
+    drafters = [Drafter(find_head(file), file, m, 2, CTX)
+                for m in (whole, StageModel(file, 2, TINY.n_layers, ctx=CTX))]
+    assert drafters[1].embed.shape == (TINY.vocab, TINY.d_model)
+    w = window(1, [(0, p, t) for p, t in enumerate([72, 101, 108, 300, 9])], sample=[4],
+               propose=[(0, 3)], chunk=True)
+    hidden = whole(torch.tensor(w.tokens), Rows(w.slots, w.positions), cache, chunk=True)
+    tokens = whole.logits(hidden[4:]).argmax(-1).tolist()
+    got = [d.run(w, hidden, tokens) for d in drafters]
+    assert got[0] == got[1] and len(got[0][0]) == 4, got
+
+
 # --- the stage worker, in process -----------------------------------------------------------
 
 class InProcess:
