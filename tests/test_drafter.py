@@ -58,7 +58,7 @@ class Reference:
     design's forward with causal attention over rows 1..p, the row of position p rotated as
     position p - 1 (the NextN attention starts at position 1)."""
 
-    def __init__(self, file: ModelFile):
+    def __init__(self, file: ModelFile, ctx: int = CTX):
         cfg, n = file.config, f"blk.{file.config.n_layers}."
         w = lambda name: file.tensor(name).double()  # noqa: E731
         self.cfg, self.w = cfg, {k: w(n + k + ".weight") for k in (
@@ -66,7 +66,7 @@ class Reference:
             "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
             "ffn_down")}
         self.embed, self.head = w("token_embd.weight"), w("output.weight")
-        self.cos, self.sin = (t.double() for t in rope_table(cfg.rope_dim, cfg.rope_base, CTX))
+        self.cos, self.sin = (t.double() for t in rope_table(cfg.rope_dim, cfg.rope_base, ctx))
 
     def norm(self, x, weight):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps) * weight
@@ -111,12 +111,12 @@ class Run:
     """The main model (every layer, one stage) and the drafter over windows of two slots,
     with the test's own record of each slot's accepted tokens and hidden states."""
 
-    def __init__(self, path: Path, sidecar: Path | None = None):
+    def __init__(self, path: Path, sidecar: Path | None = None, ctx: int = CTX):
         file = ModelFile(path)
-        self.model = StageModel(file, 0, file.config.n_layers, ctx=CTX)
-        self.cache = KVCache(file.config.n_layers, 2, file.config, CTX, self.model.device,
+        self.model = StageModel(file, 0, file.config.n_layers, ctx=ctx)
+        self.cache = KVCache(file.config.n_layers, 2, file.config, ctx, self.model.device,
                              self.model.dtype)
-        self.drafter = Drafter(find_head(file, sidecar), file, self.model, 2, CTX)
+        self.drafter = Drafter(find_head(file, sidecar), file, self.model, 2, ctx)
         self.tokens = [{}, {}]    # slot -> {position: token} (accepted, and the next sampled)
         self.hidden = [{}, {}]    # slot -> {position: main hidden state} (accepted rows)
         self.zeros = [set(), set()]   # positions whose NextN row takes zeros for h_{p-1}
@@ -242,6 +242,24 @@ def test_drafter_matches_a_full_recompute(models):
                                    rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cache.v[0][s, :, :m].transpose(0, 1).double(), v,
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_a_chunk_of_more_rows_than_a_decode_window(models):
+    """A 100-row prompt chunk gives 100 NextN rows, taken in decode windows of 64 rows: the
+    second block reads the first's KV; its proposals near the context's end stop there."""
+    ctx = 104
+    file = ModelFile(models["nextn"])
+    ref, run = Reference(file, ctx), Run(models["nextn"], ctx=ctx)
+    prompt = [(7 * p + 3) % TINY.vocab for p in range(100)]
+    run.step([(0, p, t) for p, t in enumerate(prompt)], sample=[99], propose=[(0, 7)],
+             chunk=True, check=None)
+    _, proposals = run.step([(0, 100, run.tokens[0][100])], sample=[0], propose=[(0, 7)])
+    # the token at 101 is sampled: proposals for positions 102 and 103 fit in the context
+    assert [len(p) for p in proposals] == [3], proposals
+    assert proposals[0][1:] == ref.propose(run.inputs(0), 2)
+    _, k, v = ref.rows(run.inputs(0))
+    torch.testing.assert_close(run.drafter.cache.k[0][0, :, :101].transpose(0, 1).double(), k,
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_a_sidecar_drafts_as_the_model_files_own_head(models):
