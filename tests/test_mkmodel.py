@@ -300,3 +300,78 @@ def test_cli(tmp_path):
     res = runner.invoke(main, ["tiny", str(out), "--force"])
     assert res.exit_code == 0, res.output
     assert gguf.GGUFReader(out).tensors[2].tensor_type == QType.BF16
+
+
+NEXTN_NAMES = [f"blk.{TINY.n_layers}.nextn.{n}.weight"
+               for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")] + [
+    f"blk.{TINY.n_layers}.{n}.weight" for n in (
+        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
+        "ffn_up", "ffn_down")]
+
+
+def test_cli_nextn_layer_and_sidecar(tmp_path):
+    """--nextn: llama.cpp's layout (block_count + 1, nextn_predict_layers 1, the head at block
+    n_layers, no embed_tokens or shared_head_head); the model still counts n_layers main
+    blocks and its own head is found. --nextn-sidecar: the same head for the model written,
+    accepted for it and refused, with a sentence, for a model of another seed or shape."""
+    from click.testing import CliRunner
+
+    from strata.model.gguf_file import ModelError, ModelFile
+    from strata.model.nextn import find_head, open_head
+
+    runner = CliRunner()
+    model, sidecar = tmp_path / "tiny.gguf", tmp_path / "head.gguf"
+    res = runner.invoke(main, ["tiny", str(model), "--weight-type", "f32", "--seed", "7",
+                               "--nextn", "--nextn-sidecar", str(sidecar)])
+    assert res.exit_code == 0, res.output
+    r = gguf.GGUFReader(model)
+    assert _field(r, "llama.block_count") == TINY.n_layers + 1
+    assert _field(r, "llama.nextn_predict_layers") == 1
+    names = [t.name for t in r.tensors]
+    assert names[:-1] == _expected_names(TINY, tied=True)[:-1] + NEXTN_NAMES
+    file = ModelFile(model)
+    assert file.config.n_layers == TINY.n_layers
+    own = find_head(file)
+    assert own is not None and not own.sidecar and own.block == TINY.n_layers
+    head = open_head(own, file)
+    for name in ("blk.4.nextn.eh_proj.weight", "blk.4.attn_q.weight", "blk.4.nextn.enorm.weight"):
+        np.testing.assert_array_equal(head.tensor(name).numpy(),
+                                      random_tensor(TINY, name, seed=7))
+
+    s = gguf.GGUFReader(sidecar)
+    assert sorted(t.name for t in s.tensors) == sorted(NEXTN_NAMES)
+    assert _field(s, "llama.nextn_predict_layers") == 1
+    assert _field(s, "llama.vocab_size") == TINY.vocab
+    side = find_head(file, sidecar)
+    assert side is not None and side.sidecar and side.block == TINY.n_layers
+    np.testing.assert_array_equal(open_head(side, file).tensor(NEXTN_NAMES[0]).numpy(),
+                                  head.tensor(NEXTN_NAMES[0]).numpy())
+
+    other_seed = write_random_gguf(tmp_path / "seed8.gguf", TINY, seed=8)
+    other_shape = write_random_gguf(tmp_path / "wide.gguf", ModelShape(
+        n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, d_ffn=128, vocab=400), seed=7)
+    for other, words in ((other_seed, ["target fingerprint"]),
+                         (other_shape, ["embedding_length 64 (the model's: 128)",
+                                        "vocab_size 320 (the model's: 400)"])):
+        with pytest.raises(ModelError) as e:
+            find_head(ModelFile(other), sidecar)
+        text = str(e.value)
+        assert "made for another model" in text and "\n" not in text, text
+        assert all(w in text for w in words), text
+    assert find_head(ModelFile(other_seed)) is None   # no NextN layer of its own
+
+
+def test_open_head_refuses_a_head_of_other_shapes(tmp_path):
+    """A head whose block does not have the model's shapes is refused with a sentence naming
+    the tensor (a sidecar's metadata may match while its tensors do not)."""
+    from strata.model.gguf_file import ModelError, ModelFile
+    from strata.model.mkmodel import write_nextn_sidecar
+    from strata.model.nextn import HeadSource, open_head
+
+    model = write_random_gguf(tmp_path / "tiny.gguf", TINY, seed=7)
+    narrow = ModelShape(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=64, vocab=320)
+    sidecar = write_nextn_sidecar(tmp_path / "head.gguf", model, narrow, seed=7)
+    file = ModelFile(model)
+    with pytest.raises(ModelError) as e:
+        open_head(HeadSource(sidecar, TINY.n_layers, sidecar=True), file)
+    assert "blk.4.ffn_gate.weight has shape [64, 64], not [128, 64]" in str(e.value)

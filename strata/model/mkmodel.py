@@ -33,6 +33,7 @@ from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, LlamaFileType
 from gguf.quants import quant_shape_to_byte_shape, quantize
 
+from strata.model.kquant_blocks import random_kquant_blocks, write_raw_blocks_gguf  # noqa: F401
 # the vocabulary's names stay importable from here, where tests and tools look for them
 from strata.model.synthetic_vocab import (CHAT_TEMPLATE, EOS_TOKEN, N_BASE_TOKENS,  # noqa: F401
                                           PRE_TOKENIZER, SPECIAL_TOKENS, Vocabulary,
@@ -152,69 +153,6 @@ def _encode(data: np.ndarray, qtype: QType) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# K-quant random blocks
-# --------------------------------------------------------------------------------------------
-
-def random_kquant_blocks(qtype: str | QType, rows: int, cols: int,
-                         rng: np.random.Generator | int = 0, scale: float = 1.0) -> np.ndarray:
-    """Random but valid Q4_K/Q5_K/Q6_K blocks: uint8 array of shape (rows, bytes_per_row).
-
-    All bytes are random except the f16 super-block scales, which are set to small positive
-    finite values, so dequantization is finite. ``scale`` = 1 gives a dequantized standard
-    deviation of about 0.02 (it multiplies the f16 scales).
-    """
-    qtype = QType[qtype.upper()] if isinstance(qtype, str) else qtype
-    if qtype not in (QType.Q4_K, QType.Q5_K, QType.Q6_K):
-        raise ValueError(f"random_kquant_blocks makes Q4_K, Q5_K or Q6_K blocks, not {qtype.name}")
-    if not isinstance(rng, np.random.Generator):
-        rng = np.random.default_rng(rng)
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    if cols % block:
-        raise ValueError(f"{qtype.name} needs rows of a multiple of {block} values, got {cols}")
-    n_blocks = rows * cols // block
-    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-
-    def f16(lo: float, hi: float) -> np.ndarray:
-        vals = rng.uniform(lo * scale, hi * scale, size=n_blocks).astype(np.float16)
-        return vals.view(np.uint8).reshape(n_blocks, 2)
-
-    if qtype in (QType.Q4_K, QType.Q5_K):
-        # layout: d (f16) | dmin (f16) | 12 bytes of 6-bit scales/mins | [qh 32] | qs 128
-        # value = d * sc * q - dmin * m, sc, m in [0, 63]; q in [0, 15] (Q4_K) or [0, 31] (Q5_K)
-        qmax = 15 if qtype == QType.Q4_K else 31
-        d_hi = 0.1 / (63 * qmax)
-        blocks[:, 0:2] = f16(0.25 * d_hi, d_hi)
-        # dmin centres the distribution: mean of d*sc*q is ~d*31.5*qmax/2, of dmin*m ~dmin*31.5
-        blocks[:, 2:4] = f16(0.25 * d_hi * qmax / 2, d_hi * qmax / 2)
-    else:
-        # layout: ql 128 | qh 64 | 16 int8 scales | d (f16); value = d * scale * (q - 32)
-        # scale ~U[-128, 127] (sd 74), q - 32 ~U[-32, 31] (sd 18.5): sd ~ 1370 * mean(d)
-        blocks[:, type_size - 2:] = f16(0.5 * 1.46e-5, 1.5 * 1.46e-5)
-    return blocks.reshape(rows, cols // block * type_size)
-
-
-def write_raw_blocks_gguf(path: str | os.PathLike, name: str = "blk.0.ffn_down.weight",
-                          qtype: str | QType = "Q4_K", rows: int = 8, cols: int = 512,
-                          seed: int = 0, scale: float = 1.0) -> Path:
-    """Write a GGUF with one tensor ``name`` of ``rows`` x ``cols`` random K-quant blocks.
-
-    Read back, ``t.shape == [cols, rows]`` and ``gguf.quants.dequantize(t.data, t.tensor_type)``
-    has shape (rows, cols). Returns the path.
-    """
-    qtype = QType[qtype.upper()] if isinstance(qtype, str) else qtype
-    data = random_kquant_blocks(qtype, rows, cols, np.random.default_rng(seed), scale)
-    path = Path(path)
-    writer = GGUFWriter(path, "llama")
-    writer.add_name(f"random {qtype.name} blocks")
-    writer.add_tensor(name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-# --------------------------------------------------------------------------------------------
 # Tensors
 # --------------------------------------------------------------------------------------------
 
@@ -225,27 +163,46 @@ class TensorSpec:
     kind: str               # "norm" (F32, ~1.0) or "matrix" (weight_type, ~N(0, std))
 
 
-def tensor_specs(shape: ModelShape, tied: bool = True) -> list[TensorSpec]:
-    """The tensors of a llama model in the order they are written."""
+def _block_specs(block: int, shape: ModelShape) -> list[TensorSpec]:
+    """A llama block's tensors (attention and FFN) under blk.{block}."""
     d, hd, ffn = shape.d_model, shape.head_dim, shape.d_ffn
     q_out, kv_out = shape.n_heads * hd, shape.n_kv_heads * hd
-    specs = [TensorSpec("token_embd.weight", (shape.vocab, d), "matrix")]
+    b = f"blk.{block}."
+    return [
+        TensorSpec(b + "attn_norm.weight", (d,), "norm"),
+        TensorSpec(b + "attn_q.weight", (q_out, d), "matrix"),
+        TensorSpec(b + "attn_k.weight", (kv_out, d), "matrix"),
+        TensorSpec(b + "attn_v.weight", (kv_out, d), "matrix"),
+        TensorSpec(b + "attn_output.weight", (d, q_out), "matrix"),
+        TensorSpec(b + "ffn_norm.weight", (d,), "norm"),
+        TensorSpec(b + "ffn_gate.weight", (ffn, d), "matrix"),
+        TensorSpec(b + "ffn_up.weight", (ffn, d), "matrix"),
+        TensorSpec(b + "ffn_down.weight", (d, ffn), "matrix"),
+    ]
+
+
+def nextn_specs(shape: ModelShape) -> list[TensorSpec]:
+    """A NextN (MTP) head in llama.cpp's layout at block n_layers: its projections and norms,
+    then an ordinary block. No embed_tokens or shared_head_head: the model's own serve."""
+    d, n = shape.d_model, f"blk.{shape.n_layers}.nextn."
+    return [TensorSpec(n + "eh_proj.weight", (d, 2 * d), "matrix"),
+            TensorSpec(n + "enorm.weight", (d,), "norm"),
+            TensorSpec(n + "hnorm.weight", (d,), "norm"),
+            TensorSpec(n + "shared_head_norm.weight", (d,), "norm"),
+            ] + _block_specs(shape.n_layers, shape)
+
+
+def tensor_specs(shape: ModelShape, tied: bool = True, nextn: bool = False) -> list[TensorSpec]:
+    """The tensors of a llama model in the order they are written (with nextn, a NextN head
+    after the blocks)."""
+    specs = [TensorSpec("token_embd.weight", (shape.vocab, shape.d_model), "matrix")]
     for i in range(shape.n_layers):
-        b = f"blk.{i}."
-        specs += [
-            TensorSpec(b + "attn_norm.weight", (d,), "norm"),
-            TensorSpec(b + "attn_q.weight", (q_out, d), "matrix"),
-            TensorSpec(b + "attn_k.weight", (kv_out, d), "matrix"),
-            TensorSpec(b + "attn_v.weight", (kv_out, d), "matrix"),
-            TensorSpec(b + "attn_output.weight", (d, q_out), "matrix"),
-            TensorSpec(b + "ffn_norm.weight", (d,), "norm"),
-            TensorSpec(b + "ffn_gate.weight", (ffn, d), "matrix"),
-            TensorSpec(b + "ffn_up.weight", (ffn, d), "matrix"),
-            TensorSpec(b + "ffn_down.weight", (d, ffn), "matrix"),
-        ]
-    specs.append(TensorSpec("output_norm.weight", (d,), "norm"))
+        specs += _block_specs(i, shape)
+    if nextn:
+        specs += nextn_specs(shape)
+    specs.append(TensorSpec("output_norm.weight", (shape.d_model,), "norm"))
     if not tied:
-        specs.append(TensorSpec("output.weight", (shape.vocab, d), "matrix"))
+        specs.append(TensorSpec("output.weight", (shape.vocab, shape.d_model), "matrix"))
     return specs
 
 
@@ -274,7 +231,7 @@ def _iter_chunks(spec: TensorSpec, seed: int, std: float) -> Iterator[tuple[int,
 def random_tensor(shape: ModelShape, name: str, *, seed: int = 0, std: float = 0.02) -> np.ndarray:
     """The float32 values write_random_gguf generates for tensor ``name`` (before quantization),
     in torch order (out, in). For K-quant files the written tensors are random blocks instead."""
-    specs = {s.name: s for s in tensor_specs(shape, tied=False)}
+    specs = {s.name: s for s in tensor_specs(shape, tied=False, nextn=True)}
     if name not in specs:
         raise KeyError(f"no tensor {name!r} in a llama model")
     return _random_values(specs[name], seed, std)
@@ -352,15 +309,20 @@ def _pattern_tensor_data(spec: TensorSpec, pool: np.ndarray) -> np.ndarray:
 # The writer
 # --------------------------------------------------------------------------------------------
 
-def estimated_size(shape: ModelShape, weight_type: str = "F32", tied: bool = True) -> int:
+def estimated_size(shape: ModelShape, weight_type: str = "F32", tied: bool = True,
+                   nextn: bool = False) -> int:
     """Bytes of tensor data write_random_gguf would write (metadata not counted)."""
     qtype = _qtype(weight_type)
-    return sum(_tensor_plan(s, qtype)[3] for s in tensor_specs(shape, tied))
+    return sum(_tensor_plan(s, qtype)[3] for s in tensor_specs(shape, tied, nextn))
 
 
-def add_llama_config(writer: GGUFWriter, shape: ModelShape, vocab_size: bool = True) -> None:
-    """The {arch}.* keys llama.cpp (and strata's ModelFile) read for a model of this shape."""
-    writer.add_block_count(shape.n_layers)
+def add_llama_config(writer: GGUFWriter, shape: ModelShape, vocab_size: bool = True,
+                     nextn: bool = False) -> None:
+    """The {arch}.* keys llama.cpp (and strata's ModelFile) read for a model of this shape;
+    with nextn, a NextN layer after the blocks (block_count + 1, nextn_predict_layers 1)."""
+    writer.add_block_count(shape.n_layers + int(nextn))
+    if nextn:
+        writer.add_uint32(gguf.Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=writer.arch), 1)
     writer.add_context_length(shape.ctx_len)
     writer.add_embedding_length(shape.d_model)
     writer.add_feed_forward_length(shape.d_ffn)
@@ -377,7 +339,7 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int =
                       weight_type: str = "F32", tied: bool = True, arch: str = "llama",
                       std: float = 0.02, name: str | None = None,
                       progress: bool | Callable[[TensorSpec], None] = False,
-                      fast: bool = False) -> Path:
+                      fast: bool = False, nextn: bool = False) -> Path:
     """Write a GGUF with random weights of ``shape`` and a small gpt2-style tokenizer.
 
     Matrices (token_embd, attention, ffn, and output when ``tied`` is False) are N(0, std)
@@ -392,22 +354,56 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int =
     ``fast``: for performance runs of large shapes, every matrix repeats one pool of random
     values (F32, F16 or BF16 only): seconds instead of minutes, but :func:`random_tensor` no
     longer gives the written values.
+    ``nextn``: a random NextN (MTP) head in llama.cpp's layout after the blocks
+    (:func:`nextn_specs`; block_count + 1, nextn_predict_layers 1).
     """
     qtype = _qtype(weight_type)
-    path = Path(path)
-    specs = tensor_specs(shape, tied)
+
+    def metadata(writer: GGUFWriter) -> None:
+        writer.add_type("model")
+        writer.add_name(name or f"strata random {arch} {shape.n_layers}x{shape.d_model} "
+                                f"{qtype.name}")
+        writer.add_file_type(int(_FILE_TYPES[qtype.name]))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        add_llama_config(writer, shape, nextn=nextn)
+        add_tokenizer(writer, shape.vocab)
+
+    return _write_gguf(Path(path), arch, tensor_specs(shape, tied, nextn), metadata, qtype,
+                       seed=seed, std=std, progress=progress, fast=fast)
+
+
+def write_nextn_sidecar(path: str | os.PathLike, model: str | os.PathLike, shape: ModelShape,
+                        *, seed: int = 0, weight_type: str = "F32", std: float = 0.02,
+                        arch: str = "llama") -> Path:
+    """Write a sidecar GGUF holding a random NextN head (:func:`nextn_specs`, the values
+    write_random_gguf's nextn head gets with the same seed) for the model file ``model`` of
+    ``shape``: its metadata names the target (dimensions, vocabulary, the fingerprint of its
+    token embedding) as strata.model.nextn.find_head checks."""
+    from strata.model.gguf_file import ModelFile
+    from strata.model.nextn import TARGET_FINGERPRINT, embedding_fingerprint
+    qtype = _qtype(weight_type)
+    fingerprint = embedding_fingerprint(ModelFile(model))
+
+    def metadata(writer: GGUFWriter) -> None:
+        writer.add_name(f"strata random NextN head for {Path(model).name}")
+        add_llama_config(writer, shape, nextn=True)
+        writer.add_string(TARGET_FINGERPRINT, fingerprint)
+
+    return _write_gguf(Path(path), arch, nextn_specs(shape), metadata, qtype, seed=seed, std=std)
+
+
+def _write_gguf(path: Path, arch: str, specs: list[TensorSpec],
+                metadata: Callable[[GGUFWriter], None], qtype: QType, *, seed: int, std: float,
+                progress: bool | Callable[[TensorSpec], None] = False,
+                fast: bool = False) -> Path:
+    """Stream the tensors of ``specs`` after the metadata into ``path`` (see
+    write_random_gguf)."""
     plans = [_tensor_plan(s, qtype) for s in specs]  # validates block sizes before writing
     pool = _pattern_pool(qtype, seed, std) if fast else None
 
     tmp = path.with_name(path.name + ".partial")
     writer = GGUFWriter(tmp, arch)
-    writer.add_type("model")
-    writer.add_name(name or f"strata random {arch} {shape.n_layers}x{shape.d_model} "
-                            f"{qtype.name}")
-    writer.add_file_type(int(_FILE_TYPES[qtype.name]))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    add_llama_config(writer, shape)
-    add_tokenizer(writer, shape.vocab)
+    metadata(writer)
 
     for spec, (tq, decl_shape, decl_dtype, nbytes) in zip(specs, plans):
         raw = None if tq in (QType.F32, QType.F16) else tq
@@ -478,7 +474,13 @@ def _cli():
     @click.option("--fast", is_flag=True,
                   help="Every matrix repeats one pool of random values: seconds instead of "
                        "minutes for large shapes (F32/F16/BF16; for performance runs).")
-    def main(shape_name, out, weight_type, seed, untied, std, force, fast):
+    @click.option("--nextn", is_flag=True,
+                  help="Add a random NextN (MTP) head in llama.cpp's layout: block_count + 1, "
+                       "nextn_predict_layers 1.")
+    @click.option("--nextn-sidecar", type=click.Path(dir_okay=False, path_type=Path),
+                  default=None, help="Also write the same random NextN head as a sidecar GGUF "
+                                     "for this model (strata-launch --mtp-head PATH).")
+    def main(shape_name, out, weight_type, seed, untied, std, force, fast, nextn, nextn_sidecar):
         """Write a llama-architecture GGUF with random weights of a named SHAPE.
 
         Shapes: """
@@ -487,11 +489,12 @@ def _cli():
                 f"unknown shape {shape_name!r}; known shapes: {', '.join(SHAPES)}",
                 param_hint="SHAPE")
         shape = SHAPES[shape_name]
-        if out.exists() and not force:
-            raise click.UsageError(f"{out} exists; pass --force to overwrite it")
+        for path in (out, nextn_sidecar):
+            if path is not None and path.exists() and not force:
+                raise click.UsageError(f"{path} exists; pass --force to overwrite it")
         tied = not untied
         try:
-            size = estimated_size(shape, weight_type, tied)
+            size = estimated_size(shape, weight_type, tied, nextn)
         except ValueError as e:
             raise click.UsageError(str(e)) from e
         params = shape.n_params + (0 if tied else shape.vocab * shape.d_model)
@@ -501,10 +504,16 @@ def _cli():
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
             write_random_gguf(out, shape, seed=seed, weight_type=weight_type, tied=tied,
-                              std=std, progress=True, fast=fast)
+                              std=std, progress=True, fast=fast, nextn=nextn)
+            if nextn_sidecar is not None:
+                nextn_sidecar.parent.mkdir(parents=True, exist_ok=True)
+                write_nextn_sidecar(nextn_sidecar, out, shape, seed=seed,
+                                    weight_type=weight_type, std=std)
         except ValueError as e:
             raise click.UsageError(str(e)) from e
         click.echo(str(out))
+        if nextn_sidecar is not None:
+            click.echo(str(nextn_sidecar))
 
     main.help = (main.help or "").replace("Shapes: ", "Shapes: " + ", ".join(
         f"{k} ({v.n_layers}x{v.d_model})" for k, v in SHAPES.items()) + ".")

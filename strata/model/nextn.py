@@ -4,7 +4,8 @@ indices) or in a sidecar GGUF made for it (`--mtp-head PATH`).
 
 A sidecar names its target: dimensions, vocabulary and a fingerprint of the target's token
 embedding (`strata.nextn.target_fingerprint`); one made for another model is refused with a
-sentence. The tensors are read by the stage that drafts (the last one).
+sentence. The tensors are read by the stage that drafts (the last one: open_head, then
+strata/stage_worker/drafter.py); strata-mkmodel --nextn / --nextn-sidecar writes random heads.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader
 
-from strata.model.gguf_file import ModelError, ModelFile, _field
+from strata.model.gguf_file import ModelConfig, ModelError, ModelFile, _field
 
 TARGET_FINGERPRINT = "strata.nextn.target_fingerprint"
 
@@ -83,3 +84,60 @@ def find_head(file: ModelFile, sidecar: str | os.PathLike | None = None) -> Head
         raise ModelError(f"--mtp-head {path} was made for another model: {'; '.join(mismatch)}; "
                          f"use a head trained for {file.path.name}")
     return HeadSource(path, cfg.n_layers, sidecar=True)
+
+
+# The head's tensors at block N (torch order [out, in]; D model width, V vocabulary): the
+# NextN projections, then the block's ordinary llama tensors. embed_tokens and
+# shared_head_head are optional (absent: the model's own embedding and output head).
+NEXTN_TENSORS = ("eh_proj", "enorm", "hnorm", "shared_head_norm")
+NEXTN_OPTIONAL = ("embed_tokens", "shared_head_head")
+BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+                 "ffn_gate", "ffn_up", "ffn_down")
+
+
+def head_shapes(cfg: ModelConfig, block: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor a NextN head at `block` may hold, with its shape in torch order."""
+    d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ffn
+    b, n = f"blk.{block}.", f"blk.{block}.nextn."
+    return {n + "eh_proj.weight": (d, 2 * d), n + "enorm.weight": (d,),
+            n + "hnorm.weight": (d,), n + "shared_head_norm.weight": (d,),
+            n + "embed_tokens.weight": (cfg.vocab, d),
+            n + "shared_head_head.weight": (cfg.vocab, d),
+            b + "attn_norm.weight": (d,), b + "attn_q.weight": (q, d), b + "attn_k.weight": (kv, d),
+            b + "attn_v.weight": (kv, d), b + "attn_output.weight": (d, q),
+            b + "ffn_norm.weight": (d,), b + "ffn_gate.weight": (f, d), b + "ffn_up.weight": (f, d),
+            b + "ffn_down.weight": (d, f)}
+
+
+class HeadFile(ModelFile):
+    """A sidecar's tensors, read with the target model's configuration (a sidecar holds only
+    the head: its block's shapes are the model's)."""
+
+    def __init__(self, path: Path, target: ModelConfig):
+        # not ModelFile.__init__: that reads a model's configuration, which a sidecar may lack
+        self.path = Path(path)
+        self.reader = GGUFReader(self.path, "c")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.config = target
+        self._check_tensor_types()
+
+
+def open_head(source: HeadSource, file: ModelFile) -> ModelFile:
+    """The file to read the head's tensors from (the model file itself, or its sidecar read
+    with the model's configuration), its tensors checked: each one present with the model's
+    shapes, or a ModelError that says which is not."""
+    head = HeadFile(source.path, file.config) if source.sidecar else file
+    wrong = []
+    for name, shape in head_shapes(file.config, source.block).items():
+        t = head.tensors.get(name)
+        if t is None:
+            if name.split(".")[-2] not in NEXTN_OPTIONAL:
+                wrong.append(f"{name} is missing")
+            continue
+        have = tuple(int(x) for x in reversed(t.shape))
+        if have != shape:
+            wrong.append(f"{name} has shape {list(have)}, not {list(shape)}")
+    if wrong:
+        raise ModelError(f"the NextN head in {source.describe()} does not fit the model: "
+                         f"{'; '.join(wrong)}; use a head made for {file.path.name}")
+    return head

@@ -23,6 +23,8 @@ class WorkerConfig:
     link_init: str = ""    # torch.distributed init method of the link (e.g. file://...)
     link_world: int = 1    # stages in the link (every stage of the launch)
     trace: str = ""        # write a timeline of the windows here on exit (strata/trace.py)
+    mtp_head: str | None = None  # a NextN head sidecar for the last stage's drafter (else the
+                                 # model file's own NextN layer, if it has one)
 
     def __post_init__(self):
         if not 0 <= self.layer_start < self.layer_end:

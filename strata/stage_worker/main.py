@@ -13,7 +13,7 @@ from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 # WorkerConfig's fields as this command's options
 FLAGS = {"slots": "--slots", "ctx": "--ctx-size", "graph_cache": "--graph-cache",
-         "link": "--link", "link_init": "--link-init"}
+         "link": "--link", "link_init": "--link-init", "mtp_head": "--mtp-head"}
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -54,8 +54,12 @@ def parse_layers(text: str) -> tuple[int, int]:
 @click.option("--trace", default="", help="Write a timeline of this stage's windows (host marks, "
               "GPU spans) to this JSON file on exit; `python -m strata.bench.tracereport` "
               "reads it.")
+@click.option("--mtp-head", default=None,
+              help="A NextN (MTP) head GGUF made for this model: the last stage drafts with "
+                   "it (Window.propose). Without it, the model file's own NextN layer if it "
+                   "has one; other stages ignore it.")
 def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_size, graph_cache,
-         link, link_init, link_world, trace):
+         link, link_init, link_world, trace, mtp_head):
     """Serve one stage of a layer-split model."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s stage{stage} %(levelname)s %(message)s")
@@ -69,7 +73,7 @@ def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_si
                            listen=listen, coordinator=coordinator, next=next_, device=device,
                            slots=slots, ctx=ctx_size, graph_cache=graph_cache,
                            link=link, link_init=link_init, link_world=link_world,
-                           trace=trace)
+                           trace=trace, mtp_head=mtp_head)
         worker = StageWorker(cfg)
     except (ModelError, ValueError) as e:
         text = e.render(FLAGS) if isinstance(e, ConfigError) else str(e)

@@ -16,11 +16,13 @@ import numpy as np
 import torch
 
 from strata.model.gguf_file import ModelFile
+from strata.model.nextn import find_head
 from strata.protocol import transport
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
                                       Shutdown, Window)
 from strata.stage_worker.checks import RowError, check_window
 from strata.stage_worker.config import WorkerConfig
+from strata.stage_worker.drafter import Drafter
 from strata.stage_worker.head import HeadOutput, head_logits, head_tokens
 from strata.stage_worker.link import StageLink
 from strata.stage_worker.model import KVCache, Rows, StageModel
@@ -43,6 +45,7 @@ class PendingAnswer:
     t0: float                    # when the window came (time.perf_counter)
     head: HeadOutput | None      # None: no sampled rows
     done: torch.cuda.Event | None = None  # recorded after the head: the device is past it
+    hidden: torch.Tensor | None = None    # the window's final hidden states, for the drafter
 
 
 class StageWorker:
@@ -61,6 +64,12 @@ class StageWorker:
         self.cache = KVCache(cfg.layer_end - cfg.layer_start, cfg.slots, file.config, cfg.ctx,
                              self.model.device, self.model.dtype)
         self.runner = WindowRunner(self.model, self.cache, cfg.graph_cache)
+        # the last stage drafts with a NextN head: a sidecar, or the model file's own layer
+        source = find_head(file, cfg.mtp_head) if self.model.last else None
+        self.drafter = (Drafter(source, file, self.model, cfg.slots, cfg.ctx)
+                        if source is not None else None)
+        if source is not None:
+            log.info("stage %d: drafts with the NextN head of %s", cfg.stage, source.describe())
         # CPU stages compute on the cores a spinning neighbour would take: they block at once
         self.spin_s = transport.SPIN_S if self.model.device.type == "cuda" else 0.0
         warm_s = self.warm_up()
@@ -185,6 +194,10 @@ class StageWorker:
             return
         self._answer_pending()  # the previous window: computed before this one, now enqueued
         answer = PendingAnswer(w, t0, head)
+        if self.drafter is not None:
+            # a graph's output buffer is overwritten by the next replay: the drafter, which
+            # runs when the window is answered, reads a copy queued before that
+            answer.hidden = hidden.clone() if self.runner.capacity else hidden
         if self.model.device.type == "cuda" and not w.want_logits and all(
                 t <= 0.0 for t in w.temperature):
             # Greedy rows (or none): their tokens are the device's argmax, copied into pinned
@@ -224,13 +237,15 @@ class StageWorker:
         if a.done is not None:
             a.done.synchronize()
         tokens = head_tokens(a.head, a.window)
-        # A drafter (multi-token prediction: a NextN head run on the accepted prefix) goes
-        # here, between the tokens and the Result that would carry its proposals.
         w = a.window
+        # the drafter's rows for what the window accepts, and the proposals it asks for:
+        # computed here, so drafting costs no window and no round trip of its own
+        proposals = (self.drafter.run(w, a.hidden, tokens) if self.drafter is not None
+                     else [])
         extra = [head_logits(a.head, self.model.cfg.vocab)] if w.want_logits else []
         w.stage_ms.append((time.perf_counter() - a.t0) * 1e3)
         self.trace.mark(w.id, "sent")
-        transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms), extra)
+        transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms, proposals), extra)
 
     def _await_pending(self) -> None:
         """Answer the window in hand once the device has computed it, unless another window

@@ -1,0 +1,194 @@
+"""The MTP drafter of the last stage: a NextN head (DeepSeek-V3's multi-token prediction
+module, in llama.cpp's GGUF layout: strata/model/nextn.py) run after every window on the rows
+the window accepts, and asked by `Window.propose` for a slot's next k tokens.
+
+A NextN row at position p combines the main model's final hidden state at p - 1 (before the
+final norm) with the embedding of the token at p, and predicts the token at p + 1:
+
+    x = eh_proj([enorm(emb(tok_p)); hnorm(h_{p-1})])      # embedding first, as DeepSeek/vLLM
+    x = block(x)            # one llama layer (model.Layer), over the slot's NextN rows
+    d = argmax(head(shared_head_norm(x)))
+
+Position 0 has no row, so the NextN attention starts at position 1: the row of position p is
+kept at index p - 1 of the NextN cache [slots + 1, KVH, ctx, hd] and rotated as position p - 1
+(vLLM's convention; RoPE scores depend only on the distance between two rows). Chained
+proposals reuse the block: the next row takes the block's output x (before shared_head_norm)
+as its h and the proposal just made as its token, one position further.
+
+Which rows a window gives a slot (its rows sorted by position, rows j = 0..n-1 at P_0 + j):
+rows 0..a are accepted, where each row j >= 1 follows its predecessor when that one was not
+sampled (a prompt row: the next token is given) or was sampled as this row's token (a draft
+equal to the target's token; the coordinator accepts by the same rule). NextN rows then go at
+P_0 + 1..P_a (h of the window's rows 0..a-1), at P_0 (h from the slot's `last_h`, the hidden
+state of its last accepted position, or zeros when that is not P_0 - 1: a follow-up turn that
+resumes a held prompt) unless the previous window already wrote that row with this token, and,
+when row a was sampled, at P_a + 1 with (h_a, t_a): its output gives the first proposal.
+A slot's rows past what it accepts (rejected ones, chained proposals) are overwritten before
+any row reads them, as in the main KV cache. Commits need nothing more here: every window of
+a slot sets its `last_h` and its `ready` row anew, and a commit (slot, length) is followed by
+rows at P_0 <= length (the stages refuse a gap), where `last_h` counts only if it is the state
+of P_0 - 1 and the `ready` row only if it is the row of P_0 with the same token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from strata.kernels.norms import rms_norm
+from strata.kernels.policy import MAX_DECODE_ROWS
+from strata.model.gguf_file import ModelFile
+from strata.model.nextn import HeadSource, open_head
+from strata.protocol.messages import Window
+from strata.stage_worker.model import KVCache, Layer, RowTensors, StageModel, WindowMeta
+
+
+@dataclass
+class _Plan:
+    """The NextN rows a window computes: parallel lists, one entry a row."""
+    slots: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)   # the token's position p
+    tokens: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)     # row of [hidden; last_h; zeros] = h_{p-1}
+    tops: dict[int, int] = field(default_factory=dict)   # slot -> its row at P_a + 1
+    accepted: dict[int, int] = field(default_factory=dict)  # slot -> its window row a
+
+    def add(self, slot: int, position: int, token: int, source: int) -> None:
+        self.slots.append(slot)
+        self.positions.append(position)
+        self.tokens.append(token)
+        self.sources.append(source)
+
+
+class Drafter:
+    """A NextN head bound to the last stage's model: its output head (unless the head has its
+    own shared_head_head) and the token embedding (unless it has embed_tokens; loaded here when
+    the stage does not hold it). `run(window, hidden, tokens)` after every window."""
+
+    def __init__(self, source: HeadSource, file: ModelFile, model: StageModel, slots: int,
+                 ctx: int):
+        assert model.last, "the drafter lives on the last stage"
+        head = open_head(source, file)
+        cfg, dtype, device = file.config, model.dtype, model.device
+        self.cfg, self.ctx, self.device = cfg, ctx, device
+        load = lambda name: head.tensor(name, dtype, device)  # noqa: E731
+        n = f"blk.{source.block}.nextn."
+        self.eh_proj = load(n + "eh_proj.weight")                 # [D, 2D]
+        self.shared_norm = load(n + "shared_head_norm.weight")
+        self.enorm, self.hnorm = load(n + "enorm.weight"), load(n + "hnorm.weight")
+        self.head = (load(n + "shared_head_head.weight")
+                     if n + "shared_head_head.weight" in head.tensors else model.head)
+        if n + "embed_tokens.weight" in head.tensors:
+            self.embed = load(n + "embed_tokens.weight")
+        elif model.first:
+            self.embed = model.embed
+        elif cfg.tied_head:
+            self.embed = model.head   # the tied head is the token embedding
+        else:
+            self.embed = file.tensor("token_embd.weight", dtype, device)
+        self.block = Layer(head, source.block, dtype, device, model.policy)
+        self.cache = KVCache(1, slots, cfg, ctx, device, dtype)
+        self.cos, self.sin = model.cos, model.sin
+        self.last_h = torch.zeros(slots + 1, cfg.d_model, dtype=dtype, device=device)  # + zeros
+        self.last_pos = [-1] * slots     # the position whose hidden state last_h[s] holds
+        self.ready: list[tuple[int, int] | None] = [None] * slots  # (p, token) of a row written
+
+    def run(self, w: Window, hidden: torch.Tensor, tokens: list[int]) -> list[list[int]]:
+        """After window w (its rows, `hidden` [R, D] the main model's final hidden
+        states before the norm, `tokens` the sampled tokens of w.sample_rows): writes the
+        NextN rows of what w accepts and returns [slot, d1, ..., dk] for each [slot, k] of
+        w.propose it can serve (a slot whose last accepted row was sampled; proposals stop at
+        the context's end)."""
+        plan = self._plan(w, dict(zip(w.sample_rows, tokens)))
+        if not plan.slots:
+            return []
+        source = torch.cat([hidden.to(self.last_h.dtype), self.last_h])
+        h = source[torch.tensor(plan.sources, device=self.device)]
+        tok = torch.tensor(plan.tokens, device=self.device)
+        out = self._rows(plan.slots, plan.positions, tok, h)
+        for s, row in plan.accepted.items():   # after the rows read the previous last_h
+            self.last_h[s] = hidden[row]
+        return self._propose(w, plan, out)
+
+    def _plan(self, w: Window, sampled: dict[int, int]) -> _Plan:
+        """The window's NextN rows (see the module's docstring); updates last_pos and ready."""
+        by_slot: dict[int, list[int]] = {}
+        for r, s in enumerate(w.slots):
+            if s >= 0:
+                by_slot.setdefault(s, []).append(r)
+        plan, n_rows, zeros = _Plan(), len(w.slots), len(w.slots) + len(self.last_pos)
+        for s, rows in by_slot.items():
+            rows.sort(key=lambda r: w.positions[r])
+            accepted = rows[:1]
+            for prev, r in zip(rows, rows[1:]):
+                given = sampled.get(prev, w.tokens[r])   # a prompt row's successor is given
+                if w.positions[r] != w.positions[prev] + 1 or given != w.tokens[r]:
+                    break
+                accepted.append(r)
+            p0 = w.positions[rows[0]]
+            if p0 > 0 and self.ready[s] != (p0, w.tokens[rows[0]]):
+                plan.add(s, p0, w.tokens[rows[0]],
+                         n_rows + s if self.last_pos[s] == p0 - 1 else zeros)
+            for prev, r in zip(accepted, accepted[1:]):
+                plan.add(s, w.positions[r], w.tokens[r], prev)
+            last = accepted[-1]
+            self.ready[s] = None
+            if last in sampled:
+                plan.tops[s] = len(plan.slots)
+                plan.add(s, w.positions[last] + 1, sampled[last], last)
+                self.ready[s] = (w.positions[last] + 1, sampled[last])
+            self.last_pos[s] = w.positions[last]
+            plan.accepted[s] = last
+        return plan
+
+    def _propose(self, w: Window, plan: _Plan, out: torch.Tensor) -> list[list[int]]:
+        """Chained greedy proposals from each asked slot's row at P_a + 1, batched by step."""
+        asks = []   # (slot, k, position of the token its first proposal follows)
+        for s, k in w.propose:
+            if s in plan.tops:
+                top = plan.positions[plan.tops[s]]
+                k = min(k, self.ctx - 1 - top)   # a proposal for position top + i < ctx
+                if k >= 1:
+                    asks.append((s, k, top))
+        if not asks:
+            return []
+        x = out[torch.tensor([plan.tops[s] for s, _, _ in asks], device=self.device)]
+        drafts: list[tuple[list[int], torch.Tensor]] = []   # per step: (asks, proposals)
+        live = list(range(len(asks)))     # indices into asks still drafting at this step
+        for i in range(1, max(k for _, k, _ in asks) + 1):
+            if i > 1:
+                keep = [j for j, a in enumerate(live) if asks[a][1] >= i]
+                index = torch.tensor(keep, device=self.device)
+                live = [live[j] for j in keep]
+                x = self._rows([asks[a][0] for a in live], [asks[a][2] + i - 1 for a in live],
+                               d[index], x[index])
+            d = self._logits(x).argmax(-1)
+            drafts.append((live, d))
+        out_lists = [[s] for s, _, _ in asks]
+        for live_i, d in drafts:
+            for a, token in zip(live_i, d.tolist()):
+                out_lists[a].append(token)
+        return out_lists
+
+    def _rows(self, slots: list[int], positions: list[int], tokens: torch.Tensor,
+              h: torch.Tensor) -> torch.Tensor:
+        """NextN rows at `positions` (each >= 1; a slot's rows in position order): inputs
+        tokens [N] and h [N, D]; writes their KV, returns the block's outputs [N, D]. Taken
+        in decode windows of at most MAX_DECODE_ROWS rows, in order, so a row reads the rows
+        before it."""
+        eps = self.cfg.rms_eps
+        e = F.embedding(tokens, self.embed)
+        x = F.linear(torch.cat([rms_norm(e, self.enorm, eps), rms_norm(h, self.hnorm, eps)], -1),
+                     self.eh_proj)
+        packed = torch.tensor([slots, [p - 1 for p in positions], positions],
+                              dtype=torch.long).to(self.device)   # slot, index, length
+        outs = []
+        for start in range(0, len(slots), MAX_DECODE_ROWS):
+            rows = RowTensors.unpack(packed[:, start:start + MAX_DECODE_ROWS])
+            meta = WindowMeta(self.cos, self.sin, rows)
+            outs.append(self.block(x[start:start + MAX_DECODE_ROWS], meta, self.cache, 0))
+        return torch.cat(outs)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)

@@ -1,0 +1,438 @@
+"""The MTP drafter of the last stage (strata/stage_worker/drafter.py): its NextN KV and its
+proposals against a plain reference that recomputes the NextN block over a whole sequence
+without a cache, and a stage worker in process that answers `propose` with proposals (or
+ignores it without a head)."""
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zmq
+
+from strata.kernels.rope import apply_rope, rope_table
+from strata.model.gguf_file import ModelFile
+from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
+from strata.model.nextn import find_head
+from strata.protocol import transport
+from strata.protocol.messages import Result, Window
+from strata.stage_worker.drafter import Drafter
+from strata.stage_worker.model import KVCache, Rows, StageModel
+from strata.stage_worker.worker import StageWorker, WorkerConfig
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+TINY = SHAPES["tiny"]
+CTX = 64
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """The varied tiny model (std 0.2, untied: its tokens depend on the whole context) with a
+    NextN layer, the same model without it, and a sidecar holding the same head."""
+    d = tmp_path_factory.mktemp("nextn")
+    out = {"nextn": write_random_gguf(d / "nextn.gguf", TINY, seed=1, std=0.2, tied=False,
+                                      nextn=True),
+           "plain": write_random_gguf(d / "plain.gguf", TINY, seed=1, std=0.2, tied=False)}
+    out["sidecar"] = write_nextn_sidecar(d / "head.gguf", out["plain"], TINY, seed=1, std=0.2)
+    return out
+
+
+def window(id, rows, *, sample=(), propose=(), commits=(), chunk=False) -> Window:
+    """rows: (slot, position, token) triples; sample: rows sampled greedily."""
+    n = len(sample)
+    return Window(id, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                  commits=[list(c) for c in commits], sample_rows=list(sample),
+                  temperature=[0.0] * n, top_k=[0] * n, top_p=[1.0] * n, min_p=[0.0] * n,
+                  u=[0.0] * n, chunk=chunk, propose=[list(p) for p in propose])
+
+
+# --- the reference: the NextN block over a whole sequence, plain torch in float64 ----------
+
+class Reference:
+    """NextN rows at positions 1..m from inputs [(h_{p-1} or None for zeros, tok_p)]: the
+    design's forward with causal attention over rows 1..p, the row of position p rotated as
+    position p - 1 (the NextN attention starts at position 1)."""
+
+    def __init__(self, file: ModelFile, ctx: int = CTX):
+        cfg, n = file.config, f"blk.{file.config.n_layers}."
+        w = lambda name: file.tensor(name).double()  # noqa: E731
+        self.cfg, self.w = cfg, {k: w(n + k + ".weight") for k in (
+            "nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm", "attn_norm",
+            "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+            "ffn_down")}
+        self.embed, self.head = w("token_embd.weight"), w("output.weight")
+        self.cos, self.sin = (t.double() for t in rope_table(cfg.rope_dim, cfg.rope_base, ctx))
+
+    def norm(self, x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps) * weight
+
+    def rows(self, inputs: list[tuple[torch.Tensor | None, int]]):
+        """-> (outputs [m, D], keys [m, KVH, hd] rotated, values [m, KVH, hd])."""
+        c, w, m = self.cfg, self.w, len(inputs)
+        h = torch.stack([torch.zeros(c.d_model, dtype=torch.float64) if x is None
+                         else x.double() for x, _ in inputs])
+        e = self.embed[torch.tensor([t for _, t in inputs])]
+        x = torch.cat([self.norm(e, w["nextn.enorm"]), self.norm(h, w["nextn.hnorm"])], -1)
+        x = x @ w["nextn.eh_proj"].T
+        a = self.norm(x, w["attn_norm"])
+        index = torch.arange(m)                  # the row of position p is rotated as p - 1
+        q = apply_rope((a @ w["attn_q"].T).view(m, c.n_heads, c.head_dim),
+                       self.cos[index], self.sin[index])
+        k = apply_rope((a @ w["attn_k"].T).view(m, c.n_kv_heads, c.head_dim),
+                       self.cos[index], self.sin[index])
+        v = (a @ w["attn_v"].T).view(m, c.n_kv_heads, c.head_dim)
+        group = c.n_heads // c.n_kv_heads
+        kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) / math.sqrt(c.head_dim)
+        scores = scores.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv).reshape(m, -1)
+        x = x + o @ w["attn_output"].T
+        f = self.norm(x, w["ffn_norm"])
+        x = x + (F.silu(f @ w["ffn_gate"].T) * (f @ w["ffn_up"].T)) @ w["ffn_down"].T
+        return x, k, v
+
+    def propose(self, inputs, k: int) -> list[int]:
+        """k chained greedy proposals after the last input row."""
+        inputs, out = list(inputs), []
+        for _ in range(k):
+            x = self.rows(inputs)[0][-1]
+            d = int((self.norm(x, self.w["nextn.shared_head_norm"]) @ self.head.T).argmax())
+            out.append(d)
+            inputs.append((x, d))
+        return out
+
+
+class Run:
+    """The main model (every layer, one stage) and the drafter over windows of two slots,
+    with the test's own record of each slot's accepted tokens and hidden states."""
+
+    def __init__(self, path: Path, sidecar: Path | None = None, ctx: int = CTX):
+        file = ModelFile(path)
+        self.model = StageModel(file, 0, file.config.n_layers, ctx=ctx)
+        self.cache = KVCache(file.config.n_layers, 2, file.config, ctx, self.model.device,
+                             self.model.dtype)
+        self.drafter = Drafter(find_head(file, sidecar), file, self.model, 2, ctx)
+        self.tokens = [{}, {}]    # slot -> {position: token} (accepted, and the next sampled)
+        self.hidden = [{}, {}]    # slot -> {position: main hidden state} (accepted rows)
+        self.zeros = [set(), set()]   # positions whose NextN row takes zeros for h_{p-1}
+        self.top = [0, 0]         # the position of each slot's sampled next token
+        self.accepted = self.rejected = 0
+        self.ids = iter(range(1, 1000))
+
+    def step(self, rows, *, sample=(), propose=(), commits=(), chunk=False, check=None):
+        """Runs one window; returns the sampled tokens. check: a Reference to compare the
+        proposals with."""
+        w = window(next(self.ids), rows, sample=sample, propose=propose, commits=commits,
+                   chunk=chunk)
+        for s, length in w.commits:
+            self.cache.trim(s, length)
+        hidden = self.model(torch.tensor(w.tokens), Rows(w.slots, w.positions), self.cache,
+                            chunk=chunk)
+        sampled = self.model.logits(hidden[list(sample)]).argmax(-1).tolist() if sample else []
+        proposals = self.drafter.run(w, hidden, sampled)
+        self._record(w, hidden, dict(zip(sample, sampled)))
+        if check is not None:
+            want = [[s] + check.propose(self.inputs(s), k) for s, k in propose]
+            assert proposals == want, (w.id, proposals, want)
+        return sampled, proposals
+
+    def _record(self, w: Window, hidden, sampled: dict[int, int]) -> None:
+        """The design's acceptance rule, written out for the test: per slot, rows follow
+        while each sampled row's token equals the next row's."""
+        for s in set(w.slots):
+            rows = sorted((r for r, x in enumerate(w.slots) if x == s),
+                          key=lambda r: w.positions[r])
+            a = 0
+            while a + 1 < len(rows) and sampled.get(rows[a], w.tokens[rows[a + 1]]) == \
+                    w.tokens[rows[a + 1]]:
+                a += 1
+            drafts = sum(1 for r in rows[:-1] if r in sampled)
+            self.accepted += min(a, drafts)
+            self.rejected += drafts - min(a, drafts)
+            for r in rows[:a + 1]:
+                self.tokens[s][w.positions[r]] = w.tokens[r]
+                self.hidden[s][w.positions[r]] = hidden[r].clone()
+            last = rows[a]
+            self.top[s] = w.positions[last] + (1 if last in sampled else 0)
+            if last in sampled:
+                self.tokens[s][self.top[s]] = sampled[last]
+
+    def inputs(self, s: int) -> list:
+        """The reference's NextN inputs of slot s: positions 1..top."""
+        return [(None if p in self.zeros[s] else self.hidden[s][p - 1], self.tokens[s][p])
+                for p in range(1, self.top[s] + 1)]
+
+    def decode(self, check, k: int, drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+        """One decode window: slot s's rows are its next token then drafts[s]; all sampled;
+        each slot asks for k proposals. Commits drop the rows a slot rejected last time."""
+        rows, commits = [], []
+        for s, d in drafts.items():
+            length = self.top[s]     # the row of the next token goes at top
+            commits.append((s, length))
+            rows += [(s, length + j, t) for j, t in enumerate([self.tokens[s][length]] + d)]
+        _, proposals = self.step(rows, sample=range(len(rows)), commits=commits,
+                                 propose=[(s, k) for s in drafts], check=check)
+        return {p[0]: p[1:] for p in proposals}
+
+
+def greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after the prompt, one decode row at a time (the drafts to accept)."""
+    file = ModelFile(path)
+    model = StageModel(file, 0, file.config.n_layers, ctx=CTX)
+    cache = KVCache(file.config.n_layers, 1, file.config, CTX, model.device, model.dtype)
+    seq = list(prompt)
+    hidden = model(torch.tensor(seq), Rows([0] * len(seq), list(range(len(seq)))), cache)
+    for _ in range(n):
+        seq.append(int(model.logits(hidden[-1:]).argmax()))
+        hidden = model(torch.tensor(seq[-1:]), Rows([0], [len(seq) - 1]), cache)
+    return seq[len(prompt):]
+
+
+def test_drafter_matches_a_full_recompute(models):
+    """Prompt chunks, decode windows of two slots with drafts partly accepted, commits of the
+    rejected rows, and follow-up turns on slot 1 that resume what it holds: every
+    proposal equals the reference's, and the NextN KV of each slot's accepted positions the
+    reference's keys and values."""
+    file = ModelFile(models["nextn"])
+    ref, run = Reference(file), Run(models["nextn"])
+    p0, p1 = [5, 77, 120, 33, 250, 8, 91, 64, 200, 17, 3, 140], [40, 41, 300, 12, 99, 7, 61]
+    true0, true1 = greedy(models["nextn"], p0, 20), greedy(models["nextn"], p1, 20)
+
+    run.step([(0, p, t) for p, t in enumerate(p0[:5])], chunk=True)
+    run.step([(0, p, p0[p]) for p in range(5, 10)], chunk=True)
+    run.step([(0, 10, p0[10]), (0, 11, p0[11])], sample=[1], propose=[(0, 3)], chunk=True,
+             check=ref)
+    run.step([(1, p, t) for p, t in enumerate(p1)], sample=[6], propose=[(1, 2)], chunk=True,
+             check=ref)
+    assert run.tokens[0][12] == true0[0] and run.tokens[1][7] == true1[0]
+
+    # decode windows: drafts from the true continuation (accepted) with wrong ones (rejected)
+    def drafts(s: int, true: list[int], accept: int, wrong: int) -> list[int]:
+        have = run.top[s] - (len(p0) if s == 0 else len(p1))   # tokens generated so far
+        return true[have + 1:have + 1 + accept] + [(true[have + 1 + accept] + 1) % 320] * wrong
+    for accept, wrong, k in ((2, 1, 3), (0, 2, 1), (3, 0, 2), (1, 1, 3)):
+        run.decode(ref, k, {0: drafts(0, true0, accept, wrong), 1: drafts(1, true1, wrong, 1)})
+    run.decode(ref, 7, {0: [], 1: []})
+    assert run.accepted >= 6 and run.rejected >= 6, (run.accepted, run.rejected)
+
+    # slot 1's request ends; a follow-up keeps its 7 prompt tokens and reads 4 more: the
+    # first NextN row of the follow-up has no hidden state of position 6 left (zeros)
+    follow = [9, 260, 31, 77]
+    run.zeros[1].add(7)
+    run.step([(1, 7 + j, t) for j, t in enumerate(follow)], sample=[3], propose=[(1, 3)],
+             commits=[(1, 7)], chunk=True, check=ref)
+    run.decode(ref, 2, {0: [1, 2], 1: [5]})
+    # slot 1 ends at once; a follow-up keeps all it holds but reads another token where the
+    # drafter wrote the row of the token it sampled: that row is read again
+    top = run.top[1]
+    other = (run.tokens[1][top] + 1) % TINY.vocab
+    run.step([(1, top, other), (1, top + 1, 4)], sample=[1], propose=[(1, 2)],
+             commits=[(1, top)], chunk=True, check=ref)
+
+    for s in (0, 1):
+        _, k, v = ref.rows(run.inputs(s))
+        m = run.top[s]   # positions 1..m are at indices 0..m-1
+        cache = run.drafter.cache
+        torch.testing.assert_close(cache.k[0][s, :, :m].transpose(0, 1).double(), k,
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cache.v[0][s, :, :m].transpose(0, 1).double(), v,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_a_chunk_of_more_rows_than_a_decode_window(models):
+    """A 100-row prompt chunk gives 100 NextN rows, taken in decode windows of 64 rows: the
+    second block reads the first's KV; its proposals near the context's end stop there."""
+    ctx = 104
+    file = ModelFile(models["nextn"])
+    ref, run = Reference(file, ctx), Run(models["nextn"], ctx=ctx)
+    prompt = [(7 * p + 3) % TINY.vocab for p in range(100)]
+    # the token at 100 is sampled: proposals for positions 101..103 fit in the context
+    _, proposals = run.step([(0, p, t) for p, t in enumerate(prompt)], sample=[99],
+                            propose=[(0, 7)], chunk=True)
+    assert proposals == [[0] + ref.propose(run.inputs(0), 3)], proposals
+    _, proposals = run.step([(0, 100, run.tokens[0][100])], sample=[0], propose=[(0, 7)])
+    assert proposals == [[0] + ref.propose(run.inputs(0), 2)], proposals
+    _, k, v = ref.rows(run.inputs(0))
+    torch.testing.assert_close(run.drafter.cache.k[0][0, :, :101].transpose(0, 1).double(), k,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_sidecar_drafts_as_the_model_files_own_head(models):
+    """The sidecar made for the plain model holds the head the nextn model carries: the same
+    tokens and the same proposals."""
+    outs = []
+    for path, sidecar in ((models["nextn"], None), (models["plain"], models["sidecar"])):
+        run = Run(path, sidecar)
+        outs.append(run.step([(0, p, t) for p, t in enumerate([5, 6, 7, 8, 9])], sample=[4],
+                             propose=[(0, 4)], chunk=True))
+    assert outs[0] == outs[1] and len(outs[0][1][0]) == 5, outs
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_last_stage_without_the_embedding_drafts_alike(models, tmp_path, tied):
+    """A last stage that is not the first loads the token embedding for the head (a tied
+    head: it is the stage's output head): the same proposals as a stage of every layer,
+    given the same hidden states and tokens."""
+    path = models["nextn"] if not tied else write_random_gguf(
+        tmp_path / "tied.gguf", TINY, seed=1, std=0.2, nextn=True)
+    file = ModelFile(path)
+    whole = StageModel(file, 0, TINY.n_layers, ctx=CTX)
+    cache = KVCache(TINY.n_layers, 2, file.config, CTX, whole.device, whole.dtype)
+    drafters = [Drafter(find_head(file), file, m, 2, CTX)
+                for m in (whole, StageModel(file, 2, TINY.n_layers, ctx=CTX))]
+    assert drafters[1].embed.shape == (TINY.vocab, TINY.d_model)
+    w = window(1, [(0, p, t) for p, t in enumerate([72, 101, 108, 300, 9])], sample=[4],
+               propose=[(0, 3)], chunk=True)
+    hidden = whole(torch.tensor(w.tokens), Rows(w.slots, w.positions), cache, chunk=True)
+    tokens = whole.logits(hidden[4:]).argmax(-1).tolist()
+    got = [d.run(w, hidden, tokens) for d in drafters]
+    assert got[0] == got[1] and len(got[0][0]) == 4, got
+
+
+# --- the stage worker, in process -----------------------------------------------------------
+
+class InProcess:
+    """A one-stage StageWorker in this process and the coordinator's two sockets."""
+
+    def __init__(self, worker: StageWorker, inbox: zmq.Socket, out: zmq.Socket):
+        self.worker, self.inbox, self.out = worker, inbox, out
+
+    def send(self, w: Window) -> None:
+        self.out.send_multipart(transport.pack(w))
+
+    def step(self) -> None:
+        """Takes the next window (a CUDA stage may keep its answer until the next one)."""
+        with torch.inference_mode():
+            assert self.worker.step()
+
+    def results(self, n: int) -> list[Result]:
+        """The next n answers (a deferred one is given once the device is done)."""
+        with torch.inference_mode():
+            self.worker._await_pending()
+        out = []
+        for _ in range(n):
+            assert self.inbox.poll(5000), "the worker answered nothing"
+            out.append(transport.recv(self.inbox)[0])
+            assert isinstance(out[-1], Result), out[-1]
+        return out
+
+    def ask(self, w: Window) -> Result:
+        self.send(w)
+        self.step()
+        return self.results(1)[0]
+
+
+@contextmanager
+def in_process(model: Path, mtp_head: Path | None = None, device: str = "cpu"):
+    """A one-stage StageWorker of 2 slots in this process (InProcess)."""
+    run = Path(tempfile.mkdtemp(prefix="strata-d-"))  # short: ipc paths are limited
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(f"ipc://{run}/inbox")
+    worker = StageWorker(WorkerConfig(
+        model=str(model), stage=0, layer_start=0, layer_end=TINY.n_layers,
+        listen=f"ipc://{run}/s0", coordinator=f"ipc://{run}/inbox", next=None, slots=2,
+        ctx=CTX, device=device, mtp_head=str(mtp_head) if mtp_head else None))
+    out = ctx.socket(zmq.PUSH)
+    out.connect(f"ipc://{run}/s0")
+    try:
+        yield InProcess(worker, inbox, out)
+    finally:
+        worker.close()
+        inbox.close(linger=0)
+        out.close(linger=0)
+        ctx.term()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def conversation(ask) -> list[Result]:
+    """A prompt asking for 3 proposals, a decode window of two (fixed) drafts asking for 2,
+    and a decode window that asks for none."""
+    prompt = [(0, p, t) for p, t in enumerate([72, 101, 108, 108, 111])]
+    a = ask(window(1, prompt, sample=[4], propose=[(0, 3)], commits=[(0, 0)], chunk=True))
+    b = ask(window(2, [(0, 5, a.tokens[0]), (0, 6, 1), (0, 7, 2)], sample=[0, 1, 2],
+                   propose=[(0, 2)]))
+    c = ask(window(3, [(0, 6, b.tokens[0])], sample=[0], commits=[(0, 6)]))
+    return [a, b, c]
+
+
+def test_the_last_stage_answers_propose_with_proposals(models):
+    with in_process(models["nextn"]) as stage:
+        a, b, c = conversation(stage.ask)
+    assert [len(p) for p in a.proposals] == [4] and a.proposals[0][0] == 0, a
+    assert [len(p) for p in b.proposals] == [3] and b.proposals[0][0] == 0, b
+    assert c.proposals == [], c
+    assert all(0 <= t < TINY.vocab for r in (a, b) for t in r.proposals[0][1:])
+
+
+def test_a_stage_without_a_head_ignores_propose_and_a_nextn_layer_changes_no_token(models):
+    """The plain model has no head: no proposals. The model with a NextN layer runs its main
+    blocks only: the same tokens as the plain model, window for window."""
+    with in_process(models["plain"]) as stage:
+        plain = conversation(stage.ask)
+    with in_process(models["nextn"]) as stage:
+        nextn = conversation(stage.ask)
+    assert all(r.proposals == [] for r in plain), plain
+    assert [r.tokens for r in plain] == [r.tokens for r in nextn]
+    assert all(len(r.tokens) >= 1 for r in plain)
+
+
+def test_a_worker_drafts_with_a_sidecar(models):
+    """strata-worker --mtp-head: the plain model with the sidecar proposes what the model
+    with the same head in its file proposes."""
+    with in_process(models["plain"], models["sidecar"]) as stage:
+        side = conversation(stage.ask)
+    with in_process(models["nextn"]) as stage:
+        own = conversation(stage.ask)
+    assert [(r.tokens, r.proposals) for r in side] == [(r.tokens, r.proposals) for r in own]
+    assert side[0].proposals
+
+
+def test_strata_worker_refuses_a_sidecar_for_another_model(models, tmp_path):
+    from click.testing import CliRunner
+
+    from strata.stage_worker.main import main as worker_main
+    other = write_nextn_sidecar(tmp_path / "other.gguf", write_random_gguf(
+        tmp_path / "seed2.gguf", TINY, seed=2), TINY, seed=2)
+    res = CliRunner().invoke(worker_main, [
+        "--model", str(models["plain"]), "--stage", "0", "--layers", "0:4",
+        "--listen", f"ipc://{tmp_path}/s0", "--coordinator", f"ipc://{tmp_path}/inbox",
+        "--mtp-head", str(other)])
+    assert res.exit_code == 2, res.output
+    assert "was made for another model" in res.output and "use a head trained for" in res.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_graphs_the_drafter_reads_each_windows_own_hidden_states(models):
+    """A CUDA stage replays one graph for two windows of the same shape and answers the
+    first after the second is queued: the drafter of the first must read its own hidden
+    states (a copy), so proposals equal those of windows answered one at a time. The
+    NextN layer changes no token on CUDA either."""
+    def drive(model: Path, queued: bool) -> list[tuple[list[int], list[list[int]]]]:
+        with in_process(model, device="cuda:0") as stage:
+            out = [stage.ask(window(1, [(0, p, t) for p, t in enumerate([72, 101, 108, 9])],
+                                    sample=[3], propose=[(0, 2)], chunk=True)),
+                   stage.ask(window(2, [(1, p, t) for p, t in enumerate([40, 41, 300, 12])],
+                                    sample=[3], propose=[(1, 2)], chunk=True))]
+            decode = [window(3 + s, [(s, 4, out[s].tokens[0])], sample=[0], propose=[(s, 3)])
+                      for s in (0, 1)]
+            if queued:
+                for w in decode:
+                    stage.send(w)
+                stage.step()
+                stage.step()
+                out += stage.results(2)
+            else:
+                out += [stage.ask(w) for w in decode]
+        return [(r.tokens, r.proposals) for r in out]
+
+    one_at_a_time = drive(models["nextn"], queued=False)
+    assert drive(models["nextn"], queued=True) == one_at_a_time
+    assert [len(p[0]) for _, p in one_at_a_time] == [3, 3, 4, 4]
+    assert [t for t, _ in drive(models["plain"], queued=True)] == [t for t, _ in one_at_a_time]
