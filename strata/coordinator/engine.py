@@ -97,6 +97,8 @@ class Snapshot:
     queued: int = 0
     windows: int = 0
     decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
+    drafted: int = 0    # draft tokens sent in windows since the start
+    accepted: int = 0   # of them, kept
 
 
 def _window_kind(w: Window) -> str:
@@ -286,8 +288,12 @@ class Engine:
     def _publish(self) -> None:
         snap = self.scheduler.snapshot()
         now = time.monotonic()
+        if self.metrics:  # the drafts verified since the last snapshot
+            self.metrics.observe_drafts(snap.drafted - self.snapshot.drafted,
+                                        snap.accepted - self.snapshot.accepted)
         self.snapshot = Snapshot(tuple(self._view(s, now) for s in snap.slots), snap.in_flight,
-                                 snap.queued, self.pipe.windows, snap.decode_windows)
+                                 snap.queued, self.pipe.windows, snap.decode_windows,
+                                 snap.drafted, snap.accepted)
 
     def _view(self, s: SlotState, now: float) -> SlotView:
         job = self._jobs.get(s.request) if s.request is not None else None
