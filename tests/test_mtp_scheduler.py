@@ -275,3 +275,105 @@ def test_a_decoding_slot_shows_its_drafts():
     assert view.state == "decoding" and (view.drafted, view.accepted) == (req.drafted,
                                                                            req.accepted)
     assert 0 < view.accepted < view.drafted
+
+
+# --- the flags ------------------------------------------------------------------------------
+
+def write_sidecar(path, model, fingerprint: str | None = None):
+    """A NextN head GGUF naming its target: the model's dimensions and vocabulary, and the
+    given embedding fingerprint (default: the model's own)."""
+    import gguf
+    import numpy as np
+
+    from strata.model.gguf_file import ModelFile
+    from strata.model.nextn import TARGET_FINGERPRINT, embedding_fingerprint
+    file = ModelFile(model)
+    cfg = file.config
+    w = gguf.GGUFWriter(str(path), cfg.arch)
+    w.add_uint32(f"{cfg.arch}.nextn_predict_layers", 1)
+    w.add_uint32(f"{cfg.arch}.embedding_length", cfg.d_model)
+    w.add_uint32(f"{cfg.arch}.vocab_size", cfg.vocab)
+    w.add_string(TARGET_FINGERPRINT, fingerprint or embedding_fingerprint(file))
+    w.add_tensor(f"blk.{cfg.n_layers}.nextn.enorm", np.ones(cfg.d_model, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def launch_cli(*args):
+    from click.testing import CliRunner
+
+    from strata.launch.cli import main
+    return CliRunner().invoke(main, ["--devices", "cpu", "--prompt", "hi", *args],
+                              prog_name="strata-launch")
+
+
+def one_sentence(out, *words):
+    assert out.exit_code == 2, (out.output, out.exception)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_draft_tokens_past_7_is_refused(tiny_model, no_stage_left):
+    one_sentence(launch_cli("--model", str(tiny_model), "--draft-tokens", "9"),
+                 "strata-launch: --draft-tokens 9 is not from 0 to 7", "use 0 (off) to 7")
+
+
+def test_drafter_mtp_without_a_head_is_refused(tiny_model, no_stage_left):
+    one_sentence(launch_cli("--model", str(tiny_model), "--draft-tokens", "2", "--drafter",
+                            "mtp"),
+                 "--drafter mtp needs a NextN head", "tiny.gguf has none",
+                 "pass --mtp-head PATH", "or use --drafter lookup")
+
+
+def test_drafter_must_be_mtp_or_lookup(tiny_model, no_stage_left):
+    out = launch_cli("--model", str(tiny_model), "--draft-tokens", "2", "--drafter", "bogus")
+    assert out.exit_code == 2 and "'bogus' is not one of 'mtp', 'lookup'" in out.stderr
+
+
+def test_a_drafter_without_draft_tokens_is_refused(tiny_model, no_stage_left):
+    one_sentence(launch_cli("--model", str(tiny_model), "--drafter", "lookup"),
+                 "--drafter lookup drafts nothing with --draft-tokens 0",
+                 "add --draft-tokens K (1 to 7)")
+
+
+def test_a_sidecar_for_another_model_is_refused(tiny_model, tmp_path, no_stage_left):
+    head = write_sidecar(tmp_path / "head.gguf", tiny_model, fingerprint="0123456789abcdef")
+    one_sentence(launch_cli("--model", str(tiny_model), "--draft-tokens", "2", "--mtp-head",
+                            str(head)),
+                 f"--mtp-head {head} was made for another model",
+                 "target fingerprint 0123456789abcdef")
+
+
+def test_the_automatic_choice_is_said_on_stderr(tiny_model, tmp_path, capsys):
+    from strata.launch.options import prepare
+    from strata.launch.processes import StageProcesses
+    shared = dict(model=str(tiny_model), layer_split="2", devices="cpu", ctx_size=256,
+                  batch=2, batch_groups="2", window_rows="auto", chunk_rows="auto")
+    prep = prepare(**shared, draft_tokens=3)
+    assert (prep.sched.drafter, prep.mtp_head) == ("lookup", None)
+    assert capsys.readouterr().err == ("strata: --draft-tokens 3 drafts with lookup (prompt "
+                                       "lookup: the model has no NextN head; --mtp-head PATH "
+                                       "gives one)\n")
+    head = write_sidecar(tmp_path / "head.gguf", tiny_model)
+    prep = prepare(**shared, draft_tokens=3, mtp_head=str(head))
+    assert (prep.sched.drafter, prep.mtp_head) == ("mtp", head)
+    assert prep.sched.groups == 2   # MTP with several groups runs as asked
+    assert capsys.readouterr().err == (f"strata: --draft-tokens 3 drafts with mtp (the NextN "
+                                       f"head in the sidecar {head})\n")
+    # the last stage's worker loads the sidecar; the others don't
+    procs = StageProcesses(prep.file.path, prep.plan, slots=2, ctx=256, mtp_head=prep.mtp_head)
+    try:
+        commands = [procs.command(p.index) for p in prep.plan]
+    finally:
+        procs.remove_run_dir(keep_logs=False)
+    assert commands[-1][-2:] == ["--mtp-head", str(head)]
+    assert all("--mtp-head" not in c for c in commands[:-1])
+    # an explicit drafter says nothing; lookup with a head given leaves the head out
+    prep = prepare(**shared, draft_tokens=3, drafter="lookup", mtp_head=str(head))
+    assert (prep.sched.drafter, prep.mtp_head) == ("lookup", None)
+    assert capsys.readouterr().err == ""
