@@ -258,16 +258,30 @@ def test_counters_and_status_count_drafts_proposed_and_accepted():
     text = metrics.render().decode()
     assert f"strata_draft_tokens_proposed_total {float(drafted)}" in text
     assert f"strata_draft_tokens_accepted_total {float(accepted)}" in text
-    assert draft_counts(drafted, accepted) == {"proposed": drafted, "accepted": accepted,
-                                               "rate": round(accepted / drafted, 4)}
+    # /v1/status: the totals since the start
+    import json
+
+    from strata.coordinator.connections import ServerConfig
+    from strata.coordinator.server import Server
+    server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, [], lambda: None)
+    status = json.loads(asyncio.run(server.status(None)).text)
+    assert status["drafts"] == {"proposed": drafted, "accepted": accepted,
+                                "rate": round(accepted / drafted, 4)}
+    assert (status["drafter"], status["draft_tokens"]) == ("mtp", 3)
     assert draft_counts(0, 0)["rate"] is None
 
 
 def test_a_decoding_slot_shows_its_drafts():
+    """The slot's view and its /v1/status entry count its request's drafts, mid-request."""
+    import json
+
+    from strata.coordinator.connections import ServerConfig
+    from strata.coordinator.server import Server
     ps = [list(range(5, 25))]
     alone = run_alone(ps)
     pipe = DraftingPipeline(1, 256, truth_of(ps, alone), lambda slot, wid: "mix", 3)
-    sched = Scheduler(pipe, mtp_config(draft_tokens=3), frozenset({STOP}))
+    engine = Engine(pipe, mtp_config(draft_tokens=3), frozenset({STOP}), lambda ids: "")
+    sched = engine.scheduler   # stepped here, without the engine's thread
     req = sched.submit(ps[0], params(0))
     while req.drafted < 6 and sched.step():
         pass
@@ -275,6 +289,11 @@ def test_a_decoding_slot_shows_its_drafts():
     assert view.state == "decoding" and (view.drafted, view.accepted) == (req.drafted,
                                                                            req.accepted)
     assert 0 < view.accepted < view.drafted
+    engine._publish()
+    server = Server(engine, None, 64, ServerConfig(model="fake"), Metrics(), [], lambda: None)
+    slot = json.loads(asyncio.run(server.status(None)).text)["slots"][0]
+    assert slot["drafts"] == {"proposed": req.drafted, "accepted": req.accepted,
+                              "rate": round(req.accepted / req.drafted, 4)}
 
 
 # --- the flags ------------------------------------------------------------------------------

@@ -80,8 +80,8 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
         click.option("--drafter", type=click.Choice(DRAFTERS), default=None,
                      help="Where drafts come from: mtp = the model's NextN head on the last "
                           "stage (in the model file, or --mtp-head), lookup = prompt lookup "
-                          "(what followed the last tokens earlier in the text). Default with "
-                          "--draft-tokens: mtp when there is a head, else lookup."),
+                          "(what followed the last tokens earlier in the text). Default when "
+                          "drafting: mtp where there is a head, else lookup."),
         click.option("--mtp-head", type=click.Path(dir_okay=False), default=None,
                      help="A NextN head GGUF made for the model (a sidecar), for --drafter "
                           "mtp; without it, the model file's own NextN layer if it has one."),
