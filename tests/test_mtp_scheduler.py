@@ -8,6 +8,7 @@ last window that sampled for that slot proposed (nothing, if it proposed nothing
 from __future__ import annotations
 
 import asyncio
+import re
 import random
 
 import pytest
@@ -396,3 +397,15 @@ def test_the_automatic_choice_is_said_on_stderr(tiny_model, tmp_path, capsys):
     prep = prepare(**shared, draft_tokens=3, drafter="lookup", mtp_head=str(head))
     assert (prep.sched.drafter, prep.mtp_head) == ("lookup", None)
     assert capsys.readouterr().err == ""
+
+
+def test_the_launch_summary_counts_the_drafts(tiny_model, shared_stages):
+    out = launch_cli("--model", str(tiny_model), "--layer-split", "2", "--ctx-size", "256",
+                     "--max-tokens", "24", "--draft-tokens", "2", "--drafter", "lookup",
+                     "--seed", "1")
+    assert out.exit_code == 0, (out.output, out.exception)
+    assert shared_stages   # the session's stages served it
+    summary = out.stderr.splitlines()[-1]
+    m = re.fullmatch(r"\[\d+ prompt tokens, 24 generated, (\d+) of (\d+) drafts \(lookup\) "
+                     r"accepted, finish: length, seed 1\]", summary)
+    assert m and int(m[1]) <= int(m[2]), summary
