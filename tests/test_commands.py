@@ -75,9 +75,9 @@ def test_drafts_help_says_what_draft_tokens_means_there():
     r = CliRunner().invoke(bench, ["drafts", "-h"], prog_name="strata-bench")
     assert r.exit_code == 0, r.output
     option = r.output[r.output.index("--draft-tokens"):r.output.index("--clients")]
-    assert "0 = off" not in option and "[default: --window-rows - 1]" in " ".join(option.split())
+    assert "0 = off" not in option and "[default: 7]" in " ".join(option.split())
     assert r.output.count("--draft-tokens") == 1
     r = CliRunner().invoke(bench, ["drafts", "--draft-tokens", "0"], prog_name="strata-bench")
     assert r.exit_code == 2, (r.output, r.exception)
     assert r.stderr == ("strata-bench drafts: --draft-tokens 0 leaves the drafts arm without "
-                        "drafts; give 1 or more, or leave it out for --window-rows - 1\n")
+                        "drafts; give 1 to 7\n")

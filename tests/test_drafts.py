@@ -16,3 +16,11 @@ def test_nothing_to_propose_and_short_continuations():
     assert PromptLookup([4, 5, 6]).propose(4) == []
     d = PromptLookup([4, 5, 4])
     assert d.propose(4) == [5, 4]  # what followed the earlier 4, up to the end
+
+
+def test_draft_room_is_an_even_share_of_the_pad_rows():
+    from strata.coordinator.drafts import draft_room
+    assert draft_room(1, 7) == 7 and draft_room(1, 3) == 3   # 1 slot in 8 rows
+    assert draft_room(3, 7) == 2    # 5 pad rows over 3 slots, rounded up
+    assert draft_room(8, 7) == 0    # a full window
+    assert draft_room(9, 7) == 1    # 16 rows: 7 pad rows over 9 slots

@@ -59,3 +59,29 @@ def test_the_engine_and_server_import_neither_torch_nor_zmq():
             "print(sorted({'torch', 'zmq'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_finished_request_is_in_the_snapshot_before_its_client_hears():
+    """When a job's Finished reaches the event loop, /v1/status (the snapshot) already shows
+    its slot idle, however slowly the engine thread takes its snapshot."""
+    import time
+
+    async def main():
+        engine = Engine(FakePipeline(1, 64), SchedulerConfig(slots=1, ctx=64), frozenset(),
+                        lambda ids: "")
+        snapshot = engine.scheduler.snapshot
+
+        def slow_snapshot():
+            time.sleep(0.2)   # the loop gets the Finished first, if it was posted before
+            return snapshot()
+
+        engine.scheduler.snapshot = slow_snapshot
+        engine.start()
+        try:
+            _, fin = await _finish(engine, "a", [5, 6, 7], SamplingParams(max_tokens=3))
+            return fin, [s.state for s in engine.snapshot.slots]
+        finally:
+            engine.stop()
+
+    fin, states = asyncio.run(main())
+    assert fin.reason == "length" and states == ["idle"]

@@ -455,9 +455,12 @@ def test_arrivals_cannot_starve_a_decoding_slot():
 
 
 def test_draft_tokens_must_leave_a_row_for_the_slot():
-    with pytest.raises(ValueError, match="draft_tokens 8 must be at least 0 and below "
-                                         "window_rows 8"):
-        SchedulerConfig(window_rows=8, draft_tokens=8)
+    with pytest.raises(ValueError, match="draft_tokens 8 is not from 0 to 7 .a slot's row and "
+                                         "its drafts share one decode window of at least 8"):
+        SchedulerConfig(window_rows=16, draft_tokens=8)
+    SchedulerConfig(window_rows=8, draft_tokens=7)
+    with pytest.raises(ValueError, match="drafter 'bogus' is not one of mtp, lookup"):
+        SchedulerConfig(draft_tokens=2, drafter="bogus")
 
 
 def test_config_errors_name_fields_and_the_cli_names_its_flags():

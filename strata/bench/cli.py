@@ -6,7 +6,8 @@
   loadtest    C concurrent HTTP clients for a bounded time against strata-launch serving
   sweep       total tok/s against concurrent clients: 1gpu, serial, pipelined side by side
   prompt      a long prompt's reading rate: serial vs pipelined chunks, FLOP/s and % of peak
-  drafts      decoding with draft tokens against without, side by side; tokens compared
+  drafts      decoding with draft tokens (mtp or lookup) against without, side by side;
+              tokens compared
   peer        the arms compared with: HF transformers `generate`, llama.cpp's batched bench
 
 `python -m strata.bench` runs the same command.
@@ -22,6 +23,7 @@ from statistics import mean, median
 
 import click
 
+from strata.coordinator.config import MAX_DRAFT_TOKENS
 from strata.coordinator.generate import Sequence, generate_solo
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import auto_groups
@@ -166,9 +168,9 @@ def throughput(batches, clients, tokens, json_out, **launch):
 
 @main.command()
 @launch_options(skip=("--draft-tokens",))
-@click.option("--draft-tokens", type=int, default=None,
-              help="Draft tokens a slot may verify in the drafts arm (prompt lookup), 1 or more "
-                   "[default: --window-rows - 1]; the plain arm has none.")
+@click.option("--draft-tokens", type=int, default=MAX_DRAFT_TOKENS, show_default=True,
+              help=f"Draft tokens a slot may verify in the drafts arm, 1 to {MAX_DRAFT_TOKENS} "
+                   f"(--drafter picks where they come from); the plain arm has none.")
 @click.option("--clients", type=int, default=1, show_default=True)
 @click.option("--tokens", type=int, default=128, show_default=True, help="Tokens per client.")
 @click.option("--repeats", type=int, default=2, show_default=True,
@@ -176,22 +178,22 @@ def throughput(batches, clients, tokens, json_out, **launch):
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @clean_errors("strata-bench drafts")
 def drafts(draft_tokens, clients, tokens, repeats, json_out, **launch):
-    """Decoding with draft tokens (prompt lookup) against without, side by side in one launch:
-    total tok/s, windows, drafts accepted; exit 1 if any request's tokens differ between the
-    arms."""
-    if draft_tokens is not None and draft_tokens < 1:
+    """Decoding with draft tokens (--drafter mtp: the model's NextN head; lookup: prompt
+    lookup) against without, side by side in one launch: total tok/s, windows, drafts
+    accepted; exit 1 if any request's tokens differ between the arms."""
+    if draft_tokens < 1:
         raise ValueError(f"--draft-tokens {draft_tokens} leaves the drafts arm without drafts; "
-                         f"give 1 or more, or leave it out for --window-rows - 1")
-    prep = prepare(**launch)  # resolves --window-rows auto
-    k = prep.sched.window_rows - 1 if draft_tokens is None else draft_tokens
+                         f"give 1 to {MAX_DRAFT_TOKENS}")
+    prep = prepare(**launch, draft_tokens=draft_tokens)  # chooses the drafter, checks k
+    k = prep.sched.draft_tokens
     tok = Tokenizer.from_gguf(prep.file.reader)
-    arms = {"plain": replace(prep.sched, draft_tokens=0),
-            "drafts": replace(prep.sched, draft_tokens=k)}  # checks k against the window
+    arms = {"plain": replace(prep.sched, draft_tokens=0), "drafts": prep.sched}
     click.echo(f"# {clients} client(s) x {tokens} tokens, greedy, {len(prep.plan)} stage(s), "
                f"batch {prep.sched.slots}, groups {prep.sched.groups}, window rows "
-               f"{prep.sched.window_rows}, up to {k} drafts a slot; {machine()}")
+               f"{prep.sched.window_rows}, up to {k} drafts a slot ({prep.sched.drafter}); "
+               f"{machine()}")
     click.echo(f"{'arm':>6} {'total tok/s':>11} {'windows':>7} {'tok/window':>10} "
-               f"{'drafted':>7} {'accepted':>8}")
+               f"{'drafted':>7} {'accepted':>8} {'rate':>5}")
     best: dict[str, dict] = {}
     generated: dict[str, list[list[int]]] = {}
     with prep.launch(say=lambda s: None) as run:
@@ -211,14 +213,15 @@ def drafts(draft_tokens, clients, tokens, repeats, json_out, **launch):
     for row in best.values():
         click.echo(f"{row['arm']:>6} {row['total_tok_s']:>11.2f} {row['windows']:>7} "
                    f"{clients * tokens / row['windows']:>10.2f} {row['drafted']:>7} "
-                   f"{row['accepted']:>8}")
+                   f"{row['accepted']:>8} "
+                   f"{row['accepted'] / row['drafted'] if row['drafted'] else 0:>5.2f}")
     same = generated["plain"] == generated["drafts"]
     click.echo(f"drafts/plain {best['drafts']['total_tok_s'] / best['plain']['total_tok_s']:.2f}x"
                f"; {'every request has the same tokens' if same else 'TOKENS DIFFER'}")
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"machine": machine(), "clients": clients, "tokens": tokens,
-                       "draft_tokens": k, "results": list(best.values()), "same": same}, f,
+                       "draft_tokens": k, "drafter": prep.sched.drafter, "results": list(best.values()), "same": same}, f,
                       indent=2)
     sys.exit(0 if same else 1)
 

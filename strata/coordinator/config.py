@@ -8,6 +8,9 @@ from strata.config_error import ConfigError
 
 WINDOW_ROW_STEP = 8    # decode windows have a multiple of this many rows
 MAX_WINDOW_ROWS = 64   # the stages' largest decode window
+# a slot's row and its drafts fit in the smallest decode window
+MAX_DRAFT_TOKENS = WINDOW_ROW_STEP - 1
+DRAFTERS = ("mtp", "lookup")   # the last stage's NextN head, or prompt lookup (drafts.py)
 
 
 def round_rows(rows: int) -> int:
@@ -33,6 +36,7 @@ class SchedulerConfig:
     ctx: int = 2048
     prompt_depth: int = 1   # prompt chunks of one slot in flight at once (> 1: pipelined)
     draft_tokens: int = 0   # at most this many draft rows per slot in a decode window (drafts.py)
+    drafter: str = "lookup"  # where drafts come from: DRAFTERS
 
     def __post_init__(self):
         for name in ("slots", "chunk_rows", "ctx", "prompt_depth"):
@@ -51,10 +55,14 @@ class SchedulerConfig:
                               f"{WINDOW_ROW_STEP} from {WINDOW_ROW_STEP} to {MAX_WINDOW_ROWS} "
                               f"(the most rows a stage takes in a decode window)",
                               f"use {near}")
-        if not 0 <= self.draft_tokens < self.window_rows:
-            raise ConfigError("draft_tokens", f"{{draft_tokens}} {self.draft_tokens} must be at "
-                              f"least 0 and below {{window_rows}} {self.window_rows} (a slot's "
-                              f"row and its drafts share one window)")
+        if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ConfigError("draft_tokens", f"{{draft_tokens}} {self.draft_tokens} is not "
+                              f"from 0 to {MAX_DRAFT_TOKENS} (a slot's row and its drafts share "
+                              f"one decode window of at least {WINDOW_ROW_STEP} rows)",
+                              f"use 0 (off) to {MAX_DRAFT_TOKENS}")
+        if self.drafter not in DRAFTERS:
+            raise ConfigError("drafter", f"{{drafter}} {self.drafter!r} is not one of "
+                              f"{', '.join(DRAFTERS)}", "use mtp or lookup")
 
 
 def auto_groups(slots: int, stages: int) -> int:

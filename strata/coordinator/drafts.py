@@ -10,14 +10,39 @@ drafts wrote the same keys and values a decode row of that token would), and eac
 keyed by (seed, position). Drafts only change how many windows a request takes. The KV rows
 of rejected drafts are dropped by a commit on the next window.
 
-The drafter here is prompt lookup (n-gram matching): the tokens that followed the latest
-earlier occurrence of the request's last n tokens (n = 3, 2, 1), from its prompt and what it
-generated. It needs no model and pays on text that repeats what came before (quoting,
-editing code, summaries, loops of a small model). A model's MTP head would propose here too.
+Two drafters (SchedulerConfig.drafter):
+- lookup: prompt lookup (n-gram matching) here, the tokens that followed the latest earlier
+  occurrence of the request's last n tokens (n = 3, 2, 1), from its prompt and what it
+  generated. It needs no model and pays on text that repeats what came before (quoting,
+  editing code, summaries, loops of a small model).
+- mtp: the model's NextN head on the last stage. A window asks it for proposals
+  (`Window.propose`: [slot, k] for slots with rows in it); right after sampling, the last
+  stage runs the head on the rows equality accepts and answers them with the tokens
+  (`Result.proposals`: [slot, d1..dk]). The scheduler keeps them on the request and puts as
+  many as fit in the slot's next decode window: no window of its own is spent on drafting.
+Either way acceptance is the same equality, so the drafter changes the windows, never a token.
 """
 from __future__ import annotations
 
+from strata.coordinator.config import round_rows
+from strata.coordinator.generate import Sequence
+
 MAX_NGRAM = 3
+
+
+def draft_room(decoding: int, draft_tokens: int) -> int:
+    """The most drafts a slot gets in a decode window of `decoding` slots: an even share of its
+    pad rows (the slots rounded up to WINDOW_ROW_STEP), rounded up, at most draft_tokens."""
+    pad = round_rows(decoding) - decoding
+    return min(draft_tokens, -(-pad // max(decoding, 1)))
+
+
+def draft_limit(seq: Sequence, room: int, draft_tokens: int, ahead: int = 0) -> int:
+    """How many drafts the sequence can use in a window once it holds `ahead` more tokens:
+    within the room, the context, and the tokens it may still generate (the window's last
+    row samples one more anyway)."""
+    return min(draft_tokens, room, seq.ctx - seq.length - ahead,
+               seq.params.max_tokens - len(seq.generated) - 1 - ahead)
 
 
 class PromptLookup:

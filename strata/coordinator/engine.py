@@ -7,7 +7,8 @@ and the stages.
 Only the engine thread touches the Pipeline (ZeroMQ sockets are not thread-safe). Idle, it
 blocks on its command queue; busy, it takes every waiting command between two results, so a
 new request joins at the next window. After each step it publishes a snapshot of the slots
-for /v1/status, so the event loop never reads the scheduler's live state. A window that cannot
+for /v1/status, so the event loop never reads the scheduler's live state, and only then posts
+the step's Finished events: a client that has its answer finds it in the snapshot. A window that cannot
 be built or sent ends only the requests in it (the scheduler's doing); the engine stops only
 when the stages cannot go on.
 """
@@ -97,6 +98,8 @@ class Snapshot:
     queued: int = 0
     windows: int = 0
     decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
+    drafted: int = 0    # draft tokens sent in windows since the start
+    accepted: int = 0   # of them, kept
 
 
 def _window_kind(w: Window) -> str:
@@ -156,6 +159,9 @@ class Engine:
         self._lock = threading.Lock()        # submit vs the thread's last drain
         self._accepting = True
         self._stopping = False
+        # a step's Finished events wait here until the snapshot shows them: a client that
+        # has its answer finds its request gone from /v1/status and counted in /metrics
+        self._held: list[tuple[Job, Finished]] | None = None
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self._publish()
 
@@ -201,6 +207,7 @@ class Engine:
                 if self._stopping and self.scheduler.idle:
                     return
                 # stopping, a stage that never answers must not hold the server up for ever
+                self._held = []
                 self.scheduler.step(timeout=self.stop_grace if self._stopping else None)
                 self._publish()
         except Exception as e:  # PipelineError mostly: a stage is gone
@@ -281,13 +288,23 @@ class Engine:
         if self.metrics:
             self.metrics.finished.labels(fin.reason).inc()
             self.metrics.request_seconds.observe(time.monotonic() - job.submitted)
-        job.post(fin)
+        if self._held is not None:  # in a step: posted by _publish
+            self._held.append((job, fin))
+        else:
+            job.post(fin)
 
     def _publish(self) -> None:
         snap = self.scheduler.snapshot()
         now = time.monotonic()
+        if self.metrics:  # the drafts verified since the last snapshot
+            self.metrics.observe_drafts(snap.drafted - self.snapshot.drafted,
+                                        snap.accepted - self.snapshot.accepted)
         self.snapshot = Snapshot(tuple(self._view(s, now) for s in snap.slots), snap.in_flight,
-                                 snap.queued, self.pipe.windows, snap.decode_windows)
+                                 snap.queued, self.pipe.windows, snap.decode_windows,
+                                 snap.drafted, snap.accepted)
+        held, self._held = self._held or [], None
+        for job, fin in held:
+            job.post(fin)
 
     def _view(self, s: SlotState, now: float) -> SlotView:
         job = self._jobs.get(s.request) if s.request is not None else None

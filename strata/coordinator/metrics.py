@@ -44,6 +44,11 @@ class Metrics:
                               "generated token", buckets=REQUEST_BUCKETS, registry=r)
         self.request_seconds = Histogram("strata_request_seconds", "From submit to the end of "
                                          "generation", buckets=REQUEST_BUCKETS, registry=r)
+        self.drafts_proposed = Counter("strata_draft_tokens_proposed", "Draft tokens put in "
+                                       "decode windows (either drafter)", registry=r)
+        self.drafts_accepted = Counter("strata_draft_tokens_accepted", "Draft tokens kept: "
+                                       "equal to the token sampled at their position",
+                                       registry=r)
         self.up = Gauge("strata_up", "1 while every stage and the engine thread are alive",
                         registry=r)
 
@@ -64,6 +69,13 @@ class Metrics:
     def observe_decode_window(self, rows: int, live: int) -> None:
         self.window_rows.labels("size").observe(rows)
         self.window_rows.labels("live").observe(live)
+
+    def observe_drafts(self, proposed: int, accepted: int) -> None:
+        """Draft tokens verified since the last call: put in windows, and kept of them."""
+        if proposed:
+            self.drafts_proposed.inc(proposed)
+        if accepted:
+            self.drafts_accepted.inc(accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,6 +19,15 @@ decoding slots share them out evenly for drafts (drafts.py). Drafts never make a
 than its decoding slots' rounded size. The stages compute a row the same whatever the window's
 size (batch-invariant kernels), so the size changes no token.
 
+MTP drafts (drafter "mtp"): each decode window, and a prompt's last chunk, asks the last
+stage's drafter for proposals for its slots (`propose`, k = the drafts the slot's next decode
+window has room for); its Result carries them, and they wait on the request until the slot's
+next decode window, which puts as many as fit in its rows. A group sends a slot's next decode
+window only after the previous window of the group has come back (one window in flight per
+group, and a group's prompt chunks stream only while it has no decoding slot), so the
+proposals are always there in time, with any number of groups. A request that ends drops its
+proposals with it; a request new to a slot has none until its first Result.
+
 Which window next, in a group: each prompt chunk (oldest request first) delays the decoding
 slots by one window whenever it runs; the order decides who waits when. While the decode
 window can take one more row (fewer decoding slots than window_rows), up to CHUNKS_FIRST (8)
@@ -38,98 +47,22 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_groups re-exported)
     WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
-from strata.coordinator.drafts import PromptLookup
+from strata.coordinator.drafts import PromptLookup, draft_limit, draft_room
 from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.scheduler_state import (  # noqa: F401 (the state types re-exported)
+    DecodeWindow, Flight, Group, Request, RowOwner, SchedulerSnapshot, SlotState)
 from strata.coordinator.slots import Slot, SlotTable
 from strata.coordinator.windows import Row, build_window
 
 log = logging.getLogger("strata.scheduler")
 
 CHUNKS_FIRST = 8   # prompt chunks sent in a row while the decode window can grow
-
-
-@dataclass
-class Request:
-    id: int                  # unique within its scheduler, in order of submission
-    seq: Sequence
-    on_done: Callable[["Request"], None] = lambda r: None
-    slot: Slot | None = None
-    cancelled: bool = False
-    reused: int = 0          # prompt tokens the slot already held
-    error: str | None = None
-    notified: bool = False   # on_done was called (exactly once)
-    drafter: PromptLookup | None = None
-    drafted: int = 0         # draft tokens sent in windows
-    accepted: int = 0        # of them, equal to the token sampled at their position
-
-    @property
-    def done(self) -> bool:
-        return self.seq.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class RowOwner:
-    """A slot's rows in a window in flight: the request they serve, how many of them sample
-    (0 for a prompt chunk before the last), and the draft tokens those sampled rows verify."""
-    slot: Slot
-    request: Request
-    sampled: int
-    drafts: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _Flight:
-    group: int
-    owners: list[RowOwner]   # in row order; sampled tokens come back in this order
-
-
-@dataclass(frozen=True)
-class DecodeWindow:
-    """A decode window's size: `rows` in all, `live` of them rows of requests (decoding slots
-    and their drafts); the rest are pad rows."""
-    rows: int
-    live: int
-
-
-@dataclass
-class Group:
-    """A group's window state: a group has one window in flight, or while it has no decoding
-    slot, up to prompt_depth chunks of the slot whose prompt streams."""
-    flights: int = 0                 # windows in flight
-    streaming: Slot | None = None    # the slot whose chunks stream
-    prefer_read: bool = True         # alternate prompt chunks and decode windows
-    ahead: int = 0                   # chunks sent in a row while slots decode
-    cursor: int = -1                 # the slot that ended the last decode window
-    last_decode: DecodeWindow | None = None   # the last decode window sent
-
-
-@dataclass(frozen=True)
-class SlotState:
-    """One slot as the scheduler sees it between two steps."""
-    slot: int
-    group: int
-    state: str                 # idle | reading | decoding
-    request: int | None = None
-    prompt_tokens: int = 0
-    read: int = 0              # prompt tokens in the slot's KV so far
-    reused: int = 0            # of them, held from an earlier request (the conversation cache)
-    generated: int = 0
-    held: int = 0              # an idle slot's cached prompt tokens
-
-
-@dataclass(frozen=True)
-class SchedulerSnapshot:
-    slots: tuple[SlotState, ...]
-    in_flight: tuple[bool, ...]   # per group: a window is out
-    queued: int
-    decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
 
 
 class Scheduler:
@@ -139,9 +72,10 @@ class Scheduler:
         self.stop_ids, self.detokenize = stop_ids, detokenize
         self.table = SlotTable(cfg.slots, cfg.groups)
         self.queue: deque[Request] = deque()
-        self.in_flight: dict[int, _Flight] = {}     # window id -> what its rows serve
+        self.in_flight: dict[int, Flight] = {}     # window id -> what its rows serve
         self.groups = [Group() for _ in range(cfg.groups)]
         self.commits: list[tuple[int, int]] = []   # ride on the next window submitted
+        self.drafted = self.accepted = 0            # draft tokens, every request's
         self._ids = itertools.count(1)
 
     # --- requests -----------------------------------------------------------------------------
@@ -179,9 +113,11 @@ class Scheduler:
             views.append(SlotState(slot.index, slot.group,
                                    "reading" if slot.read_pos < prompt else "decoding",
                                    req.id, prompt, slot.read_pos, req.reused,
-                                   len(req.seq.generated)))
+                                   len(req.seq.generated), drafted=req.drafted,
+                                   accepted=req.accepted))
         return SchedulerSnapshot(tuple(views), tuple(g.flights > 0 for g in self.groups),
-                                 len(self.queue), tuple(g.last_decode for g in self.groups))
+                                 len(self.queue), tuple(g.last_decode for g in self.groups),
+                                 self.drafted, self.accepted)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -214,17 +150,22 @@ class Scheduler:
             return True
         self._landed(flight.group)
         sampled = iter(result.tokens)
+        proposals = {p[0]: p[1:] for p in result.proposals}   # slot -> d1..dk
         for o in flight.owners:
             tokens = [next(sampled) for _ in range(o.sampled)]
             if o.request.cancelled:
                 self._release(o.slot, o.request, "cancelled")
             elif tokens:
-                self._accept(o.slot, o.request, tokens, o.drafts)
+                self._accept(o.slot, o.request, tokens, o.drafts,
+                             proposals.get(o.slot.index, []))
         return True
 
-    def _accept(self, slot: Slot, req: Request, tokens: list[int], drafts: list[int]) -> None:
+    def _accept(self, slot: Slot, req: Request, tokens: list[int], drafts: list[int],
+                proposals: list[int] = ()) -> None:
         """tokens[j] was sampled at position L + j (L: the sequence's length before); it
-        counts while the drafts before it equal the tokens sampled at their positions."""
+        counts while the drafts before it equal the tokens sampled at their positions.
+        proposals: the drafter's for the positions after the tokens that count (the last
+        stage accepts by the same equality), kept for the slot's next decode window."""
         start = req.seq.length
         for j, token in enumerate(tokens):
             done = req.seq.accept(token)
@@ -232,6 +173,9 @@ class Scheduler:
                 break
         req.drafted += len(drafts)
         req.accepted += j      # drafts equal to the token sampled at their position
+        self.drafted += len(drafts)
+        self.accepted += j
+        req.proposals = [] if done else list(proposals)
         if done:
             self._release(slot, req, req.seq.finish_reason)
         elif j < len(drafts):  # rows of rejected drafts hold KV past L + j: drop it
@@ -303,7 +247,7 @@ class Scheduler:
         g.cursor = chosen[-1].index
         size = round_rows(len(chosen))   # <= window_rows, itself a multiple of 8
         spare = size - len(chosen)
-        rows, owners = [], []
+        rows, owners, propose = [], [], []
         for i, s in enumerate(chosen):
             seq = s.request.seq
             drafts = self._drafts(s.request, spare // (len(chosen) - i))  # an even share
@@ -311,7 +255,8 @@ class Scheduler:
             rows += [Row(s.index, seq.length - 1 + j, t, seq.params)
                      for j, t in enumerate([seq.last_token] + drafts)]
             owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
-        if self._submit(group, rows, size, owners):
+            propose += self._propose(s, len(chosen))
+        if self._submit(group, rows, size, owners, propose=propose):
             g.last_decode = DecodeWindow(size, len(rows))
 
     def _submit_chunk(self, group: int, slot: Slot) -> None:
@@ -324,15 +269,21 @@ class Scheduler:
         slot.read_pos = end
         slot.held.extend(seq.prompt[start:end])
         self.groups[group].streaming = None if last else slot
+        # after its first token, the slot decodes beside the group's decoding slots
+        decoding = sum(not s.free and s.read_pos >= len(s.request.seq.prompt)
+                       for s in self.table.in_group(group))
+        propose = self._propose(slot, min(decoding, self.cfg.window_rows)) if last else []
         self._submit(group, rows, self.cfg.chunk_rows, [RowOwner(slot, slot.request, int(last))],
-                     chunk=True)
+                     chunk=True, propose=propose)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Draft tokens for the request's next window: within the room left, the context,
         and the tokens it may still generate (the last row's token is sampled anyway)."""
         seq = req.seq
-        k = min(self.cfg.draft_tokens, room, seq.ctx - seq.length,
-                seq.params.max_tokens - len(seq.generated) - 1)
+        k = draft_limit(seq, room, self.cfg.draft_tokens)
+        if self.cfg.drafter == "mtp":  # the proposals its last Result carried, used once
+            drafts, req.proposals = req.proposals[:max(k, 0)], []
+            return drafts
         if k <= 0:
             return []
         if req.drafter is None:
@@ -340,12 +291,22 @@ class Scheduler:
         req.drafter.extend(seq.generated[len(req.drafter.tokens) - len(seq.prompt):])
         return req.drafter.propose(k)
 
+    def _propose(self, slot: Slot, decoding: int) -> list[tuple[int, int]]:
+        """mtp: [(slot, k)] asking for the drafts the slot's next decode window, one of about
+        `decoding` slots, has room for (it holds one more token by then); else []."""
+        if self.cfg.drafter != "mtp" or not self.cfg.draft_tokens:
+            return []
+        room = draft_room(max(decoding, 1), self.cfg.draft_tokens)
+        k = draft_limit(slot.request.seq, room, self.cfg.draft_tokens, ahead=1)
+        return [(slot.index, k)] if k >= 1 else []
+
     def _submit(self, group: int, rows: list[Row], shape: int, owners: list[RowOwner],
-                chunk: bool = False) -> bool:
+                chunk: bool = False, propose: list[tuple[int, int]] = ()) -> bool:
         """Sends the window; False when it could not be built or sent (its requests ended)."""
         commits, self.commits = self.commits, []
         try:
-            w = build_window(self.pipe.new_window_id(), rows, shape, commits, chunk=chunk)
+            w = build_window(self.pipe.new_window_id(), rows, shape, commits, chunk=chunk,
+                             propose=propose)
             self.pipe.submit(w)
         except PipelineError:
             raise
@@ -355,10 +316,10 @@ class Scheduler:
             # nothing reached the stages: the commits ride on the next window, and only the
             # requests of this window end
             self.commits = commits + self.commits
-            self._fail(_Flight(group, owners), f"the coordinator could not send its window "
+            self._fail(Flight(group, owners), f"the coordinator could not send its window "
                        f"({type(e).__name__}: {e})", landed=False)
             return False
-        self.in_flight[w.id] = _Flight(group, owners)
+        self.in_flight[w.id] = Flight(group, owners)
         self.groups[group].flights += 1
         return True
 
@@ -380,10 +341,11 @@ class Scheduler:
             return
         if req.seq.finish_reason is None or reason == "cancelled":
             req.seq.finish_reason = reason
+        req.proposals = []   # for a window that will not come
         req.notified = True
         req.on_done(req)
 
-    def _fail(self, flight: _Flight, message: str, landed: bool = True) -> None:
+    def _fail(self, flight: Flight, message: str, landed: bool = True) -> None:
         """A window failed (a stage refused it, or it could not be sent: landed=False): every
         request with a row in it ends with the error (a decode window's neighbours too); the
         rest go on."""

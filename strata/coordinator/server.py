@@ -313,7 +313,8 @@ class Server:
             else:
                 view.update(request=s.job, prompt_tokens=s.prompt_tokens, read=s.read,
                             reused=s.reused, generated=s.generated,
-                            tok_s=None if s.tok_s is None else round(s.tok_s, 2))
+                            tok_s=None if s.tok_s is None else round(s.tok_s, 2),
+                            drafts=draft_counts(s.drafted, s.accepted))
             slots.append(view)
         groups = [{"group": g, "slots": [s.slot for s in snap.slots if s.group == g],
                    "window_in_flight": busy,
@@ -325,11 +326,20 @@ class Server:
             "model": self.cfg.model, "healthy": error is None, "error": error,
             "batch": cfg.slots, "batch_groups": cfg.groups, "window_rows": cfg.window_rows,
             "chunk_rows": cfg.chunk_rows, "ctx": cfg.ctx, "queued": self.engine.queued,
+            "draft_tokens": cfg.draft_tokens, "drafter": cfg.drafter if cfg.draft_tokens else None,
+            # since the start; each slot's "drafts" counts its request's
+            "drafts": draft_counts(snap.drafted, snap.accepted),
             "windows": snap.windows, "slots": slots, "groups": groups, "stages": self.stages})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": self.metrics.content_type})
+
+
+def draft_counts(proposed: int, accepted: int) -> dict:
+    """Draft tokens put in windows, kept of them, and the share kept (None before any)."""
+    return {"proposed": proposed, "accepted": accepted,
+            "rate": round(accepted / proposed, 4) if proposed else None}
 
 
 def stage_table(hellos: dict) -> list[dict]:

@@ -26,9 +26,10 @@ class Row:
 
 def build_window(window_id: int, rows: list[Row], shape: int,
                  commits: list[tuple[int, int]] = (), want_logits: bool = False,
-                 chunk: bool = False) -> Window:
+                 chunk: bool = False, propose: list[tuple[int, int]] = ()) -> Window:
     """rows: at most `shape` live rows; the rest of the window is padding. chunk: the rows are
-    prompt rows of one slot (see Window.chunk)."""
+    prompt rows of one slot (see Window.chunk). propose: (slot, k) asks the last stage's
+    drafter for k proposals for a slot with rows here (see Window.propose)."""
     assert len(rows) <= shape, (len(rows), shape)
     pad = shape - len(rows)
     w = Window(id=window_id,
@@ -36,7 +37,7 @@ def build_window(window_id: int, rows: list[Row], shape: int,
                positions=[r.position for r in rows] + [0] * pad,
                tokens=[r.token for r in rows] + [0] * pad,
                commits=[list(c) for c in commits],
-               want_logits=want_logits, chunk=chunk)
+               want_logits=want_logits, chunk=chunk, propose=[list(p) for p in propose])
     for i, r in enumerate(rows):
         if r.sample is None:
             continue

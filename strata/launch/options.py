@@ -2,16 +2,19 @@
 and turning them into a checked plan before any process starts."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import click
 
 from strata.config_error import ConfigError
-from strata.coordinator.config import MAX_WINDOW_ROWS, SchedulerConfig, auto_groups
+from strata.coordinator.config import (DRAFTERS, MAX_DRAFT_TOKENS, MAX_WINDOW_ROWS,
+                                       SchedulerConfig, auto_groups)
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.launch.memory import check_fits
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
 from strata.model.gguf_file import ModelError, ModelFile
+from strata.model.nextn import find_head
 from strata.model.registry import DEFAULT_MODEL, resolve_model
 
 
@@ -71,9 +74,17 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           f"costs about what a decode window does: fewer, larger chunks read "
                           f"prompts faster), else {DEFAULT_CHUNK_ROWS}."),
         click.option("--draft-tokens", type=int, default=0, show_default=True,
-                     help="Draft tokens a decoding slot may verify in its window's spare rows "
-                          "(prompt lookup; the same tokens, fewer windows where text repeats; "
-                          "0 = off)."),
+                     help=f"Draft tokens a decoding slot may verify in its window's spare rows, "
+                          f"0 (off) to {MAX_DRAFT_TOKENS}: the same tokens in fewer windows "
+                          f"where the drafts are right."),
+        click.option("--drafter", type=click.Choice(DRAFTERS), default=None,
+                     help="Where drafts come from: mtp = the model's NextN head on the last "
+                          "stage (in the model file, or --mtp-head), lookup = prompt lookup "
+                          "(what followed the last tokens earlier in the text). Default when "
+                          "drafting: mtp where there is a head, else lookup."),
+        click.option("--mtp-head", type=click.Path(dir_okay=False), default=None,
+                     help="A NextN head GGUF made for the model (a sidecar), for --drafter "
+                          "mtp; without it, the model file's own NextN layer if it has one."),
         click.option("--graph-cache", type=int, default=16, show_default=True,
                      help="CUDA graphs kept per stage, one per window shape (0: always eager)."),
         click.option("--stage-link", default="auto", show_default=True,
@@ -102,18 +113,19 @@ class Prepared:
     graph_cache: int = 16
     link: str = "zmq"
     transport: str = "unix"
+    mtp_head: Path | None = None   # a sidecar head for the last stage's drafter
 
     def launch(self, **kwargs):
         """The stages of this plan, as a context manager (see session.launch_stages)."""
         from strata.launch.session import launch_stages
         return launch_stages(self.file, self.plan, slots=self.sched.slots, ctx=self.sched.ctx,
                              graph_cache=self.graph_cache, link=self.link,
-                             transport=self.transport, **kwargs)
+                             transport=self.transport, mtp_head=self.mtp_head, **kwargs)
 
 
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
-            **_) -> Prepared:
+            drafter=None, mtp_head=None, **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
     the flags."""
@@ -130,10 +142,38 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
         chunk_rows = auto_chunk_rows(plan)
     sched = SchedulerConfig(slots=batch, groups=groups,
                             window_rows=window_rows, chunk_rows=chunk_rows, ctx=ctx_size,
-                            draft_tokens=draft_tokens,
+                            draft_tokens=draft_tokens, drafter=drafter or "lookup",
                             prompt_depth=len(plan) + 1)  # + 1: the next chunk waits at stage 0
+    drafter, sidecar = choose_drafter(file, draft_tokens, drafter, mtp_head)
+    sched = replace(sched, drafter=drafter)
     check_fits(file.config, plan, batch, ctx_size)
-    return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan), transport)
+    return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan), transport,
+                    sidecar)
+
+
+def choose_drafter(file: ModelFile, draft_tokens: int, drafter: str | None,
+                   mtp_head: str | None) -> tuple[str, Path | None]:
+    """(--drafter resolved, the sidecar the last stage loads for it or None). Without
+    --drafter, --draft-tokens drafts with mtp where the model has a NextN head (its own or
+    --mtp-head), else with lookup, and says which on stderr. A sidecar made for another model
+    is refused (find_head's sentence)."""
+    head = find_head(file, mtp_head)
+    if drafter is not None and not draft_tokens:
+        raise PlanError(f"--drafter {drafter} drafts nothing with --draft-tokens 0; add "
+                        f"--draft-tokens K (1 to {MAX_DRAFT_TOKENS}) or leave --drafter out")
+    if drafter == "mtp" and head is None:
+        raise PlanError(f"--drafter mtp needs a NextN head, and the model file "
+                        f"{file.path.name} has none; pass --mtp-head PATH (a head made for "
+                        f"this model) or use --drafter lookup")
+    if drafter is None:
+        drafter = "mtp" if head is not None else "lookup"
+        if draft_tokens:
+            say(f"strata: --draft-tokens {draft_tokens} drafts with "
+                + (f"mtp (the NextN head in {head.describe()})" if head is not None else
+                   "lookup (prompt lookup: the model has no NextN head; --mtp-head PATH "
+                   "gives one)"))
+    sidecar = head.path if drafter == "mtp" and head is not None and head.sidecar else None
+    return drafter, sidecar
 
 
 def auto_chunk_rows(plan: list[StagePlan]) -> int:
@@ -160,6 +200,7 @@ def parse_devices_for(devices: str) -> list[str]:
 # the library's config fields as strata-launch's flags, and the choices only the CLI offers
 FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--window-rows",
          "chunk_rows": "--chunk-rows", "ctx": "--ctx-size", "draft_tokens": "--draft-tokens",
+         "drafter": "--drafter",
          "graph_cache": "--graph-cache", "port": "--port", "api_key": "--api-key",
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
          "max_client_connections": "--max-client-connections"}

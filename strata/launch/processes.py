@@ -53,8 +53,12 @@ class StageProcesses:
     def __init__(self, model: Path, plan: list[StagePlan], *, slots: int, ctx: int,
                  log_dir: Path | None = None, external: set[int] = frozenset(),
                  graph_cache: int | None = None, link: str | None = None,
-                 trace_dir: Path | None = None, transport: str = "unix"):
+                 trace_dir: Path | None = None, transport: str = "unix",
+                 mtp_head: Path | None = None):
+        """mtp_head: a sidecar NextN head for the last stage's drafter (a head in the model
+        file needs none)."""
         self.model, self.plan, self.slots, self.ctx = model, plan, slots, ctx
+        self.mtp_head = Path(mtp_head) if mtp_head else None
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.graph_cache = graph_cache
         self.link = resolve_link(link or "auto", plan)
@@ -94,6 +98,8 @@ class StageProcesses:
         if self.link != "zmq":
             cmd += ["--link", self.link, "--link-init", f"file://{self.run_dir}/link",
                     "--link-world", str(len(self.plan))]
+        if self.mtp_head is not None and stage == len(self.plan) - 1:
+            cmd += ["--mtp-head", str(self.mtp_head)]
         if self.trace_dir is not None:
             cmd += ["--trace", str(self.trace_dir / f"stage{stage}.json")]
         return cmd

@@ -35,15 +35,17 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
                   log_dir: Path | None = None, external: set[int] = frozenset(),
                   hello_timeout: float = 300.0, graph_cache: int | None = None,
                   link: str | None = None, trace_dir: Path | None = None,
-                  transport: str = "unix", say=print) -> Iterator[Launched]:
+                  transport: str = "unix", mtp_head: Path | None = None,
+                  say=print) -> Iterator[Launched]:
     """Spawn the stages, wait for every hello, yield; always shut everything down after.
     log_dir: where each stage writes stage<K>.log; without it the logs live in the run directory,
     which is removed after a clean run and kept (its path on stderr) after a failure.
     trace_dir: every process writes its timeline there (strata/trace.py) when it stops.
-    transport: unix (Unix sockets, protocol/unixsock.py) or zmq (ZeroMQ ipc) between them."""
+    transport: unix (Unix sockets, protocol/unixsock.py) or zmq (ZeroMQ ipc) between them.
+    mtp_head: a sidecar NextN head the last stage loads for its drafter."""
     procs = StageProcesses(file.path, plan, slots=slots, ctx=ctx, log_dir=log_dir,
                            external=external, graph_cache=graph_cache, link=link,
-                           trace_dir=trace_dir, transport=transport)
+                           trace_dir=trace_dir, transport=transport, mtp_head=mtp_head)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     pipe = None
     outcome = "failed"
