@@ -5,6 +5,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,34 @@ def triton_devices() -> list:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     return resolve_model("smollm2-135m")
+
+
+SMOLLM2_SPLIT = "10,20"  # 3 stages: a middle stage, as well as the first and the last
+SMOLLM2_SLOTS = 4
+SMOLLM2_CTX = 512
+
+
+@pytest.fixture(scope="session")
+def smollm2_stages(smollm2):
+    """SmolLM2 served by 3 CPU stages with SMOLLM2_SLOTS slots of SMOLLM2_CTX positions, launched
+    once for the session: the cases that need the real model served (batching, parity, the
+    HTTP server's references) share it instead of each loading SmolLM2's stages. Tokens do not
+    depend on the slot count or the context size, so each case runs its own SchedulerConfig
+    within them."""
+    from strata.launch.plan import plan_stages
+    from strata.launch.session import launch_stages
+    from strata.model.gguf_file import ModelFile
+
+    file = ModelFile(smollm2)
+    plan = plan_stages(SMOLLM2_SPLIT, ["cpu"], file.config.n_layers)
+    own = tempfile.mkdtemp(prefix="sts", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    with ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as mp:  # the run directory under `own`, only
+            mp.setattr(tempfile, "tempdir", own)
+            run = stack.enter_context(launch_stages(file, plan, slots=SMOLLM2_SLOTS,
+                                                    ctx=SMOLLM2_CTX, say=lambda s: None))
+        yield run
+    shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
