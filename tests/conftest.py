@@ -14,6 +14,14 @@ import torch
 from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.model.registry import resolve_model
 
+# The stage processes the tests start (they inherit the environment) run one torch thread each:
+# on a small machine, several stages and this process share the cores, and a second thread per
+# stage costs a quarter more CPU for no shorter a run. Tokens do not depend on it (every test
+# compares runs of one configuration, or allows transformers' tolerance). This process keeps
+# the thread count torch chose for it (read before the variable is set).
+torch.get_num_threads()
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
