@@ -5,6 +5,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,14 @@ import torch
 
 from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.model.registry import resolve_model
+
+# The stage processes the tests start (they inherit the environment) run one torch thread each:
+# on a small machine, several stages and this process share the cores, and a second thread per
+# stage costs a quarter more CPU for no shorter a run. Tokens do not depend on it (every test
+# compares runs of one configuration, or allows transformers' tolerance). This process keeps
+# the thread count torch chose for it (read before the variable is set).
+torch.get_num_threads()
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +48,34 @@ def triton_devices() -> list:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     return resolve_model("smollm2-135m")
+
+
+SMOLLM2_SPLIT = "10,20"  # 3 stages: a middle stage, as well as the first and the last
+SMOLLM2_SLOTS = 4
+SMOLLM2_CTX = 512
+
+
+@pytest.fixture(scope="session")
+def smollm2_stages(smollm2):
+    """SmolLM2 served by 3 CPU stages with SMOLLM2_SLOTS slots of SMOLLM2_CTX positions, launched
+    once for the session: the cases that need the real model served (batching, parity, the
+    HTTP server's references) share it instead of each loading SmolLM2's stages. Tokens do not
+    depend on the slot count or the context size, so each case runs its own SchedulerConfig
+    within them."""
+    from strata.launch.plan import plan_stages
+    from strata.launch.session import launch_stages
+    from strata.model.gguf_file import ModelFile
+
+    file = ModelFile(smollm2)
+    plan = plan_stages(SMOLLM2_SPLIT, ["cpu"], file.config.n_layers)
+    own = tempfile.mkdtemp(prefix="sts", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    with ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as mp:  # the run directory under `own`, only
+            mp.setattr(tempfile, "tempdir", own)
+            run = stack.enter_context(launch_stages(file, plan, slots=SMOLLM2_SLOTS,
+                                                    ctx=SMOLLM2_CTX, say=lambda s: None))
+        yield run
+    shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,17 @@
 """Batch slots and groups: every request gets exactly its solo tokens.
 
-"Alone" is computed once per model (2 stages, one request at a time) and every batched run is
-compared with it token by token. The matrix runs on `varied_model` (conftest: a tiny random
-model whose tokens depend on the whole context, so a row that reads a wrong position, slot or
-cache entry changes the text); each property runs once more on the real SmolLM2 (marked slow).
-What each case proves:
+"Alone" is computed once per model (its fewest stages, one request at a time) and every batched
+run is compared with it token by token. The matrix runs on `varied_model` (conftest: a tiny
+random model whose tokens depend on the whole context, so a row that reads a wrong position,
+slot or cache entry changes the text); each property runs once more on the real SmolLM2 (marked
+slow), on the session's 3-stage launch of it (conftest's smollm2_stages). What each case
+proves:
 
 - test_batched_equals_alone: together == alone, with 8 requests through 4 or 8 slots (slots
   shared by windows, reused by later requests); serial (groups 1) == pipelined (groups 2 and
-  auto) == alone; greedy and seeded; 2 and 3 stages. SmolLM2's case runs pipelined (auto
-  groups) only: the varied model covers every group count.
+  auto) == alone; greedy and seeded; 2 and 3 stages (alone on 2). SmolLM2's case runs
+  pipelined (auto groups) on 3 stages only: the varied model covers every group count and
+  stage count, test_parity SmolLM2's stage counts.
 - test_staggered_lifecycle: a long prompt admitted while slots decode (its chunks go between
   their windows), a cancelled request whose slot is reused at once, one finishing early;
   pipelined over 3 stages.
@@ -28,6 +30,7 @@ from dataclasses import replace
 
 import pytest
 
+from conftest import SMOLLM2_CTX, SMOLLM2_SPLIT
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig, auto_groups
 from strata.bench import harness
@@ -40,26 +43,37 @@ CTX = 512
 N_REQUESTS = 8
 N_TOKENS = 24
 LONG_PROMPT = 360  # tokens: 12 chunks of 32
-SLOTS = 8  # the most any case uses
+SLOTS = 8  # the most any case uses (the SmolLM2 cases: 4, conftest's SMOLLM2_SLOTS)
+assert CTX == SMOLLM2_CTX
 
 
 class Subject:
     """A model under test, its stage splits (stage count -> --layer-split), its prompts, and
     once asked for, each prompt's tokens alone. Its launch (SLOTS slots, which every case's
     scheduler uses a part of) stays up from one case to the next while they ask for the same
-    stage count; one launch per subject at a time, so SmolLM2's stages are not loaded twice."""
+    stage count; one launch per subject at a time. A subject given a launch (`shared`, one
+    stage count) uses it for every case."""
 
-    def __init__(self, path, splits: dict[int, str], every_group_count: bool):
+    def __init__(self, path, splits: dict[int, str], every_group_count: bool,
+                 shared: Launched | None = None):
         self.file = ModelFile(path)
         self.every_group_count = every_group_count  # in test_batched_equals_alone
         self.tok = Tokenizer.from_gguf(self.file.reader)
         self.splits = splits
+        self.base = min(splits)  # the stage count of "alone" and of the single-count cases
         self.prompts = [self.tok.encode(p) for p in harness.prompt_set(N_REQUESTS)]
         self._alone: dict[str, list[list[int]]] | None = None
         self._launch: tuple[int, Launched] | None = None
+        if shared is not None:
+            assert list(splits) == [len(shared.plan)], (splits, shared.plan)
+            self._launch = len(shared.plan), shared
+        self.shared = shared
         self._stack = ExitStack()
 
     def run(self, stages: int) -> Launched:
+        if self.shared is not None:
+            assert stages == len(self.shared.plan), stages
+            return self.shared
         if self._launch is None or self._launch[0] != stages:
             self.close()
             plan = plan_stages(self.splits[stages], ["cpu"], self.file.config.n_layers)
@@ -73,11 +87,12 @@ class Subject:
         self._launch = None
 
     def alone(self) -> dict[str, list[list[int]]]:
-        """Each request alone, greedy and seeded: 2 stages, one slot, one request at a time."""
+        """Each request alone, greedy and seeded: the fewest stages, one slot, one request at
+        a time."""
         if self._alone is None:
             cfg = SchedulerConfig(slots=1, groups=1, ctx=CTX)
             self._alone = {mode: [r.seq.generated for r in harness.run_alone(
-                self.run(2), cfg, self.tok, self.prompts, params_for(mode))]
+                self.run(self.base), cfg, self.tok, self.prompts, params_for(mode))]
                 for mode in ("greedy", "seeded")}
             for mode, texts in self._alone.items():  # the comparisons see real, varied output
                 assert sum(len(t) == N_TOKENS for t in texts) >= N_REQUESTS // 2, (mode, texts)
@@ -85,9 +100,10 @@ class Subject:
         return self._alone
 
 
-# name: (fixture, stage count -> split, whether batched runs try every group count)
-SUBJECTS = {"varied": ("varied_model", {2: "2", 3: "1,2"}, True),
-            "smollm2": ("smollm2", {2: "15", 3: "10,20"}, False)}
+# name: (model fixture, stage count -> split, whether batched runs try every group count,
+#        fixture of a shared launch or None)
+SUBJECTS = {"varied": ("varied_model", {2: "2", 3: "1,2"}, True, None),
+            "smollm2": ("smollm2", {3: SMOLLM2_SPLIT}, False, "smollm2_stages")}
 VARIED = pytest.param("varied", id="varied")
 SMOLLM2 = pytest.param("smollm2", id="smollm2", marks=pytest.mark.slow)
 
@@ -106,8 +122,9 @@ def subject(request, made):
     fixture would be made again for every parameter set that names it)."""
     name = request.param
     if name not in made:
-        fixture, *shape = SUBJECTS[name]
-        made[name] = Subject(request.getfixturevalue(fixture), *shape)
+        fixture, splits, every_group_count, shared = SUBJECTS[name]
+        made[name] = Subject(request.getfixturevalue(fixture), splits, every_group_count,
+                             shared and request.getfixturevalue(shared))
     failed = request.session.testsfailed
     yield made[name]
     if request.session.testsfailed != failed:
@@ -193,7 +210,7 @@ def test_32_requests_through_4_slots(subject):
     tok = subject.tok
     prompts = [tok.encode(t) for t in harness.prompt_set(32)]
     params = [harness.request_params(i, i % 2 == 1, N_TOKENS) for i in range(32)]
-    run = subject.run(2)
+    run = subject.run(subject.base)
     together = harness.run_together(run, SchedulerConfig(slots=4, groups=2, ctx=CTX), tok,
                                     prompts, params)
     alone = harness.run_alone(run, SchedulerConfig(slots=4, groups=1, ctx=CTX), tok,
@@ -209,7 +226,7 @@ def test_multi_turn_reuses_the_slot_and_equals_a_fresh_read(subject, caplog):
     tok = subject.tok
     turn1 = tok.render_chat([{"role": "user", "content": "Name a colour."}])
     params = SamplingParams(max_tokens=12)
-    run = subject.run(2)
+    run = subject.run(subject.base)
     sched = Scheduler(run.pipe, SchedulerConfig(slots=2, groups=2, ctx=CTX), tok.stop_ids,
                       tok.decode)
     first = sched.submit(tok.encode(turn1), params)
@@ -246,7 +263,7 @@ def test_drafts_give_the_solo_tokens(subject, batch, groups, drafts):
     """Draft tokens (prompt lookup) verified in the windows' spare rows: every request still
     gets its plain solo tokens, greedy and seeded, and some drafts were accepted."""
     alone = subject.alone()
-    run = subject.run(2)
+    run = subject.run(subject.base)
     cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX, draft_tokens=drafts)
     accepted = 0
     for mode in ("greedy", "seeded"):

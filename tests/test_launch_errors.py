@@ -132,6 +132,23 @@ def test_mistake_gets_one_sentence(case, early_runs, no_stage_left):
     assert not any(log_dir.glob("stage*.log"))
 
 
+@pytest.mark.parametrize("case", ["batch-zero", "split-decreasing", "batch-beyond-memory",
+                                  "prompt-longer-than-ctx"])
+def test_a_refused_flag_imports_neither_torch_nor_aiohttp(case, tiny_model):
+    """The launcher reads the model's configuration and checks the flags without torch (over a
+    second to import) or the HTTP stack: only a stage's weights need torch, only serving aiohttp.
+    The launcher runs as its console script does; at exit it prints which of them it loaded."""
+    args, words = EARLY[case]
+    code = ("import atexit, sys; atexit.register(lambda: print(sorted({'torch', 'aiohttp'} & "
+            "set(sys.modules)))); from strata.launch.cli import main; main()")
+    prompt = [] if "--prompt" in args else ["--prompt", "hi"]
+    r = subprocess.run([sys.executable, "-c", code, "--model", str(tiny_model), *args, *prompt],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, r.stderr
+    assert_one_sentence(r.stderr, *words)  # refused, and where the console script refuses it
+    assert r.stdout == "[]\n"
+
+
 # --- stage processes: a crash, a clean run, signals ------------------------------------------
 
 def children(pid: int) -> list[int]:

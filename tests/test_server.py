@@ -4,7 +4,8 @@
 The tiny random model checks shapes, usage, seeds, streaming, stop strings, disconnects, the
 status and metrics routes and a short load test; SmolLM2 checks that HTTP answers are exactly
 what `strata-launch --prompt` and the scheduler alone give, also with 8 clients streaming at
-once through 4 slots in 2 groups.
+once through 4 slots in 2 groups. The server runs 2 stages; "alone" runs in this process on
+the session's 3-stage launch of SmolLM2 (conftest's smollm2_stages).
 """
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from strata.bench import harness
 from strata.bench.loadtest import ServerProcess
-from strata.launch.plan import plan_stages
-from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer
 
@@ -354,46 +353,42 @@ COMPLETION_PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def solo(smollm2, smol_tok, tmp_path_factory):
-    """Each request alone through the scheduler (2 stages, one slot), in this process; and the
-    two prompts through `strata-launch --prompt` (run while the solo runs)."""
-    logs = tmp_path_factory.mktemp("cli")
-    with ThreadPoolExecutor(2) as pool:
-        greedy_cli = pool.submit(_cli_text, ["--chat", "--prompt", CHAT_PROMPT, "--max-tokens",
-                                             str(N_TOKENS)], logs / "g")
-        seeded_cli = pool.submit(_cli_text, [
-            "--prompt", COMPLETION_PROMPT, "--max-tokens", str(N_TOKENS), "--temperature",
-            "0.7", "--top-k", "20", "--seed", "1234"], logs / "s")
-        file, tok = ModelFile(smollm2), smol_tok
+def solo(smollm2_stages, smol_tok, tmp_path_factory):
+    """Each request alone through the scheduler (one slot of the session's launch), in this
+    process; and the seeded chat through `strata-launch --prompt` (run while the solo runs)."""
+    assert smollm2_stages.ctx >= CTX
+    with ThreadPoolExecutor(1) as pool:
+        chat_cli = pool.submit(_cli_text, [
+            "--chat", "--prompt", CHAT_PROMPT, "--max-tokens", str(N_TOKENS), "--temperature",
+            "0.7", "--top-k", "20", "--seed", "1234"], tmp_path_factory.mktemp("cli"))
+        tok = smol_tok
         prompts = [tok.encode(t) for t in harness.prompt_set(N_CLIENTS)]
         prompts += [tok.encode(tok.render_chat([{"role": "user", "content": CHAT_PROMPT}])),
                     tok.encode(COMPLETION_PROMPT)]
         params = [harness.request_params(i, i % 2 == 1, N_TOKENS) for i in range(N_CLIENTS)]
-        params += [SamplingParams(max_tokens=N_TOKENS), SEEDED]
-        plan = plan_stages("15", ["cpu"], file.config.n_layers)
-        with launch_stages(file, plan, slots=1, ctx=CTX, say=lambda s: None) as run:
-            alone = harness.run_alone(run, SchedulerConfig(slots=1, ctx=CTX), tok, prompts,
-                                      params)
-        return {"alone": alone, "greedy_cli": greedy_cli.result(),
-                "seeded_cli": seeded_cli.result()}
+        params += [SEEDED, SamplingParams(max_tokens=N_TOKENS)]
+        alone = harness.run_alone(smollm2_stages, SchedulerConfig(slots=1, ctx=CTX), tok,
+                                  prompts, params)
+        return {"alone": alone, "chat_cli": chat_cli.result()}
 
 
 @pytest.mark.slow
 def test_http_equals_strata_launch_and_the_scheduler_alone(smol, solo):
+    """The seeded chat (the chat template, sampling) over HTTP, from `strata-launch --prompt
+    --chat` and from the scheduler alone; a greedy completion over HTTP and alone."""
     c = smol.client()
     chat = c.chat.completions.create(model="smollm2-135m", max_tokens=N_TOKENS,
+                                     temperature=0.7, seed=1234, extra_body={"top_k": 20},
                                      messages=[{"role": "user", "content": CHAT_PROMPT}])
-    seeded = c.completions.create(model="smollm2-135m", prompt=COMPLETION_PROMPT,
-                                  max_tokens=N_TOKENS, temperature=0.7, seed=1234,
-                                  extra_body={"top_k": 20})
-    greedy_alone, seeded_alone = solo["alone"][N_CLIENTS:]
-    assert chat.choices[0].message.content == solo["greedy_cli"] == \
-        greedy_alone.seq.final_text()
-    assert chat.usage.completion_tokens == len(greedy_alone.seq.generated)
-    assert seeded.choices[0].text == solo["seeded_cli"] == seeded_alone.seq.final_text()
-    assert seeded.usage.completion_tokens == len(seeded_alone.seq.generated)
-    assert seeded.model_extra["seed"] == 1234
-    assert len(greedy_alone.seq.generated) > 3 and len(seeded_alone.seq.generated) > 3
+    greedy = c.completions.create(model="smollm2-135m", prompt=COMPLETION_PROMPT,
+                                  max_tokens=N_TOKENS)
+    chat_alone, greedy_alone = solo["alone"][N_CLIENTS:]
+    assert chat.choices[0].message.content == solo["chat_cli"] == chat_alone.seq.final_text()
+    assert chat.usage.completion_tokens == len(chat_alone.seq.generated)
+    assert chat.model_extra["seed"] == 1234
+    assert greedy.choices[0].text == greedy_alone.seq.final_text()
+    assert greedy.usage.completion_tokens == len(greedy_alone.seq.generated)
+    assert len(chat_alone.seq.generated) > 3 and len(greedy_alone.seq.generated) > 3
 
 
 @pytest.mark.slow

@@ -11,8 +11,6 @@ from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler
-from strata.coordinator.server import ServerConfig
-from strata.launch.serving import bind_socket, run_server
 from strata.launch.options import clean_errors, launch_options, prepare, say
 from strata.launch.plan import PlanError
 from strata.model.registry import DEFAULT_MODEL
@@ -91,6 +89,10 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
 
 
 def serve(prep, tok, model, host, port, api_key, log_dir, external_stage, limits):
+    # the HTTP stack (aiohttp) is imported only to serve
+    from strata.coordinator.connections import ServerConfig
+    from strata.launch.serving import bind_socket, run_server
+
     cfg = ServerConfig(model=model if model == DEFAULT_MODEL else prep.file.path.stem,
                        aliases=(model, prep.file.path.name, str(prep.file.path)),
                        host=host, port=port, api_key=api_key, **limits)

@@ -2,6 +2,7 @@
 and turning them into a checked plan before any process starts."""
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,6 +29,13 @@ def say(text: str) -> None:
 
 
 def cuda_count() -> int:
+    """The CUDA devices torch sees. Without the CUDA driver's library (which the CUDA runtime
+    loads by this name) there are none, and torch, over a second to import, is not needed to say
+    so: on a CPU machine the launcher checks every flag without it."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -2,6 +2,8 @@
 
 The reader memory-maps the file, so a stage that loads only its own layers touches only their
 bytes. Dequantization is gguf-py's (`gguf.quants.dequantize`); nothing here re-implements it.
+torch is imported only where a tensor is made: the launcher reads the configuration and refuses
+a bad flag without it.
 """
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader
 from gguf.quants import dequantize
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHS = ("llama",)
 SUPPORTED_TYPES = {
@@ -133,10 +138,10 @@ class ModelFile:
             h.update(f"{key}={_field(self.reader, key)};".encode())
         return h.hexdigest()[:16]
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32,
+    def tensor(self, name: str, dtype: torch.dtype | None = None,
                device: torch.device | str | None = None) -> torch.Tensor:
-        """Dequantized tensor in torch's [out, in] order (GGUF lists dimensions reversed), on
-        `device` (default: the CPU).
+        """Dequantized tensor in torch's [out, in] order (GGUF lists dimensions reversed), as
+        `dtype` (default: float32) on `device` (default: the CPU).
 
         F16 and BF16 tensors are read straight from the memory map (no float32 round trip) and
         converted on the device; both widen to float32 exactly, so every dtype gets the same
@@ -145,6 +150,8 @@ class ModelFile:
         t = self.tensors.get(name)
         if t is None:
             raise ModelError(f"model file {self.path} has no tensor {name}")
+        import torch
+        dtype = dtype or torch.float32
         shape = tuple(int(d) for d in reversed(t.shape))
         device = torch.device(device or "cpu")
         if t.tensor_type in (QType.F16, QType.BF16):
