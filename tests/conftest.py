@@ -148,8 +148,8 @@ def _tiny_stages(tiny_model):
 @pytest.fixture
 def shared_stages(_tiny_stages, monkeypatch):
     """Commands run in-process (click's CliRunner) reuse the session's launch of the tiny model
-    wherever they would launch the same stages with no more slots or positions than it has, and
-    no trace; any other launch is their own. Yields the plans that were served by it."""
+    wherever they would launch the same stages with no more slots or positions than it has, the
+    same NextN head (none) and no trace; any other launch is their own. Yields the plans that were served by it."""
     from contextlib import nullcontext
 
     from strata.launch.options import Prepared
@@ -162,7 +162,7 @@ def shared_stages(_tiny_stages, monkeypatch):
         if (self.file.path == prep.file.path and self.plan == prep.plan
                 and self.sched.slots <= run.slots and self.sched.ctx <= run.ctx
                 and (self.link, self.transport) == (prep.link, prep.transport)
-                and not kwargs.get("trace_dir")):
+                and self.mtp_head == prep.mtp_head and not kwargs.get("trace_dir")):
             served.append(self.plan)
             return nullcontext(run)
         return own_launch(self, **kwargs)
