@@ -5,25 +5,21 @@ ignores it without a head)."""
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-import zmq
+
+from inprocess import InProcess, in_process_worker
 
 from strata.kernels.rope import apply_rope, rope_table
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
 from strata.model.nextn import find_head
-from strata.protocol import transport
 from strata.protocol.messages import Result, Window
 from strata.stage_worker.drafter import Drafter
 from strata.stage_worker.model import KVCache, Rows, StageModel
-from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TINY = SHAPES["tiny"]
@@ -296,58 +292,22 @@ def test_a_last_stage_without_the_embedding_drafts_alike(models, tmp_path, tied)
 
 # --- the stage worker, in process -----------------------------------------------------------
 
-class InProcess:
-    """A one-stage StageWorker in this process and the coordinator's two sockets."""
+class Stage(InProcess):
+    """Its answers are Results."""
 
-    def __init__(self, worker: StageWorker, inbox: zmq.Socket, out: zmq.Socket):
-        self.worker, self.inbox, self.out = worker, inbox, out
-
-    def send(self, w: Window) -> None:
-        self.out.send_multipart(transport.pack(w))
-
-    def step(self) -> None:
-        """Takes the next window (a CUDA stage may keep its answer until the next one)."""
-        with torch.inference_mode():
-            assert self.worker.step()
-
-    def results(self, n: int) -> list[Result]:
-        """The next n answers (a deferred one is given once the device is done)."""
-        with torch.inference_mode():
-            self.worker._await_pending()
-        out = []
-        for _ in range(n):
-            assert self.inbox.poll(5000), "the worker answered nothing"
-            out.append(transport.recv(self.inbox)[0])
-            assert isinstance(out[-1], Result), out[-1]
+    def answers(self, n: int) -> list[Result]:
+        out = super().answers(n)
+        for r in out:
+            assert isinstance(r, Result), r
         return out
 
-    def ask(self, w: Window) -> Result:
-        self.send(w)
-        self.step()
-        return self.results(1)[0]
+    results = answers
 
 
-@contextmanager
 def in_process(model: Path, mtp_head: Path | None = None, device: str = "cpu"):
-    """A one-stage StageWorker of 2 slots in this process (InProcess)."""
-    run = Path(tempfile.mkdtemp(prefix="strata-d-"))  # short: ipc paths are limited
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.bind(f"ipc://{run}/inbox")
-    worker = StageWorker(WorkerConfig(
-        model=str(model), stage=0, layer_start=0, layer_end=TINY.n_layers,
-        listen=f"ipc://{run}/s0", coordinator=f"ipc://{run}/inbox", next=None, slots=2,
-        ctx=CTX, device=device, mtp_head=str(mtp_head) if mtp_head else None))
-    out = ctx.socket(zmq.PUSH)
-    out.connect(f"ipc://{run}/s0")
-    try:
-        yield InProcess(worker, inbox, out)
-    finally:
-        worker.close()
-        inbox.close(linger=0)
-        out.close(linger=0)
-        ctx.term()
-        shutil.rmtree(run, ignore_errors=True)
+    """A one-stage StageWorker of 2 slots in this process."""
+    return in_process_worker(model, Stage, layer_end=TINY.n_layers, slots=2, ctx=CTX,
+                             device=device, mtp_head=str(mtp_head) if mtp_head else None)
 
 
 def conversation(ask) -> list[Result]:

@@ -18,10 +18,11 @@ import torch
 import zmq
 from click.testing import CliRunner
 
+from inprocess import in_process_worker
+
 from strata.protocol import transport
 from strata.protocol.messages import Error, Hello, Result, Shutdown, Window
 from strata.stage_worker.main import main as worker_main
-from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 CTX = 64     # --ctx-size of the worker
 VOCAB = 320  # the tiny model's vocabulary
@@ -141,40 +142,10 @@ BAD = [  # (frames, words the sentence must hold, window id of the Error)
 ]
 
 
-class InProcess:
-    """A StageWorker of the tiny model's 4 layers (stage 0 and last) in this process, with the
-    two sockets a coordinator would hold; ask() sends frames and runs one step."""
-
-    def __init__(self, worker: StageWorker, inbox: zmq.Socket, out: zmq.Socket):
-        self.worker, self.inbox, self.out = worker, inbox, out
-
-    def ask(self, frames: list):
-        self.out.send_multipart(frames)
-        with torch.inference_mode():
-            assert self.worker.step()
-        assert self.inbox.poll(5000), "the worker answered nothing"
-        return transport.recv(self.inbox)[0]
-
-
 @pytest.fixture
 def in_process(tiny_model):
-    run = Path(tempfile.mkdtemp(prefix="strata-w-"))  # short: ipc paths are limited
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.bind(f"ipc://{run}/inbox")
-    worker = StageWorker(WorkerConfig(model=str(tiny_model), stage=0, layer_start=0,
-                                      layer_end=4, listen=f"ipc://{run}/s0",
-                                      coordinator=f"ipc://{run}/inbox", next=None, ctx=CTX))
-    out = ctx.socket(zmq.PUSH)
-    out.connect(f"ipc://{run}/s0")
-    try:
-        yield InProcess(worker, inbox, out)
-    finally:
-        worker.close()
-        inbox.close(linger=0)
-        out.close(linger=0)
-        ctx.term()
-        shutil.rmtree(run, ignore_errors=True)
+    with in_process_worker(tiny_model, layer_end=4, ctx=CTX) as stage:
+        yield stage
 
 
 def test_worker_refuses_bad_messages_and_keeps_serving(in_process):
