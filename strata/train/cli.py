@@ -119,7 +119,8 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
         cut = len(train_data) - max(1, len(train_data) // 50)
         job.fit(head, train_data[:cut], dict(epochs=epochs, lr=lr, batch_tokens=batch_tokens,
                                              passes=chain, soft_weight=soft_weight, seed=seed),
-                train_data[cut:], lambda s: click.echo(s, err=True), _progress())
+                train_data[cut:], lambda s: click.echo(s, err=True), _progress(),
+                on_best=(lambda h: job.write(h, out, weight_type)) if out else None)
     figures = job.acceptance(head, held_data, passes=3)
     for k, (tried, right) in enumerate(figures, 1):
         click.echo(f"held-out, teacher-forced: proposal {k}: {right}/{tried} = "

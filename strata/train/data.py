@@ -4,6 +4,7 @@ hidden states at every position of each prompt + answer (torch_llama.Target)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,9 +81,12 @@ def generate(prep, tok, prompts: list[tuple[list[int], Prompt]], passes: list[Sa
 
 
 def save_samples(path: str | Path, samples: list[Sample]) -> None:
-    with open(path, "w") as f:
+    """JSON lines, one sample each (written aside, then moved into place)."""
+    tmp = Path(str(path) + ".partial")
+    with open(tmp, "w") as f:
         for s in samples:
             f.write(json.dumps(asdict(s)) + "\n")
+    os.replace(tmp, path)
 
 
 def load_samples(path: str | Path) -> list[Sample]:

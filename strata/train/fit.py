@@ -97,10 +97,11 @@ def loss_of(head: NextNHead, tokens, h, lengths, cfg: FitConfig):
 
 
 def fit(head: NextNHead, samples: list[Sample], states: TeacherStates, cfg: FitConfig,
-        check=None, say=print, progress=None) -> None:
+        check=None, say=print, progress=None, on_best=None) -> None:
     """Train in place: AdamW, cosine decay after a short warm-up. With `check` (a function of
     the head giving a score to maximise, on answers not trained on), the head ends with the
-    weights of its best epoch."""
+    weights of its best epoch, and on_best(head) is called each time an epoch is the best
+    so far (to save it)."""
     device = head.target.embed.device
     rng = random.Random(cfg.seed)
     epochs = [batches(samples, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
@@ -132,6 +133,8 @@ def fit(head: NextNHead, samples: list[Sample], states: TeacherStates, cfg: FitC
             say(f"epoch {epoch}: validation first proposal {score:.1%}")
             if best is None or score > best:
                 best, best_state = score, {n: t.clone() for n, t in head.tensors().items()}
+                if on_best is not None:
+                    on_best(head)
     if best_state is not None:
         with torch.no_grad():
             for n, t in best_state.items():

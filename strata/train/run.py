@@ -81,7 +81,7 @@ class Job:
         return NextNHead(self.target, init)
 
     def fit(self, head: NextNHead, samples, options: dict, validation=(), say=print,
-            progress=None) -> None:
+            progress=None, on_best=None) -> None:
         """Train on `samples`; with `validation` samples, keep the epoch whose first
         proposals match the target's greedy tokens there most often."""
         states = train_data.teacher_states(self.target, samples, progress=progress)
@@ -92,7 +92,7 @@ class Job:
             def check(h):
                 tried, right = acceptance(h, validation, held, 1)[0]
                 return right / max(tried, 1)
-        fit(head, samples, states, FitConfig(**options), check, say, progress)
+        fit(head, samples, states, FitConfig(**options), check, say, progress, on_best)
 
     def acceptance(self, head: NextNHead, samples, passes: int):
         states = train_data.teacher_states(self.target, samples)
