@@ -4,7 +4,8 @@ indices) or in a sidecar GGUF made for it (`--mtp-head PATH`).
 
 A sidecar names its target: dimensions, vocabulary and a fingerprint of the target's token
 embedding (`strata.nextn.target_fingerprint`); one made for another model is refused with a
-sentence. The tensors are read by the stage that drafts (the last one: open_head, then
+sentence. Heads that come with strata (strata/heads/: SmolLM2-135M-Instruct's) are found by
+that fingerprint. The tensors are read by the stage that drafts (the last one: open_head, then
 strata/stage_worker/drafter.py); strata-mkmodel --nextn / --nextn-sidecar writes random heads.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gguf import GGUFReader
 from strata.model.gguf_file import ModelConfig, ModelError, ModelFile, _field
 
 TARGET_FINGERPRINT = "strata.nextn.target_fingerprint"
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 
 
 @dataclass(frozen=True)
@@ -50,13 +52,25 @@ def embedding_fingerprint(file: ModelFile) -> str:
     return h.hexdigest()[:16]
 
 
+def shipped_head(file: ModelFile) -> HeadSource | None:
+    """A head that comes with strata (strata/heads/, trained by strata-train-mtp) made for
+    this model: its target fingerprint is the model's."""
+    mine = None
+    for path in sorted(SHIPPED_HEADS.glob("*.gguf")):
+        have = _field(GGUFReader(path, "r"), TARGET_FINGERPRINT)
+        mine = mine or embedding_fingerprint(file)
+        if have == mine:
+            return HeadSource(path, file.config.n_layers, sidecar=True)
+    return None
+
+
 def find_head(file: ModelFile, sidecar: str | os.PathLike | None = None) -> HeadSource | None:
     """The model's NextN head: the sidecar when given (checked against the model), else the
-    model file's own NextN layer, else None."""
+    model file's own NextN layer, else a head shipped for it (shipped_head), else None."""
     cfg = file.config
     if sidecar is None:
         if nextn_layers(file.reader, cfg.arch) < 1:
-            return None
+            return shipped_head(file)
         return HeadSource(file.path, cfg.n_layers, sidecar=False)
     path = Path(sidecar)
     if not path.is_file():

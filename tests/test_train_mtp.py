@@ -1,0 +1,160 @@
+"""strata-train-mtp: the prompts, the training forward against what strata's stages and drafter
+compute, the sidecar it writes, a whole run on a tiny model, and the head shipped for SmolLM2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from strata.model.gguf_file import ModelError, ModelFile
+from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
+from strata.model.nextn import SHIPPED_HEADS, find_head, open_head
+from strata.stage_worker.drafter import Drafter
+from strata.stage_worker.model import KVCache, Rows, StageModel
+from strata.train import cli
+from strata.train.data import Sample, teacher_states
+from strata.train.export import write_head
+from strata.train.fit import FitConfig, acceptance, fit
+from strata.train.prompts import heldout, read_conversations, read_prompts
+from strata.train.run import Job
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_conversations_are_read_one_by_one_until_the_cut():
+    items = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}]}
+             for i in range(3)]
+    text = json.dumps(items, indent=2)
+    assert [c["id"] for c in read_conversations(text)] == ["0", "1", "2"]
+    cut = text[:text.index('"2"') + 5]   # the last conversation is cut short
+    assert [c["id"] for c in read_conversations(cut)] == ["0", "1"]
+
+
+def test_the_held_out_share_is_stable_and_near_its_fraction():
+    ids = [f"conv{i}" for i in range(4000)]
+    share = sum(heldout(i, 0.05) for i in ids) / len(ids)
+    assert 0.03 < share < 0.07
+    assert [heldout(i, 0.05) for i in ids] == [heldout(i, 0.05) for i in ids]
+
+
+def test_a_prompts_file_is_checked_line_by_line(tmp_path):
+    with pytest.raises(ValueError, match="does not exist; make one with"):
+        read_prompts(tmp_path / "none.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "split": "train"}\n{"text": "b"}\n')
+    with pytest.raises(ValueError, match="line 2 is not a JSON object"):
+        read_prompts(bad)
+    bad.write_text('{"prompt": "a", "split": "test"}\n')
+    with pytest.raises(ValueError, match="line 1 needs"):
+        read_prompts(bad)
+
+
+@pytest.fixture(scope="module")
+def varied_with_head(varied_model, tmp_path_factory):
+    """The varied tiny model and a random NextN sidecar for it (std 0.2: lively logits)."""
+    path = tmp_path_factory.mktemp("heads") / "head.gguf"
+    write_nextn_sidecar(path, varied_model, SHAPES["tiny"], seed=3, std=0.2)
+    return varied_model, path
+
+
+def test_the_training_forward_computes_what_the_stages_and_the_drafter_do(varied_with_head):
+    """Target.hidden equals a one-stage StageModel's hidden states, and every pass of
+    NextNHead equals the drafter's rows: its NextN rows on those states, and the rows it
+    chains from a row's output with the next token (positions 2 and 3)."""
+    model, sidecar = varied_with_head
+    job = Job(model=str(model), devices="cpu", max_prompt_tokens=40, answer_tokens=20)
+    file, cfg = job.file, job.file.config
+    torch.manual_seed(0)
+    t = 24
+    tokens = torch.randint(0, cfg.vocab, (1, t))
+    h = job.target.hidden(tokens)
+    stage = StageModel(file, 0, cfg.n_layers, ctx=64)
+    cache = KVCache(cfg.n_layers, 1, cfg, 64, stage.device, stage.dtype)
+    ref = stage(tokens[0], Rows([0] * t, list(range(t))), cache, chunk=True)
+    torch.testing.assert_close(h[0], ref, atol=2e-4, rtol=1e-4)
+
+    outs = job.head(str(sidecar)).passes(tokens, h, 3)
+    source = find_head(file, sidecar)
+    for j in (0, 7, 20):
+        drafter = Drafter(source, file, stage, 1, 64)
+        x = drafter._rows([0] * (t - 1), list(range(1, t)), tokens[0, 1:], h[0, :-1])
+        torch.testing.assert_close(drafter._logits(x), outs[0][0], atol=1e-4, rtol=1e-4)
+        x = x[j:j + 1]
+        for k in (2, 3):
+            if j + k >= t:
+                break
+            x = drafter._rows([0], [j + k], tokens[0, j + k:j + k + 1], x)
+            torch.testing.assert_close(drafter._logits(x)[0], outs[k - 1][0, j],
+                                       atol=1e-4, rtol=1e-4)
+
+
+def test_the_sidecar_holds_the_trained_tensors_and_fits_only_its_model(varied_with_head,
+                                                                       tiny_model, tmp_path):
+    model, sidecar = varied_with_head
+    job = Job(model=str(model), devices="cpu", max_prompt_tokens=40, answer_tokens=20)
+    head = job.head(str(sidecar))
+    with torch.no_grad():
+        head.w["eh_proj"].add_(0.5)   # tensors of its own, not the random head's
+    trained = head.tensors()
+    for weight_type, tol in (("F32", 0.0), ("Q8_0", 0.02)):
+        out = write_head(tmp_path / f"h_{weight_type}.gguf", trained, job.file, weight_type)
+        again = job.head(str(out)).tensors()
+        assert again.keys() == trained.keys()
+        for name, t in trained.items():
+            torch.testing.assert_close(again[name], t, atol=tol * t.abs().max().item(), rtol=0)
+    with pytest.raises(ModelError, match="was made for another model"):
+        find_head(ModelFile(tiny_model), out)
+
+
+def test_training_fits_the_targets_answers(varied_model):
+    """On the varied model (whose text depends on the whole context), a head trained on the
+    target's greedy answers predicts them far better than the head it starts from."""
+    job = Job(model=str(varied_model), devices="cpu", max_prompt_tokens=32, answer_tokens=24)
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for _ in range(24):   # the target's greedy continuations of random prompts
+        tokens = torch.randint(3, job.file.config.vocab, (6,), generator=g).tolist()
+        for _ in range(14):
+            h = job.target.hidden(torch.tensor([tokens]))
+            tokens.append(int(job.target.logits(h[0, -1]).argmax()))
+        samples.append(Sample(tokens, 6, "train"))
+    head = job.head()
+    states = teacher_states(job.target, samples)
+    before = acceptance(head, samples, states, 1)[0]
+    fit(head, samples, states, FitConfig(epochs=40, lr=3e-3, batch_tokens=256, passes=2))
+    after = acceptance(head, samples, states, 1)[0]
+    assert after[1] / after[0] > max(0.6, 2 * before[1] / before[0]), (before, after)
+
+
+def test_a_whole_run_writes_a_head_that_fits_and_its_figures(varied_model, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"prompt": f"question {i}: " + "word " * (i % 5),
+                                "split": "heldout" if i % 6 == 0 else "train"}) + "\n")
+    out, report = tmp_path / "head.gguf", tmp_path / "report.json"
+    res = CliRunner().invoke(cli.main, [
+        "--model", str(varied_model), "--out", str(out), "--prompts", str(prompts),
+        "--answer-tokens", "8", "--max-prompt-tokens", "48", "--devices", "cpu", "--batch", "4",
+        "--epochs", "1", "--batch-tokens", "1024", "--report", str(report)])
+    assert res.exit_code == 0, res.output
+    assert "held-out, teacher-forced: proposal 1:" in res.output
+    figures = json.loads(report.read_text())["teacher_forced"]
+    assert [f["position"] for f in figures] == [1, 2, 3] and figures[0]["reached"] > 0
+    source = find_head(ModelFile(varied_model), out)
+    open_head(source, ModelFile(varied_model))   # every tensor there, with the model's shapes
+
+
+def test_the_cli_says_what_is_missing(tmp_path):
+    res = CliRunner().invoke(cli.main, ["--model", "x.gguf"])
+    assert res.exit_code == 2 and "give --out HEAD.gguf" in res.output
+
+
+def test_smollm2_comes_with_its_head(smollm2):
+    """The default model's shipped head is found by its fingerprint and fits the model."""
+    file = ModelFile(smollm2)
+    source = find_head(file)
+    assert source is not None and source.sidecar and source.path.parent == SHIPPED_HEADS
+    open_head(source, file)
