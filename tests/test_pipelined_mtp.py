@@ -310,3 +310,29 @@ def test_status_says_each_groups_choice():
         assert d["tokens_per_window"] == pytest.approx(2 * expected_tokens(7, d["acceptance"]),
                                                        rel=1e-3)
         assert {"rows": 16, "k": 7} in [{"rows": t["rows"], "k": t["k"]} for t in d["timed"]]
+
+
+# --- the flags ------------------------------------------------------------------------------
+
+def test_the_flags_take_auto(tiny_model):
+    from strata.launch.options import prepare
+    shared = dict(model=str(tiny_model), layer_split="2", devices="cpu", ctx_size=256, batch=8,
+                  batch_groups="2", window_rows="auto", chunk_rows="auto", drafter="lookup")
+    sched = prepare(**shared, draft_tokens="auto").sched
+    assert (sched.draft_tokens, sched.auto_drafts, sched.max_draft_tokens) == ("auto", True, 7)
+    assert sched.draft_rows is None and sched.draft_window_rows(8) == 32
+    sched = prepare(**shared, draft_tokens="3", draft_rows="16").sched
+    assert (sched.draft_tokens, sched.draft_rows, sched.auto_drafts) == (3, 16, False)
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--draft-rows", "12", "strata-launch: --draft-rows 12 is not a multiple of 8 from 0 to 56 "
+                           "(a decode window has at most 64 rows); use 16 or auto"),
+    ("--draft-tokens", "x", "strata-launch: --draft-tokens 'x' is not a number or auto"),
+    ("--draft-tokens", "8", "strata-launch: --draft-tokens 8 is not from 0 to 7 (a slot's row "
+                            "and its drafts share one decode window of at least 8 rows); use "
+                            "0 (off) to 7 or auto")])
+def test_bad_draft_flags_get_a_sentence(tiny_model, no_stage_left, flag, value, says):
+    from test_mtp_scheduler import launch_cli
+    out = launch_cli("--model", str(tiny_model), flag, value)
+    assert out.exit_code == 2 and out.stderr == says + "\n", (out.output, out.exception)

@@ -307,9 +307,11 @@ def plot(path: str, rows: list[dict], title: str, peer: dict | None = None) -> N
 @clean_errors("strata-bench sweep")
 def sweep(clients, modes, repeats, tokens, prompt_tokens, json_out, plot_path, peer_json,
           trace_dir, **launch):
-    """Tok/s against concurrent clients for 1gpu, serial and pipelined side by side: generated
-    tokens over the run, and llama.cpp's two rates (decode; prompt and generated tokens), with
-    --prompt-tokens read as its -npp and --peer-json its rows beside. --batch defaults to the
+    """Tok/s against concurrent clients for 1gpu, serial and pipelined (and with MTP drafts,
+    serial-mtp and pipelined-mtp) side by side, medians of --repeats runs: generated tokens
+    over the run, and llama.cpp's two rates (decode; prompt and generated tokens), with
+    --prompt-tokens read as its -npp and --peer-json its rows beside; the drafts' acceptance and
+    the tokens a decode window gives. --batch defaults to the
     largest client count; --batch-groups sets the pipelined mode's groups (default: one per
     stage; more groups than stages cover the hops' latency)."""
     counts, chosen = parse_clients(clients), parse_modes(modes)
