@@ -320,7 +320,12 @@ def test_the_flags_take_auto(tiny_model):
                   batch_groups="2", window_rows="auto", chunk_rows="auto", drafter="lookup")
     sched = prepare(**shared, draft_tokens="auto").sched
     assert (sched.draft_tokens, sched.auto_drafts, sched.max_draft_tokens) == ("auto", True, 7)
-    assert sched.draft_rows is None and sched.draft_window_rows(8) == 32
+    # auto on CPU stages (every row costs): the pad rows only
+    assert sched.draft_rows == 0 and sched.draft_window_rows(8) == 8
+    from strata.launch.options import auto_draft_rows
+    from strata.launch.plan import plan_stages
+    assert auto_draft_rows(plan_stages("2", ["cuda:0", "cuda:1"], 4)) is None   # row tiles
+    assert auto_draft_rows(plan_stages("2", ["cuda:0", "cpu"], 4)) == 0
     sched = prepare(**shared, draft_tokens="3", draft_rows="16").sched
     assert (sched.draft_tokens, sched.draft_rows, sched.auto_drafts) == (3, 16, False)
 

@@ -48,7 +48,8 @@ class SchedulerConfig:
     draft_tokens: int | str = 0
     drafter: str = "lookup"  # where drafts come from: DRAFTERS
     # the most rows drafts may add to a decode window beyond its decoding slots rounded up to
-    # WINDOW_ROW_STEP (a multiple of it); None (auto): up to the window's row tile (DRAFT_TILES)
+    # WINDOW_ROW_STEP (a multiple of it); None: up to the window's row tile (DRAFT_TILES;
+    # strata-launch's --draft-rows auto on CUDA stages, 0 on CPU stages)
     draft_rows: int | None = None
 
     def __post_init__(self):

@@ -93,8 +93,9 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                      help=f"The most rows drafts may add to a decode window beyond its "
                           f"decoding slots rounded up to 8: a multiple of 8 from 0 to "
                           f"{MAX_WINDOW_ROWS - WINDOW_ROW_STEP} (0: only the pad rows), or auto "
-                          f"= up to the window's row tile ({DRAFT_TILES[0]} rows while the "
-                          f"slots take at most {DRAFT_TILES[0]}, else {DRAFT_TILES[1]}). When "
+                          f"= on CUDA stages up to the window's row tile ({DRAFT_TILES[0]} rows "
+                          f"while the slots take at most {DRAFT_TILES[0]}, else "
+                          f"{DRAFT_TILES[1]}), on CPU stages (which compute every row) 0. When "
                           f"the slots want more, the rows go to the slots whose drafts are "
                           f"kept most often."),
         click.option("--drafter", type=click.Choice(DRAFTERS), default=None,
@@ -163,6 +164,8 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
         groups = auto_groups(batch, len(plan))
     if chunk_rows is None:
         chunk_rows = auto_chunk_rows(plan)
+    if draft_rows is None:
+        draft_rows = auto_draft_rows(plan)
     sched = SchedulerConfig(slots=batch, groups=groups,
                             window_rows=window_rows, chunk_rows=chunk_rows, ctx=ctx_size,
                             draft_tokens=draft_tokens, drafter=drafter or "lookup",
@@ -205,6 +208,13 @@ def auto_chunk_rows(plan: list[StagePlan]) -> int:
     coordinator's default."""
     cuda = all(p.device.startswith("cuda") for p in plan)
     return GPU_CHUNK_ROWS if cuda else DEFAULT_CHUNK_ROWS
+
+
+def auto_draft_rows(plan: list[StagePlan]) -> int | None:
+    """--draft-rows auto: on CUDA stages, None (up to the window's row tile: a window of up to
+    32 rows costs about what one of 8 does there); CPU stages compute every row, in blocks of
+    8, so there drafts take only the pad rows (0)."""
+    return None if all(p.device.startswith("cuda") for p in plan) else 0
 
 
 def _number_or_auto(flag: str, value) -> int | None:
