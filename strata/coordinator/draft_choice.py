@@ -20,12 +20,13 @@ coordinator's own timing of the group's decode windows of that size and K gives 
 from the later of the window's sending and the result before it (of any group) to its result,
 which with groups in flight is about the time the window holds the pipeline's busiest stage
 (what bounds the tokens per second), and alone its whole trip, the last stage's drafting
-included. The choice is the K with the most expected tokens per
-second. A size and K never timed (or not for STALE windows) is tried at most once every
-EXPLORE_EVERY windows of the group, and only when it could beat the best measured choice: when
-it would even in the time of the slowest timed window with no more rows and proposals (or no
-such window is timed); a choice holds for HOLD windows, so that a window of the
-size it implies (its drafts were asked for by the window before) gets timed.
+included (with mtp, times are kept per size and K: the last stage drafts K proposals a slot).
+The choice is the K with the most expected tokens per second. A size and K never timed (or not
+for STALE windows) is tried at most once every EXPLORE_EVERY windows of the group, and only
+when it could beat the best measured choice: when it would even in the time of the slowest
+timed window with no more rows and proposals (or no such window is timed). A choice holds for
+HOLD windows, so that a window of the size it implies (its drafts were asked for by the window
+before) gets timed.
 """
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ class GroupDrafts:
             drafts = min(slots * k, limit - slots)
             options.append((k, round_rows(slots + drafts), _tokens(slots, drafts, a),
                             (round_rows(slots + drafts), k if mtp else 0)))
-        timed = [(tokens / self.time(key), k, rows, tokens, key)
+        timed = [(_rate(tokens, self.time(key)), k, rows, tokens, key)
                  for k, rows, tokens, key in options if self.time(key) is not None]
         best = max(timed, key=lambda t: (t[0], -t[1])) if timed else None
         explored = False
