@@ -20,7 +20,7 @@ def bench(*args: str):
 
 def test_sweep_rows_json_and_plot(tiny_model, no_stage_left, shared_stages, tmp_path):
     out = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
-                "--ctx-size", "256", "--clients", "1,2", "--tokens", "4",
+                "--ctx-size", "256", "--clients", "1,2", "--tokens", "4", "--repeats", "1",
                 "--json-out", str(tmp_path / "sweep.json"), "--plot", str(tmp_path / "sweep.png"))
     assert out.exit_code == 0, (out.output, out.exception)
     assert len(shared_stages) == 1  # serial and pipelined; 1gpu (one stage) launches its own
@@ -44,17 +44,59 @@ def test_sweep_refuses_bad_clients(tiny_model, clients):
     assert f"strata-bench sweep: --clients {clients!r} is not a list of client counts" in out.stderr
 
 
+def test_sweep_drafted_modes_beside_the_plain_ones(tiny_model, no_stage_left, tmp_path):
+    """serial, pipelined, serial-mtp and pipelined-mtp in one launch (the head's), each row
+    the median of 3 runs, with the drafts' acceptance and tokens per decode window."""
+    from test_mtp import repeating_head
+    head = repeating_head(tmp_path / "head.gguf", tiny_model)
+    out = bench("sweep", "--model", str(tiny_model), "--mtp-head", str(head), "--layer-split",
+                "2", "--devices", "cpu", "--ctx-size", "256", "--clients", "1,2", "--tokens",
+                "6", "--modes", "serial,pipelined,serial-mtp,pipelined-mtp", "--draft-tokens",
+                "3", "--json-out", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png"))
+    assert out.exit_code == 0, (out.output, out.exception)
+    lines = out.stdout.splitlines()
+    assert "MTP drafts per slot 3 (serial-mtp/pipelined-mtp), medians of 3" in lines[0]
+    assert lines[1].split()[-2:] == ["tok/window", "accepted"] and len(lines) == 2 + 8
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["conditions"]["repeats"] == 3
+    rows = {(r["mode"], r["clients"]): r for r in report["results"]}
+    assert set(rows) == {(m, c) for m in ("serial", "pipelined", "serial-mtp", "pipelined-mtp")
+                         for c in (1, 2)}
+    for (mode, clients), r in rows.items():
+        assert len(r["repeats_total_tok_s"]) == 3
+        assert r["total_tok_s"] == sorted(r["repeats_total_tok_s"])[1]   # the median
+        assert r["groups"] == (2 if mode.startswith("pipelined") else 1)
+        if mode.endswith("-mtp"):
+            assert r["draft_tokens"] == 3 and r["drafted"] > 0 and 0 <= r["acceptance"] <= 1
+            # the tiny model's greedy text repeats its token: the head's drafts are kept
+            assert r["tokens_per_window"] > 1.5 * clients / r["groups"], r
+        else:
+            assert r["draft_tokens"] == 0 and r["drafted"] == 0 and r["acceptance"] is None
+            assert r["tokens_per_window"] <= clients
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_says_a_drafted_mode_needs_a_head(tiny_model, no_stage_left):
+    out = bench("sweep", "--model", str(tiny_model), "--modes", "serial,pipelined-mtp")
+    assert out.exit_code == 2, (out.output, out.exception)
+    assert out.stderr == ("strata-bench sweep: --modes pipelined-mtp draft with a NextN head, "
+                          "and the model file tiny.gguf has none; pass --mtp-head PATH (a head "
+                          "made for this model) or leave pipelined-mtp out of --modes\n")
+
+
 def test_parse_clients_and_modes():
     assert parse_clients("1,2, 4") == [1, 2, 4]
     assert parse_modes("pipelined,1gpu") == ["1gpu", "pipelined"]  # in the table's order
-    with pytest.raises(ValueError, match="choose among 1gpu,serial,pipelined"):
+    with pytest.raises(ValueError, match="choose among 1gpu,serial,pipelined,serial-mtp,"
+                                         "pipelined-mtp"):
         parse_modes("2gpu")
+    assert parse_modes("pipelined-mtp,serial") == ["serial", "pipelined-mtp"]
 
 
 def test_sweep_takes_the_pipelined_groups_from_batch_groups(tiny_model, no_stage_left, tmp_path):
     out = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
                 "--ctx-size", "256", "--clients", "4", "--tokens", "3", "--modes", "pipelined",
-                "--batch-groups", "4", "--json-out", str(tmp_path / "s.json"),
+                "--batch-groups", "4", "--repeats", "1", "--json-out", str(tmp_path / "s.json"),
                 "--trace-dir", str(tmp_path / "traces"))
     assert out.exit_code == 0, (out.output, out.exception)
     (row,) = json.loads((tmp_path / "s.json").read_text())["results"]
@@ -86,7 +128,7 @@ def test_sweep_prompt_tokens_counts_as_llamacpp_does(tiny_model, no_stage_left, 
                                                      tmp_path):
     out = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
                 "--ctx-size", "256", "--clients", "1,3", "--tokens", "5", "--prompt-tokens",
-                "40", "--modes", "serial,pipelined", "--json-out", str(tmp_path / "s.json"))
+                "40", "--modes", "serial,pipelined", "--repeats", "1", "--json-out", str(tmp_path / "s.json"))
     assert out.exit_code == 0, (out.output, out.exception)
     assert len(shared_stages) == 1
     assert "40-token prompts, 5 tokens per client" in out.stdout.splitlines()[0]
@@ -118,7 +160,7 @@ def test_sweep_puts_llamacpp_beside(tiny_model, no_stage_left, shared_stages, tm
     peer = peer_report(tmp_path / "peer.json")
     out = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
                 "--ctx-size", "256", "--clients", "1,2", "--tokens", "5", "--prompt-tokens",
-                "40", "--modes", "pipelined", "--peer-json", str(peer), "--json-out",
+                "40", "--modes", "pipelined", "--repeats", "1", "--peer-json", str(peer), "--json-out",
                 str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png"))
     assert out.exit_code == 0, (out.output, out.exception)
     lines = out.stdout.splitlines()

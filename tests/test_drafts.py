@@ -18,9 +18,10 @@ def test_nothing_to_propose_and_short_continuations():
     assert d.propose(4) == [5, 4]  # what followed the earlier 4, up to the end
 
 
-def test_draft_room_is_an_even_share_of_the_pad_rows():
+def test_draft_room_is_the_rows_beyond_the_slots_up_to_k():
     from strata.coordinator.drafts import draft_room
-    assert draft_room(1, 7) == 7 and draft_room(1, 3) == 3   # 1 slot in 8 rows
-    assert draft_room(3, 7) == 2    # 5 pad rows over 3 slots, rounded up
-    assert draft_room(8, 7) == 0    # a full window
-    assert draft_room(9, 7) == 1    # 16 rows: 7 pad rows over 9 slots
+    assert draft_room(1, 7, 8) == 7 and draft_room(1, 3, 8) == 3   # 1 slot in 8 rows
+    assert draft_room(3, 7, 8) == 5     # 5 rows beyond 3 slots (the window shares them)
+    assert draft_room(8, 7, 8) == 0     # a full window that may not grow
+    assert draft_room(8, 7, 32) == 7    # one that may grow to 32 rows
+    assert draft_room(4, 3, 32) == 3 and draft_room(40, 7, 32) == 0

@@ -118,10 +118,11 @@ class RepeatsTwelveBack(FakePipeline):
 
 @pytest.mark.parametrize("slots,decoding,draft_tokens", [(1, 1, 7), (16, 9, 7), (8, 8, 7)])
 def test_drafts_fill_only_the_spare_rows_of_the_rounded_size(slots, decoding, draft_tokens):
-    """A window with d decoding slots has round8(d) rows whatever the maximum (16 here) and
-    the drafts on offer allow: its drafts take exactly the round8(d) - d pad rows. 8 decoding
-    slots leave none."""
-    cfg = SchedulerConfig(slots=slots, window_rows=16, ctx=128, draft_tokens=draft_tokens)
+    """With draft_rows 0, a window with d decoding slots has round8(d) rows whatever the
+    maximum (16 here) and the drafts on offer allow: its drafts take exactly the round8(d) - d
+    pad rows. 8 decoding slots leave none. (Windows that drafts grow: test_pipelined_mtp.py.)"""
+    cfg = SchedulerConfig(slots=slots, window_rows=16, ctx=128, draft_tokens=draft_tokens,
+                          draft_rows=0)
     prompts = [list(range(3 + i, 15 + i)) * 2 for i in range(decoding)]
     sampling = [SamplingParams(max_tokens=40)] * decoding
     rec, reqs = run_recorded(cfg, prompts, sampling, pipe=RepeatsTwelveBack(slots, 128))
@@ -250,7 +251,8 @@ def test_histogram_and_status_show_each_decode_window():
     status, text = asyncio.run(main())
     assert status["window_rows"] == 16
     assert status["groups"] == [{"group": 0, "slots": list(range(n)), "window_in_flight": False,
-                                 "decode_window": {"rows": 8, "live": 1}}]
+                                 "decode_window": {"rows": 8, "live": 1},
+                                 "drafts": None}]   # no drafts: nothing chosen
     m = prometheus(text)
     assert m['strata_window_rows_count{counted="size"}'] == n
     assert m['strata_window_rows_bucket{counted="size",le="8.0"}'] == n - 1

@@ -4,7 +4,8 @@
   exact       the exactness harness: N prompts alone, then together; any mismatch fails
   throughput  C concurrent clients x T tokens: serial vs pipelined groups in one run
   loadtest    C concurrent HTTP clients for a bounded time against strata-launch serving
-  sweep       total tok/s against concurrent clients: 1gpu, serial, pipelined side by side
+  sweep       total tok/s against concurrent clients: 1gpu, serial, pipelined (and with MTP
+              drafts: serial-mtp, pipelined-mtp) side by side
   prompt      a long prompt's reading rate: serial vs pipelined chunks, FLOP/s and % of peak
   drafts      decoding with draft tokens (mtp or lookup) against without, side by side;
               tokens compared

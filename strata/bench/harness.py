@@ -99,6 +99,22 @@ class Throughput:
     prompt_tokens: int = 0   # read, all requests
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    decode_windows: int = 0  # windows of decoding slots sent (each group's, all of them)
+
+    @property
+    def drafted(self) -> int:
+        """Draft tokens verified in windows, all requests."""
+        return sum(r.drafted for r in self.requests)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.requests)
+
+    @property
+    def tokens_per_window(self) -> float:
+        """Tokens a decode window gives, all its slots: the tokens after each request's first
+        (which its prompt's last chunk samples) over the decode windows."""
+        return (self.tokens - self.clients) / self.decode_windows if self.decode_windows else 0.0
 
     @property
     def total_tok_s(self) -> float:
@@ -120,7 +136,8 @@ def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,
                        max_tokens: int, prompt_tokens: int | None = None) -> Throughput:
     """`clients` requests arrive at once; each decodes exactly max_tokens tokens (no EOS).
     Prompts: the harness's texts, or with prompt_tokens, prompt_ids of that length."""
-    sched = Scheduler(run.pipe, cfg, frozenset(), tok.decode)
+    pipe = CountingPipe(run.pipe)
+    sched = Scheduler(pipe, cfg, frozenset(), tok.decode)
     prompts = (prompt_ids(tok, clients, prompt_tokens) if prompt_tokens
                else [tok.encode(text) for text in prompt_set(clients)])
     start = time.perf_counter()
@@ -136,7 +153,25 @@ def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,
     decode_tokens, decode_seconds = decode_phase(stamps)
     return Throughput(clients, tokens, seconds, [s[0] - start for s in stamps], per_request,
                       reqs, prompt_tokens=sum(len(p) for p in prompts),
-                      decode_tokens=decode_tokens, decode_seconds=decode_seconds)
+                      decode_tokens=decode_tokens, decode_seconds=decode_seconds,
+                      decode_windows=pipe.decode_windows)
+
+
+class CountingPipe:
+    """A launch's Pipeline as a scheduler sees it, counting the decode windows sent."""
+
+    def __init__(self, pipe):
+        self.pipe, self.decode_windows = pipe, 0
+
+    def new_window_id(self) -> int:
+        return self.pipe.new_window_id()
+
+    def submit(self, w) -> None:
+        self.pipe.submit(w)
+        self.decode_windows += not w.chunk and any(s >= 0 for s in w.slots)
+
+    def receive(self, timeout: float | None = None):
+        return self.pipe.receive(timeout=timeout)
 
 
 def decode_phase(stamps: list[list[float]]) -> tuple[int, float]:

@@ -1,12 +1,17 @@
 """`strata-bench sweep`: total tok/s against the number of concurrent clients, for several modes
 side by side in one run, as a table, a JSON file and a plot.
 
-  1gpu       one stage holding the whole model on the first device, groups 1
-  serial     the --layer-split stages, groups 1 (a window passes every stage before the next)
-  pipelined  the same stages, groups auto (one group of slots in flight per stage)
+  1gpu           one stage holding the whole model on the first device, groups 1
+  serial         the --layer-split stages, groups 1 (a window passes every stage before the next)
+  pipelined      the same stages, groups auto (one group of slots in flight per stage)
+  serial-mtp     serial, with MTP drafts (--draft-tokens K or auto, the default here) from
+                 the model's NextN head (its own or --mtp-head): batch MTP
+  pipelined-mtp  pipelined, with the same drafts: pipelined batch MTP
 
 Each stage layout is launched once; every client count and every mode of that layout runs inside
-that launch, the modes interleaved per client count so that they share the machine's noise.
+that launch, the modes interleaved per client count so that they share the machine's noise,
+--repeats times; each row has the medians. Rows give the drafts' acceptance (kept over
+verified) and the tokens a decode window gives (all its slots'; the plain modes: its slots).
 
 Besides generated tokens over the run (total tok/s), each row has the two rates llama.cpp's
 llama-batched-bench reports (strata/bench/llamacpp.py): the decode rate (tokens sampled after
@@ -28,13 +33,18 @@ from click.core import ParameterSource
 from strata.coordinator.scheduler import SchedulerConfig, auto_groups
 from strata.bench import harness, tracereport
 from strata.bench.harness import machine
-from strata.launch.options import (Prepared, clean_errors, launch_options, parse_devices_for,
-                                   prepare)
+from strata.launch.options import (Prepared, clean_errors, launch_options, open_model,
+                                   parse_devices_for, prepare)
 from strata.model.tokenizer import Tokenizer
 
-MODES = ("1gpu", "serial", "pipelined")
-COLUMNS = (f"{'mode':>9} {'clients':>7} {'stages':>6} {'groups':>6} {'total tok/s':>11} "
-           f"{'per-req tok/s':>13} {'TTFT med s':>10} {'decode tok/s':>12} {'pp+tg tok/s':>11}")
+MODES = ("1gpu", "serial", "pipelined", "serial-mtp", "pipelined-mtp")
+DRAFTED = ("serial-mtp", "pipelined-mtp")   # the modes with MTP drafts
+COLUMNS = (f"{'mode':>13} {'clients':>7} {'stages':>6} {'groups':>6} {'total tok/s':>11} "
+           f"{'per-req tok/s':>13} {'TTFT med s':>10} {'decode tok/s':>12} {'pp+tg tok/s':>11} "
+           f"{'tok/window':>10} {'accepted':>8}")
+# the measured fields of a row, each the median of its repetitions
+MEDIANS = ("total_tok_s", "per_request_tok_s", "ttft_median_s", "decode_tok_s",
+           "prompt_and_generated_tok_s", "tokens_per_window", "acceptance")
 PEER_COLUMN = f" {'llama.cpp decode':>16}"
 
 
@@ -75,21 +85,33 @@ def plan_layouts(launch: dict, modes: list[str], batch: int,
                  groups: str = "auto") -> list[Layout]:
     """Check every layout before any process starts; modes whose stages are the same share one
     launch (e.g. 1gpu and a --layer-split of one stage on the same device). groups: the
-    pipelined mode's groups, a number or auto (one per stage)."""
+    pipelined modes' groups, a number or auto (one per stage). The modes without -mtp have no
+    drafts; the -mtp modes draft --draft-tokens (0, the default: auto) with the NextN head."""
     modes_of: dict[str, tuple[Prepared, SchedulerConfig]] = {}
+    plain = {**launch, "draft_tokens": 0, "drafter": None, "mtp_head": None}
     if "1gpu" in modes:
         first = parse_devices_for(launch["devices"])[0]
-        one = prepare(**{**launch, "layer_split": "auto", "devices": first, "batch": batch,
+        one = prepare(**{**plain, "layer_split": "auto", "devices": first, "batch": batch,
                          "batch_groups": "1"})
         modes_of["1gpu"] = (one, one.sched)
-    if "serial" in modes or "pipelined" in modes:
-        split = prepare(**{**launch, "batch": batch, "batch_groups": groups})
+    split_modes = [m for m in modes if m != "1gpu"]
+    if split_modes:
+        drafted = [m for m in split_modes if m in DRAFTED]
+        if drafted:
+            check_head(launch, drafted)
+            k = "auto" if str(launch["draft_tokens"]) == "0" else launch["draft_tokens"]
+            args = {**launch, "draft_tokens": k, "drafter": "mtp"}
+        else:
+            args = plain
+        split = prepare(**{**args, "batch": batch, "batch_groups": groups})
         piped = split.sched
         if piped.groups < 2:  # --batch-groups 1 would make it serial: one group per stage
             piped = replace(piped, groups=auto_groups(batch, len(split.plan)))
         serial = replace(piped, groups=1)
-        modes_of |= {m: (split, cfg) for m, cfg in (("serial", serial), ("pipelined", piped))
-                     if m in modes}
+        cfgs = {"serial": replace(serial, draft_tokens=0),
+                "pipelined": replace(piped, draft_tokens=0),
+                "serial-mtp": serial, "pipelined-mtp": piped}
+        modes_of |= {m: (split, cfgs[m]) for m in split_modes}
     layouts: list[Layout] = []
     for mode, (prep, cfg) in modes_of.items():
         same = next((lay for lay in layouts if lay.prep.plan == prep.plan), None)
@@ -97,6 +119,17 @@ def plan_layouts(launch: dict, modes: list[str], batch: int,
             layouts.append(same := Layout(prep, {}))
         same.modes[mode] = cfg
     return layouts
+
+
+def check_head(launch: dict, drafted: list[str]) -> None:
+    """The -mtp modes need a NextN head: the model's own, or --mtp-head."""
+    from strata.model.nextn import find_head
+    file = open_model(launch["model"], launch["ctx_size"])
+    if find_head(file, launch.get("mtp_head")) is None:
+        names = ",".join(drafted)
+        raise ValueError(f"--modes {names} draft with a NextN head, and the model file "
+                         f"{file.path.name} has none; pass --mtp-head PATH (a head made for "
+                         f"this model) or leave {names} out of --modes")
 
 
 def measure(run, cfg: SchedulerConfig, tok, mode: str, clients: int, tokens: int,
@@ -108,14 +141,32 @@ def measure(run, cfg: SchedulerConfig, tok, mode: str, clients: int, tokens: int
             "total_tok_s": r.total_tok_s, "per_request_tok_s": mean(r.per_request),
             "ttft_median_s": median(r.ttft), "prompt_tokens_read": r.prompt_tokens,
             "decode_tok_s": r.decode_tok_s,
-            "prompt_and_generated_tok_s": r.prompt_and_generated_tok_s}
+            "prompt_and_generated_tok_s": r.prompt_and_generated_tok_s,
+            "draft_tokens": cfg.draft_tokens, "drafted": r.drafted, "accepted": r.accepted,
+            "acceptance": r.accepted / r.drafted if r.drafted else None,
+            "decode_windows": r.decode_windows, "tokens_per_window": r.tokens_per_window}
+
+
+def median_row(rows: list[dict]) -> dict:
+    """The repetitions of one mode and client count as one row: the median of each measured
+    field (MEDIANS), each repetition's total tok/s beside."""
+    row = dict(rows[0])
+    for key in MEDIANS:
+        values = [r[key] for r in rows if r[key] is not None]
+        row[key] = median(values) if values else None
+    for key in ("drafted", "accepted", "decode_windows"):
+        row[key] = sum(r[key] for r in rows)
+    row["repeats_total_tok_s"] = [r["total_tok_s"] for r in rows]
+    return row
 
 
 def format_row(row: dict) -> str:
-    line = (f"{row['mode']:>9} {row['clients']:>7} {row['stages']:>6} {row['groups']:>6} "
+    accepted = row["acceptance"]
+    line = (f"{row['mode']:>13} {row['clients']:>7} {row['stages']:>6} {row['groups']:>6} "
             f"{row['total_tok_s']:>11.2f} {row['per_request_tok_s']:>13.2f} "
             f"{row['ttft_median_s']:>10.3f} {row['decode_tok_s']:>12.2f} "
-            f"{row['prompt_and_generated_tok_s']:>11.2f}")
+            f"{row['prompt_and_generated_tok_s']:>11.2f} {row['tokens_per_window']:>10.2f} "
+            + (f"{accepted:>8.2f}" if accepted is not None else f"{'-':>8}"))
     if "peer_decode_tok_s" not in row:
         return line
     peer = row["peer_decode_tok_s"]
@@ -143,8 +194,9 @@ def load_peer(path: str, prompt_tokens: int | None, tokens: int) -> dict:
 
 def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo,
               trace_dir: Path | None = None, prompt_tokens: int | None = None,
-              peer: dict | None = None) -> list[dict]:
-    """Launch each layout once; for each client count, run its modes one after the other.
+              peer: dict | None = None, repeats: int = 1) -> list[dict]:
+    """Launch each layout once; for each client count, run its modes one after the other,
+    `repeats` times over; a row has the medians (median_row).
     With trace_dir, each launch's processes write their timelines under it, and each row gets
     the decode windows' breakdown (tracereport.summarize) once its launch has stopped. With
     peer (load_peer), each row carries llama.cpp's decode rate at its client count."""
@@ -159,13 +211,20 @@ def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo,
             harness.measure_throughput(run, next(iter(layout.modes.values())), tok,
                                        max(clients), min(tokens, 16))
             for n in clients:
-                for mode, cfg in layout.modes.items():
-                    first = run.pipe.next_window_id + 1
-                    rows.append(measure(run, cfg, tok, mode, n, tokens, prompt_tokens))
+                runs: dict[str, list[dict]] = {mode: [] for mode in layout.modes}
+                ids: dict[str, set[int]] = {mode: set() for mode in layout.modes}
+                for _ in range(repeats):
+                    for mode, cfg in layout.modes.items():
+                        first = run.pipe.next_window_id + 1
+                        runs[mode].append(measure(run, cfg, tok, mode, n, tokens,
+                                                  prompt_tokens))
+                        ids[mode] |= set(range(first, run.pipe.next_window_id + 1))
+                for mode in layout.modes:
+                    rows.append(median_row(runs[mode]))
                     if peer is not None:
                         rows[-1]["peer_decode_tok_s"] = peer["decode_tok_s"].get(n)
                     echo(format_row(rows[-1]))
-                    windows.append((rows[-1], range(first, run.pipe.next_window_id + 1)))
+                    windows.append((rows[-1], ids[mode]))
         for row, ids in windows if traced else ():
             row["trace"] = tracereport.summarize(traced, ids=ids)
             echo(f"# {row['mode']} {row['clients']} clients: "
@@ -224,8 +283,12 @@ def plot(path: str, rows: list[dict], title: str, peer: dict | None = None) -> N
 @launch_options
 @click.option("--clients", default="1,2,4,8,16,32", show_default=True,
               help="Concurrent client counts to measure.")
-@click.option("--modes", default=",".join(MODES), show_default=True,
-              help="Which of 1gpu, serial, pipelined to run.")
+@click.option("--modes", default="1gpu,serial,pipelined", show_default=True,
+              help=f"Which of {', '.join(MODES)} to run (the -mtp modes: with MTP drafts, "
+                   f"--draft-tokens K or auto, the default for them).")
+@click.option("--repeats", type=int, default=3, show_default=True,
+              help="Runs of each mode and client count, interleaved; each row has the "
+                   "medians.")
 @click.option("--tokens", type=int, default=32, show_default=True, help="Tokens per client.")
 @click.option("--prompt-tokens", type=int, default=None,
               help="Every client's prompt has exactly this many tokens (llama-batched-bench's "
@@ -242,14 +305,18 @@ def plot(path: str, rows: list[dict], title: str, peer: dict | None = None) -> N
               help="Trace every process (strata/trace.py) into this folder and print, per "
                    "row, each stage's GPU and overhead ms per decode window and GPU busy share.")
 @clean_errors("strata-bench sweep")
-def sweep(clients, modes, tokens, prompt_tokens, json_out, plot_path, peer_json, trace_dir,
-          **launch):
-    """Tok/s against concurrent clients for 1gpu, serial and pipelined side by side: generated
-    tokens over the run, and llama.cpp's two rates (decode; prompt and generated tokens), with
-    --prompt-tokens read as its -npp and --peer-json its rows beside. --batch defaults to the
+def sweep(clients, modes, repeats, tokens, prompt_tokens, json_out, plot_path, peer_json,
+          trace_dir, **launch):
+    """Tok/s against concurrent clients for 1gpu, serial and pipelined (and with MTP drafts,
+    serial-mtp and pipelined-mtp) side by side, medians of --repeats runs: generated tokens
+    over the run, and llama.cpp's two rates (decode; prompt and generated tokens), with
+    --prompt-tokens read as its -npp and --peer-json its rows beside; the drafts' acceptance and
+    the tokens a decode window gives. --batch defaults to the
     largest client count; --batch-groups sets the pipelined mode's groups (default: one per
     stage; more groups than stages cover the hops' latency)."""
     counts, chosen = parse_clients(clients), parse_modes(modes)
+    if repeats < 1:
+        raise ValueError(f"--repeats {repeats} is below 1; use 1 or more (3: medians of three)")
     if tokens < 2:
         raise ValueError(f"--tokens {tokens} is below 2: a per-request rate needs two tokens")
     if prompt_tokens is not None and prompt_tokens < 1:
@@ -275,15 +342,22 @@ def sweep(clients, modes, tokens, prompt_tokens, json_out, plot_path, peer_json,
                   "chunk_rows": {"/".join(lay.modes): lay.prep.sched.chunk_rows for lay in layouts},
                   "ctx_size": launch["ctx_size"], "layer_split": launch["layer_split"],
                   "devices": devices, "clients": counts, "modes": chosen,
-                  "prompt_tokens": prompt_tokens}
+                  "prompt_tokens": prompt_tokens, "repeats": repeats,
+                  "draft_tokens": {"/".join(m for m in lay.modes if m in DRAFTED):
+                                   lay.prep.sched.draft_tokens
+                                   for lay in layouts if set(lay.modes) & set(DRAFTED)}}
     prompts = f"{prompt_tokens}-token prompts" if prompt_tokens else "the harness's prompts"
+    drafts = conditions["draft_tokens"]
     click.echo(f"# {model}, {prompts}, {tokens} tokens per client, batch {launch['batch']}, "
-               f"window rows up to {_named(window_rows)}; {devices}; {machine()}")
+               f"window rows up to {_named(window_rows)}"
+               + (f", MTP drafts per slot {_named(drafts)}" if drafts else "")
+               + f", medians of {repeats}; {devices}; {machine()}")
     if peer is not None:
         click.echo(f"# llama.cpp: {peer_json}, {peer['conditions'].get('model')} on "
                    f"{peer['conditions'].get('devices')}; {peer['machine']}")
     click.echo(COLUMNS + (PEER_COLUMN if peer is not None else ""))
-    rows = run_sweep(layouts, counts, tokens, click.echo, trace_dir, prompt_tokens, peer)
+    rows = run_sweep(layouts, counts, tokens, click.echo, trace_dir, prompt_tokens, peer,
+                     repeats)
     if json_out:
         report = {"machine": machine(), "conditions": conditions, "results": rows}
         if peer is not None:

@@ -11,6 +11,13 @@ MAX_WINDOW_ROWS = 64   # the stages' largest decode window
 # a slot's row and its drafts fit in the smallest decode window
 MAX_DRAFT_TOKENS = WINDOW_ROW_STEP - 1
 DRAFTERS = ("mtp", "lookup")   # the last stage's NextN head, or prompt lookup (drafts.py)
+AUTO = "auto"
+# draft_rows auto: drafts may fill a decode window up to the row tile its size without drafts
+# falls in, 32 rows for windows up to 32, else 64. Measured on one H200 (docs/results/
+# window_sizes_h200.txt), a window of 32 rows costs at most 1.16x one of 8, 16 or 24 rows
+# (the 8B shape: 4.41, 4.54, 5.11 -> 5.08 ms; SmolLM2: 0.87-0.90 -> 0.92 ms), and one of 64 at
+# most 1.10x one of 40-56 rows; growing past a tile costs more (8B: 32 -> 40 rows 1.28x).
+DRAFT_TILES = (32, 64)
 
 
 def round_rows(rows: int) -> int:
@@ -35,8 +42,15 @@ class SchedulerConfig:
     chunk_rows: int = 32
     ctx: int = 2048
     prompt_depth: int = 1   # prompt chunks of one slot in flight at once (> 1: pipelined)
-    draft_tokens: int = 0   # at most this many draft rows per slot in a decode window (drafts.py)
+    # at most this many draft rows per slot in a decode window (drafts.py); "auto": the
+    # scheduler picks 0..MAX_DRAFT_TOKENS per group from window times and acceptance
+    # (draft_choice.py)
+    draft_tokens: int | str = 0
     drafter: str = "lookup"  # where drafts come from: DRAFTERS
+    # the most rows drafts may add to a decode window beyond its decoding slots rounded up to
+    # WINDOW_ROW_STEP (a multiple of it); None: up to the window's row tile (DRAFT_TILES;
+    # strata-launch's --draft-rows auto on CUDA stages, 0 on CPU stages)
+    draft_rows: int | None = None
 
     def __post_init__(self):
         for name in ("slots", "chunk_rows", "ctx", "prompt_depth"):
@@ -55,14 +69,41 @@ class SchedulerConfig:
                               f"{WINDOW_ROW_STEP} from {WINDOW_ROW_STEP} to {MAX_WINDOW_ROWS} "
                               f"(the most rows a stage takes in a decode window)",
                               f"use {near}")
-        if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+        if self.draft_tokens != AUTO and not (isinstance(self.draft_tokens, int)
+                                              and 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS):
             raise ConfigError("draft_tokens", f"{{draft_tokens}} {self.draft_tokens} is not "
                               f"from 0 to {MAX_DRAFT_TOKENS} (a slot's row and its drafts share "
                               f"one decode window of at least {WINDOW_ROW_STEP} rows)",
-                              f"use 0 (off) to {MAX_DRAFT_TOKENS}")
+                              f"use 0 (off) to {MAX_DRAFT_TOKENS} or {AUTO}")
+        rows = self.draft_rows
+        if rows is not None and (rows % WINDOW_ROW_STEP
+                                 or not 0 <= rows <= MAX_WINDOW_ROWS - WINDOW_ROW_STEP):
+            near = min(max(round_rows(rows), 0), MAX_WINDOW_ROWS - WINDOW_ROW_STEP)
+            raise ConfigError("draft_rows", f"{{draft_rows}} {rows} is not a multiple of "
+                              f"{WINDOW_ROW_STEP} from 0 to {MAX_WINDOW_ROWS - WINDOW_ROW_STEP} "
+                              f"(a decode window has at most {MAX_WINDOW_ROWS} rows)",
+                              f"use {near}")
         if self.drafter not in DRAFTERS:
             raise ConfigError("drafter", f"{{drafter}} {self.drafter!r} is not one of "
                               f"{', '.join(DRAFTERS)}", "use mtp or lookup")
+
+    @property
+    def auto_drafts(self) -> bool:
+        """draft_tokens auto: the scheduler picks each group's drafts per slot."""
+        return self.draft_tokens == AUTO
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most drafts a slot verifies in one window."""
+        return MAX_DRAFT_TOKENS if self.auto_drafts else self.draft_tokens
+
+    def draft_window_rows(self, rows: int) -> int:
+        """The most rows a decode window of `rows` rows without drafts (a multiple of
+        WINDOW_ROW_STEP) may have with them: rows + draft_rows, or with draft_rows auto its row
+        tile (DRAFT_TILES); never more than MAX_WINDOW_ROWS."""
+        if self.draft_rows is not None:
+            return min(rows + self.draft_rows, MAX_WINDOW_ROWS)
+        return max(rows, next(t for t in DRAFT_TILES if rows <= t))
 
 
 def auto_groups(slots: int, stages: int) -> int:

@@ -5,10 +5,15 @@ and the drafts at L..L + k - 1, every row sampled. The last stage answers t_0..t
 is the token for position L + j given the rows before it. t_0 is always the slot's next token;
 t_j (j >= 1) counts only if d_1..d_j equal t_0..t_{j-1}. So a window yields 1 to k + 1 tokens,
 and they are exactly the tokens of plain decoding (DESIGN.md, exactness 4): each row is
-computed in the same window shape as a decode row, with the same KV before it (the accepted
+computed as a decode row (the stages' kernels give a row the same bits in a decode window of
+any size, so it does not matter that drafts fill pad rows or grow the window past its decoding
+slots' rounded size, nor which slots get draft rows), with the same KV before it (the accepted
 drafts wrote the same keys and values a decode row of that token would), and each draw is
-keyed by (seed, position). Drafts only change how many windows a request takes. The KV rows
-of rejected drafts are dropped by a commit on the next window.
+keyed by (seed, position). Drafts only change how many windows a request takes and how large
+they are. The KV rows of rejected drafts are dropped by a commit on the next window.
+
+How many rows drafts may add to a window (SchedulerConfig.draft_rows, draft_room), which slots
+get them and, with draft_tokens auto, how many drafts per slot: draft_choice.py.
 
 Two drafters (SchedulerConfig.drafter):
 - lookup: prompt lookup (n-gram matching) here, the tokens that followed the latest earlier
@@ -24,17 +29,16 @@ Either way acceptance is the same equality, so the drafter changes the windows, 
 """
 from __future__ import annotations
 
-from strata.coordinator.config import round_rows
 from strata.coordinator.generate import Sequence
 
 MAX_NGRAM = 3
 
 
-def draft_room(decoding: int, draft_tokens: int) -> int:
-    """The most drafts a slot gets in a decode window of `decoding` slots: an even share of its
-    pad rows (the slots rounded up to WINDOW_ROW_STEP), rounded up, at most draft_tokens."""
-    pad = round_rows(decoding) - decoding
-    return min(draft_tokens, -(-pad // max(decoding, 1)))
+def draft_room(decoding: int, draft_tokens: int, window_rows: int) -> int:
+    """The most drafts a slot may get in a decode window of `decoding` slots and at most
+    `window_rows` rows (SchedulerConfig.draft_window_rows): the rows beyond the slots' own,
+    at most draft_tokens. The slots share those rows (draft_choice.share_rows)."""
+    return max(min(draft_tokens, window_rows - decoding), 0)
 
 
 def draft_limit(seq: Sequence, room: int, draft_tokens: int, ahead: int = 0) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.pipeline import Pipeline, WindowFailed
 from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.draft_choice import DraftChoice
 from strata.coordinator.scheduler import (DecodeWindow, Request, Scheduler, SchedulerConfig,
                                           SlotState)
 from strata.protocol.messages import Window
@@ -100,6 +101,7 @@ class Snapshot:
     decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
     drafted: int = 0    # draft tokens sent in windows since the start
     accepted: int = 0   # of them, kept
+    draft_choices: tuple[DraftChoice | None, ...] = ()   # per group: what its windows carry
 
 
 def _window_kind(w: Window) -> str:
@@ -301,7 +303,7 @@ class Engine:
                                         snap.accepted - self.snapshot.accepted)
         self.snapshot = Snapshot(tuple(self._view(s, now) for s in snap.slots), snap.in_flight,
                                  snap.queued, self.pipe.windows, snap.decode_windows,
-                                 snap.drafted, snap.accepted)
+                                 snap.drafted, snap.accepted, snap.draft_choices)
         held, self._held = self._held or [], None
         for job, fin in held:
             job.post(fin)

@@ -14,15 +14,19 @@ decoding slots, at most window_rows of them (more take turns in slot order, from
 after the last one served), and has that many rows rounded up to a multiple of 8 (WINDOW_ROW_STEP):
 1 decoding slot -> 8 rows, 9 -> 16, 40 -> 40, 70 with window_rows 64 -> 64 rows each window.
 So a window reads the weights once for all its rows, and a lone request pays for 8 rows, not
-for window_rows. The rounding's spare rows are pad rows (slot -1); with draft_tokens, the
-decoding slots share them out evenly for drafts (drafts.py). Drafts never make a window larger
-than its decoding slots' rounded size. The stages compute a row the same whatever the window's
-size (batch-invariant kernels), so the size changes no token.
+for window_rows. The rounding's spare rows are pad rows (slot -1). With draft_tokens, a slot
+verifies up to K drafts (drafts.py) in rows beyond its own: the pad rows, and up to draft_rows
+more (draft_window_rows: by default up to the window's row tile, 32 or 64 rows), so 4 decoding
+slots with K = 7 take a window of 32 rows; when the slots want more rows than that, the rows go
+to the drafts most likely to be kept, by each request's recent acceptance (draft_choice.py).
+With draft_tokens auto, K is chosen per group from its measured window times and acceptance.
+The stages compute a row the same whatever the window's size (batch-invariant kernels), so
+neither the size nor which slot gets drafts changes a token.
 
 MTP drafts (drafter "mtp"): each decode window, and a prompt's last chunk, asks the last
-stage's drafter for proposals for its slots (`propose`, k = the drafts the slot's next decode
-window has room for); its Result carries them, and they wait on the request until the slot's
-next decode window, which puts as many as fit in its rows. A group sends a slot's next decode
+stage's drafter for proposals for its slots (`propose`, k = the group's drafts per slot,
+within the rows its next decode window may have); its Result carries them, and they wait on
+the request until the slot's next decode window, which puts as many as fit in its rows. A group sends a slot's next decode
 window only after the previous window of the group has come back (one window in flight per
 group, and a group's prompt chunks stream only while it has no decoding slot), so the
 proposals are always there in time, with any number of groups. A request that ends drops its
@@ -46,12 +50,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from typing import Callable
 
 from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_groups re-exported)
     WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
-from strata.coordinator.drafts import PromptLookup, draft_limit, draft_room
+from strata.coordinator.draft_choice import share_rows
+from strata.coordinator.drafts import PromptLookup, draft_limit
 from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.sampling import SamplingParams
@@ -67,8 +73,9 @@ CHUNKS_FIRST = 8   # prompt chunks sent in a row while the decode window can gro
 
 class Scheduler:
     def __init__(self, pipe: Pipeline, cfg: SchedulerConfig, stop_ids: frozenset[int],
-                 detokenize: Callable[[list[int]], str] = lambda ids: ""):
-        self.pipe, self.cfg = pipe, cfg
+                 detokenize: Callable[[list[int]], str] = lambda ids: "",
+                 clock: Callable[[], float] = time.perf_counter):
+        self.pipe, self.cfg, self.clock = pipe, cfg, clock
         self.stop_ids, self.detokenize = stop_ids, detokenize
         self.table = SlotTable(cfg.slots, cfg.groups)
         self.queue: deque[Request] = deque()
@@ -76,6 +83,7 @@ class Scheduler:
         self.groups = [Group() for _ in range(cfg.groups)]
         self.commits: list[tuple[int, int]] = []   # ride on the next window submitted
         self.drafted = self.accepted = 0            # draft tokens, every request's
+        self.landed_at = 0.0                        # when the last result came (clock)
         self._ids = itertools.count(1)
 
     # --- requests -----------------------------------------------------------------------------
@@ -117,7 +125,8 @@ class Scheduler:
                                    accepted=req.accepted))
         return SchedulerSnapshot(tuple(views), tuple(g.flights > 0 for g in self.groups),
                                  len(self.queue), tuple(g.last_decode for g in self.groups),
-                                 self.drafted, self.accepted)
+                                 self.drafted, self.accepted,
+                                 tuple(g.drafts.choice for g in self.groups))
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -149,6 +158,9 @@ class Scheduler:
                 self._fail(flight, str(e))
             return True
         self._landed(flight.group)
+        now = self.clock()   # times the group's decode windows (draft_choice.py)
+        self.groups[flight.group].drafts.landed(now, self.landed_at)
+        self.landed_at = now
         sampled = iter(result.tokens)
         proposals = {p[0]: p[1:] for p in result.proposals}   # slot -> d1..dk
         for o in flight.owners:
@@ -237,7 +249,9 @@ class Scheduler:
 
     def _submit_decode(self, group: int, decoding: list[Slot]) -> None:
         """The next decode window of the group: up to window_rows decoding slots (in rotation),
-        its rows rounded up to a multiple of 8; the pad rows are the room for drafts."""
+        each with up to the group's drafts per slot; its rows (slots and drafts) rounded up to a
+        multiple of 8, at most draft_window_rows of the slots' own size. When the slots want
+        more drafts than fit, the rows go to those most likely to be kept (share_rows)."""
         g = self.groups[group]
         # in slot order, from the slot after the last one served: slots that join or leave
         # don't make others skip their turn
@@ -245,19 +259,37 @@ class Scheduler:
                  + [s for s in decoding if s.index <= g.cursor])
         chosen = order[: self.cfg.window_rows]
         g.cursor = chosen[-1].index
-        size = round_rows(len(chosen))   # <= window_rows, itself a multiple of 8
-        spare = size - len(chosen)
+        for s in chosen:   # the drafts of each slot's last window, kept or not
+            self._observe_drafts(g, s.request)
+        k = g.drafts.per_slot(self.cfg, len(chosen))
+        wants = [self._drafts(s.request, k) for s in chosen]
+        prior = g.drafts.acceptance.rate()
+        limit = self.cfg.draft_window_rows(round_rows(len(chosen))) if k else len(chosen)
+        shares = share_rows([len(d) for d in wants],
+                            [s.request.acceptance.rate(prior) for s in chosen],
+                            limit - len(chosen))
         rows, owners, propose = [], [], []
-        for i, s in enumerate(chosen):
-            seq = s.request.seq
-            drafts = self._drafts(s.request, spare // (len(chosen) - i))  # an even share
-            spare -= len(drafts)
+        for s, offered, n in zip(chosen, wants, shares):
+            seq, drafts = s.request.seq, offered[:n]
             rows += [Row(s.index, seq.length - 1 + j, t, seq.params)
                      for j, t in enumerate([seq.last_token] + drafts)]
             owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
             propose += self._propose(s, len(chosen))
+        size = round_rows(len(rows))   # <= MAX_WINDOW_ROWS (draft_window_rows)
+        mtp = self.cfg.drafter == "mtp"
+        if not self.cfg.auto_drafts and self.cfg.draft_tokens:
+            g.drafts.choice = g.drafts.describe(k, size, len(chosen), k if mtp else 0)
         if self._submit(group, rows, size, owners, propose=propose):
             g.last_decode = DecodeWindow(size, len(rows))
+            g.drafts.sent(self.clock(), size, k if mtp else 0)
+
+    def _observe_drafts(self, g: Group, req: Request) -> None:
+        """Count the request's drafts verified since it was last looked at (its last decode
+        window's) into its acceptance and its group's."""
+        drafted, accepted = req.drafted - req.observed[0], req.accepted - req.observed[1]
+        req.observed = (req.drafted, req.accepted)
+        req.acceptance.observe(drafted, accepted)
+        g.drafts.acceptance.observe(drafted, accepted)
 
     def _submit_chunk(self, group: int, slot: Slot) -> None:
         seq, start = slot.request.seq, slot.read_pos
@@ -277,10 +309,11 @@ class Scheduler:
                      chunk=True, propose=propose)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
-        """Draft tokens for the request's next window: within the room left, the context,
-        and the tokens it may still generate (the last row's token is sampled anyway)."""
+        """Draft tokens on offer for the request's next window: at most `room`, within the
+        context and the tokens it may still generate (the last row's token is sampled anyway);
+        the window takes a prefix of them (share_rows)."""
         seq = req.seq
-        k = draft_limit(seq, room, self.cfg.draft_tokens)
+        k = draft_limit(seq, room, self.cfg.max_draft_tokens)
         if self.cfg.drafter == "mtp":  # the proposals its last Result carried, used once
             drafts, req.proposals = req.proposals[:max(k, 0)], []
             return drafts
@@ -296,8 +329,8 @@ class Scheduler:
         `decoding` slots, has room for (it holds one more token by then); else []."""
         if self.cfg.drafter != "mtp" or not self.cfg.draft_tokens:
             return []
-        room = draft_room(max(decoding, 1), self.cfg.draft_tokens)
-        k = draft_limit(slot.request.seq, room, self.cfg.draft_tokens, ahead=1)
+        room = self.groups[slot.group].drafts.room(self.cfg, decoding)
+        k = draft_limit(slot.request.seq, room, self.cfg.max_draft_tokens, ahead=1)
         return [(slot.index, k)] if k >= 1 else []
 
     def _submit(self, group: int, rows: list[Row], shape: int, owners: list[RowOwner],

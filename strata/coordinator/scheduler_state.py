@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from strata.coordinator.draft_choice import Acceptance, DraftChoice, GroupDrafts
 from strata.coordinator.drafts import PromptLookup
 from strata.coordinator.generate import Sequence
 from strata.coordinator.slots import Slot
@@ -25,6 +26,8 @@ class Request:
     drafted: int = 0         # draft tokens sent in windows
     accepted: int = 0        # of them, equal to the token sampled at their position
     proposals: list[int] = field(default_factory=list)  # mtp: drafts for the next decode window
+    acceptance: Acceptance = field(default_factory=Acceptance)   # of its recent windows
+    observed: tuple[int, int] = (0, 0)   # (drafted, accepted) already in `acceptance`
 
     @property
     def done(self) -> bool:
@@ -65,6 +68,7 @@ class Group:
     ahead: int = 0                   # chunks sent in a row while slots decode
     cursor: int = -1                 # the slot that ended the last decode window
     last_decode: DecodeWindow | None = None   # the last decode window sent
+    drafts: GroupDrafts = field(default_factory=GroupDrafts)   # acceptance, times, choice
 
 
 @dataclass(frozen=True)
@@ -91,3 +95,4 @@ class SchedulerSnapshot:
     decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
     drafted: int = 0    # draft tokens sent in windows, every request since the start
     accepted: int = 0   # of them, kept
+    draft_choices: tuple[DraftChoice | None, ...] = ()   # per group: what its windows carry

@@ -319,8 +319,10 @@ class Server:
         groups = [{"group": g, "slots": [s.slot for s in snap.slots if s.group == g],
                    "window_in_flight": busy,
                    # the last decode window sent: its rows and, of them, rows of requests
-                   "decode_window": None if w is None else {"rows": w.rows, "live": w.live}}
-                  for g, (busy, w) in enumerate(zip(snap.in_flight, snap.decode_windows))]
+                   "decode_window": None if w is None else {"rows": w.rows, "live": w.live},
+                   "drafts": draft_choice(c)}
+                  for g, (busy, w, c) in enumerate(zip(snap.in_flight, snap.decode_windows,
+                                                       snap.draft_choices))]
         error = self.health_error()
         return web.json_response({
             "model": self.cfg.model, "healthy": error is None, "error": error,
@@ -340,6 +342,18 @@ def draft_counts(proposed: int, accepted: int) -> dict:
     """Draft tokens put in windows, kept of them, and the share kept (None before any)."""
     return {"proposed": proposed, "accepted": accepted,
             "rate": round(accepted / proposed, 4) if proposed else None}
+
+
+def draft_choice(c) -> dict | None:
+    """A group's drafts per slot and why: its acceptance (a draft kept given the ones before
+    it were), the measured ms of its windows of that size, the expected tokens (draft_choice.py)."""
+    if c is None:
+        return None
+    return {"k": c.k, "rows": c.rows, "acceptance": round(c.acceptance, 4),
+            "window_ms": None if c.window_ms is None else round(c.window_ms, 3),
+            "tokens_per_window": round(c.tokens_per_window, 3),
+            "tok_s": None if c.tok_s is None else round(c.tok_s, 1), "explored": c.explored,
+            "timed": [{"rows": r, "k": k, "ms": ms} for r, k, ms in c.timed]}
 
 
 def stage_table(hellos: dict) -> list[dict]:

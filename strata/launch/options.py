@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from strata.config_error import ConfigError
-from strata.coordinator.config import (DRAFTERS, MAX_DRAFT_TOKENS, MAX_WINDOW_ROWS,
-                                       SchedulerConfig, auto_groups)
+from strata.coordinator.config import (AUTO, DRAFT_TILES, DRAFTERS, MAX_DRAFT_TOKENS,
+                                       MAX_WINDOW_ROWS, WINDOW_ROW_STEP, SchedulerConfig,
+                                       auto_groups)
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.launch.memory import check_fits
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
@@ -71,20 +72,32 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "largest count below that divides --batch (64 slots over 2 stages: "
                           "2 groups of 32)."),
         click.option("--window-rows", default="auto", show_default=True,
-                     help=f"The most rows of a decode window: a multiple of 8 up to "
-                          f"{MAX_WINDOW_ROWS}, or auto = a group's slots (--batch / groups) "
-                          f"rounded up to 8, at most {MAX_WINDOW_ROWS}. Each decode window has "
-                          f"its decoding slots rounded up to 8 rows (1 slot: 8 rows, 9: 16), "
-                          f"up to this; more slots take turns."),
+                     help=f"The most rows of a decode window's decoding slots: a multiple of "
+                          f"8 up to {MAX_WINDOW_ROWS}, or auto = a group's slots (--batch / "
+                          f"groups) rounded up to 8, at most {MAX_WINDOW_ROWS}. Each decode "
+                          f"window has its decoding slots rounded up to 8 rows (1 slot: 8 rows, "
+                          f"9: 16), up to this; more slots take turns. Drafts may add "
+                          f"--draft-rows more (never past {MAX_WINDOW_ROWS})."),
         click.option("--chunk-rows", default="auto", show_default=True,
                      help=f"Rows of a prompt chunk (one slot's prompt tokens), or auto = "
                           f"{GPU_CHUNK_ROWS} when every stage is on a CUDA device (a chunk "
                           f"costs about what a decode window does: fewer, larger chunks read "
                           f"prompts faster), else {DEFAULT_CHUNK_ROWS}."),
-        click.option("--draft-tokens", type=int, default=0, show_default=True,
-                     help=f"Draft tokens a decoding slot may verify in its window's spare rows, "
+        click.option("--draft-tokens", default="0", show_default=True,
+                     help=f"Draft tokens a decoding slot may verify in its decode window, "
                           f"0 (off) to {MAX_DRAFT_TOKENS}: the same tokens in fewer windows "
-                          f"where the drafts are right."),
+                          f"where the drafts are right; or auto = per group of slots, the "
+                          f"number (0 included) with the most tokens per second by the "
+                          f"group's measured window times and acceptance."),
+        click.option("--draft-rows", default="auto", show_default=True,
+                     help=f"The most rows drafts may add to a decode window beyond its "
+                          f"decoding slots rounded up to 8: a multiple of 8 from 0 to "
+                          f"{MAX_WINDOW_ROWS - WINDOW_ROW_STEP} (0: only the pad rows), or auto "
+                          f"= on CUDA stages up to the window's row tile ({DRAFT_TILES[0]} rows "
+                          f"while the slots take at most {DRAFT_TILES[0]}, else "
+                          f"{DRAFT_TILES[1]}), on CPU stages (which compute every row) 0. When "
+                          f"the slots want more, the rows go to the slots whose drafts are "
+                          f"kept most often."),
         click.option("--drafter", type=click.Choice(DRAFTERS), default=None,
                      help="Where drafts come from: mtp = the model's NextN head on the last "
                           "stage (in the model file, or --mtp-head), lookup = prompt lookup "
@@ -133,7 +146,7 @@ class Prepared:
 
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
-            drafter=None, mtp_head=None, **_) -> Prepared:
+            drafter=None, mtp_head=None, draft_rows="auto", **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
     the flags."""
@@ -141,6 +154,9 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     groups = _number_or_auto("--batch-groups", batch_groups)
     window_rows = _number_or_auto("--window-rows", window_rows)
     chunk_rows = _number_or_auto("--chunk-rows", chunk_rows)
+    draft_tokens = _number_or_auto("--draft-tokens", draft_tokens)
+    draft_tokens = AUTO if draft_tokens is None else draft_tokens
+    draft_rows = _number_or_auto("--draft-rows", draft_rows)
     check_stage_settings(batch, ctx_size, graph_cache)
     file = open_model(model, ctx_size)
     plan = plan_stages(layer_split, parse_devices(devices, cuda_count()), file.config.n_layers)
@@ -148,9 +164,12 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
         groups = auto_groups(batch, len(plan))
     if chunk_rows is None:
         chunk_rows = auto_chunk_rows(plan)
+    if draft_rows is None:
+        draft_rows = auto_draft_rows(plan)
     sched = SchedulerConfig(slots=batch, groups=groups,
                             window_rows=window_rows, chunk_rows=chunk_rows, ctx=ctx_size,
                             draft_tokens=draft_tokens, drafter=drafter or "lookup",
+                            draft_rows=draft_rows,
                             prompt_depth=len(plan) + 1)  # + 1: the next chunk waits at stage 0
     drafter, sidecar = choose_drafter(file, draft_tokens, drafter, mtp_head)
     sched = replace(sched, drafter=drafter)
@@ -191,6 +210,13 @@ def auto_chunk_rows(plan: list[StagePlan]) -> int:
     return GPU_CHUNK_ROWS if cuda else DEFAULT_CHUNK_ROWS
 
 
+def auto_draft_rows(plan: list[StagePlan]) -> int | None:
+    """--draft-rows auto: on CUDA stages, None (up to the window's row tile: a window of up to
+    32 rows costs about what one of 8 does there); CPU stages compute every row, in blocks of
+    8, so there drafts take only the pad rows (0)."""
+    return None if all(p.device.startswith("cuda") for p in plan) else 0
+
+
 def _number_or_auto(flag: str, value) -> int | None:
     """An int, or None for auto."""
     if value == "auto":
@@ -208,11 +234,11 @@ def parse_devices_for(devices: str) -> list[str]:
 # the library's config fields as strata-launch's flags, and the choices only the CLI offers
 FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--window-rows",
          "chunk_rows": "--chunk-rows", "ctx": "--ctx-size", "draft_tokens": "--draft-tokens",
-         "drafter": "--drafter",
+         "drafter": "--drafter", "draft_rows": "--draft-rows",
          "graph_cache": "--graph-cache", "port": "--port", "api_key": "--api-key",
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
          "max_client_connections": "--max-client-connections"}
-CHOICES = {"groups": "auto", "window_rows": "auto", "chunk_rows": "auto"}
+CHOICES = {"groups": "auto", "window_rows": "auto", "chunk_rows": "auto", "draft_rows": "auto"}
 
 
 def clean_errors(command_name: str):

@@ -1,0 +1,209 @@
+"""How many drafts a group's slots verify, and which slots get the rows (the scheduler asks).
+
+Rows: a decode window of n decoding slots has round8(n) rows without drafts; drafts may grow
+it up to SchedulerConfig.draft_window_rows(round8(n)) rows. When the slots want more drafts
+than that leaves room for, the rows go to the drafts most likely to be kept: a draft is kept
+only if every draft before it in its slot was, so with acceptance a (the chance a draft is kept
+given the ones before it were) a slot's j-th draft is kept with probability a^j. share_rows
+gives the rows by a^j, highest first, over every slot's j = 1..want (ties: the slot that comes
+first in the window). It decides which rows a window has, never what a row computes: each row
+computes as it would in a window of any size (drafts.py), so no slot's tokens change.
+
+Acceptance (per request, and per group for draft_tokens auto): a draft is kept with
+probability a given the drafts before it were (a geometric model), estimated as
+kept / (kept + first rejections) over the recent windows, decayed by DECAY a window.
+
+draft_tokens auto (choose): a slot with k drafts at acceptance a yields on average
+(1 - a^(k+1)) / (1 - a) tokens per window (expected_tokens). For each K = 0..7 the group's n
+slots share the rows K implies (at most draft_window_rows), which fixes the window's size; the
+coordinator's own timing of the group's decode windows of that size and K gives their time:
+from the later of the window's sending and the result before it (of any group) to its result,
+which with groups in flight is about the time the window holds the pipeline's busiest stage
+(what bounds the tokens per second), and alone its whole trip, the last stage's drafting
+included (with mtp, times are kept per size and K: the last stage drafts K proposals a slot).
+The choice is the K with the most expected tokens per second. A size and K never timed (or not
+for STALE windows) is tried at most once every EXPLORE_EVERY windows of the group, and only
+when it could beat the best measured choice: when it would even in the time of the slowest
+timed window with no more rows and proposals (or no such window is timed). A choice holds for
+HOLD windows, so that a window of the size it implies (its drafts were asked for by the window
+before) gets timed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata.coordinator.config import SchedulerConfig, round_rows
+from strata.coordinator.drafts import draft_room
+
+DECAY = 0.9          # weight of the past in the acceptance counts, per window observed
+PRIOR = 0.5          # acceptance before anything is observed, worth PRIOR_WEIGHT windows
+PRIOR_WEIGHT = 1.0
+TIME_WEIGHT = 0.3    # weight of a new window's time in its size's average
+EXPLORE_EVERY = 8    # decode windows of a group between two tries of an untimed choice
+STALE = 512          # decode windows of the group after which a time counts as untimed
+HOLD = 2             # decode windows a choice lasts
+
+
+def expected_tokens(k: int, a: float) -> float:
+    """Tokens a slot gets from one window with k drafts kept each with probability a (given
+    the ones before): 1 + a + .. + a^k."""
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def share_rows(wants: list[int], acceptance: list[float], room: int) -> list[int]:
+    """Drafts per slot: of each slot's `wants` drafts, the `room` most likely to be kept
+    (the j-th draft of a slot at acceptance a by a^j; ties: j, then the slot's order).
+    Each slot gets a prefix of its drafts."""
+    ranked = sorted((-(a ** j), j, i) for i, (want, a) in enumerate(zip(wants, acceptance))
+                    for j in range(1, want + 1))
+    counts = [0] * len(wants)
+    for _, _, i in ranked[:max(room, 0)]:
+        counts[i] += 1
+    return counts
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of drafts kept and of first rejections (one per window that had one)."""
+    kept: float = 0.0
+    rejected: float = 0.0
+
+    def observe(self, drafted: int, kept: int) -> None:
+        """One window's drafts of a slot: `kept` of `drafted` (kept < drafted: one rejection)."""
+        if drafted:
+            self.kept = DECAY * self.kept + kept
+            self.rejected = DECAY * self.rejected + (kept < drafted)
+
+    def rate(self, prior: float = PRIOR) -> float:
+        return (self.kept + prior * PRIOR_WEIGHT) / (self.kept + self.rejected + PRIOR_WEIGHT)
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """What a group's decode windows carry, and why (shown per group in /v1/status)."""
+    k: int                        # drafts per slot at most
+    rows: int                     # the window's rows that implies
+    acceptance: float             # the group's acceptance when chosen
+    window_ms: float | None       # the measured time of windows of that size and k
+    tokens_per_window: float      # expected, all the window's slots
+    explored: bool = False        # tried because never (or not lately) timed
+    timed: tuple[tuple[int, int, float], ...] = ()   # (rows, k, ms) measured so far
+
+    @property
+    def tok_s(self) -> float | None:
+        """Expected tokens per second of the group with this choice."""
+        return self.tokens_per_window / self.window_ms * 1000 if self.window_ms else None
+
+
+@dataclass
+class GroupDrafts:
+    """A group's drafting state: its acceptance, its decode windows' times, its choice."""
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    ms: dict[tuple[int, int], float] = field(default_factory=dict)   # (rows, k) -> ms
+    timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # -> window count
+    windows: int = 0               # decode windows sent
+    explored_at: int = -EXPLORE_EVERY
+    choice: DraftChoice | None = None
+    chosen_at: int = -HOLD
+    in_flight: tuple[float, tuple[int, int]] | None = None   # (sent at, (rows, k))
+
+    def sent(self, at: float, rows: int, k: int) -> None:
+        self.windows += 1
+        self.in_flight = (at, (rows, k))
+
+    def landed(self, at: float, previous: float) -> None:
+        """A window of the group came back at `at` (the clock of sent), the result before it
+        at `previous`: a decode window's time runs from the later of its sending and
+        `previous`, so that waiting behind other groups' windows does not count."""
+        if self.in_flight is None:
+            return
+        (t0, key), self.in_flight = self.in_flight, None
+        ms = (at - max(t0, previous)) * 1000
+        old = self.time(key)
+        self.ms[key] = ms if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * ms
+        self.timed_at[key] = self.windows
+
+    def time(self, key: tuple[int, int]) -> float | None:
+        """The key's average window time in ms, None if never or not lately timed."""
+        if key not in self.ms or self.windows - self.timed_at[key] > STALE:
+            return None
+        return self.ms[key]
+
+    def timed(self) -> tuple[tuple[int, int, float], ...]:
+        return tuple((r, k, round(ms, 3)) for (r, k), ms in sorted(self.ms.items())
+                     if self.time((r, k)) is not None)
+
+    def per_slot(self, cfg: SchedulerConfig, decoding: int) -> int:
+        """Drafts per slot for the group's windows of `decoding` slots: cfg.draft_tokens, or
+        with draft_tokens auto the group's choice (before any of its decode windows is timed,
+        as many as the pad rows hold)."""
+        if not cfg.auto_drafts:
+            return cfg.draft_tokens
+        decoding = max(decoding, 1)
+        return self.choose(decoding, cfg.draft_window_rows(round_rows(decoding)),
+                           cfg.max_draft_tokens, cfg.drafter == "mtp").k
+
+    def room(self, cfg: SchedulerConfig, decoding: int) -> int:
+        """The most drafts a slot of the group may get in a decode window of `decoding` slots:
+        its drafts per slot, within the rows drafts may add to such a window."""
+        decoding = max(decoding, 1)
+        return draft_room(decoding, self.per_slot(cfg, decoding),
+                          cfg.draft_window_rows(round_rows(decoding)))
+
+    def describe(self, k: int, rows: int, slots: int, key_k: int) -> DraftChoice:
+        """A fixed k's window as a choice (draft_tokens K): for /v1/status."""
+        a = self.acceptance.rate()
+        return DraftChoice(k, rows, a, self.time((rows, key_k)),
+                           _tokens(slots, min(slots * k, rows - slots), a), timed=self.timed())
+
+    def choose(self, slots: int, limit: int, max_k: int, mtp: bool) -> DraftChoice:
+        """draft_tokens auto: K for the group's next windows of `slots` decoding slots and at
+        most `limit` rows (see the module's docstring). mtp: the time of a window depends on
+        the proposals it asks for (the last stage drafts them), so times are kept per K."""
+        if self.choice is not None and self.windows - self.chosen_at < HOLD:
+            return self.choice
+        a = self.acceptance.rate()
+        options = []   # (k, rows, tokens, key)
+        for k in range(max_k + 1):
+            drafts = min(slots * k, limit - slots)
+            options.append((k, round_rows(slots + drafts), _tokens(slots, drafts, a),
+                            (round_rows(slots + drafts), k if mtp else 0)))
+        timed = [(_rate(tokens, self.time(key)), k, rows, tokens, key)
+                 for k, rows, tokens, key in options if self.time(key) is not None]
+        best = max(timed, key=lambda t: (t[0], -t[1])) if timed else None
+        explored = False
+        if best is None:   # nothing timed yet: the drafts that fit the pad rows
+            pick = max((o for o in options if o[1] == round_rows(slots)), key=lambda o: o[0])
+            explored = True
+        else:
+            pick = best[1:]
+            if self.windows - self.explored_at >= EXPLORE_EVERY:
+                # the most hopeful; on a tie (nothing known below either) the smaller window
+                untimed = [(_rate(tokens, self._at_least(key)), -rows, k, (k, rows, tokens, key))
+                           for k, rows, tokens, key in options if self.time(key) is None]
+                hopeful = max(untimed, default=None)
+                if hopeful is not None and hopeful[0] > best[0]:
+                    pick, explored = hopeful[-1], True
+        k, rows, tokens, key = pick
+        if explored:
+            self.explored_at = self.windows
+        self.chosen_at = self.windows
+        self.choice = DraftChoice(k, rows, a, self.time(key), tokens, explored, self.timed())
+        return self.choice
+
+    def _at_least(self, key: tuple[int, int]) -> float:
+        """A lower bound on an untimed window's ms: the slowest timed window with no more
+        rows and proposals (times grow with both), else 0 (nothing known: worth a try)."""
+        below = [t for (rows, k), t in self.ms.items()
+                 if rows <= key[0] and k <= key[1] and self.time((rows, k)) is not None]
+        return max(below, default=0.0)
+
+
+def _rate(tokens: float, ms: float) -> float:
+    return tokens / ms if ms > 0 else float("inf")
+
+
+def _tokens(slots: int, drafts: int, a: float) -> float:
+    """Expected tokens of a window whose `slots` slots share `drafts` drafts evenly."""
+    per, extra = divmod(max(drafts, 0), slots)
+    return (slots - extra) * expected_tokens(per, a) + extra * expected_tokens(per + 1, a)

@@ -1,0 +1,343 @@
+"""Pipelined batch MTP on the coordinator, against the fake pipelines of test_scheduler and
+test_mtp_scheduler: drafts take rows beyond a window's pad (up to draft_rows), the rows go to
+the slots whose drafts are kept most often, draft_tokens auto picks K per group from the
+windows' measured times (a fake clock here) and acceptance, and every request keeps the
+tokens of plain decoding alone, with partial acceptance, commits and cancels across groups.
+The same through real CPU stages: test_pipelined_mtp_stages.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from strata.coordinator.config import SchedulerConfig
+from strata.coordinator.draft_choice import (EXPLORE_EVERY, Acceptance, GroupDrafts,
+                                             expected_tokens, share_rows)
+from strata.coordinator.scheduler import Scheduler
+from test_mtp_scheduler import DraftingPipeline, mtp_config, random_policy, truth_of
+from test_scheduler import STOP, params, prompts, run_alone
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedPipeline(DraftingPipeline):
+    """A drafting fake whose windows take time on a fake clock: a decode window of R rows
+    asking proposals of up to k drafts takes cost(R, k) seconds; a prompt chunk 1 ms. Records
+    each decode window as (group of its first slot, rows, live rows, drafts per slot)."""
+
+    def __init__(self, *args, cost, clock: Clock, group_of, **kw):
+        super().__init__(*args, **kw)
+        self.cost, self.clock, self.group_of = cost, clock, group_of
+        self.decodes: list[tuple[int, int, int, dict[int, int]]] = []
+
+    def submit(self, w) -> None:
+        super().submit(w)
+        if not w.chunk and any(s >= 0 for s in w.slots):
+            live = [s for s in w.slots if s >= 0]
+            self.decodes.append((self.group_of(live[0]), len(w.slots), len(live),
+                                 {s: live.count(s) - 1 for s in set(live)}))
+
+    def receive(self, timeout=None):
+        w = self.queue[0]
+        asked = max((k for _, k in w.propose), default=0)
+        self.clock.now += 0.001 if w.chunk else self.cost(len(w.slots), asked)
+        return super().receive(timeout)
+
+
+def group_of(slots: int, groups: int):
+    return lambda slot: slot % groups   # SlotTable: slot i is in group i % groups
+
+
+# --- rows beyond the pad ----------------------------------------------------------------------
+
+def test_share_rows_gives_rows_by_the_chance_each_draft_is_kept():
+    # equal acceptance: an even share, earlier slots first on ties
+    assert share_rows([3, 3, 3], [0.5] * 3, 5) == [2, 2, 1]
+    # a slot whose drafts are kept 90% of the time gets its 3 before one kept 20% gets a 2nd
+    assert share_rows([3, 3], [0.2, 0.9], 4) == [1, 3]
+    assert share_rows([3, 3], [0.2, 0.9], 100) == [3, 3]   # room for all: all
+    assert share_rows([0, 2], [0.9, 0.1], 3) == [0, 2] and share_rows([2], [0.5], 0) == [0]
+    assert expected_tokens(0, 0.7) == 1 and expected_tokens(3, 0.5) == 1.875
+    assert expected_tokens(3, 1.0) == 4
+
+
+def test_draft_window_rows_auto_grows_to_the_row_tile():
+    cfg = SchedulerConfig(slots=8)
+    assert [cfg.draft_window_rows(r) for r in (8, 16, 24, 32, 40, 64)] == [32, 32, 32, 32,
+                                                                           64, 64]
+    cfg = SchedulerConfig(slots=8, draft_rows=16)
+    assert [cfg.draft_window_rows(r) for r in (8, 32, 56)] == [24, 48, 64]
+    assert SchedulerConfig(slots=8, draft_rows=0).draft_window_rows(16) == 16
+
+
+@pytest.mark.parametrize("rows,fix", [(4, "use 8"), (64, "use 56"), (-8, "use 0")])
+def test_draft_rows_must_be_a_multiple_of_8_up_to_56(rows, fix):
+    from strata.launch.options import CHOICES, FLAGS
+    with pytest.raises(ValueError) as e:
+        SchedulerConfig(draft_rows=rows)
+    assert e.value.render(FLAGS, CHOICES) == (
+        f"--draft-rows {rows} is not a multiple of 8 from 0 to 56 (a decode window has at most "
+        f"64 rows); {fix} or auto")
+
+
+def test_drafts_grow_each_groups_window_past_its_pad():
+    """8 requests in 2 groups of 4 slots, proposals always right, K = 7: a group's window
+    of 4 slots (8 rows without drafts) takes 4 x 8 = 32 rows; with draft_rows 8, 16 rows,
+    and with draft_rows 0 the 4 pad rows only. The tokens stay those of plain decoding."""
+    ps = prompts(8, random.Random(5))
+    alone = run_alone(ps)
+    for draft_rows, rows in ((None, 32), (8, 16), (0, 8)):
+        pipe = TimedPipeline(8, 256, truth_of(ps, alone), lambda s, w: "true", 7,
+                             cost=lambda r, k: 0.001, clock=Clock(), group_of=group_of(8, 2))
+        sched = Scheduler(pipe, mtp_config(slots=8, groups=2, draft_tokens=7,
+                                           draft_rows=draft_rows), frozenset({STOP}))
+        reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
+        sched.run()
+        assert [r.seq.generated for r in reqs] == alone, draft_rows
+        assert max(r for _, r, _, _ in pipe.decodes) == rows, draft_rows
+        full = [(r, live) for _, r, live, d in pipe.decodes if len(d) == 4 and r == rows]
+        assert full and all(live == rows for r, live in full), (draft_rows, full[:3])
+        assert all(r <= max(rows, 8) for _, r, _, _ in pipe.decodes)
+
+
+def test_rows_go_to_the_slots_whose_drafts_are_kept():
+    """One group of 8 slots: their window has no pad row, and draft_rows 8 lets drafts add 8.
+    Slots 0-3 get right proposals, slots 4-7 wrong ones: once their acceptance shows, the
+    right-proposing slots take (nearly) every draft row; the tokens stay those of plain
+    decoding."""
+    ps = prompts(8, random.Random(8))
+    alone = [_alone(p, n, stop=frozenset()) for p, n in zip(ps, [120] * 4 + [30] * 4)]
+    pipe = TimedPipeline(8, 256, truth_of(ps, alone),
+                         lambda slot, w: "true" if slot < 4 else "wrong", 3,
+                         cost=lambda r, k: 0.001, clock=Clock(), group_of=lambda s: 0)
+    sched = Scheduler(pipe, mtp_config(slots=8, draft_tokens=3, draft_rows=8), frozenset())
+    # greedy, no stop token; the right-proposing slots take 4 tokens a window: 4x as many keep all 8 busy
+    tokens = [120] * 4 + [30] * 4
+    reqs = [sched.submit(p, params(0, n)) for p, n in zip(ps, tokens)]
+    sched.run()
+    assert [r.seq.generated for r in reqs] == alone
+    steady = [d for _, rows, _, d in pipe.decodes if len(d) == 8][3:]
+    assert len(steady) >= 15 and all(sum(d.values()) <= 8 for d in steady)
+    good = sum(d[s] for d in steady for s in range(4))
+    bad = sum(d[s] for d in steady for s in range(4, 8))
+    assert good >= 6 * bad and good > 0, (good, bad)
+    assert all(r.accepted == 0 for r in reqs[4:]) and all(r.accepted > 0 for r in reqs[:4])
+
+
+def _alone(prompt: list[int], tokens: int, stop=frozenset({STOP})) -> list[int]:
+    """The request's tokens alone, greedy, without drafts."""
+    from test_scheduler import FakePipeline
+    sched = Scheduler(FakePipeline(1, 256), SchedulerConfig(slots=1, ctx=256, chunk_rows=8),
+                      stop)
+    req = sched.submit(prompt, params(0, tokens))
+    sched.run()
+    return req.seq.generated
+
+
+# --- partial acceptance, commits and cancels across groups --------------------------------------
+
+@pytest.mark.parametrize("slots,groups,k,draft_rows", [(8, 2, 3, None), (8, 2, "auto", None),
+                                                        (16, 2, 7, 16), (12, 3, "auto", 8)])
+def test_pipelined_groups_with_drafts_give_the_tokens_of_plain_decoding(slots, groups, k,
+                                                                         draft_rows):
+    rng = random.Random(slots + groups)
+    ps = prompts(24, rng)
+    alone = run_alone(ps)
+    pipe = TimedPipeline(slots, 256, truth_of(ps, alone), random_policy(slots), 7,
+                         cost=lambda r, kk: 0.002 + r * 1e-5 + kk * 1e-4, clock=Clock(),
+                         group_of=group_of(slots, groups))
+    sched = Scheduler(pipe, mtp_config(slots=slots, groups=groups, draft_tokens=k,
+                                       draft_rows=draft_rows, prompt_depth=3),
+                      frozenset({STOP}), clock=pipe.clock)
+    reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
+    sched.run()
+    assert [r.seq.generated for r in reqs] == alone
+    assert sched.idle and all(pipe.kv[s.index] == s.held for s in sched.table.slots)
+    drafted, accepted = sum(r.drafted for r in reqs), sum(r.accepted for r in reqs)
+    assert 0 < accepted < drafted   # partial acceptance: rejected drafts were committed away
+    # drafts took rows past the pad in some window (more live rows than slots rounded up)
+    assert any(live > -(-len(d) // 8) * 8 for _, _, live, d in pipe.decodes)
+    assert {g for g, _, _, _ in pipe.decodes} == set(range(groups))
+
+
+def test_cancels_across_groups_while_windows_grow():
+    """Requests cancelled mid-decode in both groups, while windows carry drafts past their
+    pad: the cancelled keep a prefix of their solo tokens and drop their proposals, the next
+    request in their slot starts without any (the fake checks every draft was proposed), the
+    rest keep their solo tokens, and no slot keeps a stale row."""
+    rng = random.Random(21)
+    ps = prompts(16, rng)
+    alone = run_alone(ps)
+    pipe = TimedPipeline(8, 256, truth_of(ps, alone), random_policy(9), 7,
+                         cost=lambda r, k: 0.001, clock=Clock(), group_of=group_of(8, 2))
+    sched = Scheduler(pipe, mtp_config(slots=8, groups=2, draft_tokens=5, prompt_depth=3),
+                      frozenset({STOP}))
+    reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
+    for _ in range(5000):
+        if not sched.step():
+            break
+        for r in reqs[::3]:
+            if len(r.seq.generated) >= 3 and not r.done:
+                sched.cancel(r)
+    cancelled = [r for r in reqs if r.seq.finish_reason == "cancelled"]
+    assert len(cancelled) >= 3 and {r.slot.group for r in cancelled} == {0, 1}
+    for i, r in enumerate(reqs):
+        if r in cancelled:
+            assert r.seq.generated == alone[i][:len(r.seq.generated)] and r.proposals == []
+        else:
+            assert r.seq.generated == alone[i], i
+    assert sum(r.accepted for r in reqs) > 0
+    assert any(live > 8 for _, _, live, _ in pipe.decodes)   # windows grew past 8 rows
+    for slot in sched.table.slots:
+        assert pipe.kv[slot.index] == slot.held
+
+
+# --- draft_tokens auto ----------------------------------------------------------------------
+
+def stepped_cost(rows: int, k: int) -> float:
+    """Windows of up to 16 rows take 10 ms, larger ones 40 ms; each proposal asked 0.2 ms."""
+    return (0.010 if rows <= 16 else 0.040) + 0.0002 * k
+
+
+def run_auto(policy, tokens=120, slots=8, groups=2, cost=stepped_cost, rounds=3):
+    """`rounds` requests a slot, one after the other, greedy, `tokens` each."""
+    ps = [list(range(5 + i, 25 + i)) for i in range(slots * rounds)]
+    alone = [_alone(p, tokens) for p in ps]
+    clock = Clock()
+    pipe = TimedPipeline(slots, 256, truth_of(ps, alone), policy, 7, cost=cost, clock=clock,
+                         group_of=group_of(slots, groups))
+    sched = Scheduler(pipe, mtp_config(slots=slots, groups=groups, draft_tokens="auto"),
+                      frozenset({STOP}), clock=clock)
+    reqs = [sched.submit(p, params(0, tokens)) for p in ps]
+    sched.run()
+    assert [r.seq.generated for r in reqs] == alone
+    return sched, pipe, reqs
+
+
+def test_auto_takes_the_most_drafts_that_keep_windows_cheap_when_drafts_are_kept():
+    """Proposals always right, 4 slots a group: K = 3 fills 16 rows (10 ms a window, 4 tokens
+    a slot); K = 4..7 need 24-32 rows (40 ms, at most 8 tokens): once it has timed them, each
+    group's windows of 4 slots settle at 16 rows (explorations aside)."""
+    sched, pipe, reqs = run_auto(lambda s, w: "true", tokens=220)
+    for group in (0, 1):
+        timed = {(r, k): ms for r, k, ms in sched.groups[group].drafts.timed()}
+        # a window's own time, not the other group's before it
+        assert timed[(16, 3)] == pytest.approx(10.6) and timed[(32, 7)] == pytest.approx(41.4)
+        full = [(r, d) for g, r, _, d in pipe.decodes if g == group and len(d) == 4]
+        late = full[len(full) // 2:]
+        assert sum(r == 16 and set(d.values()) == {3} for r, d in late) >= 0.8 * len(late), \
+            [r for r, _ in full]
+    assert sum(r.accepted for r in reqs) > 0.8 * sum(r.drafted for r in reqs)
+
+
+def test_auto_stops_drafting_when_drafts_are_never_kept():
+    """Proposals always wrong and each proposal asked costing as much as a window's rows
+    (here 2 ms each on a 10 ms window): K = 0 (no drafts, none asked) is the fastest, so the
+    group settles there, trying drafts again only now and then."""
+    sched, pipe, reqs = run_auto(lambda s, w: "wrong",
+                                 cost=lambda r, k: 0.010 + 0.002 * k, tokens=200)
+    for group in (0, 1):
+        choice = sched.groups[group].drafts.choice
+        assert choice.k == 0 and choice.acceptance < 0.2, choice
+        late = [d for g, _, _, d in pipe.decodes if g == group][-100:]
+        drafted = sum(1 for d in late if sum(d.values()))
+        assert drafted <= 100 // EXPLORE_EVERY * 2 + 2, drafted
+    assert sum(r.accepted for r in reqs) == 0
+
+
+def test_auto_choice_explores_sparingly():
+    """GroupDrafts alone: with one size timed, an untimed one is tried only every
+    EXPLORE_EVERY windows, and only when even the fastest time known would make it win."""
+    g = GroupDrafts()
+    for _ in range(20):
+        g.acceptance.observe(3, 3)   # drafts always kept
+    first = g.choose(slots=4, limit=32, max_k=7, mtp=False)
+    assert first.rows == 8 and first.k == 1 and first.explored   # the pad rows, untimed
+    tries = []
+    for i in range(4 * EXPLORE_EVERY):
+        c = g.choose(slots=4, limit=32, max_k=7, mtp=False)
+        g.sent(i, c.rows, 0)
+        g.landed(i + (0.010 if c.rows <= 8 else 0.011), 0)   # larger windows nearly free
+        tries.append(c.explored)
+    assert 2 <= sum(tries) <= 4 * 2 and g.choice.rows == 32 and g.choice.k == 7
+
+
+def test_acceptance_is_kept_over_first_rejections():
+    a = Acceptance()
+    assert a.rate() == 0.5
+    for _ in range(50):
+        a.observe(4, 2)    # two kept, then one rejected: 2 / 3
+    assert a.rate() == pytest.approx(2 / 3, abs=0.02)
+    a.observe(0, 0)        # no drafts: nothing learnt
+    assert a.rate() == pytest.approx(2 / 3, abs=0.02)
+
+
+def test_status_says_each_groups_choice():
+    from strata.coordinator.connections import ServerConfig
+    from strata.coordinator.engine import Engine
+    from strata.coordinator.metrics import Metrics
+    from strata.coordinator.server import Server
+    ps = [list(range(5 + i, 25 + i)) for i in range(4)]
+    alone = [_alone(p, 60) for p in ps]
+    clock = Clock()
+    pipe = TimedPipeline(4, 256, truth_of(ps, alone), lambda s, w: "true", 7,
+                         cost=stepped_cost, clock=clock, group_of=group_of(4, 2))
+    engine = Engine(pipe, mtp_config(slots=4, groups=2, draft_tokens="auto"),
+                    frozenset({STOP}), lambda ids: "")
+    # stepped here, without the engine's thread, on the fake clock
+    sched = engine.scheduler = Scheduler(engine.pipe, engine.cfg, frozenset({STOP}),
+                                         clock=clock)
+    reqs = [sched.submit(p, params(0, 60)) for p in ps]
+    while min(len(r.seq.generated) for r in reqs) < 40 and sched.step():
+        pass
+    engine._publish()
+    server = Server(engine, None, 64, ServerConfig(model="fake"), Metrics(), [], lambda: None)
+    status = json.loads(asyncio.run(server.status(None)).text)
+    assert status["draft_tokens"] == "auto"
+    for g in status["groups"]:
+        d = g["drafts"]
+        # 2 slots a group: K = 7 fills 16 rows, still 10 ms a window
+        assert (d["k"], d["rows"]) == (7, 16), d
+        assert d["acceptance"] > 0.9 and d["window_ms"] > 0 and d["tok_s"] > 0
+        assert d["tokens_per_window"] == pytest.approx(2 * expected_tokens(7, d["acceptance"]),
+                                                       rel=1e-3)
+        assert {"rows": 16, "k": 7} in [{"rows": t["rows"], "k": t["k"]} for t in d["timed"]]
+
+
+# --- the flags ------------------------------------------------------------------------------
+
+def test_the_flags_take_auto(tiny_model):
+    from strata.launch.options import prepare
+    shared = dict(model=str(tiny_model), layer_split="2", devices="cpu", ctx_size=256, batch=8,
+                  batch_groups="2", window_rows="auto", chunk_rows="auto", drafter="lookup")
+    sched = prepare(**shared, draft_tokens="auto").sched
+    assert (sched.draft_tokens, sched.auto_drafts, sched.max_draft_tokens) == ("auto", True, 7)
+    # auto on CPU stages (every row costs): the pad rows only
+    assert sched.draft_rows == 0 and sched.draft_window_rows(8) == 8
+    from strata.launch.options import auto_draft_rows
+    from strata.launch.plan import plan_stages
+    assert auto_draft_rows(plan_stages("2", ["cuda:0", "cuda:1"], 4)) is None   # row tiles
+    assert auto_draft_rows(plan_stages("2", ["cuda:0", "cpu"], 4)) == 0
+    sched = prepare(**shared, draft_tokens="3", draft_rows="16").sched
+    assert (sched.draft_tokens, sched.draft_rows, sched.auto_drafts) == (3, 16, False)
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--draft-rows", "12", "strata-launch: --draft-rows 12 is not a multiple of 8 from 0 to 56 "
+                           "(a decode window has at most 64 rows); use 16 or auto"),
+    ("--draft-tokens", "x", "strata-launch: --draft-tokens 'x' is not a number or auto"),
+    ("--draft-tokens", "8", "strata-launch: --draft-tokens 8 is not from 0 to 7 (a slot's row "
+                            "and its drafts share one decode window of at least 8 rows); use "
+                            "0 (off) to 7 or auto")])
+def test_bad_draft_flags_get_a_sentence(tiny_model, no_stage_left, flag, value, says):
+    from test_mtp_scheduler import launch_cli
+    out = launch_cli("--model", str(tiny_model), flag, value)
+    assert out.exit_code == 2 and out.stderr == says + "\n", (out.output, out.exception)
