@@ -11,6 +11,7 @@ MAX_WINDOW_ROWS = 64   # the stages' largest decode window
 # a slot's row and its drafts fit in the smallest decode window
 MAX_DRAFT_TOKENS = WINDOW_ROW_STEP - 1
 DRAFTERS = ("mtp", "lookup")   # the last stage's NextN head, or prompt lookup (drafts.py)
+DRAFT_SAMPLINGS = ("coupled", "argmax")   # how mtp proposes for sampled requests (drafts.py)
 
 
 def round_rows(rows: int) -> int:
@@ -37,6 +38,7 @@ class SchedulerConfig:
     prompt_depth: int = 1   # prompt chunks of one slot in flight at once (> 1: pipelined)
     draft_tokens: int = 0   # at most this many draft rows per slot in a decode window (drafts.py)
     drafter: str = "lookup"  # where drafts come from: DRAFTERS
+    draft_sampling: str = "coupled"   # mtp proposals for sampled requests: DRAFT_SAMPLINGS
 
     def __post_init__(self):
         for name in ("slots", "chunk_rows", "ctx", "prompt_depth"):
@@ -63,6 +65,10 @@ class SchedulerConfig:
         if self.drafter not in DRAFTERS:
             raise ConfigError("drafter", f"{{drafter}} {self.drafter!r} is not one of "
                               f"{', '.join(DRAFTERS)}", "use mtp or lookup")
+        if self.draft_sampling not in DRAFT_SAMPLINGS:
+            raise ConfigError("draft_sampling", f"{{draft_sampling}} {self.draft_sampling!r} is "
+                              f"not one of {', '.join(DRAFT_SAMPLINGS)}",
+                              "use coupled or argmax")
 
 
 def auto_groups(slots: int, stages: int) -> int:

@@ -306,7 +306,7 @@ class Scheduler:
         commits, self.commits = self.commits, []
         try:
             w = build_window(self.pipe.new_window_id(), rows, shape, commits, chunk=chunk,
-                             propose=propose)
+                             propose=propose, coupled=self.cfg.draft_sampling == "coupled")
             self.pipe.submit(w)
         except PipelineError:
             raise

@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from strata.config_error import ConfigError
-from strata.coordinator.config import (DRAFTERS, MAX_DRAFT_TOKENS, MAX_WINDOW_ROWS,
-                                       SchedulerConfig, auto_groups)
+from strata.coordinator.config import (DRAFT_SAMPLINGS, DRAFTERS, MAX_DRAFT_TOKENS,
+                                       MAX_WINDOW_ROWS, SchedulerConfig, auto_groups)
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.launch.memory import check_fits
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
@@ -90,6 +90,12 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "stage (in the model file, or --mtp-head), lookup = prompt lookup "
                           "(what followed the last tokens earlier in the text). Default when "
                           "drafting: mtp where there is a head, else lookup."),
+        click.option("--draft-sampling", type=click.Choice(DRAFT_SAMPLINGS), default="coupled",
+                     show_default=True,
+                     help="How the mtp drafter proposes for a request with a temperature: "
+                          "coupled = drawn from the head's distribution with the draw the "
+                          "target will use at that position (more are accepted), argmax = its "
+                          "most likely token. Greedy requests always take the argmax."),
         click.option("--mtp-head", type=click.Path(dir_okay=False), default=None,
                      help="A NextN head GGUF made for the model (a sidecar), for --drafter "
                           "mtp; without it, the model file's own NextN layer if it has one."),
@@ -133,7 +139,7 @@ class Prepared:
 
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
-            drafter=None, mtp_head=None, **_) -> Prepared:
+            drafter=None, mtp_head=None, draft_sampling="coupled", **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
     the flags."""
@@ -151,6 +157,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     sched = SchedulerConfig(slots=batch, groups=groups,
                             window_rows=window_rows, chunk_rows=chunk_rows, ctx=ctx_size,
                             draft_tokens=draft_tokens, drafter=drafter or "lookup",
+                            draft_sampling=draft_sampling,
                             prompt_depth=len(plan) + 1)  # + 1: the next chunk waits at stage 0
     drafter, sidecar = choose_drafter(file, draft_tokens, drafter, mtp_head)
     sched = replace(sched, drafter=drafter)
@@ -208,7 +215,7 @@ def parse_devices_for(devices: str) -> list[str]:
 # the library's config fields as strata-launch's flags, and the choices only the CLI offers
 FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--window-rows",
          "chunk_rows": "--chunk-rows", "ctx": "--ctx-size", "draft_tokens": "--draft-tokens",
-         "drafter": "--drafter",
+         "drafter": "--drafter", "draft_sampling": "--draft-sampling",
          "graph_cache": "--graph-cache", "port": "--port", "api_key": "--api-key",
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
          "max_client_connections": "--max-client-connections"}
