@@ -24,6 +24,9 @@ class Request:
     drafter: PromptLookup | None = None
     drafted: int = 0         # draft tokens sent in windows
     accepted: int = 0        # of them, equal to the token sampled at their position
+    # per draft position j = 1.. (index j - 1): drafts sent there, and kept (drafts.py)
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
     proposals: list[int] = field(default_factory=list)  # mtp: drafts for the next decode window
 
     @property
@@ -81,6 +84,8 @@ class SlotState:
     held: int = 0              # an idle slot's cached prompt tokens
     drafted: int = 0           # its request's draft tokens sent in windows
     accepted: int = 0          # of them, kept (equal to the token sampled at their position)
+    drafted_at: tuple[int, ...] = ()    # per draft position j = 1.. (index j - 1)
+    accepted_at: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,3 +96,5 @@ class SchedulerSnapshot:
     decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
     drafted: int = 0    # draft tokens sent in windows, every request since the start
     accepted: int = 0   # of them, kept
+    drafted_at: tuple[int, ...] = ()    # per draft position j = 1.. (index j - 1)
+    accepted_at: tuple[int, ...] = ()

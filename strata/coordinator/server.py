@@ -314,7 +314,8 @@ class Server:
                 view.update(request=s.job, prompt_tokens=s.prompt_tokens, read=s.read,
                             reused=s.reused, generated=s.generated,
                             tok_s=None if s.tok_s is None else round(s.tok_s, 2),
-                            drafts=draft_counts(s.drafted, s.accepted))
+                            drafts=draft_counts(s.drafted, s.accepted, s.drafted_at,
+                                                s.accepted_at, cfg.draft_tokens))
             slots.append(view)
         groups = [{"group": g, "slots": [s.slot for s in snap.slots if s.group == g],
                    "window_in_flight": busy,
@@ -328,7 +329,8 @@ class Server:
             "chunk_rows": cfg.chunk_rows, "ctx": cfg.ctx, "queued": self.engine.queued,
             "draft_tokens": cfg.draft_tokens, "drafter": cfg.drafter if cfg.draft_tokens else None,
             # since the start; each slot's "drafts" counts its request's
-            "drafts": draft_counts(snap.drafted, snap.accepted),
+            "drafts": draft_counts(snap.drafted, snap.accepted, snap.drafted_at,
+                                   snap.accepted_at, cfg.draft_tokens),
             "windows": snap.windows, "slots": slots, "groups": groups, "stages": self.stages})
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -336,10 +338,20 @@ class Server:
                             headers={"Content-Type": self.metrics.content_type})
 
 
-def draft_counts(proposed: int, accepted: int) -> dict:
-    """Draft tokens put in windows, kept of them, and the share kept (None before any)."""
-    return {"proposed": proposed, "accepted": accepted,
-            "rate": round(accepted / proposed, 4) if proposed else None}
+def draft_counts(proposed: int, accepted: int, proposed_at=(), accepted_at=(),
+                 positions: int = 0) -> dict:
+    """Draft tokens put in windows, kept of them, and the share kept (None before any); with
+    "positions" the same for each draft position j = 1..max(positions, those counted), where
+    a draft at j is kept only if those at 1..j-1 were."""
+    counts = {"proposed": proposed, "accepted": accepted,
+              "rate": round(accepted / proposed, 4) if proposed else None}
+    n = max(positions, len(proposed_at))
+    if n:
+        at = lambda c, j: c[j] if j < len(c) else 0  # noqa: E731
+        counts["positions"] = [dict(position=j + 1, **draft_counts(at(proposed_at, j),
+                                                                   at(accepted_at, j)))
+                               for j in range(n)]
+    return counts
 
 
 def stage_table(hellos: dict) -> list[dict]:
