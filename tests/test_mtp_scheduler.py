@@ -268,7 +268,7 @@ async def _finish(engine: Engine, name: str, prompt: list[int], p):
 
 
 def test_counters_and_status_count_drafts_proposed_and_accepted():
-    from strata.coordinator.server import draft_counts
+    from strata.coordinator.drafts import draft_counts
     ps = prompts(6, random.Random(4))
     alone = run_alone(ps)
     metrics = Metrics()
@@ -307,7 +307,8 @@ def test_counters_and_status_count_drafts_proposed_and_accepted():
     assert [p["position"] for p in positions] == [1, 2, 3]
     assert sum(p["proposed"] for p in positions) == drafted
     assert sum(p["accepted"] for p in positions) == accepted
-    assert (status["drafter"], status["draft_tokens"]) == ("mtp", 3)
+    assert (status["drafter"], status["draft_tokens"], status["draft_sampling"]) == (
+        "mtp", 3, "coupled")
     assert draft_counts(0, 0)["rate"] is None
 
 

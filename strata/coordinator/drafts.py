@@ -58,6 +58,22 @@ def count_positions(counts: list[int], n: int) -> None:
         counts[j] += 1
 
 
+def draft_counts(proposed: int, accepted: int, proposed_at=(), accepted_at=(),
+                 positions: int = 0) -> dict:
+    """Draft tokens put in windows, kept of them, and the share kept (None before any); with
+    "positions" the same for each draft position j = 1..max(positions, those counted), where
+    a draft at j is kept only if those at 1..j-1 were."""
+    counts = {"proposed": proposed, "accepted": accepted,
+              "rate": round(accepted / proposed, 4) if proposed else None}
+    n = max(positions, len(proposed_at))
+    if n:
+        at = lambda c, j: c[j] if j < len(c) else 0  # noqa: E731
+        counts["positions"] = [dict(position=j + 1, **draft_counts(at(proposed_at, j),
+                                                                   at(accepted_at, j)))
+                               for j in range(n)]
+    return counts
+
+
 def draft_limit(seq: Sequence, room: int, draft_tokens: int, ahead: int = 0) -> int:
     """How many drafts the sequence can use in a window once it holds `ahead` more tokens:
     within the room, the context, and the tokens it may still generate (the window's last

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from strata.coordinator import openai_api as api
 from strata.coordinator.connections import ConnectionPool, Limits, ServerConfig
+from strata.coordinator.drafts import draft_counts
 from strata.coordinator.engine import Engine, EngineDown, Finished, Job
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.openai_api import ApiError
@@ -328,6 +329,9 @@ class Server:
             "batch": cfg.slots, "batch_groups": cfg.groups, "window_rows": cfg.window_rows,
             "chunk_rows": cfg.chunk_rows, "ctx": cfg.ctx, "queued": self.engine.queued,
             "draft_tokens": cfg.draft_tokens, "drafter": cfg.drafter if cfg.draft_tokens else None,
+            # how mtp proposes for requests with a temperature (greedy ones: argmax)
+            "draft_sampling": (cfg.draft_sampling if cfg.draft_tokens and cfg.drafter == "mtp"
+                               else None),
             # since the start; each slot's "drafts" counts its request's
             "drafts": draft_counts(snap.drafted, snap.accepted, snap.drafted_at,
                                    snap.accepted_at, cfg.draft_tokens),
@@ -336,22 +340,6 @@ class Server:
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": self.metrics.content_type})
-
-
-def draft_counts(proposed: int, accepted: int, proposed_at=(), accepted_at=(),
-                 positions: int = 0) -> dict:
-    """Draft tokens put in windows, kept of them, and the share kept (None before any); with
-    "positions" the same for each draft position j = 1..max(positions, those counted), where
-    a draft at j is kept only if those at 1..j-1 were."""
-    counts = {"proposed": proposed, "accepted": accepted,
-              "rate": round(accepted / proposed, 4) if proposed else None}
-    n = max(positions, len(proposed_at))
-    if n:
-        at = lambda c, j: c[j] if j < len(c) else 0  # noqa: E731
-        counts["positions"] = [dict(position=j + 1, **draft_counts(at(proposed_at, j),
-                                                                   at(accepted_at, j)))
-                               for j in range(n)]
-    return counts
 
 
 def stage_table(hellos: dict) -> list[dict]:
