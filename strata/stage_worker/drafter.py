@@ -180,9 +180,12 @@ class Drafter:
             logits = self._logits(x)
             d = logits.argmax(-1)
             rows = [asks[a][3].row(asks[a][2] + i) if asks[a][3] else None for a in live]
-            if any(rows):   # coupled picks replace the argmax of their rows
-                picks = [int(t) if r is None else sample_row(logits[j], r)
-                         for j, (t, r) in enumerate(zip(d.tolist(), rows))]
+            coupled = [j for j, r in enumerate(rows) if r is not None]
+            if coupled:   # their picks replace the argmax; their logits leave in one copy
+                host = logits[torch.tensor(coupled, device=self.device)].cpu()
+                picks = d.tolist()
+                for h, j in enumerate(coupled):
+                    picks[j] = sample_row(host[h], rows[j])
                 d = torch.tensor(picks, device=self.device)
             drafts.append((live, d))
         out_lists = [[s] for s, _, _, _ in asks]
