@@ -26,9 +26,10 @@ Two drafters (SchedulerConfig.drafter):
   proposals sends, with each propose entry, the draws of the positions they can take past its
   own rows (`Window.propose_u`), and the drafter picks each proposal by inverse CDF over its
   own distribution, filtered and tempered by the target's sampler, with the draw the target
-  will use there. Where head and target agree closely, one u lands both on the same token, so
-  a proposal is kept about as often as greedy ones are; an argmax proposal ("argmax") is kept
-  only when the target's draw happens to pick its most likely token. Each draw is made once
+  will use there. Where head and target agree closely, one u lands both on the same token (a
+  head that computes its target's distribution has nearly every proposal kept, against a
+  third for argmax: tests/test_mtp.py); an argmax proposal ("argmax") is kept only when the
+  target's draw happens to pick the head's most likely token. Each draw is made once
   (draw_uniform is memoised): the window that samples the position finds it.
 Either way acceptance is the same equality, so the drafter changes the windows, never a token.
 
