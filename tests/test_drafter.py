@@ -323,7 +323,8 @@ def test_coupled_proposals_are_the_inverse_cdf_pick_at_the_targets_draws(models,
     t = 0.8
     file = ModelFile(models["nextn"])
     ref = Reference(file)
-    pick = lambda us: lambda logits, i: inverse_cdf(logits, t, top_k, top_p, min_p, us[i])  # noqa: E731
+    def pick(us):   # proposal i at the draw us[i]
+        return lambda logits, i: inverse_cdf(logits, t, top_k, top_p, min_p, us[i])
     p0, p1 = [5, 77, 120, 33, 250, 8], [40, 41, 300, 12, 99]
     rows = [(0, p, x) for p, x in enumerate(p0)] + [(1, p, x) for p, x in enumerate(p1)]
 

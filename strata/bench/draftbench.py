@@ -167,19 +167,24 @@ def drafts(draft_tokens, draft_sampling, clients, tokens, prompts_file, split, r
                f"tokens, {'greedy' if temperature <= 0 else f'temperature {temperature}'}, "
                f"{len(prep.plan)} stage(s), batch {prep.sched.slots}, groups "
                f"{prep.sched.groups}, window rows {prep.sched.window_rows}, up to {k} drafts a "
-               f"slot ({prep.sched.drafter}); {machine()}")
+               f"slot ({prep.sched.drafter}"
+               + (f", {draft_sampling} proposals" if prep.sched.drafter == "mtp" else "")
+               + f"); {machine()}")
     best: dict[str, dict] = {}
-    generated: dict[str, list[list[int]]] = {}
+    plain_tokens: list[list[int]] | None = None   # the first plain run's, every run compared
+    differ: list[str] = []
     with prep.launch(say=lambda s: None) as run:
         harness.measure_throughput(run, arms["plain"], tok, 1, 2)  # warm-up (graph captures)
         for _ in range(repeats):
             for arm, cfg in arms.items():
                 row = {"arm": arm, **run_arm(run, cfg, tok, prompts, params, stop_ids, clients)}
-                generated.setdefault(arm, row.pop("generated"))
+                got = row.pop("generated")
+                plain_tokens = plain_tokens or got
+                if got != plain_tokens and arm not in differ:
+                    differ.append(arm)
                 if arm not in best or row["total_tok_s"] > best[arm]["total_tok_s"]:
                     best[arm] = row
     report(best)
-    differ = [arm for arm in arms if generated[arm] != generated["plain"]]
     plain = best["plain"]["total_tok_s"]
     speed = ", ".join(f"{a}/plain {best[a]['total_tok_s'] / plain:.2f}x" for a in arms
                       if a != "plain")
@@ -188,10 +193,11 @@ def drafts(draft_tokens, draft_sampling, clients, tokens, prompts_file, split, r
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"machine": machine(), "clients": clients, "requests": len(prompts),
-                       "prompt_tokens": sum(len(p) for p in prompts), "prompts": prompts_file, "split": split if texts else None,
-                       "tokens": tokens, "temperature": temperature, "draft_tokens": k,
-                       "drafter": prep.sched.drafter, "results": list(best.values()),
-                       "same": not differ}, f, indent=2)
+                       "prompt_tokens": sum(len(p) for p in prompts), "prompts": prompts_file,
+                       "split": split if texts else None, "tokens": tokens,
+                       "temperature": temperature, "draft_tokens": k,
+                       "drafter": prep.sched.drafter, "draft_sampling": draft_sampling,
+                       "results": list(best.values()), "same": not differ}, f, indent=2)
     sys.exit(1 if differ else 0)
 
 
