@@ -130,3 +130,27 @@ def test_held_out_prompts_with_a_temperature_per_draft_position(tmp_path, no_sta
     # a request that samples its stop token drops the drafts after it: nearly all are kept
     assert all(p["rate"] >= 0.85 for p in rows["coupled"]["positions"]), rows["coupled"]
     assert rows["argmax"]["positions"][0]["rate"] < 0.6, rows["argmax"]
+
+
+def test_a_token_difference_between_the_arms_exits_1(tiny_model, shared_stages, monkeypatch,
+                                                      tmp_path):
+    """The drafts arm's second run is made to differ from plain in one token: the bench says
+    which arm differs and exits 1."""
+    from strata.bench import draftbench
+    real, runs = draftbench.run_arm, []
+
+    def run_arm(run, cfg, *args):
+        row = real(run, cfg, *args)
+        if cfg.draft_tokens:
+            runs.append(cfg)
+            if len(runs) == 2:
+                row["generated"][0][-1] += 1
+        return row
+
+    monkeypatch.setattr(draftbench, "run_arm", run_arm)
+    out = bench("--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
+                "--ctx-size", "256", "--tokens", "8", "--draft-tokens", "3", "--repeats", "2",
+                "--json-out", str(tmp_path / "d.json"))
+    assert out.exit_code == 1, (out.output, out.exception)
+    assert "TOKENS DIFFER in drafts" in out.stdout and len(runs) == 2
+    assert json.loads((tmp_path / "d.json").read_text())["same"] is False
