@@ -506,3 +506,12 @@ def test_the_launch_summary_counts_the_drafts(tiny_model, shared_stages):
     m = re.fullmatch(r"\[\d+ prompt tokens, 24 generated, (\d+) of (\d+) drafts \(lookup\) "
                      r"accepted, finish: length, seed 1\]", summary)
     assert m and int(m[1]) <= int(m[2]), summary
+
+
+def test_draft_sampling_must_be_coupled_or_argmax():
+    from strata.config_error import ConfigError
+    from strata.launch.options import CHOICES, FLAGS
+    with pytest.raises(ConfigError) as e:
+        SchedulerConfig(draft_sampling="sampled")
+    assert e.value.render(FLAGS, CHOICES) == ("--draft-sampling 'sampled' is not one of "
+                                              "coupled, argmax; use coupled or argmax")
