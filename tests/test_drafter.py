@@ -92,12 +92,13 @@ class Reference:
         x = x + (F.silu(f @ w["ffn_gate"].T) * (f @ w["ffn_up"].T)) @ w["ffn_down"].T
         return x, k, v
 
-    def propose(self, inputs, k: int) -> list[int]:
-        """k chained greedy proposals after the last input row."""
+    def propose(self, inputs, k: int, pick=lambda logits, i: int(logits.argmax())) -> list[int]:
+        """k chained proposals after the last input row: pick(logits [V], i) gives proposal i
+        (0-based); greedy by default."""
         inputs, out = list(inputs), []
-        for _ in range(k):
+        for i in range(k):
             x = self.rows(inputs)[0][-1]
-            d = int((self.norm(x, self.w["nextn.shared_head_norm"]) @ self.head.T).argmax())
+            d = pick(self.norm(x, self.w["nextn.shared_head_norm"]) @ self.head.T, i)
             out.append(d)
             inputs.append((x, d))
         return out
@@ -288,6 +289,78 @@ def test_a_last_stage_without_the_embedding_drafts_alike(models, tmp_path, tied)
     tokens = whole.logits(hidden[4:]).argmax(-1).tolist()
     got = [d.run(w, hidden, tokens) for d in drafters]
     assert got[0] == got[1] and len(got[0][0]) == 4, got
+
+
+# --- coupled proposals ---------------------------------------------------------------------
+
+def inverse_cdf(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p: float,
+                u: float) -> int:
+    """The target's sampling, read plainly: temperature, top-k, top-p, min-p (transformers'
+    order), then the first token, by probability descending (ties by id), whose cumulative
+    share of the kept mass passes u."""
+    logits = logits.double()
+    order = sorted(range(len(logits)), key=lambda i: (-float(logits[i]), i))
+    if 0 < top_k < len(order):
+        order = order[:top_k]
+    p = torch.softmax(logits[order] / t, 0)
+    keep = len(order)
+    if top_p < 1.0:
+        keep = min(keep, int((p.cumsum(0) < top_p).sum()) + 1)
+    if min_p > 0.0:
+        keep = min(keep, max(1, int((p >= min_p * p[0]).sum())))
+    cdf = p[:keep].cumsum(0)
+    return order[min(int((cdf <= u * cdf[-1]).sum()), keep - 1)]
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (12, 0.9, 0.05)])
+def test_coupled_proposals_are_the_inverse_cdf_pick_at_the_targets_draws(models, top_k, top_p,
+                                                                          min_p):
+    """Slot 0 samples with a temperature and sends draws: each proposal is the inverse-CDF
+    pick of the head's own filtered distribution at the draw of its position (the window's
+    own draws first: its sampled row at p carries u(p + 1); then propose_u's). Slot 1 is
+    greedy: the argmax, whatever draws come. Without propose_u (an older coordinator), or
+    with an entry [], slot 0 gets the argmax too."""
+    t = 0.8
+    file = ModelFile(models["nextn"])
+    ref = Reference(file)
+    def pick(us):   # proposal i at the draw us[i]
+        return lambda logits, i: inverse_cdf(logits, t, top_k, top_p, min_p, us[i])
+    p0, p1 = [5, 77, 120, 33, 250, 8], [40, 41, 300, 12, 99]
+    rows = [(0, p, x) for p, x in enumerate(p0)] + [(1, p, x) for p, x in enumerate(p1)]
+
+    def prompt_window(propose_u):
+        return Window(1, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                      sample_rows=[5, 10], temperature=[t, 0.0], top_k=[top_k] * 2,
+                      top_p=[top_p] * 2, min_p=[min_p] * 2, u=[0.3, 0.0],
+                      propose=[[0, 3], [1, 3]], propose_u=propose_u)
+
+    answers = {}
+    for name, propose_u in (("coupled", [[0.93, 0.41, 0.77], [0.2, 0.4, 0.6]]),
+                            ("argmax", []), ("entry []", [[], [0.2, 0.4, 0.6]])):
+        run = Run(models["nextn"])
+        w = prompt_window(propose_u)
+        hidden = run.model(torch.tensor(w.tokens), Rows(w.slots, w.positions), run.cache)
+        answers[name] = run.drafter.run(w, hidden, [17, 23])   # the tokens at 6 and 5
+    inputs = {s: [(hidden[r - 1], rows[r][2]) for r in range(first + 1, first + len(p))]
+              + [(hidden[first + len(p) - 1], sampled)]
+              for s, first, p, sampled in ((0, 0, p0, 17), (1, 6, p1, 23))}
+    greedy = [[s] + ref.propose(inputs[s], 3) for s in (0, 1)]
+    assert answers["coupled"] == [[0] + ref.propose(inputs[0], 3, pick([0.93, 0.41, 0.77])),
+                                  greedy[1]], answers
+    assert answers["coupled"][0] != greedy[0]   # the draws moved the proposals
+    assert answers["argmax"] == answers["entry []"] == greedy, answers
+
+    # a decode window of slot 0 (its token at 6, drafts at 7 and 8, every row sampled): the
+    # draft at 7 is kept, the one at 8 is not (the row at 7 samples 99), so the first
+    # proposal (position 9) takes the draw of the row at 8, and the next ones (10, 11) the
+    # first two of propose_u, which holds the draws of 10, 11, 12
+    w = Window(2, [0, 0, 0], [6, 7, 8], [17, 50, 60], sample_rows=[0, 1, 2],
+               temperature=[t] * 3, top_k=[top_k] * 3, top_p=[top_p] * 3, min_p=[min_p] * 3,
+               u=[0.1, 0.2, 0.66], propose=[[0, 3]], propose_u=[[0.05, 0.88, 0.5]])
+    hidden2 = run.model(torch.tensor(w.tokens), Rows(w.slots, w.positions), run.cache)
+    got = run.drafter.run(w, hidden2, [50, 99, 4])
+    chained = inputs[0] + [(hidden2[0], 50), (hidden2[1], 99)]
+    assert got == [[0] + ref.propose(chained, 3, pick([0.66, 0.05, 0.88]))], got
 
 
 # --- the stage worker, in process -----------------------------------------------------------

@@ -18,7 +18,7 @@ from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile
-from strata.model.mkmodel import SHAPES, write_nextn_sidecar
+from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
 from strata.model.tokenizer import Tokenizer
 
 CTX, TOKENS, N = 256, 20, 4
@@ -39,6 +39,24 @@ def repeating_head(path, model):
         elif t.name.endswith(("attn_output.weight", "ffn_down.weight")):
             data[...] = 0                             # the block adds nothing to its input
         elif t.name.endswith("norm.weight"):
+            data[...] = 1
+    reader.data.flush()
+    return path
+
+
+def markov_target(path):
+    """The tiny shape, untied, std 0.2, with every layer's output projections zero and its
+    final norm's weight 1: the hidden state of a row is its token's embedding, so the next
+    token's distribution, output(rms_norm(emb(t))), depends on the current token t only, and
+    is spread (no token dominates at temperature 0.7). The repeating head then computes that
+    same distribution: a head that matches its target."""
+    write_random_gguf(path, SHAPES["tiny"], seed=5, std=0.2, tied=False)
+    reader = GGUFReader(path, "r+")
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if t.name.endswith(("attn_output.weight", "ffn_down.weight")):
+            data[...] = 0
+        elif t.name == "output_norm.weight":
             data[...] = 1
     reader.data.flush()
     return path
@@ -107,3 +125,40 @@ def test_follow_up_turn_with_mtp_drafts_equals_a_fresh_read(subject):
         fresh = plain.submit(follow_up, sp)   # a new scheduler holds nothing: reads it all
         plain.run()
         assert fresh.reused == 0 and again.seq.generated == fresh.seq.generated
+
+
+@pytest.fixture(scope="module")
+def markov(tmp_path_factory):
+    d = tmp_path_factory.mktemp("markov")
+    target = markov_target(d / "markov.gguf")
+    head = repeating_head(d / "head.gguf", target)
+    file = ModelFile(target)
+    tok = Tokenizer.from_gguf(file.reader)
+    return file, head, tok, [tok.encode(p) for p in harness.prompt_set(N)]
+
+
+def test_coupled_proposals_are_kept_far_more_often_than_argmax_ones(markov):
+    """Temperature 0.7, 2 stages, batch 4, K = 1 and 3: MTP with coupled proposals and with
+    argmax ones gives every request the tokens of plain decoding. On a head whose
+    distribution is its target's, the coupled first proposal is the target's own draw (kept
+    nearly always), while an argmax proposal is kept only when the draw happens to pick the
+    most likely token."""
+    file, head, tok, prompts = markov
+    plan = plan_stages("2", ["cpu"], file.config.n_layers)
+    ps = params("seeded")
+    with launch_stages(file, plan, slots=N, ctx=CTX, mtp_head=head, say=lambda s: None) as run:
+        plain = [r.seq.generated for r in harness.run_alone(
+            run, SchedulerConfig(slots=1, ctx=CTX), tok, prompts, ps)]
+        first: dict[tuple[int, str], float] = {}
+        for k in (1, 3):
+            for sampling in ("coupled", "argmax"):
+                reqs = harness.run_together(run, SchedulerConfig(
+                    slots=N, ctx=CTX, draft_tokens=k, drafter="mtp", draft_sampling=sampling),
+                    tok, prompts, ps)
+                assert [r.seq.generated for r in reqs] == plain, (k, sampling)
+                drafted = sum(r.drafted_at[0] for r in reqs if r.drafted_at)
+                assert drafted >= N * 3, (k, sampling, drafted)
+                first[k, sampling] = sum(r.accepted_at[0] for r in reqs
+                                         if r.accepted_at) / drafted
+    for k in (1, 3):
+        assert first[k, "coupled"] >= 0.9 and first[k, "argmax"] <= 0.6, first

@@ -143,6 +143,40 @@ def test_each_kind_of_proposal(mode):
         assert drafted >= windows   # each decode window had drafts up to the last ones
 
 
+@pytest.mark.parametrize("sampling", ["coupled", "argmax"])
+def test_windows_send_the_draws_of_the_positions_proposals_take(sampling):
+    """Coupled: each propose entry of a slot that samples with a temperature carries the
+    draws of the k positions after the one its last row samples (the draws its rows will
+    sample with); a greedy slot's entry is []. argmax: no draws at all."""
+    from strata.coordinator.sampling import draw_uniform
+    ps = prompts(4, random.Random(8))
+    alone = run_alone(ps)
+    pipe = DraftingPipeline(4, 256, truth_of(ps, alone), random_policy(1), 3)
+    sent = []
+    submit = pipe.submit
+    pipe.submit = lambda w: (sent.append(w), submit(w))
+    sched = Scheduler(pipe, mtp_config(slots=4, draft_tokens=3, draft_sampling=sampling),
+                      frozenset({STOP}))
+    reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
+    sched.run()
+    assert [r.seq.generated for r in reqs] == alone
+    seeds = {r.slot.index: r.seq.params.seed if r.seq.params.temperature > 0 else None
+             for r in reqs}   # each slot served one request
+    entries = 0
+    for w in sent:
+        if sampling == "argmax" or not w.propose:
+            assert w.propose_u == []
+            continue
+        for (slot, k), us in zip(w.propose, w.propose_u):
+            end = max(p for s, p in zip(w.slots, w.positions) if s == slot)
+            seed = seeds[slot]
+            assert us == ([] if seed is None else
+                          [draw_uniform(seed, end + 1 + i) for i in range(1, k + 1)])
+            entries += bool(us)
+    assert sampling == "argmax" or entries > 10
+    assert any(w.propose for w in sent)
+
+
 def test_lookup_ignores_proposals_and_asks_for_none():
     ps = prompts(4, random.Random(3))
     alone = run_alone(ps)
@@ -234,7 +268,7 @@ async def _finish(engine: Engine, name: str, prompt: list[int], p):
 
 
 def test_counters_and_status_count_drafts_proposed_and_accepted():
-    from strata.coordinator.server import draft_counts
+    from strata.coordinator.drafts import draft_counts
     ps = prompts(6, random.Random(4))
     alone = run_alone(ps)
     metrics = Metrics()
@@ -266,9 +300,15 @@ def test_counters_and_status_count_drafts_proposed_and_accepted():
     from strata.coordinator.server import Server
     server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, [], lambda: None)
     status = json.loads(asyncio.run(server.status(None)).text)
+    positions = status["drafts"].pop("positions")
     assert status["drafts"] == {"proposed": drafted, "accepted": accepted,
                                 "rate": round(accepted / drafted, 4)}
-    assert (status["drafter"], status["draft_tokens"]) == ("mtp", 3)
+    # each draft is at one position: the positions add up to the totals
+    assert [p["position"] for p in positions] == [1, 2, 3]
+    assert sum(p["proposed"] for p in positions) == drafted
+    assert sum(p["accepted"] for p in positions) == accepted
+    assert (status["drafter"], status["draft_tokens"], status["draft_sampling"]) == (
+        "mtp", 3, "coupled")
     assert draft_counts(0, 0)["rate"] is None
 
 
@@ -293,8 +333,65 @@ def test_a_decoding_slot_shows_its_drafts():
     engine._publish()
     server = Server(engine, None, 64, ServerConfig(model="fake"), Metrics(), [], lambda: None)
     slot = json.loads(asyncio.run(server.status(None)).text)["slots"][0]
-    assert slot["drafts"] == {"proposed": req.drafted, "accepted": req.accepted,
-                              "rate": round(req.accepted / req.drafted, 4)}
+    # "mix" proposals: the first is kept, the two after it never
+    windows = req.drafted // 3
+    assert slot["drafts"] == {
+        "proposed": req.drafted, "accepted": req.accepted,
+        "rate": round(req.accepted / req.drafted, 4),
+        "positions": [{"position": 1, "proposed": windows, "accepted": windows, "rate": 1.0},
+                      {"position": 2, "proposed": windows, "accepted": 0, "rate": 0.0},
+                      {"position": 3, "proposed": windows, "accepted": 0, "rate": 0.0}]}
+
+
+def test_acceptance_per_draft_position_in_status_and_metrics():
+    """A hand-counted case: one request, K = 3, the proposals each window makes scripted. The
+    prompt's last chunk (window 3) proposes the true tokens: window 4 keeps all 3 drafts. Window
+    4 proposes the true first token and two wrong ones: window 5 keeps the first only. Window 5
+    proposes wrong tokens: window 6 keeps none. Later windows propose nothing. So per position
+    j = 1, 2, 3: proposed 3, 3, 3; accepted 2, 1, 1 (a draft counts only after every one
+    before it)."""
+    import json
+
+    from strata.coordinator.connections import ServerConfig
+    from strata.coordinator.server import Server
+    ps, p = [list(range(5, 25))], params(0, 12)
+    solo = Scheduler(FakePipeline(1, 256), SchedulerConfig(slots=1, chunk_rows=8),
+                     frozenset({STOP}))
+    ref = solo.submit(ps[0], p)
+    solo.run()
+    assert len(ref.seq.generated) == 12   # no stop token: every window below happens
+    script = {3: "true", 4: "mix", 5: "wrong"}
+    pipe = DraftingPipeline(1, 256, truth_of(ps, [ref.seq.generated]),
+                            lambda slot, wid: script.get(wid, "none"), 3)
+    metrics = Metrics()
+    engine = Engine(pipe, mtp_config(draft_tokens=3), frozenset({STOP}), lambda ids: "",
+                    metrics)
+    sched = engine.scheduler   # stepped here, without the engine's thread
+    req = sched.submit(ps[0], p)
+    while len(req.seq.generated) < 8 and sched.step():   # windows 4, 5, 6 have come back
+        pass
+    assert pipe.decode_drafts[:3] == [(0, 3), (0, 3), (0, 3)]
+    assert (req.drafted_at, req.accepted_at) == ([3, 3, 3], [2, 1, 1])
+    assert (sched.drafted_at, sched.accepted_at) == ([3, 3, 3], [2, 1, 1])
+    engine._publish()
+    server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, [], lambda: None)
+    status = json.loads(asyncio.run(server.status(None)).text)
+    want = {"proposed": 9, "accepted": 4, "rate": 0.4444, "positions": [
+        {"position": 1, "proposed": 3, "accepted": 2, "rate": 0.6667},
+        {"position": 2, "proposed": 3, "accepted": 1, "rate": 0.3333},
+        {"position": 3, "proposed": 3, "accepted": 1, "rate": 0.3333}]}
+    assert status["drafts"] == want and status["slots"][0]["drafts"] == want
+    sched.run()
+    assert req.seq.generated == ref.seq.generated
+    engine._publish()
+    text = metrics.render().decode()
+    for j, (proposed, accepted) in enumerate([(3, 2), (3, 1), (3, 1)], 1):
+        assert (f'strata_draft_position_tokens_proposed_total{{position="{j}"}} '
+                f'{float(proposed)}') in text
+        assert (f'strata_draft_position_tokens_accepted_total{{position="{j}"}} '
+                f'{float(accepted)}') in text
+    assert "strata_draft_tokens_proposed_total 9.0" in text
+    assert "strata_draft_tokens_accepted_total 4.0" in text
 
 
 # --- the flags ------------------------------------------------------------------------------
@@ -409,3 +506,12 @@ def test_the_launch_summary_counts_the_drafts(tiny_model, shared_stages):
     m = re.fullmatch(r"\[\d+ prompt tokens, 24 generated, (\d+) of (\d+) drafts \(lookup\) "
                      r"accepted, finish: length, seed 1\]", summary)
     assert m and int(m[1]) <= int(m[2]), summary
+
+
+def test_draft_sampling_must_be_coupled_or_argmax():
+    from strata.config_error import ConfigError
+    from strata.launch.options import CHOICES, FLAGS
+    with pytest.raises(ConfigError) as e:
+        SchedulerConfig(draft_sampling="sampled")
+    assert e.value.render(FLAGS, CHOICES) == ("--draft-sampling 'sampled' is not one of "
+                                              "coupled, argmax; use coupled or argmax")

@@ -37,7 +37,8 @@ def _window(**kw) -> Window:
                 u=[0.0, 0.123456789012345],
                 want_logits=True,
                 stage_ms=[1.5, 2],
-                propose=[[0, 3], [5, 1]])
+                propose=[[0, 3], [5, 1]],
+                propose_u=[[0.25, 0.5, 0.999], []])   # slot 5 proposes by argmax
     args.update(kw)
     return Window(**args)
 
@@ -92,6 +93,7 @@ def test_window_round_trip_keeps_values_and_types():
     msg = _window()
     back, _ = unpack(_frames_bytes(pack(msg)))
     assert back.u[1] == 0.123456789012345           # float64 on the wire: no rounding
+    assert back.propose_u == [[0.25, 0.5, 0.999], []]
     assert back.commits == [[0, 10], [2, 99]]
     assert back.want_logits is True
     assert all(type(x) is int for x in back.slots + back.positions + back.tokens + back.top_k)
@@ -213,6 +215,8 @@ def test_a_field_this_version_does_not_know_is_ignored():
     ("Window", "top_k", [0, 4.0], ["Window.top_k", "list[int]"]),
     ("Window", "commits", [0, 10], ["Window.commits", "list[list[int]]"]),
     ("Window", "commits", [[0, "10"]], ["Window.commits", "list[list[int]]"]),
+    ("Window", "propose_u", [0.5, 0.5], ["Window.propose_u", "list[list[float]]"]),
+    ("Window", "propose_u", [[0.5, "x", 0.5], []], ["Window.propose_u", "list[list[float]]"]),
     ("Window", "id", None, ["Window.id", "should be int"]),
     ("Result", "tokens", {"0": 1}, ["Result.tokens", "should be list[int]", "got dict"]),
     ("Error", "message", ["x"], ["Error.message", "should be str", "got list"]),
@@ -238,6 +242,14 @@ def test_wrong_field_type(cls_name, field_name, value, words):
     (dict(propose=[[3, 2]]), ["proposal request is not [slot, k >= 1]"]),   # slot 3 has no row
     (dict(propose=[[0, 0]]), ["proposal request is not [slot, k >= 1]"]),
     (dict(propose=[[0]]), ["proposal request is not [slot, k >= 1]"]),
+    (dict(propose_u=[[0.5, 0.5, 0.5]]),
+     ["propose_u and propose differ in length; send one propose_u entry per proposal "
+      "request, or none"]),
+    (dict(propose_u=[[0.5, 0.5], []]),   # slot 0 asks for 3
+     ["slot 0's propose_u entry must be [] (argmax) or one uniform in [0, 1) per proposal"]),
+    (dict(propose_u=[[0.5, 0.5, 1.0], []]), ["slot 0's propose_u entry must be"]),
+    (dict(propose_u=[[0.5, 0.5, -0.1], []]), ["slot 0's propose_u entry must be"]),
+    (dict(propose_u=[[], [float("nan")]]), ["slot 5's propose_u entry must be"]),
 ])
 def test_window_inconsistent_lists(change, words):
     header = encode(_window())

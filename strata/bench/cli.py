@@ -8,7 +8,7 @@
               drafts: serial-mtp, pipelined-mtp) side by side
   prompt      a long prompt's reading rate: serial vs pipelined chunks, FLOP/s and % of peak
   drafts      decoding with draft tokens (mtp or lookup) against without, side by side;
-              tokens compared
+              tokens compared, drafts kept per draft position (held-out prompts: --prompts)
   peer        the arms compared with: HF transformers `generate`, llama.cpp's batched bench
 
 `python -m strata.bench` runs the same command.
@@ -24,11 +24,11 @@ from statistics import mean, median
 
 import click
 
-from strata.coordinator.config import MAX_DRAFT_TOKENS
 from strata.coordinator.generate import Sequence, generate_solo
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import auto_groups
 from strata.bench import harness
+from strata.bench.draftbench import drafts
 from strata.bench.harness import machine
 from strata.bench.loadtest import loadtest
 from strata.bench.peer import peer
@@ -167,67 +167,8 @@ def throughput(batches, clients, tokens, json_out, **launch):
             json.dump({"machine": machine(), "tokens": tokens, "results": rows}, f, indent=2)
 
 
-@main.command()
-@launch_options(skip=("--draft-tokens",))
-@click.option("--draft-tokens", type=int, default=MAX_DRAFT_TOKENS, show_default=True,
-              help=f"Draft tokens a slot may verify in the drafts arm, 1 to {MAX_DRAFT_TOKENS} "
-                   f"(--drafter picks where they come from); the plain arm has none.")
-@click.option("--clients", type=int, default=1, show_default=True)
-@click.option("--tokens", type=int, default=128, show_default=True, help="Tokens per client.")
-@click.option("--repeats", type=int, default=2, show_default=True,
-              help="Rounds; each runs both arms, alternating; the best of each is kept.")
-@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
-@clean_errors("strata-bench drafts")
-def drafts(draft_tokens, clients, tokens, repeats, json_out, **launch):
-    """Decoding with draft tokens (--drafter mtp: the model's NextN head; lookup: prompt
-    lookup) against without, side by side in one launch: total tok/s, windows, drafts
-    accepted; exit 1 if any request's tokens differ between the arms."""
-    if draft_tokens < 1:
-        raise ValueError(f"--draft-tokens {draft_tokens} leaves the drafts arm without drafts; "
-                         f"give 1 to {MAX_DRAFT_TOKENS}")
-    prep = prepare(**launch, draft_tokens=draft_tokens)  # chooses the drafter, checks k
-    k = prep.sched.draft_tokens
-    tok = Tokenizer.from_gguf(prep.file.reader)
-    arms = {"plain": replace(prep.sched, draft_tokens=0), "drafts": prep.sched}
-    click.echo(f"# {clients} client(s) x {tokens} tokens, greedy, {len(prep.plan)} stage(s), "
-               f"batch {prep.sched.slots}, groups {prep.sched.groups}, window rows "
-               f"{prep.sched.window_rows}, up to {k} drafts a slot ({prep.sched.drafter}); "
-               f"{machine()}")
-    click.echo(f"{'arm':>6} {'total tok/s':>11} {'windows':>7} {'tok/window':>10} "
-               f"{'drafted':>7} {'accepted':>8} {'rate':>5}")
-    best: dict[str, dict] = {}
-    generated: dict[str, list[list[int]]] = {}
-    with prep.launch(say=lambda s: None) as run:
-        harness.measure_throughput(run, arms["plain"], tok, 1, 2)  # warm-up (graph captures)
-        for _ in range(repeats):
-            for arm, cfg in arms.items():
-                first = run.pipe.next_window_id
-                r = harness.measure_throughput(run, cfg, tok, clients, tokens)
-                reqs = r.requests
-                row = {"arm": arm, "total_tok_s": r.total_tok_s,
-                       "windows": run.pipe.next_window_id - first,
-                       "drafted": sum(q.drafted for q in reqs),
-                       "accepted": sum(q.accepted for q in reqs)}
-                if arm not in best or row["total_tok_s"] > best[arm]["total_tok_s"]:
-                    best[arm] = row
-                generated.setdefault(arm, [q.seq.generated for q in reqs])
-    for row in best.values():
-        click.echo(f"{row['arm']:>6} {row['total_tok_s']:>11.2f} {row['windows']:>7} "
-                   f"{clients * tokens / row['windows']:>10.2f} {row['drafted']:>7} "
-                   f"{row['accepted']:>8} "
-                   f"{row['accepted'] / row['drafted'] if row['drafted'] else 0:>5.2f}")
-    same = generated["plain"] == generated["drafts"]
-    click.echo(f"drafts/plain {best['drafts']['total_tok_s'] / best['plain']['total_tok_s']:.2f}x"
-               f"; {'every request has the same tokens' if same else 'TOKENS DIFFER'}")
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump({"machine": machine(), "clients": clients, "tokens": tokens,
-                       "draft_tokens": k, "drafter": prep.sched.drafter, "results": list(best.values()), "same": same}, f,
-                      indent=2)
-    sys.exit(0 if same else 1)
-
-
 main.add_command(loadtest)
+main.add_command(drafts)
 main.add_command(sweep)
 main.add_command(prompt)
 main.add_command(peer)

@@ -18,6 +18,7 @@ AUTO = "auto"
 # (the 8B shape: 4.41, 4.54, 5.11 -> 5.08 ms; SmolLM2: 0.87-0.90 -> 0.92 ms), and one of 64 at
 # most 1.10x one of 40-56 rows; growing past a tile costs more (8B: 32 -> 40 rows 1.28x).
 DRAFT_TILES = (32, 64)
+DRAFT_SAMPLINGS = ("coupled", "argmax")   # how mtp proposes for sampled requests (drafts.py)
 
 
 def round_rows(rows: int) -> int:
@@ -51,6 +52,7 @@ class SchedulerConfig:
     # WINDOW_ROW_STEP (a multiple of it); None: up to the window's row tile (DRAFT_TILES;
     # strata-launch's --draft-rows auto on CUDA stages, 0 on CPU stages)
     draft_rows: int | None = None
+    draft_sampling: str = "coupled"   # mtp proposals for sampled requests: DRAFT_SAMPLINGS
 
     def __post_init__(self):
         for name in ("slots", "chunk_rows", "ctx", "prompt_depth"):
@@ -86,6 +88,10 @@ class SchedulerConfig:
         if self.drafter not in DRAFTERS:
             raise ConfigError("drafter", f"{{drafter}} {self.drafter!r} is not one of "
                               f"{', '.join(DRAFTERS)}", "use mtp or lookup")
+        if self.draft_sampling not in DRAFT_SAMPLINGS:
+            raise ConfigError("draft_sampling", f"{{draft_sampling}} {self.draft_sampling!r} is "
+                              f"not one of {', '.join(DRAFT_SAMPLINGS)}",
+                              "use coupled or argmax")
 
     @property
     def auto_drafts(self) -> bool:

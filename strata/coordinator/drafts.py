@@ -25,7 +25,22 @@ Two drafters (SchedulerConfig.drafter):
   stage runs the head on the rows equality accepts and answers them with the tokens
   (`Result.proposals`: [slot, d1..dk]). The scheduler keeps them on the request and puts as
   many as fit in the slot's next decode window: no window of its own is spent on drafting.
+  For a request that samples with a temperature the proposals are coupled
+  (SchedulerConfig.draft_sampling "coupled", the default): the token at position q is drawn
+  with u(q) = Philox(seed, q) whatever the window (sampling.py), so the window that asks for
+  proposals sends, with each propose entry, the draws of the positions they can take past its
+  own rows (`Window.propose_u`), and the drafter picks each proposal by inverse CDF over its
+  own distribution, filtered and tempered by the target's sampler, with the draw the target
+  will use there. Where head and target agree closely, one u lands both on the same token (a
+  head that computes its target's distribution has nearly every proposal kept, against a
+  third for argmax: tests/test_mtp.py); an argmax proposal ("argmax") is kept only when the
+  target's draw happens to pick the head's most likely token. Each draw is made once
+  (draw_uniform is memoised): the window that samples the position finds it.
 Either way acceptance is the same equality, so the drafter changes the windows, never a token.
+
+Acceptance per draft position: a slot's drafts d_1..d_k in a window count as proposed at
+positions 1..k, and d_j as accepted at position j when d_1..d_j all equal the tokens sampled
+before them (Request.drafted_at / accepted_at, the scheduler's totals, /v1/status, /metrics).
 """
 from __future__ import annotations
 
@@ -39,6 +54,29 @@ def draft_room(decoding: int, draft_tokens: int, window_rows: int) -> int:
     `window_rows` rows (SchedulerConfig.draft_window_rows): the rows beyond the slots' own,
     at most draft_tokens. The slots share those rows (draft_choice.share_rows)."""
     return max(min(draft_tokens, window_rows - decoding), 0)
+
+
+def count_positions(counts: list[int], n: int) -> None:
+    """One more at draft positions 1..n: counts[j - 1] is position j's (grown as needed)."""
+    counts.extend([0] * (n - len(counts)))
+    for j in range(n):
+        counts[j] += 1
+
+
+def draft_counts(proposed: int, accepted: int, proposed_at=(), accepted_at=(),
+                 positions: int = 0) -> dict:
+    """Draft tokens put in windows, kept of them, and the share kept (None before any); with
+    "positions" the same for each draft position j = 1..max(positions, those counted), where
+    a draft at j is kept only if those at 1..j-1 were."""
+    counts = {"proposed": proposed, "accepted": accepted,
+              "rate": round(accepted / proposed, 4) if proposed else None}
+    n = max(positions, len(proposed_at))
+    if n:
+        at = lambda c, j: c[j] if j < len(c) else 0  # noqa: E731
+        counts["positions"] = [dict(position=j + 1, **draft_counts(at(proposed_at, j),
+                                                                   at(accepted_at, j)))
+                               for j in range(n)]
+    return counts
 
 
 def draft_limit(seq: Sequence, room: int, draft_tokens: int, ahead: int = 0) -> int:

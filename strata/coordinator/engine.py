@@ -102,6 +102,8 @@ class Snapshot:
     drafted: int = 0    # draft tokens sent in windows since the start
     accepted: int = 0   # of them, kept
     draft_choices: tuple[DraftChoice | None, ...] = ()   # per group: what its windows carry
+    drafted_at: tuple[int, ...] = ()    # the same per draft position j = 1.. (index j - 1)
+    accepted_at: tuple[int, ...] = ()
 
 
 def _window_kind(w: Window) -> str:
@@ -299,11 +301,15 @@ class Engine:
         snap = self.scheduler.snapshot()
         now = time.monotonic()
         if self.metrics:  # the drafts verified since the last snapshot
-            self.metrics.observe_drafts(snap.drafted - self.snapshot.drafted,
-                                        snap.accepted - self.snapshot.accepted)
+            last = self.snapshot
+            self.metrics.observe_drafts(snap.drafted - last.drafted,
+                                        snap.accepted - last.accepted,
+                                        _since(snap.drafted_at, last.drafted_at),
+                                        _since(snap.accepted_at, last.accepted_at))
         self.snapshot = Snapshot(tuple(self._view(s, now) for s in snap.slots), snap.in_flight,
                                  snap.queued, self.pipe.windows, snap.decode_windows,
-                                 snap.drafted, snap.accepted, snap.draft_choices)
+                                 snap.drafted, snap.accepted, snap.draft_choices,
+                                 snap.drafted_at, snap.accepted_at)
         held, self._held = self._held or [], None
         for job, fin in held:
             job.post(fin)
@@ -315,3 +321,8 @@ class Engine:
             # until now, so a stalled slot's rate falls
             rate = (job.tokens - 1) / (now - job.first_token)
         return SlotView(**vars(s), job=job.id if job else None, tok_s=rate)
+
+
+def _since(now: tuple[int, ...], before: tuple[int, ...]) -> list[int]:
+    """Per-position counts added since `before` (the lists only grow)."""
+    return [n - (before[i] if i < len(before) else 0) for i, n in enumerate(now)]

@@ -3,7 +3,7 @@ so two servers in one process, or a test, don't collide). prometheus_client's me
 thread-safe: the engine thread observes windows and tokens, the event loop counts requests."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -49,6 +49,15 @@ class Metrics:
         self.drafts_accepted = Counter("strata_draft_tokens_accepted", "Draft tokens kept: "
                                        "equal to the token sampled at their position",
                                        registry=r)
+        self.drafts_proposed_at = Counter("strata_draft_position_tokens_proposed", "Draft "
+                                          "tokens put in decode windows, by draft position "
+                                          "(1 = a slot's first draft in its window)",
+                                          ["position"], registry=r)
+        self.drafts_accepted_at = Counter("strata_draft_position_tokens_accepted", "Draft "
+                                          "tokens kept, by draft position: the draft at "
+                                          "position j and every one before it equal to the "
+                                          "token sampled at their positions", ["position"],
+                                          registry=r)
         self.up = Gauge("strata_up", "1 while every stage and the engine thread are alive",
                         registry=r)
 
@@ -70,12 +79,19 @@ class Metrics:
         self.window_rows.labels("size").observe(rows)
         self.window_rows.labels("live").observe(live)
 
-    def observe_drafts(self, proposed: int, accepted: int) -> None:
-        """Draft tokens verified since the last call: put in windows, and kept of them."""
+    def observe_drafts(self, proposed: int, accepted: int, proposed_at: Sequence[int] = (),
+                       accepted_at: Sequence[int] = ()) -> None:
+        """Draft tokens verified since the last call: put in windows, and kept of them; the
+        same per draft position (index j - 1 is position j)."""
         if proposed:
             self.drafts_proposed.inc(proposed)
         if accepted:
             self.drafts_accepted.inc(accepted)
+        for counter, counts in ((self.drafts_proposed_at, proposed_at),
+                                (self.drafts_accepted_at, accepted_at)):
+            for j, n in enumerate(counts, 1):
+                if n:
+                    counter.labels(str(j)).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -57,7 +57,7 @@ from typing import Callable
 from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_groups re-exported)
     WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
 from strata.coordinator.draft_choice import share_rows
-from strata.coordinator.drafts import PromptLookup, draft_limit
+from strata.coordinator.drafts import PromptLookup, count_positions, draft_limit
 from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.sampling import SamplingParams
@@ -84,6 +84,8 @@ class Scheduler:
         self.commits: list[tuple[int, int]] = []   # ride on the next window submitted
         self.drafted = self.accepted = 0            # draft tokens, every request's
         self.landed_at = 0.0                        # when the last result came (clock)
+        self.drafted_at: list[int] = []             # the same per draft position (drafts.py)
+        self.accepted_at: list[int] = []
         self._ids = itertools.count(1)
 
     # --- requests -----------------------------------------------------------------------------
@@ -122,11 +124,13 @@ class Scheduler:
                                    "reading" if slot.read_pos < prompt else "decoding",
                                    req.id, prompt, slot.read_pos, req.reused,
                                    len(req.seq.generated), drafted=req.drafted,
-                                   accepted=req.accepted))
+                                   accepted=req.accepted, drafted_at=tuple(req.drafted_at),
+                                   accepted_at=tuple(req.accepted_at)))
         return SchedulerSnapshot(tuple(views), tuple(g.flights > 0 for g in self.groups),
                                  len(self.queue), tuple(g.last_decode for g in self.groups),
                                  self.drafted, self.accepted,
-                                 tuple(g.drafts.choice for g in self.groups))
+                                 tuple(g.drafts.choice for g in self.groups),
+                                 tuple(self.drafted_at), tuple(self.accepted_at))
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -177,7 +181,8 @@ class Scheduler:
         """tokens[j] was sampled at position L + j (L: the sequence's length before); it
         counts while the drafts before it equal the tokens sampled at their positions.
         proposals: the drafter's for the positions after the tokens that count (the last
-        stage accepts by the same equality), kept for the slot's next decode window."""
+        stage accepts by the same equality), kept for the slot's next decode window. Draft
+        position i counts as proposed for i <= len(drafts), as accepted for i <= j."""
         start = req.seq.length
         for j, token in enumerate(tokens):
             done = req.seq.accept(token)
@@ -187,6 +192,10 @@ class Scheduler:
         req.accepted += j      # drafts equal to the token sampled at their position
         self.drafted += len(drafts)
         self.accepted += j
+        for drafted_at, accepted_at in ((req.drafted_at, req.accepted_at),
+                                        (self.drafted_at, self.accepted_at)):
+            count_positions(drafted_at, len(drafts))
+            count_positions(accepted_at, j)
         req.proposals = [] if done else list(proposals)
         if done:
             self._release(slot, req, req.seq.finish_reason)
@@ -339,7 +348,7 @@ class Scheduler:
         commits, self.commits = self.commits, []
         try:
             w = build_window(self.pipe.new_window_id(), rows, shape, commits, chunk=chunk,
-                             propose=propose)
+                             propose=propose, coupled=self.cfg.draft_sampling == "coupled")
             self.pipe.submit(w)
         except PipelineError:
             raise

@@ -25,6 +25,9 @@ class Request:
     drafter: PromptLookup | None = None
     drafted: int = 0         # draft tokens sent in windows
     accepted: int = 0        # of them, equal to the token sampled at their position
+    # per draft position j = 1.. (index j - 1): drafts sent there, and kept (drafts.py)
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
     proposals: list[int] = field(default_factory=list)  # mtp: drafts for the next decode window
     acceptance: Acceptance = field(default_factory=Acceptance)   # of its recent windows
     observed: tuple[int, int] = (0, 0)   # (drafted, accepted) already in `acceptance`
@@ -85,6 +88,8 @@ class SlotState:
     held: int = 0              # an idle slot's cached prompt tokens
     drafted: int = 0           # its request's draft tokens sent in windows
     accepted: int = 0          # of them, kept (equal to the token sampled at their position)
+    drafted_at: tuple[int, ...] = ()    # per draft position j = 1.. (index j - 1)
+    accepted_at: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,3 +101,5 @@ class SchedulerSnapshot:
     drafted: int = 0    # draft tokens sent in windows, every request since the start
     accepted: int = 0   # of them, kept
     draft_choices: tuple[DraftChoice | None, ...] = ()   # per group: what its windows carry
+    drafted_at: tuple[int, ...] = ()    # per draft position j = 1.. (index j - 1)
+    accepted_at: tuple[int, ...] = ()

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from strata.coordinator import openai_api as api
 from strata.coordinator.connections import ConnectionPool, Limits, ServerConfig
+from strata.coordinator.drafts import draft_counts
 from strata.coordinator.engine import Engine, EngineDown, Finished, Job
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.openai_api import ApiError
@@ -314,7 +315,8 @@ class Server:
                 view.update(request=s.job, prompt_tokens=s.prompt_tokens, read=s.read,
                             reused=s.reused, generated=s.generated,
                             tok_s=None if s.tok_s is None else round(s.tok_s, 2),
-                            drafts=draft_counts(s.drafted, s.accepted))
+                            drafts=draft_counts(s.drafted, s.accepted, s.drafted_at,
+                                                s.accepted_at, cfg.max_draft_tokens))
             slots.append(view)
         groups = [{"group": g, "slots": [s.slot for s in snap.slots if s.group == g],
                    "window_in_flight": busy,
@@ -329,19 +331,17 @@ class Server:
             "batch": cfg.slots, "batch_groups": cfg.groups, "window_rows": cfg.window_rows,
             "chunk_rows": cfg.chunk_rows, "ctx": cfg.ctx, "queued": self.engine.queued,
             "draft_tokens": cfg.draft_tokens, "drafter": cfg.drafter if cfg.draft_tokens else None,
+            # how mtp proposes for requests with a temperature (greedy ones: argmax)
+            "draft_sampling": (cfg.draft_sampling if cfg.draft_tokens and cfg.drafter == "mtp"
+                               else None),
             # since the start; each slot's "drafts" counts its request's
-            "drafts": draft_counts(snap.drafted, snap.accepted),
+            "drafts": draft_counts(snap.drafted, snap.accepted, snap.drafted_at,
+                                   snap.accepted_at, cfg.max_draft_tokens),
             "windows": snap.windows, "slots": slots, "groups": groups, "stages": self.stages})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": self.metrics.content_type})
-
-
-def draft_counts(proposed: int, accepted: int) -> dict:
-    """Draft tokens put in windows, kept of them, and the share kept (None before any)."""
-    return {"proposed": proposed, "accepted": accepted,
-            "rate": round(accepted / proposed, 4) if proposed else None}
 
 
 def draft_choice(c) -> dict | None:

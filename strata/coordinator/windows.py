@@ -26,10 +26,12 @@ class Row:
 
 def build_window(window_id: int, rows: list[Row], shape: int,
                  commits: list[tuple[int, int]] = (), want_logits: bool = False,
-                 chunk: bool = False, propose: list[tuple[int, int]] = ()) -> Window:
+                 chunk: bool = False, propose: list[tuple[int, int]] = (),
+                 coupled: bool = False) -> Window:
     """rows: at most `shape` live rows; the rest of the window is padding. chunk: the rows are
     prompt rows of one slot (see Window.chunk). propose: (slot, k) asks the last stage's
-    drafter for k proposals for a slot with rows here (see Window.propose)."""
+    drafter for k proposals for a slot with rows here (see Window.propose). coupled: a slot
+    that samples with a temperature gets coupled proposals (Window.propose_u)."""
     assert len(rows) <= shape, (len(rows), shape)
     pad = shape - len(rows)
     w = Window(id=window_id,
@@ -49,7 +51,28 @@ def build_window(window_id: int, rows: list[Row], shape: int,
         w.min_p.append(float(p.min_p))
         # the sampled token goes to position + 1: its draw is keyed by that position
         w.u.append(draw_uniform(p.seed, r.position + 1) if p.temperature > 0 else 0.0)
+    if coupled and propose:
+        w.propose_u = proposal_draws(rows, propose)
     return w
+
+
+def proposal_draws(rows: list[Row], propose: list[tuple[int, int]]) -> list[list[float]]:
+    """Window.propose_u: for each (slot, k), the draws of the k positions after the one the
+    slot's last row samples (last row at P: positions P + 2 .. P + 1 + k; the window's own
+    rows carry the draws up to P + 1), or [] for a slot that samples greedily; [] when no
+    slot samples with a temperature. Each draw is the one that position's row will sample
+    with (draw_uniform is memoised: it is made once)."""
+    last: dict[int, Row] = {}
+    for r in rows:
+        if r.position >= last.get(r.slot, r).position:
+            last[r.slot] = r
+    out = []
+    for slot, k in propose:
+        r = last[slot]
+        p = r.sample
+        out.append([] if p is None or p.temperature <= 0 else
+                   [draw_uniform(p.seed, r.position + 1 + i) for i in range(1, k + 1)])
+    return out if any(out) else []
 
 
 def prompt_chunks(slot: int, tokens: list[int], start: int, chunk_rows: int,

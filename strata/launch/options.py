@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 
 from strata.config_error import ConfigError
-from strata.coordinator.config import (AUTO, DRAFT_TILES, DRAFTERS, MAX_DRAFT_TOKENS,
-                                       MAX_WINDOW_ROWS, WINDOW_ROW_STEP, SchedulerConfig,
-                                       auto_groups)
+from strata.coordinator.config import (AUTO, DRAFT_SAMPLINGS, DRAFT_TILES, DRAFTERS,
+                                       MAX_DRAFT_TOKENS, MAX_WINDOW_ROWS, WINDOW_ROW_STEP,
+                                       SchedulerConfig, auto_groups)
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.launch.memory import check_fits
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
@@ -103,6 +103,12 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "stage (in the model file, or --mtp-head), lookup = prompt lookup "
                           "(what followed the last tokens earlier in the text). Default when "
                           "drafting: mtp where there is a head, else lookup."),
+        click.option("--draft-sampling", type=click.Choice(DRAFT_SAMPLINGS), default="coupled",
+                     show_default=True,
+                     help="How the mtp drafter proposes for a request with a temperature: "
+                          "coupled = drawn from the head's distribution with the draw the "
+                          "target will use at that position (more are accepted), argmax = its "
+                          "most likely token. Greedy requests always take the argmax."),
         click.option("--mtp-head", type=click.Path(dir_okay=False), default=None,
                      help="A NextN head GGUF made for the model (a sidecar), for --drafter "
                           "mtp; without it, the model file's own NextN layer if it has one."),
@@ -146,7 +152,8 @@ class Prepared:
 
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
-            drafter=None, mtp_head=None, draft_rows="auto", **_) -> Prepared:
+            drafter=None, mtp_head=None, draft_rows="auto", draft_sampling="coupled",
+            **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
     the flags."""
@@ -170,6 +177,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
                             window_rows=window_rows, chunk_rows=chunk_rows, ctx=ctx_size,
                             draft_tokens=draft_tokens, drafter=drafter or "lookup",
                             draft_rows=draft_rows,
+                            draft_sampling=draft_sampling,
                             prompt_depth=len(plan) + 1)  # + 1: the next chunk waits at stage 0
     drafter, sidecar = choose_drafter(file, draft_tokens, drafter, mtp_head)
     sched = replace(sched, drafter=drafter)
@@ -235,6 +243,7 @@ def parse_devices_for(devices: str) -> list[str]:
 FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--window-rows",
          "chunk_rows": "--chunk-rows", "ctx": "--ctx-size", "draft_tokens": "--draft-tokens",
          "drafter": "--drafter", "draft_rows": "--draft-rows",
+         "draft_sampling": "--draft-sampling",
          "graph_cache": "--graph-cache", "port": "--port", "api_key": "--api-key",
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
          "max_client_connections": "--max-client-connections"}

@@ -58,6 +58,10 @@ class Window:
     # [slot, k]: after sampling, the last stage's drafter proposes k tokens for the slot from
     # the rows this window accepts (Result.proposals); a stage without a drafter ignores it
     propose: list[list[int]] = field(default_factory=list)
+    # parallel to `propose` (or empty: none for any entry): the uniform draws of the k
+    # positions after the one the slot's last row samples, for coupled proposals; an entry []
+    # asks for argmax proposals (see strata/stage_worker/drafter.py)
+    propose_u: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self):
         n = len(self.slots)
@@ -71,6 +75,13 @@ class Window:
         if any(len(p) != 2 or p[0] not in self.slots or p[1] < 1 for p in self.propose):
             raise ProtocolError(f"window {self.id}: a proposal request is not [slot, k >= 1] "
                                 f"for a slot with rows in the window")
+        if self.propose_u and len(self.propose_u) != len(self.propose):
+            raise ProtocolError(f"window {self.id}: propose_u and propose differ in length; "
+                                f"send one propose_u entry per proposal request, or none")
+        for (slot, k), us in zip(self.propose, self.propose_u):
+            if us and (len(us) != k or not all(0.0 <= u < 1.0 for u in us)):
+                raise ProtocolError(f"window {self.id}: slot {slot}'s propose_u entry must be "
+                                    f"[] (argmax) or one uniform in [0, 1) per proposal")
 
 
 @dataclass
@@ -115,6 +126,8 @@ INTS = Kind("list[int]", lambda v: type(v) is list and {type(x) for x in v} <= _
 FLOATS = Kind("list[float]", lambda v: type(v) is list and {type(x) for x in v} <= _NUMBER)
 PAIRS = Kind("list[list[int]]", lambda v: type(v) is list and all(
     type(x) is list and {type(y) for y in x} <= _INT for x in v))
+FLOAT_LISTS = Kind("list[list[float]]", lambda v: type(v) is list and all(
+    type(x) is list and {type(y) for y in x} <= _NUMBER for x in v))
 
 # Each message's fields on the wire, in the dataclass's order (the order encode writes them).
 # A field with a default in the dataclass may be absent from a message: it takes the default.
@@ -130,7 +143,7 @@ SCHEMAS: dict[type, dict[str, Kind]] = {
     Window: {"id": INT, "slots": INTS, "positions": INTS, "tokens": INTS, "commits": PAIRS,
              "sample_rows": INTS, "temperature": FLOATS, "top_k": INTS, "top_p": FLOATS,
              "min_p": FLOATS, "u": FLOATS, "want_logits": BOOL, "chunk": BOOL,
-             "stage_ms": FLOATS, "propose": PAIRS},
+             "stage_ms": FLOATS, "propose": PAIRS, "propose_u": FLOAT_LISTS},
     Result: {"id": INT, "tokens": INTS, "stage_ms": FLOATS, "proposals": PAIRS},
     Error: {"stage": INT, "window": INT, "message": STR},
     Shutdown: {"reason": STR},

@@ -7,7 +7,7 @@ final norm) with the embedding of the token at p, and predicts the token at p + 
 
     x = eh_proj([enorm(emb(tok_p)); hnorm(h_{p-1})])      # embedding first, as DeepSeek/vLLM
     x = block(x)            # one llama layer (model.Layer), over the slot's NextN rows
-    d = argmax(head(shared_head_norm(x)))
+    d = argmax(head(shared_head_norm(x)))                 # or coupled, below
 
 Position 0 has no row, so the NextN attention starts at position 1: the row of position p is
 kept at index p - 1 of the NextN cache [slots + 1, KVH, ctx, hd] and rotated as position p - 1
@@ -28,6 +28,17 @@ any row reads them, as in the main KV cache. Commits need nothing more here: eve
 a slot sets its `last_h` and its `ready` row anew, and a commit (slot, length) is followed by
 rows at P_0 <= length (the stages refuse a gap), where `last_h` counts only if it is the state
 of P_0 - 1 and the `ready` row only if it is the row of P_0 with the same token.
+
+Coupled proposals (a slot that samples with a temperature, when the window sends draws for it
+in `propose_u`): the proposal for position q is sample_row (strata/kernels/sampling.py, the
+target's own sampler) over the head's logits with the slot's temperature, top-k, top-p and
+min-p and the uniform u(q) = Philox(seed, q) that the target will sample q with: the window's
+own draws (its sampled row at p carries u(p + 1)), then propose_u's k draws for the positions
+after its last row's. Inverse CDF with one u over two close distributions lands on the same
+token far more often than the target's draw equals the head's argmax, and equality
+acceptance does not change: the tokens stay those of plain decoding, only more proposals are
+kept. Greedy slots, windows without draws (older coordinators, `--draft-sampling argmax`) and
+a position whose draw is not known take the argmax.
 """
 from __future__ import annotations
 
@@ -38,6 +49,7 @@ import torch.nn.functional as F
 
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS
+from strata.kernels.sampling import SamplingRow, sample_row
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.messages import Window
@@ -143,29 +155,40 @@ class Drafter:
         return plan
 
     def _propose(self, w: Window, plan: _Plan, out: torch.Tensor) -> list[list[int]]:
-        """Chained greedy proposals from each asked slot's row at P_a + 1, batched by step."""
-        asks = []   # (slot, k, position of the token its first proposal follows)
+        """Chained proposals from each asked slot's row at P_a + 1, batched by step: argmax,
+        or coupled (the module's docstring) where the window sends the slot's draws."""
+        asks = []   # (slot, k, position of the token its first proposal follows, coupling)
+        couplings = _couplings(w)
         for s, k in w.propose:
             if s in plan.tops:
                 top = plan.positions[plan.tops[s]]
                 k = min(k, self.ctx - 1 - top)   # a proposal for position top + i < ctx
                 if k >= 1:
-                    asks.append((s, k, top))
+                    asks.append((s, k, top, couplings.get(s)))
         if not asks:
             return []
-        x = out[torch.tensor([plan.tops[s] for s, _, _ in asks], device=self.device)]
+        x = out[torch.tensor([plan.tops[s] for s, _, _, _ in asks], device=self.device)]
         drafts: list[tuple[list[int], torch.Tensor]] = []   # per step: (asks, proposals)
         live = list(range(len(asks)))     # indices into asks still drafting at this step
-        for i in range(1, max(k for _, k, _ in asks) + 1):
+        for i in range(1, max(k for _, k, _, _ in asks) + 1):
             if i > 1:
                 keep = [j for j, a in enumerate(live) if asks[a][1] >= i]
                 index = torch.tensor(keep, device=self.device)
                 live = [live[j] for j in keep]
                 x = self._rows([asks[a][0] for a in live], [asks[a][2] + i - 1 for a in live],
                                d[index], x[index])
-            d = self._logits(x).argmax(-1)
+            logits = self._logits(x)
+            d = logits.argmax(-1)
+            rows = [asks[a][3].row(asks[a][2] + i) if asks[a][3] else None for a in live]
+            coupled = [j for j, r in enumerate(rows) if r is not None]
+            if coupled:   # their picks replace the argmax; their logits leave in one copy
+                host = logits[torch.tensor(coupled, device=self.device)].cpu()
+                picks = d.tolist()
+                for h, j in enumerate(coupled):
+                    picks[j] = sample_row(host[h], rows[j])
+                d = torch.tensor(picks, device=self.device)
             drafts.append((live, d))
-        out_lists = [[s] for s, _, _ in asks]
+        out_lists = [[s] for s, _, _, _ in asks]
         for live_i, d in drafts:
             for a, token in zip(live_i, d.tolist()):
                 out_lists[a].append(token)
@@ -192,3 +215,38 @@ class Drafter:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
+
+
+@dataclass
+class _Coupling:
+    """A slot's sampling parameters and the draws of the positions its proposals can take."""
+    params: tuple[float, int, float, float]   # temperature, top_k, top_p, min_p
+    draws: dict[int, float]                   # position -> u
+
+    def row(self, position: int) -> SamplingRow | None:
+        """The target's sampling of `position`, or None where its draw is unknown (argmax)."""
+        u = self.draws.get(position)
+        return None if u is None else SamplingRow(*self.params, u)
+
+
+def _couplings(w: Window) -> dict[int, _Coupling]:
+    """slot -> its coupling, for each propose entry that sends draws for a slot sampling with
+    a temperature: the parameters of its last sampled row, and the draws of the window's own
+    sampled rows (the row at p samples position p + 1) with those of propose_u after them."""
+    if not w.propose_u:
+        return {}
+    params: dict[int, tuple[float, int, float, float]] = {}
+    draws: dict[int, dict[int, float]] = {}
+    for j, r in enumerate(w.sample_rows):
+        s = w.slots[r]
+        params[s] = (w.temperature[j], w.top_k[j], w.top_p[j], w.min_p[j])
+        draws.setdefault(s, {})[w.positions[r] + 1] = w.u[j]
+    end: dict[int, int] = {}   # slot -> the position its last row samples
+    for s, p in zip(w.slots, w.positions):
+        end[s] = max(end.get(s, 0), p + 1)
+    out = {}
+    for (s, _), us in zip(w.propose, w.propose_u):
+        if us and s in params and params[s][0] > 0.0:
+            draws[s].update((end[s] + j, u) for j, u in enumerate(us, 1))
+            out[s] = _Coupling(params[s], draws[s])
+    return out
