@@ -469,3 +469,18 @@ def test_on_cuda_graphs_the_drafter_reads_each_windows_own_hidden_states(models)
     assert drive(models["nextn"], queued=True) == one_at_a_time
     assert [len(p[0]) for _, p in one_at_a_time] == [3, 3, 4, 4]
     assert [t for t, _ in drive(models["plain"], queued=True)] == [t for t, _ in one_at_a_time]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_drafters_graphs_propose_what_it_does_eagerly(models):
+    """The drafter's steps replayed from graphs (captured per row count) give the proposals
+    of the same steps run eagerly at the same padded shapes, window for window."""
+    def drive(graph_cache: int) -> list:
+        with in_process_worker(models["nextn"], Stage, layer_end=TINY.n_layers, slots=2,
+                               ctx=CTX, device="cuda:0", graph_cache=graph_cache) as stage:
+            return [(r.tokens, r.proposals) for r in conversation(stage.ask)]
+
+    graphed = drive(16)
+    assert graphed == drive(0)
+    assert graphed[0][1] and graphed[1][1]

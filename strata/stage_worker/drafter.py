@@ -53,7 +53,10 @@ from strata.kernels.sampling import SamplingRow, sample_row
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.messages import Window
+from strata.stage_worker.graphs import Captured
 from strata.stage_worker.model import KVCache, Layer, RowTensors, StageModel, WindowMeta
+
+GRAPH_ROWS = (8, 16, 32, MAX_DECODE_ROWS)   # the row counts the drafter's steps are captured at
 
 
 @dataclass
@@ -79,7 +82,7 @@ class Drafter:
     the stage does not hold it). `run(window, hidden, tokens)` after every window."""
 
     def __init__(self, source: HeadSource, file: ModelFile, model: StageModel, slots: int,
-                 ctx: int):
+                 ctx: int, graphs: bool = False):
         assert model.last, "the drafter lives on the last stage"
         head = open_head(source, file)
         cfg, dtype, device = file.config, model.dtype, model.device
@@ -105,6 +108,10 @@ class Drafter:
         self.last_h = torch.zeros(slots + 1, cfg.d_model, dtype=dtype, device=device)  # + zeros
         self.last_pos = [-1] * slots     # the position whose hidden state last_h[s] holds
         self.ready: list[tuple[int, int] | None] = [None] * slots  # (p, token) of a row written
+        # on CUDA with graphs: the block's rows and the head, captured per row count
+        # (GRAPH_ROWS) when first needed; each step is then two replays, not ~30 launches
+        self.graphs: dict[tuple[str, int], Captured] | None = (
+            {} if graphs and device.type == "cuda" else None)
 
     def run(self, w: Window, hidden: torch.Tensor, tokens: list[int]) -> list[list[int]]:
         """After window w (its rows, `hidden` [R, D] the main model's final hidden
@@ -119,8 +126,10 @@ class Drafter:
         h = source[torch.tensor(plan.sources, device=self.device)]
         tok = torch.tensor(plan.tokens, device=self.device)
         out = self._rows(plan.slots, plan.positions, tok, h)
-        for s, row in plan.accepted.items():   # after the rows read the previous last_h
-            self.last_h[s] = hidden[row]
+        # after the rows read the previous last_h; one copy for every slot
+        slots = torch.tensor(list(plan.accepted), device=self.device)
+        rows = torch.tensor(list(plan.accepted.values()), device=self.device)
+        self.last_h[slots] = hidden[rows].to(self.last_h.dtype)
         return self._propose(w, plan, out)
 
     def _plan(self, w: Window, sampled: dict[int, int]) -> _Plan:
@@ -177,8 +186,7 @@ class Drafter:
                 live = [live[j] for j in keep]
                 x = self._rows([asks[a][0] for a in live], [asks[a][2] + i - 1 for a in live],
                                d[index], x[index])
-            logits = self._logits(x)
-            d = logits.argmax(-1)
+            logits, d = self._head(x)   # logits: valid until the next step
             rows = [asks[a][3].row(asks[a][2] + i) if asks[a][3] else None for a in live]
             coupled = [j for j, r in enumerate(rows) if r is not None]
             if coupled:   # their picks replace the argmax; their logits leave in one copy
@@ -200,21 +208,67 @@ class Drafter:
         tokens [N] and h [N, D]; writes their KV, returns the block's outputs [N, D]. Taken
         in decode windows of at most MAX_DECODE_ROWS rows, in order, so a row reads the rows
         before it."""
+        packed = torch.tensor([slots, [p - 1 for p in positions], positions],
+                              dtype=torch.long)   # slot, index, length
+        outs = []
+        for i in range(0, len(slots), MAX_DECODE_ROWS):
+            block = slice(i, i + MAX_DECODE_ROWS)
+            x, = self._graphed("rows", self._block_rows, tokens[block], h[block],
+                               packed[:, block])
+            outs.append(x.clone())
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [N, V], argmax [N]) of the block's outputs x [N, D]; the logits are valid
+        until the next step (a graph's buffer), the argmax a copy."""
+        outs = []
+        for i in range(0, x.shape[0], MAX_DECODE_ROWS):
+            logits, d = self._graphed("head", self._head_rows, x[i:i + MAX_DECODE_ROWS])
+            outs.append((logits, d.clone()))
+        if len(outs) == 1:
+            return outs[0]
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+    def _block_rows(self, tokens: torch.Tensor, h: torch.Tensor,
+                    packed: torch.Tensor) -> tuple[torch.Tensor]:
         eps = self.cfg.rms_eps
         e = F.embedding(tokens, self.embed)
         x = F.linear(torch.cat([rms_norm(e, self.enorm, eps), rms_norm(h, self.hnorm, eps)], -1),
                      self.eh_proj)
-        packed = torch.tensor([slots, [p - 1 for p in positions], positions],
-                              dtype=torch.long).to(self.device)   # slot, index, length
-        outs = []
-        for start in range(0, len(slots), MAX_DECODE_ROWS):
-            rows = RowTensors.unpack(packed[:, start:start + MAX_DECODE_ROWS])
-            meta = WindowMeta(self.cos, self.sin, rows)
-            outs.append(self.block(x[start:start + MAX_DECODE_ROWS], meta, self.cache, 0))
-        return torch.cat(outs)
+        meta = WindowMeta(self.cos, self.sin, RowTensors.unpack(packed.to(self.device)))
+        return (self.block(x, meta, self.cache, 0),)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
+    def _head_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
+        return logits, logits.argmax(-1)
+
+    def _graphed(self, name: str, fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """fn(*inputs) of n <= MAX_DECODE_ROWS rows: on the CPU as given; on CUDA at the
+        smallest GRAPH_ROWS size that holds n (with graphs, the replay of its capture at that
+        size, else eagerly), the inputs padded with pad rows (token 0, h 0, the cache's trash slot at position 0 and length 0: no key read,
+        nothing kept). Returns the first n rows of each output: with graphs, views of the
+        graph's buffers, which its next replay overwrites (callers copy what they keep)."""
+        if self.device.type != "cuda":
+            return fn(*inputs)
+        n = inputs[0].shape[0]
+        size = next(r for r in GRAPH_ROWS if r >= n)
+        if size > n:
+            inputs = tuple(_pad_rows(x, size - n, self.cache.trash) for x in inputs)
+        if self.graphs is None:   # the same shapes, so the same bits, as the replays
+            return tuple(o[:n] for o in fn(*inputs))
+        graph = self.graphs.get((name, size))
+        if graph is None:
+            graph = self.graphs[(name, size)] = Captured(fn, list(inputs))
+        return tuple(o[:n] for o in graph(*inputs))
+
+
+def _pad_rows(x: torch.Tensor, pad: int, trash: int) -> torch.Tensor:
+    """x with `pad` pad rows after its rows: the packed rows [3, N] get (trash, 0, 0), the
+    others zeros."""
+    if x.dim() == 2 and x.dtype == torch.long and x.shape[0] == 3:   # packed: slot, pos, length
+        fill = torch.tensor([[trash], [0], [0]], dtype=torch.long).expand(3, pad)
+        return torch.cat([x, fill.to(x.device)], 1)
+    return torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))])
 
 
 @dataclass

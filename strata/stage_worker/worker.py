@@ -66,7 +66,8 @@ class StageWorker:
         self.runner = WindowRunner(self.model, self.cache, cfg.graph_cache)
         # the last stage drafts with a NextN head: a sidecar, or the model file's own layer
         source = find_head(file, cfg.mtp_head) if self.model.last else None
-        self.drafter = (Drafter(source, file, self.model, cfg.slots, cfg.ctx)
+        self.drafter = (Drafter(source, file, self.model, cfg.slots, cfg.ctx,
+                                graphs=self.runner.capacity > 0)
                         if source is not None else None)
         if source is not None:
             log.info("stage %d: drafts with the NextN head of %s", cfg.stage, source.describe())
