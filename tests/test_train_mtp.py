@@ -17,7 +17,8 @@ from strata.train import cli
 from strata.train.data import Sample, teacher_states
 from strata.train.export import write_head
 from strata.train.fit import FitConfig, acceptance, fit
-from strata.train.prompts import heldout, read_conversations, read_prompts
+from strata.train.prompts import (Prompt, heldout, read_conversations, read_prompts,
+                                  write_prompts)
 from strata.train.run import Job
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -40,15 +41,27 @@ def test_the_held_out_share_is_stable_and_near_its_fraction():
 
 
 def test_a_prompts_file_is_checked_line_by_line(tmp_path):
-    with pytest.raises(ValueError, match="does not exist; make one with"):
+    with pytest.raises(ValueError, match="no such file; give a JSONL file"):
         read_prompts(tmp_path / "none.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "split": "train"}\n{"text": "b"}\n')
     with pytest.raises(ValueError, match="line 2 is not a JSON object"):
         read_prompts(bad)
     bad.write_text('{"prompt": "a", "split": "test"}\n')
-    with pytest.raises(ValueError, match="line 1 needs"):
+    with pytest.raises(ValueError, match='line 1 is not a JSON object .* "split" of'):
         read_prompts(bad)
+
+
+def test_a_prompt_may_hold_any_line_separator(tmp_path):
+    """ShareGPT prompts hold U+2028 and the like: written by write_prompts or by hand, a
+    line of the file is still one prompt (str.splitlines would cut it)."""
+    texts = ["a\u2028b", "c\x85d\re", "f\u2029g"]
+    ours, raw = tmp_path / "ours.jsonl", tmp_path / "raw.jsonl"
+    write_prompts(ours, [Prompt(t, "heldout") for t in texts])
+    raw.write_text("".join(json.dumps({"prompt": t, "split": "heldout"}, ensure_ascii=False)
+                           + "\n" for t in texts), encoding="utf-8")
+    for path in (ours, raw):
+        assert [p.text for p in read_prompts(path)] == texts
 
 
 @pytest.fixture(scope="module")

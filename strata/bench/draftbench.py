@@ -21,35 +21,17 @@ from strata.bench import harness
 from strata.bench.harness import machine
 from strata.launch.options import clean_errors, launch_options, prepare, say
 from strata.model.tokenizer import Tokenizer
+from strata.train import prompts as train_prompts
 
 SPLITS = ("heldout", "train", "all")
 
 
 def read_prompts(path: str, split: str) -> list[str]:
     """The prompts of a JSONL file whose lines are {"prompt": TEXT, "split": "train" |
-    "heldout"} (strata-train-mtp --write-prompts writes it): those of `split`, or every one
-    for "all". Blank lines are skipped. A missing file, a malformed line or no prompt of the
-    split is a ValueError with a sentence."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--prompts {path}: no such file; give a JSONL file of "
-                         f'{{"prompt": ..., "split": "train" or "heldout"}} lines '
-                         f"(strata-train-mtp --write-prompts writes one)")
-    prompts = []
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            entry = None
-        if (not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str)
-                or entry.get("split") not in ("train", "heldout")):
-            raise ValueError(f'--prompts {path}: line {n} is not a JSON object with a string '
-                             f'"prompt" and a "split" of "train" or "heldout"; fix or remove '
-                             f'it')
-        if split in ("all", entry["split"]):
-            prompts.append(entry["prompt"])
+    "heldout"} (strata-train-mtp --write-prompts writes it; strata.train.prompts reads it):
+    those of `split`, or every one for "all". A missing file, a malformed line or no prompt
+    of the split is a ValueError with a sentence."""
+    prompts = [p.text for p in train_prompts.read_prompts(path) if split in ("all", p.split)]
     if not prompts:
         which = "no prompt" if split == "all" else f'no line of split "{split}"'
         raise ValueError(f"--prompts {path} has {which}; "

@@ -68,31 +68,34 @@ def sharegpt_prompts(heldout_fraction: float = 0.03, max_chars: int = 2000) -> l
 
 
 def write_prompts(path: str | Path, prompts: list[Prompt]) -> None:
-    """JSON lines {"prompt": ..., "split": "train"|"heldout"}."""
+    """JSON lines {"prompt": ..., "split": "train"|"heldout"}, ASCII (JSON escapes the rest)."""
     with open(path, "w", encoding="utf-8") as f:
         for p in prompts:
-            f.write(json.dumps({"prompt": p.text, "split": p.split}, ensure_ascii=False) + "\n")
+            f.write(json.dumps({"prompt": p.text, "split": p.split}) + "\n")
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
-    """A prompts file's lines, each checked: a sentence naming the line that is wrong."""
+    """A prompts file's lines, each checked: a ValueError with a sentence naming the line that
+    is wrong. Lines end at newlines only (a prompt may hold U+2028 and the like, which
+    str.splitlines would cut at)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--prompts {path} does not exist; make one with "
-                         f"strata-train-mtp --write-prompts {path}")
+        raise ValueError(f"--prompts {path}: no such file; give a JSONL file of "
+                         f'{{"prompt": ..., "split": "train" or "heldout"}} lines '
+                         f"(strata-train-mtp --write-prompts writes one)")
     out = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", newline="\n") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 item = json.loads(line)
-                text, split = item["prompt"], item.get("split", "train")
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"--prompts {path}: line {n} is not a JSON object with a "
-                                 f"\"prompt\" string") from None
-            if not isinstance(text, str) or split not in SPLITS:
-                raise ValueError(f"--prompts {path}: line {n} needs a \"prompt\" string and a "
-                                 f"\"split\" of {' or '.join(SPLITS)}")
-            out.append(Prompt(text, split))
+            except json.JSONDecodeError:
+                item = None
+            if (not isinstance(item, dict) or not isinstance(item.get("prompt"), str)
+                    or item.get("split") not in SPLITS):
+                raise ValueError(f'--prompts {path}: line {n} is not a JSON object with a '
+                                 f'string "prompt" and a "split" of "train" or "heldout"; fix '
+                                 f'or remove it')
+            out.append(Prompt(item["prompt"], item["split"]))
     return out
