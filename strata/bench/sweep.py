@@ -207,9 +207,11 @@ def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo,
         windows: list[tuple[dict, range]] = []
         with layout.prep.launch(say=lambda s: None, trace_dir=traced) as run:
             # warm-up, not measured: the first windows of each shape (CUDA graph captures,
-            # one per decode window size: the most clients pass through most sizes)
-            harness.measure_throughput(run, next(iter(layout.modes.values())), tok,
-                                       max(clients), min(tokens, 16))
+            # one per decode window size and, with drafts, per drafter step size): every
+            # mode at every client count
+            for cfg in layout.modes.values():
+                for n in clients:
+                    harness.measure_throughput(run, cfg, tok, n, min(tokens, 16))
             for n in clients:
                 runs: dict[str, list[dict]] = {mode: [] for mode in layout.modes}
                 ids: dict[str, set[int]] = {mode: set() for mode in layout.modes}
