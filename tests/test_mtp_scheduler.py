@@ -308,7 +308,7 @@ def test_counters_and_status_count_drafts_proposed_and_accepted():
     assert sum(p["proposed"] for p in positions) == drafted
     assert sum(p["accepted"] for p in positions) == accepted
     assert (status["drafter"], status["draft_tokens"], status["draft_sampling"]) == (
-        "mtp", 3, "coupled")
+        "mtp", 3, "argmax")
     assert draft_counts(0, 0)["rate"] is None
 
 

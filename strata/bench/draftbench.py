@@ -91,7 +91,7 @@ def _per_position(counts: list[list[int]], k: int) -> list[int]:
                    f"{MAX_DRAFT_TOKENS} (--drafter picks where they come from); the plain arm "
                    f"has none.")
 @click.option("--draft-sampling", type=click.Choice(DRAFT_SAMPLINGS + ("both",)),
-              default="coupled", show_default=True,
+              default="argmax", show_default=True,
               help="How mtp proposes for sampled requests: coupled (the target's draw), argmax, "
                    "or both: two drafted arms side by side.")
 @click.option("--clients", type=int, default=1, show_default=True,

@@ -52,7 +52,7 @@ class SchedulerConfig:
     # WINDOW_ROW_STEP (a multiple of it); None: up to the window's row tile (DRAFT_TILES;
     # strata-launch's --draft-rows auto on CUDA stages, 0 on CPU stages)
     draft_rows: int | None = None
-    draft_sampling: str = "coupled"   # mtp proposals for sampled requests: DRAFT_SAMPLINGS
+    draft_sampling: str = "argmax"   # mtp proposals for sampled requests: DRAFT_SAMPLINGS
 
     def __post_init__(self):
         for name in ("slots", "chunk_rows", "ctx", "prompt_depth"):

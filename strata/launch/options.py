@@ -103,12 +103,14 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "stage (in the model file, or --mtp-head), lookup = prompt lookup "
                           "(what followed the last tokens earlier in the text). Default when "
                           "drafting: mtp where there is a head, else lookup."),
-        click.option("--draft-sampling", type=click.Choice(DRAFT_SAMPLINGS), default="coupled",
+        click.option("--draft-sampling", type=click.Choice(DRAFT_SAMPLINGS), default="argmax",
                      show_default=True,
                      help="How the mtp drafter proposes for a request with a temperature: "
-                          "coupled = drawn from the head's distribution with the draw the "
-                          "target will use at that position (more are accepted), argmax = its "
-                          "most likely token. Greedy requests always take the argmax."),
+                          "argmax = the head's most likely token; coupled = drawn from the "
+                          "head's distribution with the draw the target will use at that "
+                          "position (pays with a head whose distribution is close to the "
+                          "target's; the shipped SmolLM2 head's is not: docs/BENCHMARKS.md). "
+                          "Greedy requests always take the argmax."),
         click.option("--mtp-head", type=click.Path(dir_okay=False), default=None,
                      help="A NextN head GGUF made for the model (a sidecar), for --drafter "
                           "mtp; without it, the model file's own NextN layer if it has one."),
@@ -152,7 +154,7 @@ class Prepared:
 
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
-            drafter=None, mtp_head=None, draft_rows="auto", draft_sampling="coupled",
+            drafter=None, mtp_head=None, draft_rows="auto", draft_sampling="argmax",
             **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
