@@ -70,10 +70,12 @@ def windows(draw) -> tuple[torch.Tensor, list[SamplingRow]]:
     return logits, rows
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @settings(max_examples=300, deadline=None)
-@given(windows())
-def test_batched_sampler_picks_sample_rows_tokens(window):
+@given(window=windows())
+def test_batched_sampler_picks_sample_rows_tokens(device, window):
     logits, rows = window
+    logits = logits.to(device)
     want = reference(logits, rows)
     assert sample_rows(logits, rows) == want
     assert sample_rows_on_device(logits, rows).tolist() == want
@@ -87,7 +89,7 @@ def test_full_vocabulary_picks_sample_rows_tokens(device):
     g, rng = torch.Generator().manual_seed(1), random.Random(1)
     n = 64 if device == "cuda" else 12
     logits = random_logits(g, n, VOCAB)
-    for draw in range(4 if device == "cuda" else 2):
+    for draw in range(8 if device == "cuda" else 2):
         rows = [random_row(rng, VOCAB) for _ in range(n)]
         rows = [SamplingRow(r.temperature, r.top_k, r.top_p, r.min_p, draw_uniform(draw, i))
                 for i, r in enumerate(rows)]
