@@ -148,9 +148,10 @@ def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
 
 def _prefix_sums(x: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N, V]: inclusive prefix sums along each row (Hillis-Steele: after the step
-    of shift d, column i holds the sum of columns i - 2d + 1 .. i), in an order fixed by V."""
+    of shift d, column i holds the sum of columns max(0, i - 2d + 1) .. i), in an order fixed
+    by V."""
     shift = 1
     while shift < x.shape[-1]:
-        x = x + F.pad(x[:, :-shift], (shift, 0))
+        x = torch.cat([x[:, :shift], x[:, shift:] + x[:, :-shift]], dim=1)
         shift *= 2
     return x
