@@ -10,7 +10,7 @@ Prints the median time of each step the coupling touches:
                that samples it finds it memoised, also shown)
   wire         pack + unpack of the window (the checks of propose_u included)
   last stage   Drafter.run: the NextN rows and the chained proposals, argmax or coupled
-               (sample_row on each proposal's logits)
+               (sample_rows over each step's coupled proposals)
 The head is a random sidecar made for the model (strata-mkmodel --nextn-sidecar); its values
 change no cost. The stage runs on the CPU with torch's threads as they are.
 """

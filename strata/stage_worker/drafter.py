@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS
-from strata.kernels.sampling import SamplingRow, sample_row
+from strata.kernels.sampling import SamplingRow, sample_rows
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.messages import Window
@@ -189,11 +189,12 @@ class Drafter:
             logits, d = self._head(x)   # logits: valid until the next step
             rows = [asks[a][3].row(asks[a][2] + i) if asks[a][3] else None for a in live]
             coupled = [j for j, r in enumerate(rows) if r is not None]
-            if coupled:   # their picks replace the argmax; their logits leave in one copy
-                host = logits[torch.tensor(coupled, device=self.device)].cpu()
+            if coupled:   # their picks replace the argmax (on CUDA, sampled on the device)
+                index = torch.tensor(coupled, device=self.device)
                 picks = d.tolist()
-                for h, j in enumerate(coupled):
-                    picks[j] = sample_row(host[h], rows[j])
+                sampled = sample_rows(logits[index], [rows[j] for j in coupled])
+                for j, token in zip(coupled, sampled):
+                    picks[j] = token
                 d = torch.tensor(picks, device=self.device)
             drafts.append((live, d))
         out_lists = [[s] for s, _, _, _ in asks]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.kernels.sampling import SamplingRow, sample_row
+from strata.kernels.sampling import SamplingRow, sample_rows
 from strata.protocol.messages import Window
 
 
@@ -29,14 +29,20 @@ class HeadOutput:
 
 def head_tokens(head: HeadOutput | None, w: Window) -> list[int]:
     """The tokens of the window's sampled rows: greedy rows take the argmax (the first index of
-    the maximum, as sample_row); rows with a temperature go to sample_row (with top_k, only the
-    k candidates leave the device)."""
+    the maximum, as sample_row); the rows with a temperature go to sample_rows together (on
+    CUDA their logits stay on the device; only the picks leave it)."""
     if head is None:
         return []
     params = [SamplingRow(*p) for p in zip(w.temperature, w.top_k, w.top_p, w.min_p, w.u)]
     greedy = head.argmax.tolist()
-    return [greedy[r] if p.temperature <= 0.0 else sample_row(head.logits[r], p)
-            for r, p in zip(head.rows, params)]
+    tokens = [greedy[r] for r in head.rows]
+    tempered = [j for j, p in enumerate(params) if p.temperature > 0.0]   # into head.rows
+    if tempered:
+        index = torch.tensor([head.rows[j] for j in tempered], device=head.logits.device)
+        picks = sample_rows(head.logits[index], [params[j] for j in tempered])
+        for j, token in zip(tempered, picks):
+            tokens[j] = token
+    return tokens
 
 
 def head_logits(head: HeadOutput | None, vocab: int) -> np.ndarray:

@@ -1,0 +1,203 @@
+"""The batched sampler (strata/kernels/sampling.py) against sample_row, the one-row reference:
+the same tokens for any mix of rows and parameters, and a row's token independent of the
+other rows of its call (DESIGN.md, exactness 1 and 3). sample_rows_on_device is what CUDA
+stages run; its torch ops run on the CPU too, so the CPU cases check it here and the cases
+marked gpu check it on CUDA."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strata.coordinator.sampling import draw_uniform
+from strata.kernels.sampling import (SamplingRow, _pairwise_sum, _prefix_sums, sample_row,
+                                     sample_rows, sample_rows_on_device)
+from strata.protocol.messages import Window
+from strata.stage_worker.head import HeadOutput, head_tokens
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])
+VOCAB = 49152   # SmolLM2's
+NAN, INF = float("nan"), float("inf")
+
+
+def reference(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    return [sample_row(logits[i].cpu(), r) for i, r in enumerate(rows)]
+
+
+def random_logits(g: torch.Generator, n: int, vocab: int, levels: int = 0) -> torch.Tensor:
+    """levels > 0 rounds the logits to few values: ties everywhere, at the top-k cut too."""
+    logits = torch.randn(n, vocab, generator=g) * 3
+    return torch.round(logits * levels / 3) / levels if levels else logits
+
+
+def random_row(rng: random.Random, vocab: int) -> SamplingRow:
+    """A sampled row with each filter on or off at random (top_k up to beyond the vocabulary)."""
+    return SamplingRow(temperature=rng.choice([0.3, 0.7, 1.0, 1.6]),
+                       top_k=rng.choice([0, 1, 2, 40, vocab - 1, vocab, vocab + 5]),
+                       top_p=rng.choice([1.0, 0.95, 0.8, 0.3]),
+                       min_p=rng.choice([0.0, 0.02, 0.2]), u=rng.random())
+
+
+# u off any float64 CDF boundary: 0, or the middle of a 2**-24 grid. Drawn u within a few
+# ulps of a boundary (u = 1 - 2**-53 over a row whose tail holds no mass, say) may pick
+# differently on the device path (sample_rows_on_device's docstring): for uniform u, about
+# V * 2**-51 of draws.
+DRAWS = st.one_of(st.just(0.0), st.integers(0, 2**24 - 1).map(lambda i: (i + 0.5) / 2**24))
+
+
+@st.composite
+def windows(draw) -> tuple[torch.Tensor, list[SamplingRow]]:
+    """[n, V] logits (some rows with ties, NaN or infinities) and a row of parameters each."""
+    n, vocab = draw(st.integers(1, 8)), draw(st.integers(1, 300))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**32)))
+    logits = random_logits(g, n, vocab, draw(st.sampled_from([0, 0, 2, 8])))
+    logits *= draw(st.sampled_from([0.05, 1.0, 20.0]))
+    for _ in range(draw(st.integers(0, 2))):   # a NaN or an infinity somewhere
+        logits[draw(st.integers(0, n - 1)), draw(st.integers(0, vocab - 1))] = \
+            draw(st.sampled_from([NAN, INF, -INF]))
+    rows = [SamplingRow(temperature=draw(st.sampled_from([0.0, 0.05, 0.7, 1.0, 3.0])),
+                        top_k=draw(st.integers(0, vocab + 3)),
+                        top_p=draw(st.sampled_from([1.0, 1.0, 0.99, 0.9, 0.5, 1e-6])),
+                        min_p=draw(st.sampled_from([0.0, 0.0, 0.01, 0.1, 0.5, 1.0])),
+                        u=draw(DRAWS))
+            for _ in range(n)]
+    return logits, rows
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@settings(max_examples=300, deadline=None)
+@given(window=windows())
+def test_batched_sampler_picks_sample_rows_tokens(device, window):
+    logits, rows = window
+    logits = logits.to(device)
+    want = reference(logits, rows)
+    assert sample_rows(logits, rows) == want
+    assert sample_rows_on_device(logits, rows).tolist() == want
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_full_vocabulary_picks_sample_rows_tokens(device):
+    """SmolLM2's vocabulary, every filter, the coordinator's draws: the picks of the device
+    path equal sample_row's. They could differ only where float64 sums of another order move
+    a threshold across a CDF boundary (about 1e-12 of draws): any difference fails here."""
+    g, rng = torch.Generator().manual_seed(1), random.Random(1)
+    n = 64 if device == "cuda" else 12
+    logits = random_logits(g, n, VOCAB)
+    for draw in range(8 if device == "cuda" else 2):
+        rows = [random_row(rng, VOCAB) for _ in range(n)]
+        rows = [SamplingRow(r.temperature, r.top_k, r.top_p, r.min_p, draw_uniform(draw, i))
+                for i, r in enumerate(rows)]
+        want = reference(logits, rows)
+        got = sample_rows_on_device(logits.to(device), rows).tolist()
+        differ = [(i, rows[i]) for i in range(n) if got[i] != want[i]]
+        assert not differ, f"{len(differ)} of {n} rows differ from sample_row: {differ[:3]}"
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_rows_token_does_not_depend_on_the_other_rows(device):
+    """Each row alone, then at a random place among 1, 7 and 63 random rows with other
+    parameters (and greedy rows): the same token."""
+    vocab = VOCAB if device == "cuda" else 3001   # not a power of two: the sums pad
+    g, rng = torch.Generator().manual_seed(2), random.Random(2)
+    logits = random_logits(g, 6, vocab).to(device)
+    logits[5] = random_logits(g, 1, vocab, levels=4)[0].to(device)   # ties
+    mine = [SamplingRow(0.7, 0, 1.0, 0.0, 0.61), SamplingRow(1.0, 40, 1.0, 0.0, 0.33),
+            SamplingRow(0.8, 0, 0.9, 0.0, 0.97), SamplingRow(1.3, 0, 1.0, 0.05, 0.12),
+            SamplingRow(0.6, 50, 0.95, 0.02, 0.5), SamplingRow(1.0, 7, 0.8, 0.0, 0.71)]
+    for samples in (sample_rows_on_device, sample_rows):
+        alone = [int(samples(logits[i:i + 1], [r])[0]) for i, r in enumerate(mine)]
+        assert alone == reference(logits, mine)
+        for others in (1, 7, 63):
+            block = random_logits(g, others + 1, vocab).to(device)
+            rows = [random_row(rng, vocab) if rng.random() < 0.8 else SamplingRow(u=0.5)
+                    for _ in range(others + 1)]
+            for i, r in enumerate(mine):
+                at = rng.randrange(others + 1)
+                block[at], rows[at] = logits[i], r
+                assert int(samples(block, rows)[at]) == alone[i], (samples.__name__, others, i)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_sums_of_a_row_have_the_same_bits_among_other_rows(device):
+    """The two float64 sums, bit for bit: a row alone and among 1, 7 and 63 others (a library
+    reduction may change its order with the row count; these may not)."""
+    g = torch.Generator().manual_seed(3)
+    for vocab in (1, 5, 3001) + ((VOCAB,) if device == "cuda" else ()):
+        probs = torch.softmax(torch.randn(64, vocab, generator=g, dtype=torch.float64) * 3, -1)
+        probs = probs.to(device)
+        alone = [(_pairwise_sum(probs[i:i + 1]), _prefix_sums(probs[i:i + 1])) for i in (0, 5)]
+        for n in (2, 8, 64):
+            total, prefix = _pairwise_sum(probs[:n]), _prefix_sums(probs[:n])
+            for i, (a_total, a_prefix) in zip((0, 5), alone):
+                if i < n:
+                    assert torch.equal(total[i], a_total[0])
+                    assert torch.equal(prefix[i], a_prefix[0])
+        want = probs.cpu().cumsum(-1)
+        torch.testing.assert_close(prefix.cpu(), want, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(total.cpu()[:, 0], want[:, -1], rtol=1e-12, atol=1e-15)
+
+
+def test_greedy_rows_take_the_first_index_of_the_maximum():
+    logits = torch.tensor([[1.0, 5.0, 2.0, 5.0], [7.0, 7.0, 0.0, 1.0], [0.0, 1.0, 2.0, 3.0]])
+    rows = [SamplingRow(u=0.99), SamplingRow(temperature=1.0, u=0.999),
+            SamplingRow(temperature=0.0, top_k=2, top_p=0.5, min_p=0.5, u=0.7)]
+    assert sample_rows(logits, rows)[0::2] == [1, 3]
+    assert sample_rows_on_device(logits, rows).tolist() == reference(logits, rows)
+    assert reference(logits, rows)[1] != 0   # the sampled row between them is not greedy
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_cuts_at_exact_boundaries(device):
+    """Four equal logits: probabilities 1/4 and CDF 1/4, 1/2, 3/4, 1, all exact. top_p
+    reached exactly keeps the prefix that reaches it, min_p exactly at a probability keeps
+    that token, and u * mass exactly at a CDF boundary takes the token after it."""
+    cases = [(dict(top_p=0.5, u=0.9), 1), (dict(top_p=0.75, u=0.9), 2),
+             (dict(min_p=1.0, u=0.9), 3), (dict(min_p=1.0, top_p=0.25, u=0.9), 0),
+             (dict(u=0.5), 2), (dict(u=0.25), 1), (dict(u=0.0), 0), (dict(top_k=2, u=0.5), 1)]
+    rows = [SamplingRow(temperature=1.0, **kw) for kw, _ in cases]
+    block = torch.zeros(len(rows), 4, device=device)
+    assert reference(block, rows) == [token for _, token in cases]
+    assert sample_rows_on_device(block, rows).tolist() == [token for _, token in cases]
+
+
+def test_top_k_beyond_the_vocabulary_is_no_filter():
+    g = torch.Generator().manual_seed(4)
+    logits = random_logits(g, 1, 500).expand(4, 500)
+    for u in (0.0, 0.42, 0.999):
+        rows = [SamplingRow(0.9, k, 0.9, 0.0, u) for k in (0, 500, 501, 10**6)]
+        picks = sample_rows_on_device(logits, rows).tolist()
+        assert picks == [picks[0]] * 4 == reference(logits, rows)
+
+
+@pytest.mark.parametrize("values", [
+    [1.0, NAN, 2.0, 0.0, -INF, 2.0], [NAN, NAN, NAN], [-INF] * 4, [1.0, INF, INF, 0.0],
+    [1.0, 2.0, -INF, 3.0, -INF], [0.0, -0.0, -1.0, 0.0, -0.0]])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_nan_infinite_and_signed_zero_logits_give_sample_rows_tokens(values, device):
+    logits = torch.tensor([values], device=device)
+    rows = [SamplingRow(t, k, p, m, u) for t in (0.0, 0.8) for k in (0, 1, 2, 3, 9)
+            for p in (1.0, 0.5) for m in (0.0, 0.2) for u in (0.0, 0.5, 0.99)]
+    block = logits.expand(len(rows), -1)
+    assert sample_rows_on_device(block, rows).tolist() == reference(block, rows)
+    assert sample_rows(block, rows) == reference(block, rows)
+
+
+def test_head_tokens_samples_the_tempered_rows_and_takes_the_argmax_of_the_others():
+    g = torch.Generator().manual_seed(5)
+    logits = random_logits(g, 6, 700) / 10   # flat: a sampled row rarely picks the argmax
+    head = HeadOutput(logits, logits.argmax(-1), rows=[4, 0, 5, 2])   # each sampled row's
+    params = [SamplingRow(0.8, 0, 0.9, 0.0, 0.3), SamplingRow(),
+              SamplingRow(1.2, 20, 1.0, 0.05, 0.8), SamplingRow(0.0, 5, 1.0, 0.0, 0.9)]
+    w = Window(1, [0, 1, 2, 3], [9, 9, 9, 9], [1, 2, 3, 4], sample_rows=[0, 1, 2, 3],
+               temperature=[p.temperature for p in params], top_k=[p.top_k for p in params],
+               top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
+               u=[p.u for p in params])
+    want = [sample_row(logits[r], p) for r, p in zip(head.rows, params)]
+    assert head_tokens(head, w) == want
+    assert want[0] != int(logits[4].argmax()) and want[2] != int(logits[5].argmax())
