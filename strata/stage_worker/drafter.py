@@ -30,7 +30,7 @@ rows at P_0 <= length (the stages refuse a gap), where `last_h` counts only if i
 of P_0 - 1 and the `ready` row only if it is the row of P_0 with the same token.
 
 Coupled proposals (a slot that samples with a temperature, when the window sends draws for it
-in `propose_u`): the proposal for position q is sample_row (strata/kernels/sampling.py, the
+in `propose_u`): the proposal for position q is sample_rows (strata/kernels/sampling.py, the
 target's own sampler) over the head's logits with the slot's temperature, top-k, top-p and
 min-p and the uniform u(q) = Philox(seed, q) that the target will sample q with: the window's
 own draws (its sampled row at p carries u(p + 1)), then propose_u's k draws for the positions
