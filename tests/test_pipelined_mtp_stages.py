@@ -9,7 +9,7 @@ a request), and its seeded text rarely repeats. The sidecar head proposes the to
 (test_mtp.repeating_head), so greedy drafts are mostly kept and some rejected, seeded ones
 mostly rejected: acceptance is partial, rejected drafts' rows are committed away on both
 groups, and a wrong acceptance, commit or row would show as a different token. The long run
-(32 requests of 512 tokens) is marked slow."""
+(32 requests of 512 tokens, several minutes) is marked long: `python -m pytest -m long`."""
 from __future__ import annotations
 
 import pytest
@@ -112,7 +112,7 @@ def test_pipelined_mtp_equals_solo_without_drafts(stages):
     check(run, tok, n=10, tokens=64, cancel_after=8)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_pipelined_mtp_equals_solo_in_a_long_run(stages):
     """32 requests of 512 tokens, at concurrency 4 and with 8 slots: zero mismatches."""
     run, tok = stages
