@@ -3,12 +3,22 @@ peer that stops reading, a window header that a stage k > 0 cannot parse while i
 come over the link, and an Error about no window while the scheduler has windows in flight."""
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
-import pytest
+import msgpack
+import numpy as np
+import torch
+import zmq
 
-from strata.protocol import unixsock
+from strata.protocol import transport, unixsock
+from strata.protocol.messages import Error, Result, Window
+from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 HWM = 4           # the high-water mark these tests give UnixPush
 MESSAGES = 64     # sent to a peer that does not read: far past HWM and the kernel's buffer
@@ -85,3 +95,89 @@ def test_a_send_blocked_at_the_high_water_mark_ends_when_the_socket_closes(tmp_p
     thread.join(5)
     assert not thread.is_alive() and len(outcome) == 1 and isinstance(outcome[0], OSError), \
         outcome
+
+
+# --- a header stage 1 cannot parse, its activations on a gloo link ---------------------------
+
+D = 64      # the tiny model's hidden size
+ROWS = 8
+RANK0 = """
+import sys
+import numpy as np
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=2)
+dist.send(torch.zeros(1, {d}), 1)   # the link's warm-up exchange
+for x in np.load(sys.argv[2]):       # one [rows, d] tensor per window, in order
+    dist.send(torch.from_numpy(x), 1)
+dist.destroy_process_group()
+"""
+
+
+def _window(id: int, slot: int) -> Window:
+    """A fresh prompt chunk of ROWS rows in `slot`, its last row sampled, logits wanted."""
+    return Window(id, [slot] * ROWS, list(range(ROWS)), [0] * ROWS, commits=[[slot, 0]],
+                  sample_rows=[ROWS - 1], temperature=[0.0], top_k=[0], top_p=[1.0],
+                  min_p=[0.0], u=[0.0], want_logits=True, chunk=True)
+
+
+def test_a_header_stage_1_cannot_parse_keeps_its_link_in_step(tiny_model, tmp_path):
+    """Stage 1 of two takes activations over gloo; the previous stage (here a process of the
+    test's) sends a window's activations, then a header stage 1 cannot parse (with its own
+    activations, sent as any window's are), then the next window's. Stage 1 answers the bad
+    header with an Error naming its window and drops its activations: the next window, read
+    from the same activations in another fresh slot, gives the first one's logits bit for bit.
+    A header whose row count cannot be read stops the stage (its link is out of step)."""
+    rng = np.random.default_rng(0)
+    x, junk = (rng.standard_normal((ROWS, D), dtype=np.float32) for _ in range(2))
+    np.save(tmp_path / "sends.npy", np.stack([x, junk, x]))
+    init = f"file://{tmp_path}/link"
+    rank0 = subprocess.Popen([sys.executable, "-c", RANK0.format(d=D), init,
+                              str(tmp_path / "sends.npy")])
+    run = Path(tempfile.mkdtemp(prefix="strata-l-"))   # short: ipc paths are limited
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(f"ipc://{run}/inbox")
+    worker = None
+    try:
+        worker = StageWorker(WorkerConfig(
+            model=str(tiny_model), stage=1, layer_start=2, layer_end=4, listen=f"ipc://{run}/s1",
+            coordinator=f"ipc://{run}/inbox", next=None, slots=2, ctx=64, link="gloo",
+            link_init=init, link_world=2))
+        out = ctx.socket(zmq.PUSH)
+        out.connect(f"ipc://{run}/s1")
+        bad = msgpack.unpackb(transport.pack(_window(2, 1))[0])
+        bad["top_k"] = ["forty"]   # ill-typed: the header does not decode; id and rows do
+        answers = []
+        for frames in (transport.pack(_window(1, 0)), [msgpack.packb(bad)],
+                       transport.pack(_window(3, 1))):
+            out.send_multipart(frames)
+            with torch.inference_mode():
+                assert worker.step()
+            assert inbox.poll(20_000), "stage 1 answered nothing"
+            answers.append(transport.recv(inbox))
+        # a header whose rows cannot be read: what the link carries no longer matches, so
+        # the stage says so and stops
+        out.send_multipart([msgpack.packb({"type": "Window", "id": 4, "slots": "eight"})])
+        with torch.inference_mode():
+            assert not worker.step()
+        assert inbox.poll(20_000)
+        stop, _ = transport.recv(inbox)
+        out.close(linger=0)
+        assert isinstance(stop, Error) and stop.window == 4 and "stage 1 stops" in stop.message
+        (first, first_logits), (error, _), (again, again_logits) = answers
+        assert isinstance(first, Result) and isinstance(again, Result), answers
+        assert np.array_equal(again_logits[0], first_logits[0]), \
+            "the window after the bad header computed from other activations"
+        assert again.tokens == first.tokens
+        assert isinstance(error, Error) and error.window == 2 and "top_k" in error.message, error
+        assert rank0.wait(20) == 0
+    finally:
+        if worker is not None:
+            worker.close()
+        if rank0.poll() is None:
+            rank0.kill()
+        rank0.wait()
+        inbox.close(linger=0)
+        ctx.term()
+        shutil.rmtree(run, ignore_errors=True)
