@@ -3,6 +3,7 @@ peer that stops reading, a window header that a stage k > 0 cannot parse while i
 come over the link, and an Error about no window while the scheduler has windows in flight."""
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import numpy as np
 import torch
 import zmq
 
+from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.protocol import transport, unixsock
 from strata.protocol.messages import Error, Result, Window
 from strata.stage_worker.worker import StageWorker, WorkerConfig
@@ -181,3 +184,62 @@ def test_a_header_stage_1_cannot_parse_keeps_its_link_in_step(tiny_model, tmp_pa
         inbox.close(linger=0)
         ctx.term()
         shutil.rmtree(run, ignore_errors=True)
+
+
+# --- an Error about no window, and a window a stage cannot decode, under the scheduler -------
+
+PROMPT = [72, 101, 108, 108, 111, 44]
+
+
+def _scheduler(run) -> Scheduler:
+    return Scheduler(run.pipe, SchedulerConfig(slots=2, groups=1, ctx=256, chunk_rows=32,
+                                               window_rows=8), frozenset())
+
+
+def _finish(sched: Scheduler) -> None:
+    """Run the scheduler until it has nothing to do; a window lost for ever fails the test."""
+    while sched.step(timeout=20):
+        pass
+
+
+def test_a_window_a_stage_cannot_decode_ends_its_request_only(_tiny_stages):
+    """A coordinator of one's own submits a prompt of floats: the window carrying it reaches
+    stage 0, which cannot decode it. Its Error names the window, so the scheduler ends that
+    request (and counts its group's window as landed) while the other one goes on to give
+    the tokens it gives alone, instead of waiting for ever on a window nobody computes."""
+    _, run = _tiny_stages
+    greedy = SamplingParams(max_tokens=6)
+    sched = _scheduler(run)
+    alone = sched.submit(PROMPT, greedy)
+    _finish(sched)
+    sched = _scheduler(run)
+    floats = sched.submit([float(t) for t in PROMPT[::-1]], greedy)
+    other = sched.submit(PROMPT, greedy)
+    _finish(sched)
+    assert floats.seq.finish_reason == "error" and "tokens" in floats.error, floats.error
+    assert other.seq.finish_reason == alone.seq.finish_reason
+    assert other.seq.generated == alone.seq.generated and len(alone.seq.generated) == 6
+    assert sched.idle and not any(g.flights for g in sched.groups)
+
+
+def test_an_error_about_no_window_changes_no_group(_tiny_stages, caplog):
+    """Stage 0 answers a message it cannot read with an Error about window -1 while the
+    scheduler's windows are in flight: the scheduler logs it, counts no window as landed or
+    failed, and its request ends with the tokens it gives alone."""
+    _, run = _tiny_stages
+    greedy = SamplingParams(max_tokens=6)
+    sched = _scheduler(run)
+    alone = sched.submit(PROMPT, greedy)
+    _finish(sched)
+    sched = _scheduler(run)
+    req = sched.submit(PROMPT, greedy)
+    assert sched.step(timeout=20)   # the prompt's chunk
+    run.pipe.to_first.send_multipart([b"\xc1 not a message"])
+    assert run.pipe.inbox.poll(20_000)   # stage 0's Error is there before the next result
+    with caplog.at_level(logging.ERROR, logger="strata.scheduler"):
+        assert sched.step(timeout=20)    # the first decode window goes; the Error comes
+    assert any("no window in flight" in r.getMessage() for r in caplog.records), caplog.text
+    assert [g.flights for g in sched.groups] == [1] and len(sched.in_flight) == 1
+    _finish(sched)
+    assert req.seq.generated == alone.seq.generated and req.seq.finish_reason != "error"
+    assert sched.idle and not any(g.flights for g in sched.groups)
