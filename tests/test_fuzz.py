@@ -87,9 +87,10 @@ def _bytes(r: random.Random, most: int) -> bytes:
     return r.randbytes(r.randint(0, most))
 
 
+WIRE_INTS = st.integers(-2**63, 2**64 - 1)   # what msgpack carries
 JUNK = st.one_of(   # a value of any kind msgpack carries
-    st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=6),
-    st.binary(max_size=6), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.none(), st.booleans(), WIRE_INTS, st.floats(), st.text(max_size=6),
+    st.binary(max_size=6), st.dictionaries(st.text(max_size=3), WIRE_INTS, max_size=2),
     st.lists(st.one_of(st.integers(-3, 3), st.floats(), st.text(max_size=2), st.none(),
                        st.booleans(), st.lists(st.integers(-1, 3), max_size=3)), max_size=4))
 KINDS = ["bytes", "truncated", "mutated", "type", "missing", "length", "frames", "refused",
@@ -118,10 +119,11 @@ def malformed(draw, first: bool) -> tuple[list, int | None]:
         if _decodes(frames):   # still a well-formed message: a trailing byte breaks it
             frames[0] += b"\xc1"
         return frames, None
-    if kind == "type":   # a field of the Window given a value of another kind
-        field = draw(st.sampled_from(list(SCHEMAS[Window])))
-        header[field] = draw(JUNK.filter(lambda v: not SCHEMAS[Window][field].check(v)))
-        return _frames(header, tail), (-1 if field == "id" else wid)
+    if kind == "type":   # a field of the Window (or its type) given a value of another kind
+        field = draw(st.sampled_from(["type", *SCHEMAS[Window]]))
+        header[field] = draw(JUNK.filter(lambda v: v != "Window") if field == "type" else
+                             JUNK.filter(lambda v: not SCHEMAS[Window][field].check(v)))
+        return _frames(header, tail), (-1 if field in ("id", "type") else wid)
     if kind == "missing":
         field = r.choice(["id", "slots", "positions", "tokens"])
         del header[field]
@@ -301,8 +303,9 @@ def inbox_malformed(draw) -> list:
         return [bytes(head) + (b"\xc1" if _decodes([bytes(head)]) else b"")]
     schema = SCHEMAS[type(msg)]
     if kind == "type":
-        field = draw(st.sampled_from(list(schema)))
-        header[field] = draw(JUNK.filter(lambda v: not schema[field].check(v)))
+        field = draw(st.sampled_from(["type", *schema]))
+        header[field] = draw(JUNK.filter(lambda v: v != type(msg).__name__) if field == "type"
+                             else JUNK.filter(lambda v: not schema[field].check(v)))
         return _frames(header, [])
     if kind == "missing":
         del header[r.choice([f for f in schema if f not in ("stage_ms", "proposals")])]

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import msgpack
 import numpy as np
+import pytest
 import torch
 import zmq
 
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.protocol import transport, unixsock
-from strata.protocol.messages import Error, Result, Window
+from strata.protocol.messages import Error, ProtocolError, Result, Window
 from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 HWM = 4           # the high-water mark these tests give UnixPush
@@ -243,3 +244,12 @@ def test_an_error_about_no_window_changes_no_group(_tiny_stages, caplog):
     _finish(sched)
     assert req.seq.generated == alone.seq.generated and req.seq.finish_reason != "error"
     assert sched.idle and not any(g.flights for g in sched.groups)
+
+
+@pytest.mark.parametrize("kind", [[1], {"a": 1}, None, 3.5, "Bogus"])
+def test_a_header_of_any_type_field_is_refused_as_malformed(kind):
+    """What unpack reads of a failed header must not fail itself (a 'type' that is a list or
+    a map cannot be looked up in a dict): it is a ProtocolError about no window."""
+    with pytest.raises(ProtocolError) as info:
+        transport.unpack([msgpack.packb({"type": kind, "id": 3, "slots": [0]})])
+    assert (info.value.window, info.value.rows) == (-1, None)

@@ -197,7 +197,7 @@ def claimed_window(obj) -> tuple[int, int | None]:
     for a map of another known type, (-1, None) for anything else."""
     kind = obj.get("type") if isinstance(obj, dict) else None
     if kind != Window.__name__:
-        return -1, (0 if kind in MESSAGE_TYPES else None)
+        return -1, (0 if type(kind) is str and kind in MESSAGE_TYPES else None)
     window, slots = obj.get("id"), obj.get("slots")
     return (window if type(window) is int else -1), (len(slots) if type(slots) is list else None)
 
