@@ -53,13 +53,14 @@ class InProcess:
 def in_process_worker(model: Path, cls: type[InProcess] = InProcess,
                       **config) -> Iterator[InProcess]:
     """A StageWorker of `model` as stage 0 (and last: `layer_end` in config) in this process;
-    config: the rest of its WorkerConfig."""
+    config: the rest of its WorkerConfig (`stage` and `layer_start` too: a later stage that
+    takes its activations as frames)."""
     run = Path(tempfile.mkdtemp(prefix="strata-w-"))  # short: ipc paths are limited
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(f"ipc://{run}/inbox")
-    worker = StageWorker(WorkerConfig(model=str(model), stage=0, layer_start=0,
-                                      listen=f"ipc://{run}/s0",
+    config = {"stage": 0, "layer_start": 0, **config}
+    worker = StageWorker(WorkerConfig(model=str(model), listen=f"ipc://{run}/s0",
                                       coordinator=f"ipc://{run}/inbox", next=None, **config))
     out = ctx.socket(zmq.PUSH)
     out.connect(f"ipc://{run}/s0")

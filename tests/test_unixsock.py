@@ -1,7 +1,8 @@
 """The same-host transport (protocol/unixsock.py): ZeroMQ's PUSH/PULL contract as strata uses
 it. Messages whole and in order per sender, fan-in, large frames, a sender before its
-receiver binds, sends that never wait for a busy or absent peer, and strata's own messages
-through transport.send / recv on either kind of endpoint."""
+receiver binds, sends that wait for a busy or absent peer only at the high-water mark
+(test_protocol_defects.py), and strata's own messages through transport.send / recv on either
+kind of endpoint."""
 from __future__ import annotations
 
 import threading

@@ -110,21 +110,21 @@ def assert_sentence(msg, *words: str, window: int | None = None) -> None:
 
 PROMPT = [72, 101, 108, 108]  # 4 tokens at positions 0..3 of slot 0
 
-BAD = [  # (frames, words the sentence must hold, window id of the Error)
+BAD = [  # (frames, words the sentence must hold, window id of the Error: named when readable)
     ([b"\xc1\xc1 not msgpack"], ["malformed", "not msgpack"], -1),
     ([bytes(range(256))], ["malformed"], -1),
     (header([1, 2, 3]), ["malformed", "type"], -1),
     (header({"type": "Bogus", "id": 3}), ["unknown message type", "Bogus"], -1),
     (header({"type": "Window", "id": 4, "slots": [0], "positions": [4]}),
-     ["Window lacks field", "tokens"], -1),
+     ["Window lacks field", "tokens"], 4),
     (header({"type": "Window", "id": 5, "slots": [0], "positions": "4", "tokens": [1]}),
-     ["positions", "list[int]"], -1),
+     ["positions", "list[int]"], 5),
     (header({"type": "Window", "id": 6, "slots": [0, 0], "positions": [4], "tokens": [1]}),
-     ["differ in length"], -1),
+     ["differ in length"], 6),
     (header({**msgpack.unpackb(window(7, [0], [4], [1], sample=[0])[0]), "sample_rows": [1]}),
-     ["sampled row", "out of range"], -1),
+     ["sampled row", "out of range"], 7),
     (header({"type": "Window", "id": 8, "slots": [0], "positions": [4], "tokens": [1],
-             "tensors": [["float32", [2]]]}), ["1 tensors but 0 frames"], -1),
+             "tensors": [["float32", [2]]]}), ["1 tensors but 0 frames"], 8),
     (transport.pack(Hello(1, 0, 0, 4, "cpu", "x", 1, 1, CTX)), ["does not accept Hello"], -1),
     (window(22, [], [], []), ["window 22 has no rows"], 22),
     (window(9, [1], [0], [1]), ["slot 1 does not exist"], 9),

@@ -7,6 +7,7 @@ results in. Policy (what to run next) lives elsewhere, so a custom coordinator r
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -17,6 +18,8 @@ from strata.protocol import transport
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
                                       Shutdown, Window)
 from strata.trace import Trace
+
+log = logging.getLogger("strata.pipeline")
 
 
 class PipelineError(RuntimeError):
@@ -115,7 +118,8 @@ class Pipeline:
 
     def receive(self, timeout: float | None = None) -> tuple[Result, list[np.ndarray]]:
         """The next result from the last stage. Raises WindowFailed when a stage refused a
-        window, PipelineError when a stage died or nothing came within timeout."""
+        window, PipelineError when a stage died or nothing came within timeout. A message
+        that is malformed or not a Result or Error is dropped with a log line."""
         start = time.monotonic()
         if self.spin_s:
             transport.spin(self.inbox, self.spin_s)
@@ -128,7 +132,9 @@ class Pipeline:
                     return msg, tensors
                 if isinstance(msg, Error):
                     raise WindowFailed(msg)
-                continue  # a late hello: ignore
+                log.warning("dropped a %s in the coordinator's inbox: after the hellos only "
+                            "Results and Errors come there", type(msg).__name__)
+                continue
             if timeout is not None and time.monotonic() - start > timeout:
                 raise PipelineError(f"no result from the stages within {timeout:.0f}s")
 
@@ -138,8 +144,9 @@ class Pipeline:
             return None
         try:
             msg, tensors = transport.recv(self.inbox)
-        except ProtocolError as e:
-            raise PipelineError(f"a stage sent a malformed message: {e}") from e
+        except ProtocolError as e:  # no stage sends one: a process that is none of them
+            log.warning("dropped a malformed message in the coordinator's inbox: %s", e)
+            return None
         except transport.TransportError as e:
             raise PipelineError(f"the coordinator's inbox failed: {e}") from e
         return (msg, tensors) if with_tensors else msg

@@ -153,13 +153,16 @@ class Scheduler:
             self._submit(0, [], WINDOW_ROW_STEP, [])
         try:
             result, _ = self.pipe.receive(timeout=timeout)
-            flight = self.in_flight.pop(result.id)
         except WindowFailed as e:
             flight = self.in_flight.pop(e.error.window, None)
-            if flight is None:  # not about a window of ours: nothing to undo
-                log.error("a stage reported: %s", e)
+            if flight is None:  # about no window in flight (-1: none): no group changes
+                log.error("dropped an error about no window in flight: %s", e)
             else:
                 self._fail(flight, str(e))
+            return True
+        flight = self.in_flight.pop(result.id, None)
+        if flight is None:  # not a window of ours (another coordinator's?): nothing lands
+            log.error("dropped a result for window %d, which is not in flight", result.id)
             return True
         self._landed(flight.group)
         now = self.clock()   # times the group's decode windows (draft_choice.py)

@@ -13,7 +13,14 @@ PROTOCOL_VERSION = 1
 
 
 class ProtocolError(ValueError):
-    """A message that cannot be decoded: unknown type, missing or ill-typed field."""
+    """A message that cannot be decoded: unknown type, missing or ill-typed field.
+
+    transport.unpack says what it could read of the message that failed (claimed_window):
+    `window`, the id of the Window it claims to be (-1 when none can be read), and `rows`, how
+    many rows of activations came with it over a stage link (0 for a message of another type,
+    None when that cannot be read)."""
+    window: int = -1
+    rows: int | None = None
 
 
 @dataclass
@@ -182,6 +189,17 @@ def decode(obj) -> object:
                                 f"got {_type_of(value)}")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def claimed_window(obj) -> tuple[int, int | None]:
+    """(id, rows) of a header that failed to decode, as far as they can be read: a Window's
+    id (-1 when not an int) and row count (its slots' length; None when not a list); (-1, 0)
+    for a map of another known type, (-1, None) for anything else."""
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    if kind != Window.__name__:
+        return -1, (0 if type(kind) is str and kind in MESSAGE_TYPES else None)
+    window, slots = obj.get("id"), obj.get("slots")
+    return (window if type(window) is int else -1), (len(slots) if type(slots) is list else None)
 
 
 def _type_of(value) -> str:

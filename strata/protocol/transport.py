@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 
 from strata.protocol import unixsock
-from strata.protocol.messages import ProtocolError, decode, encode
+from strata.protocol.messages import ProtocolError, claimed_window, decode, encode
 
 
 class TransportError(RuntimeError):
@@ -35,13 +35,22 @@ def pack(msg, tensors: list[np.ndarray] = ()) -> list:
 
 
 def unpack(frames: list) -> tuple[object, list[np.ndarray]]:
-    """frames: bytes, memoryviews or zmq.Frame. Raises ProtocolError on anything malformed."""
+    """frames: bytes, memoryviews or zmq.Frame. Raises ProtocolError on anything malformed,
+    with the window id and row count it claims where they can be read (claimed_window)."""
     if not frames:
         raise ProtocolError("empty message")
     try:
         header = msgpack.unpackb(_bytes(frames[0]), raw=False, strict_map_key=False)
     except Exception as e:
         raise ProtocolError(f"header is not msgpack ({type(e).__name__})") from e
+    try:
+        return _unpack(header, frames)
+    except ProtocolError as e:
+        e.window, e.rows = claimed_window(header)
+        raise
+
+
+def _unpack(header, frames: list) -> tuple[object, list[np.ndarray]]:
     specs = header.pop("tensors", []) if isinstance(header, dict) else []
     msg = decode(header)
     if not isinstance(specs, list) or len(specs) != len(frames) - 1:

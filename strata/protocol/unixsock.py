@@ -8,9 +8,12 @@ keep the part of ZeroMQ's PUSH/PULL contract strata relies on, and nothing else:
 
   - a PULL socket binds and takes messages from any number of PUSH sockets (fan-in), each
     sender's messages whole and in order;
-  - a PUSH socket may connect before its peer binds, and a send never waits for the peer:
+  - a PUSH socket may connect before its peer binds, and a send does not wait for the peer:
     what the kernel does not take at once goes to a sender thread, in order (ZeroMQ queues
-    too), and a message for a peer that never comes is dropped at close, after `linger`.
+    too), and a message for a peer that never comes is dropped at close, after `linger`;
+  - that queue is bounded as ZeroMQ's is by its high-water mark: with SNDHWM (1000, ZeroMQ's
+    default) messages queued, a send blocks until the peer reads (ZeroMQ's PUSH blocks too),
+    so a peer that stops reading stops its senders instead of growing their memory.
 
 A message is its frames (bytes-like): on the wire a u64 length, a u32 frame count, a u64 size
 per frame, then the frames. Received frames are memoryviews of one bytes object.
@@ -141,19 +144,26 @@ class UnixPull:
 
 class UnixPush:
     RETRY_S = 0.005  # a sender thread retries a peer that is not listening yet this often
+    SNDHWM = 1000    # messages queued (beyond what the kernel took) before a send blocks
 
     def __init__(self, endpoint: str):
         self.path = path_of(endpoint)
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
         self.backlog: deque[list] = deque()   # parts the kernel did not take yet, in order
-        self.wake = threading.Condition(self.lock)
+        self.wake = threading.Condition(self.lock)   # the sender thread: work, or closing
+        self.room = threading.Condition(self.lock)   # senders: the backlog shrank, or closing
         self.closing = False
         self.thread: threading.Thread | None = None
 
     def send_multipart(self, frames, copy: bool = False) -> None:
+        """Blocks while SNDHWM messages wait for the peer; OSError once the socket is closed."""
         parts = encode(frames)
         with self.lock:
+            while len(self.backlog) >= self.SNDHWM and not self.closing:
+                self.room.wait()
+            if self.closing:
+                raise OSError(errno.ENOTSOCK, f"the socket to {self.path} is closed")
             if not self.backlog and self._connected():
                 parts = self._send_now(parts)
                 if not parts:
@@ -228,6 +238,7 @@ class UnixPush:
                         self.lock.acquire()
                 else:
                     self.backlog.popleft()
+                    self.room.notify()
 
     def close(self, linger: int = 0) -> None:
         """Wait up to linger ms for queued messages to go, then drop the rest and close."""
@@ -242,3 +253,4 @@ class UnixPush:
                 self.sock.close()
                 self.sock = None
             self.wake.notify()
+            self.room.notify_all()   # a send blocked at the high-water mark raises

@@ -133,14 +133,14 @@ class StageWorker:
         self.close()
 
     def step(self) -> bool:
-        """Take the next message and act on it; False once it was a Shutdown. Runs inside
-        serve()'s inference mode."""
+        """Take the next message and act on it; False once it was a Shutdown, or a header
+        that leaves the link out of step (_refuse_malformed). Runs inside serve()'s inference
+        mode."""
         self._await_pending()
         try:
             msg, tensors = transport.recv(self.inbox, self.spin_s)
         except ProtocolError as e:
-            self._error(-1, f"malformed message: {e}")
-            return True
+            return self._refuse_malformed(e)
         if isinstance(msg, Shutdown):
             self._answer_pending()
             if self.to_next is not None:
@@ -211,6 +211,26 @@ class StageWorker:
             self.pending = answer
             return
         self._answer(answer)
+
+    def _refuse_malformed(self, e: ProtocolError) -> bool:
+        """An Error for a message that does not decode, naming the window it claims to be when
+        its id can be read. Over a link, the previous stage sent that window's activations
+        whatever this stage makes of its header: they are received and dropped, so the next
+        window meets its own. A header whose row count cannot be read leaves the link with
+        activations no header matches: the stage stops rather than compute with them.
+        Returns False when the stage stops."""
+        k = self.cfg.stage
+        if self.link is None or self.model.first or e.rows == 0:
+            self._error(e.window, f"malformed message: {e}")
+            return True
+        if e.rows is None:
+            self._error(e.window, f"malformed message: {e}; its row count cannot be read, so "
+                        f"the activations from stage {k - 1} no longer match their windows: "
+                        f"stage {k} stops (restart the stages)")
+            return False
+        self.link.recv(e.rows, self.model.cfg.d_model, self.model.dtype).wait()
+        self._error(e.window, f"malformed message: {e}")
+        return True
 
     def _commit(self, w: Window) -> None:
         """Trim the slots the window commits, then claim its rows' positions (checked: no gap).
