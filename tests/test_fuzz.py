@@ -267,7 +267,7 @@ def test_a_storm_of_malformed_frames_leaves_a_stage_as_it_was(tiny_model, first)
     _storm_stage(tiny_model, first, FAST)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("first", [True, False], ids=["stage0", "stage1"])
 def test_a_long_storm_of_malformed_frames_leaves_a_stage_as_it_was(tiny_model, first):
     _storm_stage(tiny_model, first, SLOW)
@@ -401,6 +401,6 @@ def test_a_storm_in_the_coordinators_inbox_is_dropped_with_a_log_line(tiny_model
     _storm_inbox(tiny_model, INBOX_FAST)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_long_storm_in_the_coordinators_inbox_is_dropped_with_a_log_line(tiny_model):
     _storm_inbox(tiny_model, INBOX_SLOW)
