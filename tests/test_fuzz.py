@@ -8,8 +8,8 @@ nor changes state: the stage's KV cache is bit for bit what it was, and the next
 
 The worker runs in this process (inprocess.py), as stage 0 (tokens in) and as a later stage
 (activations as frames); the coordinator is a Pipeline and a Scheduler over a worker serving
-in a thread. Examples are derandomized, so CI sees the same frames every run; the `slow`
-variant sends ten times as many.
+in a thread. Examples are derandomized, so CI sees the same frames every run; the `long`
+variant (python -m pytest -m long) sends ten times as many.
 """
 from __future__ import annotations
 
