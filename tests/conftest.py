@@ -78,6 +78,37 @@ def smollm2_stages(smollm2):
     shutil.rmtree(own, ignore_errors=True)
 
 
+SMOLLM2_REQUESTS = 8  # harness.prompt_set(8): short and long prompts, code, chat, French
+SMOLLM2_TOKENS = 16
+
+
+def smollm2_params(i: int):
+    """Request i's sampling: even requests greedy, odd ones seeded (harness.request_params)."""
+    from strata.bench import harness
+    return harness.request_params(i, i % 2 == 1, SMOLLM2_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_alone(smollm2_stages):
+    """The SmolLM2 reference of the batching and HTTP server cases: harness.prompt_set(8) with
+    smollm2_params, each request alone (one slot, one request at a time) on the session's
+    launch. Returns (tokenizer, prompts, params, requests)."""
+    from strata.bench import harness
+    from strata.coordinator.scheduler import SchedulerConfig
+    from strata.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_stages.file.reader)
+    prompts = [tok.encode(t) for t in harness.prompt_set(SMOLLM2_REQUESTS)]
+    params = [smollm2_params(i) for i in range(SMOLLM2_REQUESTS)]
+    alone = harness.run_alone(smollm2_stages, SchedulerConfig(slots=1, ctx=SMOLLM2_CTX), tok,
+                              prompts, params)
+    texts = [r.seq.generated for r in alone]
+    # the comparisons see real, varied output: most run to the end, no two alike
+    assert sum(len(t) == SMOLLM2_TOKENS for t in texts) >= SMOLLM2_REQUESTS // 2, texts
+    assert len({tuple(t) for t in texts}) == SMOLLM2_REQUESTS, texts
+    return tok, prompts, params, alone
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A 4-layer random llama GGUF in F32 with a byte-level vocabulary."""
