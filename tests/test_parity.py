@@ -43,7 +43,9 @@ GREEDY_AT = [i for i, p in enumerate(PARAMS) if p.temperature == 0]
 CTX = 256
 SPLITS = {1: "auto", 2: "15"}  # and 3 stages: the session's launch
 
-pytestmark = pytest.mark.slow  # SmolLM2 in three launches and in transformers
+# SmolLM2 in three launches and in transformers; this process's forwards (the single-process
+# one, transformers') on one torch thread (conftest's one_torch_thread)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

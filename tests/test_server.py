@@ -346,27 +346,28 @@ def _cli_text(args: list[str], log_dir: Path) -> str:
 
 
 CHAT_PROMPT = "Name three colours."
-COMPLETION_PROMPT = "The capital of France is"
+COMPLETION_PROMPT = harness.PROMPTS[0]  # greedy: the session reference's request 0
 
 
 @pytest.fixture(scope="module")
 def solo(smollm2_stages, smollm2_alone, tmp_path_factory):
     """Each request alone through the scheduler (one slot of the session's launch), in this
-    process: the clients' from the session's reference, the chat and the completion here;
-    and the seeded chat through `strata-launch --prompt` (run while those run)."""
+    process: the clients' and the greedy completion's from the session's reference, the chat
+    here; and the seeded chat through `strata-launch --prompt` (run while the chat runs)."""
     assert smollm2_stages.ctx >= CTX
-    tok, _, clients, clients_alone = smollm2_alone
+    tok, prompts, clients, clients_alone = smollm2_alone
     assert clients == [smollm2_params(i) for i in range(N_CLIENTS)]
+    assert (prompts[0], clients[0]) == (tok.encode(COMPLETION_PROMPT),
+                                        SamplingParams(max_tokens=N_TOKENS))
     with ThreadPoolExecutor(1) as pool:
         chat_cli = pool.submit(_cli_text, [
             "--chat", "--prompt", CHAT_PROMPT, "--max-tokens", str(N_TOKENS), "--temperature",
             "0.7", "--top-k", "20", "--seed", "1234"], tmp_path_factory.mktemp("cli"))
-        prompts = [tok.encode(tok.render_chat([{"role": "user", "content": CHAT_PROMPT}])),
-                   tok.encode(COMPLETION_PROMPT)]
-        params = [SEEDED, SamplingParams(max_tokens=N_TOKENS)]
-        alone = harness.run_alone(smollm2_stages, SchedulerConfig(slots=1, ctx=CTX), tok,
-                                  prompts, params)
-        return {"alone": clients_alone + alone, "chat_cli": chat_cli.result()}
+        chat = tok.encode(tok.render_chat([{"role": "user", "content": CHAT_PROMPT}]))
+        chat_alone, = harness.run_alone(smollm2_stages, SchedulerConfig(slots=1, ctx=CTX), tok,
+                                        [chat], [SEEDED])
+        return {"clients": clients_alone, "chat": chat_alone, "greedy": clients_alone[0],
+                "chat_cli": chat_cli.result()}
 
 
 @pytest.mark.slow
@@ -379,7 +380,7 @@ def test_http_equals_strata_launch_and_the_scheduler_alone(smol, solo):
                                      messages=[{"role": "user", "content": CHAT_PROMPT}])
     greedy = c.completions.create(model="smollm2-135m", prompt=COMPLETION_PROMPT,
                                   max_tokens=N_TOKENS)
-    chat_alone, greedy_alone = solo["alone"][N_CLIENTS:]
+    chat_alone, greedy_alone = solo["chat"], solo["greedy"]
     assert chat.choices[0].message.content == solo["chat_cli"] == chat_alone.seq.final_text()
     assert chat.usage.completion_tokens == len(chat_alone.seq.generated)
     assert chat.model_extra["seed"] == 1234
@@ -405,7 +406,7 @@ def test_8_concurrent_streams_each_get_their_solo_tokens(smol, solo):
 
     with ThreadPoolExecutor(N_CLIENTS) as pool:
         got = list(pool.map(one, range(N_CLIENTS)))
-    for i, (text, alone) in enumerate(zip(got, solo["alone"][:N_CLIENTS])):
+    for i, (text, alone) in enumerate(zip(got, solo["clients"])):
         assert text == alone.seq.final_text(), f"client {i}"
     smol.wait_idle()
 
