@@ -5,7 +5,7 @@ import os
 import shutil
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -48,6 +48,23 @@ def triton_devices() -> list:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     return resolve_model("smollm2-135m")
+
+
+@contextmanager
+def fast_transformers_gguf():
+    """transformers' GGUF loading, with what it builds unchanged: the file parsed by ModelFile's
+    reader (gguf-py's, through a plain view of the memory map: 1 s instead of 3 for SmolLM2,
+    which transformers opens twice), and gguf's tensor name map built once (transformers builds
+    the same map for each of the model's ~400 modules)."""
+    import functools
+
+    import gguf
+
+    from strata.model.gguf_file import Reader
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", Reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
 
 
 SMOLLM2_SPLIT = "10,20"  # 3 stages: a middle stage, as well as the first and the last

@@ -10,13 +10,13 @@ module uses its slot 0.
 """
 from __future__ import annotations
 
-import functools
 from contextlib import ExitStack
 from dataclasses import replace
 
 import pytest
 import torch
 
+from conftest import fast_transformers_gguf
 from strata.coordinator.generate import Sequence, generate_solo
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS
@@ -117,11 +117,7 @@ def runs(model, launches):
 @pytest.fixture(scope="module")
 def hf_model(smollm2):
     transformers = pytest.importorskip("transformers")
-    import gguf
-    with pytest.MonkeyPatch.context() as mp:
-        # transformers builds gguf's (pure) tensor name map once per module of the model, ~400
-        # times: a third of the load; built once, the weights are the same
-        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    with fast_transformers_gguf():
         return transformers.AutoModelForCausalLM.from_pretrained(
             smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
 
