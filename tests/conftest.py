@@ -197,7 +197,8 @@ def _tiny_stages(tiny_model):
 def shared_stages(_tiny_stages, monkeypatch):
     """Commands run in-process (click's CliRunner) reuse the session's launch of the tiny model
     wherever they would launch the same stages with no more slots or positions than it has, the
-    same NextN head (none) and no trace; any other launch is their own. Yields the plans that were served by it."""
+    same NextN head (none) and no trace; any other launch is their own. Yields the plans that
+    were served by it."""
     from contextlib import nullcontext
 
     from strata.launch.options import Prepared
