@@ -62,9 +62,9 @@ class Reader(GGUFReader):
     same pages): slicing an np.memmap runs memmap's Python hooks for each of the ~250k slices
     a vocabulary of 49k tokens and its merges are parsed into, 3 s of SmolLM2's 3.5 s open."""
 
-    def _build_fields(self, offs: int, count: int) -> int:
+    def _build_fields(self, *args, **kwargs):  # GGUFReader.__init__ parses the fields here
         self.data = self.data.view(np.ndarray)
-        return super()._build_fields(offs, count)
+        return super()._build_fields(*args, **kwargs)
 
 
 def _field(reader: GGUFReader, key: str, default=None):
