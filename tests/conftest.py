@@ -5,7 +5,7 @@ import os
 import shutil
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,6 +50,23 @@ def smollm2() -> Path:
     return resolve_model("smollm2-135m")
 
 
+@contextmanager
+def fast_transformers_gguf():
+    """transformers' GGUF loading, with what it builds unchanged: the file parsed by ModelFile's
+    reader (gguf-py's, through a plain view of the memory map: 1 s instead of 3 for SmolLM2,
+    which transformers opens twice), and gguf's tensor name map built once (transformers builds
+    the same map for each of the model's ~400 modules)."""
+    import functools
+
+    import gguf
+
+    from strata.model.gguf_file import Reader
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", Reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
+
 SMOLLM2_SPLIT = "10,20"  # 3 stages: a middle stage, as well as the first and the last
 SMOLLM2_SLOTS = 4
 SMOLLM2_CTX = 512
@@ -76,6 +93,37 @@ def smollm2_stages(smollm2):
                                                     ctx=SMOLLM2_CTX, say=lambda s: None))
         yield run
     shutil.rmtree(own, ignore_errors=True)
+
+
+SMOLLM2_REQUESTS = 8  # harness.prompt_set(8): short and long prompts, code, chat, French
+SMOLLM2_TOKENS = 16
+
+
+def smollm2_params(i: int):
+    """Request i's sampling: even requests greedy, odd ones seeded (harness.request_params)."""
+    from strata.bench import harness
+    return harness.request_params(i, i % 2 == 1, SMOLLM2_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_alone(smollm2_stages):
+    """The SmolLM2 reference of the batching and HTTP server cases: harness.prompt_set(8) with
+    smollm2_params, each request alone (one slot, one request at a time) on the session's
+    launch. Returns (tokenizer, prompts, params, requests)."""
+    from strata.bench import harness
+    from strata.coordinator.scheduler import SchedulerConfig
+    from strata.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_stages.file.reader)
+    prompts = [tok.encode(t) for t in harness.prompt_set(SMOLLM2_REQUESTS)]
+    params = [smollm2_params(i) for i in range(SMOLLM2_REQUESTS)]
+    alone = harness.run_alone(smollm2_stages, SchedulerConfig(slots=1, ctx=SMOLLM2_CTX), tok,
+                              prompts, params)
+    texts = [r.seq.generated for r in alone]
+    # the comparisons see real, varied output: most run to the end, no two alike
+    assert sum(len(t) == SMOLLM2_TOKENS for t in texts) >= SMOLLM2_REQUESTS // 2, texts
+    assert len({tuple(t) for t in texts}) == SMOLLM2_REQUESTS, texts
+    return tok, prompts, params, alone
 
 
 @pytest.fixture(scope="session")
@@ -149,7 +197,8 @@ def _tiny_stages(tiny_model):
 def shared_stages(_tiny_stages, monkeypatch):
     """Commands run in-process (click's CliRunner) reuse the session's launch of the tiny model
     wherever they would launch the same stages with no more slots or positions than it has, the
-    same NextN head (none) and no trace; any other launch is their own. Yields the plans that were served by it."""
+    same NextN head (none) and no trace; any other launch is their own. Yields the plans that
+    were served by it."""
     from contextlib import nullcontext
 
     from strata.launch.options import Prepared

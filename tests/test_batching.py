@@ -3,13 +3,16 @@
 "Alone" is computed once per model (its fewest stages, one request at a time) and every batched
 run is compared with it token by token. The matrix runs on `varied_model` (conftest: a tiny
 random model whose tokens depend on the whole context, so a row that reads a wrong position,
-slot or cache entry changes the text); each property runs once more on the real SmolLM2 (marked
-slow), on the session's 3-stage launch of it (conftest's smollm2_stages). What each case
+slot or cache entry changes the text), all requests greedy, then all seeded; each property runs
+once more on the real SmolLM2 (marked slow), on the session's 3-stage launch of it (conftest's
+smollm2_stages), with greedy and seeded requests in the same windows ("mixed": even requests
+greedy, odd ones seeded) and 16 tokens a request, against the session's reference alone
+(conftest's smollm2_alone, which the HTTP server's cases compare with too). What each case
 proves:
 
 - test_batched_equals_alone: together == alone, with 8 requests through 4 or 8 slots (slots
   shared by windows, reused by later requests); serial (groups 1) == pipelined (groups 2 and
-  auto) == alone; greedy and seeded; 2 and 3 stages (alone on 2). SmolLM2's case runs
+  auto) == alone; greedy, seeded and mixed; 2 and 3 stages (alone on 2). SmolLM2's case runs
   pipelined (auto groups) on 3 stages only: the varied model covers every group count and
   stage count, test_parity SmolLM2's stage counts.
 - test_staggered_lifecycle: a long prompt admitted while slots decode (its chunks go between
@@ -30,7 +33,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import SMOLLM2_CTX, SMOLLM2_SPLIT
+from conftest import SMOLLM2_CTX, SMOLLM2_REQUESTS, SMOLLM2_SPLIT
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig, auto_groups
 from strata.bench import harness
@@ -44,7 +47,7 @@ N_REQUESTS = 8
 N_TOKENS = 24
 LONG_PROMPT = 360  # tokens: 12 chunks of 32
 SLOTS = 8  # the most any case uses (the SmolLM2 cases: 4, conftest's SMOLLM2_SLOTS)
-assert CTX == SMOLLM2_CTX
+assert CTX == SMOLLM2_CTX and N_REQUESTS == SMOLLM2_REQUESTS
 
 
 class Subject:
@@ -52,17 +55,26 @@ class Subject:
     once asked for, each prompt's tokens alone. Its launch (SLOTS slots, which every case's
     scheduler uses a part of) stays up from one case to the next while they ask for the same
     stage count; one launch per subject at a time. A subject given a launch (`shared`, one
-    stage count) uses it for every case."""
+    stage count) uses it for every case, and the reference alone computed on it (`reference`:
+    conftest's smollm2_alone, in the "mixed" mode) instead of its own."""
 
     def __init__(self, path, splits: dict[int, str], every_group_count: bool,
-                 shared: Launched | None = None):
+                 shared: Launched | None = None, reference: tuple | None = None):
         self.file = ModelFile(path)
         self.every_group_count = every_group_count  # in test_batched_equals_alone
         self.tok = Tokenizer.from_gguf(self.file.reader)
         self.splits = splits
         self.base = min(splits)  # the stage count of "alone" and of the single-count cases
         self.prompts = [self.tok.encode(p) for p in harness.prompt_set(N_REQUESTS)]
+        self.modes = ("greedy", "seeded") if reference is None else ("mixed",)
+        self.tokens = N_TOKENS
         self._alone: dict[str, list[list[int]]] | None = None
+        if reference is not None:
+            _, prompts, params, alone = reference
+            assert prompts == self.prompts, "the reference alone read other prompts"
+            self.tokens = params[0].max_tokens
+            assert params == params_for("mixed", tokens=self.tokens), params
+            self._alone = {"mixed": [r.seq.generated for r in alone]}
         self._launch: tuple[int, Launched] | None = None
         if shared is not None:
             assert list(splits) == [len(shared.plan)], (splits, shared.plan)
@@ -87,8 +99,8 @@ class Subject:
         self._launch = None
 
     def alone(self) -> dict[str, list[list[int]]]:
-        """Each request alone, greedy and seeded: the fewest stages, one slot, one request at
-        a time."""
+        """Each request alone by mode (greedy, seeded and mixed, or the reference's mixed): the
+        fewest stages, one slot, one request at a time."""
         if self._alone is None:
             cfg = SchedulerConfig(slots=1, groups=1, ctx=CTX)
             self._alone = {mode: [r.seq.generated for r in harness.run_alone(
@@ -97,13 +109,17 @@ class Subject:
             for mode, texts in self._alone.items():  # the comparisons see real, varied output
                 assert sum(len(t) == N_TOKENS for t in texts) >= N_REQUESTS // 2, (mode, texts)
                 assert len({tuple(t) for t in texts}) == N_REQUESTS, (mode, texts)
+            # a request's tokens alone depend on its own parameters only
+            self._alone["mixed"] = [self._alone["seeded" if i % 2 else "greedy"][i]
+                                    for i in range(N_REQUESTS)]
         return self._alone
 
 
 # name: (model fixture, stage count -> split, whether batched runs try every group count,
-#        fixture of a shared launch or None)
+#        fixtures of a shared launch and of its reference alone, or None)
 SUBJECTS = {"varied": ("varied_model", {2: "2", 3: "1,2"}, True, None),
-            "smollm2": ("smollm2", {3: SMOLLM2_SPLIT}, False, "smollm2_stages")}
+            "smollm2": ("smollm2", {3: SMOLLM2_SPLIT}, False,
+                        ("smollm2_stages", "smollm2_alone"))}
 VARIED = pytest.param("varied", id="varied")
 SMOLLM2 = pytest.param("smollm2", id="smollm2", marks=pytest.mark.slow)
 
@@ -123,8 +139,9 @@ def subject(request, made):
     name = request.param
     if name not in made:
         fixture, splits, every_group_count, shared = SUBJECTS[name]
+        launch, reference = [request.getfixturevalue(f) for f in shared] if shared else [None] * 2
         made[name] = Subject(request.getfixturevalue(fixture), splits, every_group_count,
-                             shared and request.getfixturevalue(shared))
+                             launch, reference)
     failed = request.session.testsfailed
     yield made[name]
     if request.session.testsfailed != failed:
@@ -132,7 +149,9 @@ def subject(request, made):
 
 
 def params_for(mode: str, n: int = N_REQUESTS, tokens: int = N_TOKENS):
-    return [harness.request_params(i, mode == "seeded", tokens) for i in range(n)]
+    """greedy, seeded, or mixed: even requests greedy, odd ones seeded."""
+    return [harness.request_params(i, mode == "seeded" or (mode == "mixed" and i % 2 == 1),
+                                   tokens) for i in range(n)]
 
 
 def assert_same(alone_tokens, requests, label):
@@ -155,8 +174,9 @@ def test_batched_equals_alone(subject, stages, batch):
     pipelined = auto_groups(batch, stages)
     for groups in sorted({1, 2, pipelined}) if subject.every_group_count else [pipelined]:
         cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX)
-        for mode in ("greedy", "seeded"):
-            got = harness.run_together(run, cfg, subject.tok, subject.prompts, params_for(mode))
+        for mode in subject.modes:
+            got = harness.run_together(run, cfg, subject.tok, subject.prompts,
+                                       params_for(mode, tokens=subject.tokens))
             assert_same(alone[mode], got,
                         f"{stages} stages, batch {batch}, groups {groups}, {mode}")
 
@@ -164,25 +184,28 @@ def test_batched_equals_alone(subject, stages, batch):
 @pytest.mark.parametrize("subject", [VARIED, SMOLLM2], indirect=True)
 def test_staggered_lifecycle(subject):
     """A long prompt admitted while 3 slots decode, one request cancelled and its slot reused,
-    one finishing early; pipelined over 3 stages."""
-    tok, prompts, alone = subject.tok, subject.prompts, subject.alone()
+    one finishing early; pipelined over 3 stages. Greedy and seeded requests (mixed)."""
+    tok, prompts, alone = subject.tok, subject.prompts, subject.alone()["mixed"]
     long_prompt = tok.encode(harness.PROMPTS[12] * 4)[:LONG_PROMPT]
     assert len(long_prompt) == LONG_PROMPT
-    seeded = params_for("seeded")
+    params = params_for("mixed", tokens=subject.tokens)
     run = subject.run(3)
     sched = Scheduler(run.pipe, SchedulerConfig(slots=4, groups=2, ctx=CTX), tok.stop_ids,
                       tok.decode)
-    a, b, c = (sched.submit(prompts[i], seeded[i]) for i in range(3))
+    a, b, c = (sched.submit(prompts[i], params[i]) for i in range(3))
     while min(len(r.seq.generated) for r in (a, b, c)) < 3:
         sched.step()
     long_req = sched.submit(long_prompt, SamplingParams(max_tokens=8))
     a_before, a_when_read = len(a.seq.generated), None
+    b_before = len(b.seq.generated)
     early = None
     while not long_req.done:
         sched.step()
-        if len(b.seq.generated) >= 6 and not b.cancelled:
+        # b's first token among the long prompt's chunks (its group reads them): a and c are
+        # still decoding then, even with SmolLM2's 16 tokens
+        if len(b.seq.generated) > b_before and not b.cancelled:
             sched.cancel(b)      # b's slot is freed at its next window...
-            early = sched.submit(prompts[4], replace(seeded[4], max_tokens=3))  # ...reused
+            early = sched.submit(prompts[4], replace(params[4], max_tokens=3))  # ...reused
         if a_when_read is None and long_req.seq.generated:
             a_when_read = len(a.seq.generated)
     # a kept decoding while the long prompt was read: the long prompt joins the group with
@@ -194,12 +217,12 @@ def test_staggered_lifecycle(subject):
     ref_long = alone_long.submit(long_prompt, SamplingParams(max_tokens=8))
     alone_long.run()
     assert b.seq.finish_reason == "cancelled"
-    assert b.seq.generated == alone["seeded"][1][:len(b.seq.generated)]
+    assert b.seq.generated == alone[1][:len(b.seq.generated)]
     assert early.slot is b.slot  # the only slot free when it arrived
     assert early.seq.finish_reason == "length" and len(early.seq.generated) == 3
-    assert early.seq.generated == alone["seeded"][4][:3]
-    assert a.seq.generated == alone["seeded"][0]
-    assert c.seq.generated == alone["seeded"][2]
+    assert early.seq.generated == alone[4][:3]
+    assert a.seq.generated == alone[0]
+    assert c.seq.generated == alone[2]
     assert long_req.seq.generated == ref_long.seq.generated
     assert sched.idle
 
@@ -261,13 +284,15 @@ def test_groups_must_divide_batch():
 ], indirect=["subject"])
 def test_drafts_give_the_solo_tokens(subject, batch, groups, drafts):
     """Draft tokens (prompt lookup) verified in the windows' spare rows: every request still
-    gets its plain solo tokens, greedy and seeded, and some drafts were accepted."""
+    gets its plain solo tokens, greedy and seeded (mixed on SmolLM2), and some drafts were
+    accepted."""
     alone = subject.alone()
     run = subject.run(subject.base)
     cfg = SchedulerConfig(slots=batch, groups=groups, ctx=CTX, draft_tokens=drafts)
     accepted = 0
-    for mode in ("greedy", "seeded"):
-        got = harness.run_together(run, cfg, subject.tok, subject.prompts, params_for(mode))
+    for mode in subject.modes:
+        got = harness.run_together(run, cfg, subject.tok, subject.prompts,
+                                   params_for(mode, tokens=subject.tokens))
         assert_same(alone[mode], got, f"drafts, batch {batch}, groups {groups}, {mode}")
         accepted += sum(r.accepted for r in got)
     assert accepted > 0

@@ -1,6 +1,10 @@
 """The coordinator is a library: examples/custom_coordinator.py starts the stage workers, drives
 them with a greedy loop of its own and prints the text strata-launch prints. And a stage started
-by hand (--external-stage) joins a launch."""
+by hand (--external-stage) joins a launch.
+
+Both run the tiny random models: what they check (the same windows give the same tokens, the
+processes start, join and stop) does not depend on the weights, and varied_model's greedy text
+changes with every token of its context, so a window the example built wrong shows."""
 from __future__ import annotations
 
 import shlex
@@ -12,10 +16,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "custom_coordinator.py"
-# more than one prompt window of 32 rows
-PROMPT = ("The three primary colours of light are red, green and blue, which screens mix into "
-          "every other colour. The three primary colours of paint, as painters have learnt them "
-          "for centuries, are")
+# more than one prompt window of 32 rows (97 tokens), on which varied_model's greedy text runs
+# past N_TOKENS without its end-of-text token
+PROMPT = "The history of the lighthouse begins with fires lit on hills to guide ships. " * 2
 N_TOKENS = 12
 
 
@@ -24,9 +27,9 @@ def launch_cli(*args, env=None, **popen) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env, **popen)
 
 
-def test_example_coordinator_matches_strata_launch(smollm2, no_stage_left):
-    args = ["--model", str(smollm2), "--layer-split", "15", "--devices", "cpu", "--ctx-size", "128",
-            "--prompt", PROMPT, "--max-tokens", str(N_TOKENS)]
+def test_example_coordinator_matches_strata_launch(varied_model, no_stage_left):
+    args = ["--model", str(varied_model), "--layer-split", "2", "--devices", "cpu",
+            "--ctx-size", "256", "--prompt", PROMPT, "--max-tokens", str(N_TOKENS)]
     mine = subprocess.Popen([sys.executable, str(EXAMPLE), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     cli = launch_cli(*args)
@@ -34,7 +37,7 @@ def test_example_coordinator_matches_strata_launch(smollm2, no_stage_left):
     assert cli.returncode == 0, err
     printed, err = mine.communicate(timeout=300)
     assert mine.returncode == 0, err
-    assert printed == out and len(out.strip()) > 10
+    assert printed == out and len(out.strip()) > N_TOKENS // 2
     assert not list(Path(no_stage_left).glob("strata-*"))  # its run directory is removed
 
 

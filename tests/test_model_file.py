@@ -64,6 +64,19 @@ def test_tiny_config(tiny_model):
     assert cfg.tied_head is True
 
 
+def test_reader_reads_what_gguf_py_reads(tiny_model):
+    """ModelFile's reader parses the metadata faster (a plain view of the memory map); every
+    field and every tensor is gguf-py's own reader's."""
+    ours, theirs = ModelFile(tiny_model).reader, GGUFReader(tiny_model, "c")
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    assert len(ours.fields["tokenizer.ggml.tokens"].contents()) == TINY.vocab
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+
+
 def test_smollm2_config_and_a_q4_1_tensor(smollm2):
     file = ModelFile(smollm2)
     cfg = file.config

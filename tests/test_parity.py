@@ -1,10 +1,13 @@
 """The pipeline against one process and against transformers, on the real SmolLM2.
 
-Greedy tokens with 1, 2 and 3 stages equal the single-process forward and transformers'
-fp32 model loaded from the same GGUF; every sampled position's logits agree within 1e-3.
-Seeded sampling gives the same tokens with 1, 2 and 3 stages (three launches, so three sets of
-processes with different histories) and again in another order. The 3-stage launch is the
-session's (conftest's smollm2_stages, 4 slots of 512 positions); this module uses its slot 0.
+Five prompts, three greedy and two seeded, give the same tokens with 1, 2 and 3 stages (three
+launches, so three sets of processes with different histories; 2 stages read the prompts in
+the reverse order, so each seeded prompt runs first on one launch and after the others on
+another: a draw depends on (seed, position) only); the greedy ones equal the single-process
+forward and transformers' greedy choices, with transformers' fp32 model loaded from the same
+GGUF; every sampled position's logits agree with it within 1e-3. Another seed gives other
+tokens. The 3-stage launch is the session's (conftest's smollm2_stages, 4 slots of 512
+positions); this module uses its slot 0.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from conftest import fast_transformers_gguf
 from strata.coordinator.generate import Sequence, generate_solo
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS
@@ -31,10 +35,18 @@ PROMPTS = [
     "Les trois couleurs du drapeau français sont",
 ]
 N_TOKENS = 10  # per prompt: five prompts of varied text, each run several times on a CPU
+GREEDY = SamplingParams(max_tokens=N_TOKENS)
+SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, seed=1234,
+                        max_tokens=N_TOKENS)
+# greedy on the code, the story and the chat turn; seeded sampling on the other two
+PARAMS = [SEEDED, GREEDY, GREEDY, GREEDY, SEEDED]
+GREEDY_AT = [i for i, p in enumerate(PARAMS) if p.temperature == 0]
 CTX = 256
 SPLITS = {1: "auto", 2: "15"}  # and 3 stages: the session's launch
 
-pytestmark = pytest.mark.slow  # SmolLM2 in three launches and in transformers
+# SmolLM2 in three launches and in transformers; this process's forwards (the single-process
+# one, transformers') on one torch thread (conftest's one_torch_thread)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +70,10 @@ def launches(model, smollm2_stages):
         yield {**own, 3: smollm2_stages}
 
 
-def generate(run, tok, params, prompts=PROMPTS, want_logits=False):
-    """Generate N_TOKENS for every prompt through real stage processes."""
+def generate(run, tok, prompts=PROMPTS, params=PARAMS, want_logits=False):
+    """Generate N_TOKENS for every prompt (with its params) through real stage processes."""
     out_tokens, out_logits = [], []
-    for prompt in prompts:
+    for prompt, params in zip(prompts, params, strict=True):
         logits = {}
         seq = Sequence(tok.encode(prompt), params, frozenset(), CTX, tok.decode)
         generate_solo(run.pipe, seq,
@@ -98,60 +110,57 @@ def single_process_greedy(model: StageModel, ids: list[int]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def greedy_runs(model, launches):
+def runs(model, launches):
+    """Stage count -> (tokens, logits) of every prompt, in PROMPTS' order."""
     _, tok = model
-    params = SamplingParams(max_tokens=N_TOKENS)
-    return {n: generate(run, tok, params, want_logits=True) for n, run in launches.items()}
+    out = {n: generate(run, tok, want_logits=True) for n, run in launches.items() if n != 2}
+    tokens, logits = generate(launches[2], tok, PROMPTS[::-1], PARAMS[::-1], want_logits=True)
+    return {**out, 2: (tokens[::-1], logits[::-1])}
 
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
+    with fast_transformers_gguf():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
 
 
-def test_stage_counts_give_identical_greedy_tokens(greedy_runs):
-    one, _ = greedy_runs[1]
+def test_stage_counts_give_identical_tokens(runs):
+    one, _ = runs[1]
     assert all(len(t) == N_TOKENS for t in one)
     for n in (2, 3):
-        assert greedy_runs[n][0] == one, f"{n} stages differ from 1 stage"
+        assert runs[n][0] == one, f"{n} stages differ from 1 stage"
 
 
-def test_pipeline_equals_single_process_forward(model, greedy_runs):
+def test_pipeline_equals_single_process_forward(model, runs):
     file, tok = model
     whole = StageModel(file, 0, file.config.n_layers, ctx=CTX)
-    # three of the prompts (code, a story, a chat turn): the forward is the same code for all
-    for prompt, tokens in list(zip(PROMPTS, greedy_runs[1][0]))[1:4]:
-        assert single_process_greedy(whole, tok.encode(prompt)) == tokens, prompt
+    for i in GREEDY_AT:  # code, a story, a chat turn: the forward is the same code for all
+        assert single_process_greedy(whole, tok.encode(PROMPTS[i])) == runs[1][0][i], PROMPTS[i]
 
 
 @pytest.mark.parametrize("n_stages", [1, 3])
-def test_pipeline_equals_transformers(model, greedy_runs, hf_model, n_stages):
+def test_pipeline_equals_transformers(model, runs, hf_model, n_stages):
     _, tok = model
-    tokens, logits = greedy_runs[n_stages]
-    for prompt, generated, by_position in zip(PROMPTS, tokens, logits):
+    tokens, logits = runs[n_stages]
+    for i, (prompt, generated, by_position) in enumerate(zip(PROMPTS, tokens, logits)):
         ids = tok.encode(prompt)
         with torch.inference_mode():
             ref = hf_model(torch.tensor([ids + generated])).logits[0]
-        # transformers' greedy choice at every step, fed our tokens: equal at every step means
-        # greedy generation gives the same sequence (no EOS stop here: stop_ids is empty)
-        assert ref[len(ids) - 1:-1].argmax(-1).tolist() == generated, prompt
+        if i in GREEDY_AT:
+            # transformers' greedy choice at every step, fed our tokens: equal at every step
+            # means greedy generation gives the same sequence (no EOS stop: stop_ids is empty)
+            assert ref[len(ids) - 1:-1].argmax(-1).tolist() == generated, prompt
         assert sorted(by_position) == list(range(len(ids), len(ids) + N_TOKENS))
         for position, ours in by_position.items():
             diff = (ref[position - 1] - torch.from_numpy(ours)).abs().max().item()
             assert diff < 1e-3, f"{prompt!r} position {position}: logits differ by {diff}"
 
 
-def test_seeded_sampling_same_across_stage_counts_and_runs(model, launches):
+def test_another_seed_gives_other_tokens(model, launches, runs):
+    """The seed matters: seeded sampling is not greedy in disguise."""
     _, tok = model
-    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, seed=1234,
-                            max_tokens=N_TOKENS)
-    prompts = PROMPTS[1:3]
-    by_stages = {n: generate(run, tok, params, prompts)[0] for n, run in launches.items()}
-    # again, after other requests and in another order: a draw depends on (seed, position) only
-    again, _ = generate(launches[2], tok, params, prompts[::-1])
-    assert by_stages[2] == by_stages[1] and by_stages[3] == by_stages[1]
-    assert again[::-1] == by_stages[1]
-    other_seed, _ = generate(launches[1], tok, replace(params, seed=99), prompts)
-    assert other_seed != by_stages[1]  # the seed matters: sampling is not greedy in disguise
+    seeded = next(i for i in range(len(PROMPTS)) if i not in GREEDY_AT)
+    other_seed, _ = generate(launches[1], tok, [PROMPTS[seeded]], [replace(SEEDED, seed=99)])
+    assert other_seed[0] != runs[1][0][seeded]

@@ -5,7 +5,9 @@ The tiny random model checks shapes, usage, seeds, streaming, stop strings, disc
 status and metrics routes and a short load test; SmolLM2 checks that HTTP answers are exactly
 what `strata-launch --prompt` and the scheduler alone give, also with 8 clients streaming at
 once through 4 slots in 2 groups. The server runs 2 stages; "alone" runs in this process on
-the session's 3-stage launch of SmolLM2 (conftest's smollm2_stages).
+the session's 3-stage launch of SmolLM2 (conftest's smollm2_stages); the 8 clients' requests
+alone are the session's reference (conftest's smollm2_alone, which test_batching compares
+with too).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import stage_processes
+from conftest import SMOLLM2_REQUESTS, SMOLLM2_TOKENS, smollm2_params, stage_processes
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from strata.bench import harness
@@ -321,8 +323,8 @@ def test_short_load_test(tiny_model, tmp_path, no_stage_left):
 
 # --- exactness on SmolLM2 -----------------------------------------------------------------------
 
-N_CLIENTS = 8
-N_TOKENS = 16
+N_CLIENTS = SMOLLM2_REQUESTS
+N_TOKENS = SMOLLM2_TOKENS
 SEEDED = SamplingParams(temperature=0.7, top_k=20, seed=1234, max_tokens=N_TOKENS)
 
 
@@ -332,11 +334,6 @@ def smol(smollm2, tmp_path_factory):
                  "--batch-groups", "2", "--ctx-size", str(CTX)], tmp_path_factory.mktemp("smol"))
     yield s
     s.close()
-
-
-@pytest.fixture(scope="module")
-def smol_tok(smollm2):
-    return Tokenizer.from_gguf(ModelFile(smollm2).reader)
 
 
 def _cli_text(args: list[str], log_dir: Path) -> str:
@@ -349,27 +346,28 @@ def _cli_text(args: list[str], log_dir: Path) -> str:
 
 
 CHAT_PROMPT = "Name three colours."
-COMPLETION_PROMPT = "The capital of France is"
+COMPLETION_PROMPT = harness.PROMPTS[0]  # greedy: the session reference's request 0
 
 
 @pytest.fixture(scope="module")
-def solo(smollm2_stages, smol_tok, tmp_path_factory):
+def solo(smollm2_stages, smollm2_alone, tmp_path_factory):
     """Each request alone through the scheduler (one slot of the session's launch), in this
-    process; and the seeded chat through `strata-launch --prompt` (run while the solo runs)."""
+    process: the clients' and the greedy completion's from the session's reference, the chat
+    here; and the seeded chat through `strata-launch --prompt` (run while the chat runs)."""
     assert smollm2_stages.ctx >= CTX
+    tok, prompts, clients, clients_alone = smollm2_alone
+    assert clients == [smollm2_params(i) for i in range(N_CLIENTS)]
+    assert (prompts[0], clients[0]) == (tok.encode(COMPLETION_PROMPT),
+                                        SamplingParams(max_tokens=N_TOKENS))
     with ThreadPoolExecutor(1) as pool:
         chat_cli = pool.submit(_cli_text, [
             "--chat", "--prompt", CHAT_PROMPT, "--max-tokens", str(N_TOKENS), "--temperature",
             "0.7", "--top-k", "20", "--seed", "1234"], tmp_path_factory.mktemp("cli"))
-        tok = smol_tok
-        prompts = [tok.encode(t) for t in harness.prompt_set(N_CLIENTS)]
-        prompts += [tok.encode(tok.render_chat([{"role": "user", "content": CHAT_PROMPT}])),
-                    tok.encode(COMPLETION_PROMPT)]
-        params = [harness.request_params(i, i % 2 == 1, N_TOKENS) for i in range(N_CLIENTS)]
-        params += [SEEDED, SamplingParams(max_tokens=N_TOKENS)]
-        alone = harness.run_alone(smollm2_stages, SchedulerConfig(slots=1, ctx=CTX), tok,
-                                  prompts, params)
-        return {"alone": alone, "chat_cli": chat_cli.result()}
+        chat = tok.encode(tok.render_chat([{"role": "user", "content": CHAT_PROMPT}]))
+        chat_alone, = harness.run_alone(smollm2_stages, SchedulerConfig(slots=1, ctx=CTX), tok,
+                                        [chat], [SEEDED])
+        return {"clients": clients_alone, "chat": chat_alone, "greedy": clients_alone[0],
+                "chat_cli": chat_cli.result()}
 
 
 @pytest.mark.slow
@@ -382,7 +380,7 @@ def test_http_equals_strata_launch_and_the_scheduler_alone(smol, solo):
                                      messages=[{"role": "user", "content": CHAT_PROMPT}])
     greedy = c.completions.create(model="smollm2-135m", prompt=COMPLETION_PROMPT,
                                   max_tokens=N_TOKENS)
-    chat_alone, greedy_alone = solo["alone"][N_CLIENTS:]
+    chat_alone, greedy_alone = solo["chat"], solo["greedy"]
     assert chat.choices[0].message.content == solo["chat_cli"] == chat_alone.seq.final_text()
     assert chat.usage.completion_tokens == len(chat_alone.seq.generated)
     assert chat.model_extra["seed"] == 1234
@@ -398,7 +396,7 @@ def test_8_concurrent_streams_each_get_their_solo_tokens(smol, solo):
     start = threading.Barrier(N_CLIENTS)
 
     def one(i: int) -> str:
-        p = harness.request_params(i, i % 2 == 1, N_TOKENS)
+        p = smollm2_params(i)
         extra = {"top_k": p.top_k} if p.temperature else {}
         start.wait()
         chunks = c.completions.create(model="smollm2-135m", prompt=texts[i], stream=True,
@@ -408,7 +406,7 @@ def test_8_concurrent_streams_each_get_their_solo_tokens(smol, solo):
 
     with ThreadPoolExecutor(N_CLIENTS) as pool:
         got = list(pool.map(one, range(N_CLIENTS)))
-    for i, (text, alone) in enumerate(zip(got, solo["alone"][:N_CLIENTS])):
+    for i, (text, alone) in enumerate(zip(got, solo["clients"])):
         assert text == alone.seq.final_text(), f"client {i}"
     smol.wait_idle()
 

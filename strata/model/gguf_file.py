@@ -57,6 +57,16 @@ class ModelConfig:
                              f"{self.head_dim}")
 
 
+class Reader(GGUFReader):
+    """gguf-py's reader, parsing the metadata through a plain-array view of its memory map (the
+    same pages): slicing an np.memmap runs memmap's Python hooks for each of the ~250k slices
+    a vocabulary of 49k tokens and its merges are parsed into, 3 s of SmolLM2's 3.5 s open."""
+
+    def _build_fields(self, *args, **kwargs):  # GGUFReader.__init__ parses the fields here
+        self.data = self.data.view(np.ndarray)
+        return super()._build_fields(*args, **kwargs)
+
+
 def _field(reader: GGUFReader, key: str, default=None):
     field = reader.fields.get(key)
     if field is None:
@@ -73,7 +83,7 @@ class ModelFile:
             raise ModelError(f"model file {self.path} does not exist; pass --model with the path "
                              f"of a .gguf file, or smollm2-135m for the embedded model")
         try:
-            self.reader = GGUFReader(self.path, "c")  # copy-on-write: tensors are writable
+            self.reader = Reader(self.path, "c")  # copy-on-write: tensors are writable
         except Exception as e:  # gguf-py raises ValueError, struct errors, IndexError...
             raise ModelError(f"model file {self.path} is not a readable GGUF file "
                              f"({type(e).__name__}: {e}); check the path or download it again") from e

@@ -80,6 +80,13 @@ def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_si
         click.echo(f"strata-worker: stage {stage}: {text}", err=True)
         sys.exit(2)
     worker.serve()
+    # serve() closed the sockets, the link and the trace: the process has nothing left to do.
+    # Python's own teardown of torch's modules would still take ~1 s of a core, which every
+    # launch's shutdown waits for; flush what is buffered and end the process now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
