@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from strata.model.gguf_file import ModelError, ModelFile
 from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
-from strata.model.nextn import SHIPPED_HEADS, find_head, open_head
+from strata.model.nextn import SHIPPED_HEADS, find_head, open_head, shipped_head
 from strata.stage_worker.drafter import Drafter
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from strata.train import cli
@@ -171,3 +171,14 @@ def test_smollm2_comes_with_its_head(smollm2):
     source = find_head(file)
     assert source is not None and source.sidecar and source.path.parent == SHIPPED_HEADS
     open_head(source, file)
+
+
+def test_without_drafts_the_last_stage_gets_no_head(smollm2):
+    """The shipped head is the launch's to hand over, and only when it drafts: without
+    --draft-tokens no sidecar goes to the last stage, and a stage does not find the shipped
+    head by itself (it would run a drafter after every window for nothing)."""
+    from strata.launch.options import choose_drafter
+    file = ModelFile(smollm2)
+    assert choose_drafter(file, 0, None, None)[1] is None
+    assert find_head(file, None, shipped=False) is None
+    assert choose_drafter(file, 2, None, None) == ("mtp", shipped_head(file).path)

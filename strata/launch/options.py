@@ -193,8 +193,9 @@ def choose_drafter(file: ModelFile, draft_tokens: int, drafter: str | None,
     """(--drafter resolved, the sidecar the last stage loads for it or None). Without
     --drafter, --draft-tokens drafts with mtp where the model has a NextN head (its own or
     --mtp-head), else with lookup, and says which on stderr. A sidecar made for another model
-    is refused (find_head's sentence)."""
-    head = find_head(file, mtp_head)
+    is refused (find_head's sentence). A head shipped for the model counts only when drafting,
+    and the last stage gets a sidecar only then: without drafts it runs no drafter."""
+    head = find_head(file, mtp_head, shipped=bool(draft_tokens))
     if drafter is not None and not draft_tokens:
         raise PlanError(f"--drafter {drafter} drafts nothing with --draft-tokens 0; add "
                         f"--draft-tokens K (1 to {MAX_DRAFT_TOKENS}) or leave --drafter out")
@@ -209,7 +210,8 @@ def choose_drafter(file: ModelFile, draft_tokens: int, drafter: str | None,
                 + (f"mtp (the NextN head in {head.describe()})" if head is not None else
                    "lookup (prompt lookup: the model has no NextN head; --mtp-head PATH "
                    "gives one)"))
-    sidecar = head.path if drafter == "mtp" and head is not None and head.sidecar else None
+    sidecar = (head.path if draft_tokens and drafter == "mtp" and head is not None
+               and head.sidecar else None)
     return drafter, sidecar
 
 

@@ -64,13 +64,16 @@ def shipped_head(file: ModelFile) -> HeadSource | None:
     return None
 
 
-def find_head(file: ModelFile, sidecar: str | os.PathLike | None = None) -> HeadSource | None:
+def find_head(file: ModelFile, sidecar: str | os.PathLike | None = None,
+              shipped: bool = True) -> HeadSource | None:
     """The model's NextN head: the sidecar when given (checked against the model), else the
-    model file's own NextN layer, else a head shipped for it (shipped_head), else None."""
+    model file's own NextN layer, else (with `shipped`) a head shipped for it (shipped_head),
+    else None. A stage passes shipped=False: the launch hands it a shipped head as its
+    --mtp-head, and only when it drafts with it."""
     cfg = file.config
     if sidecar is None:
         if nextn_layers(file.reader, cfg.arch) < 1:
-            return shipped_head(file)
+            return shipped_head(file) if shipped else None
         return HeadSource(file.path, cfg.n_layers, sidecar=False)
     path = Path(sidecar)
     if not path.is_file():

@@ -65,7 +65,7 @@ class StageWorker:
                              self.model.device, self.model.dtype)
         self.runner = WindowRunner(self.model, self.cache, cfg.graph_cache)
         # the last stage drafts with a NextN head: a sidecar, or the model file's own layer
-        source = find_head(file, cfg.mtp_head) if self.model.last else None
+        source = find_head(file, cfg.mtp_head, shipped=False) if self.model.last else None
         self.drafter = (Drafter(source, file, self.model, cfg.slots, cfg.ctx,
                                 graphs=self.runner.capacity > 0)
                         if source is not None else None)
