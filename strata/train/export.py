@@ -15,8 +15,7 @@ from gguf.quants import quantize
 
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import ModelShape, add_llama_config
-from strata.model.nextn import TARGET_FINGERPRINT, embedding_fingerprint
-from strata.train.head import NEXTN
+from strata.model.nextn import NEXTN_TENSORS, TARGET_FINGERPRINT, embedding_fingerprint
 
 WEIGHT_TYPES = ("F16", "Q8_0", "F32")
 
@@ -41,7 +40,7 @@ def write_head(path: str | os.PathLike, tensors: dict[str, torch.Tensor], file: 
     add_llama_config(writer, shape_of(file), nextn=True)
     writer.add_string(TARGET_FINGERPRINT, embedding_fingerprint(file))
     for short, t in tensors.items():
-        full = (f"blk.{block}.nextn.{short}.weight" if short in NEXTN
+        full = (f"blk.{block}.nextn.{short}.weight" if short in NEXTN_TENSORS
                 else f"blk.{block}.{short}.weight")
         data = t.float().numpy()
         if data.ndim == 1 or weight_type == "F32":

@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.norms import rms_norm
+from strata.model.nextn import NEXTN_TENSORS
 from strata.train.torch_llama import Target, block_forward, chain_mask
-
-NEXTN = ("eh_proj", "enorm", "hnorm", "shared_head_norm")
 
 
 class NextNHead(torch.nn.Module):

@@ -10,13 +10,13 @@ import torch
 
 from strata.coordinator.sampling import SamplingParams
 from strata.launch.options import open_model, parse_devices_for, prepare
-from strata.model.nextn import find_head, open_head
+from strata.model.nextn import BLOCK_TENSORS, NEXTN_TENSORS, find_head, open_head
 from strata.model.tokenizer import Tokenizer
 from strata.train import data as train_data
 from strata.train.export import write_head
 from strata.train.fit import FitConfig, acceptance, fit
-from strata.train.head import NEXTN, NextNHead
-from strata.train.torch_llama import BLOCK_TENSORS, Target
+from strata.train.head import NextNHead
+from strata.train.torch_llama import Target
 
 
 @dataclass
@@ -76,7 +76,7 @@ class Job:
         source = find_head(self.file, path)
         f = open_head(source, self.file)
         b = source.block
-        init = {n: f.tensor(f"blk.{b}.nextn.{n}.weight") for n in NEXTN}
+        init = {n: f.tensor(f"blk.{b}.nextn.{n}.weight") for n in NEXTN_TENSORS}
         init.update({n: f.tensor(f"blk.{b}.{n}.weight") for n in BLOCK_TENSORS})
         return NextNHead(self.target, init)
 

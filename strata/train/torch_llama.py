@@ -14,9 +14,7 @@ import torch.nn.functional as F
 from strata.kernels.norms import rms_norm
 from strata.kernels.rope import apply_rope, rope_table
 from strata.model.gguf_file import ModelConfig, ModelFile
-
-BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
-                 "ffn_gate", "ffn_up", "ffn_down")
+from strata.model.nextn import BLOCK_TENSORS
 
 
 def load_block(file: ModelFile, index: int, dtype, device) -> dict[str, torch.Tensor]:
