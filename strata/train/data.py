@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,6 +81,23 @@ def generate(prep, tok, prompts: list[tuple[list[int], Prompt]], passes: list[Sa
     return out
 
 
+def batches(samples: list[Sample], batch_tokens: int, rng: random.Random | None):
+    """Index lists of samples of similar length, each padded batch under batch_tokens."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))
+    out, cur = [], []
+    for i in order:
+        longest = max([len(samples[j].tokens) for j in cur] + [len(samples[i].tokens)])
+        if cur and longest * (len(cur) + 1) > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    if rng is not None:
+        rng.shuffle(out)
+    return out
+
+
 def save_samples(path: str | Path, samples: list[Sample]) -> None:
     """JSON lines, one sample each (written aside, then moved into place)."""
     tmp = Path(str(path) + ".partial")
@@ -98,7 +116,6 @@ def load_samples(path: str | Path) -> list[Sample]:
 def teacher_states(target: Target, samples: list[Sample], batch_tokens: int = 32768,
                    progress=None) -> TeacherStates:
     """The target's final hidden states of every sample, in batches of similar length."""
-    from strata.train.fit import batches
     device = target.embed.device
     hidden: list[torch.Tensor | None] = [None] * len(samples)
     plan = batches(samples, batch_tokens, None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.train.data import Sample, TeacherStates
+from strata.train.data import Sample, TeacherStates, batches
 from strata.train.head import NextNHead
 
 
@@ -27,23 +27,6 @@ class FitConfig:
     pass_weight: float = 0.5       # pass k's loss weighs pass_weight ** (k - 1)
     soft_weight: float = 0.5       # KL to the target's distribution, beside the greedy label
     seed: int = 0
-
-
-def batches(samples: list[Sample], batch_tokens: int, rng: random.Random | None):
-    """Index lists of samples of similar length, each padded batch under batch_tokens."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))
-    out, cur = [], []
-    for i in order:
-        longest = max([len(samples[j].tokens) for j in cur] + [len(samples[i].tokens)])
-        if cur and longest * (len(cur) + 1) > batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    if rng is not None:
-        rng.shuffle(out)
-    return out
 
 
 def padded(samples: list[Sample], states: TeacherStates, index: list[int], device):
