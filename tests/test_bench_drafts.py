@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from test_mtp import markov_target, repeating_head
 
 from strata.bench.cli import main
-from strata.bench.draftbench import read_prompts
+from strata.bench.harness import read_prompts
 from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer
 

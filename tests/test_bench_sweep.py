@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from strata.bench.cli import main
-from strata.bench.harness import decode_phase, prompt_ids, prompt_set
+from strata.bench.harness import Workload, decode_phase, prompt_ids, prompt_set
 from strata.bench.sweep import parse_clients, parse_modes
 from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer
@@ -193,3 +193,44 @@ def test_sweep_refuses_a_file_that_is_no_peer_report(tiny_model, tmp_path):
                 "--prompt-tokens", "8")
     assert out.exit_code == 2, (out.output, out.exception)
     assert "is not a report of strata-bench peer --engine llama.cpp --json-out" in out.stderr
+
+
+def test_workload_pool_turns_and_seeds(tiny_model):
+    tok = Tokenizer.from_gguf(ModelFile(tiny_model).reader)
+    pool = ((1, 2), (3,), (4, 5, 6))
+    work = Workload(pool=pool, temperature=0.7)
+    # each repetition reads the next prompts of the pool, around its end
+    assert work.prompts(tok, 2, offset=0) == [(0, [1, 2]), (1, [3])]
+    assert work.prompts(tok, 2, offset=2) == [(2, [4, 5, 6]), (0, [1, 2])]
+    p = work.params(2, 9)
+    assert (p.temperature, p.seed, p.max_tokens) == (0.7, 1002, 9)
+    assert Workload(pool=pool).params(2, 9).temperature == 0   # greedy
+    plain = Workload().prompts(tok, 3)
+    assert [p for _, p in plain] == [tok.encode(t) for t in prompt_set(3)]
+
+
+def test_sweep_reads_a_prompts_file_with_a_temperature(tiny_model, no_stage_left, shared_stages,
+                                                       tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about rivers, part {i}.",
+                                           "split": "heldout" if i % 2 else "train"}) + "\n"
+                               for i in range(8)))
+    out = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
+                "--ctx-size", "256", "--clients", "1,2", "--tokens", "4", "--repeats", "2",
+                "--modes", "serial,pipelined", "--prompts", str(prompts), "--temperature", "0.7",
+                "--json-out", str(tmp_path / "s.json"))
+    assert out.exit_code == 0, (out.output, out.exception)
+    assert "4 heldout prompts of" in out.stdout and "temperature 0.7" in out.stdout
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["conditions"]["temperature"] == 0.7
+    assert report["conditions"]["prompts"].startswith("heldout prompts of")
+    assert {(r["mode"], r["clients"]) for r in report["results"]} == {
+        (m, c) for m in ("serial", "pipelined") for c in (1, 2)}
+
+
+def test_sweep_refuses_two_sources_of_prompts(tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi", "split": "heldout"}) + "\n")
+    out = bench("sweep", "--model", str(tiny_model), "--prompts", str(prompts),
+                "--prompt-tokens", "8")
+    assert out.exit_code != 0 and "give one" in out.output and "Traceback" not in out.output

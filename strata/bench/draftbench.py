@@ -18,38 +18,9 @@ from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
 from strata.bench import harness
-from strata.bench.harness import machine
+from strata.bench.harness import SPLITS, chat_prompts, machine, read_prompts
 from strata.launch.options import clean_errors, launch_options, prepare, say
 from strata.model.tokenizer import Tokenizer
-from strata.train import prompts as train_prompts
-
-SPLITS = ("heldout", "train", "all")
-
-
-def read_prompts(path: str, split: str) -> list[str]:
-    """The prompts of a JSONL file whose lines are {"prompt": TEXT, "split": "train" |
-    "heldout"} (strata-train-mtp --write-prompts writes it; strata.train.prompts reads it):
-    those of `split`, or every one for "all". A missing file, a malformed line or no prompt
-    of the split is a ValueError with a sentence."""
-    prompts = [p.text for p in train_prompts.read_prompts(path) if split in ("all", p.split)]
-    if not prompts:
-        which = "no prompt" if split == "all" else f'no line of split "{split}"'
-        raise ValueError(f"--prompts {path} has {which}; "
-                         + ("use --split all to take every line" if split != "all" else
-                            "give a file with at least one prompt"))
-    return prompts
-
-
-def chat_prompts(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
-    """Each text as one user message through the model's chat template (as strata-launch
-    --chat), or as it is when the model has none (said on stderr)."""
-    try:
-        return [tok.encode(tok.render_chat([{"role": "user", "content": t}])) for t in texts]
-    except ValueError:   # the model has no chat template
-        say("strata-bench drafts: the model has no chat template; the prompts are read as "
-            "plain text")
-        return [tok.encode(t) for t in texts]
-
 
 def run_arm(run, cfg: SchedulerConfig, tok: Tokenizer, prompts: list[list[int]],
             params: list[SamplingParams], stop_ids: frozenset[int], clients: int) -> dict:

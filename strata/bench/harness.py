@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
+from strata.launch.options import say
 from strata.launch.session import Launched
+from strata.model.tokenizer import Tokenizer
+from strata.train import prompts as train_prompts
 
 # A mix of lengths and kinds; the long one spans several prompt chunks.
 PROMPTS = [
@@ -29,6 +32,33 @@ PROMPTS = [
     "SELECT name, COUNT(*) FROM orders",
     "Dear team, thank you for",
 ]
+
+
+SPLITS = ("heldout", "train", "all")
+
+
+def read_prompts(path: str, split: str) -> list[str]:
+    """The prompts of a JSONL file whose lines are {"prompt": TEXT, "split": "train" |
+    "heldout"} (strata-train-mtp --write-prompts writes it; strata.train.prompts reads it):
+    those of `split`, or every one for "all". A missing file, a malformed line or no prompt
+    of the split is a ValueError with a sentence."""
+    prompts = [p.text for p in train_prompts.read_prompts(path) if split in ("all", p.split)]
+    if not prompts:
+        which = "no prompt" if split == "all" else f'no line of split "{split}"'
+        raise ValueError(f"--prompts {path} has {which}; "
+                         + ("use --split all to take every line" if split != "all" else
+                            "give a file with at least one prompt"))
+    return prompts
+
+
+def chat_prompts(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text as one user message through the model's chat template (as strata-launch
+    --chat), or as it is when the model has none (said on stderr)."""
+    try:
+        return [tok.encode(tok.render_chat([{"role": "user", "content": t}])) for t in texts]
+    except ValueError:   # the model has no chat template
+        say("strata-bench: the model has no chat template; the prompts are read as plain text")
+        return [tok.encode(t) for t in texts]
 
 
 def machine() -> str:
@@ -132,19 +162,47 @@ class Throughput:
         return (self.prompt_tokens + self.tokens) / self.seconds
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What the concurrent clients of a throughput run send: the harness's texts, or with
+    prompt_tokens each of exactly that many tokens (prompt_ids), or prompts of a pool (token
+    lists: e.g. a prompts file's held-out prompts through the chat template), taken in turn
+    from an offset so that repeated runs read different prompts. Greedy, or with a temperature,
+    each request seeded by its prompt's place in the pool. Every request decodes exactly
+    max_tokens tokens: stop tokens do not end it, so that every arm makes the same tokens."""
+    prompt_tokens: int | None = None
+    pool: tuple[tuple[int, ...], ...] = ()
+    temperature: float = 0.0
+
+    def prompts(self, tok, clients: int, offset: int = 0) -> list[tuple[int, list[int]]]:
+        """(seed index, prompt) of each of `clients` requests."""
+        if self.pool:
+            picks = [(offset + i) % len(self.pool) for i in range(clients)]
+            return [(i, list(self.pool[i])) for i in picks]
+        if self.prompt_tokens:
+            return list(enumerate(prompt_ids(tok, clients, self.prompt_tokens)))
+        return [(i, tok.encode(text)) for i, text in enumerate(prompt_set(clients))]
+
+    def params(self, index: int, max_tokens: int) -> SamplingParams:
+        if self.temperature <= 0:
+            return SamplingParams(max_tokens=max_tokens)
+        return SamplingParams(temperature=self.temperature, seed=1000 + index,
+                              max_tokens=max_tokens)
+
+
 def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,
-                       max_tokens: int, prompt_tokens: int | None = None) -> Throughput:
+                       max_tokens: int, work: Workload = Workload(),
+                       offset: int = 0) -> Throughput:
     """`clients` requests arrive at once; each decodes exactly max_tokens tokens (no EOS).
-    Prompts: the harness's texts, or with prompt_tokens, prompt_ids of that length."""
+    Prompts and sampling: `work`, its pool read from `offset`."""
     pipe = CountingPipe(run.pipe)
     sched = Scheduler(pipe, cfg, frozenset(), tok.decode)
-    prompts = (prompt_ids(tok, clients, prompt_tokens) if prompt_tokens
-               else [tok.encode(text) for text in prompt_set(clients)])
+    prompts = work.prompts(tok, clients, offset)
     start = time.perf_counter()
     stamps: list[list[float]] = [[] for _ in prompts]  # each request's token arrival times
-    reqs = [sched.submit(p, SamplingParams(max_tokens=max_tokens),
+    reqs = [sched.submit(p, work.params(index, max_tokens),
                          on_token=lambda t, i=i: stamps[i].append(time.perf_counter()))
-            for i, p in enumerate(prompts)]
+            for i, (index, p) in enumerate(prompts)]
     sched.run()
     seconds = time.perf_counter() - start
     assert all(stamps), "every request samples at least one token"
@@ -152,7 +210,7 @@ def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,
     per_request = [(len(s) - 1) / (s[-1] - s[0]) for s in stamps if len(s) > 1 and s[-1] > s[0]]
     decode_tokens, decode_seconds = decode_phase(stamps)
     return Throughput(clients, tokens, seconds, [s[0] - start for s in stamps], per_request,
-                      reqs, prompt_tokens=sum(len(p) for p in prompts),
+                      reqs, prompt_tokens=sum(len(p) for _, p in prompts),
                       decode_tokens=decode_tokens, decode_seconds=decode_seconds,
                       decode_windows=pipe.decode_windows)
 

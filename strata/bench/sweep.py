@@ -32,7 +32,7 @@ from click.core import ParameterSource
 
 from strata.coordinator.scheduler import SchedulerConfig, auto_groups
 from strata.bench import harness, tracereport
-from strata.bench.harness import machine
+from strata.bench.harness import SPLITS, Workload, chat_prompts, machine, read_prompts
 from strata.launch.options import (Prepared, clean_errors, launch_options, open_model,
                                    parse_devices_for, prepare)
 from strata.model.tokenizer import Tokenizer
@@ -133,10 +133,10 @@ def check_head(launch: dict, drafted: list[str]) -> None:
 
 
 def measure(run, cfg: SchedulerConfig, tok, mode: str, clients: int, tokens: int,
-            prompt_tokens: int | None = None) -> dict:
+            work: Workload = Workload(), offset: int = 0) -> dict:
     """One row: `clients` requests at once, `tokens` each, through this launch and config;
-    prompts of prompt_tokens tokens, or the harness's texts."""
-    r = harness.measure_throughput(run, cfg, tok, clients, tokens, prompt_tokens)
+    prompts and sampling from `work` (its pool read from `offset`)."""
+    r = harness.measure_throughput(run, cfg, tok, clients, tokens, work, offset)
     return {"mode": mode, "clients": clients, "stages": len(run.plan), "groups": cfg.groups,
             "total_tok_s": r.total_tok_s, "per_request_tok_s": mean(r.per_request),
             "ttft_median_s": median(r.ttft), "prompt_tokens_read": r.prompt_tokens,
@@ -193,10 +193,11 @@ def load_peer(path: str, prompt_tokens: int | None, tokens: int) -> dict:
 
 
 def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo,
-              trace_dir: Path | None = None, prompt_tokens: int | None = None,
+              trace_dir: Path | None = None, work: Workload = Workload(),
               peer: dict | None = None, repeats: int = 1) -> list[dict]:
     """Launch each layout once; for each client count, run its modes one after the other,
-    `repeats` times over; a row has the medians (median_row).
+    `repeats` times over; a row has the medians (median_row). With a pool of prompts, each
+    repetition reads the next `clients` of them, the same for every mode.
     With trace_dir, each launch's processes write their timelines under it, and each row gets
     the decode windows' breakdown (tracereport.summarize) once its launch has stopped. With
     peer (load_peer), each row carries llama.cpp's decode rate at its client count."""
@@ -211,15 +212,15 @@ def run_sweep(layouts: list[Layout], clients: list[int], tokens: int, echo,
             # mode at every client count
             for cfg in layout.modes.values():
                 for n in clients:
-                    harness.measure_throughput(run, cfg, tok, n, min(tokens, 16))
+                    harness.measure_throughput(run, cfg, tok, n, min(tokens, 16), work)
             for n in clients:
                 runs: dict[str, list[dict]] = {mode: [] for mode in layout.modes}
                 ids: dict[str, set[int]] = {mode: set() for mode in layout.modes}
-                for _ in range(repeats):
+                for r in range(repeats):
                     for mode, cfg in layout.modes.items():
                         first = run.pipe.next_window_id + 1
-                        runs[mode].append(measure(run, cfg, tok, mode, n, tokens,
-                                                  prompt_tokens))
+                        runs[mode].append(measure(run, cfg, tok, mode, n, tokens, work,
+                                                  offset=r * n))
                         ids[mode] |= set(range(first, run.pipe.next_window_id + 1))
                 for mode in layout.modes:
                     rows.append(median_row(runs[mode]))
@@ -295,6 +296,16 @@ def plot(path: str, rows: list[dict], title: str, peer: dict | None = None) -> N
 @click.option("--prompt-tokens", type=int, default=None,
               help="Every client's prompt has exactly this many tokens (llama-batched-bench's "
                    "-npp) [default: the harness's texts, of mixed lengths].")
+@click.option("--prompts", "prompts_file", type=str, default=None,
+              help='A JSONL file of {"prompt": ..., "split": "train"|"heldout"} lines '
+                   "(strata-train-mtp --write-prompts): the clients send its --split prompts "
+                   "through the chat template, each repetition the next ones [default: the "
+                   "harness's texts]. Requests still decode exactly --tokens tokens.")
+@click.option("--split", type=click.Choice(SPLITS), default="heldout", show_default=True,
+              help="Which lines of --prompts to take (all: every line).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0 = greedy; above 0, every request samples at this temperature, seeded "
+                   "by its prompt's place.")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG: decode, prompt + generated and generated tok/s against "
@@ -307,8 +318,8 @@ def plot(path: str, rows: list[dict], title: str, peer: dict | None = None) -> N
               help="Trace every process (strata/trace.py) into this folder and print, per "
                    "row, each stage's GPU and overhead ms per decode window and GPU busy share.")
 @clean_errors("strata-bench sweep")
-def sweep(clients, modes, repeats, tokens, prompt_tokens, json_out, plot_path, peer_json,
-          trace_dir, **launch):
+def sweep(clients, modes, repeats, tokens, prompt_tokens, prompts_file, split, temperature,
+          json_out, plot_path, peer_json, trace_dir, **launch):
     """Tok/s against concurrent clients for 1gpu, serial and pipelined (and with MTP drafts,
     serial-mtp and pipelined-mtp) side by side, medians of --repeats runs: generated tokens
     over the run, and llama.cpp's two rates (decode; prompt and generated tokens), with
@@ -327,6 +338,11 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, json_out, plot_path, p
         raise ValueError(f"--prompt-tokens {prompt_tokens} and --tokens {tokens} need "
                          f"{prompt_tokens + tokens} positions a request, past --ctx-size "
                          f"{launch['ctx_size']}; raise --ctx-size or shorten them")
+    if prompts_file and prompt_tokens is not None:
+        raise ValueError("--prompts and --prompt-tokens both choose the prompts; give one")
+    if temperature < 0:
+        raise ValueError(f"--temperature {temperature} is below 0; use 0 (greedy) or more")
+    texts = read_prompts(prompts_file, split) if prompts_file else None
     peer = load_peer(peer_json, prompt_tokens, tokens) if peer_json else None
     if plot_path:
         check_plot_backend()
@@ -336,6 +352,16 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, json_out, plot_path, p
               is ParameterSource.DEFAULT else launch["batch_groups"])
     layouts = plan_layouts(launch, chosen, launch["batch"], groups)
     model = layouts[0].prep.file.path.name
+    pool = ()
+    if texts:
+        tok = Tokenizer.from_gguf(layouts[0].prep.file.reader)
+        pool = tuple(tuple(p) for p in chat_prompts(tok, texts))
+        longest = max(len(p) for p in pool) + tokens
+        if longest > launch["ctx_size"]:
+            raise ValueError(f"the longest prompt of --prompts {prompts_file} and --tokens "
+                             f"{tokens} need {longest} positions, past --ctx-size "
+                             f"{launch['ctx_size']}; raise --ctx-size or lower --tokens")
+    work = Workload(prompt_tokens, pool, temperature)
     devices = "; ".join(f"{'/'.join(lay.modes)} on {lay.devices}" for lay in layouts)
     # the most rows a decode window takes, per layout (auto: a group's slots, up to 64)
     window_rows = {"/".join(lay.modes): lay.prep.sched.window_rows for lay in layouts}
@@ -345,12 +371,17 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, json_out, plot_path, p
                   "ctx_size": launch["ctx_size"], "layer_split": launch["layer_split"],
                   "devices": devices, "clients": counts, "modes": chosen,
                   "prompt_tokens": prompt_tokens, "repeats": repeats,
+                  "prompts": f"{split} prompts of {prompts_file}" if texts else None,
+                  "temperature": temperature,
                   "draft_tokens": {"/".join(m for m in lay.modes if m in DRAFTED):
                                    lay.prep.sched.draft_tokens
                                    for lay in layouts if set(lay.modes) & set(DRAFTED)}}
-    prompts = f"{prompt_tokens}-token prompts" if prompt_tokens else "the harness's prompts"
+    prompts = (f"{len(pool)} {split} prompts of {prompts_file}" if pool else
+               f"{prompt_tokens}-token prompts" if prompt_tokens else "the harness's prompts")
+    sampling = "greedy" if temperature <= 0 else f"temperature {temperature}"
     drafts = conditions["draft_tokens"]
-    click.echo(f"# {model}, {prompts}, {tokens} tokens per client, batch {launch['batch']}, "
+    click.echo(f"# {model}, {prompts}, {tokens} tokens per client, {sampling}, "
+               f"batch {launch['batch']}, "
                f"window rows up to {_named(window_rows)}"
                + (f", MTP drafts per slot {_named(drafts)}" if drafts else "")
                + f", medians of {repeats}; {devices}; {machine()}")
@@ -358,8 +389,7 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, json_out, plot_path, p
         click.echo(f"# llama.cpp: {peer_json}, {peer['conditions'].get('model')} on "
                    f"{peer['conditions'].get('devices')}; {peer['machine']}")
     click.echo(COLUMNS + (PEER_COLUMN if peer is not None else ""))
-    rows = run_sweep(layouts, counts, tokens, click.echo, trace_dir, prompt_tokens, peer,
-                     repeats)
+    rows = run_sweep(layouts, counts, tokens, click.echo, trace_dir, work, peer, repeats)
     if json_out:
         report = {"machine": machine(), "conditions": conditions, "results": rows}
         if peer is not None:
@@ -368,8 +398,8 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, json_out, plot_path, p
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
     if plot_path:
-        plot(plot_path, rows, f"{model}, {prompts}, {tokens} tokens a client: tok/s vs "
-                              f"concurrent clients\n{devices}", peer)
+        plot(plot_path, rows, f"{model}, {prompts}, {tokens} tokens a client, {sampling}: "
+                              f"tok/s vs concurrent clients\n{devices}", peer)
 
 
 def _named(values: dict) -> str:
