@@ -234,3 +234,19 @@ def test_sweep_refuses_two_sources_of_prompts(tiny_model, tmp_path):
     out = bench("sweep", "--model", str(tiny_model), "--prompts", str(prompts),
                 "--prompt-tokens", "8")
     assert out.exit_code != 0 and "give one" in out.output and "Traceback" not in out.output
+
+
+def test_serial_windows_hold_every_slot(tiny_model):
+    """With --window-rows auto, the serial mode's windows take all the slots (one window of
+    16 rows for 16 clients), a pipelined group's its share (8 rows each for 2 groups)."""
+    from strata.bench.sweep import plan_layouts, sweep
+    ctx = sweep.make_context("sweep", ["--model", str(tiny_model), "--layer-split", "2",
+                                       "--devices", "cpu", "--ctx-size", "256"])
+    own = {"clients", "modes", "repeats", "tokens", "prompt_tokens", "prompts_file", "split",
+           "temperature", "json_out", "plot_path", "peer_json", "trace_dir"}
+    launch = {k: v for k, v in ctx.params.items() if k not in own}
+    (layout,) = plan_layouts(launch, ["serial", "pipelined"], 16)
+    assert {m: (c.groups, c.window_rows) for m, c in layout.modes.items()} == {
+        "serial": (1, 16), "pipelined": (2, 8)}
+    (layout,) = plan_layouts({**launch, "window_rows": "8"}, ["serial", "pipelined"], 16)
+    assert {c.window_rows for c in layout.modes.values()} == {8}

@@ -107,7 +107,10 @@ def plan_layouts(launch: dict, modes: list[str], batch: int,
         piped = split.sched
         if piped.groups < 2:  # --batch-groups 1 would make it serial: one group per stage
             piped = replace(piped, groups=auto_groups(batch, len(split.plan)))
-        serial = replace(piped, groups=1)
+        # serial windows hold every slot when --window-rows is auto (a pipelined group's
+        # hold its share)
+        serial = replace(piped, groups=1, window_rows=(
+            None if str(launch["window_rows"]) == "auto" else piped.window_rows))
         cfgs = {"serial": replace(serial, draft_tokens=0),
                 "pipelined": replace(piped, draft_tokens=0),
                 "serial-mtp": serial, "pipelined-mtp": piped}
@@ -364,7 +367,7 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, prompts_file, split, t
     work = Workload(prompt_tokens, pool, temperature)
     devices = "; ".join(f"{'/'.join(lay.modes)} on {lay.devices}" for lay in layouts)
     # the most rows a decode window takes, per layout (auto: a group's slots, up to 64)
-    window_rows = {"/".join(lay.modes): lay.prep.sched.window_rows for lay in layouts}
+    window_rows = {mode: cfg.window_rows for lay in layouts for mode, cfg in lay.modes.items()}
     conditions = {"model": model, "tokens_per_client": tokens, "batch": launch["batch"],
                   "window_rows": window_rows,
                   "chunk_rows": {"/".join(lay.modes): lay.prep.sched.chunk_rows for lay in layouts},
