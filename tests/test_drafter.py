@@ -190,16 +190,13 @@ def greedy(path: Path, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-@pytest.mark.parametrize("pad", [False, True], ids=["rows", "padded"])
-def test_drafter_matches_a_full_recompute(models, pad):
+def test_drafter_matches_a_full_recompute(models):
     """Prompt chunks, decode windows of two slots with drafts partly accepted, commits of the
     rejected rows, and follow-up turns on slot 1 that resume what it holds: every
     proposal equals the reference's, and the NextN KV of each slot's accepted positions the
-    reference's keys and values. padded: the fused steps at the padded sizes CUDA graphs
-    replay (pad rows, pad asks, a hidden-state buffer of 64 rows), on the CPU."""
+    reference's keys and values."""
     file = ModelFile(models["nextn"])
     ref, run = Reference(file), Run(models["nextn"])
-    run.drafter.pad = pad
     p0, p1 = [5, 77, 120, 33, 250, 8, 91, 64, 200, 17, 3, 140], [40, 41, 300, 12, 99, 7, 61]
     true0, true1 = greedy(models["nextn"], p0, 20), greedy(models["nextn"], p1, 20)
 

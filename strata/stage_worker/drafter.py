@@ -54,7 +54,6 @@ from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.messages import Window
 from strata.stage_worker.graphs import Captured
-from strata.stage_worker.steps import StepShape
 from strata.stage_worker.model import KVCache, Layer, RowTensors, StageModel, WindowMeta
 
 GRAPH_ROWS = (8, 16, 32, MAX_DECODE_ROWS)   # the row counts the drafter's steps are captured at
@@ -106,12 +105,7 @@ class Drafter:
         self.block = Layer(head, source.block, dtype, device, model.policy)
         self.cache = KVCache(1, slots, cfg, ctx, device, dtype)
         self.cos, self.sin = model.cos, model.sin
-        # each slot's, then a row of zeros, then a trash row (the pads of _run_steps write it)
-        self.last_h = torch.zeros(slots + 2, cfg.d_model, dtype=dtype, device=device)
-        # on CUDA the fused steps (_run_steps) run at padded sizes, which graphs replay: the
-        # window's hidden states go into a buffer of MAX_DECODE_ROWS rows (tests pad on the CPU)
-        self.pad = device.type == "cuda"
-        self.hidden = torch.zeros(MAX_DECODE_ROWS, cfg.d_model, dtype=dtype, device=device)
+        self.last_h = torch.zeros(slots + 1, cfg.d_model, dtype=dtype, device=device)  # + zeros
         self.last_pos = [-1] * slots     # the position whose hidden state last_h[s] holds
         self.ready: list[tuple[int, int] | None] = [None] * slots  # (p, token) of a row written
         # on CUDA with graphs: the block's rows and the head, captured per row count
@@ -128,11 +122,6 @@ class Drafter:
         plan = self._plan(w, dict(zip(w.sample_rows, tokens)))
         if not plan.slots:
             return []
-        asks = self._asks(w, plan)
-        if (len(w.slots) <= MAX_DECODE_ROWS and len(plan.slots) <= MAX_DECODE_ROWS
-                and not any(coupling for *_, coupling in asks)):
-            return self._run_steps(w, plan, hidden, asks)
-        # a long prompt chunk, or coupled proposals: step by step
         source = torch.cat([hidden.to(self.last_h.dtype), self.last_h])
         h = source[torch.tensor(plan.sources, device=self.device)]
         tok = torch.tensor(plan.tokens, device=self.device)
@@ -141,69 +130,7 @@ class Drafter:
         slots = torch.tensor(list(plan.accepted), device=self.device)
         rows = torch.tensor(list(plan.accepted.values()), device=self.device)
         self.last_h[slots] = hidden[rows].to(self.last_h.dtype)
-        return self._propose(w, plan, out, asks)
-
-    def _asks(self, w: Window, plan: _Plan) -> list[tuple[int, int, int, "_Coupling | None"]]:
-        """(slot, k, position of the token its first proposal follows, coupling) of each
-        propose entry the window's rows can serve, k cut at the context's end."""
-        asks = []
-        couplings = _couplings(w)
-        for s, k in w.propose:
-            if s in plan.tops:
-                top = plan.positions[plan.tops[s]]
-                k = min(k, self.ctx - 1 - top)   # a proposal for position top + i < ctx
-                if k >= 1:
-                    asks.append((s, k, top, couplings.get(s)))
-        return asks
-
-    def _run_steps(self, w: Window, plan: _Plan, hidden: torch.Tensor,
-                   asks: list[tuple]) -> list[list[int]]:
-        """run() for a window of at most MAX_DECODE_ROWS rows and argmax proposals: the rows
-        and every chained step in one function (steps.py), on CUDA one graph replay per
-        shape with one copy of its inputs in and one of the proposals out."""
-        k = max((ask[1] for ask in asks), default=0)
-        shape = (StepShape(_graph_rows(len(plan.slots)), _graph_rows(max(len(asks), 1)), k,
-                           MAX_DECODE_ROWS) if self.pad else
-                 StepShape(len(plan.slots), len(asks), k, len(w.slots)))
-        ints = torch.from_numpy(shape.inputs(plan, asks, len(w.slots), len(self.last_pos),
-                                             self.cache.trash))
-        if self.pad:   # the buffer the graphs read
-            self.hidden[:hidden.shape[0]].copy_(hidden)
-            hidden = self.hidden
-        else:
-            hidden = hidden.to(self.last_h.dtype)
-        run = lambda x: self._steps(hidden, x, shape)   # noqa: E731
-        if self.graphs is not None:
-            graph = self.graphs.get(("steps", shape))
-            if graph is None:
-                graph = self.graphs[("steps", shape)] = Captured(run, [ints])
-            out, = graph(ints)
-            ints = graph.inputs[0]
-        else:
-            ints = ints.to(self.device)
-            out, = run(ints)
-        # after the rows read the previous last_h (outside the graph, whose capture runs its
-        # function once more: a second run must read the same last_h)
-        slots, rows = shape.accepted(ints)
-        self.last_h[slots] = hidden[rows]
-        drafts = out[:, :len(asks)].T.tolist() if k else []
-        return [[s] + d[:n] for (s, n, _, _), d in zip(asks, drafts)]
-
-    def _steps(self, hidden: torch.Tensor, ints: torch.Tensor,
-               shape: "StepShape") -> tuple[torch.Tensor]:
-        """The NextN rows of a window and shape.k chained argmax steps from its asks' rows:
-        proposals [k, asks] (steps.py lays out `ints`)."""
-        f = shape.fields(ints)
-        source = torch.cat([hidden, self.last_h])
-        x = self._block_rows(f.tokens, source[f.sources], f.packed)[0]
-        x = x[f.tops]
-        proposals = []
-        for i in range(shape.k):
-            _, d = self._head_rows(x)
-            proposals.append(d)
-            if i + 1 < shape.k:
-                x = self._block_rows(d, x, f.steps[i])[0]
-        return (torch.stack(proposals) if proposals else f.tops[:0],)
+        return self._propose(w, plan, out)
 
     def _plan(self, w: Window, sampled: dict[int, int]) -> _Plan:
         """The window's NextN rows (see the module's docstring); updates last_pos and ready."""
@@ -236,10 +163,17 @@ class Drafter:
             plan.accepted[s] = last
         return plan
 
-    def _propose(self, w: Window, plan: _Plan, out: torch.Tensor,
-                 asks: list[tuple]) -> list[list[int]]:
-        """Chained proposals from each ask's row at P_a + 1, batched by step: argmax, or
-        coupled (the module's docstring) where the window sends the slot's draws."""
+    def _propose(self, w: Window, plan: _Plan, out: torch.Tensor) -> list[list[int]]:
+        """Chained proposals from each asked slot's row at P_a + 1, batched by step: argmax,
+        or coupled (the module's docstring) where the window sends the slot's draws."""
+        asks = []   # (slot, k, position of the token its first proposal follows, coupling)
+        couplings = _couplings(w)
+        for s, k in w.propose:
+            if s in plan.tops:
+                top = plan.positions[plan.tops[s]]
+                k = min(k, self.ctx - 1 - top)   # a proposal for position top + i < ctx
+                if k >= 1:
+                    asks.append((s, k, top, couplings.get(s)))
         if not asks:
             return []
         x = out[torch.tensor([plan.tops[s] for s, _, _, _ in asks], device=self.device)]
@@ -318,7 +252,7 @@ class Drafter:
         if self.device.type != "cuda":
             return fn(*inputs)
         n = inputs[0].shape[0]
-        size = _graph_rows(n)
+        size = next(r for r in GRAPH_ROWS if r >= n)
         if size > n:
             inputs = tuple(_pad_rows(x, size - n, self.cache.trash) for x in inputs)
         if self.graphs is None:   # the same shapes, so the same bits, as the replays
@@ -327,11 +261,6 @@ class Drafter:
         if graph is None:
             graph = self.graphs[(name, size)] = Captured(fn, list(inputs))
         return tuple(o[:n] for o in graph(*inputs))
-
-
-def _graph_rows(n: int) -> int:
-    """The smallest of GRAPH_ROWS that holds n rows."""
-    return next(r for r in GRAPH_ROWS if r >= n)
 
 
 def _pad_rows(x: torch.Tensor, pad: int, trash: int) -> torch.Tensor:
