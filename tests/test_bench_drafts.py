@@ -134,8 +134,8 @@ def test_held_out_prompts_with_a_temperature_per_draft_position(tmp_path, no_sta
 
 def test_a_token_difference_between_the_arms_exits_1(tiny_model, shared_stages, monkeypatch,
                                                       tmp_path):
-    """The drafts arm's second run is made to differ from plain in one token: the bench says
-    which arm differs and exits 1."""
+    """The drafts arm's second measured run (its third: one warm-up first) is made to differ
+    from plain in one token: the bench says which arm differs and exits 1."""
     from strata.bench import draftbench
     real, runs = draftbench.run_arm, []
 
@@ -143,7 +143,7 @@ def test_a_token_difference_between_the_arms_exits_1(tiny_model, shared_stages, 
         row = real(run, cfg, *args)
         if cfg.draft_tokens:
             runs.append(cfg)
-            if len(runs) == 2:
+            if len(runs) == 3:
                 row["generated"][0][-1] += 1
         return row
 
@@ -152,5 +152,5 @@ def test_a_token_difference_between_the_arms_exits_1(tiny_model, shared_stages, 
                 "--ctx-size", "256", "--tokens", "8", "--draft-tokens", "3", "--repeats", "2",
                 "--json-out", str(tmp_path / "d.json"))
     assert out.exit_code == 1, (out.output, out.exception)
-    assert "TOKENS DIFFER in drafts" in out.stdout and len(runs) == 2
+    assert "TOKENS DIFFER in drafts" in out.stdout and len(runs) == 3
     assert json.loads((tmp_path / "d.json").read_text())["same"] is False

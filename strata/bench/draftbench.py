@@ -127,7 +127,11 @@ def drafts(draft_tokens, draft_sampling, clients, tokens, prompts_file, split, r
     plain_tokens: list[list[int]] | None = None   # the first plain run's, every run compared
     differ: list[str] = []
     with prep.launch(say=lambda s: None) as run:
-        harness.measure_throughput(run, arms["plain"], tok, 1, 2)  # warm-up (graph captures)
+        # warm-up, not measured: every arm's first windows of each shape (CUDA graph
+        # captures, the drafter's among them) on the first prompts, 16 tokens each
+        warm = [replace(p, max_tokens=min(p.max_tokens, 16)) for p in params[:clients]]
+        for cfg in arms.values():
+            run_arm(run, cfg, tok, prompts[:clients], warm, stop_ids, clients)
         for _ in range(repeats):
             for arm, cfg in arms.items():
                 row = {"arm": arm, **run_arm(run, cfg, tok, prompts, params, stop_ids, clients)}
