@@ -29,7 +29,8 @@ from strata.coordinator.liveness import FLOOR_S, HEARTBEAT_S, MARGIN_S, Liveness
 from strata.protocol import transport, unixsock
 from strata.protocol.messages import Heartbeat
 from strata.protocol.peers import PeerWatch
-from test_launch_errors import alive, assert_no_traceback, children, wait_gone
+from test_launch_errors import (alive, assert_no_traceback, assert_one_sentence, children,
+                                launch, wait_gone)
 
 START_S = 240.0   # a shared 2-core machine: SmolLM2's stages may take a while to load
 TOKENS = 300      # enough to be mid-generation when the stage goes (~50 tok/s on CPU)
@@ -267,6 +268,12 @@ def test_the_default_stage_timeout_follows_the_slowest_window():
 def test_a_stage_timeout_that_is_no_duration_is_refused(value):
     with pytest.raises(ValueError, match="is not a positive number of seconds"):
         Liveness(value)
+
+
+def test_strata_launch_names_the_flag_of_a_bad_stage_timeout(no_stage_left):
+    r = launch(["--stage-timeout", "0", "--prompt", "hi"], None)
+    assert r.returncode == 2, r.stderr
+    assert_one_sentence(r.stderr, "--stage-timeout 0 is not a positive number of seconds")
 
 
 def test_a_stage_that_answers_late_is_busy_and_one_that_never_answers_hangs(stage_socket):
