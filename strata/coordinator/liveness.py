@@ -1,7 +1,7 @@
 """Telling a stage that hangs from one that is busy: heartbeats and a window deadline.
 
 The coordinator asks every stage that said hello a Heartbeat, one at a time: the next goes
-HEARTBEAT_S after the stage answered the last. A stage answers from its main loop when it takes
+once the stage has answered the last, and HEARTBEAT_S after it went. A stage answers from its main loop when it takes
 the heartbeat from its inbox, after the windows queued before it; so a stage busy with a long
 window answers late, and one that is stopped (SIGSTOP, a debugger) or stuck on its device never
 does. Past the stage timeout, a stage that has not answered is taken for hung, and so is a
