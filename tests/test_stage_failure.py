@@ -325,6 +325,28 @@ def test_a_stage_whose_socket_closes_has_gone_at_once(stage_socket):
     assert live.overdue().startswith("stage 1 has gone (its socket closed)")
 
 
+def test_a_stage_answers_a_heartbeat_only_once_its_device_is_past_the_windows(tiny_model):
+    """A CUDA stage keeps a greedy window's answer until its device is done (PendingAnswer):
+    a heartbeat that comes meanwhile waits for the device, so a device that never finishes
+    leaves it unanswered. The order, on a CPU stage given such an answer in hand."""
+    from inprocess import in_process_worker
+    from strata.stage_worker.worker import PendingAnswer
+
+    class Busy:   # a device event not reached yet
+        def query(self) -> bool:
+            return False
+
+    answered = []
+    with in_process_worker(tiny_model, layer_end=4, slots=1, ctx=64) as stage:
+        pending = stage.worker.pending = PendingAnswer(None, 0.0, None, done=Busy())
+        stage.worker._answer = answered.append   # the window's Result (it waits for the device)
+        stage.send(transport.pack(Heartbeat(5)))
+        stage.step()
+        assert answered == [pending]   # before the heartbeat's answer is sent
+        (answer,) = stage.answers(1)
+    assert answer == Heartbeat(5, 0) and stage.worker.pending is None
+
+
 @pytest.mark.parametrize("scheme", ["unix", "ipc"])
 def test_a_push_socket_tells_when_its_peer_has_gone(scheme, tmp_path):
     sockets = transport.Sockets()

@@ -150,7 +150,10 @@ class StageWorker:
             msg, tensors = transport.recv(self.inbox)
         except ProtocolError as e:
             return self._refuse_malformed(e)
-        if isinstance(msg, Heartbeat):   # taken from the inbox: this stage is not stuck
+        if isinstance(msg, Heartbeat):
+            # answered once the device is past the windows before it: a device that never
+            # finishes leaves the heartbeat unanswered, which names this stage
+            self._answer_pending()
             transport.send(self.to_coordinator, Heartbeat(msg.seq, self.cfg.stage))
             return True
         if isinstance(msg, Shutdown):
