@@ -6,7 +6,8 @@ event then the end of the stream), /health says which stage, new requests get a 
 strata-launch exits 1 with the sentence and leaves no process. A stage stopped (SIGSTOP): the
 same, past --stage-timeout. The launcher killed: every stage exits within a few seconds, the
 one started by hand included (its socket to the coordinator closed). Then the parts: the
-default stage timeout, heartbeats of a busy stage, a lost window, and a socket's peer going.
+default stage timeout, heartbeats of a busy stage, a lost window, a heartbeat that waits for
+the device, and a socket's peer going.
 """
 from __future__ import annotations
 
