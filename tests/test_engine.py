@@ -5,7 +5,10 @@ import asyncio
 import subprocess
 import sys
 
-from strata.coordinator.engine import Engine, Finished, Job
+import pytest
+
+from strata.coordinator.engine import IDLE_CHECK_S, Engine, EngineDown, Finished, Job
+from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from test_scheduler import STOP, FakePipeline, params, run_alone
@@ -52,6 +55,41 @@ def test_the_engine_survives_a_window_that_cannot_be_sent():
     assert engine.failure is None
     assert [s.state for s in engine.snapshot.slots] == ["idle", "idle"]
 
+
+
+class HangingPipeline(FakePipeline):
+    """The stages hang once `hung` is set: Pipeline.check says so."""
+    hung = False
+
+    def check(self) -> None:
+        if self.hung:
+            raise PipelineError("stage 1 has not answered for 12.0 s")
+
+
+def test_an_idle_engine_hears_of_a_stage_that_hangs():
+    """With no request running, a hung stage still stops the engine (so /health fails and a
+    new request gets the sentence at once, not after a window of its own)."""
+    import time
+
+    async def main():
+        pipe = HangingPipeline(1, 64)
+        engine = Engine(pipe, SchedulerConfig(slots=1, ctx=64), frozenset(), lambda ids: "")
+        engine.start()
+        try:
+            _, fin = await _finish(engine, "a", [5, 6, 7], SamplingParams(max_tokens=3))
+            assert fin.reason == "length" and engine.alive
+            pipe.hung = True
+            deadline = time.monotonic() + 3 * IDLE_CHECK_S
+            while engine.alive and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return engine
+        finally:
+            engine.stop()
+
+    engine = asyncio.run(main())
+    assert engine.failure == "the stages stopped serving: stage 1 has not answered for 12.0 s"
+    with pytest.raises(EngineDown, match="stage 1 has not answered"):
+        engine.submit(None)
 
 
 def test_the_engine_and_server_import_neither_torch_nor_zmq():

@@ -385,8 +385,9 @@ def _storm_inbox(tiny_model, examples: int) -> None:
             before = dropped.count
             for frames in frames_list:
                 intruder.send_multipart(frames)
-            # the storm is in the inbox's queue before the request's first result comes
-            assert pipe.inbox.poll(5000) and len(pipe.inbox.ready) == len(frames_list)
+            # the storm is in the inbox's queue before the request's first result comes (with
+            # the answer to a heartbeat, at times)
+            assert pipe.inbox.poll(5000) and len(pipe.inbox.ready) >= len(frames_list)
             assert _request(pipe) == alone
             assert dropped.count - before == len(frames_list)
 

@@ -7,8 +7,8 @@ import pytest
 import zmq
 
 from strata.protocol import transport
-from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
-                                      Shutdown, Window, decode, encode)
+from strata.protocol.messages import (PROTOCOL_VERSION, Error, Heartbeat, Hello, ProtocolError,
+                                      Result, Shutdown, Window, decode, encode)
 from strata.protocol.transport import pack, unpack
 
 D = 64  # hidden size of the activations in these tests
@@ -17,7 +17,8 @@ W = 8   # window rows
 
 def _hello(**kw) -> Hello:
     args = dict(version=PROTOCOL_VERSION, stage=1, layer_start=12, layer_end=24, device="cpu",
-                fingerprint="0123456789abcdef", pid=4242, slots=8, ctx=2048)
+                fingerprint="0123456789abcdef", pid=4242, slots=8, ctx=2048,
+                listen="unix:///tmp/strata-x/stage1")
     args.update(kw)
     return Hello(**args)
 
@@ -66,6 +67,8 @@ MESSAGES = {
                      proposals=[[0, 9, 8, 7], [5, 4]]),
     "error": Error(stage=2, window=17, message="window 17: position 9000 is outside the context"),
     "error-no-window": Error(stage=0, window=-1, message="malformed message: ünïcode ✓"),
+    "heartbeat": Heartbeat(seq=12),
+    "heartbeat-answer": Heartbeat(seq=12, stage=2),
     "shutdown": Shutdown(reason="user pressed ctrl-c"),
     "shutdown-default": Shutdown(),
 }

@@ -34,6 +34,9 @@ class FakePipeline:
         self.next_id += 1
         return self.next_id
 
+    def check(self) -> None:   # an idle engine's check of the stages: nothing to check here
+        pass
+
     def submit(self, w) -> None:
         w, _ = unpack(pack(w))  # what a stage would get: the window as the wire carries it
         self.queue.append(w)

@@ -5,7 +5,8 @@ and the stages.
     event loop <--token ids, Finished-- loop.call_soon_threadsafe(job.events.put_nowait, ..)
 
 Only the engine thread touches the Pipeline (ZeroMQ sockets are not thread-safe). Idle, it
-blocks on its command queue; busy, it takes every waiting command between two results, so a
+waits on its command queue, and each IDLE_CHECK_S asks the Pipeline to check the stages (so a
+stage that dies or hangs while no request runs fails /health and the next request); busy, it takes every waiting command between two results, so a
 new request joins at the next window. After each step it publishes a snapshot of the slots
 for /v1/status, so the event loop never reads the scheduler's live state, and only then posts
 the step's Finished events: a client that has its answer finds it in the snapshot. A window that cannot
@@ -31,6 +32,8 @@ from strata.coordinator.scheduler import (DecodeWindow, Request, Scheduler, Sche
 from strata.protocol.messages import Window
 
 log = logging.getLogger("strata.engine")
+
+IDLE_CHECK_S = 1.0   # an idle engine checks the stages this often (Pipeline.check)
 
 
 class EngineDown(RuntimeError):
@@ -116,7 +119,7 @@ def _window_kind(w: Window) -> str:
 
 class _TimedPipe:
     """The Pipeline as the scheduler sees it, timing each window for the metrics (engine
-    thread only). The scheduler needs just these three methods."""
+    thread only). The scheduler needs three of its methods; check is the idle engine's."""
 
     def __init__(self, pipe: Pipeline, cfg: SchedulerConfig, metrics: Metrics | None):
         self.pipe, self.cfg, self.metrics = pipe, cfg, metrics
@@ -125,6 +128,9 @@ class _TimedPipe:
 
     def new_window_id(self) -> int:
         return self.pipe.new_window_id()
+
+    def check(self) -> None:   # the engine's, while idle
+        self.pipe.check()
 
     def submit(self, w: Window) -> None:
         kind = _window_kind(w)
@@ -234,9 +240,12 @@ class Engine:
     def _take_commands(self, block: bool) -> None:
         while True:
             try:
-                command = self.commands.get(block=block)
+                command = self.commands.get(block=block, timeout=IDLE_CHECK_S if block else None)
             except queue.Empty:
-                return
+                if not block:
+                    return
+                self.pipe.check()   # raises PipelineError when a stage is gone
+                continue
             block = False
             if isinstance(command, Submit):
                 self._submit(command.job)

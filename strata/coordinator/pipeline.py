@@ -4,6 +4,10 @@ results in. Policy (what to run next) lives elsewhere, so a custom coordinator r
     pipe = Pipeline(inbox="ipc:///tmp/x/inbox", first_stage="ipc:///tmp/x/stage0")
     pipe.wait_for_hellos(expected)           # one Expect per stage
     pipe.submit(Window(...)); result = pipe.receive()
+
+While it waits for hellos or results, it asks the stages heartbeats and watches the windows'
+time (liveness.py): a stage that stops answering ends the wait with a PipelineError naming it.
+A coordinator that idles calls check() now and then (about once a second) to hear of it then.
 """
 from __future__ import annotations
 
@@ -14,9 +18,10 @@ from typing import Callable
 
 import numpy as np
 
+from strata.coordinator.liveness import Liveness
 from strata.protocol import transport
-from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
-                                      Shutdown, Window)
+from strata.protocol.messages import (PROTOCOL_VERSION, Error, Heartbeat, Hello, ProtocolError,
+                                      Result, Shutdown, Window)
 from strata.trace import Trace
 
 log = logging.getLogger("strata.pipeline")
@@ -47,9 +52,13 @@ class Expect:
 
 class Pipeline:
     def __init__(self, inbox: str, first_stage: str,
-                 check_alive: Callable[[], None] = lambda: None, trace: str | None = None):
+                 check_alive: Callable[[], None] = lambda: None, trace: str | None = None,
+                 stage_timeout: float | None = None):
         """check_alive raises PipelineError when a stage process is gone (launch provides it).
-        trace: a JSON file for the timeline of windows sent and results received."""
+        trace: a JSON file for the timeline of windows sent and results received.
+        stage_timeout: seconds after which a stage that does not answer, or a window that does
+        not come back, ends the pipeline (None: the default of liveness.py)."""
+        self.liveness = Liveness(stage_timeout)
         self.trace = Trace("coordinator", trace)
         self.sockets = transport.Sockets()   # unix:// or ZeroMQ, by endpoint
         self.inbox = self.sockets.pull(inbox)
@@ -80,6 +89,8 @@ class Pipeline:
             if isinstance(msg, Hello):
                 self._check_hello(msg, want)
                 self.hellos[msg.stage] = msg
+                if msg.listen:
+                    self.liveness.add(msg.stage, self._open_push(msg.listen))
         if all(h.device.startswith("cuda") for h in self.hellos.values()):
             self.spin_s = transport.SPIN_S
         return [self.hellos[s] for s in sorted(self.hellos)]
@@ -105,6 +116,12 @@ class Pipeline:
             raise PipelineError(f"stage {h.stage} has {h.slots} slots of {h.ctx} positions, "
                                 f"expected {e.slots} of {e.ctx}")
 
+    def _open_push(self, endpoint: str):
+        try:
+            return self.sockets.push(endpoint)
+        except transport.TransportError as e:
+            raise PipelineError(f"cannot reach a stage for its heartbeats: {e}") from None
+
     def new_window_id(self) -> int:
         self.next_window_id += 1
         return self.next_window_id
@@ -115,6 +132,7 @@ class Pipeline:
             transport.send(self.to_first, window)
         except transport.TransportError as e:  # the first stage's socket is gone
             raise PipelineError(f"cannot send to stage 0: {e}") from None
+        self.liveness.submitted(window.id)
 
     def receive(self, timeout: float | None = None) -> tuple[Result, list[np.ndarray]]:
         """The next result from the last stage. Raises WindowFailed when a stage refused a
@@ -129,8 +147,10 @@ class Pipeline:
                 msg, tensors = got
                 if isinstance(msg, Result):
                     self.trace.mark(msg.id, "result")
+                    self.liveness.returned(msg.id, result=True)
                     return msg, tensors
                 if isinstance(msg, Error):
+                    self.liveness.returned(msg.window, result=False)
                     raise WindowFailed(msg)
                 log.warning("dropped a %s in the coordinator's inbox: after the hellos only "
                             "Results and Errors come there", type(msg).__name__)
@@ -138,20 +158,39 @@ class Pipeline:
             if timeout is not None and time.monotonic() - start > timeout:
                 raise PipelineError(f"no result from the stages within {timeout:.0f}s")
 
+    def check(self) -> None:
+        """Between windows: take the heartbeats' answers that came, ask the next ones, and
+        raise PipelineError if a stage is gone or hangs. Anything else in the inbox (nothing
+        is in flight) is dropped with a log line."""
+        while (got := self._poll(0.0)) is not None:
+            log.warning("dropped a %s in the coordinator's inbox: no window is in flight",
+                        type(got).__name__)
+
     def _poll(self, seconds: float, with_tensors: bool = False):
-        if not self.inbox.poll(int(seconds * 1000)):
-            self.check_alive()
-            return None
-        try:
-            msg, tensors = transport.recv(self.inbox)
-        except ProtocolError as e:  # no stage sends one: a process that is none of them
-            log.warning("dropped a malformed message in the coordinator's inbox: %s", e)
-            return None
-        except transport.TransportError as e:
-            raise PipelineError(f"the coordinator's inbox failed: {e}") from e
-        return (msg, tensors) if with_tensors else msg
+        """The next message that is not a heartbeat's answer, within `seconds`; None when none
+        came. With the inbox empty, checks that every stage is alive and answers."""
+        self.liveness.ask()
+        if self.inbox.poll(int(seconds * 1000)):
+            try:
+                msg, tensors = transport.recv(self.inbox)
+            except ProtocolError as e:  # no stage sends one: a process that is none of them
+                log.warning("dropped a malformed message in the coordinator's inbox: %s", e)
+                return None
+            except transport.TransportError as e:
+                raise PipelineError(f"the coordinator's inbox failed: {e}") from e
+            if not isinstance(msg, Heartbeat):
+                return (msg, tensors) if with_tensors else msg
+            self.liveness.heard(msg)
+            if self.inbox.poll(0):
+                return None
+        self.check_alive()
+        hung = self.liveness.overdue()
+        if hung is not None:
+            raise PipelineError(hung)
+        return None
 
     def shutdown(self, reason: str = "coordinator exit") -> None:
+        self.liveness.close()   # no more heartbeats: the stages are leaving
         try:
             transport.send(self.to_first, Shutdown(reason))
         except transport.TransportError:
@@ -159,4 +198,5 @@ class Pipeline:
 
     def close(self) -> None:
         self.trace.close()
+        self.liveness.close()
         self.sockets.close(linger_ms=500)

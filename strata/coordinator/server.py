@@ -2,7 +2,8 @@
 
     POST /v1/completions, /v1/chat/completions   (stream: true gives server-sent events)
     GET  /v1/models, /v1/models/{id}, /v1/status
-    GET  /health   200 while every stage process and the engine thread are alive; never gated
+    GET  /health   200 while every stage process and the engine thread are alive and every
+                   stage answers (no hang); never gated
     GET  /metrics  Prometheus text
 
 With an API key, every /v1 route wants `Authorization: Bearer KEY`. Every refusal is OpenAI's
@@ -290,12 +291,14 @@ class Server:
         return web.json_response(api.model_card(self.cfg.model, self.ctx, self.created))
 
     def health_error(self) -> str | None:
+        if self.engine.failure:   # the first cause: what the engine stopped on
+            return self.engine.failure
         try:
             self.check_alive()  # polls the stage processes; raises PipelineError
         except Exception as e:
             return str(e)
         if not self.engine.alive:
-            return self.engine.failure or "the engine thread has stopped"
+            return "the engine thread has stopped"
         return None
 
     async def health(self, request: web.Request) -> web.Response:

@@ -12,6 +12,7 @@ from strata.config_error import ConfigError
 from strata.coordinator.config import (AUTO, DRAFT_SAMPLINGS, DRAFT_TILES, DRAFTERS,
                                        MAX_DRAFT_TOKENS, MAX_WINDOW_ROWS, WINDOW_ROW_STEP,
                                        SchedulerConfig, auto_groups)
+from strata.coordinator.liveness import FLOOR_S, MARGIN_S, Liveness
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.launch.memory import check_fits
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
@@ -121,6 +122,12 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                      help="Activations between stages: auto = nccl (GPU to GPU) when each "
                           "stage has a CUDA device of its own, else zmq frames; gloo links CPU "
                           "stages through torch.distributed (for tests)."),
+        click.option("--stage-timeout", type=float, default=None,
+                     help=f"Seconds after which a stage that does not answer its heartbeats, "
+                          f"or a window that does not come back, is taken for hung: every "
+                          f"request then fails, naming the stage. Default: twice the slowest "
+                          f"window seen so far plus {MARGIN_S:g} s, and at least {FLOOR_S:g} s "
+                          f"(a long prompt chunk or a first CUDA graph capture is no hang)."),
         click.option("--transport", default="unix", show_default=True,
                      type=click.Choice(["unix", "zmq"]),
                      help="Headers and messages between the processes of this host: unix "
@@ -143,19 +150,21 @@ class Prepared:
     link: str = "zmq"
     transport: str = "unix"
     mtp_head: Path | None = None   # a sidecar head for the last stage's drafter
+    stage_timeout: float | None = None   # seconds; None: liveness.py's default
 
     def launch(self, **kwargs):
         """The stages of this plan, as a context manager (see session.launch_stages)."""
         from strata.launch.session import launch_stages
         return launch_stages(self.file, self.plan, slots=self.sched.slots, ctx=self.sched.ctx,
                              graph_cache=self.graph_cache, link=self.link,
-                             transport=self.transport, mtp_head=self.mtp_head, **kwargs)
+                             transport=self.transport, mtp_head=self.mtp_head,
+                             stage_timeout=self.stage_timeout, **kwargs)
 
 
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
             drafter=None, mtp_head=None, draft_rows="auto", draft_sampling="argmax",
-            **_) -> Prepared:
+            stage_timeout=None, **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
     the flags."""
@@ -167,6 +176,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     draft_tokens = AUTO if draft_tokens is None else draft_tokens
     draft_rows = _number_or_auto("--draft-rows", draft_rows)
     check_stage_settings(batch, ctx_size, graph_cache)
+    Liveness(stage_timeout)   # refuses a timeout that is not a positive number of seconds
     file = open_model(model, ctx_size)
     plan = plan_stages(layer_split, parse_devices(devices, cuda_count()), file.config.n_layers)
     if groups is None:
@@ -185,7 +195,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     sched = replace(sched, drafter=drafter)
     check_fits(file.config, plan, batch, ctx_size)
     return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan), transport,
-                    sidecar)
+                    sidecar, stage_timeout)
 
 
 def choose_drafter(file: ModelFile, draft_tokens: int, drafter: str | None,
@@ -250,7 +260,8 @@ FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--windo
          "draft_sampling": "--draft-sampling",
          "graph_cache": "--graph-cache", "port": "--port", "api_key": "--api-key",
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
-         "max_client_connections": "--max-client-connections"}
+         "max_client_connections": "--max-client-connections",
+         "stage_timeout": "--stage-timeout"}
 CHOICES = {"groups": "auto", "window_rows": "auto", "chunk_rows": "auto", "draft_rows": "auto"}
 
 

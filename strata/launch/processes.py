@@ -33,6 +33,13 @@ def _die_with_parent(parent: int) -> None:  # runs in the child between fork and
         os._exit(1)
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def tail(path: Path, lines: int = 12) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -125,15 +132,20 @@ class StageProcesses:
             code = proc.poll()
             if code is not None:
                 quoted = textwrap.indent(tail(self.log_path(stage)), "  | ")
-                raise PipelineError(f"stage {stage} exited with code {code}; last lines of "
+                how = f", killed by {_signal_name(-code)}" if code < 0 else f" with code {code}"
+                raise PipelineError(f"stage {stage} exited{how}; last lines of "
                                     f"{self.log_path(stage)}:\n{quoted}")
 
     def stop(self, grace: float = 5.0) -> bool:
-        """Wait for a graceful exit (after Shutdown was sent), then terminate, then kill.
+        """Wait for a graceful exit (after Shutdown was sent; a stopped stage is continued
+        first), then terminate, then kill.
         False when a stage exited by itself with an error code (a slow one, terminated after
         the grace period, is not counted: a loaded machine can delay any exit)."""
         clean = True
         deadline = time.monotonic() + grace
+        for proc in self.procs.values():   # a stopped stage (SIGSTOP) takes the Shutdown too
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
         for proc in self.procs.values():
             try:
                 clean &= proc.wait(timeout=max(0.0, deadline - time.monotonic())) == 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Callable
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: Heartbeat, and Hello.listen
 
 
 class ProtocolError(ValueError):
@@ -35,6 +35,7 @@ class Hello:
     pid: int
     slots: int
     ctx: int
+    listen: str = ""    # the endpoint the stage binds: where the coordinator sends heartbeats
 
 
 @dataclass
@@ -110,6 +111,16 @@ class Error:
 
 
 @dataclass
+class Heartbeat:
+    """The coordinator asks a stage (stage -1: from the coordinator) whether it still takes
+    messages; the stage answers with the same seq and its own index when it takes the
+    question from its inbox, after the windows queued before it. A stage that is stopped or
+    stuck never answers (coordinator/liveness.py)."""
+    seq: int
+    stage: int = -1
+
+
+@dataclass
 class Shutdown:
     """Travels the chain; each stage forwards it, then exits."""
     reason: str = ""
@@ -146,13 +157,14 @@ FLOAT_LISTS = Kind("list[list[float]]", lambda v: type(v) is list and all(
 # a PROTOCOL_VERSION bump, which the hello handshake checks.
 SCHEMAS: dict[type, dict[str, Kind]] = {
     Hello: {"version": INT, "stage": INT, "layer_start": INT, "layer_end": INT, "device": STR,
-            "fingerprint": STR, "pid": INT, "slots": INT, "ctx": INT},
+            "fingerprint": STR, "pid": INT, "slots": INT, "ctx": INT, "listen": STR},
     Window: {"id": INT, "slots": INTS, "positions": INTS, "tokens": INTS, "commits": PAIRS,
              "sample_rows": INTS, "temperature": FLOATS, "top_k": INTS, "top_p": FLOATS,
              "min_p": FLOATS, "u": FLOATS, "want_logits": BOOL, "chunk": BOOL,
              "stage_ms": FLOATS, "propose": PAIRS, "propose_u": FLOAT_LISTS},
     Result: {"id": INT, "tokens": INTS, "stage_ms": FLOATS, "proposals": PAIRS},
     Error: {"stage": INT, "window": INT, "message": STR},
+    Heartbeat: {"seq": INT, "stage": INT},
     Shutdown: {"reason": STR},
 }
 MESSAGE_TYPES = {cls.__name__: cls for cls in SCHEMAS}

@@ -13,7 +13,9 @@ keep the part of ZeroMQ's PUSH/PULL contract strata relies on, and nothing else:
     too), and a message for a peer that never comes is dropped at close, after `linger`;
   - that queue is bounded as ZeroMQ's is by its high-water mark: with SNDHWM (1000, ZeroMQ's
     default) messages queued, a send blocks until the peer reads (ZeroMQ's PUSH blocks too),
-    so a peer that stops reading stops its senders instead of growing their memory.
+    so a peer that stops reading stops its senders instead of growing their memory;
+  - a PUSH socket tells when the process it sent to has gone (peer_gone: its end closed), which
+    ZeroMQ tells through a socket monitor (peers.py).
 
 A message is its frames (bytes-like): on the wire a u64 length, a u32 frame count, a u64 size
 per frame, then the frames. Received frames are memoryviews of one bytes object.
@@ -155,6 +157,7 @@ class UnixPush:
         self.room = threading.Condition(self.lock)   # senders: the backlog shrank, or closing
         self.closing = False
         self.thread: threading.Thread | None = None
+        self.was_connected = False   # a peer once took this socket's connection
 
     def send_multipart(self, frames, copy: bool = False) -> None:
         """Blocks while SNDHWM messages wait for the peer; OSError once the socket is closed."""
@@ -182,7 +185,22 @@ class UnixPush:
                 return False
             sock.setblocking(False)
             self.sock = sock
+            self.was_connected = True
         return True
+
+    def peer_gone(self) -> bool:
+        """True once the peer this socket was connected to has closed its end (the kernel
+        closes the sockets of a process that exits, however it dies) and nothing listens at
+        the path any more; False while it has never connected (a peer may bind later)."""
+        with self.lock:
+            if self.sock is not None:
+                closed = select.poll()   # the PULL end never writes: readable means closed
+                closed.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+                if not closed.poll(0):
+                    return False
+                self.sock.close()
+                self.sock = None
+            return self.was_connected and not self._connected()
 
     def _send_now(self, parts: list) -> list:
         """Send what the kernel takes without waiting; return what is left."""

@@ -18,8 +18,9 @@ import torch
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import find_head
 from strata.protocol import transport
-from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
-                                      Shutdown, Window)
+from strata.protocol.messages import (PROTOCOL_VERSION, Error, Heartbeat, Hello, ProtocolError,
+                                      Result, Shutdown, Window)
+from strata.protocol.peers import PeerWatch
 from strata.stage_worker.checks import RowError, check_window
 from strata.stage_worker.config import WorkerConfig
 from strata.stage_worker.drafter import Drafter
@@ -92,6 +93,7 @@ class StageWorker:
         self.inbox = self.sockets.pull(cfg.listen)
         self.to_coordinator = self.sockets.push(cfg.coordinator)
         self.to_next = self.sockets.push(cfg.next) if cfg.next else None
+        self.coordinator = PeerWatch(self.to_coordinator)
 
     def warm_up(self) -> float:
         """Compile the kernels and capture the graphs of the usual window shapes (and the
@@ -123,7 +125,7 @@ class StageWorker:
     def hello(self) -> Hello:
         c = self.cfg
         return Hello(PROTOCOL_VERSION, c.stage, c.layer_start, c.layer_end, c.device,
-                     self.fingerprint, os.getpid(), c.slots, c.ctx)
+                     self.fingerprint, os.getpid(), c.slots, c.ctx, c.listen)
 
     def serve(self) -> None:
         transport.send(self.to_coordinator, self.hello())
@@ -134,13 +136,26 @@ class StageWorker:
 
     def step(self) -> bool:
         """Take the next message and act on it; False once it was a Shutdown, or a header
-        that leaves the link out of step (_refuse_malformed). Runs inside serve()'s inference
-        mode."""
+        that leaves the link out of step (_refuse_malformed), or the coordinator has gone.
+        Runs inside serve()'s inference mode."""
         self._await_pending()
+        if self.spin_s:
+            transport.spin(self.inbox, self.spin_s)
+        while not self.inbox.poll(1000):   # idle: each second, is the coordinator still there?
+            if self.coordinator.gone():
+                log.error("stage %d: the coordinator has gone (its socket closed): exiting",
+                          self.cfg.stage)
+                return False
         try:
-            msg, tensors = transport.recv(self.inbox, self.spin_s)
+            msg, tensors = transport.recv(self.inbox)
         except ProtocolError as e:
             return self._refuse_malformed(e)
+        if isinstance(msg, Heartbeat):
+            # answered once the device is past the windows before it: a device that never
+            # finishes leaves the heartbeat unanswered, which names this stage
+            self._answer_pending()
+            transport.send(self.to_coordinator, Heartbeat(msg.seq, self.cfg.stage))
+            return True
         if isinstance(msg, Shutdown):
             self._answer_pending()
             if self.to_next is not None:
@@ -294,4 +309,5 @@ class StageWorker:
         self.trace.close()
         if self.link is not None:
             self.link.close()
+        self.coordinator.close()
         self.sockets.close(linger_ms=1000)
