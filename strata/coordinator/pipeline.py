@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from strata.protocol import transport
+from strata.protocol.keys import CurveKeys, stage_name
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Hello, ProtocolError, Result,
                                       Shutdown, Window)
 from strata.trace import Trace
@@ -47,13 +48,17 @@ class Expect:
 
 class Pipeline:
     def __init__(self, inbox: str, first_stage: str,
-                 check_alive: Callable[[], None] = lambda: None, trace: str | None = None):
+                 check_alive: Callable[[], None] = lambda: None, trace: str | None = None,
+                 keys: CurveKeys | None = None, insecure: bool = False):
         """check_alive raises PipelineError when a stage process is gone (launch provides it).
-        trace: a JSON file for the timeline of windows sent and results received."""
+        trace: a JSON file for the timeline of windows sent and results received.
+        keys: the coordinator's CURVE identity (CurveKeys.load(DIR, "coordinator")): the
+        inbox lets in only stages whose key is in DIR. insecure: without keys, allow a tcp://
+        inbox beyond loopback (transport.check_tcp)."""
         self.trace = Trace("coordinator", trace)
-        self.sockets = transport.Sockets()   # unix:// or ZeroMQ, by endpoint
+        self.sockets = transport.Sockets(keys, insecure)   # unix:// or ZeroMQ, by endpoint
         self.inbox = self.sockets.pull(inbox)
-        self.to_first = self.sockets.push(first_stage)
+        self.to_first = self.sockets.push(first_stage, peer=stage_name(0))
         self.check_alive = check_alive
         self.hellos: dict[int, Hello] = {}
         self.next_window_id = 0
@@ -70,7 +75,11 @@ class Pipeline:
             waited = time.monotonic() - start
             if timeout is not None and waited > timeout:
                 missing = sorted(set(want) - set(self.hellos))
-                raise PipelineError(f"stage(s) {missing} did not say hello within {timeout:.0f}s")
+                refused = (f"; the inbox refused {self.sockets.refused} peer(s) whose key is "
+                           f"not in the keys directory: give each stage its own key from it"
+                           if self.sockets.refused else "")
+                raise PipelineError(f"stage(s) {missing} did not say hello within "
+                                    f"{timeout:.0f}s{refused}")
             on_wait(waited)
             msg = self._poll(0.2)
             if msg is None:
