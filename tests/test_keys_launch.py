@@ -4,6 +4,7 @@ by the coordinator's Pipeline. varied_model's text changes with every token of i
 so a window that went wrong shows."""
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,29 @@ def test_launch_with_keys_gives_the_same_text(varied_model, tmp_path, no_stage_l
                            text=True, timeout=300)
     assert plain.returncode == 0 and keyed.returncode == 0, (plain.stderr, keyed.stderr)
     assert keyed.stdout == plain.stdout and len(plain.stdout.strip()) > 6
+
+    # an external stage: its printed command names the keys so that it runs from anywhere
+    launch = subprocess.Popen(args + ["--keys", "keys", "--external-stage", "1"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker, command = None, None
+    try:
+        for line in launch.stderr:   # the launcher prints the worker command, then waits
+            if line.strip().startswith("strata-worker "):
+                command = shlex.split(line.strip())
+                break
+        assert command is not None, "strata-launch did not print the external stage's command"
+        assert command[command.index("--keys") + 1] == str(tmp_path / "keys")
+        worker = subprocess.Popen([sys.executable, "-m", "strata.stage_worker", *command[1:]],
+                                  cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out, err = launch.communicate(timeout=120)
+        assert launch.returncode == 0, err
+        assert out == plain.stdout
+        assert worker.wait(timeout=30) == 0
+    finally:
+        for p in (launch, worker):
+            if p is not None:
+                p.kill()
+                p.wait()
 
 
 def test_stages_on_tcp_with_keys_give_the_same_tokens(varied_model, no_stage_left):

@@ -59,7 +59,7 @@ class StageProcesses:
         file needs none). keys: a keys directory (strata-keys) every stage is given."""
         self.model, self.plan, self.slots, self.ctx = model, plan, slots, ctx
         self.mtp_head = Path(mtp_head) if mtp_head else None
-        self.keys = Path(keys) if keys else None
+        self.keys = Path(keys).absolute() if keys else None  # as printed for an external stage
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.graph_cache = graph_cache
         self.link = resolve_link(link or "auto", plan)
