@@ -5,7 +5,6 @@ private directories."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import socket
 import stat
