@@ -134,6 +134,17 @@ def test_only_a_trusted_key_gets_a_message_in(keys_dir, stranger):
             s.close(linger_ms=0)
 
 
+def send_or_block(sock, msg, tensors=()) -> None:
+    """Send, or give up after a second: once a CURVE handshake has failed, ZeroMQ may keep
+    no queue for that peer and a send waits for one (a stage waits so for a next stage that
+    cannot prove its key, as for one that stopped reading)."""
+    sock.sndtimeo = 1000
+    try:
+        transport.send(sock, msg, tensors)
+    except transport.TransportError:
+        pass
+
+
 def test_a_keyed_push_sends_nothing_to_an_impostor(keys_dir, stranger):
     """What a stage sends (activations, results) goes only to the holder of its peer's secret:
     neither a plain listener nor one with another key pair at that endpoint reads it."""
@@ -146,8 +157,8 @@ def test_a_keyed_push_sends_nothing_to_an_impostor(keys_dir, stranger):
         for sock in impostors:
             endpoint = tcp()
             sock.bind(endpoint)
-            transport.send(sender.push(endpoint, peer="stage1"), window(),
-                           [torch.ones(8, 4).numpy()])
+            send_or_block(sender.push(endpoint, peer="stage1"), window(),
+                          [torch.ones(8, 4).numpy()])
             assert not arrives(sock)
     finally:
         sender.close(linger_ms=0)
@@ -158,43 +169,37 @@ def test_a_keyed_push_sends_nothing_to_an_impostor(keys_dir, stranger):
 
 @pytest.fixture
 def keyed_stage(tiny_model, keys_dir):
-    """The tiny model's stage 0 of 2 in this process over TCP with keys, the coordinator's
-    Pipeline with keys, and a plain listener where stage 1 would be."""
-    listen, inbox, nxt = tcp(), tcp(), tcp()
-    ctx = zmq.Context()
-    stage1 = ctx.socket(zmq.PULL)
-    stage1.bind(nxt)
-    worker = StageWorker(WorkerConfig(model=str(tiny_model), stage=0, layer_start=0, layer_end=2,
-                                      listen=listen, coordinator=inbox, next=nxt, ctx=CTX,
+    """The tiny model as one stage in this process over TCP with keys, and the coordinator's
+    Pipeline with keys, hellos exchanged."""
+    listen, inbox = tcp(), tcp()
+    worker = StageWorker(WorkerConfig(model=str(tiny_model), stage=0, layer_start=0, layer_end=4,
+                                      listen=listen, coordinator=inbox, next=None, ctx=CTX,
                                       keys=str(keys_dir)))
     pipe = Pipeline(inbox, listen, keys=CurveKeys.load(keys_dir, COORDINATOR))
     try:
-        yield worker, pipe, stage1, listen
+        transport.send(worker.to_coordinator, worker.hello())
+        pipe.wait_for_hellos([Expect(0, 0, 4, worker.fingerprint, 1, CTX)], timeout=5)
+        yield worker, pipe, listen
     finally:
         pipe.close()
         worker.close()
-        stage1.close(linger=0)
-        ctx.term()
 
 
 def test_a_stage_acts_only_on_windows_from_trusted_keys(keyed_stage):
-    worker, pipe, stage1, listen = keyed_stage
-    transport.send(worker.to_coordinator, worker.hello())
-    pipe.wait_for_hellos([Expect(0, 0, 2, worker.fingerprint, 1, CTX)], timeout=5)
+    worker, pipe, listen = keyed_stage
     ctx = zmq.Context()
     stranger = ctx.socket(zmq.PUSH)
     stranger.connect(listen)
-    stranger.send_multipart(transport.pack(window(1)))
+    send_or_block(stranger, window(1))
     try:
         assert not arrives(worker.inbox)   # never reaches the stage's socket
         assert worker.cache.filled[0] == 0
         pipe.submit(window(2))
         with torch.inference_mode():
             assert worker.step()
-        assert worker.cache.filled[0] == 3   # the trusted window's rows are in the KV cache
-        # its activations went to stage 1's endpoint, but a listener without stage 1's key
-        # reads nothing there
-        assert not arrives(stage1)
+        result, _ = pipe.receive(timeout=10)   # the trusted window is computed and answered
+        assert result.id == 2 and len(result.tokens) == 1
+        assert worker.cache.filled[0] == 3
     finally:
         stranger.close(linger=0)
         ctx.term()
@@ -207,7 +212,7 @@ def test_a_stage_with_a_wrong_key_cannot_join(tiny_model, keys_dir, stranger):
                                       listen=listen, coordinator=inbox, next=None, ctx=CTX,
                                       keys=str(stranger)))
     try:
-        transport.send(worker.to_coordinator, worker.hello())
+        send_or_block(worker.to_coordinator, worker.hello())
         with pytest.raises(PipelineError, match="refused 1 peer"):
             pipe.wait_for_hellos([Expect(0, 0, 4, worker.fingerprint, 1, CTX)], timeout=2)
     finally:
