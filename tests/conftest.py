@@ -197,8 +197,8 @@ def _tiny_stages(tiny_model):
 def shared_stages(_tiny_stages, monkeypatch):
     """Commands run in-process (click's CliRunner) reuse the session's launch of the tiny model
     wherever they would launch the same stages with no more slots or positions than it has, the
-    same NextN head (none) and no trace; any other launch is their own. Yields the plans that
-    were served by it."""
+    same NextN head (none), no trace and no keys; any other launch is their own. Yields the
+    plans that were served by it."""
     from contextlib import nullcontext
 
     from strata.launch.options import Prepared
@@ -211,7 +211,8 @@ def shared_stages(_tiny_stages, monkeypatch):
         if (self.file.path == prep.file.path and self.plan == prep.plan
                 and self.sched.slots <= run.slots and self.sched.ctx <= run.ctx
                 and (self.link, self.transport) == (prep.link, prep.transport)
-                and self.mtp_head == prep.mtp_head and not kwargs.get("trace_dir")):
+                and self.mtp_head == prep.mtp_head and not kwargs.get("trace_dir")
+                and not kwargs.get("keys")):
             served.append(self.plan)
             return nullcontext(run)
         return own_launch(self, **kwargs)

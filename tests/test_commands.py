@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from strata.bench.cli import main as bench
 
-COMMANDS = ("strata-launch", "strata-worker", "strata-bench", "strata-mkmodel")
+COMMANDS = ("strata-launch", "strata-worker", "strata-bench", "strata-mkmodel", "strata-keys")
 
 
 def command(name: str):

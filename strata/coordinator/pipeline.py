@@ -20,6 +20,7 @@ import numpy as np
 
 from strata.coordinator.liveness import Liveness
 from strata.protocol import transport
+from strata.protocol.keys import CurveKeys, stage_name
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Heartbeat, Hello, ProtocolError,
                                       Result, Shutdown, Window)
 from strata.trace import Trace
@@ -53,16 +54,20 @@ class Expect:
 class Pipeline:
     def __init__(self, inbox: str, first_stage: str,
                  check_alive: Callable[[], None] = lambda: None, trace: str | None = None,
-                 stage_timeout: float | None = None):
+                 stage_timeout: float | None = None,
+                 keys: CurveKeys | None = None, insecure: bool = False):
         """check_alive raises PipelineError when a stage process is gone (launch provides it).
         trace: a JSON file for the timeline of windows sent and results received.
         stage_timeout: seconds after which a stage that does not answer, or a window that does
-        not come back, ends the pipeline (None: the default of liveness.py)."""
+        not come back, ends the pipeline (None: the default of liveness.py).
+        keys: the coordinator's CURVE identity (CurveKeys.load(DIR, "coordinator")): the
+        inbox lets in only stages whose key is in DIR. insecure: without keys, allow a tcp://
+        inbox beyond loopback (transport.check_tcp)."""
         self.liveness = Liveness(stage_timeout)
         self.trace = Trace("coordinator", trace)
-        self.sockets = transport.Sockets()   # unix:// or ZeroMQ, by endpoint
+        self.sockets = transport.Sockets(keys, insecure)   # unix:// or ZeroMQ, by endpoint
         self.inbox = self.sockets.pull(inbox)
-        self.to_first = self.sockets.push(first_stage)
+        self.to_first = self.sockets.push(first_stage, peer=stage_name(0))
         self.check_alive = check_alive
         self.hellos: dict[int, Hello] = {}
         self.next_window_id = 0
@@ -79,7 +84,11 @@ class Pipeline:
             waited = time.monotonic() - start
             if timeout is not None and waited > timeout:
                 missing = sorted(set(want) - set(self.hellos))
-                raise PipelineError(f"stage(s) {missing} did not say hello within {timeout:.0f}s")
+                refused = (f"; the inbox refused {self.sockets.refused} peer(s) whose key is "
+                           f"not in the keys directory: give each stage its own key from it"
+                           if self.sockets.refused else "")
+                raise PipelineError(f"stage(s) {missing} did not say hello within "
+                                    f"{timeout:.0f}s{refused}")
             on_wait(waited)
             msg = self._poll(0.2)
             if msg is None:
@@ -90,7 +99,7 @@ class Pipeline:
                 self._check_hello(msg, want)
                 self.hellos[msg.stage] = msg
                 if msg.listen:
-                    self.liveness.add(msg.stage, self._open_push(msg.listen))
+                    self.liveness.add(msg.stage, self._open_push(msg.listen, msg.stage))
         if all(h.device.startswith("cuda") for h in self.hellos.values()):
             self.spin_s = transport.SPIN_S
         return [self.hellos[s] for s in sorted(self.hellos)]
@@ -116,9 +125,9 @@ class Pipeline:
             raise PipelineError(f"stage {h.stage} has {h.slots} slots of {h.ctx} positions, "
                                 f"expected {e.slots} of {e.ctx}")
 
-    def _open_push(self, endpoint: str):
+    def _open_push(self, endpoint: str, stage: int):
         try:
-            return self.sockets.push(endpoint)
+            return self.sockets.push(endpoint, peer=stage_name(stage))
         except transport.TransportError as e:
             raise PipelineError(f"cannot reach a stage for its heartbeats: {e}") from None
 

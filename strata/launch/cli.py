@@ -15,6 +15,7 @@ from strata.launch.options import clean_errors, launch_options, prepare, say
 from strata.launch.plan import PlanError
 from strata.model.registry import DEFAULT_MODEL
 from strata.model.tokenizer import Tokenizer
+from strata.protocol.keys import COORDINATOR, CurveKeys, stage_name
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,6 +36,10 @@ from strata.model.tokenizer import Tokenizer
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Where each stage writes its log (default: the temporary run directory, "
                    "removed after a clean run, kept after a failure and named on stderr).")
+@click.option("--keys", type=click.Path(file_okay=False), default=None,
+              help="A keys directory made by strata-keys (coordinator and every stage<K>): "
+                   "the ZeroMQ sockets of the launch authenticate and encrypt with CurveZMQ "
+                   "and let in only those keys. Needs --transport zmq.")
 @click.option("-v", "--verbose", is_flag=True, help="Log the coordinator's decisions.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Serving (no --prompt): the address to listen on.")
@@ -51,8 +56,8 @@ from strata.model.tokenizer import Tokenizer
               help="Serving: open connections from one client address; more get a 503.")
 @clean_errors("strata-launch")
 def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
-         external_stage, log_dir, verbose, host, port, api_key, read_timeout, max_connections,
-         max_client_connections, **launch):
+         external_stage, log_dir, keys, verbose, host, port, api_key, read_timeout,
+         max_connections, max_client_connections, **launch):
     """Run a GGUF model split across stage processes and print the generated text; without
     --prompt, serve the OpenAI-compatible HTTP API (sampling then comes with each request)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -64,16 +69,18 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
         if not 0 <= e < len(prep.plan):
             raise PlanError(f"--external-stage {e} does not exist: stages are "
                             f"0..{len(prep.plan) - 1}")
+    if keys:
+        check_keys(keys, prep, set(external_stage))
     tok = Tokenizer.from_gguf(prep.file.reader)
     if prompt is None:
         limits = dict(read_timeout=read_timeout, max_connections=max_connections,
                       max_client_connections=max_client_connections)
         return serve(prep, tok, launch["model"], host, port, api_key, log_dir, external_stage,
-                     limits)
+                     keys, limits)
     text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
     ids = tok.encode(text)
     Sequence(ids, params, tok.stop_ids, prep.sched.ctx)  # refuses an empty or too long prompt
-    with prep.launch(log_dir=log_dir, external=set(external_stage), say=say) as run:
+    with prep.launch(log_dir=log_dir, external=set(external_stage), keys=keys, say=say) as run:
         for p in prep.plan:
             say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
         sched = Scheduler(run.pipe, prep.sched, tok.stop_ids, tok.decode)
@@ -88,7 +95,19 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
             f"finish: {req.seq.finish_reason}, seed {params.seed}]")
 
 
-def serve(prep, tok, model, host, port, api_key, log_dir, external_stage, limits):
+def check_keys(keys: str, prep, external: set[int]) -> None:
+    """Before any process starts: keys go with ZeroMQ sockets, and the coordinator and every
+    stage spawned here have their secret in the directory (an external stage brings its own)."""
+    if prep.transport != "zmq":
+        raise PlanError(f"--keys secures ZeroMQ sockets, and --transport {prep.transport} has "
+                        f"none (its sockets are reachable only through the launch's 0700 run "
+                        f"directory); add --transport zmq or leave --keys out")
+    for name in [COORDINATOR] + [stage_name(p.index) for p in prep.plan
+                                 if p.index not in external]:
+        CurveKeys.load(keys, name)
+
+
+def serve(prep, tok, model, host, port, api_key, log_dir, external_stage, keys, limits):
     # the HTTP stack (aiohttp) is imported only to serve
     from strata.coordinator.connections import ServerConfig
     from strata.launch.serving import bind_socket, run_server
@@ -98,7 +117,8 @@ def serve(prep, tok, model, host, port, api_key, log_dir, external_stage, limits
                        host=host, port=port, api_key=api_key, **limits)
     sock = bind_socket(host, port)  # a taken port fails before any stage starts
     try:
-        with prep.launch(log_dir=log_dir, external=set(external_stage), say=say) as run:
+        with prep.launch(log_dir=log_dir, external=set(external_stage), keys=keys,
+                         say=say) as run:
             for p in prep.plan:
                 say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
             failure = run_server(run.pipe, run.procs.check_alive, prep.sched, tok,

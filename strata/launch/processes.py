@@ -61,17 +61,19 @@ class StageProcesses:
                  log_dir: Path | None = None, external: set[int] = frozenset(),
                  graph_cache: int | None = None, link: str | None = None,
                  trace_dir: Path | None = None, transport: str = "unix",
-                 mtp_head: Path | None = None):
+                 mtp_head: Path | None = None, keys: Path | None = None):
         """mtp_head: a sidecar NextN head for the last stage's drafter (a head in the model
-        file needs none)."""
+        file needs none). keys: a keys directory (strata-keys) every stage is given."""
         self.model, self.plan, self.slots, self.ctx = model, plan, slots, ctx
         self.mtp_head = Path(mtp_head) if mtp_head else None
+        self.keys = Path(keys).absolute() if keys else None  # as printed for an external stage
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.graph_cache = graph_cache
         self.link = resolve_link(link or "auto", plan)
         if transport not in ("unix", "zmq"):
             raise ValueError(f"--transport {transport!r} is not unix or zmq")
-        # the sockets and the link's meeting file; the stage logs too, unless log_dir is given
+        # the sockets and the link's meeting file; the stage logs too, unless log_dir is given.
+        # mkdtemp makes it 0700: only this user can reach the unix:// and ipc:// sockets in it
         self.run_dir = Path(tempfile.mkdtemp(prefix="strata-"))
         self.log_dir = Path(log_dir) if log_dir else self.run_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -107,6 +109,8 @@ class StageProcesses:
                     "--link-world", str(len(self.plan))]
         if self.mtp_head is not None and stage == len(self.plan) - 1:
             cmd += ["--mtp-head", str(self.mtp_head)]
+        if self.keys is not None:
+            cmd += ["--keys", str(self.keys)]
         if self.trace_dir is not None:
             cmd += ["--trace", str(self.trace_dir / f"stage{stage}.json")]
         return cmd

@@ -14,6 +14,7 @@ from strata.coordinator.pipeline import Expect, Pipeline
 from strata.launch.plan import StagePlan
 from strata.launch.processes import StageProcesses
 from strata.model.gguf_file import ModelFile
+from strata.protocol.keys import COORDINATOR, CurveKeys
 
 
 @dataclass
@@ -36,7 +37,8 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
                   hello_timeout: float = 300.0, graph_cache: int | None = None,
                   link: str | None = None, trace_dir: Path | None = None,
                   transport: str = "unix", mtp_head: Path | None = None,
-                  stage_timeout: float | None = None, say=print) -> Iterator[Launched]:
+                  stage_timeout: float | None = None, keys: Path | None = None,
+                  say=print) -> Iterator[Launched]:
     """Spawn the stages, wait for every hello, yield; always shut everything down after.
     log_dir: where each stage writes stage<K>.log; without it the logs live in the run directory,
     which is removed after a clean run and kept (its path on stderr) after a failure.
@@ -44,17 +46,20 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
     transport: unix (Unix sockets, protocol/unixsock.py) or zmq (ZeroMQ ipc) between them.
     mtp_head: a sidecar NextN head the last stage loads for its drafter.
     stage_timeout: seconds after which a stage that does not answer is taken for hung
-    (coordinator/liveness.py; None: its default)."""
+    (coordinator/liveness.py; None: its default).
+    keys: a keys directory (strata-keys) for CURVE on the ZeroMQ sockets (transport zmq)."""
+    coordinator_keys = CurveKeys.load(keys, COORDINATOR) if keys else None
     procs = StageProcesses(file.path, plan, slots=slots, ctx=ctx, log_dir=log_dir,
                            external=external, graph_cache=graph_cache, link=link,
-                           trace_dir=trace_dir, transport=transport, mtp_head=mtp_head)
+                           trace_dir=trace_dir, transport=transport, mtp_head=mtp_head,
+                           keys=keys)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     pipe = None
     outcome = "failed"
     try:
         pipe = Pipeline(procs.endpoints.inbox, procs.endpoints.stages[0], procs.check_alive,
                         trace=trace_dir and Path(trace_dir) / "coordinator.json",
-                        stage_timeout=stage_timeout)
+                        stage_timeout=stage_timeout, keys=coordinator_keys)
         procs.start(say=say)
         fingerprint = file.fingerprint()
         expected = [Expect(p.index, p.layer_start, p.layer_end, fingerprint, slots, ctx)

@@ -6,6 +6,10 @@ zmq is imported only when a ZeroMQ socket is opened, torch only by the tensor he
 """
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
+import stat
 import sys
 import time
 
@@ -13,7 +17,11 @@ import msgpack
 import numpy as np
 
 from strata.protocol import unixsock
+from strata.protocol.keys import CurveKeys
 from strata.protocol.messages import ProtocolError, claimed_window, decode, encode
+
+
+log = logging.getLogger("strata.transport")
 
 
 class TransportError(RuntimeError):
@@ -78,41 +86,123 @@ def _bytes(frame) -> bytes:
     return getattr(frame, "bytes", frame)   # a zmq.Frame's bytes
 
 
+class OpenEndpointError(ValueError):
+    """A TCP endpoint without keys that would take messages from any host."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a tcp:// endpoint's host part names this machine's loopback interface only
+    (anything else, `*` and interface names included, may face a network)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_tcp(endpoint: str, bind: bool, keyed: bool, insecure: bool, warn: bool = True) -> None:
+    """Without keys a tcp:// endpoint is open: anyone who reaches it can send windows to a
+    stage, or read the activations and tokens sent to it. A bind on anything but loopback is
+    refused unless `insecure`; every other open TCP endpoint gets a warning on stderr."""
+    if keyed or not endpoint.startswith("tcp://"):
+        return
+    host = endpoint[len("tcp://"):].rpartition(":")[0]
+    if bind and not insecure and not is_loopback(host):
+        raise OpenEndpointError(
+            f"{endpoint} would take windows from any host that reaches it; give --keys DIR "
+            f"(key pairs made by strata-keys) or, on a network you trust, --insecure")
+    if warn:
+        log.warning("%s %s has no keys: any process that reaches it can %s; give --keys "
+                    "DIR (made by strata-keys) to authenticate and encrypt it",
+                    "listening on" if bind else "sending to", endpoint,
+                    "send messages here" if bind else "receive what is sent there")
+
+
+def check_private_dir(path: str) -> None:
+    """A warning when the directory of a unix:// or ipc:// socket is open to other users: a
+    launch keeps its sockets in a 0700 directory of its own, so only its user can connect."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        mode = stat.S_IMODE(os.stat(directory).st_mode)
+    except OSError:
+        return  # the bind itself fails and says why
+    if mode & 0o077:
+        log.warning("the socket %s lies in %s (mode %o), which other users can enter; put "
+                    "it in a directory only you can use (mode 700)", path, directory, mode)
+
+
 class Sockets:
     """The sockets of one process, by endpoint: `unix://PATH` over Unix stream sockets
     (unixsock.py: same host, no I/O threads), anything else (ipc://, tcp://) over ZeroMQ.
-    Both give PUSH/PULL with send_multipart, recv_multipart, poll(ms) and close(linger)."""
+    Both give PUSH/PULL with send_multipart, recv_multipart, poll(ms) and close(linger).
 
-    def __init__(self):
+    keys: this process's CURVE identity (keys.py); every ZeroMQ socket then authenticates
+    its peers and encrypts, a push naming the process it connects to. Without keys a TCP
+    endpoint is open (check_tcp): insecure allows binding one beyond loopback."""
+
+    def __init__(self, keys: CurveKeys | None = None, insecure: bool = False):
+        self.keys, self.insecure = keys, insecure
         self._zmq = None   # the zmq.Context, once a ZeroMQ socket is opened
+        self._auth = None  # its ZAP handler (keys.py) once a CURVE server is opened
         self._open: list = []
 
     def pull(self, endpoint: str):
         return self._open_socket(endpoint, pull=True)
 
-    def push(self, endpoint: str):
-        return self._open_socket(endpoint, pull=False)
+    def push(self, endpoint: str, peer: str | None = None):
+        """peer: the key name of the process bound at `endpoint` (needed with keys)."""
+        return self._open_socket(endpoint, pull=False, peer=peer)
 
-    def _open_socket(self, endpoint: str, pull: bool):
+    @property
+    def refused(self) -> int:
+        """Peers the ZAP handler refused so far (an unknown or missing key)."""
+        return self._auth.credentials_providers["*"].refused if self._auth else 0
+
+    def _open_socket(self, endpoint: str, pull: bool, peer: str | None = None):
+        check_tcp(endpoint, bind=pull, keyed=self.keys is not None, insecure=self.insecure)
         try:
             if endpoint.startswith(unixsock.SCHEME):
+                if pull:
+                    check_private_dir(unixsock.path_of(endpoint))
                 sock = (unixsock.UnixPull if pull else unixsock.UnixPush)(endpoint)
             else:
-                import zmq
-                if self._zmq is None:
-                    self._zmq = zmq.Context()
-                sock = self._zmq.socket(zmq.PULL if pull else zmq.PUSH)
-                (sock.bind if pull else sock.connect)(endpoint)
+                sock = self._zmq_socket(endpoint, pull, peer)
         except _socket_errors() as e:
             raise TransportError(f"cannot {'bind' if pull else 'connect to'} {endpoint}: "
                                  f"{e}") from e
         self._open.append(sock)
         return sock
 
+    def _zmq_socket(self, endpoint: str, pull: bool, peer: str | None):
+        import zmq
+        if self._zmq is None:
+            self._zmq = zmq.Context()
+        if pull and endpoint.startswith("ipc://"):
+            check_private_dir(endpoint[len("ipc://"):])
+        sock = self._zmq.socket(zmq.PULL if pull else zmq.PUSH)
+        try:
+            if self.keys is not None and pull:
+                if self._auth is None:  # before the first bind: no peer gets in unchecked
+                    self._auth = self.keys.authenticator(self._zmq)
+                self.keys.serve(sock)
+            elif self.keys is not None:
+                assert peer is not None, f"a keyed push to {endpoint} must name its peer"
+                self.keys.connect_to(sock, peer)
+            (sock.bind if pull else sock.connect)(endpoint)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
     def close(self, linger_ms: int = 1000) -> None:
         for sock in self._open:
             sock.close(linger=linger_ms)
         self._open.clear()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._zmq is not None:
             self._zmq.term()
             self._zmq = None

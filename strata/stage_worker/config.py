@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strata.config_error import ConfigError
+from strata.protocol.transport import check_tcp
 
 
 @dataclass(frozen=True)
@@ -25,11 +26,15 @@ class WorkerConfig:
     trace: str = ""        # write a timeline of the windows here on exit (strata/trace.py)
     mtp_head: str | None = None  # a NextN head sidecar for the last stage's drafter (else the
                                  # model file's own NextN layer, if it has one)
+    keys: str | None = None  # a keys directory (strata-keys): CURVE on every ZeroMQ socket
+    insecure: bool = False   # without keys, allow listening on a non-loopback TCP endpoint
 
     def __post_init__(self):
         if not 0 <= self.layer_start < self.layer_end:
             raise ValueError(f"layer range {self.layer_start}:{self.layer_end} is empty")
         check_stage_settings(self.slots, self.ctx, self.graph_cache)
+        check_tcp(self.listen, bind=True, keyed=self.keys is not None, insecure=self.insecure,
+                  warn=False)  # refused before the model loads; the socket warns when bound
         if self.link != "zmq" and not self.link_init:
             raise ConfigError("link_init", f"{{link}} {self.link} needs {{link_init}} "
                               f"(e.g. file:///tmp/run/link)")

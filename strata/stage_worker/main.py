@@ -13,7 +13,8 @@ from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 # WorkerConfig's fields as this command's options
 FLAGS = {"slots": "--slots", "ctx": "--ctx-size", "graph_cache": "--graph-cache",
-         "link": "--link", "link_init": "--link-init", "mtp_head": "--mtp-head"}
+         "link": "--link", "link_init": "--link-init", "mtp_head": "--mtp-head",
+         "keys": "--keys", "insecure": "--insecure"}
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -58,8 +59,15 @@ def parse_layers(text: str) -> tuple[int, int]:
               help="A NextN (MTP) head GGUF made for this model: the last stage drafts with "
                    "it (Window.propose). Without it, the model file's own NextN layer if it "
                    "has one; other stages ignore it.")
+@click.option("--keys", type=click.Path(file_okay=False), default=None,
+              help="A keys directory made by strata-keys: this stage (stage<K>.key_secret) "
+                   "authenticates and encrypts every ZeroMQ endpoint and lets in only peers "
+                   "whose public key (NAME.key) is there.")
+@click.option("--insecure", is_flag=True,
+              help="Without --keys, listen on a tcp:// endpoint beyond loopback anyway (any "
+                   "host that reaches it can send windows).")
 def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_size, graph_cache,
-         link, link_init, link_world, trace, mtp_head):
+         link, link_init, link_world, trace, mtp_head, keys, insecure):
     """Serve one stage of a layer-split model."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s stage{stage} %(levelname)s %(message)s")
@@ -73,7 +81,7 @@ def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_si
                            listen=listen, coordinator=coordinator, next=next_, device=device,
                            slots=slots, ctx=ctx_size, graph_cache=graph_cache,
                            link=link, link_init=link_init, link_world=link_world,
-                           trace=trace, mtp_head=mtp_head)
+                           trace=trace, mtp_head=mtp_head, keys=keys, insecure=insecure)
         worker = StageWorker(cfg)
     except (ModelError, ValueError) as e:
         text = e.render(FLAGS) if isinstance(e, ConfigError) else str(e)

@@ -18,6 +18,7 @@ import torch
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import find_head
 from strata.protocol import transport
+from strata.protocol.keys import COORDINATOR, CurveKeys, stage_name
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Heartbeat, Hello, ProtocolError,
                                       Result, Shutdown, Window)
 from strata.protocol.peers import PeerWatch
@@ -53,6 +54,8 @@ class StageWorker:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         t0 = time.perf_counter()
+        # a keys directory that cannot be used fails before the model loads
+        keys = CurveKeys.load(cfg.keys, stage_name(cfg.stage)) if cfg.keys else None
         file = ModelFile(cfg.model)
         if cfg.layer_end > file.config.n_layers:
             raise ValueError(f"layer range {cfg.layer_start}:{cfg.layer_end} exceeds the model's "
@@ -89,10 +92,11 @@ class StageWorker:
                  cfg.layer_end, cfg.device, str(self.model.dtype).removeprefix("torch."),
                  self.runner.capacity, time.perf_counter() - t0, warm_s,
                  self.cache.nbytes() / 2**20)
-        self.sockets = transport.Sockets()   # unix:// or ZeroMQ, by endpoint
+        self.sockets = transport.Sockets(keys, cfg.insecure)   # unix:// or ZeroMQ, by endpoint
         self.inbox = self.sockets.pull(cfg.listen)
-        self.to_coordinator = self.sockets.push(cfg.coordinator)
-        self.to_next = self.sockets.push(cfg.next) if cfg.next else None
+        self.to_coordinator = self.sockets.push(cfg.coordinator, peer=COORDINATOR)
+        self.to_next = (self.sockets.push(cfg.next, peer=stage_name(cfg.stage + 1))
+                        if cfg.next else None)
         self.coordinator = PeerWatch(self.to_coordinator)
 
     def warm_up(self) -> float:
