@@ -352,3 +352,31 @@ def test_sigkill_of_launcher_takes_the_stages_down(long_tiny, tmp_path, no_stage
         for d in run_dirs:
             shutil.rmtree(d, ignore_errors=True)
     assert left == [], f"stage workers {left} outlived a SIGKILLed launcher"
+
+
+def test_a_server_whose_console_is_gone_still_stops_on_sigterm(tiny_model, tmp_path,
+                                                              no_stage_left):
+    """The launcher's stderr closes under it (its terminal or pipe gone): SIGTERM still stops
+    the server and its stages; saying "stopping" to a closed pipe had kept it serving."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "strata.launch.cli", "--model", str(tiny_model), "--layer-split",
+         "2", "--devices", "cpu", "--ctx-size", "256", "--port", "0", "--log-dir",
+         str(tmp_path)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if line.startswith("strata: serving"):
+                break
+        else:
+            pytest.fail(f"strata-launch never served (exit code {proc.wait()})")
+        workers = children(proc.pid)
+        assert len(workers) == 2, workers
+        proc.stderr.close()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0
+    assert wait_gone(workers, 5.0) == []

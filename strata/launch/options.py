@@ -27,7 +27,12 @@ GPU_CHUNK_ROWS = 128
 
 
 def say(text: str) -> None:
-    click.echo(text, err=True)
+    """A line on stderr; none when stderr is gone (a closed pipe or terminal): the launch goes
+    on, and stops when asked, without its console."""
+    try:
+        click.echo(text, err=True)
+    except OSError:
+        pass
 
 
 def cuda_count() -> int:

@@ -58,8 +58,8 @@ def run_server(pipe, check_alive: Callable[[], None], sched_cfg, tok, vocab: int
 
         def on_signal() -> None:
             if not stop.is_set():
-                say("strata: stopping")
                 stop.set()
+                say("strata: stopping")
 
         for sig in previous:
             asyncio.get_running_loop().add_signal_handler(sig, on_signal)
