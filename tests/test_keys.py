@@ -8,6 +8,7 @@ import logging
 import shutil
 import socket
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,11 @@ def test_a_stage_with_a_wrong_key_cannot_join(tiny_model, keys_dir, stranger):
         send_or_block(worker.to_coordinator, worker.hello())
         with pytest.raises(PipelineError, match="refused 1 peer"):
             pipe.wait_for_hellos([Expect(0, 0, 4, worker.fingerprint, 1, CTX)], timeout=2)
+        # the stage sees its key refused, not a coordinator gone (what it says, exiting)
+        deadline = time.monotonic() + 5
+        while not worker.coordinator.gone() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.coordinator.gone() and worker.coordinator.refused
     finally:
         worker.close()
         pipe.close()

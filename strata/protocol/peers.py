@@ -9,7 +9,8 @@ only stopped (a debugger, SIGSTOP) keeps its sockets open: its stages wait for i
 
 Over Unix sockets the connection itself says so (unixsock.UnixPush.peer_gone); over ZeroMQ a
 socket monitor reports the disconnection (ZeroMQ reconnects by itself: a peer that binds the
-endpoint again counts as back).
+endpoint again counts as back). A peer that refused this side's CurveZMQ key (keys.py) closes
+the connection too: `refused` then says so, so that the stage can say which key to give it.
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from strata.protocol import unixsock
 
 class PeerWatch:
     def __init__(self, sock):
-        self.sock, self.monitor, self.down = sock, None, False
+        self.sock, self.monitor, self.down, self.refused = sock, None, False, False
         if not isinstance(sock, unixsock.UnixPush):
             import zmq
-            self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED |
-                                                   zmq.EVENT_DISCONNECTED)
+            self.monitor = sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 
     def gone(self) -> bool:
         if self.monitor is None:
@@ -31,7 +33,12 @@ class PeerWatch:
         from zmq.utils.monitor import recv_monitor_message
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
-            self.down = event == zmq.EVENT_DISCONNECTED
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.refused = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.refused = False
+            elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED):
+                self.down = event == zmq.EVENT_DISCONNECTED
         return self.down
 
     def close(self) -> None:

@@ -147,8 +147,13 @@ class StageWorker:
             transport.spin(self.inbox, self.spin_s)
         while not self.inbox.poll(1000):   # idle: each second, is the coordinator still there?
             if self.coordinator.gone():
-                log.error("stage %d: the coordinator has gone (its socket closed): exiting",
-                          self.cfg.stage)
+                if self.coordinator.refused:
+                    log.error("stage %d: the coordinator refused this stage's key: exiting; "
+                              "give it --keys DIR with the stage%d.key_secret of the launch's "
+                              "keys directory", self.cfg.stage, self.cfg.stage)
+                else:
+                    log.error("stage %d: the coordinator has gone (its socket closed): "
+                              "exiting", self.cfg.stage)
                 return False
         try:
             msg, tensors = transport.recv(self.inbox)
