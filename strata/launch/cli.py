@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 
 import click
 
@@ -11,8 +12,9 @@ from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler
+from strata.launch.joins import parse_listen
 from strata.launch.options import clean_errors, launch_options, prepare, say
-from strata.launch.plan import PlanError
+from strata.launch.plan import PlanError, resolve_link
 from strata.model.registry import DEFAULT_MODEL
 from strata.model.tokenizer import Tokenizer
 
@@ -31,7 +33,16 @@ from strata.model.tokenizer import Tokenizer
 @click.option("--seed", type=int, default=None, help="Seed of the sampling draws (random if unset).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--external-stage", type=int, multiple=True,
-              help="Don't spawn stage K: print its strata-worker command and wait for it.")
+              help="Don't spawn stage K: print its strata-worker command and wait for it "
+                   "(with --listen: for it to join from another host).")
+@click.option("--listen", default=None, metavar="HOST:PORT",
+              help="Wait for the --external-stage stages to join from other hosts here "
+                   "(strata-worker --join tcp://HOST:PORT --stage K): HOST is this host's "
+                   "address as the others reach it; every endpoint is then ZeroMQ tcp on it. "
+                   "Port 0: any free port (the command printed names it).")
+@click.option("--join-timeout", type=float, default=None,
+              help="With --listen: give up when the external stages have not all joined "
+                   "within this many seconds (default: wait for ever).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Where each stage writes its log (default: the temporary run directory, "
                    "removed after a clean run, kept after a failure and named on stderr).")
@@ -51,8 +62,8 @@ from strata.model.tokenizer import Tokenizer
               help="Serving: open connections from one client address; more get a 503.")
 @clean_errors("strata-launch")
 def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
-         external_stage, log_dir, verbose, host, port, api_key, read_timeout, max_connections,
-         max_client_connections, **launch):
+         external_stage, listen, join_timeout, log_dir, verbose, host, port, api_key,
+         read_timeout, max_connections, max_client_connections, **launch):
     """Run a GGUF model split across stage processes and print the generated text; without
     --prompt, serve the OpenAI-compatible HTTP API (sampling then comes with each request)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -64,16 +75,29 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
         if not 0 <= e < len(prep.plan):
             raise PlanError(f"--external-stage {e} does not exist: stages are "
                             f"0..{len(prep.plan) - 1}")
+    if listen is not None and not external_stage:
+        raise PlanError("--listen waits for external stages to join from other hosts, and "
+                        "there are none; add --external-stage K or leave --listen out")
+    stages = dict(external=set(external_stage))   # how the stages start, for prep.launch
+    if listen is not None:
+        stages.update(listen=parse_listen(listen), join_timeout=join_timeout)
+        prep = replace(prep, link=resolve_link(launch["stage_link"], prep.plan,
+                                               across_hosts=True))
+    elif join_timeout is not None:
+        raise PlanError("--join-timeout limits the wait for stages joining at --listen; add "
+                        "--listen HOST:PORT or leave --join-timeout out")
+    if join_timeout is not None and not join_timeout > 0:
+        raise PlanError(f"--join-timeout {join_timeout:g} is no duration; give a number of "
+                        f"seconds above 0, or leave it out to wait for ever")
     tok = Tokenizer.from_gguf(prep.file.reader)
     if prompt is None:
         limits = dict(read_timeout=read_timeout, max_connections=max_connections,
                       max_client_connections=max_client_connections)
-        return serve(prep, tok, launch["model"], host, port, api_key, log_dir, external_stage,
-                     limits)
+        return serve(prep, tok, launch["model"], host, port, api_key, log_dir, stages, limits)
     text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
     ids = tok.encode(text)
     Sequence(ids, params, tok.stop_ids, prep.sched.ctx)  # refuses an empty or too long prompt
-    with prep.launch(log_dir=log_dir, external=set(external_stage), say=say) as run:
+    with prep.launch(log_dir=log_dir, say=say, **stages) as run:
         for p in prep.plan:
             say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
         sched = Scheduler(run.pipe, prep.sched, tok.stop_ids, tok.decode)
@@ -88,7 +112,7 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
             f"finish: {req.seq.finish_reason}, seed {params.seed}]")
 
 
-def serve(prep, tok, model, host, port, api_key, log_dir, external_stage, limits):
+def serve(prep, tok, model, host, port, api_key, log_dir, stages, limits):
     # the HTTP stack (aiohttp) is imported only to serve
     from strata.coordinator.connections import ServerConfig
     from strata.launch.serving import bind_socket, run_server
@@ -98,7 +122,7 @@ def serve(prep, tok, model, host, port, api_key, log_dir, external_stage, limits
                        host=host, port=port, api_key=api_key, **limits)
     sock = bind_socket(host, port)  # a taken port fails before any stage starts
     try:
-        with prep.launch(log_dir=log_dir, external=set(external_stage), say=say) as run:
+        with prep.launch(log_dir=log_dir, say=say, **stages) as run:
             for p in prep.plan:
                 say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
             failure = run_server(run.pipe, run.procs.check_alive, prep.sched, tok,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from strata.coordinator.pipeline import PipelineError
 from strata.launch.plan import StagePlan, resolve_link
+from strata.protocol.join import free_ports
 
 PR_SET_PDEATHSIG = 1
 
@@ -61,9 +62,11 @@ class StageProcesses:
                  log_dir: Path | None = None, external: set[int] = frozenset(),
                  graph_cache: int | None = None, link: str | None = None,
                  trace_dir: Path | None = None, transport: str = "unix",
-                 mtp_head: Path | None = None):
+                 mtp_head: Path | None = None, listen_host: str | None = None):
         """mtp_head: a sidecar NextN head for the last stage's drafter (a head in the model
-        file needs none)."""
+        file needs none). listen_host: this host's address, for a launch whose external
+        stages join from other hosts (joins.py): then every endpoint is ZeroMQ tcp there, on
+        a free port, and an external stage's is the one it joins with."""
         self.model, self.plan, self.slots, self.ctx = model, plan, slots, ctx
         self.mtp_head = Path(mtp_head) if mtp_head else None
         self.trace_dir = Path(trace_dir) if trace_dir else None
@@ -76,10 +79,17 @@ class StageProcesses:
         self.log_dir = Path(log_dir) if log_dir else self.run_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.external = set(external)
-        scheme = "unix://" if transport == "unix" else "ipc://"  # unix: protocol/unixsock.py
-        self.endpoints = Endpoints(
-            inbox=f"{scheme}{self.run_dir}/inbox",
-            stages=[f"{scheme}{self.run_dir}/stage{p.index}" for p in plan])
+        self.listen_host = listen_host
+        if listen_host is not None:
+            ports = iter(free_ports(listen_host, 1 + len(plan)))
+            tcp = [f"tcp://{listen_host}:{next(ports)}" for _ in range(1 + len(plan))]
+            self.endpoints = Endpoints(inbox=tcp[0], stages=[
+                "" if p.index in self.external else tcp[1 + p.index] for p in plan])
+        else:
+            scheme = "unix://" if transport == "unix" else "ipc://"  # unix: protocol/unixsock.py
+            self.endpoints = Endpoints(
+                inbox=f"{scheme}{self.run_dir}/inbox",
+                stages=[f"{scheme}{self.run_dir}/stage{p.index}" for p in plan])
         self.procs: dict[int, subprocess.Popen] = {}
 
     @property
@@ -115,6 +125,8 @@ class StageProcesses:
         for p in self.plan:
             cmd = self.command(p.index)
             if p.index in self.external:
+                if self.listen_host is not None:
+                    continue   # it has joined (joins.py), and runs on its own host
                 say(f"stage {p.index} is external; start it yourself (e.g. prefix "
                     f"'python -m pdb -m strata.stage_worker' for the first word):\n  "
                     f"{shlex.join(cmd)}")
@@ -161,8 +173,9 @@ class StageProcesses:
 
     def remove_run_dir(self, keep_logs: bool) -> Path | None:
         """Remove the run directory once every stage has stopped; with keep_logs, keep the stage
-        logs it holds (no --log-dir) and return where they are."""
-        if not keep_logs or self.log_dir != self.run_dir:
+        logs it holds (no --log-dir) and return where they are; a launch that failed before
+        it spawned any stage has none."""
+        if not keep_logs or self.log_dir != self.run_dir or not self.procs:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return None
         for name in os.listdir(self.run_dir):
