@@ -1,0 +1,357 @@
+"""A stage joining a launch from another host: strata-launch --external-stage 1 --listen
+HOST:PORT, and strata-worker --join tcp://HOST:PORT --stage 1 started as a process of its own.
+
+The joined launch gives the tokens of a plain one (varied_model: its greedy text changes with
+every token of its context); a join for a stage the launch runs, a second join for a stage and
+a wrong model file are refused with a sentence on both sides; a launch nobody joins gives up
+after --join-timeout; no process is left. Then two Linux network namespaces joined by a veth
+pair stand in for two hosts (root only). The launch's answers and the sockets are tested
+in-process below them.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from strata.launch.joins import StageJoins
+from strata.launch.plan import StagePlan
+from strata.launch.processes import StageProcesses
+from strata.protocol import transport
+from strata.protocol.join import JoinDesk, ask
+from strata.protocol.messages import (PROTOCOL_VERSION, Heartbeat, JoinAsk, JoinConfirm,
+                                      JoinModel, JoinPlan, JoinRefused, JoinWait)
+from test_launch_errors import LAUNCH, alive, assert_no_traceback, assert_one_sentence, launch
+
+WORKER = (shutil.which("strata-worker", path=os.path.dirname(sys.executable))
+          or shutil.which("strata-worker"))
+START_S = 120.0   # a shared 2-core machine
+ARGS = ["--layer-split", "2", "--devices", "cpu", "--ctx-size", "64", "--prompt",
+        "The lighthouse keeper wrote", "--max-tokens", "12"]
+
+
+class JoinableLaunch:
+    """strata-launch ... --external-stage 1 --listen ADDRESS:0, its stderr read as it comes;
+    `endpoint` is where it waits (the command it prints names the port)."""
+
+    def __init__(self, args: list[str], prefix: list[str] = (), address: str = "127.0.0.1"):
+        self.lines: list[str] = []
+        self.workers: list[subprocess.Popen] = []
+        self.proc = subprocess.Popen(
+            [*prefix, LAUNCH, *args, "--external-stage", "1", "--listen", f"{address}:0"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        try:
+            self.endpoint = self.wait_for("strata-worker --join ").split()[2]
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def wait_for(self, text: str) -> str:
+        """The first stderr line holding text."""
+        deadline = time.monotonic() + START_S
+        while True:
+            exited = self.proc.poll() is not None
+            for line in list(self.lines):
+                if text in line:
+                    return line
+            assert not exited and time.monotonic() < deadline, \
+                f"no {text!r} on stderr:\n{self.stderr()}"
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = START_S) -> str:
+        """Its stdout, once it has exited (its stderr is read all along)."""
+        self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=10)
+        return self.proc.stdout.read()
+
+    def worker(self, *args: str, prefix: list[str] = ()) -> subprocess.Popen:
+        proc = subprocess.Popen([*prefix, WORKER, "--join", self.endpoint, *args],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        self.workers.append(proc)
+        return proc
+
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def close(self) -> None:
+        for p in (self.proc, *self.workers):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def refused(worker: subprocess.Popen) -> str:
+    """The one sentence a worker that could not join says, after its exit code 2."""
+    err = worker.stderr.read()
+    assert worker.wait(timeout=START_S) == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("strata-worker: stage "), err
+    assert_no_traceback(err)
+    return lines[0]
+
+
+def test_a_joined_stage_gives_the_tokens_of_a_plain_launch(varied_model, no_stage_left):
+    args = ["--model", str(varied_model), *ARGS]
+    plain = launch(args, None)
+    assert plain.returncode == 0, plain.stderr
+    run = JoinableLaunch(args)
+    try:
+        assert f"--model {varied_model}" in run.wait_for("strata-worker --join ")
+        worker = run.worker("--stage", "1")   # no --model: the launch's path
+        out = run.finish()
+        assert run.proc.returncode == 0, run.stderr()
+        assert worker.wait(timeout=30) == 0, worker.stderr.read()   # the Shutdown reached it
+    finally:
+        run.close()
+    assert out == plain.stdout and len(out.strip()) > 6
+    assert "stage 1 joined from tcp://127.0.0.1:" in run.stderr()
+    assert not list(Path(no_stage_left).glob("strata-*"))   # the run directory is removed
+
+
+def test_refused_joins_are_said_on_both_sides(varied_model, tiny_model, no_stage_left):
+    """While it serves (no --prompt): a join for stage 0, which it runs, one with another
+    model file, then the right one, then a second for stage 1; SIGTERM stops both stages."""
+    run = JoinableLaunch(["--model", str(varied_model), "--layer-split", "2", "--devices",
+                          "cpu", "--ctx-size", "64", "--port", "0"])
+    try:
+        assert "(the launcher runs it); join as stage 1" in refused(run.worker("--stage", "0"))
+        wrong = refused(run.worker("--stage", "1", "--model", str(tiny_model)))
+        assert f"the model file {tiny_model} is not the launch's" in wrong
+        assert f"pass --model with a copy of that file" in wrong
+        told = run.wait_for("strata-launch: refused a join: stage 1 has a different model")
+        assert f"start it with --model and a copy of {varied_model}" in told
+        joined = run.worker("--stage", "1")
+        run.wait_for("strata: serving ")
+        second = refused(run.worker("--stage", "1"))
+        assert "stage 1 has already joined this launch (from tcp://127.0.0.1:" in second
+        assert "each external stage joins once" in second
+        assert run.proc.poll() is None and joined.poll() is None
+        run.proc.send_signal(signal.SIGTERM)
+        run.proc.wait(timeout=60)
+        assert joined.wait(timeout=30) == 0, joined.stderr.read()
+    finally:
+        run.close()
+    assert "every stage has exited" in run.stderr()
+    assert_no_traceback(run.stderr())
+
+
+def test_a_launch_nobody_joins_gives_up_after_the_join_timeout(tiny_model, no_stage_left):
+    r = launch(["--model", str(tiny_model), *ARGS, "--external-stage", "1", "--listen",
+                "127.0.0.1:0", "--join-timeout", "1"], None)
+    assert r.returncode == 1, r.stderr
+    *waiting, last = r.stderr.strip().splitlines()
+    assert waiting[0].startswith("stage 1 is external: waiting for it to join at tcp://"), waiting
+    endpoint = waiting[0].split(" at ")[1].split(";")[0]
+    assert waiting[1].strip() == f"strata-worker --join {endpoint} --stage 1 --model {tiny_model}"
+    assert last == (f"strata-launch: no stage 1 joined at {endpoint} within 1s; run "
+                    f"`{waiting[1].strip()}` on its host, or raise --join-timeout")
+    assert not list(Path(no_stage_left).glob("strata-*"))   # nothing ran: nothing is kept
+
+
+MISTAKES = {   # strata-launch arguments after the tiny model's ARGS -> words of the sentence
+    "listen-without-external": (["--listen", "127.0.0.1:0"],
+                                ["--listen waits for external stages", "add --external-stage K"]),
+    "listen-not-host-port": (["--external-stage", "1", "--listen", "127.0.0.1"],
+                             ["--listen '127.0.0.1' is not HOST:PORT"]),
+    "listen-everywhere": (["--external-stage", "1", "--listen", "0.0.0.0:7600"],
+                          ["does not say where other hosts reach this one"]),
+    "listen-elsewhere": (["--external-stage", "1", "--listen", "192.0.2.1:7600"],  # TEST-NET-1
+                         ["192.0.2.1 is not an address of this host"]),
+    "link-through-a-file": (["--external-stage", "1", "--listen", "127.0.0.1:0",
+                             "--stage-link", "gloo"],
+                            ["--stage-link gloo meets through a file", "use --stage-link zmq"]),
+    "join-timeout-without-listen": (["--join-timeout", "5"], ["add --listen HOST:PORT"]),
+    "join-timeout-zero": (["--external-stage", "1", "--listen", "127.0.0.1:0",
+                           "--join-timeout", "0"], ["--join-timeout 0 is no duration"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_a_launch_mistake_gets_one_sentence(case, tiny_model, no_stage_left):
+    args, words = MISTAKES[case]
+    r = launch(["--model", str(tiny_model), *ARGS, *args], None, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert_one_sentence(r.stderr, *words)
+
+
+def test_a_taken_listen_port_gets_one_sentence(tiny_model, no_stage_left):
+    desk = JoinDesk("tcp://127.0.0.1:0", lambda msg: msg)
+    try:
+        taken = desk.endpoint.rsplit(":", 1)[1]
+        r = launch(["--model", str(tiny_model), *ARGS, "--external-stage", "1", "--listen",
+                    f"127.0.0.1:{taken}"], None, timeout=60)
+    finally:
+        desk.close()
+    assert r.returncode == 2, r.stderr
+    assert_one_sentence(r.stderr, f"cannot listen on tcp://127.0.0.1:{taken}",
+                        "choose another --listen port")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--stage", "1"], ["--model --layers --listen --coordinator missing", "--join"]),
+    (["--stage", "1", "--join", "tcp://127.0.0.1:9", "--layers", "0:2", "--next", "x"],
+     ["--layers --next: with --join the launch gives these"]),
+])
+def test_a_worker_mistake_gets_a_usage_sentence(args, words):
+    from strata.stage_worker.main import main
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2, r.output
+    for w in words:
+        assert w in r.output, r.output
+
+
+def test_a_worker_with_no_launch_to_join_gives_up():
+    from strata.stage_worker.main import main
+    desk = JoinDesk("tcp://127.0.0.1:0", lambda msg: msg)   # a free port, then nobody there
+    desk.close()
+    r = CliRunner().invoke(main, ["--stage", "1", "--join", desk.endpoint, "--join-timeout",
+                                  "0.5"])
+    assert r.exit_code == 2, r.output
+    assert (f"strata-worker: stage 1: no launch answered at {desk.endpoint} within 0.5s; start "
+            f"strata-launch --external-stage 1 --listen HOST:PORT") in r.output
+
+
+# --- two hosts: network namespaces joined by a veth pair ---------------------------------------
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces, a veth pair between them with 10.231.0.1 (launch) and
+    10.231.0.2 (worker), each with its loopback; deleted afterwards (with the pair)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2's ip")
+    tag = uuid.uuid4().hex[:6]
+    hosts = [f"strata-a-{tag}", f"strata-b-{tag}"]
+    made = []
+    try:
+        for ns in hosts:
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("link", "add", f"sa{tag}", "netns", hosts[0], "type", "veth", "peer", "name",
+            f"sb{tag}", "netns", hosts[1])
+        for ns, dev, address in ((hosts[0], f"sa{tag}", "10.231.0.1/24"),
+                                 (hosts[1], f"sb{tag}", "10.231.0.2/24")):
+            _ip("-n", ns, "addr", "add", address, "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+        yield [["ip", "netns", "exec", ns] for ns in hosts]
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def test_a_stage_joins_from_another_network_namespace(varied_model, two_hosts, no_stage_left):
+    """The launch and its stage 0 in one namespace, stage 1 in the other: the tokens of a
+    plain launch, the activations and results over the veth pair."""
+    launcher_host, worker_host = two_hosts
+    args = ["--model", str(varied_model), *ARGS]
+    plain = launch(args, None)
+    assert plain.returncode == 0, plain.stderr
+    run = JoinableLaunch(args, prefix=launcher_host, address="10.231.0.1")
+    try:
+        assert run.endpoint.startswith("tcp://10.231.0.1:")
+        worker = run.worker("--stage", "1", prefix=worker_host)
+        out = run.finish()
+        assert run.proc.returncode == 0, run.stderr()
+        assert worker.wait(timeout=30) == 0, worker.stderr.read()
+    finally:
+        run.close()
+    assert "stage 1 joined from tcp://10.231.0.2:" in run.stderr()
+    assert out == plain.stdout
+
+
+# --- the launch's answers, in-process -----------------------------------------------------------
+
+@pytest.fixture
+def three_stages(tiny_model):
+    """The answers of a 3-stage launch whose stages 1 and 2 join; what it says is in .said."""
+    plan = [StagePlan(0, 0, 1, "cpu"), StagePlan(1, 1, 3, "cpu"), StagePlan(2, 3, 4, "cpu")]
+    procs = StageProcesses(tiny_model, plan, slots=2, ctx=64, external={1, 2},
+                           listen_host="127.0.0.1")
+    said: list[str] = []
+    joins = StageJoins(procs, 0, "f1ngerpr1nt", say=said.append)
+    joins.said = said
+    yield joins
+    joins.close()
+    procs.remove_run_dir(keep_logs=False)
+
+
+def _arg(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_a_stage_waits_for_its_next_stage_to_join_first(three_stages):
+    joins = three_stages
+    wait = joins.answer(JoinAsk(PROTOCOL_VERSION, 1))
+    assert wait == JoinWait(1, "stage 2 joins first: stage 1 sends to it")
+    assert joins.answer(JoinConfirm(1, "f1ngerpr1nt", "tcp://10.0.0.9:5001")) == wait
+    assert joins.answer(JoinAsk(PROTOCOL_VERSION, 2)) == JoinModel(2, str(joins.procs.model),
+                                                                    "f1ngerpr1nt")
+    last = joins.answer(JoinConfirm(2, "f1ngerpr1nt", "tcp://10.0.0.8:5002"))
+    assert isinstance(last, JoinPlan) and _arg(last.args, "--next") is None
+    assert _arg(last.args, "--listen") == "tcp://10.0.0.8:5002"
+    assert _arg(last.args, "--layers") == "3:4" and _arg(last.args, "--slots") == "2"
+    assert not joins.all_joined.is_set()
+    middle = joins.answer(JoinConfirm(1, "f1ngerpr1nt", "tcp://10.0.0.9:5001"))
+    assert _arg(middle.args, "--next") == "tcp://10.0.0.8:5002"
+    assert _arg(middle.args, "--coordinator") == joins.procs.endpoints.inbox
+    assert joins.procs.endpoints.inbox.startswith("tcp://127.0.0.1:")
+    assert joins.all_joined.is_set()
+    # stage 0, which the launcher spawns, sends to the stage that joined
+    assert _arg(joins.procs.command(0), "--next") == "tcp://10.0.0.9:5001"
+    assert joins.said == ["stage 2 joined from tcp://10.0.0.8:5002",
+                          "stage 1 joined from tcp://10.0.0.9:5001"]
+
+
+@pytest.mark.parametrize("question, words", [
+    (JoinAsk(PROTOCOL_VERSION + 1, 2), [f"this launch speaks protocol {PROTOCOL_VERSION}"]),
+    (JoinAsk(PROTOCOL_VERSION, 3), ["this launch has stages 0..2", "join as stage 1 or 2"]),
+    (JoinConfirm(2, "0ther", "tcp://10.0.0.8:5002"), ["fingerprint 0ther",
+                                                     "this launch's f1ngerpr1nt"]),
+    (JoinConfirm(2, "f1ngerpr1nt", "ipc:///tmp/x"), ["'ipc:///tmp/x' is not a tcp://HOST:PORT"]),
+    (Heartbeat(1), ["a Heartbeat is no question a joining stage asks"]),
+])
+def test_a_join_that_cannot_be_placed_is_refused(three_stages, question, words):
+    answer = three_stages.answer(question)
+    assert isinstance(answer, JoinRefused), answer
+    for w in words:
+        assert w in answer.message, answer.message
+    assert not three_stages.joined
+
+
+def test_the_desk_answers_each_question_and_survives_a_malformed_one():
+    desk = JoinDesk("tcp://127.0.0.1:0", lambda msg: JoinWait(msg.stage, "later"))
+    try:
+        assert ask(desk.endpoint, JoinAsk(PROTOCOL_VERSION, 4), 10) == JoinWait(4, "later")
+        import zmq
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.REQ)
+        sock.connect(desk.endpoint)
+        sock.send(b"\xc1 not msgpack")
+        assert sock.poll(10_000)
+        answer, _ = transport.recv(sock)
+        sock.close(linger=0)
+        ctx.term()
+        assert isinstance(answer, JoinRefused) and "could not read the question" in answer.message
+        assert ask(desk.endpoint, JoinAsk(PROTOCOL_VERSION, 5), 10) == JoinWait(5, "later")
+    finally:
+        desk.close()
