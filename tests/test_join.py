@@ -30,7 +30,8 @@ from strata.protocol import transport
 from strata.protocol.join import JoinDesk, ask
 from strata.protocol.messages import (PROTOCOL_VERSION, Heartbeat, JoinAsk, JoinConfirm,
                                       JoinModel, JoinPlan, JoinRefused, JoinWait)
-from test_launch_errors import LAUNCH, alive, assert_no_traceback, assert_one_sentence, launch
+from test_launch_errors import (LAUNCH, LONG_CTX, assert_no_traceback, assert_one_sentence,
+                                launch, long_tiny)
 
 WORKER = (shutil.which("strata-worker", path=os.path.dirname(sys.executable))
           or shutil.which("strata-worker"))
@@ -162,6 +163,49 @@ def test_a_launch_nobody_joins_gives_up_after_the_join_timeout(tiny_model, no_st
     assert last == (f"strata-launch: no stage 1 joined at {endpoint} within 1s; run "
                     f"`{waiting[1].strip()}` on its host, or raise --join-timeout")
     assert not list(Path(no_stage_left).glob("strata-*"))   # nothing ran: nothing is kept
+
+
+def _generating(run: JoinableLaunch) -> subprocess.Popen:
+    """Stage 1 joined and the launch past its hellos, decoding."""
+    worker = run.worker("--stage", "1")
+    run.wait_for("stage 1: layers [2, 4) on cpu")
+    time.sleep(1.0)   # into the decode loop
+    assert run.proc.poll() is None and worker.poll() is None, run.stderr()
+    return worker
+
+
+# long_tiny: generation until the stage or the launcher is killed
+LONG = ["--layer-split", "2", "--devices", "cpu", "--ctx-size", str(LONG_CTX), "--prompt", "hi",
+        "--max-tokens", str(LONG_CTX)]
+
+
+def test_a_killed_joined_stage_fails_the_launch_within_5s(long_tiny, no_stage_left):
+    run = JoinableLaunch(["--model", str(long_tiny), *LONG])
+    try:
+        _generating(run).kill()
+        t0 = time.monotonic()
+        code = run.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        run.reader.join(timeout=10)
+    finally:
+        run.close()
+    assert code == 1, run.stderr()
+    assert took < 5, f"strata-launch took {took:.1f} s to fail"
+    assert "strata-launch: stage 1 has gone (its socket closed)" in run.stderr(), run.stderr()
+    assert_no_traceback(run.stderr())
+
+
+def test_a_joined_stage_leaves_when_the_launcher_is_killed(long_tiny, no_stage_left):
+    run = JoinableLaunch(["--model", str(long_tiny), *LONG])
+    try:
+        worker = _generating(run)
+        run.proc.kill()
+        code = worker.wait(timeout=10)   # its socket to the coordinator closed
+        err = worker.stderr.read()
+    finally:
+        run.close()
+    assert code == 0, err
+    assert "the coordinator has gone (its socket closed): exiting" in err, err
 
 
 MISTAKES = {   # strata-launch arguments after the tiny model's ARGS -> words of the sentence
