@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -80,10 +81,13 @@ class JoinableLaunch:
         self.reader.join(timeout=10)
         return self.proc.stdout.read()
 
-    def worker(self, *args: str, prefix: list[str] = ()) -> subprocess.Popen:
-        proc = subprocess.Popen([*prefix, WORKER, "--join", self.endpoint, *args],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+    def worker(self, *args: str, prefix: list[str] = (), stderr: Path | None = None
+               ) -> subprocess.Popen:
+        """strata-worker --join ENDPOINT *args; its stderr a pipe, or the file `stderr`."""
+        with open(stderr, "w") if stderr else nullcontext(subprocess.PIPE) as err:
+            proc = subprocess.Popen([*prefix, WORKER, "--join", self.endpoint, *args],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=err, text=True)
         self.workers.append(proc)
         return proc
 
@@ -206,6 +210,29 @@ def test_a_joined_stage_leaves_when_the_launcher_is_killed(long_tiny, no_stage_l
         run.close()
     assert code == 0, err
     assert "the coordinator has gone (its socket closed): exiting" in err, err
+
+
+def test_a_joined_stage_leaves_when_the_launcher_is_killed_before_the_others_join(
+        varied_model, tmp_path, no_stage_left):
+    """Stages 1 and 2 external: stage 2 joins and starts, stage 1 never comes, the launcher is
+    killed; stage 2, connected to the coordinator's inbox, sees it go and leaves."""
+    run = JoinableLaunch(["--model", str(varied_model), "--layer-split", "1,2", "--devices",
+                          "cpu", "--ctx-size", "64", "--prompt", "hi", "--external-stage", "2"])
+    log = tmp_path / "stage2.log"
+    try:
+        worker = run.worker("--stage", "2", stderr=log)
+        run.wait_for("stage 2 joined from tcp://127.0.0.1:")
+        deadline = time.monotonic() + START_S
+        while "INFO stage 2: layers [2, 4)" not in log.read_text():
+            assert time.monotonic() < deadline and worker.poll() is None, log.read_text()
+            time.sleep(0.1)
+        time.sleep(1.0)   # its hello sent, its socket to the inbox connected
+        run.proc.kill()
+        code = worker.wait(timeout=10)
+    finally:
+        run.close()
+    assert code == 0, log.read_text()
+    assert "the coordinator has gone (its socket closed): exiting" in log.read_text()
 
 
 MISTAKES = {   # strata-launch arguments after the tiny model's ARGS -> words of the sentence

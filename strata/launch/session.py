@@ -56,14 +56,22 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     pipe = joins = None
     outcome = "failed"
-    try:
-        fingerprint = file.fingerprint()
-        if listen is not None:   # the local stages' --next and the first stage wait for these
-            joins = StageJoins(procs, listen[1], fingerprint, say=say)
-            joins.wait(join_timeout)
-        pipe = Pipeline(procs.endpoints.inbox, procs.endpoints.stages[0], procs.check_alive,
+    def open_pipeline() -> Pipeline:
+        return Pipeline(procs.endpoints.inbox, procs.endpoints.stages[0], procs.check_alive,
                         trace=trace_dir and Path(trace_dir) / "coordinator.json",
                         stage_timeout=stage_timeout)
+
+    try:
+        fingerprint = file.fingerprint()
+        if listen is not None:   # the local stages' --next (and stage 0's endpoint) wait for these
+            joins = StageJoins(procs, listen[1], fingerprint, say=say)
+            if 0 not in external:
+                # the inbox is bound while the others join: a joined stage that has connected
+                # to it sees the launcher go, should it go before they all have
+                pipe = open_pipeline()
+            joins.wait(join_timeout)
+        if pipe is None:
+            pipe = open_pipeline()
         procs.start(say=say)
         expected = [Expect(p.index, p.layer_start, p.layer_end, fingerprint, slots, ctx)
                     for p in plan]
