@@ -55,7 +55,7 @@ def join_launch(endpoint: str, stage: int, model: str | None, listen: str | None
             _wait(answer, told, say)
             continue
         _expect(answer, JoinPlan)
-        return _with(answer.args, "--model", str(path))
+        return with_flag(answer.args, "--model", str(path))
 
 
 def _ask(endpoint: str, question, stage: int, deadline: float, timeout_s: float):
@@ -83,7 +83,7 @@ def _wait(answer: JoinWait, told: set[str], say) -> None:
     time.sleep(RETRY_S)
 
 
-def _with(args: list[str], flag: str, value: str) -> list[str]:
+def with_flag(args: list[str], flag: str, value: str) -> list[str]:
     """args with flag's value replaced (appended when absent)."""
     args = list(args)
     if flag in args:

@@ -11,7 +11,7 @@ import click
 from strata.config_error import ConfigError
 from strata.model.gguf_file import ModelError
 from strata.model.registry import DEFAULT_MODEL, resolve_model
-from strata.stage_worker.join import JoinError, join_launch
+from strata.stage_worker.join import JoinError, join_launch, with_flag
 from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 # WorkerConfig's fields as this command's options
@@ -36,7 +36,7 @@ def parse_layers(text: str) -> tuple[int, int]:
 @click.option("--join", default=None, metavar="tcp://HOST:PORT",
               help="Join the launch waiting there (strata-launch --external-stage K --listen "
                    "HOST:PORT): it gives the layers, the endpoints and the settings; --model, "
-                   "--device and --listen may still be given.")
+                   "--device, --listen and --mtp-head may still be given.")
 @click.option("--join-timeout", type=float, default=300.0, show_default=True,
               help="With --join: seconds to wait for the launch to answer.")
 @click.option("--layers", default=None, help="Layer range START:END (END exclusive).")
@@ -75,7 +75,7 @@ def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, nex
          ctx_size, graph_cache, link, link_init, link_world, trace, mtp_head):
     """Serve one stage of a layer-split model."""
     if join is not None:
-        return run_joined(ctx, stage, join, join_timeout, model, listen, device)
+        return run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head)
     missing = [flag for flag, value in (("--model", model), ("--layers", layers),
                                         ("--listen", listen), ("--coordinator", coordinator))
                if value is None]
@@ -112,15 +112,16 @@ def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, nex
     os._exit(0)
 
 
-def run_joined(ctx, stage, join, join_timeout, model, listen, device):
+def run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head):
     """Join the launch at `join`, then start as a spawned stage does, with its arguments."""
     given = {"--layers", "--coordinator", "--next", "--slots", "--ctx-size", "--graph-cache",
-             "--link", "--link-init", "--link-world", "--trace", "--mtp-head"}
+             "--link", "--link-init", "--link-world", "--trace"}
     clash = sorted(p.opts[0] for p in ctx.command.params if p.opts[0] in given and
                    ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE)
     if clash:
         raise click.UsageError(f"{' '.join(clash)}: with --join the launch gives these; leave "
-                               f"them out (--model, --device and --listen may be given)")
+                               f"them out (--model, --device, --listen and --mtp-head may be "
+                               f"given)")
 
     def say(text: str) -> None:
         click.echo(f"strata-worker: stage {stage}: {text}", err=True)
@@ -130,8 +131,9 @@ def run_joined(ctx, stage, join, join_timeout, model, listen, device):
     except (JoinError, ModelError, ValueError) as e:
         say(str(e))
         sys.exit(2)
-    if device is not None:
-        args[args.index("--device") + 1] = device
+    for flag, value in (("--device", device), ("--mtp-head", mtp_head)):  # this host's own
+        if value is not None:
+            args = with_flag(args, flag, value)
     say(f"joined {join}; starting with: {' '.join(args)}")
     main.main(args=args, prog_name="strata-worker")
 
