@@ -81,8 +81,8 @@ class StageProcesses:
         self.external = set(external)
         self.listen_host = listen_host
         if listen_host is not None:
-            ports = iter(free_ports(listen_host, 1 + len(plan)))
-            tcp = [f"tcp://{listen_host}:{next(ports)}" for _ in range(1 + len(plan))]
+            tcp = [f"tcp://{listen_host}:{port}" for port in free_ports(listen_host,
+                                                                        1 + len(plan))]
             self.endpoints = Endpoints(inbox=tcp[0], stages=[
                 "" if p.index in self.external else tcp[1 + p.index] for p in plan])
         else:
