@@ -192,6 +192,23 @@ def test_a_killed_joined_stage_fails_the_launch_within_5s(long_tiny, no_stage_le
     assert_no_traceback(run.stderr())
 
 
+def test_a_stopped_joined_stage_is_taken_for_hung_past_the_stage_timeout(long_tiny,
+                                                                         no_stage_left):
+    """SIGSTOP: the joined stage's sockets stay open; only its unanswered heartbeats tell."""
+    run = JoinableLaunch(["--model", str(long_tiny), *LONG, "--stage-timeout", "2"])
+    try:
+        _generating(run).send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        code = run.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        run.reader.join(timeout=10)
+    finally:
+        run.close()
+    assert code == 1, run.stderr()
+    assert took < 2 + 3, f"strata-launch took {took:.1f} s to fail"
+    assert "strata-launch: stage 1 has not answered for" in run.stderr(), run.stderr()
+
+
 def test_a_joined_stage_leaves_when_the_launcher_is_killed(long_tiny, no_stage_left):
     run = JoinableLaunch(["--model", str(long_tiny), *LONG])
     try:

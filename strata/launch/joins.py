@@ -91,8 +91,9 @@ class StageJoins:
                                     f"{self.endpoint} within {timeout:g}s; run {commands} on "
                                     f"its host, or raise --join-timeout")
             if now - last_note > NOTE_S:
+                commands = "; ".join(self.command(k) for k in self.waiting())
                 self.say(f"still waiting for stage(s) {self.waiting()} to join at "
-                         f"{self.endpoint} ({now - start:.0f}s)")
+                         f"{self.endpoint} ({now - start:.0f}s); on its host run: {commands}")
                 last_note = now
 
     def answer(self, msg):

@@ -38,7 +38,8 @@ def parse_layers(text: str) -> tuple[int, int]:
                    "HOST:PORT): it gives the layers, the endpoints and the settings; --model, "
                    "--device, --listen and --mtp-head may still be given.")
 @click.option("--join-timeout", type=float, default=300.0, show_default=True,
-              help="With --join: seconds to wait for the launch to answer.")
+              help="With --join: seconds to wait for the launch to answer and place this "
+                   "stage (a stage whose next stage joins too waits for it).")
 @click.option("--layers", default=None, help="Layer range START:END (END exclusive).")
 @click.option("--listen", default=None,
               help="Endpoint to bind for input: unix://PATH (Unix sockets, one host) or "
