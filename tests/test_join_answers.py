@@ -117,3 +117,27 @@ def test_a_worker_with_no_launch_to_join_gives_up():
     assert r.exit_code == 2, r.output
     assert (f"strata-worker: stage 1: no launch answered at {desk.endpoint} within 0.5s; start "
             f"strata-launch --external-stage 1 --listen HOST:PORT") in r.output
+
+
+def test_the_launch_says_what_it_waits_for_then_gives_up(three_stages, monkeypatch):
+    import strata.launch.joins as joins_module
+    from strata.coordinator.pipeline import PipelineError
+    monkeypatch.setattr(joins_module, "NOTE_S", 0.5)
+    joins = three_stages
+    joins.answer(JoinAsk(PROTOCOL_VERSION, 2))
+    joins.answer(JoinConfirm(2, "f1ngerpr1nt", "tcp://10.0.0.8:5002"))
+    with pytest.raises(PipelineError) as failed:
+        joins.wait(timeout=1.8)
+    command = f"strata-worker --join {joins.endpoint} --stage 1 --model {joins.procs.model}"
+    assert str(failed.value) == (f"no stage 1 joined at {joins.endpoint} within 1.8s; run "
+                                 f"`{command}` on its host, or raise --join-timeout")
+    assert joins.said[1:3] == [f"stage 1 is external: waiting for it to join at "
+                               f"{joins.endpoint}; on its host run:\n  {command}",
+                               f"stage 2 is external: waiting for it to join at "
+                               f"{joins.endpoint}; on its host run:\n  "
+                               f"{command.replace('--stage 1', '--stage 2')}"]
+    reminders = [s for s in joins.said if s.startswith("still waiting")]
+    assert reminders and all(s.startswith(f"still waiting for stage(s) [1] to join at "
+                                          f"{joins.endpoint} (") and s.endswith(
+                                              f"s); on its host run: {command}")
+                             for s in reminders), joins.said
