@@ -7,8 +7,9 @@ import pytest
 import zmq
 
 from strata.protocol import transport
-from strata.protocol.messages import (PROTOCOL_VERSION, Error, Heartbeat, Hello, ProtocolError,
-                                      Result, Shutdown, Window, decode, encode)
+from strata.protocol.messages import (PROTOCOL_VERSION, Error, Heartbeat, Hello, JoinAsk,
+                                      JoinConfirm, JoinModel, JoinPlan, JoinRefused, JoinWait,
+                                      ProtocolError, Result, Shutdown, Window, decode, encode)
 from strata.protocol.transport import pack, unpack
 
 D = 64  # hidden size of the activations in these tests
@@ -71,6 +72,14 @@ MESSAGES = {
     "heartbeat-answer": Heartbeat(seq=12, stage=2),
     "shutdown": Shutdown(reason="user pressed ctrl-c"),
     "shutdown-default": Shutdown(),
+    "join-ask": JoinAsk(version=PROTOCOL_VERSION, stage=1),
+    "join-model": JoinModel(stage=1, model="/models/llama3-8b.gguf", fingerprint="0123456789abcdef"),
+    "join-confirm": JoinConfirm(stage=1, fingerprint="0123456789abcdef",
+                                listen="tcp://10.0.0.2:41234"),
+    "join-plan": JoinPlan(stage=1, args=["--stage", "1", "--layers", "16:32"]),
+    "join-plan-empty": JoinPlan(stage=1, args=[]),
+    "join-wait": JoinWait(stage=1, message="stage 2 joins first: stage 1 sends to it"),
+    "join-refused": JoinRefused(stage=-1, message="the launch could not read the question"),
 }
 
 
@@ -224,10 +233,14 @@ def test_a_field_this_version_does_not_know_is_ignored():
     ("Result", "tokens", {"0": 1}, ["Result.tokens", "should be list[int]", "got dict"]),
     ("Error", "message", ["x"], ["Error.message", "should be str", "got list"]),
     ("Shutdown", "reason", 3, ["Shutdown.reason", "should be str"]),
+    ("JoinPlan", "args", ["--stage", 1], ["JoinPlan.args", "should be list[str]",
+                                          "got list[int, str]"]),
+    ("JoinPlan", "args", "--stage 1", ["JoinPlan.args", "should be list[str]", "got str"]),
 ])
 def test_wrong_field_type(cls_name, field_name, value, words):
     base = {"Hello": _hello(), "Window": _window(), "Result": Result(1, [2]),
-            "Error": Error(0, -1, "x"), "Shutdown": Shutdown()}[cls_name]
+            "Error": Error(0, -1, "x"), "Shutdown": Shutdown(),
+            "JoinPlan": JoinPlan(1, ["--stage", "1"])}[cls_name]
     header = encode(base)
     header[field_name] = value
     _expect(_raw(header), *words)

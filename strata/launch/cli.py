@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 
 import click
 
@@ -11,11 +12,13 @@ from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler
+from strata.launch.joins import parse_listen
 from strata.launch.options import clean_errors, launch_options, prepare, say
-from strata.launch.plan import PlanError
+from strata.launch.plan import PlanError, resolve_link
 from strata.model.registry import DEFAULT_MODEL
 from strata.model.tokenizer import Tokenizer
 from strata.protocol.keys import COORDINATOR, CurveKeys, stage_name
+from strata.protocol.transport import is_loopback
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -32,14 +35,28 @@ from strata.protocol.keys import COORDINATOR, CurveKeys, stage_name
 @click.option("--seed", type=int, default=None, help="Seed of the sampling draws (random if unset).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--external-stage", type=int, multiple=True,
-              help="Don't spawn stage K: print its strata-worker command and wait for it.")
+              help="Don't spawn stage K: print its strata-worker command and wait for it "
+                   "(with --listen: for it to join from another host).")
+@click.option("--listen", default=None, metavar="HOST:PORT",
+              help="Wait for the --external-stage stages to join from other hosts here "
+                   "(strata-worker --join tcp://HOST:PORT --stage K): HOST is this host's "
+                   "address as the others reach it; every endpoint is then ZeroMQ tcp on it. "
+                   "Port 0: any free port (the command printed names it).")
+@click.option("--join-timeout", type=float, default=None,
+              help="With --listen: give up when the external stages have not all joined "
+                   "within this many seconds (default: wait for ever).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Where each stage writes its log (default: the temporary run directory, "
                    "removed after a clean run, kept after a failure and named on stderr).")
 @click.option("--keys", type=click.Path(file_okay=False), default=None,
               help="A keys directory made by strata-keys (coordinator and every stage<K>): "
                    "the ZeroMQ sockets of the launch authenticate and encrypt with CurveZMQ "
-                   "and let in only those keys. Needs --transport zmq.")
+                   "and let in only those keys. Needs --transport zmq, or --listen (whose "
+                   "endpoints are all ZeroMQ tcp).")
+@click.option("--insecure", is_flag=True,
+              help="With --listen beyond loopback and no --keys: bind the launch's tcp "
+                   "endpoints anyway (any host that reaches them can send windows); the "
+                   "stages spawned here are started with it too.")
 @click.option("-v", "--verbose", is_flag=True, help="Log the coordinator's decisions.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Serving (no --prompt): the address to listen on.")
@@ -56,8 +73,8 @@ from strata.protocol.keys import COORDINATOR, CurveKeys, stage_name
               help="Serving: open connections from one client address; more get a 503.")
 @clean_errors("strata-launch")
 def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
-         external_stage, log_dir, keys, verbose, host, port, api_key, read_timeout,
-         max_connections, max_client_connections, **launch):
+         external_stage, listen, join_timeout, log_dir, keys, insecure, verbose, host, port,
+         api_key, read_timeout, max_connections, max_client_connections, **launch):
     """Run a GGUF model split across stage processes and print the generated text; without
     --prompt, serve the OpenAI-compatible HTTP API (sampling then comes with each request)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -69,18 +86,31 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
         if not 0 <= e < len(prep.plan):
             raise PlanError(f"--external-stage {e} does not exist: stages are "
                             f"0..{len(prep.plan) - 1}")
-    if keys:
-        check_keys(keys, prep, set(external_stage))
+    if listen is not None and not external_stage:
+        raise PlanError("--listen waits for external stages to join from other hosts, and "
+                        "there are none; add --external-stage K or leave --listen out")
+    stages = dict(external=set(external_stage))   # how the stages start, for prep.launch
+    if listen is not None:
+        stages.update(listen=parse_listen(listen), join_timeout=join_timeout)
+        prep = replace(prep, link=resolve_link(launch["stage_link"], prep.plan,
+                                               across_hosts=True))
+    elif join_timeout is not None:
+        raise PlanError("--join-timeout limits the wait for stages joining at --listen; add "
+                        "--listen HOST:PORT or leave --join-timeout out")
+    if join_timeout is not None and not join_timeout > 0:
+        raise PlanError(f"--join-timeout {join_timeout:g} is no duration; give a number of "
+                        f"seconds above 0, or leave it out to wait for ever")
+    check_security(keys, insecure, prep, stages)
+    stages.update(keys=keys, insecure=insecure)
     tok = Tokenizer.from_gguf(prep.file.reader)
     if prompt is None:
         limits = dict(read_timeout=read_timeout, max_connections=max_connections,
                       max_client_connections=max_client_connections)
-        return serve(prep, tok, launch["model"], host, port, api_key, log_dir, external_stage,
-                     keys, limits)
+        return serve(prep, tok, launch["model"], host, port, api_key, log_dir, stages, limits)
     text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
     ids = tok.encode(text)
     Sequence(ids, params, tok.stop_ids, prep.sched.ctx)  # refuses an empty or too long prompt
-    with prep.launch(log_dir=log_dir, external=set(external_stage), keys=keys, say=say) as run:
+    with prep.launch(log_dir=log_dir, say=say, **stages) as run:
         for p in prep.plan:
             say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
         sched = Scheduler(run.pipe, prep.sched, tok.stop_ids, tok.decode)
@@ -95,19 +125,38 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
             f"finish: {req.seq.finish_reason}, seed {params.seed}]")
 
 
-def check_keys(keys: str, prep, external: set[int]) -> None:
+def check_security(keys: str | None, insecure: bool, prep, stages: dict) -> None:
     """Before any process starts: keys go with ZeroMQ sockets, and the coordinator and every
-    stage spawned here have their secret in the directory (an external stage brings its own)."""
-    if prep.transport != "zmq":
+    stage spawned here have their secret in the directory (an external stage brings its own)
+    and every stage its public key; a launch that others join on an address beyond loopback
+    has keys, or is told --insecure."""
+    listen = stages.get("listen")
+    if insecure and keys:
+        raise PlanError("--insecure opens the tcp endpoints that --keys would secure; give "
+                        "one of them")
+    if insecure and listen is None:
+        raise PlanError("--insecure lets a launch that others join (--listen) bind beyond "
+                        "loopback without keys, and there is no --listen; leave it out")
+    if listen is not None and not keys and not insecure and not is_loopback(listen[0]):
+        raise PlanError(f"--listen {listen[0]} would take windows from any host that reaches "
+                        f"it; give --keys DIR (key pairs made by strata-keys, its public keys "
+                        f"on every host) or, on a network you trust, --insecure")
+    if not keys:
+        return
+    if prep.transport != "zmq" and listen is None:
         raise PlanError(f"--keys secures ZeroMQ sockets, and --transport {prep.transport} has "
                         f"none (its sockets are reachable only through the launch's 0700 run "
                         f"directory); add --transport zmq or leave --keys out")
-    for name in [COORDINATOR] + [stage_name(p.index) for p in prep.plan
-                                 if p.index not in external]:
-        CurveKeys.load(keys, name)
+    external = stages["external"]
+    coordinator = CurveKeys.load(keys, COORDINATOR)
+    for p in prep.plan:
+        if p.index in external:
+            coordinator.peer(stage_name(p.index))   # its public key, which the inbox trusts
+        else:
+            CurveKeys.load(keys, stage_name(p.index))
 
 
-def serve(prep, tok, model, host, port, api_key, log_dir, external_stage, keys, limits):
+def serve(prep, tok, model, host, port, api_key, log_dir, stages, limits):
     # the HTTP stack (aiohttp) is imported only to serve
     from strata.coordinator.connections import ServerConfig
     from strata.launch.serving import bind_socket, run_server
@@ -117,8 +166,7 @@ def serve(prep, tok, model, host, port, api_key, log_dir, external_stage, keys, 
                        host=host, port=port, api_key=api_key, **limits)
     sock = bind_socket(host, port)  # a taken port fails before any stage starts
     try:
-        with prep.launch(log_dir=log_dir, external=set(external_stage), keys=keys,
-                         say=say) as run:
+        with prep.launch(log_dir=log_dir, say=say, **stages) as run:
             for p in prep.plan:
                 say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
             failure = run_server(run.pipe, run.procs.check_alive, prep.sched, tok,

@@ -76,15 +76,23 @@ def plan_stages(split: str, devices: list[str], n_layers: int) -> list[StagePlan
 LINKS = ("auto", "zmq", "nccl", "gloo")
 
 
-def resolve_link(link: str, plan: list[StagePlan]) -> str:
+def resolve_link(link: str, plan: list[StagePlan], across_hosts: bool = False) -> str:
     """--stage-link: how activations go between stages. auto = nccl when there are several
-    stages, each on a CUDA device of its own (one host), else ZeroMQ frames."""
+    stages, each on a CUDA device of its own (one host), else ZeroMQ frames. across_hosts
+    (stages join from other hosts): ZeroMQ frames, since a torch.distributed link meets
+    through a file of the launch's run directory."""
     devices = {p.device.split(":")[0] for p in plan}
     gpus = {p.device if ":" in p.device else p.device + ":0" for p in plan}
     shared = len(gpus) < len(plan)  # NCCL refuses two ranks on one GPU
     if link not in LINKS:
         raise PlanError(f"--stage-link {link!r} is not one of {', '.join(LINKS)}")
+    if across_hosts and link in ("nccl", "gloo"):
+        raise PlanError(f"--stage-link {link} meets through a file on this host, so stages "
+                        f"joining from other hosts (--listen) cannot use it; use --stage-link "
+                        f"zmq (or auto)")
     if link == "auto":
+        if across_hosts:
+            return "zmq"
         return "nccl" if len(plan) > 1 and devices == {"cuda"} and not shared else "zmq"
     if len(plan) == 1:
         return "zmq"  # nothing to link

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from strata.coordinator.pipeline import PipelineError
 from strata.launch.plan import StagePlan, resolve_link
+from strata.protocol.join import free_ports
 
 PR_SET_PDEATHSIG = 1
 
@@ -61,12 +62,18 @@ class StageProcesses:
                  log_dir: Path | None = None, external: set[int] = frozenset(),
                  graph_cache: int | None = None, link: str | None = None,
                  trace_dir: Path | None = None, transport: str = "unix",
-                 mtp_head: Path | None = None, keys: Path | None = None):
+                 mtp_head: Path | None = None, keys: Path | None = None,
+                 insecure: bool = False, listen_host: str | None = None):
         """mtp_head: a sidecar NextN head for the last stage's drafter (a head in the model
-        file needs none). keys: a keys directory (strata-keys) every stage is given."""
+        file needs none). keys: a keys directory (strata-keys) every stage is given;
+        insecure: without keys, every stage may bind its tcp endpoint beyond loopback.
+        listen_host: this host's address, for a launch whose external stages join from other
+        hosts (joins.py): then every endpoint is ZeroMQ tcp there, on a free port, and an
+        external stage's is the one it joins with."""
         self.model, self.plan, self.slots, self.ctx = model, plan, slots, ctx
         self.mtp_head = Path(mtp_head) if mtp_head else None
         self.keys = Path(keys).absolute() if keys else None  # as printed for an external stage
+        self.insecure = insecure and self.keys is None
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.graph_cache = graph_cache
         self.link = resolve_link(link or "auto", plan)
@@ -78,10 +85,17 @@ class StageProcesses:
         self.log_dir = Path(log_dir) if log_dir else self.run_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.external = set(external)
-        scheme = "unix://" if transport == "unix" else "ipc://"  # unix: protocol/unixsock.py
-        self.endpoints = Endpoints(
-            inbox=f"{scheme}{self.run_dir}/inbox",
-            stages=[f"{scheme}{self.run_dir}/stage{p.index}" for p in plan])
+        self.listen_host = listen_host
+        if listen_host is not None:
+            tcp = [f"tcp://{listen_host}:{port}" for port in free_ports(listen_host,
+                                                                        1 + len(plan))]
+            self.endpoints = Endpoints(inbox=tcp[0], stages=[
+                "" if p.index in self.external else tcp[1 + p.index] for p in plan])
+        else:
+            scheme = "unix://" if transport == "unix" else "ipc://"  # unix: protocol/unixsock.py
+            self.endpoints = Endpoints(
+                inbox=f"{scheme}{self.run_dir}/inbox",
+                stages=[f"{scheme}{self.run_dir}/stage{p.index}" for p in plan])
         self.procs: dict[int, subprocess.Popen] = {}
 
     @property
@@ -93,7 +107,9 @@ class StageProcesses:
     def log_path(self, stage: int) -> Path:
         return self.log_dir / f"stage{stage}.log"
 
-    def command(self, stage: int) -> list[str]:
+    def command(self, stage: int, security: bool = True) -> list[str]:
+        """The strata-worker command of `stage`; without `security`, no --keys or --insecure
+        (a stage that joins from another host brings its own)."""
         p = self.plan[stage]
         cmd = ["strata-worker", "--model", str(self.model), "--stage", str(stage),
                "--layers", f"{p.layer_start}:{p.layer_end}",
@@ -109,8 +125,10 @@ class StageProcesses:
                     "--link-world", str(len(self.plan))]
         if self.mtp_head is not None and stage == len(self.plan) - 1:
             cmd += ["--mtp-head", str(self.mtp_head)]
-        if self.keys is not None:
+        if security and self.keys is not None:
             cmd += ["--keys", str(self.keys)]
+        elif security and self.insecure:
+            cmd += ["--insecure"]
         if self.trace_dir is not None:
             cmd += ["--trace", str(self.trace_dir / f"stage{stage}.json")]
         return cmd
@@ -119,6 +137,8 @@ class StageProcesses:
         for p in self.plan:
             cmd = self.command(p.index)
             if p.index in self.external:
+                if self.listen_host is not None:
+                    continue   # it has joined (joins.py), and runs on its own host
                 say(f"stage {p.index} is external; start it yourself (e.g. prefix "
                     f"'python -m pdb -m strata.stage_worker' for the first word):\n  "
                     f"{shlex.join(cmd)}")
@@ -165,8 +185,9 @@ class StageProcesses:
 
     def remove_run_dir(self, keep_logs: bool) -> Path | None:
         """Remove the run directory once every stage has stopped; with keep_logs, keep the stage
-        logs it holds (no --log-dir) and return where they are."""
-        if not keep_logs or self.log_dir != self.run_dir:
+        logs it holds (no --log-dir) and return where they are; a launch that failed before
+        it spawned any stage has none."""
+        if not keep_logs or self.log_dir != self.run_dir or not self.procs:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return None
         for name in os.listdir(self.run_dir):

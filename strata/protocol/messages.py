@@ -126,6 +126,50 @@ class Shutdown:
     reason: str = ""
 
 
+# --- joining a launch from another host (strata-worker --join; protocol/join.py) ---
+# A stage started by hand asks for its place (JoinAsk) and gets the model to check (JoinModel),
+# then confirms with its model's fingerprint and its endpoint (JoinConfirm) and gets the
+# arguments it would have been spawned with (JoinPlan). Either question may get JoinWait (ask
+# again shortly) or JoinRefused (a sentence; the stage does not start).
+
+@dataclass
+class JoinAsk:
+    version: int
+    stage: int
+
+
+@dataclass
+class JoinModel:
+    stage: int
+    model: str          # the launch's model file, a path on the launcher's host
+    fingerprint: str    # ModelFile.fingerprint() of that file
+
+
+@dataclass
+class JoinConfirm:
+    stage: int
+    fingerprint: str    # of the model file the stage will load
+    listen: str         # the tcp:// endpoint it will bind for its input
+
+
+@dataclass
+class JoinPlan:
+    stage: int
+    args: list[str]     # strata-worker's arguments, as for a stage the launcher spawns
+
+
+@dataclass
+class JoinWait:
+    stage: int
+    message: str        # what the launch waits for before it can place this stage
+
+
+@dataclass
+class JoinRefused:
+    stage: int
+    message: str        # what to change, in one sentence
+
+
 @dataclass(frozen=True)
 class Kind:
     """A field's type on the wire: its name (for error messages) and a check of a decoded
@@ -140,6 +184,7 @@ INT = Kind("int", lambda v: type(v) is int)
 FLOAT = Kind("float", lambda v: type(v) in _NUMBER)     # msgpack may carry 1.0 as 1
 BOOL = Kind("bool", lambda v: type(v) is bool)
 STR = Kind("str", lambda v: type(v) is str)
+STRS = Kind("list[str]", lambda v: type(v) is list and {type(x) for x in v} <= {str})
 INTS = Kind("list[int]", lambda v: type(v) is list and {type(x) for x in v} <= _INT)
 FLOATS = Kind("list[float]", lambda v: type(v) is list and {type(x) for x in v} <= _NUMBER)
 PAIRS = Kind("list[list[int]]", lambda v: type(v) is list and all(
@@ -166,6 +211,12 @@ SCHEMAS: dict[type, dict[str, Kind]] = {
     Error: {"stage": INT, "window": INT, "message": STR},
     Heartbeat: {"seq": INT, "stage": INT},
     Shutdown: {"reason": STR},
+    JoinAsk: {"version": INT, "stage": INT},
+    JoinModel: {"stage": INT, "model": STR, "fingerprint": STR},
+    JoinConfirm: {"stage": INT, "fingerprint": STR, "listen": STR},
+    JoinPlan: {"stage": INT, "args": STRS},
+    JoinWait: {"stage": INT, "message": STR},
+    JoinRefused: {"stage": INT, "message": STR},
 }
 MESSAGE_TYPES = {cls.__name__: cls for cls in SCHEMAS}
 # per message class: (field, kind, required), in the dataclass's order

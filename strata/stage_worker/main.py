@@ -1,5 +1,7 @@
 """`strata-worker`: one stage process. strata-launch starts these; a user can start one by hand
-(under a debugger, on another host) with the command `strata-launch --external-stage K` prints."""
+(under a debugger, on another host) with the command `strata-launch --external-stage K` prints,
+or have it join a launch that waits for it with `--join tcp://HOST:PORT --stage K` (join.py:
+the launch sends the arguments it would have spawned the stage with, and they run here)."""
 import logging
 import os
 import sys
@@ -9,6 +11,8 @@ import click
 from strata.config_error import ConfigError
 from strata.model.gguf_file import ModelError
 from strata.model.registry import DEFAULT_MODEL, resolve_model
+from strata.protocol.keys import CurveKeys, stage_name
+from strata.stage_worker.join import JoinError, join_launch, with_flag
 from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 # WorkerConfig's fields as this command's options
@@ -27,16 +31,26 @@ def parse_layers(text: str) -> tuple[int, int]:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="strata", prog_name="strata-worker")
-@click.option("--model", required=True,
-              help=f"A model name ({DEFAULT_MODEL}) or the path of a GGUF file.")
+@click.option("--model", default=None,
+              help=f"A model name ({DEFAULT_MODEL}) or the path of a GGUF file (with --join: "
+                   f"default, the launch's path).")
 @click.option("--stage", type=int, required=True, help="This stage's index.")
-@click.option("--layers", required=True, help="Layer range START:END (END exclusive).")
-@click.option("--listen", required=True,
+@click.option("--join", default=None, metavar="tcp://HOST:PORT",
+              help="Join the launch waiting there (strata-launch --external-stage K --listen "
+                   "HOST:PORT): it gives the layers, the endpoints and the settings; --model, "
+                   "--device, --listen and --mtp-head may still be given.")
+@click.option("--join-timeout", type=float, default=300.0, show_default=True,
+              help="With --join: seconds to wait for the launch to answer and place this "
+                   "stage (a stage whose next stage joins too waits for it).")
+@click.option("--layers", default=None, help="Layer range START:END (END exclusive).")
+@click.option("--listen", default=None,
               help="Endpoint to bind for input: unix://PATH (Unix sockets, one host) or "
-                   "ipc://, tcp:// (ZeroMQ).")
-@click.option("--coordinator", required=True, help="The coordinator's inbox endpoint.")
+                   "ipc://, tcp:// (ZeroMQ). With --join: default tcp://ADDRESS:PORT, this "
+                   "host's address toward the launch and a free port.")
+@click.option("--coordinator", default=None, help="The coordinator's inbox endpoint.")
 @click.option("--next", "next_", default=None, help="The next stage's endpoint (not on the last).")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default=None, help="cpu (the default) or cuda:N; with --join: "
+              "default, the launch's --devices for this stage.")
 @click.option("--slots", type=int, default=1, show_default=True)
 @click.option("--ctx-size", type=int, default=2048, show_default=True)
 @click.option("--graph-cache", type=int, default=16, show_default=True,
@@ -62,13 +76,26 @@ def parse_layers(text: str) -> tuple[int, int]:
 @click.option("--keys", type=click.Path(file_okay=False), default=None,
               help="A keys directory made by strata-keys: this stage (stage<K>.key_secret) "
                    "authenticates and encrypts every ZeroMQ endpoint and lets in only peers "
-                   "whose public key (NAME.key) is there.")
+                   "whose public key (NAME.key) is there. With --join, its questions to the "
+                   "launch too (the launch's coordinator.key checked).")
 @click.option("--insecure", is_flag=True,
               help="Without --keys, listen on a tcp:// endpoint beyond loopback anyway (any "
                    "host that reaches it can send windows).")
-def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_size, graph_cache,
-         link, link_init, link_world, trace, mtp_head, keys, insecure):
+@click.pass_context
+def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, next_, device, slots,
+         ctx_size, graph_cache, link, link_init, link_world, trace, mtp_head, keys, insecure):
     """Serve one stage of a layer-split model."""
+    if join is not None:
+        return run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head, keys,
+                          insecure)
+    missing = [flag for flag, value in (("--model", model), ("--layers", layers),
+                                        ("--listen", listen), ("--coordinator", coordinator))
+               if value is None]
+    if missing:
+        raise click.UsageError(f"{' '.join(missing)} missing: give them, or --join "
+                               f"tcp://HOST:PORT to take them from a launch that waits for "
+                               f"stage {stage}")
+    device = device or "cpu"
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s stage{stage} %(levelname)s %(message)s")
     start, end = parse_layers(layers)
@@ -96,6 +123,36 @@ def main(model, stage, layers, listen, coordinator, next_, device, slots, ctx_si
     sys.stderr.flush()
     os._exit(0)
 
+
+def run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head, keys, insecure):
+    """Join the launch at `join`, then start as a spawned stage does, with its arguments and
+    this host's own keys (or --insecure)."""
+    given = {"--layers", "--coordinator", "--next", "--slots", "--ctx-size", "--graph-cache",
+             "--link", "--link-init", "--link-world", "--trace"}
+    clash = sorted(p.opts[0] for p in ctx.command.params if p.opts[0] in given and
+                   ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE)
+    if clash:
+        raise click.UsageError(f"{' '.join(clash)}: with --join the launch gives these; leave "
+                               f"them out (--model, --device, --listen, --mtp-head, --keys "
+                               f"and --insecure may be given)")
+
+    def say(text: str) -> None:
+        click.echo(f"strata-worker: stage {stage}: {text}", err=True)
+
+    try:
+        identity = CurveKeys.load(keys, stage_name(stage)) if keys else None
+        args = join_launch(join, stage, model, listen, join_timeout, keys=identity,
+                           insecure=insecure, say=say)
+    except (JoinError, ModelError, ValueError) as e:
+        say(str(e))
+        sys.exit(2)
+    for flag, value in (("--device", device), ("--mtp-head", mtp_head), ("--keys", keys)):
+        if value is not None:   # this host's own
+            args = with_flag(args, flag, value)
+    if insecure:
+        args.append("--insecure")
+    say(f"joined {join}; starting with: {' '.join(args)}")
+    main.main(args=args, prog_name="strata-worker")
 
 if __name__ == "__main__":
     main()
