@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from inprocess import InProcess, in_process_worker
 
 from strata.kernels.rope import apply_rope, rope_table
+from strata.kernels.sampling import gumbel_noise
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
 from strata.model.nextn import find_head
@@ -293,11 +294,11 @@ def test_a_last_stage_without_the_embedding_drafts_alike(models, tmp_path, tied)
 
 # --- coupled proposals ---------------------------------------------------------------------
 
-def inverse_cdf(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p: float,
-                u: float) -> int:
+def gumbel_max(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p: float,
+               u: float) -> int:
     """The target's sampling, read plainly: temperature, top-k, top-p, min-p (transformers'
-    order), then the first token, by probability descending (ties by id), whose cumulative
-    share of the kept mass passes u."""
+    order, tokens by probability descending, ties by id), then the kept token whose scaled
+    logit plus the Gumbel noise of (u, its id) is largest."""
     logits = logits.double()
     order = sorted(range(len(logits)), key=lambda i: (-float(logits[i]), i))
     if 0 < top_k < len(order):
@@ -308,14 +309,15 @@ def inverse_cdf(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p:
         keep = min(keep, int((p.cumsum(0) < top_p).sum()) + 1)
     if min_p > 0.0:
         keep = min(keep, max(1, int((p >= min_p * p[0]).sum())))
-    cdf = p[:keep].cumsum(0)
-    return order[min(int((cdf <= u * cdf[-1]).sum()), keep - 1)]
+    kept = torch.tensor(order[:keep])
+    noise = gumbel_noise(torch.tensor([[u]], dtype=torch.float64), kept[None])[0]
+    return int(kept[int((logits[kept] / t + noise).argmax())])
 
 
 @pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (12, 0.9, 0.05)])
-def test_coupled_proposals_are_the_inverse_cdf_pick_at_the_targets_draws(models, top_k, top_p,
+def test_coupled_proposals_are_the_gumbel_max_pick_at_the_targets_draws(models, top_k, top_p,
                                                                           min_p):
-    """Slot 0 samples with a temperature and sends draws: each proposal is the inverse-CDF
+    """Slot 0 samples with a temperature and sends draws: each proposal is the Gumbel-max
     pick of the head's own filtered distribution at the draw of its position (the window's
     own draws first: its sampled row at p carries u(p + 1); then propose_u's). Slot 1 is
     greedy: the argmax, whatever draws come. Without propose_u (an older coordinator), or
@@ -324,7 +326,7 @@ def test_coupled_proposals_are_the_inverse_cdf_pick_at_the_targets_draws(models,
     file = ModelFile(models["nextn"])
     ref = Reference(file)
     def pick(us):   # proposal i at the draw us[i]
-        return lambda logits, i: inverse_cdf(logits, t, top_k, top_p, min_p, us[i])
+        return lambda logits, i: gumbel_max(logits, t, top_k, top_p, min_p, us[i])
     p0, p1 = [5, 77, 120, 33, 250, 8], [40, 41, 300, 12, 99]
     rows = [(0, p, x) for p, x in enumerate(p0)] + [(1, p, x) for p, x in enumerate(p1)]
 

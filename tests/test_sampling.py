@@ -145,25 +145,32 @@ def test_sums_of_a_row_have_the_same_bits_among_other_rows(device):
 
 def test_greedy_rows_take_the_first_index_of_the_maximum():
     logits = torch.tensor([[1.0, 5.0, 2.0, 5.0], [7.0, 7.0, 0.0, 1.0], [0.0, 1.0, 2.0, 3.0]])
-    rows = [SamplingRow(u=0.99), SamplingRow(temperature=1.0, u=0.999),
-            SamplingRow(temperature=0.0, top_k=2, top_p=0.5, min_p=0.5, u=0.7)]
-    assert sample_rows(logits, rows)[0::2] == [1, 3]
-    assert sample_rows_on_device(logits, rows).tolist() == reference(logits, rows)
-    assert reference(logits, rows)[1] != 0   # the sampled row between them is not greedy
+    for u in [i / 16 for i in range(16)]:
+        rows = [SamplingRow(u=u), SamplingRow(temperature=1.0, u=u),
+                SamplingRow(temperature=0.0, top_k=2, top_p=0.5, min_p=0.5, u=u)]
+        assert sample_rows(logits, rows)[0::2] == [1, 3]
+        assert sample_rows_on_device(logits, rows).tolist() == reference(logits, rows)
+    # the sampled row between them is not greedy: over the draws it takes both of its top two
+    assert {sample_row(logits[1], SamplingRow(temperature=1.0, u=i / 16))
+            for i in range(16)} == {0, 1}
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_cuts_at_exact_boundaries(device):
-    """Four equal logits: probabilities 1/4 and CDF 1/4, 1/2, 3/4, 1, all exact. top_p
-    reached exactly keeps the prefix that reaches it, min_p exactly at a probability keeps
-    that token, and u * mass exactly at a CDF boundary takes the token after it."""
-    cases = [(dict(top_p=0.5, u=0.9), 1), (dict(top_p=0.75, u=0.9), 2),
-             (dict(min_p=1.0, u=0.9), 3), (dict(min_p=1.0, top_p=0.25, u=0.9), 0),
-             (dict(u=0.5), 2), (dict(u=0.25), 1), (dict(u=0.0), 0), (dict(top_k=2, u=0.5), 1)]
-    rows = [SamplingRow(temperature=1.0, **kw) for kw, _ in cases]
+    """Four equal logits: probabilities 1/4 and cumulative 1/4, 1/2, 3/4, 1, all exact. top_p
+    reached exactly keeps the prefix that reaches it and min_p exactly at a probability keeps
+    that token: over 64 draws each row picks every kept token and no other, on the device as
+    sample_row does."""
+    cases = [(dict(top_p=0.5), {0, 1}), (dict(top_p=0.75), {0, 1, 2}),
+             (dict(min_p=1.0), {0, 1, 2, 3}), (dict(min_p=1.0, top_p=0.25), {0}),
+             (dict(), {0, 1, 2, 3}), (dict(top_k=2), {0, 1})]
+    draws = [(i + 0.5) / 64 for i in range(64)]
+    rows = [SamplingRow(temperature=1.0, u=u, **kw) for kw, _ in cases for u in draws]
     block = torch.zeros(len(rows), 4, device=device)
-    assert reference(block, rows) == [token for _, token in cases]
-    assert sample_rows_on_device(block, rows).tolist() == [token for _, token in cases]
+    want = reference(block, rows)
+    assert sample_rows_on_device(block, rows).tolist() == want
+    for i, (_, kept) in enumerate(cases):
+        assert set(want[i * len(draws):(i + 1) * len(draws)]) == kept, cases[i]
 
 
 def test_top_k_beyond_the_vocabulary_is_no_filter():

@@ -4,10 +4,11 @@ ways of coupling the proposal with the target's draw:
 
   argmax      the head's most likely token (what --draft-sampling argmax proposes)
   inverse-cdf the head's pick by inverse CDF at the target's draw, each distribution in its own
-              order (probability descending), as --draft-sampling coupled does: an exact sum
-              over the draw of the overlap of the two picks' intervals
+              order (probability descending): an exact sum over the draw of the overlap of
+              the two picks' intervals
   gumbel      argmax of log-probability plus Gumbel noise shared by target and head (the
-              Gumbel-max trick), estimated over --draws noise samples
+              Gumbel-max trick, how strata samples and --draft-sampling coupled proposes),
+              estimated over --draws noise samples
   1-TV        the most any coupling can reach: 1 - the total variation distance
 
   python tools/draft_coupling.py --prompts prompts.jsonl [--requests 16] [--tokens 96]

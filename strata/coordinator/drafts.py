@@ -29,9 +29,9 @@ Two drafters (SchedulerConfig.drafter):
   (SchedulerConfig.draft_sampling "coupled"; the default is "argmax"): the token at position q is drawn
   with u(q) = Philox(seed, q) whatever the window (sampling.py), so the window that asks for
   proposals sends, with each propose entry, the draws of the positions they can take past its
-  own rows (`Window.propose_u`), and the drafter picks each proposal by inverse CDF over its
-  own distribution, filtered and tempered by the target's sampler, with the draw the target
-  will use there. Where head and target agree closely, one u lands both on the same token (a
+  own rows (`Window.propose_u`), and the drafter picks each proposal with the target's own
+  sampler (a Gumbel-max pick keyed by the draw and the token) over its own distribution,
+  filtered and tempered as the target's, with the draw the target will use there. Where head and target agree closely, one u lands both on the same token (a
   head that computes its target's distribution has nearly every proposal kept, against a
   third for argmax: tests/test_mtp.py); an argmax proposal ("argmax") is kept only when the
   target's draw happens to pick the head's most likely token. Coupling pays only with a head

@@ -3,8 +3,13 @@
 The coordinator draws u from (seed, position) with a counter-based generator, so a draw never
 depends on batching, pipelining or speculation (DESIGN.md, exactness 3). Sampling is pure: the
 same logits, parameters and u always give the same token, whatever other rows share the call.
-Filters follow transformers' order: temperature, top-k, top-p, min-p; then inverse-CDF over the
-kept tokens in a fixed order (probability descending, ties by token id).
+Filters follow transformers' order: temperature, top-k, top-p, min-p. Then the Gumbel-max pick:
+the kept token with the largest scaled logit plus Gumbel noise, the noise of each token a hash of
+(u, token id) (`gumbel_noise`). Over uniform u this samples the kept tokens' softmax; and two
+distributions sampled with the same u (the target's, and a drafter's proposal for the same
+position) pick the same token as often as their shapes allow, whatever order they rank tokens
+in: the coupling MTP drafts rely on (drafter.py). Inverse CDF, by contrast, shifts every
+interval when one token's probability differs.
 
 `sample_row` is the reference: one row, its arithmetic in float64 on the CPU. `sample_rows`
 samples a window's rows: on the CPU it is sample_row row by row (the same tokens, bit for
@@ -41,11 +46,8 @@ def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
         keep = min(keep, int(torch.searchsorted(cum, torch.tensor(row.top_p, dtype=cum.dtype))) + 1)
     if row.min_p > 0.0:
         keep = min(keep, max(1, int((probs >= row.min_p * probs[0]).sum())))
-    probs = probs[:keep]
-    cdf = torch.cumsum(probs, dim=0)
-    target = torch.tensor(row.u, dtype=cdf.dtype) * cdf[-1]
-    pick = min(int(torch.searchsorted(cdf, target, right=True)), keep - 1)
-    return int(order[pick])
+    return int(order[_gumbel_pick(scaled[None, :keep], order[None, :keep],
+                                  torch.tensor([[row.u]], dtype=torch.float64))[0, 0]])
 
 
 def _descending(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,15 +116,15 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     (torch.cumsum on CUDA scans one row with CUB, and several with a kernel whose threads per
     row depend on the number of rows).
 
-    Against sample_row: the same order, filters and comparisons; only the two sums associate
+    Against sample_row: the same order, filters, noise and pick; only the two sums associate
     differently (sample_row sums sequentially), so the float64 probabilities may differ in
-    the last bits. A token differs only where u * (kept mass), or a top-p or min-p threshold,
-    falls within those few ulps of a CDF value (u = 1 - 2**-53 over a row whose tail holds
-    almost no mass, say): for u uniform in steps of 2**-53, at most about V * 2**-51 of draws
-    (1e-11 for V = 49152). tests/test_sampling.py compares the tokens over many random rows.
-    NaN and +-inf logits give what sample_row gives: where the probabilities are NaN (a NaN
-    logit, a +inf one, or all -inf) every comparison fails, so top-p keeps the top-k, min-p
-    keeps one token and the pick is the last kept one."""
+    the last bits. A token differs only where a top-p or min-p threshold falls within those
+    few ulps of a cumulative or single probability: the kept set then differs by its last
+    token, and the pick only if that token wins. tests/test_sampling.py compares the tokens
+    over many random rows. NaN and +-inf logits give what sample_row gives: where the
+    probabilities are NaN (a NaN logit, a +inf one, or all -inf) every comparison fails, so
+    top-p keeps the top-k and min-p keeps one token; a NaN scaled logit never wins, a +inf
+    one does, and a row with none above -inf takes its first kept token."""
     n, vocab = len(rows), logits.shape[-1]
     device = logits.device
     params = torch.tensor([[r.temperature, r.top_k, r.top_p, r.min_p, r.u] for r in rows],
@@ -146,12 +148,42 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     # min-p: the tokens of probability >= min_p times the top one's (at least one)
     above = (probs >= min_p * probs[:, :1]).sum(-1, keepdim=True).clamp(min=1)
     keep = torch.where(min_p > 0.0, torch.minimum(keep, above), keep)
-    # inverse CDF: the first kept token whose cumulative mass passes u * (the kept mass)
-    target = u * cum.gather(1, keep - 1)
-    pick = torch.where(cum > target, col, vocab).amin(-1, keepdim=True)
-    pick = torch.minimum(pick, keep - 1)
+    # the Gumbel-max pick among the kept columns
+    pick = _gumbel_pick(scaled.masked_fill(col >= keep, float("-inf")), order, u)
     sampled = order.gather(1, pick).squeeze(1)
     return torch.where(temperature.squeeze(1) > 0, sampled, greedy)
+
+
+# splitmix64's constants, as int64 (two's complement)
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def gumbel_noise(u: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise [N, M] (float64) for draws u [N, 1] (float64 in [0, 1)) and token
+    ids [N, M]: each value a function of (u, id) alone, through splitmix64 of u's bits and the
+    id. Integer arithmetic wraps the same way on every device, so a token's noise has the same
+    bits on the CPU and on CUDA, whatever else shares the call."""
+    z = u.to(torch.float64).view(torch.int64) ^ ((ids + 1) * _GOLDEN)
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    v = (_shr(z, 11).double() + 0.5) * 2.0**-53       # uniform in (0, 1)
+    return -torch.log(-torch.log(v))
+
+
+def _gumbel_pick(scaled: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[N, 1]: the column of the largest scaled logit + gumbel_noise(u, its id), over scaled
+    [N, M] float64 (-inf where a column is not kept) and ids [N, M]; NaN counts as -inf, and
+    where no column is above -inf, the first column (the most likely token, as ranked)."""
+    score = (scaled + gumbel_noise(u, ids)).nan_to_num(nan=float("-inf"), posinf=float("inf"),
+                                                      neginf=float("-inf"))
+    return score.argmax(-1, keepdim=True)
 
 
 def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:

@@ -34,9 +34,10 @@ in `propose_u`): the proposal for position q is sample_rows (strata/kernels/samp
 target's own sampler) over the head's logits with the slot's temperature, top-k, top-p and
 min-p and the uniform u(q) = Philox(seed, q) that the target will sample q with: the window's
 own draws (its sampled row at p carries u(p + 1)), then propose_u's k draws for the positions
-after its last row's. Inverse CDF with one u over two close distributions lands on the same
-token far more often than the target's draw equals the head's argmax, and equality
-acceptance does not change: the tokens stay those of plain decoding, only more proposals are
+after its last row's. The sampler's pick is Gumbel-max with noise keyed by (u, token id): two
+distributions sampled with one u pick the same token about as often as any coupling of them
+can (1 - their total variation, less a little), far more often than the target's draw
+equals the head's argmax, and equality acceptance does not change: the tokens stay those of plain decoding, only more proposals are
 kept. Greedy slots, windows without draws (older coordinators, `--draft-sampling argmax`) and
 a position whose draw is not known take the argmax.
 """
