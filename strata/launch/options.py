@@ -114,8 +114,9 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                      help="How the mtp drafter proposes for a request with a temperature: "
                           "argmax = the head's most likely token; coupled = drawn from the "
                           "head's distribution with the draw the target will use at that "
-                          "position (pays with a head whose distribution is close to the "
-                          "target's; the shipped SmolLM2 head's is not: docs/BENCHMARKS.md). "
+                          "position (kept more often where the head's distribution is close "
+                          "to the target's, but each is a sampling step; with the shipped "
+                          "SmolLM2 head they run slower: docs/BENCHMARKS.md). "
                           "Greedy requests always take the argmax."),
         click.option("--mtp-head", type=click.Path(dir_okay=False), default=None,
                      help="A NextN head GGUF made for the model (a sidecar), for --drafter "
