@@ -107,6 +107,7 @@ def refused(worker: subprocess.Popen) -> str:
     return lines[0]
 
 
+@pytest.mark.long   # the default run joins with keys below, the same tokens
 def test_a_joined_stage_gives_the_tokens_of_a_plain_launch(varied_model, no_stage_left):
     args = ["--model", str(varied_model), *ARGS]
     plain = launch(args, None)
@@ -204,6 +205,7 @@ LONG = ["--layer-split", "2", "--devices", "cpu", "--ctx-size", str(LONG_CTX), "
         "--max-tokens", str(LONG_CTX)]
 
 
+@pytest.mark.long   # the default run: test_stage_failure's killed stage
 def test_a_killed_joined_stage_fails_the_launch_within_5s(long_tiny, no_stage_left):
     run = JoinableLaunch(["--model", str(long_tiny), *LONG])
     try:
@@ -220,6 +222,7 @@ def test_a_killed_joined_stage_fails_the_launch_within_5s(long_tiny, no_stage_le
     assert_no_traceback(run.stderr())
 
 
+@pytest.mark.long   # the default run: test_stage_failure's stopped stage
 def test_a_stopped_joined_stage_is_taken_for_hung_past_the_stage_timeout(long_tiny,
                                                                          no_stage_left):
     """SIGSTOP: the joined stage's sockets stay open; only its unanswered heartbeats tell."""
@@ -237,6 +240,7 @@ def test_a_stopped_joined_stage_is_taken_for_hung_past_the_stage_timeout(long_ti
     assert "strata-launch: stage 1 has not answered for" in run.stderr(), run.stderr()
 
 
+@pytest.mark.long   # the default run: test_stage_failure's killed launcher
 def test_a_joined_stage_leaves_when_the_launcher_is_killed(long_tiny, no_stage_left):
     run = JoinableLaunch(["--model", str(long_tiny), *LONG])
     try:
@@ -363,7 +367,7 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
-@pytest.mark.parametrize("security", ["keys", "insecure"])
+@pytest.mark.parametrize("security", ["keys", pytest.param("insecure", marks=pytest.mark.long)])
 def test_a_stage_joins_from_another_network_namespace(varied_model, two_hosts, hosts_keys,
                                                       security, no_stage_left):
     """The launch and its stage 0 in one namespace, stage 1 in the other: the tokens of a

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from strata.coordinator.pipeline import Expect, Pipeline
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
@@ -71,6 +73,7 @@ def test_launch_with_keys_gives_the_same_text(varied_model, tmp_path, no_stage_l
                 p.wait()
 
 
+@pytest.mark.long   # the default run: a keyed launch gives the same text (above)
 def test_stages_on_tcp_with_keys_give_the_same_tokens(varied_model, no_stage_left):
     file = ModelFile(varied_model)
     tok = Tokenizer.from_gguf(file.reader)

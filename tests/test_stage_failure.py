@@ -184,6 +184,7 @@ class ExternalLaunch:
                 p.wait()
 
 
+@pytest.mark.long   # the default run kills a spawned stage, and the launcher under an external one
 def test_a_killed_external_stage_fails_the_launch_within_5s(tmp_path, no_stage_left):
     run = ExternalLaunch(tmp_path)
     try:
