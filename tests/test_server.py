@@ -168,8 +168,10 @@ def test_stream_equals_the_whole_answer(tiny, chat):
     assert got == want
     assert all(ch.model_extra["seed"] == 5 for ch in chunks)
     finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
-    assert finishes[-1] == "length" and not any(finishes[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    # the seeded answer ends as the whole one did: at its stop token or after 24 tokens
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
@@ -283,7 +285,8 @@ def test_disconnect_beside_another_request(tiny):
     c = tiny.client()
     kw = dict(model="tiny", prompt="I stay to the end", max_tokens=120, temperature=0.9,
               seed=11)
-    solo = c.completions.create(**kw).choices[0].text
+    alone = c.completions.create(**kw).choices[0]
+    solo = alone.text
     result = {}
 
     def stay():
@@ -295,7 +298,7 @@ def test_disconnect_beside_another_request(tiny):
     other.start()
     assert _read_and_close(c) == 3
     other.join(120)
-    assert result["text"] == solo and result["finish"] == "length"
+    assert result["text"] == solo and result["finish"] == alone.finish_reason
     tiny.wait_idle()
     # the slot the leaver held serves the next request with exactly its solo tokens
     assert c.completions.create(**kw).choices[0].text == solo
