@@ -208,3 +208,19 @@ def test_head_tokens_samples_the_tempered_rows_and_takes_the_argmax_of_the_other
     want = [sample_row(logits[r], p) for r, p in zip(head.rows, params)]
     assert head_tokens(head, w) == want
     assert want[0] != int(logits[4].argmax()) and want[2] != int(logits[5].argmax())
+
+
+def test_gumbel_noise_is_finite_at_the_extremes():
+    """The noise's uniform never rounds to 0 or 1: a hash of all ones or all zeros in its top
+    bits gives a finite value, so no kept token wins whatever its logit (u 0.6838460427654266
+    with token 1966 hashed to the largest value and gave +inf while the uniform took 53 bits)."""
+    from strata.kernels.sampling import gumbel_noise
+    u = torch.tensor([[0.6838460427654266], [0.0], [1 - 2**-53]], dtype=torch.float64)
+    ids = torch.arange(50000).expand(3, -1)
+    noise = gumbel_noise(u, ids)
+    assert torch.isfinite(noise).all()
+    logits = torch.zeros(50000)
+    logits[1966] = -1e30
+    row = SamplingRow(temperature=1.0, u=0.6838460427654266)
+    assert sample_row(logits, row) != 1966
+    assert sample_rows_on_device(logits[None], [row]).tolist() != [1966]

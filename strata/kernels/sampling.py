@@ -173,7 +173,7 @@ def gumbel_noise(u: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2
     z = z ^ _shr(z, 31)
-    v = (_shr(z, 11).double() + 0.5) * 2.0**-53       # uniform in (0, 1)
+    v = (_shr(z, 12).double() + 0.5) * 2.0**-52       # uniform in (0, 1), exactly: never 1
     return -torch.log(-torch.log(v))
 
 
