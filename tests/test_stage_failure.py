@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from strata.bench.loadtest import ServerProcess
-from strata.coordinator.liveness import FLOOR_S, HEARTBEAT_S, MARGIN_S, Liveness
+from strata.coordinator.liveness import FIRST_S, FLOOR_S, HEARTBEAT_S, MARGIN_S, Liveness
 from strata.protocol import transport, unixsock
 from strata.protocol.messages import Heartbeat
 from strata.protocol.peers import PeerWatch
@@ -254,7 +254,7 @@ def _answer(pull, stage: int = 0) -> Heartbeat:
 def test_the_default_stage_timeout_follows_the_slowest_window():
     clock = Clock()
     live = Liveness(clock=clock)
-    assert live.timeout == FLOOR_S   # no window seen yet
+    assert live.timeout == FIRST_S   # no window back yet: the first ones compile and read
     live.submitted(1)
     clock.now += 30.0                # a long prompt chunk
     live.returned(1, result=True)
@@ -264,6 +264,25 @@ def test_the_default_stage_timeout_follows_the_slowest_window():
     live.returned(2, result=False)   # a stage's Error: its time does not count
     assert live.timeout == 2 * 30.0 + MARGIN_S
     assert Liveness(3.5).timeout == 3.5
+
+
+def test_a_first_window_longer_than_the_floor_is_no_hang(stage_socket):
+    """A stage busy with the launch's first window (a long prompt chunk on a slow device)
+    answers no heartbeat for 30 s: not a hang before any window has come back; afterwards,
+    silence past twice the slowest window plus the margin is."""
+    pull, push = stage_socket
+    clock = Clock()
+    live = Liveness(clock=clock)
+    live.add(0, push)
+    live.ask()
+    live.submitted(1)
+    _answer(pull)              # asked; the stage computes window 1 and cannot answer
+    clock.now += 30.0
+    assert live.overdue() is None
+    live.returned(1, result=True)
+    assert live.timeout == max(FLOOR_S, 2 * 30.0 + MARGIN_S)
+    clock.now += live.timeout + 1.0
+    assert live.overdue().startswith("stage 0 has not answered for")
 
 
 @pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan")])

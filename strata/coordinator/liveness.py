@@ -12,7 +12,8 @@ watch).
 The stage timeout is --stage-timeout, or by default twice the slowest window seen so far (from
 its submission to its Result, queueing behind other windows included) plus MARGIN_S, and at
 least FLOOR_S: a long prompt chunk, or a CUDA graph captured for a window size's first window,
-is not a hang.
+is not a hang. Until a window has come back, FIRST_S: the first windows compile kernels and
+may read a long prompt on a slow device, and a stage answers heartbeats only between windows.
 
 Only the thread that reads the inbox asks and judges (Pipeline._poll), and it judges only when
 the inbox is empty: a coordinator that did not read for a while (paused in a debugger, or busy
@@ -35,6 +36,7 @@ log = logging.getLogger("strata.liveness")
 HEARTBEAT_S = 0.5   # a stage that answered is asked again after this long
 FLOOR_S = 10.0      # the default stage timeout is at least this...
 MARGIN_S = 5.0      # ...and twice the slowest window seen plus this
+FIRST_S = 120.0     # the default stage timeout until a window has come back
 
 
 @dataclass
@@ -58,12 +60,14 @@ class Liveness:
         self.fixed, self.clock = stage_timeout, clock
         self.stages: dict[int, _Asked] = {}
         self.windows: dict[int, float] = {}   # window id in flight -> when it was submitted
-        self.slowest = 0.0                    # seconds: the slowest window returned so far
+        self.slowest: float | None = None     # seconds: the slowest window returned so far
 
     @property
     def timeout(self) -> float:
         if self.fixed is not None:
             return self.fixed
+        if self.slowest is None:
+            return FIRST_S
         return max(FLOOR_S, 2 * self.slowest + MARGIN_S)
 
     def add(self, stage: int, sock) -> None:
@@ -77,7 +81,7 @@ class Liveness:
         """The window's Result came (result=True: its time counts), or a stage's Error."""
         sent = self.windows.pop(window, None)
         if result and sent is not None:
-            self.slowest = max(self.slowest, self.clock() - sent)
+            self.slowest = max(self.slowest or 0.0, self.clock() - sent)
 
     def heard(self, answer: Heartbeat) -> None:
         asked = self.stages.get(answer.stage)

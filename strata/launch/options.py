@@ -12,7 +12,7 @@ from strata.config_error import ConfigError
 from strata.coordinator.config import (AUTO, DRAFT_SAMPLINGS, DRAFT_TILES, DRAFTERS,
                                        MAX_DRAFT_TOKENS, MAX_WINDOW_ROWS, WINDOW_ROW_STEP,
                                        SchedulerConfig, auto_groups)
-from strata.coordinator.liveness import FLOOR_S, MARGIN_S, Liveness
+from strata.coordinator.liveness import FIRST_S, FLOOR_S, MARGIN_S, Liveness
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.launch.memory import check_fits
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
@@ -133,7 +133,8 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           f"or a window that does not come back, is taken for hung: every "
                           f"request then fails, naming the stage. Default: twice the slowest "
                           f"window seen so far plus {MARGIN_S:g} s, and at least {FLOOR_S:g} s "
-                          f"(a long prompt chunk or a first CUDA graph capture is no hang)."),
+                          f"(a long prompt chunk or a first CUDA graph capture is no hang); "
+                          f"{FIRST_S:g} s until a window has come back."),
         click.option("--transport", default="unix", show_default=True,
                      type=click.Choice(["unix", "zmq"]),
                      help="Headers and messages between the processes of this host: unix "
