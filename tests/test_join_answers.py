@@ -69,6 +69,9 @@ def test_a_stage_waits_for_its_next_stage_to_join_first(three_stages):
     (JoinConfirm(2, "0ther", "tcp://10.0.0.8:5002"), ["fingerprint 0ther",
                                                      "this launch's f1ngerpr1nt"]),
     (JoinConfirm(2, "f1ngerpr1nt", "ipc:///tmp/x"), ["'ipc:///tmp/x' is not a tcp://HOST:PORT"]),
+    (JoinConfirm(2, "f1ngerpr1nt", "tcp://0.0.0.0:5002"), ["does not say where the other "
+                                                            "stages reach it"]),
+    (JoinConfirm(2, "f1ngerpr1nt", "tcp://*:5002"), ["give --listen tcp://ADDRESS:PORT"]),
     (Heartbeat(1), ["a Heartbeat is no question a joining stage asks"]),
 ])
 def test_a_join_that_cannot_be_placed_is_refused(three_stages, question, words):
@@ -122,6 +125,16 @@ def test_a_worker_with_no_launch_to_join_gives_up():
     assert r.exit_code == 2, r.output
     assert (f"strata-worker: stage 1: no launch answered at {desk.endpoint} within 0.5s; start "
             f"strata-launch --external-stage 1 --listen HOST:PORT") in r.output
+
+
+def test_a_launch_host_that_does_not_resolve_gets_a_sentence():
+    from strata.stage_worker.main import main
+    r = CliRunner().invoke(main, ["--stage", "1", "--join", "tcp://nosuchhost.invalid:7600",
+                                  "--insecure", "--join-timeout", "2"])
+    assert r.exit_code == 2, r.output
+    assert ("strata-worker: stage 1: cannot reach the launch at tcp://nosuchhost.invalid:7600"
+            in r.output), r.output
+    assert "check its host and port" in r.output and isinstance(r.exception, SystemExit)
 
 
 def test_the_launch_says_what_it_waits_for_then_gives_up(three_stages, monkeypatch):

@@ -167,9 +167,13 @@ class StageJoins:
             self.say(f"strata-launch: refused a join: {sentence}")
             return JoinRefused(k, sentence)
         try:
-            parse_tcp(msg.listen)
+            host, _ = parse_tcp(msg.listen)
         except ValueError as e:
             return JoinRefused(k, f"stage {k}'s endpoint {e}; give --listen tcp://ADDRESS:PORT")
+        if host in ("*", "0.0.0.0"):   # the others connect to the address they are told
+            return JoinRefused(k, f"stage {k}'s endpoint {msg.listen} does not say where the "
+                                  f"other stages reach it; give --listen tcp://ADDRESS:PORT "
+                                  f"with its host's address")
         self.procs.endpoints.stages[k] = msg.listen
         self.joined[k] = msg.listen
         self.say(f"stage {k} joined from {msg.listen}")
