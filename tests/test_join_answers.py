@@ -303,9 +303,39 @@ def test_keys_on_one_side_of_a_join_get_a_sentence(hosts_keys, side):
     said = r.output.strip().splitlines()
     assert len(said) == 1, r.output
     if side == "launch":
-        assert said[0] == (f"strata-worker: stage 1: the launch at {desk.endpoint} wants "
-                           f"CurveZMQ keys (its handshake failed); give --keys with a copy of "
-                           f"the launch's keys directory")
+        assert said[0] == (f"strata-worker: stage 1: the handshake with {desk.endpoint} failed: "
+                           f"the launch there wants CurveZMQ keys (give --keys with a copy of "
+                           f"its keys directory), or what listens there is no strata launch "
+                           f"(check the address)")
     else:
-        assert said[0].startswith(f"strata-worker: stage 1: the CurveZMQ handshake with the "
-                                  f"launch at {desk.endpoint} failed: give --keys with a copy")
+        assert said[0].startswith(f"strata-worker: stage 1: the CurveZMQ handshake with "
+                                  f"{desk.endpoint} failed: give --keys with a copy")
+
+
+def test_a_join_to_what_is_no_strata_launch_says_so():
+    """Something else listens at the address (it greets and hangs up, as an ssh server does):
+    the sentence names that possibility, not only missing keys."""
+    import socket
+    import threading
+    from strata.stage_worker.main import main
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    def greet():
+        for _ in range(5):
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+            conn.close()
+    threading.Thread(target=greet, daemon=True).start()
+    try:
+        r = CliRunner().invoke(main, ["--stage", "1", "--join", f"tcp://127.0.0.1:{port}",
+                                      "--join-timeout", "5"])
+    finally:
+        server.close()
+    assert r.exit_code == 2, r.output
+    assert "is no strata launch (check the address)" in r.output, r.output

@@ -80,11 +80,13 @@ def _ask(endpoint: str, question, stage: int, deadline: float, timeout_s: float,
         answer = ask(endpoint, question, max(0.0, deadline - time.monotonic()), keys)
     except JoinHandshakeError:
         raise JoinError(
-            f"the CurveZMQ handshake with the launch at {endpoint} failed: give --keys with a "
-            f"copy of the launch's keys directory (stage{stage}'s secret, its coordinator.key)"
+            f"the CurveZMQ handshake with {endpoint} failed: give --keys with a copy of the "
+            f"launch's keys directory (stage{stage}'s secret, its coordinator.key), and check "
+            f"that a strata launch listens there"
             if keys is not None else
-            f"the launch at {endpoint} wants CurveZMQ keys (its handshake failed); give --keys "
-            f"with a copy of the launch's keys directory") from None
+            f"the handshake with {endpoint} failed: the launch there wants CurveZMQ keys (give "
+            f"--keys with a copy of its keys directory), or what listens there is no strata "
+            f"launch (check the address)") from None
     if answer is None:
         raise JoinError(f"no launch answered at {endpoint} within {timeout_s:g}s; start "
                         f"strata-launch --external-stage {stage} --listen HOST:PORT with that "
