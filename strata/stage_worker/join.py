@@ -44,7 +44,11 @@ def join_launch(endpoint: str, stage: int, model: str | None, listen: str | None
     loopback without keys or insecure."""
     host, port = parse_tcp(endpoint)
     if listen is None:
-        address = address_toward(host, port)
+        try:
+            address = address_toward(host, port)
+        except OSError as e:   # the host does not resolve, or has no route from here
+            raise JoinError(f"cannot reach the launch at {endpoint} ({e.strerror or e}); check "
+                            f"its host and port") from None
         listen = f"tcp://{address}:{free_ports(address)[0]}"
     check_tcp(listen, bind=True, keyed=keys is not None, insecure=insecure, warn=False)
     deadline = time.monotonic() + timeout_s

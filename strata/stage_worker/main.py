@@ -146,9 +146,6 @@ def run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head, 
     except (JoinError, ModelError, ValueError) as e:
         say(str(e))
         sys.exit(2)
-    except OSError as e:   # the launch's host does not resolve, or has no route from here
-        say(f"cannot reach the launch at {join} ({e.strerror or e}); check its host and port")
-        sys.exit(2)
     for flag, value in (("--device", device), ("--mtp-head", mtp_head), ("--keys", keys)):
         if value is not None:   # this host's own
             args = with_flag(args, flag, value)
