@@ -167,8 +167,9 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
 def gumbel_noise(u: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise [N, M] (float64) for draws u [N, 1] (float64 in [0, 1)) and token
     ids [N, M]: each value a function of (u, id) alone, through splitmix64 of u's bits and the
-    id. Integer arithmetic wraps the same way on every device, so a token's noise has the same
-    bits on the CPU and on CUDA, whatever else shares the call."""
+    id. Integer arithmetic wraps the same way on every device, so the hash has the same bits on
+    the CPU and on CUDA (the float64 log after it may differ in its last bit between them),
+    whatever else shares the call."""
     z = u.to(torch.float64).view(torch.int64) ^ ((ids + 1) * _GOLDEN)
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2
@@ -181,9 +182,8 @@ def _gumbel_pick(scaled: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> to
     """[N, 1]: the column of the largest scaled logit + gumbel_noise(u, its id), over scaled
     [N, M] float64 (-inf where a column is not kept) and ids [N, M]; NaN counts as -inf, and
     where no column is above -inf, the first column (the most likely token, as ranked)."""
-    score = (scaled + gumbel_noise(u, ids)).nan_to_num(nan=float("-inf"), posinf=float("inf"),
-                                                      neginf=float("-inf"))
-    return score.argmax(-1, keepdim=True)
+    score = scaled + gumbel_noise(u, ids)
+    return score.masked_fill(score.isnan(), float("-inf")).argmax(-1, keepdim=True)
 
 
 def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
