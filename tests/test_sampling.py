@@ -44,10 +44,9 @@ def random_row(rng: random.Random, vocab: int) -> SamplingRow:
                        min_p=rng.choice([0.0, 0.02, 0.2]), u=rng.random())
 
 
-# u off any float64 CDF boundary: 0, or the middle of a 2**-24 grid. Drawn u within a few
-# ulps of a boundary (u = 1 - 2**-53 over a row whose tail holds no mass, say) may pick
-# differently on the device path (sample_rows_on_device's docstring): for uniform u, about
-# V * 2**-51 of draws.
+# Draws: 0, or the middle of a 2**-24 grid (u keys the Gumbel noise; the device path and
+# sample_row differ only where a top-p or min-p cut falls within a few ulps: see
+# sample_rows_on_device's docstring).
 DRAWS = st.one_of(st.just(0.0), st.integers(0, 2**24 - 1).map(lambda i: (i + 0.5) / 2**24))
 
 
