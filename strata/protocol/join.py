@@ -136,7 +136,14 @@ def ask(endpoint: str, question, timeout_s: float, keys: CurveKeys | None = None
         if keys is not None:
             keys.connect_to(sock, COORDINATOR)
         sock.connect(endpoint)
-        transport.send(sock, question)
+        # a send waits for a peer; after a failed handshake ZeroMQ may drop it: bounded
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        try:
+            transport.send(sock, question)
+        except (zmq.Again, transport.TransportError):
+            if monitor.poll(0):
+                raise JoinHandshakeError(endpoint) from None
+            return None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
