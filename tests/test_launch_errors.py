@@ -97,6 +97,12 @@ EARLY = {
     "window-rows-zero": (["--window-rows", "0"], ["--window-rows 0 is not a multiple of 8",
                                                   "use 8 or auto"]),
     "batch-zero": (["--batch", "0"], ["--batch 0", "below 1"]),
+    "restart-with-prompt": (["--restart-stages"], ["--restart-stages", "--prompt",
+                                                   "leave one of them out"]),
+    "restart-external": (["--layer-split", "2", "--restart-stages", "--external-stage", "1"],
+                         ["--restart-stages", "stage 1", "--external-stage"]),
+    "restart-gloo": (["--layer-split", "2", "--restart-stages", "--stage-link", "gloo"],
+                     ["--stage-link gloo", "use --stage-link zmq"]),
     "batch-beyond-memory": (["--batch", "100000000"],
                             ["--batch 100000000", "of KV cache", "slot(s) fit", "use --batch"]),
 }

@@ -298,7 +298,7 @@ def test_counters_and_status_count_drafts_proposed_and_accepted():
 
     from strata.coordinator.connections import ServerConfig
     from strata.coordinator.server import Server
-    server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, [], lambda: None)
+    server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, lambda: None)
     status = json.loads(asyncio.run(server.status(None)).text)
     positions = status["drafts"].pop("positions")
     assert status["drafts"] == {"proposed": drafted, "accepted": accepted,
@@ -331,7 +331,7 @@ def test_a_decoding_slot_shows_its_drafts():
                                                                            req.accepted)
     assert 0 < view.accepted < view.drafted
     engine._publish()
-    server = Server(engine, None, 64, ServerConfig(model="fake"), Metrics(), [], lambda: None)
+    server = Server(engine, None, 64, ServerConfig(model="fake"), Metrics(), lambda: None)
     slot = json.loads(asyncio.run(server.status(None)).text)["slots"][0]
     # "mix" proposals: the first is kept, the two after it never
     windows = req.drafted // 3
@@ -374,7 +374,7 @@ def test_acceptance_per_draft_position_in_status_and_metrics():
     assert (req.drafted_at, req.accepted_at) == ([3, 3, 3], [2, 1, 1])
     assert (sched.drafted_at, sched.accepted_at) == ([3, 3, 3], [2, 1, 1])
     engine._publish()
-    server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, [], lambda: None)
+    server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, lambda: None)
     status = json.loads(asyncio.run(server.status(None)).text)
     want = {"proposed": 9, "accepted": 4, "rate": 0.4444, "positions": [
         {"position": 1, "proposed": 3, "accepted": 2, "rate": 0.6667},

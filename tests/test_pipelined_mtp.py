@@ -299,7 +299,7 @@ def test_status_says_each_groups_choice():
     while min(len(r.seq.generated) for r in reqs) < 40 and sched.step():
         pass
     engine._publish()
-    server = Server(engine, None, 64, ServerConfig(model="fake"), Metrics(), [], lambda: None)
+    server = Server(engine, None, 64, ServerConfig(model="fake"), Metrics(), lambda: None)
     status = json.loads(asyncio.run(server.status(None)).text)
     assert status["draft_tokens"] == "auto"
     for g in status["groups"]:

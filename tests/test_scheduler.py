@@ -37,6 +37,9 @@ class FakePipeline:
     def check(self) -> None:   # an idle engine's check of the stages: nothing to check here
         pass
 
+    def stage_table(self) -> list[dict]:   # no stage processes
+        return []
+
     def submit(self, w) -> None:
         w, _ = unpack(pack(w))  # what a stage would get: the window as the wire carries it
         self.queue.append(w)

@@ -228,7 +228,7 @@ def test_histogram_and_status_show_each_decode_window():
     metrics = Metrics()
     engine = Engine(FakePipeline(n, 64), SchedulerConfig(slots=n, ctx=64), frozenset(),
                     lambda ids: "", metrics)
-    server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, [], lambda: None)
+    server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, lambda: None)
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -12,6 +12,13 @@ for /v1/status, so the event loop never reads the scheduler's live state, and on
 the step's Finished events: a client that has its answer finds it in the snapshot. A window that cannot
 be built or sent ends only the requests in it (the scheduler's doing); the engine stops only
 when the stages cannot go on.
+
+Unless it may start a stage again (`restart`, strata-launch --restart-stages): then a stage
+that died or hangs is started again (restart kills what is left of it), the engine waits for
+its hello, and every request in a slot writes its KV again on every stage and goes on to the
+tokens it would have had (Scheduler.restarted); requests that come meanwhile wait in the
+queue. Only a stage that keeps failing (RESTARTS_IN_A_ROW restarts with no window back
+between them) or cannot be started again stops the engine.
 """
 from __future__ import annotations
 
@@ -22,9 +29,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from strata.coordinator.metrics import Metrics
-from strata.coordinator.pipeline import Pipeline, WindowFailed
+from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.draft_choice import DraftChoice
 from strata.coordinator.scheduler import (DecodeWindow, Request, Scheduler, SchedulerConfig,
@@ -34,6 +42,7 @@ from strata.protocol.messages import Window
 log = logging.getLogger("strata.engine")
 
 IDLE_CHECK_S = 1.0   # an idle engine checks the stages this often (Pipeline.check)
+RESTARTS_IN_A_ROW = 3   # restarts with no window come back between them, before giving up
 
 
 class EngineDown(RuntimeError):
@@ -158,8 +167,15 @@ class _TimedPipe:
 
 class Engine:
     def __init__(self, pipe: Pipeline, cfg: SchedulerConfig, stop_ids: frozenset[int],
-                 detokenize, metrics: Metrics | None = None, stop_grace: float = 10.0):
+                 detokenize, metrics: Metrics | None = None, stop_grace: float = 10.0,
+                 restart: Callable[[int], None] | None = None):
+        """restart(stage): replace the stage's process by a new one (the launcher's); None:
+        a stage that fails stops the engine."""
         self.cfg, self.metrics, self.stop_grace = cfg, metrics, stop_grace
+        self.restart = restart
+        self.stages: list[dict] = pipe.stage_table()   # for /v1/status; new after a restart
+        self.restarting: str | None = None   # which stage starts again, and why (for /health)
+        self._restarts = (0, -1)   # (restarts in a row, results received at the last one)
         self.pipe = _TimedPipe(pipe, cfg, metrics)
         self.scheduler = Scheduler(self.pipe, cfg, stop_ids, detokenize)
         self.commands: queue.Queue = queue.Queue()
@@ -212,13 +228,16 @@ class Engine:
     def _run(self) -> None:
         try:
             while True:
-                # idle (no commits left to carry either): sleep until a command comes
-                self._take_commands(block=self.scheduler.idle and not self._stopping)
-                if self._stopping and self.scheduler.idle:
-                    return
-                # stopping, a stage that never answers must not hold the server up for ever
-                self._held = []
-                self.scheduler.step(timeout=self.stop_grace if self._stopping else None)
+                try:
+                    # idle (no commits left to carry either): sleep until a command comes
+                    self._take_commands(block=self.scheduler.idle and not self._stopping)
+                    if self._stopping and self.scheduler.idle:
+                        return
+                    # stopping, a stage that never answers must not hold the server up for ever
+                    self._held = []
+                    self.scheduler.step(timeout=self.stop_grace if self._stopping else None)
+                except PipelineError as e:
+                    self._start_again(e)
                 self._publish()
         except Exception as e:  # PipelineError mostly: a stage is gone
             if not self._stopping:
@@ -236,6 +255,37 @@ class Engine:
                 if isinstance(command, Submit):
                     self._end(command.job, Finished("error", [], "", reason, down=True))
             self._publish()
+
+    def _start_again(self, error: PipelineError) -> None:
+        """Start the stage that `error` names again and let the requests in slots rebuild
+        their KV; raises a PipelineError when that cannot be done."""
+        while True:
+            if self.restart is None or error.stage is None or self._stopping:
+                raise error
+            in_a_row, at = self._restarts
+            in_a_row = in_a_row + 1 if self.pipe.windows == at else 1
+            if in_a_row > RESTARTS_IN_A_ROW:
+                raise PipelineError(f"{error} (after {RESTARTS_IN_A_ROW} restarts in a row "
+                                    f"with no window back between them)")
+            self._restarts = (in_a_row, self.pipe.windows)
+            stage = error.stage
+            self.restarting = f"stage {stage} is starting again: {error}"
+            log.warning("%s; starting stage %d again", error, stage)
+            try:
+                self.restart(stage)
+                hello = self.pipe.pipe.rejoin(stage)
+            except PipelineError as again:   # it failed again, or another stage did
+                error = again
+                continue
+            break
+        self.pipe.sent.clear()   # the windows in flight are given up
+        self.scheduler.restarted()
+        self.stages = self.pipe.pipe.stage_table()
+        self.restarting = None
+        if self.metrics:
+            self.metrics.stage_restarts.labels(str(stage)).inc()
+        log.warning("stage %d started again (pid %d); the requests in slots rebuild their KV",
+                    stage, hello.pid)
 
     def _take_commands(self, block: bool) -> None:
         while True:

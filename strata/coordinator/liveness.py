@@ -61,6 +61,7 @@ class Liveness:
         self.stages: dict[int, _Asked] = {}
         self.windows: dict[int, float] = {}   # window id in flight -> when it was submitted
         self.slowest: float | None = None     # seconds: the slowest window returned so far
+        self.culprit: int | None = None       # the stage that overdue() last named, if any
 
     @property
     def timeout(self) -> float:
@@ -73,6 +74,15 @@ class Liveness:
     def add(self, stage: int, sock) -> None:
         """Ask `stage` heartbeats through `sock` (a PUSH socket to its input) from now on."""
         self.stages[stage] = _Asked(sock, PeerWatch(sock))
+
+    def drop(self, stage: int) -> None:
+        """`stage` is being replaced: no heartbeats to it until add() (its new hello), and
+        every window in flight is given up."""
+        asked = self.stages.pop(stage, None)
+        if asked is not None:
+            asked.watch.close()
+            asked.sock.close(linger=0)
+        self.windows.clear()
 
     def submitted(self, window: int) -> None:
         self.windows[window] = self.clock()
@@ -106,9 +116,11 @@ class Liveness:
     def overdue(self) -> str | None:
         """Why the stages cannot go on: a stage has gone, or has not answered within the stage
         timeout, or a window has not come back within it; None while all is well. Call with
-        the inbox empty."""
+        the inbox empty. `culprit` is then the stage named, if one is."""
+        self.culprit = None
         for stage, asked in self.stages.items():
             if asked.watch.gone():
+                self.culprit = stage
                 return (f"stage {stage} has gone (its socket closed): it exited or was killed; "
                         f"its log may say why")
         now, limit = self.clock(), self.timeout
@@ -118,6 +130,7 @@ class Liveness:
         late = sorted((sent, w) for w, sent in self.windows.items() if now - sent > limit)
         if owing and (owing[-1][0] > limit or late):
             waited, stage = owing[-1]
+            self.culprit = stage
             window = f" (window {late[0][1]} went {now - late[0][0]:.1f} s ago)" if late else ""
             return (f"stage {stage} has not answered for {waited:.1f} s{window}, past the stage "
                     f"timeout of {limit:.1f} s: it hangs, stopped or stuck on its device; its "

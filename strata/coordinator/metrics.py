@@ -58,6 +58,9 @@ class Metrics:
                                           "position j and every one before it equal to the "
                                           "token sampled at their positions", ["position"],
                                           registry=r)
+        self.stage_restarts = Counter("strata_stage_restarts", "Stages started again after "
+                                      "they died or hung (strata-launch --restart-stages)",
+                                      ["stage"], registry=r)
         self.up = Gauge("strata_up", "1 while every stage and the engine thread are alive",
                         registry=r)
 

@@ -29,7 +29,12 @@ log = logging.getLogger("strata.pipeline")
 
 
 class PipelineError(RuntimeError):
-    """The stages cannot go on (a stage died, refused its hello, or stopped answering)."""
+    """The stages cannot go on (a stage died, refused its hello, or stopped answering).
+    `stage`: the stage to blame, where one is known (a restart starts it again)."""
+
+    def __init__(self, message: str, stage: int | None = None):
+        super().__init__(message)
+        self.stage = stage
 
 
 class WindowFailed(RuntimeError):
@@ -70,6 +75,8 @@ class Pipeline:
         self.to_first = self.sockets.push(first_stage, peer=stage_name(0))
         self.check_alive = check_alive
         self.hellos: dict[int, Hello] = {}
+        self.expected: dict[int, Expect] = {}
+        self.restarts: dict[int, int] = {}   # stage -> times it said hello again (rejoin)
         self.next_window_id = 0
         # with GPU stages a result is usually a few ms away: poll without sleeping this long
         # before blocking (set from the hellos; CPU stages need the cores a spin would take)
@@ -78,7 +85,7 @@ class Pipeline:
     def wait_for_hellos(self, expected: list[Expect], timeout: float | None = 120.0,
                         on_wait: Callable[[float], None] = lambda waited: None) -> list[Hello]:
         """Wait until every stage has said hello and matches what was expected."""
-        want = {e.stage: e for e in expected}
+        want = self.expected = {e.stage: e for e in expected}
         start = time.monotonic()
         while len(self.hellos) < len(want):
             waited = time.monotonic() - start
@@ -94,15 +101,52 @@ class Pipeline:
             if msg is None:
                 continue
             if isinstance(msg, Error):
-                raise PipelineError(f"stage {msg.stage} failed at start: {msg.message}")
+                raise PipelineError(f"stage {msg.stage} failed at start: {msg.message}",
+                                    stage=msg.stage)
             if isinstance(msg, Hello):
-                self._check_hello(msg, want)
-                self.hellos[msg.stage] = msg
-                if msg.listen:
-                    self.liveness.add(msg.stage, self._open_push(msg.listen, msg.stage))
+                self._hello(msg, want)
         if all(h.device.startswith("cuda") for h in self.hellos.values()):
             self.spin_s = transport.SPIN_S
         return [self.hellos[s] for s in sorted(self.hellos)]
+
+    def _hello(self, h: Hello, want: dict[int, Expect]) -> None:
+        self._check_hello(h, want)
+        self.hellos[h.stage] = h
+        if h.listen:
+            self.liveness.add(h.stage, self._open_push(h.listen, h.stage))
+
+    def rejoin(self, stage: int, timeout: float | None = 300.0,
+               on_wait: Callable[[float], None] = lambda waited: None) -> Hello:
+        """Wait for the hello of `stage`, started again (its process was replaced) after a
+        PipelineError: every window in flight is given up, and what comes meanwhile from the
+        stages that stayed (the Results and Errors of those windows) is dropped."""
+        assert stage in self.expected, stage
+        self.liveness.drop(stage)
+        self.hellos.pop(stage, None)
+        start = time.monotonic()
+        while stage not in self.hellos:
+            waited = time.monotonic() - start
+            if timeout is not None and waited > timeout:
+                raise PipelineError(f"stage {stage}, started again, did not say hello within "
+                                    f"{timeout:.0f}s; its log may say why", stage=stage)
+            on_wait(waited)
+            msg = self._poll(0.2)
+            if isinstance(msg, Error) and msg.stage == stage and msg.window < 0:
+                raise PipelineError(f"stage {stage} failed at start: {msg.message}",
+                                    stage=stage)
+            if isinstance(msg, Hello) and msg.stage == stage:
+                self._hello(msg, self.expected)
+            elif msg is not None:
+                log.info("dropped a %s while stage %d starts again: its window was given up",
+                         type(msg).__name__, stage)
+        self.restarts[stage] = self.restarts.get(stage, 0) + 1
+        return self.hellos[stage]
+
+    def stage_table(self) -> list[dict]:
+        """The stages as their hellos describe them, with how often each was started again."""
+        return [{"stage": h.stage, "layers": [h.layer_start, h.layer_end], "device": h.device,
+                 "pid": h.pid, "restarts": self.restarts.get(h.stage, 0)}
+                for _, h in sorted(self.hellos.items())]
 
     @staticmethod
     def _check_hello(h: Hello, want: dict[int, Expect]) -> None:
@@ -195,7 +239,7 @@ class Pipeline:
         self.check_alive()
         hung = self.liveness.overdue()
         if hung is not None:
-            raise PipelineError(hung)
+            raise PipelineError(hung, stage=self.liveness.culprit)
         return None
 
     def shutdown(self, reason: str = "coordinator exit") -> None:

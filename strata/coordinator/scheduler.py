@@ -55,7 +55,7 @@ from collections import deque
 from typing import Callable
 
 from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_groups re-exported)
-    WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
+    MAX_WINDOW_ROWS, WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
 from strata.coordinator.draft_choice import share_rows
 from strata.coordinator.drafts import PromptLookup, count_positions, draft_limit
 from strata.coordinator.generate import Sequence
@@ -120,8 +120,9 @@ class Scheduler:
                 views.append(SlotState(slot.index, slot.group, "idle", held=len(slot.held)))
                 continue
             prompt = len(req.seq.prompt)
-            views.append(SlotState(slot.index, slot.group,
-                                   "reading" if slot.read_pos < prompt else "decoding",
+            state = ("rebuilding" if slot.read_pos < slot.rebuild else
+                     "reading" if slot.reading else "decoding")
+            views.append(SlotState(slot.index, slot.group, state,
                                    req.id, prompt, slot.read_pos, req.reused,
                                    len(req.seq.generated), drafted=req.drafted,
                                    accepted=req.accepted, drafted_at=tuple(req.drafted_at),
@@ -219,7 +220,7 @@ class Scheduler:
             slot, reuse = chosen
             req = self.queue.popleft()
             req.slot, req.reused = slot, reuse
-            slot.request, slot.read_pos = req, reuse
+            slot.request, slot.read_pos, slot.rebuild = req, reuse, 0
             del slot.held[reuse:]
             self.commits.append((slot.index, reuse))
             if reuse:
@@ -230,13 +231,14 @@ class Scheduler:
         """(busy slots, prompt tokens left to read): a new request joins the least loaded group.
         A heuristic: decode work still to come (max_tokens) is not counted."""
         busy = [s for s in self.table.in_group(group) if not s.free]
-        return len(busy), sum(len(s.request.seq.prompt) - s.read_pos for s in busy)
+        return len(busy), sum(max(len(s.request.seq.prompt), s.rebuild) - s.read_pos
+                              for s in busy if s.reading)
 
     def _launch(self, group: int) -> bool:
         """Submit the group's next window if it may have one now; True if one was sent."""
         slots = [s for s in self.table.in_group(group) if not s.free]
-        reading = [s for s in slots if s.read_pos < len(s.request.seq.prompt)]
-        decoding = [s for s in slots if s.read_pos >= len(s.request.seq.prompt)]
+        reading = [s for s in slots if s.reading]
+        decoding = [s for s in slots if not s.reading]
         g = self.groups[group]
         if g.flights:
             slot = g.streaming
@@ -305,20 +307,68 @@ class Scheduler:
 
     def _submit_chunk(self, group: int, slot: Slot) -> None:
         seq, start = slot.request.seq, slot.read_pos
+        if start >= len(seq.prompt):
+            self._submit_replay(group, slot)
+            return
         end = min(start + self.cfg.chunk_rows, len(seq.prompt))
         rows = [Row(slot.index, p, seq.prompt[p]) for p in range(start, end)]
-        last = end == len(seq.prompt)
-        if last:  # the prompt's last row samples the first token
+        # the prompt's last row samples the first token, unless that was sampled before a
+        # rebuild
+        last = end == len(seq.prompt) and not slot.rebuild
+        if last:
             rows[-1] = Row(slot.index, end - 1, seq.prompt[end - 1], seq.params)
         slot.read_pos = end
         slot.held.extend(seq.prompt[start:end])
-        self.groups[group].streaming = None if last else slot
+        self.groups[group].streaming = slot if slot.reading else None
         # after its first token, the slot decodes beside the group's decoding slots
-        decoding = sum(not s.free and s.read_pos >= len(s.request.seq.prompt)
+        decoding = sum(not s.free and not s.reading
                        for s in self.table.in_group(group))
         propose = self._propose(slot, min(decoding, self.cfg.window_rows)) if last else []
         self._submit(group, rows, self.cfg.chunk_rows, [RowOwner(slot, slot.request, int(last))],
                      chunk=True, propose=propose)
+
+    def _submit_replay(self, group: int, slot: Slot) -> None:
+        """A rebuild's decoded tokens, written again as a decode window of the slot's rows
+        (as drafts that are all kept: decode rows compute as they did, prompt rows would not)
+        without sampling."""
+        seq, start = slot.request.seq, slot.read_pos
+        end = min(start + self.replay_rows, slot.rebuild)
+        tokens = seq.prompt + seq.generated
+        rows = [Row(slot.index, p, tokens[p]) for p in range(start, end)]
+        slot.read_pos = end
+        self.groups[group].streaming = slot if slot.reading else None
+        self._submit(group, rows, round_rows(len(rows)), [RowOwner(slot, slot.request, 0)])
+
+    def restarted(self) -> None:
+        """A stage was started again, and its KV cache is empty: every window in flight is
+        given up (no token of theirs counts), no slot holds a prompt for the next request any
+        more, and each request in a slot writes its KV again from position 0 before it goes
+        on: a request that has decoded reads its prompt without sampling, then its decoded
+        tokens (all but the last, which its next decode window reads) in decode windows, so
+        every stage's KV is what it was (DESIGN.md, exactness 2) and the request goes on to
+        exactly the tokens it would have had."""
+        self.in_flight.clear()
+        for g in self.groups:
+            g.flights, g.streaming = 0, None
+        self.commits = [(slot.index, 0) for slot in self.table.slots]
+        for slot in self.table.slots:
+            slot.held.clear()
+            req = slot.request
+            if req is None:
+                continue
+            if req.cancelled:
+                self._release(slot, req, "cancelled")
+                continue
+            slot.read_pos, req.proposals = 0, []
+            slot.rebuild = req.seq.length - 1 if req.seq.generated else 0
+            if slot.rebuild:
+                log.info("request %d: slot %d writes %d positions again", req.id, slot.index,
+                         slot.rebuild)
+
+    @property
+    def replay_rows(self) -> int:
+        """The rows of a rebuild's decode windows: about a prompt chunk's."""
+        return min(round_rows(self.cfg.chunk_rows), MAX_WINDOW_ROWS)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Draft tokens on offer for the request's next window: at most `room`, within the

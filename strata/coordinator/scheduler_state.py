@@ -79,7 +79,7 @@ class SlotState:
     """One slot as the scheduler sees it between two steps."""
     slot: int
     group: int
-    state: str                 # idle | reading | decoding
+    state: str                 # idle | reading | rebuilding | decoding
     request: int | None = None
     prompt_tokens: int = 0
     read: int = 0              # prompt tokens in the slot's KV so far

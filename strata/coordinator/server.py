@@ -37,9 +37,9 @@ log = logging.getLogger("strata.server")
 
 class Server:
     def __init__(self, engine: Engine, tok, vocab: int, cfg: ServerConfig, metrics: Metrics,
-                 stages: list[dict], check_alive: Callable[[], None]):
+                 check_alive: Callable[[], None]):
         self.engine, self.tok, self.vocab, self.cfg = engine, tok, vocab, cfg
-        self.metrics, self.stages, self.check_alive = metrics, stages, check_alive
+        self.metrics, self.check_alive = metrics, check_alive
         self.ctx = engine.cfg.ctx
         self.created = api.now()
         self.names = {cfg.model, *cfg.aliases}
@@ -293,6 +293,8 @@ class Server:
     def health_error(self) -> str | None:
         if self.engine.failure:   # the first cause: what the engine stopped on
             return self.engine.failure
+        if self.engine.restarting:   # requests wait meanwhile, and then go on
+            return self.engine.restarting
         try:
             self.check_alive()  # polls the stage processes; raises PipelineError
         except Exception as e:
@@ -340,7 +342,7 @@ class Server:
             # since the start; each slot's "drafts" counts its request's
             "drafts": draft_counts(snap.drafted, snap.accepted, snap.drafted_at,
                                    snap.accepted_at, cfg.max_draft_tokens),
-            "windows": snap.windows, "slots": slots, "groups": groups, "stages": self.stages})
+            "windows": snap.windows, "slots": slots, "groups": groups, "stages": self.engine.stages})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
@@ -357,12 +359,6 @@ def draft_choice(c) -> dict | None:
             "tokens_per_window": round(c.tokens_per_window, 3),
             "tok_s": None if c.tok_s is None else round(c.tok_s, 1), "explored": c.explored,
             "timed": [{"rows": r, "k": k, "ms": ms} for r, k, ms in c.timed]}
-
-
-def stage_table(hellos: dict) -> list[dict]:
-    """The stages as their hellos describe them (Pipeline.hellos: stage -> Hello)."""
-    return [{"stage": h.stage, "layers": [h.layer_start, h.layer_end], "device": h.device,
-             "pid": h.pid} for _, h in sorted(hellos.items())]
 
 
 async def serve(server: Server, sock: socket.socket, stop: asyncio.Event,

@@ -20,10 +20,18 @@ class Slot:
     request: object | None = None                   # the Request using the slot, if any
     read_pos: int = 0                               # next prompt position to read
     last_used: int = -1                             # admission counter, for least-recently-used
+    # after a stage was started again: the positions [0, rebuild) the request's KV is written
+    # again at before it decodes on (its prompt, then all but its last generated token)
+    rebuild: int = 0
 
     @property
     def free(self) -> bool:
         return self.request is None
+
+    @property
+    def reading(self) -> bool:
+        """The request still has rows to send before it decodes: its prompt, or a rebuild."""
+        return self.read_pos < max(len(self.request.seq.prompt), self.rebuild)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -57,6 +57,12 @@ from strata.protocol.transport import is_loopback
               help="With --listen beyond loopback and no --keys: bind the launch's tcp "
                    "endpoints anyway (any host that reaches them can send windows); the "
                    "stages spawned here are started with it too.")
+@click.option("--restart-stages", is_flag=True,
+              help="Serving: start a stage that dies or hangs (--stage-timeout) again; every "
+                   "request in flight then rebuilds its KV from its tokens and ends with "
+                   "exactly the tokens it would have had. Activations then go over ZeroMQ "
+                   "frames (--stage-link zmq): a torch.distributed link cannot take a new "
+                   "process.")
 @click.option("-v", "--verbose", is_flag=True, help="Log the coordinator's decisions.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Serving (no --prompt): the address to listen on.")
@@ -73,8 +79,9 @@ from strata.protocol.transport import is_loopback
               help="Serving: open connections from one client address; more get a 503.")
 @clean_errors("strata-launch")
 def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
-         external_stage, listen, join_timeout, log_dir, keys, insecure, verbose, host, port,
-         api_key, read_timeout, max_connections, max_client_connections, **launch):
+         external_stage, listen, join_timeout, log_dir, keys, insecure, restart_stages,
+         verbose, host, port, api_key, read_timeout, max_connections, max_client_connections,
+         **launch):
     """Run a GGUF model split across stage processes and print the generated text; without
     --prompt, serve the OpenAI-compatible HTTP API (sampling then comes with each request)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -100,13 +107,16 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
     if join_timeout is not None and not join_timeout > 0:
         raise PlanError(f"--join-timeout {join_timeout:g} is no duration; give a number of "
                         f"seconds above 0, or leave it out to wait for ever")
+    if restart_stages:
+        prep = restartable(prep, prompt, external_stage, launch["stage_link"])
     check_security(keys, insecure, prep, stages)
     stages.update(keys=keys, insecure=insecure)
     tok = Tokenizer.from_gguf(prep.file.reader)
     if prompt is None:
         limits = dict(read_timeout=read_timeout, max_connections=max_connections,
                       max_client_connections=max_client_connections)
-        return serve(prep, tok, launch["model"], host, port, api_key, log_dir, stages, limits)
+        return serve(prep, tok, launch["model"], host, port, api_key, log_dir, stages, limits,
+                     restart_stages)
     text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
     ids = tok.encode(text)
     Sequence(ids, params, tok.stop_ids, prep.sched.ctx)  # refuses an empty or too long prompt
@@ -123,6 +133,22 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
                   if prep.sched.draft_tokens else "")
         say(f"[{len(ids)} prompt tokens, {len(req.seq.generated)} generated, {drafts}"
             f"finish: {req.seq.finish_reason}, seed {params.seed}]")
+
+
+def restartable(prep, prompt, external_stage, stage_link):
+    """--restart-stages: a server whose stages this launch spawns, linked by ZeroMQ frames."""
+    if external_stage:
+        raise PlanError(f"--restart-stages starts failed stages again, and stage "
+                        f"{external_stage[0]} is not this launch's to start "
+                        f"(--external-stage); leave one of them out")
+    if stage_link in ("nccl", "gloo") and len(prep.plan) > 1:
+        raise PlanError(f"--stage-link {stage_link} joins the stages' processes once, so a "
+                        f"stage started again could not rejoin it; use --stage-link zmq (or "
+                        f"auto) with --restart-stages")
+    if prompt is not None:
+        raise PlanError("--restart-stages keeps a server going when a stage fails, and "
+                        "--prompt runs one request; leave one of them out")
+    return replace(prep, link="zmq")
 
 
 def check_security(keys: str | None, insecure: bool, prep, stages: dict) -> None:
@@ -156,7 +182,7 @@ def check_security(keys: str | None, insecure: bool, prep, stages: dict) -> None
             CurveKeys.load(keys, stage_name(p.index))
 
 
-def serve(prep, tok, model, host, port, api_key, log_dir, stages, limits):
+def serve(prep, tok, model, host, port, api_key, log_dir, stages, limits, restart_stages):
     # the HTTP stack (aiohttp) is imported only to serve
     from strata.coordinator.connections import ServerConfig
     from strata.launch.serving import bind_socket, run_server
@@ -170,7 +196,8 @@ def serve(prep, tok, model, host, port, api_key, log_dir, stages, limits):
             for p in prep.plan:
                 say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
             failure = run_server(run.pipe, run.procs.check_alive, prep.sched, tok,
-                                 prep.file.config.vocab, cfg, sock, say)
+                                 prep.file.config.vocab, cfg, sock, say,
+                                 restart=run.procs.restart if restart_stages else None)
             if failure:
                 raise PipelineError(failure)
     finally:

@@ -1,7 +1,9 @@
-"""Spawning stage processes, watching them, and tearing them all down.
+"""Spawning stage processes, watching them, starting one again, and tearing them all down.
 
 Each spawned worker gets PR_SET_PDEATHSIG, so it dies with the launcher even if the launcher is
 killed with SIGKILL; a normal exit sends Shutdown through the chain, then terminates, then kills.
+The signal comes when the *thread* that spawned the worker ends, so a stage started again
+(from the engine's thread) is spawned by a thread that lives as long as the launch.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import tempfile
 import textwrap
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +100,7 @@ class StageProcesses:
                 inbox=f"{scheme}{self.run_dir}/inbox",
                 stages=[f"{scheme}{self.run_dir}/stage{p.index}" for p in plan])
         self.procs: dict[int, subprocess.Popen] = {}
+        self._spawner: ThreadPoolExecutor | None = None   # the thread that restarts spawn from
 
     @property
     def env(self) -> dict[str, str]:
@@ -143,12 +147,34 @@ class StageProcesses:
                     f"'python -m pdb -m strata.stage_worker' for the first word):\n  "
                     f"{shlex.join(cmd)}")
                 continue
-            log = open(self.log_path(p.index), "w")
+            self._spawn(p.index, cmd, "w")
+
+    def _spawn(self, stage: int, cmd: list[str], mode: str) -> None:
+        with open(self.log_path(stage), mode) as log:
             argv = [sys.executable, "-m", "strata.stage_worker"] + cmd[1:]
-            self.procs[p.index] = subprocess.Popen(
+            self.procs[stage] = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
                 preexec_fn=functools.partial(_die_with_parent, os.getpid()))
-            log.close()
+
+    def restart(self, stage: int) -> None:
+        """Start `stage` again (--restart-stages): kill its process if it still runs (it
+        hangs), then spawn the same command, on the same endpoints; its log goes on in the
+        same file. PipelineError for a stage this launch did not spawn."""
+        proc = self.procs.get(stage)
+        if proc is None:
+            raise PipelineError(f"stage {stage} runs outside this launch (--external-stage), "
+                                f"so it cannot be started again; start it again yourself and "
+                                f"launch again")
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        how = (f"killed by {_signal_name(-proc.returncode)}" if proc.returncode < 0 else
+               f"exited with code {proc.returncode}")
+        with open(self.log_path(stage), "a") as log:
+            log.write(f"--- strata-launch: stage {stage} {how}; starting it again ---\n")
+        if self._spawner is None:
+            self._spawner = ThreadPoolExecutor(1, thread_name_prefix="strata-spawn")
+        self._spawner.submit(self._spawn, stage, self.command(stage), "a").result()
 
     def check_alive(self) -> None:
         """Raise PipelineError naming the first stage that has exited, with its log's end."""
@@ -158,7 +184,7 @@ class StageProcesses:
                 quoted = textwrap.indent(tail(self.log_path(stage)), "  | ")
                 how = f", killed by {_signal_name(-code)}" if code < 0 else f" with code {code}"
                 raise PipelineError(f"stage {stage} exited{how}; last lines of "
-                                    f"{self.log_path(stage)}:\n{quoted}")
+                                    f"{self.log_path(stage)}:\n{quoted}", stage=stage)
 
     def stop(self, grace: float = 5.0) -> bool:
         """Wait for a graceful exit (after Shutdown was sent; a stopped stage is continued
@@ -181,6 +207,8 @@ class StageProcesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._spawner is not None:
+            self._spawner.shutdown()
         return clean
 
     def remove_run_dir(self, keep_logs: bool) -> Path | None:

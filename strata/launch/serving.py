@@ -11,7 +11,7 @@ from typing import Callable
 
 from strata.coordinator.engine import Engine
 from strata.coordinator.metrics import Metrics
-from strata.coordinator.server import Server, ServerConfig, serve, stage_table
+from strata.coordinator.server import Server, ServerConfig, serve
 
 
 class ServeError(ValueError):
@@ -44,13 +44,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(pipe, check_alive: Callable[[], None], sched_cfg, tok, vocab: int,
-               cfg: ServerConfig, sock: socket.socket, say: Callable[[str], None]) -> str | None:
+               cfg: ServerConfig, sock: socket.socket, say: Callable[[str], None],
+               restart: Callable[[int], None] | None = None) -> str | None:
     """Serve until SIGINT or SIGTERM; then stop taking requests, cancel the running ones and
     wait for the windows in flight. The caller stops the stages afterwards. Returns why the
-    stages stopped serving before the signal came, if they did."""
+    stages stopped serving before the signal came, if they did. restart(stage): start a stage
+    that died or hangs again (--restart-stages)."""
     metrics = Metrics()
-    engine = Engine(pipe, sched_cfg, tok.stop_ids, tok.decode, metrics, cfg.stop_grace)
-    server = Server(engine, tok, vocab, cfg, metrics, stage_table(pipe.hellos), check_alive)
+    engine = Engine(pipe, sched_cfg, tok.stop_ids, tok.decode, metrics, cfg.stop_grace,
+                    restart=restart)
+    server = Server(engine, tok, vocab, cfg, metrics, check_alive)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     async def until_signal() -> str | None:
@@ -64,7 +67,7 @@ def run_server(pipe, check_alive: Callable[[], None], sched_cfg, tok, vocab: int
         for sig in previous:
             asyncio.get_running_loop().add_signal_handler(sig, on_signal)
         return await serve(server, sock, stop, lambda url: say(
-            f"strata: serving {cfg.model} on {url} ({len(server.stages)} stages, batch "
+            f"strata: serving {cfg.model} on {url} ({len(engine.stages)} stages, batch "
             f"{sched_cfg.slots}, groups {sched_cfg.groups})"))
 
     engine.start()

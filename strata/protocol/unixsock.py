@@ -11,6 +11,9 @@ keep the part of ZeroMQ's PUSH/PULL contract strata relies on, and nothing else:
   - a PUSH socket may connect before its peer binds, and a send does not wait for the peer:
     what the kernel does not take at once goes to a sender thread, in order (ZeroMQ queues
     too), and a message for a peer that never comes is dropped at close, after `linger`;
+  - a peer that goes and binds again (a stage started again) gets the messages sent since:
+    one that its predecessor had taken in part is lost with it, the next ones wait for the
+    new peer as for one that has not bound yet (ZeroMQ reconnects and keeps them too);
   - that queue is bounded as ZeroMQ's is by its high-water mark: with SNDHWM (1000, ZeroMQ's
     default) messages queued, a send blocks until the peer reads (ZeroMQ's PUSH blocks too),
     so a peer that stops reading stops its senders instead of growing their memory;
@@ -158,6 +161,7 @@ class UnixPush:
         self.closing = False
         self.thread: threading.Thread | None = None
         self.was_connected = False   # a peer once took this socket's connection
+        self.begun = False   # part of the first message in the backlog went (on this connection)
 
     def send_multipart(self, frames, copy: bool = False) -> None:
         """Blocks while SNDHWM messages wait for the peer; OSError once the socket is closed."""
@@ -203,24 +207,29 @@ class UnixPush:
             return self.was_connected and not self._connected()
 
     def _send_now(self, parts: list) -> list:
-        """Send what the kernel takes without waiting; return what is left."""
+        """Send what the kernel takes of the first message without waiting; return what is
+        left of it."""
         views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]  # (0, V): none
         while views:
             try:
                 n = self.sock.sendmsg(views)
             except (BlockingIOError, InterruptedError):
                 return views
-            except OSError as e:  # the peer is gone: as ZeroMQ, nothing to deliver to
+            except OSError as e:  # the peer has gone
                 if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
                     raise
-                self.sock.close()   # the next message connects again (a restarted peer)
+                self.sock.close()   # the next attempt connects again (a restarted peer)
                 self.sock = None
-                return []
+                # a message begun went with the peer; one not begun waits for the next peer
+                lost, self.begun = self.begun, False
+                return [] if lost else views
+            self.begun = True
             while views and n >= views[0].nbytes:
                 n -= views[0].nbytes
                 views.pop(0)
             if n:
                 views[0] = views[0][n:]
+        self.begun = False
         return []
 
     def _start_thread(self) -> None:
@@ -242,8 +251,10 @@ class UnixPush:
                     left = self._send_now(self.backlog[0])
                 except Exception as e:  # never leave the socket with a dead sender thread
                     log.error("dropping a message for %s: %s", self.path, e)
-                    left = []
-                if left:
+                    left, self.begun = [], False
+                if left and self.sock is None:   # the peer went: this one waits for the next
+                    self.backlog[0] = left
+                elif left:
                     self.backlog[0] = left
                     writable = select.poll()   # poll, not select: any fd number
                     writable.register(self.sock, select.POLLOUT)
