@@ -51,8 +51,9 @@ DRAWS = st.one_of(st.just(0.0), st.integers(0, 2**24 - 1).map(lambda i: (i + 0.5
 
 
 @st.composite
-def windows(draw) -> tuple[torch.Tensor, list[SamplingRow]]:
-    """[n, V] logits (some rows with ties, NaN or infinities) and a row of parameters each."""
+def windows(draw, unfiltered: float = 0.0) -> tuple[torch.Tensor, list[SamplingRow]]:
+    """[n, V] logits (some rows with ties, NaN or infinities) and a row of parameters each;
+    unfiltered: the share of rows with no top-k, top-p or min-p (sampled without a sort)."""
     n, vocab = draw(st.integers(1, 8)), draw(st.integers(1, 300))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**32)))
     logits = random_logits(g, n, vocab, draw(st.sampled_from([0, 0, 2, 8])))
@@ -66,6 +67,8 @@ def windows(draw) -> tuple[torch.Tensor, list[SamplingRow]]:
                         min_p=draw(st.sampled_from([0.0, 0.0, 0.01, 0.1, 0.5, 1.0])),
                         u=draw(DRAWS))
             for _ in range(n)]
+    rows = [SamplingRow(r.temperature, draw(st.sampled_from([0, vocab, vocab + 3])), 1.0, 0.0,
+                        r.u) if draw(st.floats(0, 1)) < unfiltered else r for r in rows]
     return logits, rows
 
 
@@ -78,6 +81,17 @@ def test_batched_sampler_picks_sample_rows_tokens(device, window):
     want = reference(logits, rows)
     assert sample_rows(logits, rows) == want
     assert sample_rows_on_device(logits, rows).tolist() == want
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@settings(max_examples=300, deadline=None)
+@given(window=windows(unfiltered=0.7))
+def test_rows_without_filters_sampled_without_a_sort_pick_sample_rows_tokens(device, window):
+    """Rows that keep every token skip the sort (alone in a call, or beside rows that take
+    it): the same tokens as sample_row, NaN and infinities included."""
+    logits, rows = window
+    logits = logits.to(device)
+    assert sample_rows_on_device(logits, rows).tolist() == reference(logits, rows)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

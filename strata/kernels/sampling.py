@@ -126,6 +126,48 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     top-p keeps the top-k and min-p keeps one token; a NaN scaled logit never wins, a +inf
     one does, and a row with none above -inf takes its first kept token."""
     n, vocab = len(rows), logits.shape[-1]
+    sorted_rows = [i for i, r in enumerate(rows) if r.temperature > 0.0 and _filters(r, vocab)]
+    if len(sorted_rows) == n:
+        return _sample_sorted(logits[:n], rows)
+    if not sorted_rows:
+        return _sample_unfiltered(logits[:n], rows)
+    # each row takes its own path, whatever the others take: the token stays the row's own
+    others = [i for i in range(n) if i not in set(sorted_rows)]
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    for index, sample in ((sorted_rows, _sample_sorted), (others, _sample_unfiltered)):
+        at = torch.tensor(index, device=logits.device)
+        out[at] = sample(logits[at], [rows[i] for i in index])
+    return out
+
+
+def _filters(row: SamplingRow, vocab: int) -> bool:
+    """Whether top-k, top-p or min-p may cut the row's distribution."""
+    return 0 < row.top_k < vocab or row.top_p < 1.0 or row.min_p > 0.0
+
+
+def _sample_unfiltered(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """sample_rows_on_device for rows that are greedy or keep every token: the Gumbel-max pick
+    over the whole row needs no sort, the noise being keyed by token id (the sorted path's
+    order only ranks the tokens for the filters). As there, a NaN score never wins, a +inf one
+    does (the lowest id among several: the first in the stable sort's order too), and a row
+    with no score above -inf takes the first index of its maximum (the sort's first column;
+    NaN ranks first in both)."""
+    n, vocab = x.shape
+    params = torch.tensor([[r.temperature, r.u] for r in rows],
+                          dtype=torch.float64).reshape(n, 2).T.to(x.device)   # [2, n]
+    temperature, u = params[:, :, None]                               # each [n, 1]
+    greedy = x.argmax(-1)
+    scaled = x.double() / torch.where(temperature > 0, temperature, 1.0)
+    score = scaled + gumbel_noise(u, torch.arange(vocab, device=x.device)[None, :])
+    score = score.masked_fill(score.isnan(), float("-inf"))
+    best, pick = score.max(-1)
+    pick = torch.where(best > float("-inf"), pick, greedy)
+    return torch.where(temperature.squeeze(1) > 0, pick, greedy)
+
+
+def _sample_sorted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """sample_rows_on_device through a sort of each row: the filters rank the tokens."""
+    n, vocab = len(rows), logits.shape[-1]
     device = logits.device
     params = torch.tensor([[r.temperature, r.top_k, r.top_p, r.min_p, r.u] for r in rows],
                           dtype=torch.float64).reshape(n, 5).T.to(device)   # [5, n]: one copy

@@ -30,8 +30,9 @@ rows at P_0 <= length (the stages refuse a gap), where `last_h` counts only if i
 of P_0 - 1 and the `ready` row only if it is the row of P_0 with the same token.
 
 Coupled proposals (a slot that samples with a temperature, when the window sends draws for it
-in `propose_u`): the proposal for position q is sample_rows (strata/kernels/sampling.py, the
-target's own sampler) over the head's logits with the slot's temperature, top-k, top-p and
+in `propose_u`): the proposal for position q is the target's own sampler
+(sample_rows_on_device, strata/kernels/sampling.py, on the device: no step waits for the
+host) over the head's logits with the slot's temperature, top-k, top-p and
 min-p and the uniform u(q) = Philox(seed, q) that the target will sample q with: the window's
 own draws (its sampled row at p carries u(p + 1)), then propose_u's k draws for the positions
 after its last row's. The sampler's pick is Gumbel-max with noise keyed by (u, token id): two
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS
-from strata.kernels.sampling import SamplingRow, sample_rows
+from strata.kernels.sampling import SamplingRow, sample_rows_on_device
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.messages import Window
@@ -190,13 +191,10 @@ class Drafter:
             logits, d = self._head(x)   # logits: valid until the next step
             rows = [asks[a][3].row(asks[a][2] + i) if asks[a][3] else None for a in live]
             coupled = [j for j, r in enumerate(rows) if r is not None]
-            if coupled:   # their picks replace the argmax (on CUDA, sampled on the device)
+            if coupled:   # their picks replace the argmax, on the device: nothing waits
                 index = torch.tensor(coupled, device=self.device)
-                picks = d.tolist()
-                sampled = sample_rows(logits[index], [rows[j] for j in coupled])
-                for j, token in zip(coupled, sampled):
-                    picks[j] = token
-                d = torch.tensor(picks, device=self.device)
+                d = d.index_copy(0, index, sample_rows_on_device(
+                    logits[index], [rows[j] for j in coupled]))
             drafts.append((live, d))
         out_lists = [[s] for s, _, _, _ in asks]
         for live_i, d in drafts:
