@@ -126,7 +126,7 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     top-p keeps the top-k and min-p keeps one token; a NaN scaled logit never wins, a +inf
     one does, and a row with none above -inf takes its first kept token."""
     n, vocab = len(rows), logits.shape[-1]
-    sorted_rows = [i for i, r in enumerate(rows) if r.temperature > 0.0 and _filters(r, vocab)]
+    sorted_rows = [i for i, r in enumerate(rows) if r.temperature > 0.0 and filtered(r, vocab)]
     if len(sorted_rows) == n:
         return _sample_sorted(logits[:n], rows)
     if not sorted_rows:
@@ -140,25 +140,32 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     return out
 
 
-def _filters(row: SamplingRow, vocab: int) -> bool:
-    """Whether top-k, top-p or min-p may cut the row's distribution."""
+def filtered(row: SamplingRow, vocab: int) -> bool:
+    """Whether top-k, top-p or min-p may cut the row's distribution (a sampled row without
+    them is picked without a sort: pick_unfiltered)."""
     return 0 < row.top_k < vocab or row.top_p < 1.0 or row.min_p > 0.0
 
 
 def _sample_unfiltered(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """sample_rows_on_device for rows that are greedy or keep every token: the Gumbel-max pick
-    over the whole row needs no sort, the noise being keyed by token id (the sorted path's
-    order only ranks the tokens for the filters). As there, a NaN score never wins, a +inf one
-    does (the lowest id among several: the first in the stable sort's order too), and a row
-    with no score above -inf takes the first index of its maximum (the sort's first column;
-    NaN ranks first in both)."""
-    n, vocab = x.shape
+    n = x.shape[0]
     params = torch.tensor([[r.temperature, r.u] for r in rows],
                           dtype=torch.float64).reshape(n, 2).T.to(x.device)   # [2, n]
     temperature, u = params[:, :, None]                               # each [n, 1]
+    return pick_unfiltered(x, temperature, u)
+
+
+def pick_unfiltered(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sample_rows_on_device's picks [n] for rows x [n, V] that are greedy (temperature 0) or
+    keep every token, given temperature and u as tensors [n, 1] (float64) on x's device; no
+    step waits for the host, so a CUDA graph may hold it (the drafter's coupled proposals).
+    The Gumbel-max pick over the whole row needs no sort, the noise being keyed by token id
+    (the sorted path's order only ranks the tokens for the filters). As there, a NaN score
+    never wins, a +inf one does (the lowest id among several: the first in the stable sort's
+    order too), and a row with no score above -inf takes the first index of its maximum (the
+    sort's first column; NaN ranks first in both)."""
     greedy = x.argmax(-1)
     scaled = x.double() / torch.where(temperature > 0, temperature, 1.0)
-    score = scaled + gumbel_noise(u, torch.arange(vocab, device=x.device)[None, :])
+    score = scaled + gumbel_noise(u, torch.arange(x.shape[-1], device=x.device)[None, :])
     score = score.masked_fill(score.isnan(), float("-inf"))
     best, pick = score.max(-1)
     pick = torch.where(best > float("-inf"), pick, greedy)

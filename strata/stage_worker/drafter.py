@@ -31,8 +31,9 @@ of P_0 - 1 and the `ready` row only if it is the row of P_0 with the same token.
 
 Coupled proposals (a slot that samples with a temperature, when the window sends draws for it
 in `propose_u`): the proposal for position q is the target's own sampler
-(sample_rows_on_device, strata/kernels/sampling.py, on the device: no step waits for the
-host) over the head's logits with the slot's temperature, top-k, top-p and
+(strata/kernels/sampling.py: for a slot without top-k, top-p or min-p, pick_unfiltered inside
+the head's graph; else sample_rows_on_device after it; no step waits for the host) over the
+head's logits with the slot's temperature, top-k, top-p and
 min-p and the uniform u(q) = Philox(seed, q) that the target will sample q with: the window's
 own draws (its sampled row at p carries u(p + 1)), then propose_u's k draws for the positions
 after its last row's. The sampler's pick is Gumbel-max with noise keyed by (u, token id): two
@@ -51,7 +52,8 @@ import torch.nn.functional as F
 
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS
-from strata.kernels.sampling import SamplingRow, sample_rows_on_device
+from strata.kernels.sampling import (SamplingRow, filtered, pick_unfiltered,
+                                     sample_rows_on_device)
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.messages import Window
@@ -188,13 +190,17 @@ class Drafter:
                 live = [live[j] for j in keep]
                 x = self._rows([asks[a][0] for a in live], [asks[a][2] + i - 1 for a in live],
                                d[index], x[index])
-            logits, d = self._head(x)   # logits: valid until the next step
             rows = [asks[a][3].row(asks[a][2] + i) if asks[a][3] else None for a in live]
-            coupled = [j for j, r in enumerate(rows) if r is not None]
-            if coupled:   # their picks replace the argmax, on the device: nothing waits
-                index = torch.tensor(coupled, device=self.device)
+            vocab = self.head.shape[0]
+            sorts = [j for j, r in enumerate(rows) if r is not None and filtered(r, vocab)]
+            plain = [r if r is not None and not filtered(r, vocab) else None for r in rows]
+            # logits: valid until the next step; d: the argmax, or picked with the draws where
+            # the row keeps every token (in the head's graph)
+            logits, d = self._head(x, plain if any(plain) else None)
+            if sorts:   # filtered rows: the sampler's sort, on the device: nothing waits
+                index = torch.tensor(sorts, device=self.device)
                 d = d.index_copy(0, index, sample_rows_on_device(
-                    logits[index], [rows[j] for j in coupled]))
+                    logits[index], [rows[j] for j in sorts]))
             drafts.append((live, d))
         out_lists = [[s] for s, _, _, _ in asks]
         for live_i, d in drafts:
@@ -218,12 +224,22 @@ class Drafter:
             outs.append(x.clone())
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [N, V], argmax [N]) of the block's outputs x [N, D]; the logits are valid
-        until the next step (a graph's buffer), the argmax a copy."""
+    def _head(self, x: torch.Tensor, draws: list[SamplingRow | None] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [N, V], proposals [N]) of the block's outputs x [N, D]: the argmax, or
+        where draws[j] is a SamplingRow (one that keeps every token), the sampler's pick
+        with its temperature and u (pick_unfiltered). The logits are valid until the next
+        step (a graph's buffer), the proposals a copy."""
         outs = []
         for i in range(0, x.shape[0], MAX_DECODE_ROWS):
-            logits, d = self._graphed("head", self._head_rows, x[i:i + MAX_DECODE_ROWS])
+            block = slice(i, i + MAX_DECODE_ROWS)
+            if draws is None:
+                logits, d = self._graphed("head", self._head_rows, x[block])
+            else:
+                params = torch.tensor([[r.temperature, r.u] if r else [0.0, 0.0]
+                                       for r in draws[block]], dtype=torch.float64)
+                logits, d = self._graphed("coupled", self._coupled_rows, x[block],
+                                          params.to(self.device))
             outs.append((logits, d.clone()))
         if len(outs) == 1:
             return outs[0]
@@ -241,6 +257,12 @@ class Drafter:
     def _head_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
         return logits, logits.argmax(-1)
+
+    def _coupled_rows(self, x: torch.Tensor,
+                      params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """_head_rows with the picks of pick_unfiltered: params [N, 2] = (temperature, u)."""
+        logits = F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
+        return logits, pick_unfiltered(logits, params[:, :1], params[:, 1:])
 
     def _graphed(self, name: str, fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """fn(*inputs) of n <= MAX_DECODE_ROWS rows: on the CPU as given; on CUDA at the
