@@ -28,7 +28,7 @@ from strata.coordinator.pipeline import PipelineError
 from strata.launch.joins import StageJoins
 from strata.launch.plan import PlanError, StagePlan
 from strata.launch.ray_cluster import bundle, import_ray, join_args, parse_cluster
-from strata.protocol.join import free_ports
+from strata.protocol.join import address_toward, free_ports
 from test_launch_errors import LAUNCH, assert_no_traceback, assert_one_sentence, launch
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -201,7 +201,51 @@ def test_a_node_without_the_model_file_is_told_at_the_join(on_cluster, tmp_path)
     assert f"model file {elsewhere} does not exist" in str(e.value)
 
 
+@needs_ray
+def test_stages_joining_beyond_loopback_need_keys_or_insecure(ray_cluster, tiny_model,
+                                                              no_stage_left):
+    try:
+        address = address_toward("192.0.2.1", 9)   # this host's address on its default route
+    except OSError:
+        pytest.skip("this host has no route beyond loopback")
+    if address.startswith("127."):
+        pytest.skip("this host has no address beyond loopback")
+    r = launch(["--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
+                "--prompt", "hi", "--cluster", "ray", "--listen", f"{address}:0"], None,
+               env={"RAY_ADDRESS": ray_cluster[0]}, timeout=START_S)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"strata-launch: --listen {address} would take windows from any "
+                           f"host that reaches it; give --keys DIR"), r.stderr
+    assert "placed by Ray" not in r.stderr
+    assert_no_traceback(r.stderr)
+
+
 # --- without a cluster -------------------------------------------------------------------------
+
+class FakeRay:
+    """What RayCluster.join_host asks of Ray: this node's address and the live nodes'."""
+
+    def __init__(self, mine: str, nodes: list[str]):
+        self.util = type("util", (), {"get_node_ip_address": staticmethod(lambda: mine)})
+        self._nodes = [{"NodeManagerAddress": n, "Alive": True} for n in nodes]
+        self._nodes.append({"NodeManagerAddress": "10.9.9.9", "Alive": False})   # gone
+
+    def nodes(self) -> list[dict]:
+        return self._nodes
+
+
+def test_the_stages_join_at_loopback_only_when_every_node_is_on_this_host():
+    from strata.launch.ray_cluster import RayCluster
+
+    one_host = RayCluster(FakeRay("10.0.0.5", ["10.0.0.5", "10.0.0.5"]), None)
+    assert one_host.join_host()[0] == "127.0.0.1"
+    assert RayCluster(FakeRay("10.0.0.5", ["10.0.0.5", "10.0.0.6"]), None).join_host() == (
+        "10.0.0.5", "this host's address toward the Ray cluster")
+    # through Ray client this host is no node: its address is the one on the route to the head
+    client = RayCluster(FakeRay("not asked", ["10.0.0.6"]), "ray://127.0.0.1:10001")
+    assert client.join_host() == ("127.0.0.1", "this host's address toward the Ray cluster")
+
 
 @pytest.mark.parametrize("text", ["ray:", "ray://", "ray://host", "kubernetes", "ray://h:x"])
 def test_a_cluster_that_is_not_ray_gets_a_sentence(text):
