@@ -38,10 +38,11 @@ from strata.protocol.transport import is_loopback
               help="Don't spawn stage K: print its strata-worker command and wait for it "
                    "(with --listen: for it to join from another host).")
 @click.option("--listen", default=None, metavar="HOST:PORT",
-              help="Wait for the --external-stage stages to join from other hosts here "
-                   "(strata-worker --join tcp://HOST:PORT --stage K): HOST is this host's "
-                   "address as the others reach it; every endpoint is then ZeroMQ tcp on it. "
-                   "Port 0: any free port (the command printed names it).")
+              help="Wait for the --external-stage stages (with --cluster: every stage) to "
+                   "join from other hosts here (strata-worker --join tcp://HOST:PORT --stage "
+                   "K): HOST is this host's address as the others reach it; every endpoint "
+                   "is then ZeroMQ tcp on it. Port 0: any free port (the command printed "
+                   "names it).")
 @click.option("--join-timeout", type=float, default=None,
               help="With --listen or --cluster: give up when the external stages have not "
                    "all joined (been placed) within this many seconds (default: wait for "
