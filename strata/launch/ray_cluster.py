@@ -33,6 +33,9 @@ from strata.protocol.join import address_toward, free_ports, parse_tcp
 
 INSTALL = "pip install 'strata[ray]'"
 STOP_S = 20.0   # beyond a stage's grace: how long the launch waits for a node to answer
+# the coordinator checks the stages between windows, and asking Ray costs ~0.1 ms: at most
+# this often (a stage that dies is also seen by its closed socket and its heartbeats)
+CHECK_S = 0.1
 
 
 def parse_cluster(text: str) -> str | None:
@@ -184,6 +187,7 @@ class RayStageProcesses(StageProcesses):
         self.actors: list = []
         self.ends: list = []   # per stage: its actor's wait() call, done when the worker exits
         self.where: list[dict] = []   # per stage: StageHost.start's answer
+        self.checked = 0.0   # when check_alive last asked Ray (time.monotonic())
 
     def node(self, stage: int) -> str:
         w = self.where[stage]
@@ -246,8 +250,9 @@ class RayStageProcesses(StageProcesses):
     def check_alive(self) -> None:
         """Raise PipelineError naming the first stage whose worker has exited (or whose actor
         is gone with its node), and the node."""
-        if not self.ends:
+        if not self.ends or time.monotonic() - self.checked < CHECK_S:
             return
+        self.checked = time.monotonic()
         done, _ = self.ray.wait(self.ends, num_returns=len(self.ends), timeout=0)
         for k, end in enumerate(self.ends):
             if end not in done:
@@ -287,12 +292,14 @@ class RayStageProcesses(StageProcesses):
                 except ray.exceptions.RayError:
                     clean = False   # its node or actor has gone: so has its worker
         finally:
-            for actor in self.actors:
-                ray.kill(actor)
-            if self.group is not None:
-                from ray.util.placement_group import remove_placement_group
-                remove_placement_group(self.group)
-            self.cluster.close()
+            try:
+                for actor in self.actors:
+                    ray.kill(actor)
+                if self.group is not None:
+                    from ray.util.placement_group import remove_placement_group
+                    remove_placement_group(self.group)
+            finally:   # should the cluster not answer: Ray ends a driver's actors and
+                self.cluster.close()   # placement groups when it disconnects
         return clean
 
     def remove_run_dir(self, keep_logs: bool) -> Path | None:
