@@ -278,6 +278,21 @@ def test_a_stage_takes_a_gpu_of_its_own_or_a_cpu():
             "--device", "cpu"]
 
 
+@needs_ray
+@pytest.mark.parametrize("how", ["client", "RAY_ADDRESS"])
+def test_a_cluster_that_is_not_there_gets_one_sentence_at_once(how, tiny_model, no_stage_left):
+    """Ray itself retries an address where nothing listens for minutes."""
+    nowhere = f"127.0.0.1:{free_ports('127.0.0.1')[0]}"
+    cluster, env = (f"ray://{nowhere}", {}) if how == "client" else ("ray", {"RAY_ADDRESS":
+                                                                           nowhere})
+    r = launch(["--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
+                "--prompt", "hi", "--cluster", cluster], None, env=env, timeout=30)
+    assert r.returncode == 2, r.stderr
+    where = cluster if how == "client" else nowhere
+    assert_one_sentence(r.stderr, f"cannot reach the Ray cluster at {where} (connection "
+                                  f"refused); check the address")
+
+
 def test_cluster_with_an_external_stage_gets_one_sentence(tiny_model, no_stage_left):
     r = launch(["--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
                 "--prompt", "hi", "--cluster", "ray", "--external-stage", "1"], None, timeout=60)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import textwrap
 import time
 from dataclasses import replace
@@ -32,6 +33,7 @@ from strata.launch.ray_stage import StageHost
 from strata.protocol.join import address_toward, free_ports, parse_tcp
 
 INSTALL = "pip install 'strata[ray]'"
+REACH_S = 5.0   # how long a cluster's address has to take a TCP connection
 STOP_S = 20.0   # beyond a stage's grace: how long the launch waits for a node to answer
 # the coordinator checks the stages between windows, and asking Ray costs ~0.1 ms: at most
 # this often (a stage that dies is also seen by its closed socket and its heartbeats)
@@ -75,6 +77,7 @@ class RayCluster:
         ray = import_ray()
         quiet = dict(logging_level=logging.WARNING, log_to_driver=False)
         where = address or os.environ.get("RAY_ADDRESS") or "auto"
+        _check_reachable(where)
         try:
             if address is not None:
                 ray.init(address=address, logging_level=logging.WARNING)
@@ -122,6 +125,20 @@ class RayCluster:
 
     def close(self) -> None:
         self.ray.shutdown()
+
+
+def _check_reachable(where: str) -> None:
+    """PlanError when nothing takes a TCP connection at a HOST:PORT or ray://HOST:PORT
+    address (Ray itself retries a cluster that is not there for minutes)."""
+    try:
+        host, port = parse_tcp("tcp://" + where.removeprefix("ray://"))
+    except ValueError:
+        return   # auto, or a form Ray reads itself
+    try:
+        socket.create_connection((host, port), timeout=REACH_S).close()
+    except OSError as e:
+        raise PlanError(f"cannot reach the Ray cluster at {where} ({e.strerror or e}); check "
+                        f"the address (ray status on its head node shows it)") from None
 
 
 def alive_nodes(ray) -> list[dict]:
