@@ -202,6 +202,39 @@ def test_a_node_without_the_model_file_is_told_at_the_join(on_cluster, tmp_path)
 
 
 @needs_ray
+def test_a_restarted_stage_binds_its_endpoint_again_on_its_node(on_cluster, tiny_model):
+    """The hook for restarting a placed stage: no second join, the endpoint its neighbour
+    sends to, the same node, the log going on."""
+    procs = on_cluster([StagePlan(0, 0, 2, "cpu"), StagePlan(1, 2, 4, "cpu")], tiny_model)
+    from strata.model.gguf_file import ModelFile
+
+    joins = StageJoins(procs, 0, ModelFile(tiny_model).fingerprint(), say=lambda text: None)
+    try:
+        procs.place(joins.endpoint, say=lambda text: None)
+        joins.wait(START_S, check=procs.check_alive, by_hand=False)
+    finally:
+        joins.close()
+    before, endpoint = procs.where[1], procs.endpoints.stages[1]
+    assert endpoint.startswith("tcp://127.0.0.1:")
+    os.kill(before["pid"], signal.SIGKILL)   # a stage that died, as a restart finds it
+    assert gone([before["pid"]])
+    procs.restart(1)
+    after = procs.where[1]
+    assert after["pid"] != before["pid"]
+    assert after["node_id"] == before["node_id"] and after["log"] == before["log"]
+    argv = Path(f"/proc/{after['pid']}/cmdline").read_bytes().decode().split("\0")
+    assert "--join" not in argv and argv[argv.index("--listen") + 1] == endpoint
+    deadline = time.monotonic() + START_S   # loaded again, its endpoint bound: it runs on
+    while (log := procs.ray.get(procs.actors[1].log_tail.remote(lines=1000))).count(
+            "INFO stage 1: layers [2, 4) on cpu") < 2:
+        assert time.monotonic() < deadline, log
+        procs.check_alive()
+        time.sleep(0.2)
+    time.sleep(0.5)
+    procs.check_alive()
+
+
+@needs_ray
 def test_stages_joining_beyond_loopback_need_keys_or_insecure(ray_cluster, tiny_model,
                                                               no_stage_left):
     try:

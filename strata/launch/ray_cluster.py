@@ -191,6 +191,14 @@ def join_args(p: StagePlan, endpoint: str, keys: Path | None, insecure: bool) ->
     return args
 
 
+def node_args(args: list[str], p: StagePlan) -> list[str]:
+    """A stage's strata-worker arguments as the launch would spawn it, with its device on the
+    node (see join_args)."""
+    args = list(args)
+    args[args.index("--device") + 1] = "cuda:0" if p.device.startswith("cuda") else "cpu"
+    return args
+
+
 class RayStageProcesses(StageProcesses):
     """The stages of a --cluster launch: every one external, joined from the node Ray placed it
     on (place), watched (check_alive) and stopped (stop) through its actor. The stages' logs
@@ -241,6 +249,18 @@ class RayStageProcesses(StageProcesses):
         for p in self.plan:
             say(f"stage {p.index}: placed by Ray on {self.node(p.index)}, strata-worker pid "
                 f"{self.where[p.index]['pid']}")
+
+    def restart(self, stage: int, grace: float = 0.0) -> None:
+        """Stop `stage`'s worker if it runs (after `grace` seconds, terminate, then kill), and
+        start it again through the same actor, so on the same node, with the arguments its join
+        gave it: the same endpoint, where its neighbour's --next points, and no second join."""
+        assert self.endpoints.stages[stage], "a stage restarts once it has joined"
+        actor = self.actors[stage]
+        self.ray.get(actor.stop.remote(grace), timeout=grace + STOP_S)
+        args = node_args(self.command(stage)[1:], self.plan[stage])
+        env = {"OMP_WAIT_POLICY": self.env["OMP_WAIT_POLICY"]}
+        self.where[stage] = self.ray.get(actor.start.remote(args, env), timeout=STOP_S)
+        self.ends[stage] = actor.wait.remote()
 
     def _check_room(self, bundles: list[dict]) -> None:
         total = self.ray.cluster_resources()

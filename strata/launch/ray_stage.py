@@ -42,14 +42,18 @@ class StageHost:
 
     def start(self, args: list[str], env: dict[str, str]) -> dict:
         """Run `strata-worker ARGS` (this node's Python, `env` over the actor's), its output in a
-        log of this node; returns where it runs: node id, address, host name, pid, log."""
+        log of this node; returns where it runs: node id, address, host name, pid, log. Once
+        the last worker has exited, a second start restarts the stage (the log goes on)."""
         import ray   # the actor's process has it: Ray started it
 
+        assert self.proc is None or self.exited.is_set(), "one worker at a time"
+        self.started.clear()
+        self.exited.clear()
         error: list[BaseException] = []
 
         def keep() -> None:   # forks the worker, then waits for it (see _die_with_actor)
             try:
-                with open(self.log, "w") as log:
+                with open(self.log, "a") as log:
                     self.proc = subprocess.Popen(
                         [sys.executable, "-m", "strata.stage_worker", *args],
                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
