@@ -77,6 +77,8 @@ class RayCluster:
         ray = import_ray()
         quiet = dict(logging_level=logging.WARNING, log_to_driver=False)
         where = address or os.environ.get("RAY_ADDRESS") or "auto"
+        if where.startswith("ray://"):   # RAY_ADDRESS may name a Ray client address too
+            address = where
         _check_reachable(where)
         try:
             if address is not None:
@@ -95,9 +97,9 @@ class RayCluster:
             raise PlanError(f"--cluster {address} needs Ray client ({e}); run {INSTALL}") \
                 from None
         except (ConnectionError, RuntimeError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise PlanError(f"cannot reach the Ray cluster at {where} ({first}); check the "
-                            f"address (ray status on its head node shows it)") from None
+            raise PlanError(f"cannot reach the Ray cluster at {where} ({_first_line(e)}); "
+                            f"check the address (ray status on its head node shows it)") \
+                from None
         resources = ray.cluster_resources()
         say(f"strata: on the Ray cluster at {where} ({len(alive_nodes(ray))} nodes, "
             f"{resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs)")
@@ -179,11 +181,16 @@ def bundle(p: StagePlan) -> dict[str, float]:
     return {"CPU": 1.0, "GPU": 1.0} if p.device.startswith("cuda") else {"CPU": 1.0}
 
 
+def node_device(p: StagePlan) -> str:
+    """A stage's device on its node: Ray gives a CUDA stage one GPU, the only one its process
+    sees, cuda:0 there."""
+    return "cuda:0" if p.device.startswith("cuda") else "cpu"
+
+
 def join_args(p: StagePlan, endpoint: str, keys: Path | None, insecure: bool) -> list[str]:
-    """strata-worker's arguments on the node (its keys directory at the launch's path): Ray
-    gives a CUDA stage one GPU, the only one its process sees, cuda:0 there."""
-    args = ["--join", endpoint, "--stage", str(p.index),
-            "--device", "cuda:0" if p.device.startswith("cuda") else "cpu"]
+    """strata-worker's arguments on the node, to join (its keys directory at the launch's
+    path)."""
+    args = ["--join", endpoint, "--stage", str(p.index), "--device", node_device(p)]
     if keys is not None:
         args += ["--keys", str(keys)]
     elif insecure:
@@ -193,9 +200,9 @@ def join_args(p: StagePlan, endpoint: str, keys: Path | None, insecure: bool) ->
 
 def node_args(args: list[str], p: StagePlan) -> list[str]:
     """A stage's strata-worker arguments as the launch would spawn it, with its device on the
-    node (see join_args)."""
+    node."""
     args = list(args)
-    args[args.index("--device") + 1] = "cuda:0" if p.device.startswith("cuda") else "cpu"
+    args[args.index("--device") + 1] = node_device(p)
     return args
 
 
