@@ -6,7 +6,8 @@ SmolLM2 puts its stages on the two nodes (Ray's node ids, and each worker a chil
 node's actor), answers a completion with the tokens of a plain launch, and leaves no worker
 and no actor after it stops. In-process, the launch's watch over the placed stages names the
 stage and its node when a worker exits (killed, or without the model file at the launch's
-path). The mistakes and the arguments a node gets need no cluster.
+path), and a killed stage starts again on its node with its endpoint. The mistakes, where the
+stages join and the arguments a node gets need no cluster.
 """
 from __future__ import annotations
 
