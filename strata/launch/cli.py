@@ -38,13 +38,26 @@ from strata.protocol.transport import is_loopback
               help="Don't spawn stage K: print its strata-worker command and wait for it "
                    "(with --listen: for it to join from another host).")
 @click.option("--listen", default=None, metavar="HOST:PORT",
-              help="Wait for the --external-stage stages to join from other hosts here "
-                   "(strata-worker --join tcp://HOST:PORT --stage K): HOST is this host's "
-                   "address as the others reach it; every endpoint is then ZeroMQ tcp on it. "
-                   "Port 0: any free port (the command printed names it).")
+              help="Wait for the --external-stage stages (with --cluster: every stage) to "
+                   "join from other hosts here (strata-worker --join tcp://HOST:PORT --stage "
+                   "K): HOST is this host's address as the others reach it; every endpoint "
+                   "is then ZeroMQ tcp on it. Port 0: any free port (the command printed "
+                   "names it).")
 @click.option("--join-timeout", type=float, default=None,
-              help="With --listen: give up when the external stages have not all joined "
-                   "within this many seconds (default: wait for ever).")
+              help="With --listen or --cluster: give up when the external stages have not "
+                   "all joined (been placed) within this many seconds (default: wait for "
+                   "ever).")
+@click.option("--cluster", default=None, metavar="ray[://HOST:PORT]",
+              help="Have Ray place the stages, one strata-worker each on a node with its "
+                   "device (a GPU per CUDA stage, else a CPU), spread over the nodes; they "
+                   "join this launch (the coordinator runs here) and talk over strata's own "
+                   "protocol. ray: the cluster RAY_ADDRESS names, else the one running on "
+                   "this host, else a local one started for the launch; ray://HOST:PORT: "
+                   "through Ray client. Every node needs strata and the model file (and "
+                   "--mtp-head, --keys) at the same path as here. The stages join at "
+                   "--listen, by default 127.0.0.1 when every node is on this host, else "
+                   "this host's address toward the cluster (which needs --keys or "
+                   "--insecure). Needs pip install 'strata[ray]'.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Where each stage writes its log (default: the temporary run directory, "
                    "removed after a clean run, kept after a failure and named on stderr).")
@@ -79,34 +92,40 @@ from strata.protocol.transport import is_loopback
               help="Serving: open connections from one client address; more get a 503.")
 @clean_errors("strata-launch")
 def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
-         external_stage, listen, join_timeout, log_dir, keys, insecure, restart_stages,
-         verbose, host, port, api_key, read_timeout, max_connections, max_client_connections,
-         **launch):
+         external_stage, listen, join_timeout, cluster, log_dir, keys, insecure,
+         restart_stages, verbose, host, port, api_key, read_timeout, max_connections,
+         max_client_connections, **launch):
     """Run a GGUF model split across stage processes and print the generated text; without
     --prompt, serve the OpenAI-compatible HTTP API (sampling then comes with each request)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             seed=seed, max_tokens=max_tokens, stop=tuple(stop)).with_seed()
-    prep = prepare(**launch)
+    if join_timeout is not None and not join_timeout > 0:
+        raise PlanError(f"--join-timeout {join_timeout:g} is no duration; give a number of "
+                        f"seconds above 0, or leave it out to wait for ever")
+    if cluster is not None:
+        if external_stage:
+            raise PlanError("--cluster places every stage on the Ray cluster; leave "
+                            "--external-stage out")
+        from strata.launch.ray_cluster import prepare_on_cluster   # imports Ray
+        prep, stages = prepare_on_cluster(cluster, listen, join_timeout, launch, say=say)
+    else:
+        prep, stages = prepare(**launch), dict(external=set(external_stage))
     for e in external_stage:
         if not 0 <= e < len(prep.plan):
             raise PlanError(f"--external-stage {e} does not exist: stages are "
                             f"0..{len(prep.plan) - 1}")
-    if listen is not None and not external_stage:
-        raise PlanError("--listen waits for external stages to join from other hosts, and "
-                        "there are none; add --external-stage K or leave --listen out")
-    stages = dict(external=set(external_stage))   # how the stages start, for prep.launch
-    if listen is not None:
+    if listen is not None and cluster is None:
+        if not external_stage:
+            raise PlanError("--listen waits for external stages to join from other hosts, and "
+                            "there are none; add --external-stage K or leave --listen out")
         stages.update(listen=parse_listen(listen), join_timeout=join_timeout)
         prep = replace(prep, link=resolve_link(launch["stage_link"], prep.plan,
                                                across_hosts=True))
-    elif join_timeout is not None:
+    elif join_timeout is not None and cluster is None:
         raise PlanError("--join-timeout limits the wait for stages joining at --listen; add "
                         "--listen HOST:PORT or leave --join-timeout out")
-    if join_timeout is not None and not join_timeout > 0:
-        raise PlanError(f"--join-timeout {join_timeout:g} is no duration; give a number of "
-                        f"seconds above 0, or leave it out to wait for ever")
     if restart_stages:
         prep = restartable(prep, prompt, external_stage, launch["stage_link"])
     check_security(keys, insecure, prep, stages)

@@ -103,25 +103,32 @@ class StageJoins:
         with self.lock:
             return sorted(self.procs.external - set(self.joined))
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Say what to run on each external stage's host, then wait until every one has
-        joined; PipelineError past `timeout` seconds (None: wait for ever)."""
-        for k in sorted(self.procs.external):
+    def wait(self, timeout: float | None = None, check=lambda: None,
+             by_hand: bool = True) -> None:
+        """Say what to run on each external stage's host (`by_hand`; else a cluster starts
+        them), then wait until every one has joined; PipelineError past `timeout` seconds
+        (None: wait for ever), or from `check` (called every second: a stage that a cluster
+        started may have exited)."""
+        for k in sorted(self.procs.external) if by_hand else ():
             self.say(f"stage {k} is external: waiting for it to join at {self.endpoint}; on "
                      f"its host run:\n  {self.command(k)}")
         start = last_note = time.monotonic()
         while not self.all_joined.wait(1.0):
+            check()
             now = time.monotonic()
             if timeout is not None and now - start > timeout:
                 missing = self.waiting()
                 commands = "; ".join(f"`{self.command(k)}`" for k in missing)
+                todo = (f"run {commands} on its host" if by_hand else
+                        "its log on its node says why")
                 raise PipelineError(f"no stage {', '.join(map(str, missing))} joined at "
-                                    f"{self.endpoint} within {timeout:g}s; run {commands} on "
-                                    f"its host, or raise --join-timeout")
+                                    f"{self.endpoint} within {timeout:g}s; {todo}, or raise "
+                                    f"--join-timeout")
             if now - last_note > NOTE_S:
                 commands = "; ".join(self.command(k) for k in self.waiting())
                 self.say(f"still waiting for stage(s) {self.waiting()} to join at "
-                         f"{self.endpoint} ({now - start:.0f}s); on its host run: {commands}")
+                         f"{self.endpoint} ({now - start:.0f}s)"
+                         + (f"; on its host run: {commands}" if by_hand else ""))
                 last_note = now
 
     def answer(self, msg):

@@ -171,10 +171,12 @@ class Prepared:
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
             drafter=None, mtp_head=None, draft_rows="auto", draft_sampling="argmax",
-            stage_timeout=None, **_) -> Prepared:
+            stage_timeout=None, cuda_devices=None, check_memory=True, **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
-    the flags."""
+    the flags. cuda_devices: the CUDA devices the stages may have (None: this host's);
+    check_memory: whether this host's memory must hold the stages (not where a cluster
+    places them)."""
     from strata.stage_worker.config import check_stage_settings
     groups = _number_or_auto("--batch-groups", batch_groups)
     window_rows = _number_or_auto("--window-rows", window_rows)
@@ -185,7 +187,9 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     check_stage_settings(batch, ctx_size, graph_cache)
     Liveness(stage_timeout)   # refuses a timeout that is not a positive number of seconds
     file = open_model(model, ctx_size)
-    plan = plan_stages(layer_split, parse_devices(devices, cuda_count()), file.config.n_layers)
+    if cuda_devices is None:
+        cuda_devices = cuda_count()
+    plan = plan_stages(layer_split, parse_devices(devices, cuda_devices), file.config.n_layers)
     if groups is None:
         groups = auto_groups(batch, len(plan))
     if chunk_rows is None:
@@ -200,7 +204,8 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
                             prompt_depth=len(plan) + 1)  # + 1: the next chunk waits at stage 0
     drafter, sidecar = choose_drafter(file, draft_tokens, drafter, mtp_head)
     sched = replace(sched, drafter=drafter)
-    check_fits(file.config, plan, batch, ctx_size)
+    if check_memory:
+        check_fits(file.config, plan, batch, ctx_size)
     return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan), transport,
                     sidecar, stage_timeout)
 

@@ -40,7 +40,8 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
                   transport: str = "unix", mtp_head: Path | None = None,
                   stage_timeout: float | None = None, keys: Path | None = None,
                   insecure: bool = False, listen: tuple[str, int] | None = None,
-                  join_timeout: float | None = None, say=print) -> Iterator[Launched]:
+                  join_timeout: float | None = None, cluster=None,
+                  say=print) -> Iterator[Launched]:
     """Spawn the stages, wait for every hello, yield; always shut everything down after.
     log_dir: where each stage writes stage<K>.log; without it the logs live in the run directory,
     which is removed after a clean run and kept (its path on stderr) after a failure.
@@ -53,12 +54,14 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
     listen); insecure: without keys, the tcp endpoints of a listen launch may be bound beyond
     loopback.
     listen: (this host's address, port): the external stages join from other hosts there
-    (joins.py), within join_timeout seconds (None: no limit); every endpoint is then tcp."""
+    (joins.py), within join_timeout seconds (None: no limit); every endpoint is then tcp.
+    cluster: a ray_cluster.RayCluster that places every stage (all external, with listen)."""
     coordinator_keys = CurveKeys.load(keys, COORDINATOR) if keys else None
-    procs = StageProcesses(file.path, plan, slots=slots, ctx=ctx, log_dir=log_dir,
-                           external=external, graph_cache=graph_cache, link=link,
-                           trace_dir=trace_dir, transport=transport, mtp_head=mtp_head,
-                           keys=keys, insecure=insecure, listen_host=listen and listen[0])
+    processes = StageProcesses if cluster is None else cluster.processes
+    procs = processes(file.path, plan, slots=slots, ctx=ctx, log_dir=log_dir,
+                      external=external, graph_cache=graph_cache, link=link,
+                      trace_dir=trace_dir, transport=transport, mtp_head=mtp_head,
+                      keys=keys, insecure=insecure, listen_host=listen and listen[0])
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     pipe = joins = None
     outcome = "failed"
@@ -76,7 +79,9 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
                 # the inbox is bound while the others join: a joined stage that has connected
                 # to it sees the launcher go, should it go before they all have
                 pipe = open_pipeline()
-            joins.wait(join_timeout)
+            if cluster is not None:   # each stage joins from the node Ray places it on
+                procs.place(joins.endpoint, timeout=join_timeout, say=say)
+            joins.wait(join_timeout, check=procs.check_alive, by_hand=cluster is None)
         if pipe is None:
             pipe = open_pipeline()
         procs.start(say=say)
