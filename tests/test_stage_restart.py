@@ -186,7 +186,7 @@ def test_a_restart_ends_in_flight_windows_and_waits_for_a_new_hello():
         def rejoin(self, stage):
             self.rejoined.append(stage)
             self.lose()
-            return SimpleNamespace(pid=1234)
+            return [SimpleNamespace(stage=stage, pid=1234)]
 
         def stage_table(self):
             return [{"stage": 1, "restarts": len(self.rejoined)}]
@@ -248,3 +248,32 @@ def test_a_unix_push_keeps_a_message_for_a_peer_that_binds_again(tmp_path):
             again.close()
     finally:
         push.close()
+
+
+def test_a_stage_that_failed_while_another_started_again_is_heard_when_it_says_hello(tmp_path):
+    """Stage 1 was being started again when stage 0 failed: the coordinator then waits for
+    stage 0, and stage 1's hello, which comes meanwhile, counts too (it was dropped: stage 1
+    then stayed out of the stage table and of the heartbeats)."""
+    from strata.coordinator.pipeline import Expect, Pipeline
+    from strata.protocol import transport
+    from strata.protocol.messages import PROTOCOL_VERSION, Hello
+
+    os.chmod(tmp_path, 0o700)
+    pipe = Pipeline(f"unix://{tmp_path}/inbox", f"unix://{tmp_path}/stage0")
+    stage = transport.Sockets().push(f"unix://{tmp_path}/inbox")
+    try:
+        hello = [Hello(PROTOCOL_VERSION, k, 15 * k, 15 * k + 15, "cpu", "f", 100 + k, 1, 64)
+                 for k in (0, 1)]
+        for h in hello:
+            transport.send(stage, h)
+        pipe.wait_for_hellos([Expect(k, 15 * k, 15 * k + 15, "f", 1, 64) for k in (0, 1)],
+                             timeout=10)
+        pipe.hellos.pop(1)   # stage 1 starts again, and before its hello...
+        transport.send(stage, Hello(PROTOCOL_VERSION, 1, 15, 30, "cpu", "f", 201, 1, 64))
+        transport.send(stage, Hello(PROTOCOL_VERSION, 0, 0, 15, "cpu", "f", 200, 1, 64))
+        came = pipe.rejoin(0, timeout=10)   # ...stage 0 fails and starts again
+        assert sorted(h.stage for h in came) == [0, 1]
+        assert [(s["stage"], s["pid"], s["restarts"]) for s in pipe.stage_table()] == [
+            (0, 200, 1), (1, 201, 1)]
+    finally:
+        pipe.close()

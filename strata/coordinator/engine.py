@@ -273,7 +273,7 @@ class Engine:
             log.warning("%s; starting stage %d again", error, stage)
             try:
                 self.restart(stage)
-                hello = self.pipe.pipe.rejoin(stage)
+                hellos = self.pipe.pipe.rejoin(stage)
             except PipelineError as again:   # it failed again, or another stage did
                 error = again
                 continue
@@ -282,10 +282,11 @@ class Engine:
         self.scheduler.restarted()
         self.stages = self.pipe.pipe.stage_table()
         self.restarting = None
-        if self.metrics:
-            self.metrics.stage_restarts.labels(str(stage)).inc()
-        log.warning("stage %d started again (pid %d); the requests in slots rebuild their KV",
-                    stage, hello.pid)
+        for hello in hellos:
+            if self.metrics:
+                self.metrics.stage_restarts.labels(str(hello.stage)).inc()
+            log.warning("stage %d started again (pid %d)", hello.stage, hello.pid)
+        log.warning("the requests in slots rebuild their KV")
 
     def _take_commands(self, block: bool) -> None:
         while True:

@@ -116,31 +116,36 @@ class Pipeline:
             self.liveness.add(h.stage, self._open_push(h.listen, h.stage))
 
     def rejoin(self, stage: int, timeout: float | None = 300.0,
-               on_wait: Callable[[float], None] = lambda waited: None) -> Hello:
+               on_wait: Callable[[float], None] = lambda waited: None) -> list[Hello]:
         """Wait for the hello of `stage`, started again (its process was replaced) after a
-        PipelineError: every window in flight is given up, and what comes meanwhile from the
-        stages that stayed (the Results and Errors of those windows) is dropped."""
+        PipelineError, and of any other stage started again before it that has not said
+        hello yet (a stage that failed while another was starting again); every window in
+        flight is given up, and what comes meanwhile from the stages that stayed (the
+        Results and Errors of those windows) is dropped. Returns the hellos that came."""
         assert stage in self.expected, stage
         self.liveness.drop(stage)
         self.hellos.pop(stage, None)
-        start = time.monotonic()
-        while stage not in self.hellos:
+        start, came = time.monotonic(), []
+        while len(self.hellos) < len(self.expected):
             waited = time.monotonic() - start
+            missing = sorted(set(self.expected) - set(self.hellos))
             if timeout is not None and waited > timeout:
-                raise PipelineError(f"stage {stage}, started again, did not say hello within "
-                                    f"{timeout:.0f}s; its log may say why", stage=stage)
+                raise PipelineError(f"stage(s) {missing}, started again, did not say hello "
+                                    f"within {timeout:.0f}s; their logs may say why",
+                                    stage=missing[0])
             on_wait(waited)
             msg = self._poll(0.2)
-            if isinstance(msg, Error) and msg.stage == stage and msg.window < 0:
-                raise PipelineError(f"stage {stage} failed at start: {msg.message}",
-                                    stage=stage)
-            if isinstance(msg, Hello) and msg.stage == stage:
+            if isinstance(msg, Error) and msg.stage in missing and msg.window < 0:
+                raise PipelineError(f"stage {msg.stage} failed at start: {msg.message}",
+                                    stage=msg.stage)
+            if isinstance(msg, Hello) and msg.stage in missing:
                 self._hello(msg, self.expected)
+                self.restarts[msg.stage] = self.restarts.get(msg.stage, 0) + 1
+                came.append(msg)
             elif msg is not None:
-                log.info("dropped a %s while stage %d starts again: its window was given up",
-                         type(msg).__name__, stage)
-        self.restarts[stage] = self.restarts.get(stage, 0) + 1
-        return self.hellos[stage]
+                log.info("dropped a %s while stage(s) %s start again: its window was given "
+                         "up", type(msg).__name__, missing)
+        return came
 
     def stage_table(self) -> list[dict]:
         """The stages as their hellos describe them, with how often each was started again."""
