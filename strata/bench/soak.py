@@ -25,8 +25,9 @@ from strata.bench import harness
 from strata.bench.harness import SPLITS
 from strata.bench.loadtest import (ServerProcess, get_json, idle_status, launch_args,
                                    post_request, rss_mib)
-from strata.bench.soak_checks import (Fault, SoakRequest, compare, fault_schedule,
-                                      memory_verdict, output, request_pool, why_lost)
+from strata.bench.soak_checks import (Fault, SoakRequest, compare, describe, fault_schedule,
+                                      memory_verdict, mib, output, print_summary, request_pool,
+                                      why_lost)
 from strata.launch.options import clean_errors, launch_options, prepare
 
 WATCH_S = 1.0    # how often the stages' pids are read from /v1/status (a change: a restart)
@@ -206,12 +207,17 @@ def memory(server_pid: int, stage_pids: dict[int, int]) -> tuple[dict, dict]:
 
 
 async def _final_status(url: str, headers: dict, wait: float) -> dict:
-    """/v1/status once every slot is idle (or after `wait` seconds); a server that no longer
-    answers has no stages."""
-    try:
-        return await idle_status(url, headers, wait)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-        return {"healthy": False, "error": f"/v1/status: {e}", "stages": []}
+    """/v1/status once every slot is idle and the server healthy (no stage restarting), or
+    after `wait` seconds; a server that no longer answers has no stages."""
+    end = time.monotonic() + wait
+    while True:
+        try:
+            status = await idle_status(url, headers, max(0.0, end - time.monotonic()))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            return {"healthy": False, "error": f"/v1/status: {e}", "stages": []}
+        if status["healthy"] or time.monotonic() >= end:
+            return status
+        await asyncio.sleep(0.5)
 
 
 def run_soak(server: ServerProcess, url: str, pool: list[SoakRequest], plan: SoakPlan,
@@ -223,7 +229,7 @@ def run_soak(server: ServerProcess, url: str, pool: list[SoakRequest], plan: Soa
 
     def on_warm():
         warm["rss"], warm["pids"] = memory(server.proc.pid, soak.pids)
-        soak.note("warm: " + ", ".join(f"{n} {_mib(m)} MiB" for n, m in warm["rss"].items()))
+        soak.note("warm: " + ", ".join(f"{n} {mib(m)} MiB" for n, m in warm["rss"].items()))
 
     asyncio.run(_load(soak, plan, on_warm))
     seconds = soak.last_end - soak.start if soak.done else 0.0
@@ -249,57 +255,8 @@ def run_soak(server: ServerProcess, url: str, pool: list[SoakRequest], plan: Soa
                        for name in warm["rss"]},
         "memory_tolerance": {"percent": plan.tolerance_pct, "floor_mib": plan.floor_mib},
         "memory_failures": memory_bad}
-    _print(report, say)
+    print_summary(report, say)
     return report
-
-
-def _mib(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.0f}"
-
-
-def _print(r: dict, say) -> None:
-    say(f"requests            {r['requests']} sent, {r['completed']} complete, "
-        f"{r['lost']} lost ({r['distinct_requests']} distinct)")
-    for line in r["lost_samples"]:
-        say(f"  {line.splitlines()[0][:160]}")
-    say(f"mismatches          {r['mismatches']} ({r['mismatched_answers']} answers under load "
-        f"differ from their solo run)")
-    for line in r["mismatch_samples"]:
-        say(f"  {line}")
-    say(f"faults              {r['kills']} kills, {r['stops']} stops, {r['restarts']} restarts "
-        f"seen")
-    say(f"generated tokens    {r['tokens']} ({r['tok_s']:.1f} tok/s)")
-    say(f"final status        {'healthy' if r['healthy'] else 'UNHEALTHY'}")
-    tol = r["memory_tolerance"]
-    say(f"memory              RSS MiB after warm-up / after the load (allowed: +"
-        f"{tol['percent']:g}% or +{tol['floor_mib']:g} MiB, whichever is more)")
-    mem = r["memory_mib"]
-    for name, m in mem.items():
-        pid = f"pid {m['pid_start']}" + ("" if m["pid_end"] == m["pid_start"]
-                                         else f" -> {m['pid_end']}")
-        say(f"  {name:<17} {_mib(m['start']):>6} / {_mib(m['end']):>6}  ({pid})")
-    if all(m["start"] is not None and m["end"] is not None for m in mem.values()):
-        say(f"  {'total':<17} {sum(m['start'] for m in mem.values()):>6.0f} / "
-            f"{sum(m['end'] for m in mem.values()):>6.0f}")
-    for line in r["memory_failures"]:
-        say(f"  past the tolerance: {line}")
-    ok = not (r["lost"] or r["mismatches"] or r["memory_failures"])
-    say("soak passed" if ok else "soak FAILED")
-
-
-def _describe(faults: list[Fault], stage_timeout: float | None, stop_for: float) -> list[str]:
-    lines = []
-    for kind, what in (("kill", "SIGKILL"), ("stop", f"SIGSTOP for {stop_for:g} s")):
-        picked = [f for f in faults if f.kind == kind]
-        if picked:
-            lines.append(f"# {what} at " + ", ".join(f"{f.at:g} s (stage {f.stage})"
-                                                     for f in picked))
-    if any(f.kind == "stop" for f in faults):
-        lines.append(f"# stage timeout {stage_timeout:g} s: " +
-                     ("a stop is a hang; the server takes the stage for hung and restarts it"
-                      if stage_timeout < stop_for else
-                      "a stop is a pause, shorter than the stage timeout; no restart"))
-    return lines or ["# no faults: the load alone"]
 
 
 @click.command()
@@ -381,7 +338,7 @@ def soak(clients, duration, warmup, max_tokens, distinct_requests, prompts_file,
         click.echo(f"# soak: {clients} clients for {duration:g} s (warm-up {warmup:g} s), "
                    f"{distinct_requests} distinct requests of up to {max_tokens} tokens, "
                    f"{url}, {stages} stages" + (", --restart-stages" if restart else ""))
-        for line in _describe(faults, launch["stage_timeout"], stop_for):
+        for line in describe(faults, launch["stage_timeout"], stop_for):
             click.echo(line)
         plan = SoakPlan(clients, duration, warmup, tuple(faults), memory_tolerance,
                         memory_floor, progress_every)

@@ -1,5 +1,6 @@
 """The pure parts of `strata-bench soak`: the requests it sends, when it kills and stops which
-stage, and its three verdicts (lost requests, outputs against their solo runs, memory)."""
+stage, its three verdicts (lost requests, outputs against their solo runs, memory) and the
+summary it prints."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -153,3 +154,54 @@ def memory_verdict(start: dict[str, float | None], end: dict[str, float | None],
     if known and start:
         check("total", sum(start.values()), sum(end[n] for n in start))
     return out
+
+
+# --- the summary ------------------------------------------------------------------------------
+
+def mib(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0f}"
+
+
+def print_summary(r: dict, say) -> None:
+    say(f"requests            {r['requests']} sent, {r['completed']} complete, "
+        f"{r['lost']} lost ({r['distinct_requests']} distinct)")
+    for line in r["lost_samples"]:
+        say(f"  {line.splitlines()[0][:160]}")
+    say(f"mismatches          {r['mismatches']} ({r['mismatched_answers']} answers under load "
+        f"differ from their solo run)")
+    for line in r["mismatch_samples"]:
+        say(f"  {line}")
+    say(f"faults              {r['kills']} kills, {r['stops']} stops, {r['restarts']} restarts "
+        f"seen")
+    say(f"generated tokens    {r['tokens']} ({r['tok_s']:.1f} tok/s)")
+    say(f"final status        {'healthy' if r['healthy'] else 'UNHEALTHY'}")
+    tol = r["memory_tolerance"]
+    say(f"memory              RSS MiB after warm-up / after the load (allowed: +"
+        f"{tol['percent']:g}% or +{tol['floor_mib']:g} MiB, whichever is more)")
+    mem = r["memory_mib"]
+    for name, m in mem.items():
+        pid = f"pid {m['pid_start']}" + ("" if m["pid_end"] == m["pid_start"]
+                                         else f" -> {m['pid_end']}")
+        say(f"  {name:<17} {mib(m['start']):>6} / {mib(m['end']):>6}  ({pid})")
+    if all(m["start"] is not None and m["end"] is not None for m in mem.values()):
+        say(f"  {'total':<17} {sum(m['start'] for m in mem.values()):>6.0f} / "
+            f"{sum(m['end'] for m in mem.values()):>6.0f}")
+    for line in r["memory_failures"]:
+        say(f"  past the tolerance: {line}")
+    ok = not (r["lost"] or r["mismatches"] or r["memory_failures"])
+    say("soak passed" if ok else "soak FAILED")
+
+
+def describe(faults: list[Fault], stage_timeout: float | None, stop_for: float) -> list[str]:
+    lines = []
+    for kind, what in (("kill", "SIGKILL"), ("stop", f"SIGSTOP for {stop_for:g} s")):
+        picked = [f for f in faults if f.kind == kind]
+        if picked:
+            lines.append(f"# {what} at " + ", ".join(f"{f.at:g} s (stage {f.stage})"
+                                                     for f in picked))
+    if any(f.kind == "stop" for f in faults):
+        lines.append(f"# stage timeout {stage_timeout:g} s: " +
+                     ("a stop is a hang; the server takes the stage for hung and restarts it"
+                      if stage_timeout < stop_for else
+                      "a stop is a pause, shorter than the stage timeout; no restart"))
+    return lines or ["# no faults: the load alone"]
