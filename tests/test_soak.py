@@ -145,12 +145,18 @@ def test_memory_past_the_tolerance_fails_each_process_and_the_total():
     # each process within its allowance, the total too (2200 -> 2300 of 220 allowed)
     assert memory_verdict(start, {"server": 230.0, "stage 0": 1035.0, "stage 1": 1035.0},
                           10, 32) == []
-    # the total is checked on its own: every process at +4%, the total allowed +1%
+    # the total is checked on its own: each process within its allowance (32, 100, 100), the
+    # total past its 220
+    assert memory_verdict(start, {"server": 231.0, "stage 0": 1099.0, "stage 1": 1099.0},
+                          10, 32) == ["total: 2200 MiB -> 2429 MiB, 229 MiB more (allowed 220)"]
     bad = memory_verdict(start, {n: v * 1.04 for n, v in start.items()}, 1, 10)
     assert bad == ["stage 0: 1000 MiB -> 1040 MiB, 40 MiB more (allowed 10)",
                    "stage 1: 1000 MiB -> 1040 MiB, 40 MiB more (allowed 10)",
                    "total: 2200 MiB -> 2288 MiB, 88 MiB more (allowed 22)"]
     assert memory_verdict(start, {**start, "stage 1": None}, 10, 32) == [
+        "stage 1: no process to measure at end"]
+    # a stage missing from the last /v1/status: no process to measure either
+    assert memory_verdict(start, {"server": 200.0, "stage 0": 1000.0}, 10, 32) == [
         "stage 1: no process to measure at end"]
 
 

@@ -150,8 +150,7 @@ def memory_verdict(start: dict[str, float | None], end: dict[str, float | None],
 
     for name in start:
         check(name, start[name], end.get(name))
-    known = all(v is not None for v in [*start.values(), *end.values()])
-    if known and start:
+    if start and all(start[n] is not None and end.get(n) is not None for n in start):
         check("total", sum(start.values()), sum(end[n] for n in start))
     return out
 
