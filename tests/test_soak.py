@@ -233,3 +233,12 @@ def test_a_short_soak_of_smollm2(faults, tmp_path, no_stage_left):
     else:
         assert (r["kills"], r["stops"]) == (1, 1) and r["restarts"] >= 2, out
         assert {m["pid_start"] != m["pid_end"] for m in r["memory_mib"].values()} == {False, True}
+
+
+def test_a_server_that_exits_at_start_is_said_so(tiny_model):
+    from strata.bench.loadtest import ServerProcess
+    server = ServerProcess(["--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
+                            "--port", "0", "--batch", "0"])
+    with pytest.raises(RuntimeError, match="strata-launch exited with code 2 before serving"):
+        server.wait_ready(120)
+    assert server.stop() == 2

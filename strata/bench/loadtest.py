@@ -54,10 +54,12 @@ class ServerProcess:
         self._ready.set()  # exited: wait_ready looks at the url
 
     def wait_ready(self, timeout: float = 300.0) -> str:
-        self._ready.wait(timeout)
+        exited = self._ready.wait(timeout) and self.url is None   # stderr closed
         if self.url is None:
-            raise RuntimeError(f"strata-launch did not start serving within {timeout:.0f}s "
-                               f"(exit code {self.proc.poll()}):\n{self.stderr()}")
+            code = self.proc.wait(5) if exited else self.proc.poll()
+            why = (f"exited with code {code} before serving" if code is not None else
+                   f"did not start serving within {timeout:.0f}s")
+            raise RuntimeError(f"strata-launch {why}:\n{self.stderr()}")
         return self.url
 
     def stderr(self) -> str:
