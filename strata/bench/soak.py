@@ -100,21 +100,26 @@ async def _client(soak: Soak, session: aiohttp.ClientSession, counter, deadline:
         soak.outputs.setdefault(req.index, []).append(output(answer))
 
 
+async def _read_pids(soak: Soak, session: aiohttp.ClientSession) -> None:
+    """The stages' pids from /v1/status; a stage whose pid changed was restarted (one missing
+    from the list keeps its last pid until it is back)."""
+    try:
+        async with session.get(f"{soak.url}/status") as resp:
+            stages = (await resp.json())["stages"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+        return
+    for s in stages:
+        old = soak.pids.get(s["stage"])
+        if old is not None and s["pid"] != old:
+            soak.restarts += 1
+            soak.note(f"stage {s['stage']} restarted: pid {old} -> {s['pid']}")
+        soak.pids[s["stage"]] = s["pid"]
+
+
 async def _watch(soak: Soak, session: aiohttp.ClientSession) -> None:
-    """Reads the stages' pids every WATCH_S seconds; a stage whose pid changed was restarted."""
     while True:
         await asyncio.sleep(WATCH_S)
-        try:
-            async with session.get(f"{soak.url}/status") as resp:
-                stages = (await resp.json())["stages"]
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
-            continue
-        for s in stages:
-            old = soak.pids.get(s["stage"])
-            if old is not None and s["pid"] != old:
-                soak.restarts += 1
-                soak.note(f"stage {s['stage']} restarted: pid {old} -> {s['pid']}")
-            soak.pids[s["stage"]] = s["pid"]
+        await _read_pids(soak, session)
 
 
 def _signal(soak: Soak, fault: Fault, sig: int) -> int | None:
@@ -139,10 +144,15 @@ async def _cont(soak: Soak, pid: int, stage: int, hold: float) -> None:
         soak.note(f"stage {stage}'s stopped process (pid {pid}) is gone: the server replaced it")
 
 
-async def _inject(soak: Soak, faults: list[Fault]) -> None:
+async def _inject(soak: Soak, faults: list[Fault],
+                  session: aiohttp.ClientSession | None = None) -> None:
+    """Each fault at its time, to the stage's process as /v1/status names it just before
+    (without a session: as soak.pids holds it)."""
     conts = []
     for fault in faults:
         await asyncio.sleep(max(0.0, soak.start + fault.at - time.monotonic()))
+        if session is not None:
+            await _read_pids(soak, session)
         sig = signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP
         pid = _signal(soak, fault, sig)
         soak.faults.append({"at_s": round(soak.now(), 1), "kind": fault.kind,
@@ -180,7 +190,7 @@ async def _load(soak: Soak, plan: SoakPlan, on_warm: Callable[[], None]) -> None
 
         side = [asyncio.create_task(c) for c in (_watch(soak, session), warm(),
                                                  _progress(soak, plan.progress_every))]
-        injecting = asyncio.create_task(_inject(soak, list(plan.faults)))
+        injecting = asyncio.create_task(_inject(soak, list(plan.faults), session))
         try:
             await asyncio.gather(*(_client(soak, session, counter, soak.start + plan.duration)
                                    for _ in range(plan.clients)))
