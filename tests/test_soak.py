@@ -106,6 +106,45 @@ def test_a_stop_is_continued_after_its_hold_and_a_kill_kills(tmp_path):
             p.wait()
 
 
+def test_restarts_are_seen_as_a_stage_pid_that_changes():
+    from aiohttp import web
+
+    from strata.bench.soak import _read_pids
+    tables = [[{"stage": 0, "pid": 10}, {"stage": 1, "pid": 11}],
+              [{"stage": 0, "pid": 10}, {"stage": 1, "pid": 12}],   # stage 1 restarted
+              [{"stage": 0, "pid": 10}],                             # stage 1 restarting
+              [{"stage": 0, "pid": 14}, {"stage": 1, "pid": 13}]]    # both again
+    seen = []
+
+    async def status(request):
+        return web.json_response({"stages": tables[len(seen)]})
+
+    async def run():
+        import aiohttp
+        app = web.Application()
+        app.router.add_get("/v1/status", status)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        notes = []
+        soak = Soak([], f"http://127.0.0.1:{port}/v1", {}, say=notes.append)
+        async with aiohttp.ClientSession() as session:
+            for _ in tables:
+                await _read_pids(soak, session)
+                seen.append((dict(soak.pids), soak.restarts))
+        await runner.cleanup()
+        return notes
+
+    notes = asyncio.run(run())
+    assert seen == [({0: 10, 1: 11}, 0), ({0: 10, 1: 12}, 1), ({0: 10, 1: 12}, 1),
+                    ({0: 14, 1: 13}, 3)]
+    assert [n.split(" s  ", 1)[1] for n in notes] == [
+        "stage 1 restarted: pid 11 -> 12", "stage 0 restarted: pid 10 -> 14",
+        "stage 1 restarted: pid 12 -> 13"]
+
+
 # --- the verdicts ---------------------------------------------------------------------------------
 
 def test_an_answer_is_lost_on_an_error_a_missing_usage_or_an_unfinished_reason():
