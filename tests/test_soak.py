@@ -224,6 +224,7 @@ def test_a_soak_without_faults_passes(varied_model, tmp_path, no_stage_left):
     assert all(m["start"] and m["end"] and m["pid_start"] == m["pid_end"]
                for m in r["memory_mib"].values())
     assert r["tok_s"] > 0
+    assert "strata: serving" in (tmp_path / "strata-launch.log").read_text()
     for words in ("# no faults", "warm: server", "0 lost",
                   "# solo runs: 12 distinct requests", "mismatches          0", "total",
                   "soak passed", "server stopped with exit code 0"):

@@ -306,7 +306,8 @@ def run_soak(server: ServerProcess, url: str, pool: list[SoakRequest], plan: Soa
 @click.option("--progress-every", type=float, default=5.0, show_default=True,
               help="Seconds between progress lines.")
 @click.option("--api-key", default=None)
-@click.option("--log-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None,
+              help="The stages' logs, and strata-launch's stderr as strata-launch.log.")
 @click.option("--json-out", "--json", "json_out", type=click.Path(dir_okay=False), default=None,
               help="Write the summary as JSON.")
 @clean_errors("strata-bench soak")
@@ -356,6 +357,9 @@ def soak(clients, duration, warmup, max_tokens, distinct_requests, prompts_file,
     finally:
         code = server.stop()
         click.echo(f"server stopped with exit code {code}")
+        if log_dir:   # what the server said of its stages (restarts included)
+            with open(os.path.join(log_dir, "strata-launch.log"), "w") as f:
+                f.write(server.stderr())
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
