@@ -4,6 +4,8 @@
   exact       the exactness harness: N prompts alone, then together; any mismatch fails
   throughput  C concurrent clients x T tokens: serial vs pipelined groups in one run
   loadtest    C concurrent HTTP clients for a bounded time against strata-launch serving
+  soak        loadtest with stages killed and stopped: no request lost, every answer as its
+              solo run's, memory back to its start
   sweep       total tok/s against concurrent clients: 1gpu, serial, pipelined (and with MTP
               drafts: serial-mtp, pipelined-mtp) side by side
   prompt      a long prompt's reading rate: serial vs pipelined chunks, FLOP/s and % of peak
@@ -33,6 +35,7 @@ from strata.bench.harness import machine
 from strata.bench.loadtest import loadtest
 from strata.bench.peer import peer
 from strata.bench.promptbench import prompt
+from strata.bench.soak import soak
 from strata.bench.sweep import sweep
 from strata.launch.options import (clean_errors, launch_options, open_model, parse_devices_for,
                                    prepare)
@@ -168,6 +171,7 @@ def throughput(batches, clients, tokens, json_out, **launch):
 
 
 main.add_command(loadtest)
+main.add_command(soak)
 main.add_command(drafts)
 main.add_command(sweep)
 main.add_command(prompt)

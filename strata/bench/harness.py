@@ -68,8 +68,9 @@ def machine() -> str:
             f"torch {torch.__version__}")
 
 
-def prompt_set(n: int) -> list[str]:
-    return [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" (variant {i})")
+def prompt_set(n: int, texts: list[str] = PROMPTS) -> list[str]:
+    """n distinct prompts: `texts` in turn, marked as variants from the second round."""
+    return [texts[i % len(texts)] + ("" if i < len(texts) else f" (variant {i})")
             for i in range(n)]
 
 

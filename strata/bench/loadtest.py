@@ -5,7 +5,7 @@ requests completed, errors (must be 0), tokens/s, latency percentiles, the final
 (every slot idle) and each stage's resident memory at start, after warm-up and at the end.
 
 `ServerProcess` (strata-launch as a child process, ready once it prints its URL) is shared
-with the tests.
+with the tests; `post_request` (one request's answer, whole or streamed) with the soak.
 """
 from __future__ import annotations
 
@@ -54,10 +54,12 @@ class ServerProcess:
         self._ready.set()  # exited: wait_ready looks at the url
 
     def wait_ready(self, timeout: float = 300.0) -> str:
-        self._ready.wait(timeout)
+        exited = self._ready.wait(timeout) and self.url is None   # stderr closed
         if self.url is None:
-            raise RuntimeError(f"strata-launch did not start serving within {timeout:.0f}s "
-                               f"(exit code {self.proc.poll()}):\n{self.stderr()}")
+            code = self.proc.wait(5) if exited else self.proc.poll()
+            why = (f"exited with code {code} before serving" if code is not None else
+                   f"did not start serving within {timeout:.0f}s")
+            raise RuntimeError(f"strata-launch {why}:\n{self.stderr()}")
         return self.url
 
     def stderr(self) -> str:
@@ -105,8 +107,67 @@ class Tally:
     last_end: float = 0.0
 
 
-async def _one(session: aiohttp.ClientSession, url: str, n: int, max_tokens: int,
-               tally: Tally) -> None:
+@dataclass
+class Answer:
+    """What one request got: its text (a stream's deltas joined), usage's completion tokens and
+    the finish reason; or `error`, why it got no complete answer (an HTTP error, an SSE error
+    event, a stream cut before its usage or its [DONE], a broken connection)."""
+    text: str = ""
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    ttft: float | None = None   # seconds to a stream's first text
+
+
+async def post_request(session: aiohttp.ClientSession, url: str, body: dict) -> Answer:
+    """POST `body` to /completions, or /chat/completions where it has messages, whole or
+    streamed (a stream must ask for include_usage) and read the answer."""
+    chat, stream = "messages" in body, body.get("stream", False)
+    out = Answer()
+    t0 = time.monotonic()
+    try:
+        async with session.post(f"{url}/{'chat/completions' if chat else 'completions'}",
+                                json=body) as resp:
+            if resp.status != 200:
+                out.error = f"{resp.status}: {(await resp.text())[:200]}"
+                return out
+            if not stream:
+                obj = await resp.json()
+                choice = obj["choices"][0]
+                out.text = choice["message"]["content"] if chat else choice["text"]
+                out.finish_reason = choice["finish_reason"]
+                out.completion_tokens = obj["usage"]["completion_tokens"]
+                return out
+            done, texts = False, []
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    done = True
+                if not line.startswith("data: ") or done:
+                    continue
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    out.error = f"stream: {obj['error']['message'][:200]}"
+                    return out
+                if obj.get("usage"):
+                    out.completion_tokens = obj["usage"]["completion_tokens"]
+                if not obj["choices"]:
+                    continue
+                choice = obj["choices"][0]
+                text = choice.get("delta", {}).get("content") if chat else choice.get("text")
+                if text:
+                    texts.append(text)
+                    out.ttft = time.monotonic() - t0 if out.ttft is None else out.ttft
+                out.finish_reason = choice.get("finish_reason") or out.finish_reason
+            out.text = "".join(texts)
+            if out.completion_tokens is None or not done:
+                out.error = f"stream ended without {'usage' if done else '[DONE]'}"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+def request_body(n: int, max_tokens: int) -> dict:
     """Request n: chat or completion, streamed or not, greedy or seeded, by n's bits."""
     chat, stream, seeded = n % 2 == 0, n % 4 < 2, n % 8 < 4
     text = harness.PROMPTS[n % len(harness.PROMPTS)]
@@ -119,40 +180,19 @@ async def _one(session: aiohttp.ClientSession, url: str, n: int, max_tokens: int
         body["prompt"] = text
     if stream:
         body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def _one(session: aiohttp.ClientSession, url: str, n: int, max_tokens: int,
+               tally: Tally) -> None:
     t0 = time.monotonic()
-    try:
-        async with session.post(f"{url}/{'chat/completions' if chat else 'completions'}",
-                                json=body) as resp:
-            if resp.status != 200:
-                tally.errors.append(f"{resp.status}: {(await resp.text())[:200]}")
-                return
-            if not stream:
-                tokens = (await resp.json())["usage"]["completion_tokens"]
-            else:
-                tokens, first = None, None
-                async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    obj = json.loads(line[6:])
-                    if "error" in obj:
-                        tally.errors.append(f"stream: {obj['error']['message'][:200]}")
-                        return
-                    if obj.get("usage"):
-                        tokens = obj["usage"]["completion_tokens"]
-                    elif first is None and obj["choices"] and (
-                            obj["choices"][0].get("text") or
-                            obj["choices"][0].get("delta", {}).get("content")):
-                        first = time.monotonic()
-                if tokens is None:
-                    tally.errors.append("stream ended without usage")
-                    return
-                if first is not None:
-                    tally.ttft.append(first - t0)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
-        tally.errors.append(f"{type(e).__name__}: {e}")
+    answer = await post_request(session, url, request_body(n, max_tokens))
+    if answer.error is not None:
+        tally.errors.append(answer.error)
         return
-    tally.tokens += tokens
+    if answer.ttft is not None:
+        tally.ttft.append(answer.ttft)
+    tally.tokens += answer.completion_tokens
     tally.last_end = time.monotonic()
     tally.latency.append(tally.last_end - t0)
 
@@ -181,17 +221,17 @@ async def _load(url: str, clients: int, duration: float, max_tokens: int,
     return tally, start
 
 
-async def _get(url: str, headers: dict) -> dict:
+async def get_json(url: str, headers: dict) -> dict:
     async with aiohttp.ClientSession(headers=headers) as session:
         async with session.get(url) as resp:
             return await resp.json()
 
 
-async def _idle_status(url: str, headers: dict, wait: float = 10.0) -> dict:
+async def idle_status(url: str, headers: dict, wait: float = 10.0) -> dict:
     """/v1/status once every slot is idle (the last answer may beat the engine's snapshot)."""
     end = time.monotonic() + wait
     while True:
-        status = await _get(f"{url}/status", headers)
+        status = await get_json(f"{url}/status", headers)
         idle = all(s["state"] == "idle" for s in status["slots"]) and not status["queued"]
         if idle or time.monotonic() > end:
             return status
@@ -201,7 +241,7 @@ async def _idle_status(url: str, headers: dict, wait: float = 10.0) -> dict:
 def run_load(url: str, clients: int, duration: float, max_tokens: int,
              api_key: str | None = None, say=click.echo) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    first = asyncio.run(_get(f"{url}/status", headers))
+    first = asyncio.run(get_json(f"{url}/status", headers))
     pids = {s["stage"]: s["pid"] for s in first["stages"]}
     memory = {k: {"start": rss_mib(pid)} for k, pid in pids.items()}
 
@@ -213,7 +253,7 @@ def run_load(url: str, clients: int, duration: float, max_tokens: int,
         f"{url} (batch {first['batch']}, groups {first['batch_groups']}, "
         f"{len(pids)} stages)")
     tally, start = asyncio.run(_load(url, clients, duration, max_tokens, headers, on_warm))
-    status = asyncio.run(_idle_status(url, headers))
+    status = asyncio.run(idle_status(url, headers))
     for k, pid in pids.items():
         memory[k]["end"] = rss_mib(pid)
     seconds = max(tally.last_end - start, 1e-9)
