@@ -14,6 +14,7 @@ from strata.coordinator.pipeline import WindowFailed
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from strata.bench import harness
+from strata.launch.joins import host_rendezvous
 from strata.launch.plan import PlanError, StagePlan, plan_stages, resolve_link
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile
@@ -119,3 +120,18 @@ def test_an_unreachable_rendezvous_is_one_sentence_within_its_timeout():
     assert took < 2 + 8, f"took {took:.1f} s"
     assert str(e.value).startswith(f"cannot reach the link's rendezvous at 127.0.0.1:{port} "
                                    f"(nothing answered within 2s); check that the launch"), e.value
+
+
+def test_a_stage_whose_neighbours_never_come_is_one_sentence_within_the_timeout():
+    """The store answers but stage 0 never comes: stage 1 gives up after timeout_s with a
+    sentence naming the rendezvous, instead of waiting for ever."""
+    store = host_rendezvous("127.0.0.1")
+    t0 = time.monotonic()
+    with pytest.raises(LinkError) as e:
+        StageLink("gloo", f"tcp://127.0.0.1:{store.port}", 1, 2, torch.device("cpu"),
+                  timeout_s=2)
+    took = time.monotonic() - t0
+    assert took < 2 + 8, f"took {took:.1f} s"
+    assert str(e.value).startswith(f"the stages of the link did not all meet at "
+                                   f"127.0.0.1:{store.port} within 2s ("), e.value
+    assert str(e.value).endswith("the launch or another stage has failed: their logs say why")

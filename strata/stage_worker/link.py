@@ -65,15 +65,8 @@ class StageLink:
         # over tcp is a group of its own, bound to this stage's address
         self.group: dist.ProcessGroupGloo | None = None
         if init.startswith("tcp://"):
-            store, address = rendezvous(init, stage, timeout, connect_s)
-            if backend == "gloo":
-                options = dist.ProcessGroupGloo._Options()
-                options._timeout = timeout
-                options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-                self.group = dist.ProcessGroupGloo(store, stage, stages, options)
-            else:   # NCCL picks its own interfaces (NCCL_SOCKET_IFNAME)
-                dist.init_process_group(backend, store=store, rank=stage, world_size=stages,
-                                        timeout=timeout, **kwargs)
+            self.group = meet_over_tcp(backend, init, stage, stages, timeout, connect_s,
+                                       kwargs)
         else:
             dist.init_process_group(backend, init_method=init, rank=stage, world_size=stages,
                                     timeout=timeout, **kwargs)
@@ -120,11 +113,34 @@ class StageLink:
             log.warning("stage %d: closing the link: %s", self.stage, e)
 
 
-def rendezvous(init: str, stage: int, timeout: timedelta,
-               connect_s: float) -> tuple[dist.TCPStore, str]:
-    """init: tcp://HOST:PORT -> (a client of the TCPStore there, this host's address toward
-    it); LinkError with a sentence when it cannot be reached within connect_s seconds."""
+def meet_over_tcp(backend: str, init: str, stage: int, stages: int, timeout: timedelta,
+                  connect_s: float, kwargs: dict) -> dist.ProcessGroupGloo | None:
+    """Join the link's group at the TCPStore init names (tcp://HOST:PORT): gloo as a group of
+    its own, bound to this stage's address toward the store (returned); nccl as the default
+    group (None), on the interfaces NCCL picks (NCCL_SOCKET_IFNAME). LinkError with a
+    sentence when the store cannot be reached, or the other stages do not come in time."""
     host, port = parse_tcp(init)
+    store, address = rendezvous(host, port, stage, timeout, connect_s)
+    try:
+        if backend == "nccl":
+            dist.init_process_group(backend, store=store, rank=stage, world_size=stages,
+                                    timeout=timeout, **kwargs)
+            return None
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+        return dist.ProcessGroupGloo(store, stage, stages, options)
+    except dist.DistError as e:   # the store went away, or a stage never came
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LinkError(f"the stages of the link did not all meet at {host}:{port} within "
+                        f"{timeout.total_seconds():g}s ({why}); the launch or another stage "
+                        f"has failed: their logs say why") from None
+
+
+def rendezvous(host: str, port: int, stage: int, timeout: timedelta,
+               connect_s: float) -> tuple[dist.TCPStore, str]:
+    """A client of the TCPStore at host:port and this host's address toward it; LinkError
+    with a sentence when it cannot be reached within connect_s seconds."""
     try:
         address = address_toward(host, port)
         store = dist.TCPStore(host, port, is_master=False,
