@@ -333,7 +333,10 @@ def test_a_launch_mistake_gets_one_sentence(case, tiny_model, no_stage_left):
     assert_one_sentence(r.stderr, *words)
 
 
-def test_a_launch_joined_beyond_loopback_needs_keys_or_insecure(tiny_model, no_stage_left):
+@pytest.mark.parametrize("link", ["auto", "gloo"])
+def test_a_launch_joined_beyond_loopback_needs_keys_or_insecure(link, tiny_model,
+                                                                no_stage_left):
+    """gloo: torch.distributed has no keys, so only --insecure (or --stage-link zmq)."""
     try:
         address = address_toward("192.0.2.1", 9)   # this host's address on its default route
     except OSError:
@@ -341,10 +344,15 @@ def test_a_launch_joined_beyond_loopback_needs_keys_or_insecure(tiny_model, no_s
     if address.startswith("127."):
         pytest.skip("this host has no address beyond loopback")
     r = launch(["--model", str(tiny_model), *ARGS, "--external-stage", "1", "--listen",
-                f"{address}:0"], None, timeout=60)
+                f"{address}:0", "--stage-link", link], None, timeout=60)
     assert r.returncode == 2, r.stderr
-    assert_one_sentence(r.stderr, f"--listen {address} would take windows from any host",
-                        "give --keys DIR", "--insecure")
+    if link == "auto":
+        assert_one_sentence(r.stderr, f"--listen {address} would take windows from any host",
+                            "give --keys DIR", "--insecure")
+    else:
+        assert_one_sentence(r.stderr, f"--listen {address} with --stage-link gloo would take "
+                            f"windows and activations from any host", "give --insecure",
+                            "use --stage-link zmq (or auto) with --keys DIR")
 
 
 def test_a_taken_listen_port_gets_one_sentence(tiny_model, no_stage_left):

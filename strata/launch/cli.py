@@ -188,6 +188,12 @@ def check_security(keys: str | None, insecure: bool, prep, stages: dict) -> None
                         f"authenticate or encrypt; use --stage-link zmq (or auto) with --keys, "
                         f"or leave --keys out (beyond loopback: --insecure, on a network you "
                         f"trust)")
+    if (listen is not None and not insecure and not is_loopback(listen[0])
+            and prep.link in ("nccl", "gloo")):
+        raise PlanError(f"--listen {listen[0]} with --stage-link {prep.link} would take windows "
+                        f"and activations from any host that reaches it, and torch.distributed "
+                        f"has no keys; on a network you trust give --insecure, else use "
+                        f"--stage-link zmq (or auto) with --keys DIR")
     if listen is not None and not keys and not insecure and not is_loopback(listen[0]):
         raise PlanError(f"--listen {listen[0]} would take windows from any host that reaches "
                         f"it; give --keys DIR (key pairs made by strata-keys, its public keys "
