@@ -5,9 +5,10 @@ The joined launch gives the tokens of a plain one (varied_model: its greedy text
 every token of its context); a join for a stage the launch runs, a second join for a stage and
 a wrong model file are refused with a sentence on both sides; a launch nobody joins gives up
 after --join-timeout; no process is left. With keys (each host its own copy of the directory)
-the tokens are the same, and a launch beyond loopback needs keys or --insecure. Then two Linux
-network namespaces joined by a veth pair stand in for two hosts (root only), with keys and
-with --insecure. The launch's answers, the join sockets and the worker's
+the tokens are the same, and a launch beyond loopback needs keys or --insecure. Over a gloo
+link (--stage-link gloo, its rendezvous hosted by the launcher) the tokens are the same too.
+Then two Linux network namespaces joined by a veth pair stand in for two hosts (root only),
+with keys, with --insecure, and over a gloo link. The launch's answers, the join sockets and the worker's
 own mistakes are tested in-process in test_join_answers.py.
 """
 from __future__ import annotations
@@ -150,6 +151,29 @@ def test_a_stage_joined_with_keys_gives_the_tokens_of_a_plain_launch(varied_mode
     assert "has no keys" not in run.stderr() + err   # every socket keyed, the desk's too
 
 
+def test_a_stage_joined_over_a_gloo_link_gives_the_tokens_of_a_plain_launch(varied_model,
+                                                                           no_stage_left):
+    """--stage-link gloo with --listen: the launcher hosts the link's rendezvous on its
+    address and hands it to the joining stage with its other arguments; stage 1 then takes
+    its activations over gloo, not as frames (a frame would be refused)."""
+    args = ["--model", str(varied_model), *ARGS]
+    plain = launch(args, None)
+    assert plain.returncode == 0, plain.stderr
+    run = JoinableLaunch([*args, "--stage-link", "gloo"])
+    try:
+        worker = run.worker("--stage", "1")
+        out = run.finish()
+        assert run.proc.returncode == 0, run.stderr()
+        assert worker.wait(timeout=30) == 0
+        err = worker.stderr.read()
+    finally:
+        run.close()
+    assert out == plain.stdout and len(out.strip()) > 6
+    started = next(line for line in err.splitlines() if "starting with:" in line)
+    assert "--link gloo --link-init tcp://127.0.0.1:" in started, started
+    assert "stage 1: activations over gloo (2 stages)" in err, err
+
+
 def test_refused_joins_are_said_on_both_sides(varied_model, tiny_model, no_stage_left):
     """While it serves (no --prompt): a join for stage 0, which it runs, one with another
     model file, then the right one, then a second for stage 1; SIGTERM stops both stages."""
@@ -286,9 +310,10 @@ MISTAKES = {   # strata-launch arguments after the tiny model's ARGS -> words of
                           ["does not say where other hosts reach this one"]),
     "listen-elsewhere": (["--external-stage", "1", "--listen", "192.0.2.1:7600"],  # TEST-NET-1
                          ["192.0.2.1 is not an address of this host"]),
-    "link-through-a-file": (["--external-stage", "1", "--listen", "127.0.0.1:0",
-                             "--stage-link", "gloo"],
-                            ["--stage-link gloo meets through a file", "use --stage-link zmq"]),
+    "link-with-keys": (["--external-stage", "1", "--listen", "127.0.0.1:0", "--stage-link",
+                        "gloo", "--keys", "k"],
+                       ["--stage-link gloo sends activations between hosts through "
+                        "torch.distributed", "use --stage-link zmq (or auto) with --keys"]),
     "insecure-without-listen": (["--insecure"], ["--insecure lets a launch that others join",
                                                  "there is no --listen; leave it out"]),
     "insecure-with-keys": (["--external-stage", "1", "--listen", "127.0.0.1:0", "--keys", "k",
@@ -308,7 +333,10 @@ def test_a_launch_mistake_gets_one_sentence(case, tiny_model, no_stage_left):
     assert_one_sentence(r.stderr, *words)
 
 
-def test_a_launch_joined_beyond_loopback_needs_keys_or_insecure(tiny_model, no_stage_left):
+@pytest.mark.parametrize("link", ["auto", "gloo"])
+def test_a_launch_joined_beyond_loopback_needs_keys_or_insecure(link, tiny_model,
+                                                                no_stage_left):
+    """gloo: torch.distributed has no keys, so only --insecure (or --stage-link zmq)."""
     try:
         address = address_toward("192.0.2.1", 9)   # this host's address on its default route
     except OSError:
@@ -316,10 +344,15 @@ def test_a_launch_joined_beyond_loopback_needs_keys_or_insecure(tiny_model, no_s
     if address.startswith("127."):
         pytest.skip("this host has no address beyond loopback")
     r = launch(["--model", str(tiny_model), *ARGS, "--external-stage", "1", "--listen",
-                f"{address}:0"], None, timeout=60)
+                f"{address}:0", "--stage-link", link], None, timeout=60)
     assert r.returncode == 2, r.stderr
-    assert_one_sentence(r.stderr, f"--listen {address} would take windows from any host",
-                        "give --keys DIR", "--insecure")
+    if link == "auto":
+        assert_one_sentence(r.stderr, f"--listen {address} would take windows from any host",
+                            "give --keys DIR", "--insecure")
+    else:
+        assert_one_sentence(r.stderr, f"--listen {address} with --stage-link gloo would take "
+                            f"windows and activations from any host", "give --insecure",
+                            "use --stage-link zmq (or auto) with --keys DIR")
 
 
 def test_a_taken_listen_port_gets_one_sentence(tiny_model, no_stage_left):
@@ -367,12 +400,15 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
-@pytest.mark.parametrize("security", ["keys", pytest.param("insecure", marks=pytest.mark.long)])
+@pytest.mark.parametrize("security", ["keys", pytest.param("insecure", marks=pytest.mark.long),
+                                      "gloo"])
 def test_a_stage_joins_from_another_network_namespace(varied_model, two_hosts, hosts_keys,
                                                       security, no_stage_left):
     """The launch and its stage 0 in one namespace, stage 1 in the other: the tokens of a
     plain launch, the activations and results over the veth pair, with each host's keys or,
-    without, --insecure on both sides (a bind beyond loopback needs one of them)."""
+    without, --insecure on both sides (a bind beyond loopback needs one of them); gloo: the
+    activations over a gloo link (--insecure: it has no keys), its rendezvous on the
+    launcher's address, each stage's gloo bound to its own address on the pair."""
     launcher_host, worker_host = two_hosts
     args = ["--model", str(varied_model), *ARGS]
     plain = launch(args, None)
@@ -380,15 +416,21 @@ def test_a_stage_joins_from_another_network_namespace(varied_model, two_hosts, h
     launch_dir, stage_dir = hosts_keys
     mine, its = ((["--keys", str(launch_dir)], ["--keys", str(stage_dir)]) if security == "keys"
                  else (["--insecure"], ["--insecure"]))
+    if security == "gloo":
+        mine += ["--stage-link", "gloo"]
     run = JoinableLaunch([*args, *mine], prefix=launcher_host, address="10.231.0.1")
     try:
         assert run.endpoint.startswith("tcp://10.231.0.1:")
         worker = run.worker("--stage", "1", *its, prefix=worker_host)
         out = run.finish()
         assert run.proc.returncode == 0, run.stderr()
-        assert worker.wait(timeout=30) == 0, worker.stderr.read()
+        assert worker.wait(timeout=30) == 0
+        err = worker.stderr.read()
     finally:
         run.close()
     assert "stage 1 joined from tcp://10.231.0.2:" in run.stderr()
     assert out == plain.stdout
-    assert ("has no keys" in run.stderr()) == (security == "insecure")
+    assert ("has no keys" in run.stderr()) == (security != "keys")
+    if security == "gloo":
+        assert "link rendezvous at 10.231.0.1:" in err and "this stage at 10.231.0.2" in err, err
+        assert "stage 1: activations over gloo (2 stages)" in err, err

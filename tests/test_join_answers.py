@@ -4,6 +4,7 @@ join sockets (JoinDesk, ask) with keys and without, and strata-worker's own mist
 from __future__ import annotations
 
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -38,6 +39,38 @@ def three_stages(tiny_model):
 
 def _arg(args: list[str], flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_every_stage_meets_at_the_rendezvous_the_launcher_hosts(tiny_model):
+    """--stage-link gloo with stages 0 and 1 joining and stage 2 spawned: the launcher hosts
+    the link's TCPStore on its --listen address, and on no other (a TCPStore binds every
+    interface unless handed a socket), and every stage is given it as --link-init, the joined
+    ones in their JoinPlan; without a link, no store and no --link."""
+    plan = [StagePlan(0, 0, 1, "cpu"), StagePlan(1, 1, 3, "cpu"), StagePlan(2, 3, 4, "cpu")]
+    inits = {}
+    for link in ("gloo", "zmq"):
+        procs = StageProcesses(tiny_model, plan, slots=2, ctx=64, external={0, 1},
+                               listen_host="127.0.0.1", link=link)
+        joins = StageJoins(procs, 0, "f1ngerpr1nt", say=lambda text: None)
+        try:
+            args = {k: joins.answer(JoinConfirm(k, "f1ngerpr1nt",
+                                                f"tcp://127.0.0.1:{7600 + k}")).args
+                    for k in (1, 0)}
+            args[2] = procs.command(2)
+            inits[link] = {k: (_arg(a, "--link"), _arg(a, "--link-init"), _arg(a, "--link-world"))
+                           for k, a in args.items()}
+            if link == "gloo":
+                port = joins.store.port
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                with pytest.raises(ConnectionRefusedError):
+                    socket.create_connection(("127.0.0.2", port), timeout=5)
+            else:
+                assert joins.store is None
+        finally:
+            joins.close()
+            procs.remove_run_dir(keep_logs=False)
+    assert inits["gloo"] == {k: ("gloo", f"tcp://127.0.0.1:{port}", "3") for k in (0, 1, 2)}
+    assert inits["zmq"] == {k: (None, None, None) for k in (0, 1, 2)}
 
 
 def test_a_stage_waits_for_its_next_stage_to_join_first(three_stages):

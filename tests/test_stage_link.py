@@ -4,18 +4,24 @@ in step. On the tiny random model whose tokens depend on the whole context (vari
 an activation that arrives wrong, late or out of order changes the text."""
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 
 from strata.coordinator.generate import Sequence, generate_solo
 from strata.coordinator.pipeline import WindowFailed
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from strata.bench import harness
+from strata.launch.joins import host_rendezvous
 from strata.launch.plan import PlanError, StagePlan, plan_stages, resolve_link
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer
+from strata.protocol.join import free_ports
 from strata.protocol.messages import Window
+from strata.stage_worker.link import LinkError, StageLink
 
 CTX = 256
 
@@ -84,3 +90,48 @@ def test_resolve_link():
         resolve_link("nccl", mixed)
     with pytest.raises(PlanError, match="links CPU stages"):
         resolve_link("gloo", gpu2)
+
+
+def test_resolve_link_across_hosts():
+    """Stages joining from other hosts (--listen): auto stays ZeroMQ frames; nccl and gloo are
+    taken (they meet through the launcher's TCPStore), and two stages may name the same GPU
+    index, on two hosts."""
+    cpu2 = [StagePlan(0, 0, 2, "cpu"), StagePlan(1, 2, 4, "cpu")]
+    gpu2 = [StagePlan(0, 0, 2, "cuda:0"), StagePlan(1, 2, 4, "cuda:1")]
+    same_index = [StagePlan(0, 0, 2, "cuda:0"), StagePlan(1, 2, 4, "cuda:0")]
+    assert resolve_link("auto", gpu2, across_hosts=True) == "zmq"
+    assert resolve_link("gloo", cpu2, across_hosts=True) == "gloo"
+    assert resolve_link("nccl", gpu2, across_hosts=True) == "nccl"
+    assert resolve_link("nccl", same_index, across_hosts=True) == "nccl"
+    with pytest.raises(PlanError, match="every stage on a CUDA device"):
+        resolve_link("nccl", cpu2, across_hosts=True)
+    with pytest.raises(PlanError, match="links CPU stages"):
+        resolve_link("gloo", gpu2, across_hosts=True)
+
+
+def test_an_unreachable_rendezvous_is_one_sentence_within_its_timeout():
+    """A stage whose link meets at a tcp:// address where nothing answers gives up after
+    connect_s with a sentence naming the address, instead of waiting for the group."""
+    port = free_ports("127.0.0.1")[0]   # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(LinkError) as e:
+        StageLink("gloo", f"tcp://127.0.0.1:{port}", 1, 2, torch.device("cpu"), connect_s=2)
+    took = time.monotonic() - t0
+    assert took < 2 + 8, f"took {took:.1f} s"
+    assert str(e.value).startswith(f"cannot reach the link's rendezvous at 127.0.0.1:{port} "
+                                   f"(nothing answered within 2s); check that the launch"), e.value
+
+
+def test_a_stage_whose_neighbours_never_come_is_one_sentence_within_the_timeout():
+    """The store answers but stage 0 never comes: stage 1 gives up after timeout_s with a
+    sentence naming the rendezvous, instead of waiting for ever."""
+    store = host_rendezvous("127.0.0.1")
+    t0 = time.monotonic()
+    with pytest.raises(LinkError) as e:
+        StageLink("gloo", f"tcp://127.0.0.1:{store.port}", 1, 2, torch.device("cpu"),
+                  timeout_s=2)
+    took = time.monotonic() - t0
+    assert took < 2 + 8, f"took {took:.1f} s"
+    assert str(e.value).startswith(f"the stages of the link did not all meet at "
+                                   f"127.0.0.1:{store.port} within 2s ("), e.value
+    assert str(e.value).endswith("the launch or another stage has failed: their logs say why")

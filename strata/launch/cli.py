@@ -174,7 +174,7 @@ def check_security(keys: str | None, insecure: bool, prep, stages: dict) -> None
     """Before any process starts: keys go with ZeroMQ sockets, and the coordinator and every
     stage spawned here have their secret in the directory (an external stage brings its own)
     and every stage its public key; a launch that others join on an address beyond loopback
-    has keys, or is told --insecure."""
+    has keys, or is told --insecure; a torch.distributed link between hosts has no keys."""
     listen = stages.get("listen")
     if insecure and keys:
         raise PlanError("--insecure opens the tcp endpoints that --keys would secure; give "
@@ -182,6 +182,18 @@ def check_security(keys: str | None, insecure: bool, prep, stages: dict) -> None
     if insecure and listen is None:
         raise PlanError("--insecure lets a launch that others join (--listen) bind beyond "
                         "loopback without keys, and there is no --listen; leave it out")
+    if listen is not None and keys and prep.link in ("nccl", "gloo"):
+        raise PlanError(f"--stage-link {prep.link} sends activations between hosts through "
+                        f"torch.distributed, whose rendezvous and connections --keys cannot "
+                        f"authenticate or encrypt; use --stage-link zmq (or auto) with --keys, "
+                        f"or leave --keys out (beyond loopback: --insecure, on a network you "
+                        f"trust)")
+    if (listen is not None and not insecure and not is_loopback(listen[0])
+            and prep.link in ("nccl", "gloo")):
+        raise PlanError(f"--listen {listen[0]} with --stage-link {prep.link} would take windows "
+                        f"and activations from any host that reaches it, and torch.distributed "
+                        f"has no keys; on a network you trust give --insecure, else use "
+                        f"--stage-link zmq (or auto) with --keys DIR")
     if listen is not None and not keys and not insecure and not is_loopback(listen[0]):
         raise PlanError(f"--listen {listen[0]} would take windows from any host that reaches "
                         f"it; give --keys DIR (key pairs made by strata-keys, its public keys "

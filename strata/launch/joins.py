@@ -12,6 +12,12 @@ are refused with a sentence, said on both sides.
 With keys the desk speaks CurveZMQ as the launch's coordinator (protocol/join.py), and the
 arguments handed over carry no --keys or --insecure: the stage gives its own (its keys
 directory on its host holds its secret; the launcher's path means nothing there).
+
+With a torch.distributed link (--stage-link nccl|gloo) the launcher hosts the link's
+rendezvous, a TCPStore on a free port of HOST, and every stage, spawned or joined, is given
+`--link-init tcp://HOST:PORT`: it works wherever stage 0 runs, even when every stage joins.
+Only this path imports torch in the launcher. The store and the link's connections are
+neither authenticated nor encrypted, so such a launch has no --keys (cli.check_security).
 """
 from __future__ import annotations
 
@@ -75,6 +81,10 @@ class StageJoins:
             raise PlanError(f"{e}; choose another --listen port, or an address of this "
                             f"host") from None
         self.endpoint = self.desk.endpoint
+        self.store = None   # the link's rendezvous, while the launch runs
+        if procs.link != "zmq":
+            self.store = host_rendezvous(procs.listen_host)
+            procs.link_init = f"tcp://{procs.listen_host}:{self.store.port}"
 
     def command(self, stage: int) -> str:
         """What to run on the stage's host (--keys: the launcher's path, where that host
@@ -190,3 +200,18 @@ class StageJoins:
 
     def close(self) -> None:
         self.desk.close()
+        self.store = None   # its server stops with it (every stage has stopped by now)
+
+
+def host_rendezvous(host: str, timeout_s: float = 600.0):
+    """A torch.distributed TCPStore serving on a free port of `host` (see .port) and nowhere
+    else, which the stages of a torch.distributed link meet through (stage_worker/link.py)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore   # only a launch with such a link imports torch
+
+    # a TCPStore binds every interface on its own: it is handed a socket bound to host only
+    listening = socket.create_server((host, 0), backlog=128)
+    port = listening.getsockname()[1]
+    return TCPStore(host, port, None, True, timedelta(seconds=timeout_s),
+                    wait_for_workers=False, master_listen_fd=listening.detach())   # it owns it

@@ -129,7 +129,10 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                      type=click.Choice(["auto", "zmq", "nccl", "gloo"]),
                      help="Activations between stages: auto = nccl (GPU to GPU) when each "
                           "stage has a CUDA device of its own, else zmq frames; gloo links CPU "
-                          "stages through torch.distributed (for tests)."),
+                          "stages through torch.distributed (for tests). With --listen, auto "
+                          "is zmq, and nccl or gloo meet through a rendezvous this launch "
+                          "hosts on the --listen address: neither is authenticated or "
+                          "encrypted, so they take no --keys (beyond loopback, --insecure)."),
         click.option("--stage-timeout", type=float, default=None,
                      help=f"Seconds after which a stage that does not answer its heartbeats, "
                           f"or a window that does not come back, is taken for hung: every "

@@ -79,21 +79,19 @@ LINKS = ("auto", "zmq", "nccl", "gloo")
 def resolve_link(link: str, plan: list[StagePlan], across_hosts: bool = False) -> str:
     """--stage-link: how activations go between stages. auto = nccl when there are several
     stages, each on a CUDA device of its own (one host), else ZeroMQ frames. across_hosts
-    (stages join from other hosts): ZeroMQ frames, since a torch.distributed link meets
-    through a file of the launch's run directory."""
+    (stages join from other hosts): auto is ZeroMQ frames; nccl and gloo meet through the
+    launcher's TCPStore (joins.py), and two stages may name the same GPU (on two hosts)."""
     devices = {p.device.split(":")[0] for p in plan}
     gpus = {p.device if ":" in p.device else p.device + ":0" for p in plan}
-    shared = len(gpus) < len(plan)  # NCCL refuses two ranks on one GPU
+    shared = len(gpus) < len(plan) and not across_hosts  # NCCL refuses two ranks on one GPU
     if link not in LINKS:
         raise PlanError(f"--stage-link {link!r} is not one of {', '.join(LINKS)}")
-    if across_hosts and link in ("nccl", "gloo"):
-        raise PlanError(f"--stage-link {link} meets through a file on this host, so stages "
-                        f"joining from other hosts (--listen) cannot use it; use --stage-link "
-                        f"zmq (or auto)")
     if link == "auto":
         if across_hosts:
             return "zmq"
         return "nccl" if len(plan) > 1 and devices == {"cuda"} and not shared else "zmq"
+    if not plan:
+        return link   # not planned yet (--cluster checks the name first)
     if len(plan) == 1:
         return "zmq"  # nothing to link
     if link == "nccl" and devices != {"cuda"}:

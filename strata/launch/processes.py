@@ -79,7 +79,7 @@ class StageProcesses:
         self.insecure = insecure and self.keys is None
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.graph_cache = graph_cache
-        self.link = resolve_link(link or "auto", plan)
+        self.link = resolve_link(link or "auto", plan, across_hosts=listen_host is not None)
         if transport not in ("unix", "zmq"):
             raise ValueError(f"--transport {transport!r} is not unix or zmq")
         # the sockets and the link's meeting file; the stage logs too, unless log_dir is given.
@@ -89,6 +89,9 @@ class StageProcesses:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.external = set(external)
         self.listen_host = listen_host
+        # where a torch.distributed link meets; a launch that others join hosts a TCPStore
+        # instead and sets this to it (joins.py)
+        self.link_init = f"file://{self.run_dir}/link"
         if listen_host is not None:
             tcp = [f"tcp://{listen_host}:{port}" for port in free_ports(listen_host,
                                                                         1 + len(plan))]
@@ -125,7 +128,7 @@ class StageProcesses:
         if self.graph_cache is not None and p.device != "cpu":
             cmd += ["--graph-cache", str(self.graph_cache)]
         if self.link != "zmq":
-            cmd += ["--link", self.link, "--link-init", f"file://{self.run_dir}/link",
+            cmd += ["--link", self.link, "--link-init", self.link_init,
                     "--link-world", str(len(self.plan))]
         if self.mtp_head is not None and stage == len(self.plan) - 1:
             cmd += ["--mtp-head", str(self.mtp_head)]

@@ -62,8 +62,9 @@ def parse_layers(text: str) -> tuple[int, int]:
               help="How activations come from / go to the neighbouring stages: ZeroMQ frames, "
                    "or torch.distributed (nccl between GPUs of one host; gloo between CPU "
                    "processes). Every stage of a launch uses the same.")
-@click.option("--link-init", default="", help="torch.distributed init method of the link "
-              "(e.g. file:///tmp/strata-x/link); the same for every stage.")
+@click.option("--link-init", default="", help="Where the link's stages meet, the same for "
+              "every stage: file:///tmp/strata-x/link, or tcp://HOST:PORT (a TCPStore the "
+              "launch hosts, for stages on several hosts).")
 @click.option("--link-world", type=int, default=1, show_default=True,
               help="Stages in the link (all stages of the launch; rank = --stage).")
 @click.option("--trace", default="", help="Write a timeline of this stage's windows (host marks, "
