@@ -359,7 +359,8 @@ class Scheduler:
             if req.cancelled:
                 self._release(slot, req, "cancelled")
                 continue
-            slot.read_pos, req.proposals = 0, []
+            # nothing of its prompt is held any more: it reads it all again
+            slot.read_pos, req.reused, req.proposals = 0, 0, []
             slot.rebuild = req.seq.length - 1 if req.seq.generated else 0
             if slot.rebuild:
                 log.info("request %d: slot %d writes %d positions again", req.id, slot.index,
