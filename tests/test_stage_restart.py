@@ -13,6 +13,8 @@ import random
 import shutil
 import signal
 import tempfile
+import threading
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
@@ -183,7 +185,7 @@ def test_a_restart_ends_in_flight_windows_and_waits_for_a_new_hello():
                 raise PipelineError("stage 1 has gone", stage=1)
             return super().receive(timeout)
 
-        def rejoin(self, stage):
+        def rejoin(self, stage, on_wait=lambda waited: None):
             self.rejoined.append(stage)
             self.lose()
             return [SimpleNamespace(stage=stage, pid=1234)]
@@ -224,6 +226,55 @@ def test_a_restart_ends_in_flight_windows_and_waits_for_a_new_hello():
         engine.stop()
     assert fin.reason == "error" and "restarts in a row" in fin.error, fin
     assert len(started) == 3
+
+
+def test_stopping_while_a_stage_starts_again_ends_at_once():
+    """Engine.stop() while the engine waits for a stage's hello: the wait ends, the requests
+    end with "the server is stopping" (not as a failure of the stages), no stage is started
+    again after it, and stop() returns at once (it waited for the hello, then gave up after
+    its grace, with the engine thread still running)."""
+    class SlowHello(KindAwarePipeline):
+        def __init__(self):
+            super().__init__(1, 64)
+            self.fail, self.waiting = True, threading.Event()
+
+        def receive(self, timeout=None):
+            if self.fail:
+                self.fail = False
+                raise PipelineError("stage 1 has gone", stage=1)
+            return super().receive(timeout)
+
+        def rejoin(self, stage, on_wait=lambda waited: None):
+            self.waiting.set()
+            start = time.monotonic()
+            while time.monotonic() - start < 10:   # a stage that takes long to load
+                on_wait(time.monotonic() - start)
+                time.sleep(0.02)
+            raise PipelineError("stage 1 did not say hello", stage=1)
+
+    pipe, started = SlowHello(), []
+    engine = Engine(pipe, SchedulerConfig(slots=1, ctx=64), frozenset({2}), lambda ids: "",
+                    stop_grace=0.5, restart=started.append)
+
+    async def main():
+        job = Job("a", [3, 4, 5], params(1), asyncio.get_running_loop(), asyncio.Queue())
+        engine.submit(job)
+        await asyncio.get_running_loop().run_in_executor(None, pipe.waiting.wait, 10)
+        t0 = time.monotonic()
+        engine.stop()
+        stopped = time.monotonic() - t0
+        while not isinstance(item := await asyncio.wait_for(job.events.get(), 10), Finished):
+            pass
+        return stopped, item
+
+    engine.start()
+    try:
+        stopped, fin = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert not engine._thread.is_alive() and stopped < 2, stopped
+    assert (fin.reason, fin.error, fin.down) == ("error", "the server is stopping", True)
+    assert engine.failure is None and started == [1]
 
 
 # --- the Unix socket's side --------------------------------------------------------------------
