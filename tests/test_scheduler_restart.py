@@ -380,6 +380,7 @@ def test_a_prompt_held_before_a_restart_is_not_reused_after_it():
                 pipe.crashes = {pipe.calls + 2: stage}   # the commit-only window's receive
                 with pytest.raises(PipelineError):
                     sched.step()
+                assert [all(s < 0 for s in w.slots) for w in pipe.inbox] == [True]
             else:
                 sched.run()
                 pipe.lose(stage)
@@ -477,3 +478,35 @@ def test_a_restart_right_after_a_window_failed():
         assert reqs[1].seq.finish_reason == "error" and reqs[1].seq.generated == failed
         assert [(r.seq.generated, r.seq.finish_reason) for r in reqs[::2]] == want[::2]
         assert_stages_hold_what_slots_hold(sched, pipe)
+
+
+def test_a_decode_window_given_up_is_not_timed():
+    """draft_tokens auto times each group's decode windows: the decode window in flight when
+    a stage goes never comes back, and the window that next comes back (the rebuild's) is
+    not timed as it, over the seconds the stage took to start again."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.01   # 10 ms a window
+        return now[0]
+
+    rng = random.Random(6)
+    ps = [[rng.randrange(3, 14) for _ in range(n)] for n in (9, 4)]
+    cfg = SchedulerConfig(slots=2, chunk_rows=8, ctx=128, draft_tokens="auto")
+    pipe = Crashing(2, 128, repeat=True)
+    sched = Scheduler(pipe, cfg, frozenset({STOP}), clock=clock)
+    reqs = [sched.submit(p, params(i, 30)) for i, p in enumerate(ps)]
+    while len(reqs[0].seq.generated) < 6:
+        sched.step()
+    pipe.crashes = {pipe.calls + 2: 1}   # the next step's receive: its decode window is lost
+    with pytest.raises(PipelineError):
+        sched.step()
+    assert [w.chunk for w in pipe.inbox] == [False]
+    now[0] += 30.0   # the stage loads again
+    sched.restarted()
+    while sched.step():
+        times = sched.groups[0].drafts.ms
+        assert times and max(times.values()) < 1000, times
+    assert [r.seq.generated for r in reqs] == [g for g, _ in reference(ps, [params(0, 30),
+                                                                          params(1, 30)],
+                                                                      repeat=True)]

@@ -348,8 +348,8 @@ class Scheduler:
         every stage's KV is what it was (DESIGN.md, exactness 2) and the request goes on to
         exactly the tokens it would have had."""
         self.in_flight.clear()
-        for g in self.groups:
-            g.flights, g.streaming = 0, None
+        for g in self.groups:   # (a decode window given up is not timed: draft_choice.py)
+            g.flights, g.streaming, g.drafts.in_flight = 0, None, None
         self.commits = [(slot.index, 0) for slot in self.table.slots]
         for slot in self.table.slots:
             slot.held.clear()
