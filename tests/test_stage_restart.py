@@ -21,11 +21,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from strata.coordinator.engine import Engine, Finished, Job
+from strata.coordinator.engine import RESTARTS_IN_A_ROW, Engine, Finished, Job
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.protocol import unixsock
+from strata.protocol.messages import Result
 from test_scheduler import FakePipeline, params, prompts
 
 CTX = 512   # as the session's reference launch (conftest.py); its requests take 16 tokens
@@ -226,6 +227,54 @@ def test_a_restart_ends_in_flight_windows_and_waits_for_a_new_hello():
         engine.stop()
     assert fin.reason == "error" and "restarts in a row" in fin.error, fin
     assert len(started) == 3
+
+
+def test_a_result_of_a_window_given_up_is_no_window_back():
+    """A stage that fails on every window after it starts again stops the engine after
+    RESTARTS_IN_A_ROW restarts, though the Result of a window given up comes back between
+    them (it was taken for progress, and the engine started the stage again for ever)."""
+    class FailsAgain(KindAwarePipeline):
+        def __init__(self):
+            super().__init__(2, 64)
+            self.stale: list[int] = []   # windows given up whose Results still come
+
+        def receive(self, timeout=None):
+            if self.stale:
+                return Result(self.stale.pop(0), []), []
+            if len(started) < 10:   # (then it gives up failing: the test ends either way)
+                raise PipelineError("stage 1 has gone", stage=1)
+            return super().receive(timeout)
+
+        def rejoin(self, stage, on_wait=lambda waited: None):
+            self.stale = [w.id for w in self.queue]
+            self.lose()
+            return [SimpleNamespace(stage=stage, pid=1234)]
+
+    started = []
+    pipe = FailsAgain()
+    engine = Engine(pipe, SchedulerConfig(slots=2, groups=2, ctx=64), frozenset({2}),
+                    lambda ids: "", restart=started.append)
+
+    async def main():
+        jobs = [Job(str(i), [3, 4, 5 + i], params(i), asyncio.get_running_loop(),
+                    asyncio.Queue()) for i in range(2)]
+        for job in jobs:
+            engine.submit(job)
+        ends = []
+        for job in jobs:
+            while not isinstance(item := await asyncio.wait_for(job.events.get(), 30),
+                                 Finished):
+                pass
+            ends.append(item)
+        return ends
+
+    engine.start()
+    try:
+        ends = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert len(started) == RESTARTS_IN_A_ROW, started
+    assert all(f.reason == "error" and "restarts in a row" in f.error for f in ends), ends
 
 
 def test_stopping_while_a_stage_starts_again_ends_at_once():

@@ -134,7 +134,7 @@ class _TimedPipe:
     def __init__(self, pipe: Pipeline, cfg: SchedulerConfig, metrics: Metrics | None):
         self.pipe, self.cfg, self.metrics = pipe, cfg, metrics
         self.sent: dict[int, tuple[float, str]] = {}   # window id -> (submitted at, kind)
-        self.windows = 0
+        self.windows = 0   # results of windows in flight (not of windows given up)
 
     def new_window_id(self) -> int:
         return self.pipe.new_window_id()
@@ -159,9 +159,11 @@ class _TimedPipe:
         except WindowFailed as e:
             self.sent.pop(e.error.window, None)
             raise
-        self.windows += 1
         t0, kind = self.sent.pop(result.id, (None, "unknown"))
-        if self.metrics is not None and t0 is not None:
+        if t0 is None:   # a window given up by a restart (sent is cleared): no window back
+            return result, tensors
+        self.windows += 1
+        if self.metrics is not None:
             self.metrics.observe_window(kind, time.perf_counter() - t0, result.stage_ms)
         return result, tensors
 
