@@ -277,6 +277,53 @@ def test_a_result_of_a_window_given_up_is_no_window_back():
     assert all(f.reason == "error" and "restarts in a row" in f.error for f in ends), ends
 
 
+def test_a_stage_that_said_hello_before_another_failed_counts_as_started_again():
+    """Stage 1 starts again and says hello; stage 0 fails before the wait ends (it hangs)
+    and starts again too: strata_stage_restarts_total counts both, as /v1/status does (stage
+    1's hello came in the wait that failed, and was not counted)."""
+    class TwoFail(KindAwarePipeline):
+        def __init__(self):
+            super().__init__(1, 64)
+            self.fail, self.restarts = True, {0: 0, 1: 0}
+
+        def receive(self, timeout=None):
+            if self.fail:
+                self.fail = False
+                raise PipelineError("stage 1 has gone", stage=1)
+            return super().receive(timeout)
+
+        def rejoin(self, stage, on_wait=lambda waited: None):
+            self.lose()
+            self.restarts[stage] += 1   # its hello came
+            if stage == 1:
+                raise PipelineError("stage 0 has not answered for 6.0 s", stage=0)
+            return [SimpleNamespace(stage=stage, pid=1234)]
+
+        def stage_table(self):
+            return [{"stage": k, "pid": 100 + k, "restarts": n}
+                    for k, n in self.restarts.items()]
+
+    started, metrics = [], Metrics()
+    engine = Engine(TwoFail(), SchedulerConfig(slots=1, ctx=64), frozenset({2}),
+                    lambda ids: "", metrics, restart=started.append)
+
+    async def main():
+        job = Job("a", [3, 4, 5], params(1), asyncio.get_running_loop(), asyncio.Queue())
+        engine.submit(job)
+        while not isinstance(item := await asyncio.wait_for(job.events.get(), 30), Finished):
+            pass
+        return item
+
+    engine.start()
+    try:
+        fin = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert fin.reason == "length" and started == [1, 0]
+    assert [row["restarts"] for row in engine.stages] == [1, 1]
+    assert [metrics.stage_restarts.labels(k)._value.get() for k in "01"] == [1, 1]
+
+
 def test_stopping_while_a_stage_starts_again_ends_at_once():
     """Engine.stop() while the engine waits for a stage's hello: the wait ends, the requests
     end with "the server is stopping" (not as a failure of the stages), no stage is started

@@ -264,6 +264,7 @@ class Engine:
     def _start_again(self, error: PipelineError) -> None:
         """Start the stage that `error` names again and let the requests in slots rebuild
         their KV; raises a PipelineError when that cannot be done."""
+        before = {row["stage"]: row["restarts"] for row in self.stages}
         while True:
             if self.restart is None or error.stage is None or self._stop_asked.is_set():
                 raise error
@@ -278,7 +279,7 @@ class Engine:
             log.warning("%s; starting stage %d again", error, stage)
             try:
                 self.restart(stage)
-                hellos = self.pipe.pipe.rejoin(stage, on_wait=self._unless_stopping)
+                self.pipe.pipe.rejoin(stage, on_wait=self._unless_stopping)
             except PipelineError as again:   # it failed again, or another stage did
                 error = again
                 continue
@@ -287,10 +288,15 @@ class Engine:
         self.scheduler.restarted()
         self.stages = self.pipe.pipe.stage_table()
         self.restarting = None
-        for hello in hellos:
+        # every stage that said hello again, in this wait or in one that another stage's
+        # failure ended
+        for row in self.stages:
+            again = row["restarts"] - before.get(row["stage"], 0)
+            if again <= 0:
+                continue
             if self.metrics:
-                self.metrics.stage_restarts.labels(str(hello.stage)).inc()
-            log.warning("stage %d started again (pid %d)", hello.stage, hello.pid)
+                self.metrics.stage_restarts.labels(str(row["stage"])).inc(again)
+            log.warning("stage %d started again (pid %s)", row["stage"], row.get("pid"))
         log.warning("the requests in slots rebuild their KV")
 
     def _unless_stopping(self, waited: float) -> None:
