@@ -4,6 +4,8 @@ each ends with exactly the tokens it has alone (greedy and seeded, drafts on and
 real CPU launch of SmolLM2 with the server's Engine. Then the rebuild itself against the fake
 stages of test_scheduler, where a decoded token's KV written again by a prompt chunk would
 give other tokens, and the Unix socket that keeps a message for a peer that binds again.
+test_scheduler_restart.py starts a stage again at every step of many schedules, and
+test_engine_restart.py checks the engine's side.
 """
 from __future__ import annotations
 
@@ -15,13 +17,11 @@ import signal
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from strata.coordinator.engine import Engine, Finished, Job
 from strata.coordinator.metrics import Metrics
-from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.protocol import unixsock
 from test_scheduler import FakePipeline, params, prompts
@@ -167,63 +167,6 @@ def test_a_prompt_chunk_rewriting_decoded_tokens_would_be_caught():
     prompt = [5, 9, 11, 13]
     want = _alone(prompt, params(0, tokens=12))
     assert _alone(prompt + want[:5], params(0, tokens=7)) != want[5:]
-
-
-def test_a_restart_ends_in_flight_windows_and_waits_for_a_new_hello():
-    """The engine's side: a PipelineError naming a stage restarts it; the stage table and
-    /health follow; a stage that fails again and again stops the engine."""
-    class Restarting(KindAwarePipeline):
-        def __init__(self):
-            super().__init__(1, 64)
-            self.fail, self.rejoined = 2, []
-
-        def receive(self, timeout=None):
-            if self.fail:
-                self.fail -= 1
-                raise PipelineError("stage 1 has gone", stage=1)
-            return super().receive(timeout)
-
-        def rejoin(self, stage):
-            self.rejoined.append(stage)
-            self.lose()
-            return [SimpleNamespace(stage=stage, pid=1234)]
-
-        def stage_table(self):
-            return [{"stage": 1, "restarts": len(self.rejoined)}]
-
-    pipe, started = Restarting(), []
-    engine = Engine(pipe, SchedulerConfig(slots=1, ctx=64), frozenset({2}), lambda ids: "",
-                    restart=started.append)
-
-    async def main():
-        job = Job("a", [3, 4, 5], params(1), asyncio.get_running_loop(), asyncio.Queue())
-        engine.submit(job)
-        out = []
-        while not isinstance(item := await asyncio.wait_for(job.events.get(), 30), Finished):
-            out.append(item)
-        return out, item
-
-    engine.start()
-    try:
-        tokens, fin = asyncio.run(main())
-    finally:
-        engine.stop()
-    alone = _alone([3, 4, 5], params(1), ctx=64)
-    assert (tokens, fin.reason) == (alone, "length")
-    assert started == pipe.rejoined == [1, 1]
-    assert engine.stages == [{"stage": 1, "restarts": 2}] and engine.restarting is None
-
-    pipe, started = Restarting(), []
-    pipe.fail = 99
-    engine = Engine(pipe, SchedulerConfig(slots=1, ctx=64), frozenset({2}), lambda ids: "",
-                    restart=started.append)
-    engine.start()
-    try:
-        _, fin = asyncio.run(main())
-    finally:
-        engine.stop()
-    assert fin.reason == "error" and "restarts in a row" in fin.error, fin
-    assert len(started) == 3
 
 
 # --- the Unix socket's side --------------------------------------------------------------------

@@ -18,7 +18,8 @@ that died or hangs is started again (restart kills what is left of it), the engi
 its hello, and every request in a slot writes its KV again on every stage and goes on to the
 tokens it would have had (Scheduler.restarted); requests that come meanwhile wait in the
 queue. Only a stage that keeps failing (RESTARTS_IN_A_ROW restarts with no window back
-between them) or cannot be started again stops the engine.
+between them) or cannot be started again stops the engine. stop() ends the wait for a hello
+at once: the requests end as for any stop, and no stage is started again after it.
 """
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ class _TimedPipe:
     def __init__(self, pipe: Pipeline, cfg: SchedulerConfig, metrics: Metrics | None):
         self.pipe, self.cfg, self.metrics = pipe, cfg, metrics
         self.sent: dict[int, tuple[float, str]] = {}   # window id -> (submitted at, kind)
-        self.windows = 0
+        self.windows = 0   # results of windows in flight (not of windows given up)
 
     def new_window_id(self) -> int:
         return self.pipe.new_window_id()
@@ -158,9 +159,11 @@ class _TimedPipe:
         except WindowFailed as e:
             self.sent.pop(e.error.window, None)
             raise
-        self.windows += 1
         t0, kind = self.sent.pop(result.id, (None, "unknown"))
-        if self.metrics is not None and t0 is not None:
+        if t0 is None:   # a window given up by a restart (sent is cleared): no window back
+            return result, tensors
+        self.windows += 1
+        if self.metrics is not None:
             self.metrics.observe_window(kind, time.perf_counter() - t0, result.stage_ms)
         return result, tensors
 
@@ -184,7 +187,8 @@ class Engine:
         self._jobs: dict[int, Job] = {}      # scheduler request id -> job (engine thread)
         self._lock = threading.Lock()        # submit vs the thread's last drain
         self._accepting = True
-        self._stopping = False
+        self._stopping = False               # the engine thread took the Stop
+        self._stop_asked = threading.Event()   # stop() was called (any thread)
         # a step's Finished events wait here until the snapshot shows them: a client that
         # has its answer finds its request gone from /v1/status and counted in /metrics
         self._held: list[tuple[Job, Finished]] | None = None
@@ -215,6 +219,7 @@ class Engine:
         wait: until the thread has ended (or stop_grace has passed)."""
         with self._lock:
             self._accepting = False
+        self._stop_asked.set()   # a wait for a stage started again ends too
         self.commands.put(Stop())
         if wait and self._thread.is_alive():
             self._thread.join(self.stop_grace + 2)
@@ -240,7 +245,7 @@ class Engine:
                     self._start_again(e)
                 self._publish()
         except Exception as e:  # PipelineError mostly: a stage is gone
-            if not self._stopping:
+            if not self._stop_asked.is_set():   # only a failure before the stop counts
                 self.failure = f"the stages stopped serving: {e}"
                 log.error("%s", self.failure)
         finally:
@@ -259,8 +264,9 @@ class Engine:
     def _start_again(self, error: PipelineError) -> None:
         """Start the stage that `error` names again and let the requests in slots rebuild
         their KV; raises a PipelineError when that cannot be done."""
+        before = {row["stage"]: row["restarts"] for row in self.stages}
         while True:
-            if self.restart is None or error.stage is None or self._stopping:
+            if self.restart is None or error.stage is None or self._stop_asked.is_set():
                 raise error
             in_a_row, at = self._restarts
             in_a_row = in_a_row + 1 if self.pipe.windows == at else 1
@@ -273,7 +279,7 @@ class Engine:
             log.warning("%s; starting stage %d again", error, stage)
             try:
                 self.restart(stage)
-                hellos = self.pipe.pipe.rejoin(stage)
+                self.pipe.pipe.rejoin(stage, on_wait=self._unless_stopping)
             except PipelineError as again:   # it failed again, or another stage did
                 error = again
                 continue
@@ -282,11 +288,21 @@ class Engine:
         self.scheduler.restarted()
         self.stages = self.pipe.pipe.stage_table()
         self.restarting = None
-        for hello in hellos:
+        # every stage that said hello again, in this wait or in one that another stage's
+        # failure ended
+        for row in self.stages:
+            again = row["restarts"] - before.get(row["stage"], 0)
+            if again <= 0:
+                continue
             if self.metrics:
-                self.metrics.stage_restarts.labels(str(hello.stage)).inc()
-            log.warning("stage %d started again (pid %d)", hello.stage, hello.pid)
+                self.metrics.stage_restarts.labels(str(row["stage"])).inc(again)
+            log.warning("stage %d started again (pid %s)", row["stage"], row.get("pid"))
         log.warning("the requests in slots rebuild their KV")
+
+    def _unless_stopping(self, waited: float) -> None:
+        """While a stage starts again: a stop ends the wait for its hello."""
+        if self._stop_asked.is_set():
+            raise PipelineError("the server is stopping")
 
     def _take_commands(self, block: bool) -> None:
         while True:

@@ -348,8 +348,8 @@ class Scheduler:
         every stage's KV is what it was (DESIGN.md, exactness 2) and the request goes on to
         exactly the tokens it would have had."""
         self.in_flight.clear()
-        for g in self.groups:
-            g.flights, g.streaming = 0, None
+        for g in self.groups:   # (a decode window given up is not timed: draft_choice.py)
+            g.flights, g.streaming, g.drafts.in_flight = 0, None, None
         self.commits = [(slot.index, 0) for slot in self.table.slots]
         for slot in self.table.slots:
             slot.held.clear()
@@ -359,7 +359,8 @@ class Scheduler:
             if req.cancelled:
                 self._release(slot, req, "cancelled")
                 continue
-            slot.read_pos, req.proposals = 0, []
+            # nothing of its prompt is held any more: it reads it all again
+            slot.read_pos, req.reused, req.proposals = 0, 0, []
             slot.rebuild = req.seq.length - 1 if req.seq.generated else 0
             if slot.rebuild:
                 log.info("request %d: slot %d writes %d positions again", req.id, slot.index,
