@@ -214,11 +214,16 @@ class StageProcesses:
             self._spawner.shutdown()
         return clean
 
+    @property
+    def started(self) -> bool:
+        """Whether a stage process was started (so a log may say why a launch failed)."""
+        return bool(self.procs)
+
     def remove_run_dir(self, keep_logs: bool) -> Path | None:
         """Remove the run directory once every stage has stopped; with keep_logs, keep the stage
         logs it holds (no --log-dir) and return where they are; a launch that failed before
         it spawned any stage has none."""
-        if not keep_logs or self.log_dir != self.run_dir or not self.procs:
+        if not keep_logs or self.log_dir != self.run_dir or not self.started:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return None
         for name in os.listdir(self.run_dir):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import textwrap
 import time
@@ -346,15 +345,10 @@ class RayStageProcesses(StageProcesses):
                 self.cluster.close()   # placement groups when it disconnects
         return clean
 
-    def remove_run_dir(self, keep_logs: bool) -> Path | None:
-        """As StageProcesses' (the logs came back from the nodes in stop)."""
-        if not keep_logs or self.log_dir != self.run_dir or not self.where:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-            return None
-        for name in os.listdir(self.run_dir):
-            if not name.endswith(".log"):
-                (self.run_dir / name).unlink(missing_ok=True)
-        return self.run_dir
+    @property
+    def started(self) -> bool:
+        """Whether a stage was placed (its log came back to the run directory in stop)."""
+        return bool(self.where)
 
 
 def _first_line(error: BaseException) -> str:
