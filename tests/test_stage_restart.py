@@ -220,3 +220,29 @@ def test_a_stage_that_failed_while_another_started_again_is_heard_when_it_says_h
             (0, 200, 1), (1, 201, 1)]
     finally:
         pipe.close()
+
+
+def test_the_rest_of_a_message_begun_for_a_peer_that_went_never_reaches_the_next(tmp_path):
+    """peer_gone closes the connection to a peer that went while a message was half sent:
+    that message is dropped, so the next peer bound at the path gets whole messages only (it
+    got the rest of the half-sent one, and read garbage from there on)."""
+    os.chmod(tmp_path, 0o700)
+    endpoint = f"unix://{tmp_path}/s"
+    pull = unixsock.UnixPull(endpoint)
+    push = unixsock.UnixPush(endpoint)
+    try:
+        with push.lock:   # as the sender thread leaves a message the kernel took in part
+            assert push._connected()
+            push.backlog.append(unixsock.encode([b"the rest of a half-sent message"]))
+            push.begun = True
+        pull.close()
+        assert push.peer_gone()
+        again = unixsock.UnixPull(endpoint)
+        try:
+            push.send_multipart([b"next"])
+            assert again.poll(5000)
+            assert [bytes(f) for f in again.recv_multipart()] == [b"next"]
+        finally:
+            again.close()
+    finally:
+        push.close()

@@ -202,9 +202,19 @@ class UnixPush:
                 closed.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
                 if not closed.poll(0):
                     return False
-                self.sock.close()
-                self.sock = None
+                if self._disconnect() and self.backlog:   # its rest would reach the next peer
+                    self.backlog.popleft()
+                    self.room.notify()
             return self.was_connected and not self._connected()
+
+    def _disconnect(self) -> bool:
+        """Close the connection to a peer that went (the next attempt connects again: a
+        restarted peer); True if a message had begun on it: the rest of it is lost with the
+        peer, and the caller drops it."""
+        self.sock.close()
+        self.sock = None
+        lost, self.begun = self.begun, False
+        return lost
 
     def _send_now(self, parts: list) -> list:
         """Send what the kernel takes of the first message without waiting; return what is
@@ -218,11 +228,8 @@ class UnixPush:
             except OSError as e:  # the peer has gone
                 if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
                     raise
-                self.sock.close()   # the next attempt connects again (a restarted peer)
-                self.sock = None
                 # a message begun went with the peer; one not begun waits for the next peer
-                lost, self.begun = self.begun, False
-                return [] if lost else views
+                return [] if self._disconnect() else views
             self.begun = True
             while views and n >= views[0].nbytes:
                 n -= views[0].nbytes
