@@ -124,7 +124,10 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     over many random rows. NaN and +-inf logits give what sample_row gives: where the
     probabilities are NaN (a NaN logit, a +inf one, or all -inf) every comparison fails, so
     top-p keeps the top-k and min-p keeps one token; a NaN scaled logit never wins, a +inf
-    one does, and a row with none above -inf takes its first kept token."""
+    one does, and a row with none above -inf takes its first kept token.
+
+    Rows that are greedy or keep every token (no top-k, top-p or min-p) skip the sort and the
+    sums: pick_unfiltered gives them the same token."""
     n, vocab = len(rows), logits.shape[-1]
     sorted_rows = [i for i, r in enumerate(rows) if r.temperature > 0.0 and filtered(r, vocab)]
     if len(sorted_rows) == n:
@@ -132,7 +135,8 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     if not sorted_rows:
         return _sample_unfiltered(logits[:n], rows)
     # each row takes its own path, whatever the others take: the token stays the row's own
-    others = [i for i in range(n) if i not in set(sorted_rows)]
+    sorts = set(sorted_rows)
+    others = [i for i in range(n) if i not in sorts]
     out = torch.empty(n, dtype=torch.long, device=logits.device)
     for index, sample in ((sorted_rows, _sample_sorted), (others, _sample_unfiltered)):
         at = torch.tensor(index, device=logits.device)
