@@ -35,6 +35,8 @@ from strata.train.fit import padded, targets, valid
 from strata.train.prompts import read_prompts
 from strata.train.run import Job
 
+ROWS = 256
+
 
 def overlap(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """[N] the chance that inverse CDF at one uniform picks the same token from p and from q,
@@ -105,11 +107,13 @@ def main(prompts_file, requests, tokens, answers, temperatures, head, devices, d
             q_logits = nextn.passes(tokens_, h, 1)[0]
             p_logits = targets(nextn, h, 1, width)
         mask = valid(lengths, width, 1) & valid(lengths, width, 1, starts)
-        got = rates(p_logits[mask].double().cpu(), q_logits[mask].double().cpu(), temps, draws,
-                    gen)
+        p_rows, q_rows = p_logits[mask].cpu(), q_logits[mask].cpu()
         n += int(mask.sum())
-        for k, v in got.items():
-            total[k] = total.get(k, 0.0) + v
+        for lo in range(0, len(p_rows), ROWS):   # a few rows at a time: the vocabulary is wide
+            got = rates(p_rows[lo:lo + ROWS].double(), q_rows[lo:lo + ROWS].double(), temps,
+                        draws, gen)
+            for k, v in got.items():
+                total[k] = total.get(k, 0.0) + v
     click.echo(f"# {n} answer positions of {len(samples)} {answers} answers to held-out "
                f"prompts, teacher-forced; the first proposal of {Path(path).name}")
     for k, v in total.items():
