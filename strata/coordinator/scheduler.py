@@ -45,6 +45,9 @@ equally full and none runs on alone at the end. Prompt chunks stream (`prompt_de
 while their group has no decoding slot.
 Because every row's arithmetic is independent of its neighbours and of its window's size, and
 every draw depends only on (seed, position), no schedule can change a request's tokens.
+
+After a stage starts again, every request in a slot writes its KV again in its group's windows,
+as a reading slot, before it goes on (rebuild.py).
 """
 from __future__ import annotations
 
@@ -55,11 +58,12 @@ from collections import deque
 from typing import Callable
 
 from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_groups re-exported)
-    MAX_WINDOW_ROWS, WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
+    WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
 from strata.coordinator.draft_choice import share_rows
 from strata.coordinator.drafts import PromptLookup, count_positions, draft_limit
 from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
+from strata.coordinator.rebuild import decoded_rows, start_rebuild
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler_state import (  # noqa: F401 (the state types re-exported)
     DecodeWindow, Flight, Group, Request, RowOwner, SchedulerSnapshot, SlotState)
@@ -308,7 +312,7 @@ class Scheduler:
     def _submit_chunk(self, group: int, slot: Slot) -> None:
         seq, start = slot.request.seq, slot.read_pos
         if start >= len(seq.prompt):
-            self._submit_replay(group, slot)
+            self._submit_rebuild(group, slot)
             return
         end = min(start + self.cfg.chunk_rows, len(seq.prompt))
         rows = [Row(slot.index, p, seq.prompt[p]) for p in range(start, end)]
@@ -326,50 +330,6 @@ class Scheduler:
         propose = self._propose(slot, min(decoding, self.cfg.window_rows)) if last else []
         self._submit(group, rows, self.cfg.chunk_rows, [RowOwner(slot, slot.request, int(last))],
                      chunk=True, propose=propose)
-
-    def _submit_replay(self, group: int, slot: Slot) -> None:
-        """A rebuild's decoded tokens, written again as a decode window of the slot's rows
-        (as drafts that are all kept: decode rows compute as they did, prompt rows would not)
-        without sampling."""
-        seq, start = slot.request.seq, slot.read_pos
-        end = min(start + self.replay_rows, slot.rebuild)
-        tokens = seq.prompt + seq.generated
-        rows = [Row(slot.index, p, tokens[p]) for p in range(start, end)]
-        slot.read_pos = end
-        self.groups[group].streaming = slot if slot.reading else None
-        self._submit(group, rows, round_rows(len(rows)), [RowOwner(slot, slot.request, 0)])
-
-    def restarted(self) -> None:
-        """A stage was started again, and its KV cache is empty: every window in flight is
-        given up (no token of theirs counts), no slot holds a prompt for the next request any
-        more, and each request in a slot writes its KV again from position 0 before it goes
-        on: a request that has decoded reads its prompt without sampling, then its decoded
-        tokens (all but the last, which its next decode window reads) in decode windows, so
-        every stage's KV is what it was (DESIGN.md, exactness 2) and the request goes on to
-        exactly the tokens it would have had."""
-        self.in_flight.clear()
-        for g in self.groups:   # (a decode window given up is not timed: draft_choice.py)
-            g.flights, g.streaming, g.drafts.in_flight = 0, None, None
-        self.commits = [(slot.index, 0) for slot in self.table.slots]
-        for slot in self.table.slots:
-            slot.held.clear()
-            req = slot.request
-            if req is None:
-                continue
-            if req.cancelled:
-                self._release(slot, req, "cancelled")
-                continue
-            # nothing of its prompt is held any more: it reads it all again
-            slot.read_pos, req.reused, req.proposals = 0, 0, []
-            slot.rebuild = req.seq.length - 1 if req.seq.generated else 0
-            if slot.rebuild:
-                log.info("request %d: slot %d writes %d positions again", req.id, slot.index,
-                         slot.rebuild)
-
-    @property
-    def replay_rows(self) -> int:
-        """The rows of a rebuild's decode windows: about a prompt chunk's."""
-        return min(round_rows(self.cfg.chunk_rows), MAX_WINDOW_ROWS)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Draft tokens on offer for the request's next window: at most `room`, within the
@@ -463,3 +423,29 @@ class Scheduler:
                 slot.held.clear()  # the stages may hold part of the window: keep nothing
             self._release(slot, req, "error")
 
+    # --- a stage started again (rebuild.py) ---------------------------------------------------
+
+    def restarted(self) -> None:
+        """A stage was started again, and its KV cache is empty: every window in flight is
+        given up, no slot holds a prompt any more, and each request in a slot writes its KV
+        again from position 0 before it goes on to exactly the tokens it would have had."""
+        self.in_flight.clear()
+        for g in self.groups:   # (a decode window given up is not timed: draft_choice.py)
+            g.flights, g.streaming, g.drafts.in_flight = 0, None, None
+        self.commits = [(slot.index, 0) for slot in self.table.slots]
+        for slot in self.table.slots:
+            slot.held.clear()
+            req = slot.request
+            if req is None:
+                continue
+            if req.cancelled:
+                self._release(slot, req, "cancelled")
+            else:
+                start_rebuild(slot)
+
+    def _submit_rebuild(self, group: int, slot: Slot) -> None:
+        """The slot's next decode window of decoded tokens written again, sampling nothing."""
+        rows = decoded_rows(slot, self.cfg.chunk_rows)
+        slot.read_pos += len(rows)
+        self.groups[group].streaming = slot if slot.reading else None
+        self._submit(group, rows, round_rows(len(rows)), [RowOwner(slot, slot.request, 0)])

@@ -21,7 +21,8 @@ class Slot:
     read_pos: int = 0                               # next prompt position to read
     last_used: int = -1                             # admission counter, for least-recently-used
     # after a stage was started again: the positions [0, rebuild) the request's KV is written
-    # again at before it decodes on (its prompt, then all but its last generated token)
+    # again at before it decodes on (its prompt, then all but its last generated token;
+    # rebuild.py)
     rebuild: int = 0
 
     @property
