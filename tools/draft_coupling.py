@@ -57,11 +57,11 @@ def rates(p_logits: torch.Tensor, q_logits: torch.Tensor, temperatures: list[flo
         p, q = F.softmax(p_logits / t, -1), F.softmax(q_logits / t, -1)
         out[f"argmax@{t}"] = float(p.gather(1, q.argmax(-1, keepdim=True)).sum())
         out[f"inverse-cdf@{t}"] = float(overlap(p, q).sum())
-        hits = 0.0
+        hits, log_p, log_q = 0.0, p.log(), q.log()
         for _ in range(draws):
             u = torch.rand(p.shape, generator=gen, dtype=p.dtype).clamp(1e-30, 1.0)
             g = -torch.log(-torch.log(u))
-            hits += float(((p.log() + g).argmax(-1) == (q.log() + g).argmax(-1)).sum())
+            hits += float(((log_p + g).argmax(-1) == (log_q + g).argmax(-1)).sum())
         out[f"gumbel@{t}"] = hits / draws
         out[f"1-TV@{t}"] = float((1 - 0.5 * (p - q).abs().sum(-1)).sum())
     return out
