@@ -11,13 +11,23 @@ import threading
 import time
 from types import SimpleNamespace
 
-from strata.coordinator.engine import RESTARTS_IN_A_ROW, Engine, Finished, Job
+from strata.coordinator.engine import RESTARTS_IN_A_ROW, Engine
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.scheduler import SchedulerConfig
 from strata.protocol.messages import Result
+from test_engine import _finish
 from test_scheduler import params
 from test_stage_restart import KindAwarePipeline, _alone
+
+
+def _served(engine: Engine, main):
+    """main() on an event loop while the engine runs; the engine stopped after."""
+    engine.start()
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.stop()
 
 
 def test_a_restart_ends_in_flight_windows_and_waits_for_a_new_hello():
@@ -47,18 +57,9 @@ def test_a_restart_ends_in_flight_windows_and_waits_for_a_new_hello():
                     restart=started.append)
 
     async def main():
-        job = Job("a", [3, 4, 5], params(1), asyncio.get_running_loop(), asyncio.Queue())
-        engine.submit(job)
-        out = []
-        while not isinstance(item := await asyncio.wait_for(job.events.get(), 30), Finished):
-            out.append(item)
-        return out, item
+        return await _finish(engine, "a", [3, 4, 5], params(1))
 
-    engine.start()
-    try:
-        tokens, fin = asyncio.run(main())
-    finally:
-        engine.stop()
+    tokens, fin = _served(engine, main)
     alone = _alone([3, 4, 5], params(1), ctx=64)
     assert (tokens, fin.reason) == (alone, "length")
     assert started == pipe.rejoined == [1, 1]
@@ -68,11 +69,7 @@ def test_a_restart_ends_in_flight_windows_and_waits_for_a_new_hello():
     pipe.fail = 99
     engine = Engine(pipe, SchedulerConfig(slots=1, ctx=64), frozenset({2}), lambda ids: "",
                     restart=started.append)
-    engine.start()
-    try:
-        _, fin = asyncio.run(main())
-    finally:
-        engine.stop()
+    _, fin = _served(engine, main)
     assert fin.reason == "error" and "restarts in a row" in fin.error, fin
     assert len(started) == 3
 
@@ -104,23 +101,10 @@ def test_a_result_of_a_window_given_up_is_no_window_back():
                     lambda ids: "", restart=started.append)
 
     async def main():
-        jobs = [Job(str(i), [3, 4, 5 + i], params(i), asyncio.get_running_loop(),
-                    asyncio.Queue()) for i in range(2)]
-        for job in jobs:
-            engine.submit(job)
-        ends = []
-        for job in jobs:
-            while not isinstance(item := await asyncio.wait_for(job.events.get(), 30),
-                                 Finished):
-                pass
-            ends.append(item)
-        return ends
+        return [fin for _, fin in await asyncio.gather(
+            *[_finish(engine, str(i), [3, 4, 5 + i], params(i)) for i in range(2)])]
 
-    engine.start()
-    try:
-        ends = asyncio.run(main())
-    finally:
-        engine.stop()
+    ends = _served(engine, main)
     assert len(started) == RESTARTS_IN_A_ROW, started
     assert all(f.reason == "error" and "restarts in a row" in f.error for f in ends), ends
 
@@ -156,17 +140,9 @@ def test_a_stage_that_said_hello_before_another_failed_counts_as_started_again()
                     lambda ids: "", metrics, restart=started.append)
 
     async def main():
-        job = Job("a", [3, 4, 5], params(1), asyncio.get_running_loop(), asyncio.Queue())
-        engine.submit(job)
-        while not isinstance(item := await asyncio.wait_for(job.events.get(), 30), Finished):
-            pass
-        return item
+        return (await _finish(engine, "a", [3, 4, 5], params(1)))[1]
 
-    engine.start()
-    try:
-        fin = asyncio.run(main())
-    finally:
-        engine.stop()
+    fin = _served(engine, main)
     assert fin.reason == "length" and started == [1, 0]
     assert [row["restarts"] for row in engine.stages] == [1, 1]
     assert [metrics.stage_restarts.labels(k)._value.get() for k in "01"] == [1, 1]
@@ -201,21 +177,14 @@ def test_stopping_while_a_stage_starts_again_ends_at_once():
                     stop_grace=0.5, restart=started.append)
 
     async def main():
-        job = Job("a", [3, 4, 5], params(1), asyncio.get_running_loop(), asyncio.Queue())
-        engine.submit(job)
+        job = asyncio.create_task(_finish(engine, "a", [3, 4, 5], params(1)))
         await asyncio.get_running_loop().run_in_executor(None, pipe.waiting.wait, 10)
         t0 = time.monotonic()
         engine.stop()
         stopped = time.monotonic() - t0
-        while not isinstance(item := await asyncio.wait_for(job.events.get(), 10), Finished):
-            pass
-        return stopped, item
+        return stopped, (await job)[1]
 
-    engine.start()
-    try:
-        stopped, fin = asyncio.run(main())
-    finally:
-        engine.stop()
+    stopped, fin = _served(engine, main)
     assert not engine._thread.is_alive() and stopped < 2, stopped
     assert (fin.reason, fin.error, fin.down) == ("error", "the server is stopping", True)
     assert engine.failure is None and started == [1]
