@@ -109,6 +109,18 @@ def refused(worker: subprocess.Popen) -> str:
 
 
 @pytest.mark.long   # the default run joins with keys below, the same tokens
+def address_beyond_loopback() -> str:
+    """This host's address on its default route; the test skips where it has none beyond
+    loopback."""
+    try:
+        address = address_toward("192.0.2.1", 9)
+    except OSError:
+        pytest.skip("this host has no route beyond loopback")
+    if address.startswith("127."):
+        pytest.skip("this host has no address beyond loopback")
+    return address
+
+
 def test_a_joined_stage_gives_the_tokens_of_a_plain_launch(varied_model, no_stage_left):
     args = ["--model", str(varied_model), *ARGS]
     plain = launch(args, None)
@@ -183,7 +195,7 @@ def test_refused_joins_are_said_on_both_sides(varied_model, tiny_model, no_stage
         assert "(the launcher runs it); join as stage 1" in refused(run.worker("--stage", "0"))
         wrong = refused(run.worker("--stage", "1", "--model", str(tiny_model)))
         assert f"the model file {tiny_model} is not the launch's" in wrong
-        assert f"pass --model with a copy of that file" in wrong
+        assert "pass --model with a copy of that file" in wrong
         told = run.wait_for("strata-launch: refused a join: stage 1 has a different model")
         assert f"start it with --model and a copy of {varied_model}" in told
         joined = run.worker("--stage", "1")
@@ -337,12 +349,7 @@ def test_a_launch_mistake_gets_one_sentence(case, tiny_model, no_stage_left):
 def test_a_launch_joined_beyond_loopback_needs_keys_or_insecure(link, tiny_model,
                                                                 no_stage_left):
     """gloo: torch.distributed has no keys, so only --insecure (or --stage-link zmq)."""
-    try:
-        address = address_toward("192.0.2.1", 9)   # this host's address on its default route
-    except OSError:
-        pytest.skip("this host has no route beyond loopback")
-    if address.startswith("127."):
-        pytest.skip("this host has no address beyond loopback")
+    address = address_beyond_loopback()
     r = launch(["--model", str(tiny_model), *ARGS, "--external-stage", "1", "--listen",
                 f"{address}:0", "--stage-link", link], None, timeout=60)
     assert r.returncode == 2, r.stderr

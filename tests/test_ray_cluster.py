@@ -29,7 +29,8 @@ from strata.coordinator.pipeline import PipelineError
 from strata.launch.joins import StageJoins
 from strata.launch.plan import PlanError, StagePlan
 from strata.launch.ray_cluster import bundle, import_ray, join_args, parse_cluster
-from strata.protocol.join import address_toward, free_ports
+from strata.protocol.join import free_ports
+from test_join import address_beyond_loopback
 from test_launch_errors import LAUNCH, assert_no_traceback, assert_one_sentence, launch
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -238,12 +239,7 @@ def test_a_restarted_stage_binds_its_endpoint_again_on_its_node(on_cluster, tiny
 @needs_ray
 def test_stages_joining_beyond_loopback_need_keys_or_insecure(ray_cluster, tiny_model,
                                                               no_stage_left):
-    try:
-        address = address_toward("192.0.2.1", 9)   # this host's address on its default route
-    except OSError:
-        pytest.skip("this host has no route beyond loopback")
-    if address.startswith("127."):
-        pytest.skip("this host has no address beyond loopback")
+    address = address_beyond_loopback()
     r = launch(["--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
                 "--prompt", "hi", "--cluster", "ray", "--listen", f"{address}:0"], None,
                env={"RAY_ADDRESS": ray_cluster[0]}, timeout=START_S)
