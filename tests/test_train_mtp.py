@@ -9,12 +9,13 @@ import torch
 from click.testing import CliRunner
 
 from strata.model.gguf_file import ModelError, ModelFile
-from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
+from strata.model.mkmodel import SHAPES, write_nextn_sidecar
 from strata.model.nextn import SHIPPED_HEADS, find_head, open_head, shipped_head
 from strata.stage_worker.drafter import Drafter
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from strata.train import cli
-from strata.train.data import Sample, teacher_states
+from strata.coordinator.sampling import SamplingParams
+from strata.train.data import Sample, split_kept, teacher_states
 from strata.train.export import write_head
 from strata.train.fit import FitConfig, acceptance, fit
 from strata.train.prompts import (Prompt, heldout, read_conversations, read_prompts,
@@ -158,6 +159,51 @@ def test_a_whole_run_writes_a_head_that_fits_and_its_figures(varied_model, tmp_p
     assert [f["position"] for f in figures] == [1, 2, 3] and figures[0]["reached"] > 0
     source = find_head(ModelFile(varied_model), out)
     open_head(source, ModelFile(varied_model))   # every tensor there, with the model's shapes
+
+
+def test_kept_answers_stand_for_the_work_they_did():
+    """Each kept answer stands for one item of the same prompt, temperature and seed; repeated
+    prompts count one by one, and answers nothing asks for are not used."""
+    hi, other = Prompt("hi", "train"), Prompt("other", "train")
+    greedy = SamplingParams(max_tokens=4)
+    work = [([1], hi, greedy), ([1], hi, greedy), ([2], other, greedy),
+            ([1], hi, SamplingParams(temperature=0.7, seed=5, max_tokens=4)),
+            ([2], other, SamplingParams(temperature=0.7, seed=6, max_tokens=4))]
+    kept = [Sample([1, 9], 1, "train"), Sample([2, 9], 1, "train", 0.7, 6),
+            Sample([2, 8], 1, "train", 0.7, 7), Sample([3, 9], 1, "train")]
+    used, todo = split_kept(work, kept)
+    assert used == kept[:2]
+    assert todo == [work[1], work[2], work[3]]
+    assert split_kept(work, [])[1] == work
+
+
+def test_a_run_adds_to_the_kept_answers_only_what_they_lack(varied_model, tmp_path):
+    """A second run with one more --sampled pass generates that pass alone and leaves the
+    answers kept before as they were; --answer-seconds 0 generates none."""
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"ask {i}", "split": "heldout" if i < 2 else "train"})
+                    + "\n")
+    kept = tmp_path / "samples.jsonl"
+    base = ["--model", str(varied_model), "--prompts", str(prompts), "--answer-tokens", "6",
+            "--max-prompt-tokens", "48", "--devices", "cpu", "--batch", "4", "--samples",
+            str(kept), "--sampled", "0.7"]
+    head = ["--out", str(tmp_path / "head.gguf"), "--epochs", "1", "--batch-tokens", "1024"]
+
+    def run(*more):
+        res = CliRunner().invoke(cli.main, base + head + list(more))
+        assert res.exit_code == 0, res.output
+        return kept.read_text().splitlines(), res.output
+
+    first, _ = run()
+    assert [json.loads(s)["temperature"] for s in first].count(0.7) == 6 and len(first) == 14
+    again, said = run("--sampled", "0.7", "--answer-seconds", "0")
+    assert again == first and "14 of the 20 answers asked for" in said
+    more, _ = run("--sampled", "0.7")
+    assert more[:14] == first and len(more) == 20
+    seeds = [json.loads(s)["seed"] for s in more]
+    assert len(set(seeds[8:])) == 12 and None not in seeds[8:]
 
 
 def test_the_cli_says_what_is_missing(tmp_path):

@@ -18,6 +18,7 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 
 import click
 
@@ -49,9 +50,10 @@ def _progress():
               help="Also answer every training prompt sampled at this temperature (repeatable).")
 @click.option("--answer-seconds", type=float,
               help="Start no new answer after this many seconds of generating (default: answer "
-                   "every prompt).")
+                   "every prompt; 0: generate none, train on the kept ones).")
 @click.option("--samples", type=click.Path(dir_okay=False),
-              help="Keep the generated answers here (JSON lines); reused when it exists.")
+              help="Keep the answers here (JSON lines). When it exists, the answers it holds "
+                   "are read back and only those it lacks generated and added.")
 @click.option("--devices", default="auto", show_default=True,
               help="Where the target generates (strata-launch's --devices); the head trains "
                    "on the first.")
@@ -107,19 +109,24 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
         raise click.UsageError(f"the prompts hold {len(train)} training and {len(held)} "
                                f"held-out prompts; both are needed")
     start = time.perf_counter()
-    data = job.samples((held if eval_head else held + train), samples, _progress())
+    data = job.samples((held if eval_head else held + train), samples, _progress(),
+                       say=lambda s: click.echo(s, err=True))
     click.echo(f"{len(data)} answers, {sum(len(s.tokens) for s in data)} tokens "
                f"({time.perf_counter() - start:.0f} s)", err=True)
     torch.manual_seed(seed)
     head = job.head(eval_head)
     held_data = [s for s in data if s.split == "heldout"]
     if not eval_head:
-        train_data = [s for s in data if s.split == "train"]
-        # the answers to 2% of the training prompts (at least one) choose the best epoch
-        cut = len(train_data) - max(1, len(train_data) // 50)
-        job.fit(head, train_data[:cut], dict(epochs=epochs, lr=lr, batch_tokens=batch_tokens,
-                                             passes=chain, soft_weight=soft_weight, seed=seed),
-                train_data[cut:], lambda s: click.echo(s, err=True), _progress(),
+        # every answer to 2% of the training prompts (at least one; prompts asked more than
+        # once, such as "hi", stay in training) chooses the best epoch
+        asked = Counter(tuple(ids) for ids, _ in job.chats(train))
+        checked = {tuple(ids) for ids, _ in job.chats(train[-max(1, len(train) // 50):])
+                   if asked[tuple(ids)] == 1}
+        fitted = [s for s in data if s.split == "train" and s.key()[0] not in checked]
+        validation = [s for s in data if s.split == "train" and s.key()[0] in checked]
+        job.fit(head, fitted, dict(epochs=epochs, lr=lr, batch_tokens=batch_tokens,
+                                   passes=chain, soft_weight=soft_weight, seed=seed),
+                validation, lambda s: click.echo(s, err=True), _progress(),
                 on_best=(lambda h: job.write(h, out, weight_type)) if out else None)
     figures = job.acceptance(head, held_data, passes=3)
     for k, (tried, right) in enumerate(figures, 1):

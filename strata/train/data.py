@@ -7,6 +7,7 @@ import json
 import os
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,6 +23,39 @@ class Sample:
     tokens: list[int]     # the prompt (chat-templated) and the target's answer
     prompt_len: int
     split: str            # "train" or "heldout"
+    temperature: float = 0.0
+    seed: int | None = None   # a sampled answer's seed (None: greedy)
+
+    def key(self) -> tuple:
+        """What the answer answers: its prompt and how it was sampled."""
+        return tuple(self.tokens[:self.prompt_len]), self.temperature, self.seed
+
+
+# one answer to generate: the prompt's token ids, the prompt, how to sample
+Work = tuple[list[int], Prompt, SamplingParams]
+
+
+def work_key(item: Work) -> tuple:
+    ids, _, params = item
+    return (tuple(ids), params.temperature,
+            params.seed if params.temperature > 0 else None)
+
+
+def split_kept(work: list[Work], kept: list[Sample]) -> tuple[list[Sample], list[Work]]:
+    """(the kept answers that `work` asks for, the work they leave to do). Each kept answer
+    stands for one item of the same prompt, temperature and seed; the rest are not used."""
+    have = Counter(work_key(w) for w in work)
+    used = []
+    for s in kept:
+        if have[s.key()] > 0:
+            have[s.key()] -= 1
+            used.append(s)
+    todo = []
+    for w in reversed(work):     # the last items of a repeated key are the ones left to do
+        if have[work_key(w)] > 0:
+            have[work_key(w)] -= 1
+            todo.append(w)
+    return used, todo[::-1]
 
 
 @dataclass
@@ -39,17 +73,12 @@ def chat_prompts(tok, prompts: list[Prompt], max_prompt_tokens: int):
     return out
 
 
-def generate(prep, tok, prompts: list[tuple[list[int], Prompt]], passes: list[SamplingParams],
-             seconds: float | None = None, say=print, progress=None) -> list[Sample]:
-    """Every prompt answered once per entry of `passes` (a sampled pass's seed is offset by
-    the prompt's index), through a launch of `prep` (strata.launch.options.prepare). Requests
-    are fed as others finish, so the slots stay full; after `seconds`, no new one starts (the
-    answers begun are finished and kept)."""
-    from dataclasses import replace
-
+def generate(prep, tok, work: list[Work], seconds: float | None = None, say=print,
+             progress=None) -> list[Sample]:
+    """The answer of every item of `work`, in its order, through a launch of `prep`
+    (strata.launch.options.prepare). Requests are fed as others finish, so the slots stay full;
+    after `seconds`, no new one starts (the answers begun are finished and kept)."""
     from strata.coordinator.scheduler import Scheduler
-    work = [(ids, p, params if params.temperature == 0 else replace(params, seed=params.seed + i))
-            for params in passes for i, (ids, p) in enumerate(prompts)]
     bar = progress(total=len(work), desc="answers", unit="answer") if progress else None
     out: list[Sample] = []
     pending = iter(work)
@@ -61,12 +90,13 @@ def generate(prep, tok, prompts: list[tuple[list[int], Prompt]], passes: list[Sa
         item = next(pending, None)
         if item is not None:
             ids, p, sp = item
-            sched.submit(ids, sp, on_done=lambda req, p=p: finished(sched, req, p))
+            sched.submit(ids, sp, on_done=lambda req, p=p, sp=sp: finished(sched, req, p, sp))
 
-    def finished(sched, req, p) -> None:
+    def finished(sched, req, p, sp) -> None:
         if req.error is None:
             prompt = req.seq.prompt
-            out.append(Sample(list(prompt) + list(req.seq.generated), len(prompt), p.split))
+            out.append(Sample(list(prompt) + list(req.seq.generated), len(prompt), p.split,
+                              sp.temperature, sp.seed if sp.temperature > 0 else None))
         if bar is not None:
             bar.update(1)
         feed(sched)

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.norms import rms_norm
-from strata.model.nextn import NEXTN_TENSORS
 from strata.train.torch_llama import Target, block_forward, chain_mask
 
 

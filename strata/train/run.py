@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,33 +40,45 @@ class Job:
         # + 3: chained passes rotate rows up to three places past the context
         self.target = Target(self.file, self.device, dtype, self.ctx + 3)
 
-    def samples(self, prompts, keep: str | None, progress=None):
-        """The target's answers to `prompts` (loaded from `keep` when it exists, else
-        generated through strata and saved there)."""
-        if keep and os.path.exists(keep):
-            return train_data.load_samples(keep)
-        chats = train_data.chat_prompts(self.tok, prompts, self.max_prompt_tokens)
+    def chats(self, prompts):
+        """(token ids, prompt) of each prompt that fits --max-prompt-tokens, as a chat."""
+        return train_data.chat_prompts(self.tok, prompts, self.max_prompt_tokens)
+
+    def work(self, prompts) -> list[train_data.Work]:
+        """The answers to generate: every prompt greedy, held-out ones first, then the
+        training prompts once per sampled temperature (pass n's seed offset by the prompt's
+        index), in that order."""
+        chats = self.chats(prompts)
+        held = [c for c in chats if c[1].split == "heldout"]
+        train = [c for c in chats if c[1].split == "train"]
+        greedy = SamplingParams(max_tokens=self.answer_tokens)
+        out = [(ids, p, greedy) for ids, p in held + train]
+        for n, t in enumerate(self.sampled):
+            base = self.seed * 1_000_003 + 7919 * (n + 1)
+            out += [(ids, p, SamplingParams(temperature=t, seed=base + i,
+                                            max_tokens=self.answer_tokens))
+                    for i, (ids, p) in enumerate(train)]
+        return out
+
+    def samples(self, prompts, keep: str | None, progress=None, say=print):
+        """The target's answers to `prompts` (see work()): those kept in `keep` are read back,
+        the others generated through strata (for at most answer_seconds) and added there."""
+        work = self.work(prompts)
+        kept = train_data.load_samples(keep) if keep and os.path.exists(keep) else []
+        used, todo = train_data.split_kept(work, kept)
+        if kept:
+            say(f"{keep}: {len(used)} of the {len(work)} answers asked for "
+                f"({len(kept) - len(used)} others there not used)")
+        if not todo or (self.answer_seconds is not None and self.answer_seconds <= 0):
+            return used
         prep = prepare(model=self.model, layer_split=self.layer_split, devices=self.devices,
                        ctx_size=self.ctx, batch=self.batch, batch_groups=self.batch_groups,
                        window_rows="auto", chunk_rows="auto")
-        passes = [SamplingParams(max_tokens=self.answer_tokens)] + [
-            SamplingParams(temperature=t, seed=self.seed * 1_000_003 + 7919 * (n + 1),
-                           max_tokens=self.answer_tokens)
-            for n, t in enumerate(self.sampled)]
-        # sampled passes answer the training prompts only: the held-out answers stay greedy
-        held = [c for c in chats if c[1].split == "heldout"]
-        train = [c for c in chats if c[1].split == "train"]
-        start = time.monotonic()
-        out = train_data.generate(prep, self.tok, held + train, passes[:1], self.answer_seconds,
+        out = train_data.generate(prep, self.tok, todo, self.answer_seconds,
                                   say=lambda s: None, progress=progress)
-        left = (None if self.answer_seconds is None
-                else self.answer_seconds - (time.monotonic() - start))
-        if len(passes) > 1 and train and (left is None or left > 0):
-            out += train_data.generate(prep, self.tok, train, passes[1:], left,
-                                       say=lambda s: None, progress=progress)
         if keep:
-            train_data.save_samples(keep, out)
-        return out
+            train_data.save_samples(keep, kept + out)
+        return used + out
 
     def head(self, path: str | None = None) -> NextNHead:
         """A new head (from the target's last block), or the one in the sidecar `path`."""
@@ -85,14 +96,13 @@ class Job:
         """Train on `samples`; with `validation` samples, keep the epoch whose first
         proposals match the target's greedy tokens there most often."""
         states = train_data.teacher_states(self.target, samples, progress=progress)
-        check = None
-        if validation:
-            held = train_data.teacher_states(self.target, validation)
+        held = train_data.teacher_states(self.target, validation) if validation else None
 
-            def check(h):
-                tried, right = acceptance(h, validation, held, 1)[0]
-                return right / max(tried, 1)
-        fit(head, samples, states, FitConfig(**options), check, say, progress, on_best)
+        def check(h):
+            tried, right = acceptance(h, validation, held, 1)[0]
+            return right / max(tried, 1)
+        fit(head, samples, states, FitConfig(**options), check if validation else None, say,
+            progress, on_best)
 
     def acceptance(self, head: NextNHead, samples, passes: int):
         states = train_data.teacher_states(self.target, samples)
