@@ -59,7 +59,8 @@ def rates(p_logits: torch.Tensor, q_logits: torch.Tensor, temperatures: list[flo
         out[f"inverse-cdf@{t}"] = float(overlap(p, q).sum())
         hits, log_p, log_q = 0.0, p.log(), q.log()
         for _ in range(draws):
-            u = torch.rand(p.shape, generator=gen, dtype=p.dtype).clamp(1e-30, 1.0)
+            u = torch.rand(p.shape, generator=gen, dtype=p.dtype, device=p.device)
+            u = u.clamp(1e-30, 1.0)
             g = -torch.log(-torch.log(u))
             hits += float(((log_p + g).argmax(-1) == (log_q + g).argmax(-1)).sum())
         out[f"gumbel@{t}"] = hits / draws
@@ -91,25 +92,29 @@ def main(prompts_file, requests, tokens, answers, temperatures, head, devices, d
     nextn = job.head(str(path))
     held = [p for p in read_prompts(prompts_file) if p.split == "heldout"][:requests]
     chats = data.chat_prompts(job.tok, held, 256)
-    sampling = (SamplingParams(max_tokens=tokens) if answers == "greedy" else
-                SamplingParams(temperature=temps[0], seed=5, max_tokens=tokens))
+    def sampling(i):   # a sampled answer's seed: 5 + the prompt's index
+        return (SamplingParams(max_tokens=tokens) if answers == "greedy" else
+                SamplingParams(temperature=temps[0], seed=5 + i, max_tokens=tokens))
     prep = prepare(model="smollm2-135m", layer_split="auto", devices=devices,
                    ctx_size=job.ctx, batch=len(chats), batch_groups="1", window_rows="auto",
                    chunk_rows="auto")
-    samples = data.generate(prep, job.tok, chats, [sampling], say=lambda s: None)
+    work = [(ids, p, sampling(i)) for i, (ids, p) in enumerate(chats)]
+    samples = data.generate(prep, job.tok, work, say=lambda s: None)
     states = data.teacher_states(job.target, samples)
-    gen = torch.Generator().manual_seed(0)
+    device = job.target.embed.device
+    gen = torch.Generator(device).manual_seed(0)
     total, n = {}, 0
     for index in data.batches(samples, 8192, None):
-        tokens_, h, lengths, starts = padded(samples, states, index, job.target.embed.device)
+        tokens_, h, lengths, starts = padded(samples, states, index, device)
         width = tokens_.shape[1] - 1
         with torch.no_grad():
             q_logits = nextn.passes(tokens_, h, 1)[0]
             p_logits = targets(nextn, h, 1, width)
         mask = valid(lengths, width, 1) & valid(lengths, width, 1, starts)
-        p_rows, q_rows = p_logits[mask].cpu(), q_logits[mask].cpu()
+        p_rows, q_rows = p_logits[mask], q_logits[mask]
         n += int(mask.sum())
-        for lo in range(0, len(p_rows), ROWS):   # a few rows at a time: the vocabulary is wide
+        # a few rows at a time (the vocabulary is wide), on the device of --devices
+        for lo in range(0, len(p_rows), ROWS):
             got = rates(p_rows[lo:lo + ROWS].double(), q_rows[lo:lo + ROWS].double(), temps,
                         draws, gen)
             for k, v in got.items():
