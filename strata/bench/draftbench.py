@@ -8,7 +8,6 @@ import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import click
 
@@ -18,8 +17,8 @@ from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
 from strata.bench import harness
-from strata.bench.harness import SPLITS, chat_prompts, machine, read_prompts
-from strata.launch.options import clean_errors, launch_options, prepare, say
+from strata.bench.harness import chat_prompts, machine, read_prompts, split_option
+from strata.launch.options import clean_errors, launch_options, prepare
 from strata.model.tokenizer import Tokenizer
 
 def run_arm(run, cfg: SchedulerConfig, tok: Tokenizer, prompts: list[list[int]],
@@ -75,8 +74,7 @@ def _per_position(counts: list[list[int]], k: int) -> list[int]:
                    "(strata-train-mtp --write-prompts): each prompt of --split is a request, "
                    "through the model's chat template, --clients at a time. Default: "
                    "--clients of the bench's own prompts.")
-@click.option("--split", type=click.Choice(SPLITS), default="heldout", show_default=True,
-              help="Which lines of --prompts to take (all: every line).")
+@split_option
 @click.option("--requests", type=int, default=None,
               help="With --prompts: at most this many of its prompts (the first ones).")
 @click.option("--temperature", type=float, default=0.0, show_default=True,

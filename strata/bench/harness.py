@@ -6,6 +6,8 @@ import platform
 import time
 from dataclasses import dataclass, field
 
+import click
+
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
 from strata.launch.options import say
@@ -35,6 +37,10 @@ PROMPTS = [
 
 
 SPLITS = ("heldout", "train", "all")
+# the bench commands' --split, beside their --prompts
+split_option = click.option("--split", type=click.Choice(SPLITS), default="heldout",
+                            show_default=True,
+                            help="Which lines of --prompts to take (all: every line).")
 
 
 def read_prompts(path: str, split: str) -> list[str]:

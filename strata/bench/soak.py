@@ -22,7 +22,7 @@ import aiohttp
 import click
 
 from strata.bench import harness
-from strata.bench.harness import SPLITS
+from strata.bench.harness import split_option
 from strata.bench.loadtest import (ServerProcess, get_json, idle_status, launch_args,
                                    post_request, rss_mib)
 from strata.bench.soak_checks import (Fault, SoakRequest, compare, describe, fault_schedule,
@@ -285,8 +285,7 @@ def run_soak(server: ServerProcess, url: str, pool: list[SoakRequest], plan: Soa
               help='A JSONL file of {"prompt": ..., "split": "train"|"heldout"} lines '
                    "(strata-train-mtp --write-prompts): the requests' texts [default: the "
                    "harness's texts].")
-@click.option("--split", type=click.Choice(SPLITS), default="heldout", show_default=True,
-              help="Which lines of --prompts to take (all: every line).")
+@split_option
 @click.option("--kill-every", type=float, default=60.0, show_default=True,
               help="SIGKILL a stage process every S seconds after the warm-up, round robin "
                    "from stage 0 (0: never).")

@@ -32,7 +32,8 @@ from click.core import ParameterSource
 
 from strata.coordinator.scheduler import SchedulerConfig, auto_groups
 from strata.bench import harness, tracereport
-from strata.bench.harness import SPLITS, Workload, chat_prompts, machine, read_prompts
+from strata.bench.harness import (Workload, chat_prompts, machine, read_prompts,
+                                  split_option)
 from strata.launch.options import (Prepared, clean_errors, launch_options, open_model,
                                    parse_devices_for, prepare)
 from strata.model.tokenizer import Tokenizer
@@ -304,8 +305,7 @@ def plot(path: str, rows: list[dict], title: str, peer: dict | None = None) -> N
                    "(strata-train-mtp --write-prompts): the clients send its --split prompts "
                    "through the chat template, each repetition the next ones [default: the "
                    "harness's texts]. Requests still decode exactly --tokens tokens.")
-@click.option("--split", type=click.Choice(SPLITS), default="heldout", show_default=True,
-              help="Which lines of --prompts to take (all: every line).")
+@split_option
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0 = greedy; above 0, every request samples at this temperature, seeded "
                    "by its prompt's place.")
