@@ -248,11 +248,18 @@ class Pipeline:
         return None
 
     def shutdown(self, reason: str = "coordinator exit") -> None:
+        """Tell the stages to leave: Shutdown to the first, which passes it down the chain
+        after its pending answers, and straight to each stage whose predecessor has gone (a
+        chain cut by a dead stage would leave the stages after it waiting to be terminated)."""
+        stages = self.liveness.stages
+        cut = [asked.sock for s, asked in sorted(stages.items())
+               if s > 0 and (s - 1 not in stages or stages[s - 1].watch.gone())]
         self.liveness.close()   # no more heartbeats: the stages are leaving
-        try:
-            transport.send(self.to_first, Shutdown(reason))
-        except transport.TransportError:
-            pass
+        for sock in [self.to_first] + cut:
+            try:
+                transport.send(sock, Shutdown(reason))
+            except transport.TransportError:
+                pass
 
     def close(self) -> None:
         self.trace.close()
