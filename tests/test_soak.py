@@ -214,8 +214,8 @@ TINY = ["--layer-split", "2", "--devices", "cpu", "--ctx-size", "256", "--batch"
 
 
 def test_a_soak_without_faults_passes(varied_model, tmp_path, no_stage_left):
-    code, out, r = _soak(tmp_path, "--model", str(varied_model), *TINY, "--duration", "6",
-                         "--warmup", "2", "--kill-every", "0", "--stop-for", "0")
+    code, out, r = _soak(tmp_path, "--model", str(varied_model), *TINY, "--duration", "2.5",
+                         "--warmup", "1", "--kill-every", "0", "--stop-for", "0")
     assert code == 0, out
     assert r["lost"] == 0 and r["mismatches"] == 0 and r["memory_failures"] == []
     assert r["requests"] == r["completed"] > 24   # every distinct request, sent several times
@@ -233,15 +233,15 @@ def test_a_soak_without_faults_passes(varied_model, tmp_path, no_stage_left):
 
 def test_a_killed_stage_without_restarts_loses_requests_and_fails(varied_model, tmp_path,
                                                                   no_stage_left):
-    code, out, r = _soak(tmp_path, "--model", str(varied_model), *TINY, "--duration", "5",
-                         "--warmup", "1", "--kill-every", "2", "--stop-for", "0",
+    code, out, r = _soak(tmp_path, "--model", str(varied_model), *TINY, "--duration", "2.5",
+                         "--warmup", "0.5", "--kill-every", "1", "--stop-for", "0",
                          "--no-restart-stages")
     assert code == 1, out
     assert r["kills"] == 1 and r["faults"][0]["stage"] == 0 and r["faults"][0]["sent"]
     assert r["lost"] > 0 and "stage 0 exited, killed by SIGKILL" in r["lost_samples"][0]
     assert r["restarts"] == 0 and not r["healthy"]
     assert r["memory_failures"] == ["stage 0: no process to measure at end"]
-    assert "SIGKILL at 3 s (stage 0)" in out and "soak FAILED" in out, out
+    assert "SIGKILL at 1.5 s (stage 0)" in out and "soak FAILED" in out, out
 
 
 def _has_restart_stages() -> bool:
