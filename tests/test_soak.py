@@ -1,7 +1,8 @@
 """`strata-bench soak`: its parts (the requests, the schedule of kills and stops, the signals,
 the three verdicts), then whole runs: the tiny model's with no fault (passes) and with a stage
-killed and no --restart-stages (requests lost: fails), two servers started together, and SmolLM2's (-m long) without faults
-and, where strata-launch has --restart-stages, with a kill and a stop."""
+killed and no --restart-stages (requests lost: fails), two servers started together, and
+SmolLM2's (-m long) without faults and, where strata-launch has --restart-stages, with a kill
+and a stop."""
 from __future__ import annotations
 
 import asyncio
