@@ -80,8 +80,8 @@ def _fail_mid_generation(model: Path, tmp_path: Path, sig: int, extra: list[str]
                          bound: float, *words: str) -> None:
     """Serve with 2 slots, one request streaming and one whole; send `sig` to stage 1 once
     both generate; both must fail within `bound` seconds with a sentence holding `words`."""
-    server = ServerProcess([*_split(model), "--batch", "2", "--port", "0", "--log-dir", str(tmp_path),
-                            *extra])
+    server = ServerProcess([*_split(model), "--batch", "2", "--port", "0", "--log-dir",
+                            str(tmp_path), *extra])
     try:
         url = server.wait_ready(START_S)
         root = url.removesuffix("/v1")
@@ -124,8 +124,8 @@ def _fail_mid_generation(model: Path, tmp_path: Path, sig: int, extra: list[str]
 
 
 def test_a_killed_stage_fails_every_request_within_5s(tiny_model, tmp_path, no_stage_left):
-    _fail_mid_generation(tiny_model, tmp_path, signal.SIGKILL, [], 5.0, "stage 1 exited, killed by SIGKILL",
-                         "stage1.log")
+    _fail_mid_generation(tiny_model, tmp_path, signal.SIGKILL, [], 5.0,
+                         "stage 1 exited, killed by SIGKILL", "stage1.log")
 
 
 def test_a_stopped_stage_is_taken_for_hung_past_the_stage_timeout(tiny_model, tmp_path,
