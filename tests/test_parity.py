@@ -11,6 +11,7 @@ positions); this module uses its slot 0.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import replace
 
@@ -61,13 +62,41 @@ def launch(file, split):
 
 
 @pytest.fixture(scope="module")
-def launches(model, smollm2_stages):
-    """One launch per stage count, shared by the tests of this module."""
-    file, _ = model
+def _launched(model, smollm2_stages):
+    """One launch per stage count, the tokens and logits of every prompt on each, and the
+    single-process forward's greedy tokens. Each launch reads its prompts one at a time, alone,
+    in a thread of its own that starts as soon as the launch is up, beside the other launches
+    and the single-process forward (the 2-stage launch loads meanwhile): on a small machine
+    the three pipelines, each one window at a time, share its cores."""
+    file, tok = model
     assert len(smollm2_stages.plan) == 3 and smollm2_stages.ctx >= CTX
     with ExitStack() as stack:
-        own = {n: stack.enter_context(launch(file, split)) for n, split in SPLITS.items()}
-        yield {**own, 3: smollm2_stages}
+        launches = {3: smollm2_stages}
+        # the pool is left (every thread done) before the launches close
+        with ThreadPoolExecutor(4) as pool:
+            runs = {3: pool.submit(generate, smollm2_stages, tok, want_logits=True)}
+            single = pool.submit(single_process_forward, file, tok)
+            launches[1] = stack.enter_context(launch(file, SPLITS[1]))
+            runs[1] = pool.submit(generate, launches[1], tok, want_logits=True)
+            launches[2] = stack.enter_context(launch(file, SPLITS[2]))
+            runs[2] = pool.submit(generate, launches[2], tok, PROMPTS[::-1], PARAMS[::-1],
+                                  want_logits=True)
+            out = {n: f.result() for n, f in runs.items()}
+        tokens, logits = out[2]
+        out[2] = tokens[::-1], logits[::-1]
+        yield launches, out, single.result()
+
+
+@pytest.fixture(scope="module")
+def launches(_launched):
+    """Stage count -> its launch, shared by the tests of this module."""
+    return _launched[0]
+
+
+@pytest.fixture(scope="module")
+def runs(_launched):
+    """Stage count -> (tokens, logits) of every prompt, in PROMPTS' order."""
+    return _launched[1]
 
 
 def generate(run, tok, prompts=PROMPTS, params=PARAMS, want_logits=False):
@@ -109,13 +138,11 @@ def single_process_greedy(model: StageModel, ids: list[int]) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(model, launches):
-    """Stage count -> (tokens, logits) of every prompt, in PROMPTS' order."""
-    _, tok = model
-    out = {n: generate(run, tok, want_logits=True) for n, run in launches.items() if n != 2}
-    tokens, logits = generate(launches[2], tok, PROMPTS[::-1], PARAMS[::-1], want_logits=True)
-    return {**out, 2: (tokens[::-1], logits[::-1])}
+def single_process_forward(file: ModelFile, tok: Tokenizer) -> dict[int, list[int]]:
+    """single_process_greedy of every greedy prompt (its index -> tokens), the whole model in
+    this process."""
+    whole = StageModel(file, 0, file.config.n_layers, ctx=CTX)
+    return {i: single_process_greedy(whole, tok.encode(PROMPTS[i])) for i in GREEDY_AT}
 
 
 @pytest.fixture(scope="module")
@@ -133,21 +160,34 @@ def test_stage_counts_give_identical_tokens(runs):
         assert runs[n][0] == one, f"{n} stages differ from 1 stage"
 
 
-def test_pipeline_equals_single_process_forward(model, runs):
-    file, tok = model
-    whole = StageModel(file, 0, file.config.n_layers, ctx=CTX)
+def test_pipeline_equals_single_process_forward(_launched):
+    _, runs, single = _launched
+    assert sorted(single) == GREEDY_AT
     for i in GREEDY_AT:  # code, a story, a chat turn: the forward is the same code for all
-        assert single_process_greedy(whole, tok.encode(PROMPTS[i])) == runs[1][0][i], PROMPTS[i]
+        assert single[i] == runs[1][0][i], PROMPTS[i]
+
+
+@pytest.fixture(scope="module")
+def hf_logits(hf_model):
+    """transformers' logits of a token sequence, each sequence computed once (the stage counts'
+    tokens are the same where the pipeline is right)."""
+    seen = {}
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        if tuple(ids) not in seen:
+            with torch.inference_mode():
+                seen[tuple(ids)] = hf_model(torch.tensor([ids])).logits[0]
+        return seen[tuple(ids)]
+    return logits
 
 
 @pytest.mark.parametrize("n_stages", [1, 3])
-def test_pipeline_equals_transformers(model, runs, hf_model, n_stages):
+def test_pipeline_equals_transformers(model, runs, hf_logits, n_stages):
     _, tok = model
     tokens, logits = runs[n_stages]
     for i, (prompt, generated, by_position) in enumerate(zip(PROMPTS, tokens, logits)):
         ids = tok.encode(prompt)
-        with torch.inference_mode():
-            ref = hf_model(torch.tensor([ids + generated])).logits[0]
+        ref = hf_logits(ids + generated)
         if i in GREEDY_AT:
             # transformers' greedy choice at every step, fed our tokens: equal at every step
             # means greedy generation gives the same sequence (no EOS stop: stop_ids is empty)

@@ -1,18 +1,24 @@
 """`strata-bench soak`: its parts (the requests, the schedule of kills and stops, the signals,
 the three verdicts), then whole runs: the tiny model's with no fault (passes) and with a stage
-killed and no --restart-stages (requests lost: fails), and SmolLM2's (-m long) without faults
-and, where strata-launch has --restart-stages, with a kill and a stop."""
+killed and no --restart-stages (requests lost: fails), two servers started together, and
+SmolLM2's (-m long) without faults and, where strata-launch has --restart-stages, with a kill
+and a stop."""
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
+from conftest import stage_processes
 from strata.bench import harness
 from strata.bench.loadtest import Answer
 from strata.bench.soak import Soak, _inject, is_stage_worker
@@ -201,21 +207,63 @@ def test_memory_past_the_tolerance_fails_each_process_and_the_total():
 
 # --- whole runs -----------------------------------------------------------------------------------
 
-def _soak(tmp_path, *args: str, timeout: float = 600) -> tuple[int, str, dict]:
-    out = subprocess.run([sys.executable, "-m", "strata.bench", "soak", *args,
-                          "--log-dir", str(tmp_path), "--json-out", str(tmp_path / "soak.json"),
-                          "--progress-every", "2"],
-                         capture_output=True, text=True, timeout=timeout)
-    return out.returncode, out.stdout + out.stderr, json.loads((tmp_path / "soak.json").read_text())
+class SoakRun:
+    """`strata-bench soak ARGS` as a child process, started at once; result() waits for it. Its
+    stages' run directories lie under a directory of its own, so result() can tell that none of
+    its stage processes is left behind (as conftest's no_stage_left does for a test)."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.tmp_path = tmp_path
+        self.own = tempfile.mkdtemp(prefix="sk", dir="/tmp")   # short: ipc paths <= 107 bytes
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "strata.bench", "soak", *args, "--log-dir", str(tmp_path),
+             "--json-out", str(tmp_path / "soak.json"), "--progress-every", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "TMPDIR": self.own})
+
+    def result(self, timeout: float = 600) -> tuple[int, str, dict]:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        finally:
+            self.close()
+        deadline = time.monotonic() + 5   # a worker told to shut down may take a moment
+        while stage_processes(self.own) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = stage_processes(self.own)
+        shutil.rmtree(self.own, ignore_errors=True)
+        assert not left, f"stage processes left behind: {left}"
+        return self.proc.returncode, out, json.loads((self.tmp_path / "soak.json").read_text())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 TINY = ["--layer-split", "2", "--devices", "cpu", "--ctx-size", "256", "--batch", "4",
         "--batch-groups", "2", "--clients", "8", "--max-tokens", "8", "--distinct-requests", "12"]
 
 
-def test_a_soak_without_faults_passes(varied_model, tmp_path, no_stage_left):
-    code, out, r = _soak(tmp_path, "--model", str(varied_model), *TINY, "--duration", "6",
-                         "--warmup", "2", "--kill-every", "0", "--stop-for", "0")
+@pytest.fixture(scope="module")
+def tiny_soaks(varied_model, tmp_path_factory):
+    """The tiny model's two whole runs, started together: each spends most of its time waiting
+    (on its load's clock, on its server's start and stop), so they share the machine's cores.
+    They are separate servers with separate stages: neither sees the other's requests."""
+    runs = {
+        "no faults": SoakRun(tmp_path_factory.mktemp("soak"), "--model", str(varied_model),
+                             *TINY, "--duration", "2.5", "--warmup", "1", "--kill-every", "0",
+                             "--stop-for", "0"),
+        "a kill": SoakRun(tmp_path_factory.mktemp("soak"), "--model", str(varied_model), *TINY,
+                          "--duration", "2.5", "--warmup", "0.5", "--kill-every", "1",
+                          "--stop-for", "0", "--no-restart-stages")}
+    yield runs
+    for run in runs.values():
+        run.close()
+
+
+def test_a_soak_without_faults_passes(tiny_soaks):
+    run = tiny_soaks["no faults"]
+    code, out, r = run.result()
     assert code == 0, out
     assert r["lost"] == 0 and r["mismatches"] == 0 and r["memory_failures"] == []
     assert r["requests"] == r["completed"] > 24   # every distinct request, sent several times
@@ -224,24 +272,21 @@ def test_a_soak_without_faults_passes(varied_model, tmp_path, no_stage_left):
     assert all(m["start"] and m["end"] and m["pid_start"] == m["pid_end"]
                for m in r["memory_mib"].values())
     assert r["tok_s"] > 0
-    assert "strata: serving" in (tmp_path / "strata-launch.log").read_text()
+    assert "strata: serving" in (run.tmp_path / "strata-launch.log").read_text()
     for words in ("# no faults", "warm: server", "0 lost",
                   "# solo runs: 12 distinct requests", "mismatches          0", "total",
                   "soak passed", "server stopped with exit code 0"):
         assert words in out, out
 
 
-def test_a_killed_stage_without_restarts_loses_requests_and_fails(varied_model, tmp_path,
-                                                                  no_stage_left):
-    code, out, r = _soak(tmp_path, "--model", str(varied_model), *TINY, "--duration", "5",
-                         "--warmup", "1", "--kill-every", "2", "--stop-for", "0",
-                         "--no-restart-stages")
+def test_a_killed_stage_without_restarts_loses_requests_and_fails(tiny_soaks):
+    code, out, r = tiny_soaks["a kill"].result()
     assert code == 1, out
     assert r["kills"] == 1 and r["faults"][0]["stage"] == 0 and r["faults"][0]["sent"]
     assert r["lost"] > 0 and "stage 0 exited, killed by SIGKILL" in r["lost_samples"][0]
     assert r["restarts"] == 0 and not r["healthy"]
     assert r["memory_failures"] == ["stage 0: no process to measure at end"]
-    assert "SIGKILL at 3 s (stage 0)" in out and "soak FAILED" in out, out
+    assert "SIGKILL at 1.5 s (stage 0)" in out and "soak FAILED" in out, out
 
 
 def _has_restart_stages() -> bool:
@@ -264,7 +309,7 @@ def test_a_short_soak_of_smollm2(faults, tmp_path, no_stage_left):
     # 0 at 15 s
     args = ["--kill-every", "0", "--stop-for", "0"] if faults == "none" else \
         ["--kill-every", "10", "--stop-for", "4"]
-    code, out, r = _soak(tmp_path, *SMOL, *args, timeout=900)
+    code, out, r = SoakRun(tmp_path, *SMOL, *args).result(timeout=900)
     assert code == 0, out
     assert r["lost"] == 0 and r["mismatches"] == 0 and r["memory_failures"] == []
     assert r["completed"] >= 16

@@ -1,4 +1,6 @@
-"""A stage that dies or hangs, and a coordinator that dies, on real CPU launches of SmolLM2.
+"""A stage that dies or hangs, and a coordinator that dies, on real CPU launches of the tiny
+random model (conftest's tiny_model: what is tested is the processes, sockets and messages,
+which are the same for any model, and its stages are up in a fraction of SmolLM2's time).
 
 A stage killed (SIGKILL) mid-generation, spawned or started by hand (--external-stage): every
 request in flight fails within 5 s with a sentence naming the stage (a 503, or an SSE error
@@ -33,9 +35,12 @@ from strata.protocol.peers import PeerWatch
 from test_launch_errors import (alive, assert_no_traceback, assert_one_sentence, children,
                                 launch, wait_gone)
 
-START_S = 240.0   # a shared 2-core machine: SmolLM2's stages may take a while to load
-TOKENS = 300      # enough to be mid-generation when the stage goes (~50 tok/s on CPU)
-SPLIT = ["--layer-split", "15", "--ctx-size", "512"]
+START_S = 240.0   # a shared 2-core machine: stages may take a while to start
+TOKENS = 1800     # enough to be mid-generation when the stage goes (a few seconds on CPU)
+
+
+def _split(model: Path) -> list[str]:
+    return ["--model", str(model), "--layer-split", "2", "--ctx-size", "2048"]
 
 
 # --- an HTTP server whose stage dies or hangs ---------------------------------------------------
@@ -71,17 +76,17 @@ def _stream_events(url: str, body: dict, started: threading.Event) -> list[str]:
     return events
 
 
-def _fail_mid_generation(tmp_path: Path, sig: int, extra: list[str], bound: float,
-                         *words: str) -> None:
+def _fail_mid_generation(model: Path, tmp_path: Path, sig: int, extra: list[str],
+                         bound: float, *words: str) -> None:
     """Serve with 2 slots, one request streaming and one whole; send `sig` to stage 1 once
     both generate; both must fail within `bound` seconds with a sentence holding `words`."""
-    server = ServerProcess([*SPLIT, "--batch", "2", "--port", "0", "--log-dir", str(tmp_path),
-                            *extra])
+    server = ServerProcess([*_split(model), "--batch", "2", "--port", "0", "--log-dir",
+                            str(tmp_path), *extra])
     try:
         url = server.wait_ready(START_S)
         root = url.removesuffix("/v1")
         stage1 = json.loads(urllib.request.urlopen(url + "/status").read())["stages"][1]["pid"]
-        body = {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": TOKENS}
+        body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": TOKENS}
         started = threading.Event()
         with ThreadPoolExecutor(2) as pool:
             stream = pool.submit(_stream_events, url + "/completions", body, started)
@@ -118,14 +123,15 @@ def _fail_mid_generation(tmp_path: Path, sig: int, extra: list[str], bound: floa
     assert stopped < 5, f"strata-launch took {stopped:.1f} s to stop"
 
 
-def test_a_killed_stage_fails_every_request_within_5s(tmp_path, no_stage_left):
-    _fail_mid_generation(tmp_path, signal.SIGKILL, [], 5.0, "stage 1 exited, killed by SIGKILL",
-                         "stage1.log")
+def test_a_killed_stage_fails_every_request_within_5s(tiny_model, tmp_path, no_stage_left):
+    _fail_mid_generation(tiny_model, tmp_path, signal.SIGKILL, [], 5.0,
+                         "stage 1 exited, killed by SIGKILL", "stage1.log")
 
 
-def test_a_stopped_stage_is_taken_for_hung_past_the_stage_timeout(tmp_path, no_stage_left):
+def test_a_stopped_stage_is_taken_for_hung_past_the_stage_timeout(tiny_model, tmp_path,
+                                                                  no_stage_left):
     # SIGSTOP: the process lives and holds its sockets; only its silence tells
-    _fail_mid_generation(tmp_path, signal.SIGSTOP, ["--stage-timeout", "2"], 2.0 + 3.0,
+    _fail_mid_generation(tiny_model, tmp_path, signal.SIGSTOP, ["--stage-timeout", "2"], 2.0 + 3.0,
                          "stage 1 has not answered for", "--stage-timeout")
 
 
@@ -135,12 +141,12 @@ class ExternalLaunch:
     """strata-launch --external-stage 1 --prompt, and stage 1 started by hand from the command
     it prints: a process of its own session, which no parent's death signal reaches."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, model: Path, log_dir: Path):
         self.log_dir = log_dir
         self.lines: list[str] = []
         self.command = threading.Event()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "strata.launch.cli", *SPLIT, "--external-stage", "1",
+            [sys.executable, "-m", "strata.launch.cli", *_split(model), "--external-stage", "1",
              "--prompt", "Once upon a time", "--max-tokens", str(TOKENS), "--log-dir",
              str(log_dir)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True)
@@ -170,7 +176,7 @@ class ExternalLaunch:
             assert time.monotonic() - started < START_S, self.stderr()
             assert self.proc.poll() is None, self.stderr()
             time.sleep(0.1)
-        time.sleep(1.0)   # into the decode loop
+        time.sleep(0.5)   # into the decode loop
         assert self.proc.poll() is None and self.worker.poll() is None, self.stderr()
 
     def stderr(self) -> str:
@@ -185,8 +191,9 @@ class ExternalLaunch:
 
 
 @pytest.mark.long   # the default run kills a spawned stage, and the launcher under an external one
-def test_a_killed_external_stage_fails_the_launch_within_5s(tmp_path, no_stage_left):
-    run = ExternalLaunch(tmp_path)
+def test_a_killed_external_stage_fails_the_launch_within_5s(tiny_model, tmp_path,
+                                                            no_stage_left):
+    run = ExternalLaunch(tiny_model, tmp_path)
     try:
         run.wait_generating()
         run.worker.kill()   # not the launcher's child: only its socket tells
@@ -201,9 +208,9 @@ def test_a_killed_external_stage_fails_the_launch_within_5s(tmp_path, no_stage_l
     assert_no_traceback(run.stderr())
 
 
-def test_a_killed_launcher_takes_every_stage_down_the_external_one_too(tmp_path,
+def test_a_killed_launcher_takes_every_stage_down_the_external_one_too(tiny_model, tmp_path,
                                                                         no_stage_left):
-    run = ExternalLaunch(tmp_path)
+    run = ExternalLaunch(tiny_model, tmp_path)
     stages = []
     try:
         run.wait_generating()

@@ -7,7 +7,8 @@ Python (~5 ms a program), so the cases of hundreds of rows stay with the GPU: th
 attention's 100- and 512-row references (its 1-, 7- and 32-row ones run, across blocks and
 partial blocks) and its row independence with 4-row blocks (the default blocks run). Skipped
 where triton is not installed (the test extra installs it) or where a GPU runs the kernels
-themselves."""
+themselves. The kernel test files run in two child processes at once, one group each (the
+machine's cores are otherwise idle while this test waits)."""
 from __future__ import annotations
 
 import os
@@ -20,9 +21,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_TESTS = ["tests/test_attention_triton.py", "tests/test_attention_chunk.py",
-                "tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py",
-                "tests/test_batch_invariance.py"]
+# two groups of about the same time under the interpreter (~10 s each on a CPU)
+KERNEL_TESTS = [["tests/test_attention_triton.py", "tests/test_attention_chunk.py"],
+                ["tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py",
+                 "tests/test_batch_invariance.py"]]
 CASES = "cpu and not 512 and not 100 and not bm4"
 
 
@@ -33,11 +35,22 @@ def test_triton_kernels_under_the_interpreter():
         pytest.skip("CUDA runs the Triton kernels themselves (the gpu-marked cases)")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("already under the interpreter: the kernel tests run in this session")
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", CASES,
-         *KERNEL_TESTS], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", out.stdout)
+    children = [subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", CASES, *files],
+        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for files in KERNEL_TESTS]
+    try:
+        outs = [child.communicate(timeout=900) for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    passed = 0
+    for child, (stdout, stderr) in zip(children, outs):
+        assert child.returncode == 0, stdout[-4000:] + stderr[-2000:]
+        found = re.search(r"(\d+) passed", stdout)
+        assert found, stdout[-2000:]
+        passed += int(found.group(1))
     # every kernel's cases ran (none skipped for an interpreter that cannot run them)
-    assert passed and int(passed.group(1)) >= 30, out.stdout[-2000:]
+    assert passed >= 30, [stdout[-1000:] for stdout, _ in outs]
