@@ -199,9 +199,9 @@ def test_refused_joins_are_said_on_both_sides(varied_model, tiny_model, no_stage
                           "cpu", "--ctx-size", "64", "--port", "0"])
     try:
         for_stage_0 = run.worker("--stage", "0")
-        wrong = run.worker("--stage", "1", "--model", str(tiny_model))
+        other_model = run.worker("--stage", "1", "--model", str(tiny_model))
         assert "(the launcher runs it); join as stage 1" in refused(for_stage_0)
-        wrong = refused(wrong)
+        wrong = refused(other_model)
         assert f"the model file {tiny_model} is not the launch's" in wrong
         assert "pass --model with a copy of that file" in wrong
         told = run.wait_for("strata-launch: refused a join: stage 1 has a different model")
