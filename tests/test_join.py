@@ -29,7 +29,7 @@ import pytest
 from strata.protocol.join import JoinDesk, address_toward
 from test_join_answers import hosts_keys  # noqa: F401 (a fixture)
 from test_launch_errors import (LAUNCH, LONG_CTX, assert_no_traceback, assert_one_sentence,
-                                launch, long_tiny)
+                                launch, launch_in_process, long_tiny)
 
 WORKER = (shutil.which("strata-worker", path=os.path.dirname(sys.executable))
           or shutil.which("strata-worker"))
@@ -121,10 +121,18 @@ def address_beyond_loopback() -> str:
     return address
 
 
-def test_a_joined_stage_gives_the_tokens_of_a_plain_launch(varied_model, no_stage_left):
-    args = ["--model", str(varied_model), *ARGS]
-    plain = launch(args, None)
+@pytest.fixture(scope="module")
+def plain_text(varied_model) -> str:
+    """What a plain launch of ARGS prints on stdout, the text each joined launch must give."""
+    plain = launch(["--model", str(varied_model), *ARGS], None)
     assert plain.returncode == 0, plain.stderr
+    assert len(plain.stdout.strip()) > 6
+    return plain.stdout
+
+
+def test_a_joined_stage_gives_the_tokens_of_a_plain_launch(varied_model, plain_text,
+                                                          no_stage_left):
+    args = ["--model", str(varied_model), *ARGS]
     run = JoinableLaunch(args)
     try:
         assert f"--model {varied_model}" in run.wait_for("strata-worker --join ")
@@ -134,19 +142,17 @@ def test_a_joined_stage_gives_the_tokens_of_a_plain_launch(varied_model, no_stag
         assert worker.wait(timeout=30) == 0, worker.stderr.read()   # the Shutdown reached it
     finally:
         run.close()
-    assert out == plain.stdout and len(out.strip()) > 6
+    assert out == plain_text
     assert "stage 1 joined from tcp://127.0.0.1:" in run.stderr()
     assert not list(Path(no_stage_left).glob("strata-*"))   # the run directory is removed
 
 
 def test_a_stage_joined_with_keys_gives_the_tokens_of_a_plain_launch(varied_model, hosts_keys,
-                                                                     no_stage_left):
+                                                                     plain_text, no_stage_left):
     """The launcher's host holds the coordinator's and stage 0's secrets, the joining stage's
     host its own: the stage starts with its own --keys, not the launcher's path."""
     launch_dir, stage_dir = hosts_keys
     args = ["--model", str(varied_model), *ARGS]
-    plain = launch(args, None)
-    assert plain.returncode == 0, plain.stderr
     run = JoinableLaunch([*args, "--keys", str(launch_dir)])
     try:
         assert f"--keys {launch_dir}" in run.wait_for("strata-worker --join ")
@@ -157,20 +163,19 @@ def test_a_stage_joined_with_keys_gives_the_tokens_of_a_plain_launch(varied_mode
         err = worker.stderr.read()
     finally:
         run.close()
-    assert out == plain.stdout and len(out.strip()) > 6
+    assert out == plain_text
     started = next(line for line in err.splitlines() if "starting with:" in line)
     assert f"--keys {stage_dir}" in started and str(launch_dir) not in started, started
     assert "has no keys" not in run.stderr() + err   # every socket keyed, the desk's too
 
 
 def test_a_stage_joined_over_a_gloo_link_gives_the_tokens_of_a_plain_launch(varied_model,
+                                                                           plain_text,
                                                                            no_stage_left):
     """--stage-link gloo with --listen: the launcher hosts the link's rendezvous on its
     address and hands it to the joining stage with its other arguments; stage 1 then takes
     its activations over gloo, not as frames (a frame would be refused)."""
     args = ["--model", str(varied_model), *ARGS]
-    plain = launch(args, None)
-    assert plain.returncode == 0, plain.stderr
     run = JoinableLaunch([*args, "--stage-link", "gloo"])
     try:
         worker = run.worker("--stage", "1")
@@ -180,20 +185,23 @@ def test_a_stage_joined_over_a_gloo_link_gives_the_tokens_of_a_plain_launch(vari
         err = worker.stderr.read()
     finally:
         run.close()
-    assert out == plain.stdout and len(out.strip()) > 6
+    assert out == plain_text
     started = next(line for line in err.splitlines() if "starting with:" in line)
     assert "--link gloo --link-init tcp://127.0.0.1:" in started, started
     assert "stage 1: activations over gloo (2 stages)" in err, err
 
 
 def test_refused_joins_are_said_on_both_sides(varied_model, tiny_model, no_stage_left):
-    """While it serves (no --prompt): a join for stage 0, which it runs, one with another
-    model file, then the right one, then a second for stage 1; SIGTERM stops both stages."""
+    """While it serves (no --prompt): a join for stage 0, which it runs, and one with another
+    model file, both at once; then the right one, then a second for stage 1; SIGTERM stops
+    both stages."""
     run = JoinableLaunch(["--model", str(varied_model), "--layer-split", "2", "--devices",
                           "cpu", "--ctx-size", "64", "--port", "0"])
     try:
-        assert "(the launcher runs it); join as stage 1" in refused(run.worker("--stage", "0"))
-        wrong = refused(run.worker("--stage", "1", "--model", str(tiny_model)))
+        for_stage_0 = run.worker("--stage", "0")
+        other_model = run.worker("--stage", "1", "--model", str(tiny_model))
+        assert "(the launcher runs it); join as stage 1" in refused(for_stage_0)
+        wrong = refused(other_model)
         assert f"the model file {tiny_model} is not the launch's" in wrong
         assert "pass --model with a copy of that file" in wrong
         told = run.wait_for("strata-launch: refused a join: stage 1 has a different model")
@@ -339,8 +347,9 @@ MISTAKES = {   # strata-launch arguments after the tiny model's ARGS -> words of
 
 @pytest.mark.parametrize("case", list(MISTAKES))
 def test_a_launch_mistake_gets_one_sentence(case, tiny_model, no_stage_left):
+    """In-process (test_launch_errors runs such mistakes as the console script does)."""
     args, words = MISTAKES[case]
-    r = launch(["--model", str(tiny_model), *ARGS, *args], None, timeout=60)
+    r = launch_in_process(["--model", str(tiny_model), *ARGS, *args])
     assert r.returncode == 2, r.stderr
     assert_one_sentence(r.stderr, *words)
 
@@ -350,8 +359,8 @@ def test_a_launch_joined_beyond_loopback_needs_keys_or_insecure(link, tiny_model
                                                                 no_stage_left):
     """gloo: torch.distributed has no keys, so only --insecure (or --stage-link zmq)."""
     address = address_beyond_loopback()
-    r = launch(["--model", str(tiny_model), *ARGS, "--external-stage", "1", "--listen",
-                f"{address}:0", "--stage-link", link], None, timeout=60)
+    r = launch_in_process(["--model", str(tiny_model), *ARGS, "--external-stage", "1",
+                           "--listen", f"{address}:0", "--stage-link", link])
     assert r.returncode == 2, r.stderr
     if link == "auto":
         assert_one_sentence(r.stderr, f"--listen {address} would take windows from any host",
@@ -410,7 +419,7 @@ def two_hosts():
 @pytest.mark.parametrize("security", ["keys", pytest.param("insecure", marks=pytest.mark.long),
                                       "gloo"])
 def test_a_stage_joins_from_another_network_namespace(varied_model, two_hosts, hosts_keys,
-                                                      security, no_stage_left):
+                                                      security, plain_text, no_stage_left):
     """The launch and its stage 0 in one namespace, stage 1 in the other: the tokens of a
     plain launch, the activations and results over the veth pair, with each host's keys or,
     without, --insecure on both sides (a bind beyond loopback needs one of them); gloo: the
@@ -418,8 +427,6 @@ def test_a_stage_joins_from_another_network_namespace(varied_model, two_hosts, h
     launcher's address, each stage's gloo bound to its own address on the pair."""
     launcher_host, worker_host = two_hosts
     args = ["--model", str(varied_model), *ARGS]
-    plain = launch(args, None)
-    assert plain.returncode == 0, plain.stderr
     launch_dir, stage_dir = hosts_keys
     mine, its = ((["--keys", str(launch_dir)], ["--keys", str(stage_dir)]) if security == "keys"
                  else (["--insecure"], ["--insecure"]))
@@ -436,7 +443,7 @@ def test_a_stage_joins_from_another_network_namespace(varied_model, two_hosts, h
     finally:
         run.close()
     assert "stage 1 joined from tcp://10.231.0.2:" in run.stderr()
-    assert out == plain.stdout
+    assert out == plain_text
     assert ("has no keys" in run.stderr()) == (security != "keys")
     if security == "gloo":
         assert "link rendezvous at 10.231.0.1:" in err and "this stage at 10.231.0.2" in err, err

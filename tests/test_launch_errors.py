@@ -10,9 +10,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -108,34 +108,37 @@ EARLY = {
 }
 
 
+def launch_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """strata-launch's command run in this process (click's CliRunner), for mistakes it refuses
+    before any stage starts: the same code as the console script, without a second's start of
+    a Python process. An exception that escaped it would end with exit code 1, not 2."""
+    from click.testing import CliRunner
+
+    from strata.launch.cli import main
+    r = CliRunner().invoke(main, args, prog_name="strata-launch")
+    return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
+
+
 @pytest.fixture(scope="module")
-def early_runs(tiny_model, tmp_path_factory):
-    """Every EARLY case, run three at a time (each spends ~1.5 s importing torch)."""
-    where = tmp_path_factory.mktemp("early")
-    files = _corrupt_files(tiny_model, where)
-
-    def run(case: str):
-        args, _ = EARLY[case]
-        args = [str(files.get(a, a)) for a in args]
-        if "--model" not in args:
-            args = ["--model", str(tiny_model), *args]
-        if "--prompt" not in args:
-            args += ["--prompt", "hi"]
-        log_dir = where / case
-        return launch(args + ["--max-tokens", "4"], log_dir, timeout=60), log_dir
-
-    with ThreadPoolExecutor(3) as pool:
-        return dict(zip(EARLY, pool.map(run, EARLY)))
+def early_files(tiny_model, tmp_path_factory) -> dict[str, Path]:
+    return _corrupt_files(tiny_model, tmp_path_factory.mktemp("early"))
 
 
 @pytest.mark.parametrize("case", list(EARLY))
-def test_mistake_gets_one_sentence(case, early_runs, no_stage_left):
-    result, log_dir = early_runs[case]
+def test_mistake_gets_one_sentence(case, tiny_model, early_files, tmp_path, no_stage_left):
+    """In-process; test_a_refused_flag_imports_neither_torch_nor_aiohttp runs cases of them
+    as the console script does."""
+    args = [str(early_files.get(a, a)) for a in EARLY[case][0]]
+    if "--model" not in args:
+        args = ["--model", str(tiny_model), *args]
+    if "--prompt" not in args:
+        args += ["--prompt", "hi"]
+    result = launch_in_process([*args, "--max-tokens", "4", "--log-dir", str(tmp_path)])
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert_one_sentence(result.stderr, *EARLY[case][1])
     assert result.stdout == ""
     # found before spawning: no stage ever started, so none wrote a log
-    assert not any(log_dir.glob("stage*.log"))
+    assert not any(tmp_path.glob("stage*.log"))
 
 
 @pytest.mark.parametrize("case", ["batch-zero", "split-decreasing", "batch-beyond-memory",
@@ -213,9 +216,25 @@ def test_stage_crash_at_start_names_the_stage(tiny_model, tmp_path, no_stage_lef
     assert writing_to(tmp_path) == []           # ... and is gone
 
 
-def test_two_stage_run_succeeds_and_shuts_down(tiny_model, tmp_path, no_stage_left):
+def run_dirs(tmp: str) -> list[Path]:
+    """The run directories strata left in the temporary directory `tmp` (TMPDIR)."""
+    return sorted(Path(tmp).glob("strata-*"))
+
+
+@pytest.fixture(scope="module")
+def run_with_logs(tiny_model, tmp_path_factory):
+    """One clean two-stage run with --log-dir, its TMPDIR a directory of its own:
+    (its result, the log directory, the TMPDIR)."""
+    log_dir = tmp_path_factory.mktemp("clean") / "logs"
+    tmp = tempfile.mkdtemp(prefix="st", dir="/tmp")  # short: ipc paths are limited to 107 bytes
     r = launch(["--model", str(tiny_model), "--layer-split", "2", "--prompt", "hello",
-                "--max-tokens", "4", "--seed", "1"], tmp_path)
+                "--max-tokens", "4", "--seed", "1"], log_dir, env={"TMPDIR": tmp})
+    yield r, log_dir, tmp
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_two_stage_run_succeeds_and_shuts_down(run_with_logs):
+    r, log_dir, _ = run_with_logs
     assert r.returncode == 0, r.stderr
     assert "stage 0: layers [0, 2) on cpu" in r.stderr
     assert "stage 1: layers [2, 4) on cpu" in r.stderr
@@ -223,29 +242,23 @@ def test_two_stage_run_succeeds_and_shuts_down(tiny_model, tmp_path, no_stage_le
                      re.MULTILINE), r.stderr
     assert_no_traceback(r.stderr)
     assert r.stdout.strip()
-    assert writing_to(tmp_path) == []
+    assert writing_to(log_dir) == []
     for stage in (0, 1):  # each stage left by the Shutdown message, not by a signal
-        log = (tmp_path / f"stage{stage}.log").read_text()
+        log = (log_dir / f"stage{stage}.log").read_text()
         assert f"stage {stage}: shutting down (coordinator exit)" in log, log
 
 
-def run_dirs(tmp: str) -> list[Path]:
-    """The run directories strata left in the temporary directory `tmp` (TMPDIR)."""
-    return sorted(Path(tmp).glob("strata-*"))
-
-
-def test_clean_run_leaves_no_run_directory(tiny_model, tmp_path, no_stage_left):
+def test_clean_run_leaves_no_run_directory(tiny_model, run_with_logs, no_stage_left):
     """Without --log-dir, a clean run removes its run directory, logs and all; with it, the
     logs stay where --log-dir asked, and nothing else."""
-    args = ["--model", str(tiny_model), "--layer-split", "2", "--prompt", "hello",
-            "--max-tokens", "4"]
-    r = launch(args, None)
+    r = launch(["--model", str(tiny_model), "--layer-split", "2", "--prompt", "hello",
+                "--max-tokens", "4"], None)
     assert r.returncode == 0, r.stderr
     assert run_dirs(no_stage_left) == [], r.stderr
-    r = launch(args, tmp_path / "logs")
+    r, log_dir, tmp = run_with_logs
     assert r.returncode == 0, r.stderr
-    assert run_dirs(no_stage_left) == [], r.stderr
-    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["stage0.log", "stage1.log"]
+    assert run_dirs(tmp) == [], r.stderr
+    assert sorted(p.name for p in log_dir.iterdir()) == ["stage0.log", "stage1.log"]
     assert "kept" not in r.stderr
 
 
