@@ -92,6 +92,7 @@ def main(prompts_file, requests, tokens, answers, temperatures, head, devices, d
     nextn = job.head(str(path))
     held = [p for p in read_prompts(prompts_file) if p.split == "heldout"][:requests]
     chats = data.chat_prompts(job.tok, held, 256)
+
     def sampling(i):   # a sampled answer's seed: 5 + the prompt's index
         return (SamplingParams(max_tokens=tokens) if answers == "greedy" else
                 SamplingParams(temperature=temps[0], seed=5 + i, max_tokens=tokens))

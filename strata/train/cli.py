@@ -119,11 +119,12 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
     if not eval_head:
         # every answer to 2% of the training prompts (at least one; prompts asked more than
         # once, such as "hi", stay in training) chooses the best epoch
-        asked = Counter(tuple(ids) for ids, _ in job.chats(train))
-        checked = {tuple(ids) for ids, _ in job.chats(train[-max(1, len(train) // 50):])
-                   if asked[tuple(ids)] == 1}
-        fitted = [s for s in data if s.split == "train" and s.key()[0] not in checked]
-        validation = [s for s in data if s.split == "train" and s.key()[0] in checked]
+        chats = job.chats(train)
+        asked = Counter(tuple(ids) for ids, _ in chats)
+        last = set(train[-max(1, len(train) // 50):])
+        checked = {tuple(ids) for ids, p in chats if p in last and asked[tuple(ids)] == 1}
+        fitted = [s for s in data if s.split == "train" and s.prompt not in checked]
+        validation = [s for s in data if s.split == "train" and s.prompt in checked]
         job.fit(head, fitted, dict(epochs=epochs, lr=lr, batch_tokens=batch_tokens,
                                    passes=chain, soft_weight=soft_weight, seed=seed),
                 validation, lambda s: click.echo(s, err=True), _progress(),

@@ -26,19 +26,27 @@ class Sample:
     temperature: float = 0.0
     seed: int | None = None   # a sampled answer's seed (None: greedy)
 
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return tuple(self.tokens[:self.prompt_len])
+
     def key(self) -> tuple:
         """What the answer answers: its prompt and how it was sampled."""
-        return tuple(self.tokens[:self.prompt_len]), self.temperature, self.seed
+        return self.prompt, self.temperature, self.seed
 
 
 # one answer to generate: the prompt's token ids, the prompt, how to sample
 Work = tuple[list[int], Prompt, SamplingParams]
 
 
+def sampled_by(params: SamplingParams) -> tuple[float, int | None]:
+    """A Sample's temperature and seed for an answer sampled with `params`."""
+    return params.temperature, (params.seed if params.temperature > 0 else None)
+
+
 def work_key(item: Work) -> tuple:
     ids, _, params = item
-    return (tuple(ids), params.temperature,
-            params.seed if params.temperature > 0 else None)
+    return (tuple(ids), *sampled_by(params))
 
 
 def split_kept(work: list[Work], kept: list[Sample]) -> tuple[list[Sample], list[Work]]:
@@ -96,7 +104,7 @@ def generate(prep, tok, work: list[Work], seconds: float | None = None, say=prin
         if req.error is None:
             prompt = req.seq.prompt
             out.append(Sample(list(prompt) + list(req.seq.generated), len(prompt), p.split,
-                              sp.temperature, sp.seed if sp.temperature > 0 else None))
+                              *sampled_by(sp)))
         if bar is not None:
             bar.update(1)
         feed(sched)
