@@ -143,6 +143,13 @@ class Liveness:
                     f"it; the stage logs may say why")
         return None
 
+    def cut_off(self) -> list:
+        """The sockets to the stages (past the first) whose predecessor has gone or is not
+        there: a message passed down the chain cannot reach them."""
+        return [asked.sock for stage, asked in sorted(self.stages.items())
+                if stage > 0 and (stage - 1 not in self.stages
+                                  or self.stages[stage - 1].watch.gone())]
+
     def close(self) -> None:
         """No more heartbeats (the stages are told to leave); before the sockets close."""
         for asked in self.stages.values():

@@ -251,9 +251,7 @@ class Pipeline:
         """Tell the stages to leave: Shutdown to the first, which passes it down the chain
         after its pending answers, and straight to each stage whose predecessor has gone (a
         chain cut by a dead stage would leave the stages after it waiting to be terminated)."""
-        stages = self.liveness.stages
-        cut = [asked.sock for s, asked in sorted(stages.items())
-               if s > 0 and (s - 1 not in stages or stages[s - 1].watch.gone())]
+        cut = self.liveness.cut_off()
         self.liveness.close()   # no more heartbeats: the stages are leaving
         for sock in [self.to_first] + cut:
             try:
