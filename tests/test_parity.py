@@ -11,7 +11,6 @@ positions); this module uses its slot 0.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import replace
 
@@ -62,41 +61,13 @@ def launch(file, split):
 
 
 @pytest.fixture(scope="module")
-def _launched(model, smollm2_stages):
-    """One launch per stage count, the tokens and logits of every prompt on each, and the
-    single-process forward's greedy tokens. Each launch reads its prompts one at a time, alone,
-    in a thread of its own that starts as soon as the launch is up, beside the other launches
-    and the single-process forward (the 2-stage launch loads meanwhile): on a small machine
-    the three pipelines, each one window at a time, share its cores."""
-    file, tok = model
+def launches(model, smollm2_stages):
+    """One launch per stage count, shared by the tests of this module."""
+    file, _ = model
     assert len(smollm2_stages.plan) == 3 and smollm2_stages.ctx >= CTX
     with ExitStack() as stack:
-        launches = {3: smollm2_stages}
-        # the pool is left (every thread done) before the launches close
-        with ThreadPoolExecutor(4) as pool:
-            runs = {3: pool.submit(generate, smollm2_stages, tok, want_logits=True)}
-            single = pool.submit(single_process_forward, file, tok)
-            launches[1] = stack.enter_context(launch(file, SPLITS[1]))
-            runs[1] = pool.submit(generate, launches[1], tok, want_logits=True)
-            launches[2] = stack.enter_context(launch(file, SPLITS[2]))
-            runs[2] = pool.submit(generate, launches[2], tok, PROMPTS[::-1], PARAMS[::-1],
-                                  want_logits=True)
-            out = {n: f.result() for n, f in runs.items()}
-        tokens, logits = out[2]
-        out[2] = tokens[::-1], logits[::-1]
-        yield launches, out, single.result()
-
-
-@pytest.fixture(scope="module")
-def launches(_launched):
-    """Stage count -> its launch, shared by the tests of this module."""
-    return _launched[0]
-
-
-@pytest.fixture(scope="module")
-def runs(_launched):
-    """Stage count -> (tokens, logits) of every prompt, in PROMPTS' order."""
-    return _launched[1]
+        own = {n: stack.enter_context(launch(file, split)) for n, split in SPLITS.items()}
+        yield {**own, 3: smollm2_stages}
 
 
 def generate(run, tok, prompts=PROMPTS, params=PARAMS, want_logits=False):
@@ -138,11 +109,13 @@ def single_process_greedy(model: StageModel, ids: list[int]) -> list[int]:
     return out
 
 
-def single_process_forward(file: ModelFile, tok: Tokenizer) -> dict[int, list[int]]:
-    """single_process_greedy of every greedy prompt (its index -> tokens), the whole model in
-    this process."""
-    whole = StageModel(file, 0, file.config.n_layers, ctx=CTX)
-    return {i: single_process_greedy(whole, tok.encode(PROMPTS[i])) for i in GREEDY_AT}
+@pytest.fixture(scope="module")
+def runs(model, launches):
+    """Stage count -> (tokens, logits) of every prompt, in PROMPTS' order."""
+    _, tok = model
+    out = {n: generate(run, tok, want_logits=True) for n, run in launches.items() if n != 2}
+    tokens, logits = generate(launches[2], tok, PROMPTS[::-1], PARAMS[::-1], want_logits=True)
+    return {**out, 2: (tokens[::-1], logits[::-1])}
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +133,11 @@ def test_stage_counts_give_identical_tokens(runs):
         assert runs[n][0] == one, f"{n} stages differ from 1 stage"
 
 
-def test_pipeline_equals_single_process_forward(_launched):
-    _, runs, single = _launched
-    assert sorted(single) == GREEDY_AT
+def test_pipeline_equals_single_process_forward(model, runs):
+    file, tok = model
+    whole = StageModel(file, 0, file.config.n_layers, ctx=CTX)
     for i in GREEDY_AT:  # code, a story, a chat turn: the forward is the same code for all
-        assert single[i] == runs[1][0][i], PROMPTS[i]
+        assert single_process_greedy(whole, tok.encode(PROMPTS[i])) == runs[1][0][i], PROMPTS[i]
 
 
 @pytest.fixture(scope="module")
