@@ -17,7 +17,7 @@ from strata.train import cli
 from strata.coordinator.sampling import SamplingParams
 from strata.train.data import Sample, split_kept, teacher_states
 from strata.train.export import write_head
-from strata.train.fit import FitConfig, acceptance, fit
+from strata.train.fit import FitConfig, acceptance, fit, soft_loss
 from strata.train.prompts import (Prompt, heldout, read_conversations, read_prompts,
                                   write_prompts)
 from strata.train.run import Job
@@ -140,6 +140,17 @@ def test_training_fits_the_targets_answers(varied_model):
     fit(head, samples, states, FitConfig(epochs=40, lr=3e-3, batch_tokens=256, passes=2))
     after = acceptance(head, samples, states, 1)[0]
     assert after[1] / after[0] > max(0.6, 2 * before[1] / before[0]), (before, after)
+
+
+def test_the_soft_loss_compares_the_distributions_at_its_temperature():
+    g = torch.Generator().manual_seed(3)
+    teacher, student = torch.randn(2, 5, 40, generator=g, dtype=torch.float64) * 3
+    for t in (0.7, 1.0):
+        p, q = torch.softmax(teacher / t, -1), torch.softmax(student / t, -1)
+        want = (p * (p.log() - q.log())).sum(-1).mean()
+        torch.testing.assert_close(soft_loss(student, teacher, t), want)
+        assert soft_loss(teacher, teacher, t).abs() < 1e-12
+    assert abs(soft_loss(student, teacher, 0.7) - soft_loss(student, teacher, 1.0)) > 0.01
 
 
 def test_a_whole_run_writes_a_head_that_fits_and_its_figures(varied_model, tmp_path):

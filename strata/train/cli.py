@@ -68,6 +68,10 @@ def _progress():
               help="Train chained proposals up to this position (1 = first proposals only).")
 @click.option("--soft-weight", type=click.FloatRange(0, 1), default=0.5, show_default=True,
               help="Weight of the KL to the target's distribution beside its greedy token.")
+@click.option("--soft-temperature", type=click.FloatRange(0, min_open=True), default=1.0,
+              show_default=True,
+              help="Take the KL between the head's and the target's distributions at this "
+                   "temperature (that of the sampled requests the head should serve).")
 @click.option("--weight-type", type=click.Choice(["Q8_0", "F16", "F32"]), default="Q8_0",
               show_default=True)
 @click.option("--eval", "eval_head", type=click.Path(exists=True, dir_okay=False),
@@ -79,7 +83,7 @@ def _progress():
 @clean_errors("strata-train-mtp")
 def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max_prompt_tokens,
          answer_tokens, sampled, answer_seconds, samples, devices, layer_split, batch, batch_groups, epochs, lr,
-         batch_tokens, chain, soft_weight, weight_type, eval_head, report, seed):
+         batch_tokens, chain, soft_weight, soft_temperature, weight_type, eval_head, report, seed):
     """Train a NextN (MTP) head for --model by self-distillation and write it to --out."""
     from strata.train import prompts as prompt_files
     if write_prompts:
@@ -126,7 +130,8 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
         fitted = [s for s in data if s.split == "train" and s.prompt not in checked]
         validation = [s for s in data if s.split == "train" and s.prompt in checked]
         job.fit(head, fitted, dict(epochs=epochs, lr=lr, batch_tokens=batch_tokens,
-                                   passes=chain, soft_weight=soft_weight, seed=seed),
+                                   passes=chain, soft_weight=soft_weight,
+                                   soft_temperature=soft_temperature, seed=seed),
                 validation, lambda s: click.echo(s, err=True), _progress(),
                 on_best=(lambda h: job.write(h, out, weight_type)) if out else None)
     figures = job.acceptance(head, held_data, passes=3)

@@ -2,8 +2,10 @@
 
 The teacher: at every position, the target's next-token distribution from its final hidden
 state. Pass k's row j learns the target's greedy token at position j + k + 1 (cross-entropy)
-and, with soft_weight > 0, its whole distribution there (KL divergence), which is what coupled
-proposals for sampled requests follow.
+and, with soft_weight > 0, its whole distribution there (KL divergence, both distributions at
+soft_temperature), which is what coupled proposals for sampled requests follow: a request
+sampled at temperature t keeps a coupled proposal where the head's distribution at t agrees
+with the target's.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class FitConfig:
     passes: int = 2                # 1 = first proposals only; 2, 3: chained ones too
     pass_weight: float = 0.5       # pass k's loss weighs pass_weight ** (k - 1)
     soft_weight: float = 0.5       # KL to the target's distribution, beside the greedy label
+    soft_temperature: float = 1.0  # both distributions of the KL at this temperature
     seed: int = 0
 
 
@@ -70,13 +73,20 @@ def loss_of(head: NextNHead, tokens, h, lengths, cfg: FitConfig):
         label = teacher.argmax(-1)
         loss = F.cross_entropy(student, label)
         if cfg.soft_weight:
-            kl = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1),
-                          log_target=True, reduction="batchmean")
+            kl = soft_loss(student, teacher, cfg.soft_temperature)
             loss = (1 - cfg.soft_weight) * loss + cfg.soft_weight * kl
         total = total + cfg.pass_weight ** (k - 1) * loss
         if k == 1:
             acc = (student.argmax(-1) == label).float().mean().item()
     return total, acc
+
+
+def soft_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) of the two distributions at `temperature`, averaged over the
+    rows of the logits [N, V]."""
+    return F.kl_div(F.log_softmax(student / temperature, -1),
+                    F.log_softmax(teacher / temperature, -1),
+                    log_target=True, reduction="batchmean")
 
 
 def fit(head: NextNHead, samples: list[Sample], states: TeacherStates, cfg: FitConfig,
