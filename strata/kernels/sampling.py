@@ -94,7 +94,7 @@ def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
              for i in range(len(rows))]
     rest = [i for i, p in enumerate(picks) if p is None]
     if rest:
-        index = torch.tensor(rest, device=logits.device)
+        index = to_device(rest, logits.device)
         for i, token in zip(rest, sample_rows_on_device(logits[index],
                                                         [rows[i] for i in rest]).tolist()):
             picks[i] = token
@@ -139,9 +139,18 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     others = [i for i in range(n) if i not in sorts]
     out = torch.empty(n, dtype=torch.long, device=logits.device)
     for index, sample in ((sorted_rows, _sample_sorted), (others, _sample_unfiltered)):
-        at = torch.tensor(index, device=logits.device)
+        at = to_device(index, logits.device)
         out[at] = sample(logits[at], [rows[i] for i in index])
     return out
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host tensor (or a list for one) on `device`; on CUDA through pinned memory without
+    waiting (a pageable copy would wait for every kernel queued before it)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 def filtered(row: SamplingRow, vocab: int) -> bool:
@@ -152,8 +161,8 @@ def filtered(row: SamplingRow, vocab: int) -> bool:
 
 def _sample_unfiltered(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     n = x.shape[0]
-    params = torch.tensor([[r.temperature, r.u] for r in rows],
-                          dtype=torch.float64).reshape(n, 2).T.to(x.device)   # [2, n]
+    params = to_device(torch.tensor([[r.temperature, r.u] for r in rows],
+                                    dtype=torch.float64).reshape(n, 2).T, x.device)   # [2, n]
     temperature, u = params[:, :, None]                               # each [n, 1]
     return pick_unfiltered(x, temperature, u)
 
@@ -180,8 +189,9 @@ def _sample_sorted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     """sample_rows_on_device through a sort of each row: the filters rank the tokens."""
     n, vocab = len(rows), logits.shape[-1]
     device = logits.device
-    params = torch.tensor([[r.temperature, r.top_k, r.top_p, r.min_p, r.u] for r in rows],
-                          dtype=torch.float64).reshape(n, 5).T.to(device)   # [5, n]: one copy
+    params = to_device(torch.tensor([[r.temperature, r.top_k, r.top_p, r.min_p, r.u]
+                                     for r in rows], dtype=torch.float64).reshape(n, 5).T,
+                       device)                                        # [5, n]: one copy
     temperature, top_k, top_p, min_p, u = params[:, :, None]          # each [n, 1]
     x = logits[:n]
     greedy = x.argmax(-1)                                             # first index of the max
