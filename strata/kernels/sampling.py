@@ -175,7 +175,18 @@ def pick_unfiltered(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor)
     (the sorted path's order only ranks the tokens for the filters). As there, a NaN score
     never wins, a +inf one does (the lowest id among several: the first in the stable sort's
     order too), and a row with no score above -inf takes the first index of its maximum (the
-    sort's first column; NaN ranks first in both)."""
+    sort's first column; NaN ranks first in both). On CUDA one Triton kernel computes it
+    (kernels/sampling_triton.py: the same arithmetic, in one launch instead of some twenty);
+    elsewhere pick_unfiltered_torch."""
+    if x.is_cuda:
+        from strata.kernels.sampling_triton import pick_unfiltered_triton
+        return pick_unfiltered_triton(x, temperature, u)
+    return pick_unfiltered_torch(x, temperature, u)
+
+
+def pick_unfiltered_torch(x: torch.Tensor, temperature: torch.Tensor,
+                          u: torch.Tensor) -> torch.Tensor:
+    """pick_unfiltered in torch operations, on any device (the Triton kernel's reference)."""
     greedy = x.argmax(-1)
     scaled = x.double() / torch.where(temperature > 0, temperature, 1.0)
     score = scaled + gumbel_noise(u, torch.arange(x.shape[-1], device=x.device)[None, :])
