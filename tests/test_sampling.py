@@ -246,6 +246,12 @@ def test_tokens_picked_on_the_device_are_sample_rows_tokens(device):
     assert picked.logits is None and head_tokens(picked, w) == want == head_tokens(head, w)
     assert want[0] != int(logits[6].argmax()) and want[4] != int(logits[3].argmax())
     assert not picked_on_device(window_of(params + [SamplingRow(0.7, 20, 1.0, 0.0, 0.1)]))
+    # no row with a filter: every row in one pick_unfiltered call, the greedy ones too
+    plain = [params[1], params[3], params[4], SamplingRow(1.1, 0, 1.0, 0.0, 0.2)]
+    head = HeadOutput(logits, logits.argmax(-1), rows=[5, 0, 3, 5])
+    w = window_of(plain)
+    want = [sample_row(logits[r].cpu(), p) for r, p in zip(head.rows, plain)]
+    assert head_tokens(head.tokens_to_host(w), w) == want == head_tokens(head, w)
 
 
 def test_gumbel_noise_is_finite_at_the_extremes():

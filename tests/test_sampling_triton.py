@@ -68,3 +68,16 @@ def test_a_rows_pick_does_not_depend_on_the_other_rows(device):
     together = _kernel()(x, t, u).tolist()
     assert [_kernel()(x[i:i + 1], t[i:i + 1], u[i:i + 1]).item() for i in range(9)] == together
     assert _kernel()(x[2:7], t[2:7], u[2:7]).tolist() == together[2:7]
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_picks_of_chosen_rows(device):
+    """rows: pick i is of row rows[i] (in any order, repeated), the indices given as float64
+    beside the temperature and draw (how the last stage sends them: one copy)."""
+    x, t, u = _rows(device, 6, 2100, seed=4)
+    rows = [4, 0, 4, 5, 2]
+    given = torch.tensor([[r, t[r].item(), u[r].item()] for r in rows], dtype=torch.float64,
+                         device=device)
+    want = pick_unfiltered_torch(x, t, u)[rows].tolist()
+    assert _kernel()(x, given[:, 1], given[:, 2], rows=given[:, 0]).tolist() == want
+    assert pick_unfiltered_torch(x[rows], given[:, 1:2], given[:, 2:]).tolist() == want

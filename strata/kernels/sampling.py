@@ -14,7 +14,8 @@ interval when one token's probability differs.
 `sample_row` is the reference: one row, its arithmetic in float64 on the CPU. `sample_rows`
 samples a window's rows: on the CPU it is sample_row row by row (the same tokens, bit for
 bit); on CUDA `sample_rows_on_device` keeps the logits on the device and copies only the
-picks to the host.
+picks to the host, and a row that keeps every token is picked by one Triton kernel
+(`pick_unfiltered`, kernels/sampling_triton.py).
 """
 from dataclasses import dataclass
 
@@ -167,9 +168,11 @@ def _sample_unfiltered(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     return pick_unfiltered(x, temperature, u)
 
 
-def pick_unfiltered(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def pick_unfiltered(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """sample_rows_on_device's picks [n] for rows x [n, V] that are greedy (temperature 0) or
-    keep every token, given temperature and u as tensors [n, 1] (float64) on x's device; no
+    keep every token, given temperature and u as tensors [n, 1] (float64) on x's device (with
+    rows, n indices of any number type on that device: pick i is of row rows[i] of x); no
     step waits for the host, so a CUDA graph may hold it (the drafter's coupled proposals).
     The Gumbel-max pick over the whole row needs no sort, the noise being keyed by token id
     (the sorted path's order only ranks the tokens for the filters). As there, a NaN score
@@ -180,8 +183,10 @@ def pick_unfiltered(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor)
     elsewhere pick_unfiltered_torch."""
     if x.is_cuda:
         from strata.kernels.sampling_triton import pick_unfiltered_triton
-        return pick_unfiltered_triton(x, temperature, u)
-    return pick_unfiltered_torch(x, temperature, u)
+        return pick_unfiltered_triton(x, temperature, u, rows)
+    if rows is not None:
+        x = x[rows.long().reshape(-1)]
+    return pick_unfiltered_torch(x, temperature.reshape(-1, 1), u.reshape(-1, 1))
 
 
 def pick_unfiltered_torch(x: torch.Tensor, temperature: torch.Tensor,

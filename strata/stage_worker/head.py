@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.kernels.sampling import (HOST_TOP_K, SamplingRow, sample_rows,
-                                     sample_rows_on_device, to_device)
+from strata.kernels.sampling import (HOST_TOP_K, SamplingRow, filtered, pick_unfiltered,
+                                     sample_rows, sample_rows_on_device, to_device)
 from strata.protocol.messages import Window
 
 
@@ -24,14 +24,24 @@ class HeadOutput:
     def tokens_to_host(self, w: Window) -> "HeadOutput":
         """The tokens of the window's sampled rows picked on the device, queued behind the
         window's kernels (greedy rows: the argmax; rows with a temperature:
-        sample_rows_on_device, as sample_rows on CUDA), and copied without waiting into
+        sample_rows_on_device, as sample_rows on CUDA; where none has top-k, top-p or min-p,
+        pick_unfiltered for every row in one call), and copied without waiting into
         pinned host memory (read them once the device is past this point); the logits are
         dropped. For a window picked_on_device allows. Nothing here waits for the device:
         the indices and parameters go to it from pinned memory too."""
         params = row_params(w)
         tempered = [j for j, p in enumerate(params) if p.temperature > 0.0]   # into self.rows
         tokens, rows = self.argmax, self.rows
-        if tempered:
+        vocab = self.logits.shape[-1] if self.logits is not None else 0
+        if tempered and not any(filtered(params[j], vocab) for j in tempered):
+            # every row at once (greedy ones too: temperature 0 takes the argmax), with one
+            # copy to the device of each row's (index, temperature, draw)
+            given = to_device(torch.tensor([[r, p.temperature, p.u]
+                                            for r, p in zip(rows, params)],
+                                           dtype=torch.float64), tokens.device)
+            tokens = pick_unfiltered(self.logits, given[:, 1], given[:, 2], rows=given[:, 0])
+            rows = list(range(len(rows)))
+        elif tempered:
             device = tokens.device
             tokens = tokens[to_device(rows, device)]
             picks = sample_rows_on_device(self.logits[to_device([rows[j] for j in tempered],
