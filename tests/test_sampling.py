@@ -16,7 +16,7 @@ from strata.coordinator.sampling import draw_uniform
 from strata.kernels.sampling import (SamplingRow, _pairwise_sum, _prefix_sums, sample_row,
                                      sample_rows, sample_rows_on_device)
 from strata.protocol.messages import Window
-from strata.stage_worker.head import HeadOutput, head_tokens
+from strata.stage_worker.head import HeadOutput, head_tokens, picked_on_device
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -208,19 +208,50 @@ def test_nan_infinite_and_signed_zero_logits_give_sample_rows_tokens(values, dev
     assert sample_rows(block, rows) == reference(block, rows)
 
 
+def window_of(params: list[SamplingRow]) -> Window:
+    n = len(params)
+    return Window(1, list(range(n)), [9] * n, list(range(1, n + 1)), sample_rows=list(range(n)),
+                  temperature=[p.temperature for p in params], top_k=[p.top_k for p in params],
+                  top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
+                  u=[p.u for p in params])
+
+
 def test_head_tokens_samples_the_tempered_rows_and_takes_the_argmax_of_the_others():
     g = torch.Generator().manual_seed(5)
     logits = random_logits(g, 6, 700) / 10   # flat: a sampled row rarely picks the argmax
     head = HeadOutput(logits, logits.argmax(-1), rows=[4, 0, 5, 2])   # each sampled row's
     params = [SamplingRow(0.8, 0, 0.9, 0.0, 0.3), SamplingRow(),
               SamplingRow(1.2, 20, 1.0, 0.05, 0.8), SamplingRow(0.0, 5, 1.0, 0.0, 0.9)]
-    w = Window(1, [0, 1, 2, 3], [9, 9, 9, 9], [1, 2, 3, 4], sample_rows=[0, 1, 2, 3],
-               temperature=[p.temperature for p in params], top_k=[p.top_k for p in params],
-               top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
-               u=[p.u for p in params])
+    w = window_of(params)
     want = [sample_row(logits[r], p) for r, p in zip(head.rows, params)]
     assert head_tokens(head, w) == want
     assert want[0] != int(logits[4].argmax()) and want[2] != int(logits[5].argmax())
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_tokens_picked_on_the_device_are_sample_rows_tokens(device):
+    """A last stage on CUDA picks a window's tokens on the device behind its kernels
+    (tokens_to_host) when no row needs the host: the tokens head_tokens gives from the
+    logits, greedy rows and sampled ones with and without filters."""
+    g = torch.Generator().manual_seed(6)
+    logits = (random_logits(g, 7, VOCAB) / 10).to(device)
+    head = HeadOutput(logits, logits.argmax(-1), rows=[6, 0, 5, 2, 3])
+    params = [SamplingRow(0.8, 0, 0.9, 0.0, 0.3), SamplingRow(),
+              SamplingRow(1.2, 1000, 1.0, 0.05, 0.8), SamplingRow(0.0, 5, 1.0, 0.0, 0.9),
+              SamplingRow(0.7, 0, 1.0, 0.0, 0.6)]
+    w = window_of(params)
+    assert picked_on_device(w)   # top-k 5 on a greedy row is no host sampling
+    want = [sample_row(logits[r].cpu(), p) for r, p in zip(head.rows, params)]
+    picked = head.tokens_to_host(w)
+    assert picked.logits is None and head_tokens(picked, w) == want == head_tokens(head, w)
+    assert want[0] != int(logits[6].argmax()) and want[4] != int(logits[3].argmax())
+    assert not picked_on_device(window_of(params + [SamplingRow(0.7, 20, 1.0, 0.0, 0.1)]))
+    # no row with a filter: every row in one pick_unfiltered call, the greedy ones too
+    plain = [params[1], params[3], params[4], SamplingRow(1.1, 0, 1.0, 0.0, 0.2)]
+    head = HeadOutput(logits, logits.argmax(-1), rows=[5, 0, 3, 5])
+    w = window_of(plain)
+    want = [sample_row(logits[r].cpu(), p) for r, p in zip(head.rows, plain)]
+    assert head_tokens(head.tokens_to_host(w), w) == want == head_tokens(head, w)
 
 
 def test_gumbel_noise_is_finite_at_the_extremes():

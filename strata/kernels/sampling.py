@@ -14,7 +14,8 @@ interval when one token's probability differs.
 `sample_row` is the reference: one row, its arithmetic in float64 on the CPU. `sample_rows`
 samples a window's rows: on the CPU it is sample_row row by row (the same tokens, bit for
 bit); on CUDA `sample_rows_on_device` keeps the logits on the device and copies only the
-picks to the host.
+picks to the host, and a row that keeps every token is picked by one Triton kernel
+(`pick_unfiltered`, kernels/sampling_triton.py).
 """
 from dataclasses import dataclass
 
@@ -94,7 +95,7 @@ def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
              for i in range(len(rows))]
     rest = [i for i, p in enumerate(picks) if p is None]
     if rest:
-        index = torch.tensor(rest, device=logits.device)
+        index = to_device(rest, logits.device)
         for i, token in zip(rest, sample_rows_on_device(logits[index],
                                                         [rows[i] for i in rest]).tolist()):
             picks[i] = token
@@ -139,9 +140,18 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     others = [i for i in range(n) if i not in sorts]
     out = torch.empty(n, dtype=torch.long, device=logits.device)
     for index, sample in ((sorted_rows, _sample_sorted), (others, _sample_unfiltered)):
-        at = torch.tensor(index, device=logits.device)
+        at = to_device(index, logits.device)
         out[at] = sample(logits[at], [rows[i] for i in index])
     return out
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host tensor (or a list for one) on `device`; on CUDA through pinned memory without
+    waiting (a pageable copy would wait for every kernel queued before it)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 def filtered(row: SamplingRow, vocab: int) -> bool:
@@ -152,21 +162,36 @@ def filtered(row: SamplingRow, vocab: int) -> bool:
 
 def _sample_unfiltered(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     n = x.shape[0]
-    params = torch.tensor([[r.temperature, r.u] for r in rows],
-                          dtype=torch.float64).reshape(n, 2).T.to(x.device)   # [2, n]
+    params = to_device(torch.tensor([[r.temperature, r.u] for r in rows],
+                                    dtype=torch.float64).reshape(n, 2).T, x.device)   # [2, n]
     temperature, u = params[:, :, None]                               # each [n, 1]
     return pick_unfiltered(x, temperature, u)
 
 
-def pick_unfiltered(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def pick_unfiltered(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """sample_rows_on_device's picks [n] for rows x [n, V] that are greedy (temperature 0) or
-    keep every token, given temperature and u as tensors [n, 1] (float64) on x's device; no
+    keep every token, given temperature and u as tensors [n, 1] (float64) on x's device (with
+    rows, n indices of any number type on that device: pick i is of row rows[i] of x); no
     step waits for the host, so a CUDA graph may hold it (the drafter's coupled proposals).
     The Gumbel-max pick over the whole row needs no sort, the noise being keyed by token id
     (the sorted path's order only ranks the tokens for the filters). As there, a NaN score
     never wins, a +inf one does (the lowest id among several: the first in the stable sort's
     order too), and a row with no score above -inf takes the first index of its maximum (the
-    sort's first column; NaN ranks first in both)."""
+    sort's first column; NaN ranks first in both). On CUDA one Triton kernel computes it
+    (kernels/sampling_triton.py: the same arithmetic, in one launch instead of some twenty);
+    elsewhere pick_unfiltered_torch."""
+    if x.is_cuda:
+        from strata.kernels.sampling_triton import pick_unfiltered_triton
+        return pick_unfiltered_triton(x, temperature, u, rows)
+    if rows is not None:
+        x = x[rows.long().reshape(-1)]
+    return pick_unfiltered_torch(x, temperature.reshape(-1, 1), u.reshape(-1, 1))
+
+
+def pick_unfiltered_torch(x: torch.Tensor, temperature: torch.Tensor,
+                          u: torch.Tensor) -> torch.Tensor:
+    """pick_unfiltered in torch operations, on any device (the Triton kernel's reference)."""
     greedy = x.argmax(-1)
     scaled = x.double() / torch.where(temperature > 0, temperature, 1.0)
     score = scaled + gumbel_noise(u, torch.arange(x.shape[-1], device=x.device)[None, :])
@@ -180,8 +205,9 @@ def _sample_sorted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     """sample_rows_on_device through a sort of each row: the filters rank the tokens."""
     n, vocab = len(rows), logits.shape[-1]
     device = logits.device
-    params = torch.tensor([[r.temperature, r.top_k, r.top_p, r.min_p, r.u] for r in rows],
-                          dtype=torch.float64).reshape(n, 5).T.to(device)   # [5, n]: one copy
+    params = to_device(torch.tensor([[r.temperature, r.top_k, r.top_p, r.min_p, r.u]
+                                     for r in rows], dtype=torch.float64).reshape(n, 5).T,
+                       device)                                        # [5, n]: one copy
     temperature, top_k, top_p, min_p, u = params[:, :, None]          # each [n, 1]
     x = logits[:n]
     greedy = x.argmax(-1)                                             # first index of the max

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS
 from strata.kernels.sampling import (SamplingRow, filtered, pick_unfiltered,
-                                     sample_rows_on_device)
+                                     sample_rows_on_device, to_device)
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.messages import Window
@@ -127,12 +127,12 @@ class Drafter:
         if not plan.slots:
             return []
         source = torch.cat([hidden.to(self.last_h.dtype), self.last_h])
-        h = source[torch.tensor(plan.sources, device=self.device)]
-        tok = torch.tensor(plan.tokens, device=self.device)
+        h = source[to_device(plan.sources, self.device)]
+        tok = to_device(plan.tokens, self.device)
         out = self._rows(plan.slots, plan.positions, tok, h)
         # after the rows read the previous last_h; one copy for every slot
-        slots = torch.tensor(list(plan.accepted), device=self.device)
-        rows = torch.tensor(list(plan.accepted.values()), device=self.device)
+        slots = to_device(list(plan.accepted), self.device)
+        rows = to_device(list(plan.accepted.values()), self.device)
         self.last_h[slots] = hidden[rows].to(self.last_h.dtype)
         return self._propose(w, plan, out)
 
@@ -180,13 +180,13 @@ class Drafter:
                     asks.append((s, k, top, couplings.get(s)))
         if not asks:
             return []
-        x = out[torch.tensor([plan.tops[s] for s, _, _, _ in asks], device=self.device)]
+        x = out[to_device([plan.tops[s] for s, _, _, _ in asks], self.device)]
         drafts: list[tuple[list[int], torch.Tensor]] = []   # per step: (asks, proposals)
         live = list(range(len(asks)))     # indices into asks still drafting at this step
         for i in range(1, max(k for _, k, _, _ in asks) + 1):
             if i > 1:
                 keep = [j for j, a in enumerate(live) if asks[a][1] >= i]
-                index = torch.tensor(keep, device=self.device)
+                index = to_device(keep, self.device)
                 live = [live[j] for j in keep]
                 x = self._rows([asks[a][0] for a in live], [asks[a][2] + i - 1 for a in live],
                                d[index], x[index])
@@ -198,7 +198,7 @@ class Drafter:
             # the row keeps every token (in the head's graph)
             logits, d = self._head(x, plain if any(plain) else None)
             if sorts:   # filtered rows: the sampler's sort, on the device: nothing waits
-                index = torch.tensor(sorts, device=self.device)
+                index = to_device(sorts, self.device)
                 d = d.index_copy(0, index, sample_rows_on_device(
                     logits[index], [rows[j] for j in sorts]))
             drafts.append((live, d))
@@ -239,7 +239,7 @@ class Drafter:
                 params = torch.tensor([[r.temperature, r.u] if r else [0.0, 0.0]
                                        for r in draws[block]], dtype=torch.float64)
                 logits, d = self._graphed("coupled", self._coupled_rows, x[block],
-                                          params.to(self.device))
+                                          to_device(params, self.device))
             outs.append((logits, d.clone()))
         if len(outs) == 1:
             return outs[0]

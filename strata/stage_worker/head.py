@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.kernels.sampling import SamplingRow, sample_rows
+from strata.kernels.sampling import (HOST_TOP_K, SamplingRow, filtered, pick_unfiltered,
+                                     sample_rows, sample_rows_on_device, to_device)
 from strata.protocol.messages import Window
 
 
@@ -14,31 +15,68 @@ from strata.protocol.messages import Window
 class HeadOutput:
     """The head's output for the sampled rows of a window (on the device; static buffers of a
     graph when graphed: read them before the next window)."""
-    logits: torch.Tensor | None  # fp32 [N, V]; None once only the argmax is kept (greedy rows)
-    argmax: torch.Tensor         # [N] int64: the first index of each row's maximum
+    logits: torch.Tensor | None  # fp32 [N, V]; None once the tokens are picked (tokens_to_host)
+    argmax: torch.Tensor         # [N] int64: the first index of each row's maximum; once
+                                 # picked, each row's token (sampled rows' included)
     rows: list[int]              # the index into logits / argmax of each sampled row, in order
+    picked: bool = False         # argmax holds the tokens of the rows with a temperature too
 
-    def argmax_to_host(self) -> "HeadOutput":
-        """The argmax copied without waiting into pinned host memory (read it once the device
-        is past this point); the logits are dropped. No pageable copy either: that would wait
-        for the window's kernels."""
-        host = torch.empty(self.argmax.shape, dtype=torch.long, pin_memory=True)
-        host.copy_(self.argmax, non_blocking=True)
-        return HeadOutput(None, host, self.rows)
+    def tokens_to_host(self, w: Window) -> "HeadOutput":
+        """The tokens of the window's sampled rows picked on the device, queued behind the
+        window's kernels (greedy rows: the argmax; rows with a temperature:
+        sample_rows_on_device, as sample_rows on CUDA; where none has top-k, top-p or min-p,
+        pick_unfiltered for every row in one call), and copied without waiting into
+        pinned host memory (read them once the device is past this point); the logits are
+        dropped. For a window picked_on_device allows. Nothing here waits for the device:
+        the indices and parameters go to it from pinned memory too."""
+        params = row_params(w)
+        tempered = [j for j, p in enumerate(params) if p.temperature > 0.0]   # into self.rows
+        tokens, rows = self.argmax, self.rows
+        vocab = self.logits.shape[-1] if self.logits is not None else 0
+        if tempered and not any(filtered(params[j], vocab) for j in tempered):
+            # every row at once (greedy ones too: temperature 0 takes the argmax), with one
+            # copy to the device of each row's (index, temperature, draw)
+            given = to_device(torch.tensor([[r, p.temperature, p.u]
+                                            for r, p in zip(rows, params)],
+                                           dtype=torch.float64), tokens.device)
+            tokens = pick_unfiltered(self.logits, given[:, 1], given[:, 2], rows=given[:, 0])
+            rows = list(range(len(rows)))
+        elif tempered:
+            device = tokens.device
+            tokens = tokens[to_device(rows, device)]
+            picks = sample_rows_on_device(self.logits[to_device([rows[j] for j in tempered],
+                                                                device)],
+                                          [params[j] for j in tempered])
+            tokens = tokens.index_copy(0, to_device(tempered, device), picks)
+            rows = list(range(len(rows)))
+        host = torch.empty(tokens.shape, dtype=torch.long, pin_memory=tokens.is_cuda)
+        host.copy_(tokens, non_blocking=tokens.is_cuda)
+        return HeadOutput(None, host, rows, picked=True)
+
+
+def picked_on_device(w: Window) -> bool:
+    """Whether the device can pick every sampled row's token (tokens_to_host): each is greedy
+    or has no top-k of 1..HOST_TOP_K (sample_rows takes those to the host)."""
+    return all(t <= 0.0 or not 0 < k <= HOST_TOP_K for t, k in zip(w.temperature, w.top_k))
+
+
+def row_params(w: Window) -> list[SamplingRow]:
+    return [SamplingRow(*p) for p in zip(w.temperature, w.top_k, w.top_p, w.min_p, w.u)]
 
 
 def head_tokens(head: HeadOutput | None, w: Window) -> list[int]:
     """The tokens of the window's sampled rows: greedy rows take the argmax (the first index of
     the maximum, as sample_row); the rows with a temperature go to sample_rows together (on
-    CUDA their logits stay on the device; only the picks leave it)."""
+    CUDA their logits stay on the device; only the picks leave it), unless the device picked
+    them already (tokens_to_host)."""
     if head is None:
         return []
-    params = [SamplingRow(*p) for p in zip(w.temperature, w.top_k, w.top_p, w.min_p, w.u)]
+    params = row_params(w)
     greedy = head.argmax.tolist()
     tokens = [greedy[r] for r in head.rows]
     tempered = [j for j, p in enumerate(params) if p.temperature > 0.0]   # into head.rows
-    if tempered:
-        index = torch.tensor([head.rows[j] for j in tempered], device=head.logits.device)
+    if tempered and not head.picked:
+        index = to_device([head.rows[j] for j in tempered], head.logits.device)
         picks = sample_rows(head.logits[index], [params[j] for j in tempered])
         for j, token in zip(tempered, picks):
             tokens[j] = token

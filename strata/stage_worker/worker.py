@@ -25,7 +25,7 @@ from strata.protocol.peers import PeerWatch
 from strata.stage_worker.checks import RowError, check_window
 from strata.stage_worker.config import WorkerConfig
 from strata.stage_worker.drafter import Drafter
-from strata.stage_worker.head import HeadOutput, head_logits, head_tokens
+from strata.stage_worker.head import HeadOutput, head_logits, head_tokens, picked_on_device
 from strata.stage_worker.link import StageLink
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from strata.stage_worker.runner import WindowRunner
@@ -212,6 +212,12 @@ class StageWorker:
 
         hidden, head = self.runner.run(inputs, Rows(w.slots, w.positions), chunk=w.chunk,
                                        sample_rows=w.sample_rows, launching=launching)
+        # On CUDA, a last stage's tokens are picked on the device behind the window's kernels
+        # (in its GPU span), unless the window wants its logits or a row is sampled on the host
+        deferred = (self.model.last and self.model.device.type == "cuda"
+                    and not w.want_logits and picked_on_device(w))
+        if deferred and head is not None:
+            head = head.tokens_to_host(w)
         self.trace.gpu_end()
         self.trace.mark(w.id, "queued")
         if not self.model.last:
@@ -223,13 +229,11 @@ class StageWorker:
             # a graph's output buffer is overwritten by the next replay: the drafter, which
             # runs when the window is answered, reads a copy queued before that
             answer.hidden = hidden.clone() if self.runner.capacity else hidden
-        if self.model.device.type == "cuda" and not w.want_logits and all(
-                t <= 0.0 for t in w.temperature):
-            # Greedy rows (or none): their tokens are the device's argmax, copied into pinned
-            # memory behind the window's kernels. The answer waits until the next window is
-            # enqueued or this stage is idle, so the GPU does not idle while this host syncs,
-            # answers and takes the next window (a Result says the window is computed).
-            answer.head = head.argmax_to_host() if head is not None else None
+        if deferred:
+            # The tokens are in pinned memory once the device is past this point. The answer
+            # waits until the next window is enqueued or this stage is idle, so the GPU does
+            # not idle while this host syncs, answers and takes the next window (a Result says
+            # the window is computed).
             answer.done = torch.cuda.Event()
             answer.done.record()
             self.pending = answer
@@ -298,7 +302,7 @@ class StageWorker:
         header that comes while the device works is taken at once, not after the answer."""
         if self.pending is None:
             return
-        assert self.pending.done is not None  # only the deferred greedy answer waits
+        assert self.pending.done is not None  # only a deferred answer waits
         while not self.inbox.poll(0):
             if self.pending.done.query():
                 self._answer_pending()
