@@ -29,9 +29,14 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-@triton.jit
-def _pick_part(x_ptr, stride_x, rows_ptr, stride_r, t_ptr, stride_t, u_ptr, stride_u, best_ptr, at_ptr,
-               V, CHUNKS, GOLDEN: tl.constexpr, MIX1: tl.constexpr, MIX2: tl.constexpr,
+# Strides and the temperature, draw and row pointers are not specialised on: each caller's
+# layout (a row of (index, temperature, draw), a [2, n] or an [n, 2] block) would otherwise
+# compile a kernel of its own, some only for an odd n. So one kernel per logits dtype, with
+# rows and without, serves them all, and compile_picks compiles those before serving.
+@triton.jit(do_not_specialize=["stride_r", "stride_t", "stride_u"],
+            do_not_specialize_on_alignment=["rows_ptr", "t_ptr", "u_ptr"])
+def _pick_part(x_ptr, stride_x, rows_ptr, stride_r, t_ptr, stride_t, u_ptr, stride_u, best_ptr,
+               at_ptr, V, CHUNKS, GOLDEN: tl.constexpr, MIX1: tl.constexpr, MIX2: tl.constexpr,
                HAS_ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Program (i, c): pick i's columns [c * CHUNK, (c + 1) * CHUNK), in blocks, in order.
     Writes, at [i, c]: the best score and its first column, the largest logit (NaN aside) and
@@ -82,7 +87,7 @@ def _pick_part(x_ptr, stride_x, rows_ptr, stride_r, t_ptr, stride_t, u_ptr, stri
     tl.store(at_ptr + 3 * out + 2, nan_at)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_t"], do_not_specialize_on_alignment=["t_ptr"])
 def _pick_join(t_ptr, stride_t, best_ptr, at_ptr, out_ptr, CHUNKS, BIG,
                CHUNKS_BLOCK: tl.constexpr):
     """Program i: pick i from its chunks' results. Each chunk's column is the first of its
@@ -133,3 +138,15 @@ def pick_unfiltered_triton(x: torch.Tensor, temperature: torch.Tensor, u: torch.
     _pick_join[(n,)](temperature, temperature.stride(0), best, at, out, chunks, vocab + CHUNK,
                      CHUNKS_BLOCK=triton.next_power_of_2(chunks), num_warps=1)
     return out
+
+
+def compile_picks(vocab: int, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
+    """Compile the kernels for logits of each dtype, with and without rows, so that no request
+    waits for a compilation (a last stage's warm-up: fp32 head logits, the drafter's in the
+    model's dtype)."""
+    t = torch.full((1,), 0.7, dtype=torch.float64, device=device)
+    u = torch.full((1,), 0.5, dtype=torch.float64, device=device)
+    for dtype in dtypes:
+        x = torch.zeros(1, vocab, dtype=dtype, device=device)
+        pick_unfiltered_triton(x, t, u)
+        pick_unfiltered_triton(x, t, u, rows=torch.zeros(1, dtype=torch.float64, device=device))

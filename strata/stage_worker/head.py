@@ -42,13 +42,13 @@ class HeadOutput:
             tokens = pick_unfiltered(self.logits, given[:, 1], given[:, 2], rows=given[:, 0])
             rows = list(range(len(rows)))
         elif tempered:
-            device = tokens.device
-            tokens = tokens[to_device(rows, device)]
-            picks = sample_rows_on_device(self.logits[to_device([rows[j] for j in tempered],
-                                                                device)],
+            # one copy of the indices: the sampled rows, the tempered ones, their places
+            n, m = len(rows), len(tempered)
+            index = to_device(rows + [rows[j] for j in tempered] + tempered, tokens.device)
+            picks = sample_rows_on_device(self.logits[index[n:n + m]],
                                           [params[j] for j in tempered])
-            tokens = tokens.index_copy(0, to_device(tempered, device), picks)
-            rows = list(range(len(rows)))
+            tokens = tokens[index[:n]].index_copy(0, index[n + m:], picks)
+            rows = list(range(n))
         host = torch.empty(tokens.shape, dtype=torch.long, pin_memory=tokens.is_cuda)
         host.copy_(tokens, non_blocking=tokens.is_cuda)
         return HeadOutput(None, host, rows, picked=True)
