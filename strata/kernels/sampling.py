@@ -78,6 +78,11 @@ def _descending(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.T
 HOST_TOP_K = 256
 
 
+def on_host(row: SamplingRow) -> bool:
+    """Whether sample_rows takes the row to the host on CUDA (a top-k of 1..HOST_TOP_K)."""
+    return 0 < row.top_k <= HOST_TOP_K
+
+
 def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """logits: [N, V] with N >= len(rows); row i of logits is sampled with rows[i]. On CUDA
     the rows without a small top_k are sampled together on the device (sample_rows_on_device)
@@ -87,7 +92,7 @@ def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         return []
     if not logits.is_cuda:
         return [sample_row(logits[i], r) for i, r in enumerate(rows)]
-    host = [i for i, r in enumerate(rows) if 0 < r.top_k <= HOST_TOP_K]
+    host = [i for i, r in enumerate(rows) if on_host(r)]
     if not host:
         return sample_rows_on_device(logits, rows).tolist()
     on_host = set(host)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.kernels.sampling import (HOST_TOP_K, SamplingRow, filtered, pick_unfiltered,
+from strata.kernels.sampling import (SamplingRow, filtered, on_host, pick_unfiltered,
                                      sample_rows, sample_rows_on_device, to_device)
 from strata.protocol.messages import Window
 
@@ -16,10 +16,9 @@ class HeadOutput:
     """The head's output for the sampled rows of a window (on the device; static buffers of a
     graph when graphed: read them before the next window)."""
     logits: torch.Tensor | None  # fp32 [N, V]; None once the tokens are picked (tokens_to_host)
-    argmax: torch.Tensor         # [N] int64: the first index of each row's maximum; once
-                                 # picked, each row's token (sampled rows' included)
+    argmax: torch.Tensor         # [N] int64: the first index of each row's maximum; without
+                                 # logits, each row's token (sampled rows' included)
     rows: list[int]              # the index into logits / argmax of each sampled row, in order
-    picked: bool = False         # argmax holds the tokens of the rows with a temperature too
 
     def tokens_to_host(self, w: Window) -> "HeadOutput":
         """The tokens of the window's sampled rows picked on the device, queued behind the
@@ -32,8 +31,7 @@ class HeadOutput:
         params = row_params(w)
         tempered = [j for j, p in enumerate(params) if p.temperature > 0.0]   # into self.rows
         tokens, rows = self.argmax, self.rows
-        vocab = self.logits.shape[-1] if self.logits is not None else 0
-        if tempered and not any(filtered(params[j], vocab) for j in tempered):
+        if tempered and not any(filtered(params[j], self.logits.shape[-1]) for j in tempered):
             # every row at once (greedy ones too: temperature 0 takes the argmax), with one
             # copy to the device of each row's (index, temperature, draw)
             given = to_device(torch.tensor([[r, p.temperature, p.u]
@@ -51,13 +49,13 @@ class HeadOutput:
             rows = list(range(n))
         host = torch.empty(tokens.shape, dtype=torch.long, pin_memory=tokens.is_cuda)
         host.copy_(tokens, non_blocking=tokens.is_cuda)
-        return HeadOutput(None, host, rows, picked=True)
+        return HeadOutput(None, host, rows)
 
 
 def picked_on_device(w: Window) -> bool:
     """Whether the device can pick every sampled row's token (tokens_to_host): each is greedy
-    or has no top-k of 1..HOST_TOP_K (sample_rows takes those to the host)."""
-    return all(t <= 0.0 or not 0 < k <= HOST_TOP_K for t, k in zip(w.temperature, w.top_k))
+    or not one sample_rows takes to the host."""
+    return all(p.temperature <= 0.0 or not on_host(p) for p in row_params(w))
 
 
 def row_params(w: Window) -> list[SamplingRow]:
@@ -75,7 +73,7 @@ def head_tokens(head: HeadOutput | None, w: Window) -> list[int]:
     greedy = head.argmax.tolist()
     tokens = [greedy[r] for r in head.rows]
     tempered = [j for j, p in enumerate(params) if p.temperature > 0.0]   # into head.rows
-    if tempered and not head.picked:
+    if tempered and head.logits is not None:
         index = to_device([head.rows[j] for j in tempered], head.logits.device)
         picks = sample_rows(head.logits[index], [params[j] for j in tempered])
         for j, token in zip(tempered, picks):

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from strata.kernels.sampling import to_device
 from strata.stage_worker.graphs import Captured
 from strata.stage_worker.head import HeadOutput
 from strata.stage_worker.model import KVCache, Rows, RowTensors, StageModel
@@ -51,10 +52,8 @@ class WindowRunner:
             return hidden, None
         if window_head is not None:   # every row's logits and argmax, from the window's graph
             return hidden, HeadOutput(*window_head, rows=list(sample_rows))
-        index = torch.tensor(sample_rows, dtype=torch.long)
-        if hidden.is_cuda:   # no pageable copy: that would wait for the window's kernels
-            index = index.pin_memory().to(hidden.device, non_blocking=True)
-        logits, argmax = self.logits(hidden[index])
+        # the rows' indices from pinned memory: a pageable copy would wait for the window
+        logits, argmax = self.logits(hidden[to_device(list(sample_rows), hidden.device)])
         return hidden, HeadOutput(logits, argmax, list(range(len(sample_rows))))
 
     # -- layers ----------------------------------------------------------------------------
