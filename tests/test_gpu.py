@@ -337,3 +337,40 @@ def test_one_and_two_gpu_stages_give_the_same_tokens(tiny_model, no_stage_left):
     assert results["auto", "greedy"] == results["2", "greedy"]
     assert results["auto", "seeded"] == results["2", "seeded"]
     assert len(results["auto", "greedy"]) == 20
+
+
+@pytest.mark.gpu
+def test_sampled_rows_picked_on_the_device_give_the_tokens_alone_and_together(varied_model,
+                                                                             no_stage_left):
+    """A CUDA last stage picks sampled rows on the device behind the window (the Triton pick
+    for a window whose sampled rows have no top-k, top-p or min-p; the sort for the others):
+    each request's tokens alone equal its tokens among the others, greedy, sampled without
+    filters, with top-p and with min-p."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+    from strata.launch.plan import plan_stages
+    from strata.launch.session import launch_stages
+    file = ModelFile(varied_model)
+    prompts = [_prompt(3 + 2 * i, 20 + i, file.config.vocab) for i in range(6)]
+    params = [SamplingParams(max_tokens=24),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=24),
+              SamplingParams(temperature=1.3, seed=2, max_tokens=24),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=4, max_tokens=24),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=24)]
+    cfg = SchedulerConfig(slots=6, ctx=CTX)
+    plan = plan_stages("auto", ["cuda:0"], file.config.n_layers)
+    with launch_stages(file, plan, slots=6, ctx=CTX, say=lambda s: None) as run:
+        alone = []
+        for p, sp in zip(prompts, params):
+            sched = Scheduler(run.pipe, dataclasses.replace(cfg, slots=1), [], str)
+            alone.append(sched.submit(p, sp))
+            sched.run()
+        sched = Scheduler(run.pipe, cfg, [], str)
+        together = [sched.submit(p, sp) for p, sp in zip(prompts, params)]
+        sched.run()
+    for i, (a, t) in enumerate(zip(alone, together)):
+        assert a.error is None and t.error is None, i
+        assert len(a.seq.generated) == 24 and a.seq.generated == t.seq.generated, i
+    assert len({tuple(a.seq.generated) for a in alone}) == 6
