@@ -83,20 +83,21 @@ def on_host(row: SamplingRow) -> bool:
     return 0 < row.top_k <= HOST_TOP_K
 
 
-def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """logits: [N, V] with N >= len(rows); row i of logits is sampled with rows[i]. On CUDA
-    the rows without a small top_k are sampled together on the device (sample_rows_on_device)
-    and their picks leave it in one copy; elsewhere, and for rows with 0 < top_k <=
-    HOST_TOP_K, each row goes to sample_row."""
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow],
+                on_device: bool | None = None) -> list[int]:
+    """logits: [N, V] with N >= len(rows); row i of logits is sampled with rows[i]. With
+    on_device (the default on CUDA) the rows without a small top_k are sampled together on
+    the logits' device (sample_rows_on_device) and their picks leave it in one copy; the
+    others (0 < top_k <= HOST_TOP_K), and every row without on_device, go to sample_row."""
     if not rows:
         return []
-    if not logits.is_cuda:
+    if not (logits.is_cuda if on_device is None else on_device):
         return [sample_row(logits[i], r) for i, r in enumerate(rows)]
     host = [i for i, r in enumerate(rows) if on_host(r)]
     if not host:
         return sample_rows_on_device(logits, rows).tolist()
-    on_host = set(host)
-    picks = [sample_row(logits[i], rows[i]) if i in on_host else None
+    hosted = set(host)
+    picks = [sample_row(logits[i], rows[i]) if i in hosted else None
              for i in range(len(rows))]
     rest = [i for i, p in enumerate(picks) if p is None]
     if rest:
