@@ -97,9 +97,12 @@ def test_sweep_takes_the_pipelined_groups_from_batch_groups(tiny_model, no_stage
     out = bench("sweep", "--model", str(tiny_model), "--layer-split", "2", "--devices", "cpu",
                 "--ctx-size", "256", "--clients", "4", "--tokens", "3", "--modes", "pipelined",
                 "--batch-groups", "4", "--repeats", "1", "--json-out", str(tmp_path / "s.json"),
-                "--trace-dir", str(tmp_path / "traces"))
+                "--trace-dir", str(tmp_path / "traces"), "--temperature", "0.7", "--top-k", "5")
     assert out.exit_code == 0, (out.output, out.exception)
-    (row,) = json.loads((tmp_path / "s.json").read_text())["results"]
+    assert ", temperature 0.7, top-k 5, batch 4," in out.stdout.splitlines()[0]
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert (report["conditions"]["top_k"], report["conditions"]["top_p"]) == (5, 1.0)
+    (row,) = report["results"]
     assert (row["mode"], row["stages"], row["groups"]) == ("pipelined", 2, 4)
     # --trace-dir: the row's decode windows, split per stage, printed and in the JSON
     assert row["trace"]["windows"] > 0 and len(row["trace"]["stages"]) == 2
@@ -250,3 +253,17 @@ def test_serial_windows_hold_every_slot(tiny_model):
         "serial": (1, 16), "pipelined": (2, 8)}
     (layout,) = plan_layouts({**launch, "window_rows": "8"}, ["serial", "pipelined"], 16)
     assert {c.window_rows for c in layout.modes.values()} == {8}
+
+
+def test_workload_filters_reach_every_request_and_need_a_temperature(tiny_model):
+    work = Workload(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05)
+    params = work.params(3, 16)
+    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.seed,
+            params.max_tokens) == (0.7, 20, 0.9, 0.05, 1003, 16)
+    out = bench("sweep", "--model", str(tiny_model), "--top-p", "0.9", "--min-p", "0.1")
+    assert out.exit_code != 0 and out.stderr == (
+        "strata-bench sweep: --top-p, --min-p filter sampled tokens, and greedy requests sample "
+        "none; add --temperature above 0 or leave --top-p, --min-p out\n")
+    out = bench("sweep", "--model", str(tiny_model), "--temperature", "0.7", "--top-p", "1.5")
+    assert out.exit_code != 0
+    assert out.stderr == "strata-bench sweep: top_p 1.5 is outside (0, 1]; use 1 to turn it off\n"

@@ -174,12 +174,25 @@ class Workload:
     """What the concurrent clients of a throughput run send: the harness's texts, or with
     prompt_tokens each of exactly that many tokens (prompt_ids), or prompts of a pool (token
     lists: e.g. a prompts file's held-out prompts through the chat template), taken in turn
-    from an offset so that repeated runs read different prompts. Greedy, or with a temperature,
-    each request seeded by its prompt's place in the pool. Every request decodes exactly
-    max_tokens tokens: stop tokens do not end it, so that every arm makes the same tokens."""
+    from an offset so that repeated runs read different prompts. Greedy, or with a temperature
+    (and the filters top_k, top_p, min_p), each request seeded by its prompt's place in the
+    pool. Every request decodes exactly max_tokens tokens: stop tokens do not end it, so that
+    every arm makes the same tokens."""
     prompt_tokens: int | None = None
     pool: tuple[tuple[int, ...], ...] = ()
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        filters = {"--top-k": self.top_k != 0, "--top-p": self.top_p != 1.0,
+                   "--min-p": self.min_p != 0.0}
+        if self.temperature <= 0 and any(filters.values()):
+            given = ", ".join(name for name, on in filters.items() if on)
+            raise ValueError(f"{given} filter sampled tokens, and greedy requests sample none; "
+                             f"add --temperature above 0 or leave {given} out")
+        self.params(0, 1)   # the filters' ranges, checked once here
 
     def prompts(self, tok, clients: int, offset: int = 0) -> list[tuple[int, list[int]]]:
         """(seed index, prompt) of each of `clients` requests."""
@@ -193,7 +206,8 @@ class Workload:
     def params(self, index: int, max_tokens: int) -> SamplingParams:
         if self.temperature <= 0:
             return SamplingParams(max_tokens=max_tokens)
-        return SamplingParams(temperature=self.temperature, seed=1000 + index,
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, min_p=self.min_p, seed=1000 + index,
                               max_tokens=max_tokens)
 
 

@@ -309,6 +309,14 @@ def plot(path: str, rows: list[dict], title: str, peer: dict | None = None) -> N
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0 = greedy; above 0, every request samples at this temperature, seeded "
                    "by its prompt's place.")
+@click.option("--top-k", type=int, default=0, show_default=True,
+              help="With --temperature: keep each step's K likeliest tokens (0 = off).")
+@click.option("--top-p", type=float, default=1.0, show_default=True,
+              help="With --temperature: keep the likeliest tokens whose mass reaches P "
+                   "(1 = off).")
+@click.option("--min-p", type=float, default=0.0, show_default=True,
+              help="With --temperature: keep tokens at least P times the likeliest one's "
+                   "probability (0 = off).")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG: decode, prompt + generated and generated tok/s against "
@@ -322,7 +330,7 @@ def plot(path: str, rows: list[dict], title: str, peer: dict | None = None) -> N
                    "row, each stage's GPU and overhead ms per decode window and GPU busy share.")
 @clean_errors("strata-bench sweep")
 def sweep(clients, modes, repeats, tokens, prompt_tokens, prompts_file, split, temperature,
-          json_out, plot_path, peer_json, trace_dir, **launch):
+          top_k, top_p, min_p, json_out, plot_path, peer_json, trace_dir, **launch):
     """Tok/s against concurrent clients for 1gpu, serial and pipelined (and with MTP drafts,
     serial-mtp and pipelined-mtp) side by side, medians of --repeats runs: generated tokens
     over the run, and llama.cpp's two rates (decode; prompt and generated tokens), with
@@ -345,6 +353,7 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, prompts_file, split, t
         raise ValueError("--prompts and --prompt-tokens both choose the prompts; give one")
     if temperature < 0:
         raise ValueError(f"--temperature {temperature} is below 0; use 0 (greedy) or more")
+    work = Workload(prompt_tokens, (), temperature, top_k, top_p, min_p)
     texts = read_prompts(prompts_file, split) if prompts_file else None
     peer = load_peer(peer_json, prompt_tokens, tokens) if peer_json else None
     if plot_path:
@@ -364,7 +373,7 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, prompts_file, split, t
             raise ValueError(f"the longest prompt of --prompts {prompts_file} and --tokens "
                              f"{tokens} need {longest} positions, past --ctx-size "
                              f"{launch['ctx_size']}; raise --ctx-size or lower --tokens")
-    work = Workload(prompt_tokens, pool, temperature)
+    work = replace(work, pool=pool)
     devices = "; ".join(f"{'/'.join(lay.modes)} on {lay.devices}" for lay in layouts)
     # the most rows a decode window takes, per layout (auto: a group's slots, up to 64)
     window_rows = {mode: cfg.window_rows for lay in layouts for mode, cfg in lay.modes.items()}
@@ -375,13 +384,15 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, prompts_file, split, t
                   "devices": devices, "clients": counts, "modes": chosen,
                   "prompt_tokens": prompt_tokens, "repeats": repeats,
                   "prompts": f"{split} prompts of {prompts_file}" if texts else None,
-                  "temperature": temperature,
+                  "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
                   "draft_tokens": {"/".join(m for m in lay.modes if m in DRAFTED):
                                    lay.prep.sched.draft_tokens
                                    for lay in layouts if set(lay.modes) & set(DRAFTED)}}
     prompts = (f"{len(pool)} {split} prompts of {prompts_file}" if pool else
                f"{prompt_tokens}-token prompts" if prompt_tokens else "the harness's prompts")
-    sampling = "greedy" if temperature <= 0 else f"temperature {temperature}"
+    sampling = "greedy" if temperature <= 0 else f"temperature {temperature}" + "".join(
+        f", {name} {value}" for name, value, off in
+        [("top-k", top_k, 0), ("top-p", top_p, 1.0), ("min-p", min_p, 0.0)] if value != off)
     drafts = conditions["draft_tokens"]
     click.echo(f"# {model}, {prompts}, {tokens} tokens per client, {sampling}, "
                f"batch {launch['batch']}, "
