@@ -16,7 +16,7 @@ from strata.coordinator.sampling import draw_uniform
 from strata.kernels.sampling import (SamplingRow, _pairwise_sum, _prefix_sums, sample_row,
                                      sample_rows, sample_rows_on_device)
 from strata.protocol.messages import Window
-from strata.stage_worker.head import HeadOutput, head_tokens, picked_on_device
+from strata.stage_worker.head import HeadOutput, head_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -233,21 +233,19 @@ def test_head_tokens_samples_the_tempered_rows_and_takes_the_argmax_of_the_other
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_tokens_picked_on_the_device_are_sample_rows_tokens(device):
     """A last stage on CUDA picks a window's tokens on the device behind its kernels
-    (tokens_to_host) when no row needs the host: the tokens head_tokens gives from the
-    logits, greedy rows and sampled ones with and without filters."""
+    (tokens_to_host): the tokens head_tokens gives from the logits, greedy rows and sampled
+    ones with and without filters."""
     g = torch.Generator().manual_seed(6)
     logits = (random_logits(g, 7, VOCAB) / 10).to(device)
-    head = HeadOutput(logits, logits.argmax(-1), rows=[6, 0, 5, 2, 3])
+    head = HeadOutput(logits, logits.argmax(-1), rows=[6, 0, 5, 2, 3, 1])
     params = [SamplingRow(0.8, 0, 0.9, 0.0, 0.3), SamplingRow(),
               SamplingRow(1.2, 1000, 1.0, 0.05, 0.8), SamplingRow(0.0, 5, 1.0, 0.0, 0.9),
-              SamplingRow(0.7, 0, 1.0, 0.0, 0.6)]
+              SamplingRow(0.7, 0, 1.0, 0.0, 0.6), SamplingRow(0.7, 20, 1.0, 0.0, 0.1)]
     w = window_of(params)
-    assert picked_on_device(w)   # top-k 5 on a greedy row is no host sampling
     want = [sample_row(logits[r].cpu(), p) for r, p in zip(head.rows, params)]
     picked = head.tokens_to_host(w)
     assert picked.logits is None and head_tokens(picked, w) == want == head_tokens(head, w)
     assert want[0] != int(logits[6].argmax()) and want[4] != int(logits[3].argmax())
-    assert not picked_on_device(window_of(params + [SamplingRow(0.7, 20, 1.0, 0.0, 0.1)]))
     # no row with a filter: every row in one pick_unfiltered call, the greedy ones too
     plain = [params[1], params[3], params[4], SamplingRow(1.1, 0, 1.0, 0.0, 0.2)]
     head = HeadOutput(logits, logits.argmax(-1), rows=[5, 0, 3, 5])

@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 # two groups of about the same time under the interpreter (~10 s each on a CPU)
 KERNEL_TESTS = [["tests/test_attention_triton.py", "tests/test_attention_chunk.py",
-                 "tests/test_sampling_triton.py"],
+                 "tests/test_sampling_triton.py", "tests/test_sampling_sorted_triton.py"],
                 ["tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py",
                  "tests/test_batch_invariance.py"]]
 CASES = "cpu and not 512 and not 100 and not bm4"

@@ -2,7 +2,7 @@
 row with a temperature, the filters of --filters on each.
 
   python tools/sampling_cost.py [--device cuda] [--rows 1,8,64] [--vocab 49152]
-                                [--filters none|all] [--iters 5]
+                                [--filters none|top-k|top-p|min-p|all] [--iters 5]
 
 Prints the median milliseconds per window of
   sample_row   one row at a time, each row's logits to the host (what head_tokens did)
@@ -26,6 +26,9 @@ from strata.coordinator.sampling import draw_uniform
 from strata.kernels.sampling import SamplingRow, sample_row, sample_rows, sample_rows_on_device
 
 FILTERS = {"none": dict(top_k=0, top_p=1.0, min_p=0.0),
+           "top-k": dict(top_k=20, top_p=1.0, min_p=0.0),
+           "top-p": dict(top_k=0, top_p=0.9, min_p=0.0),
+           "min-p": dict(top_k=0, top_p=1.0, min_p=0.05),
            "all": dict(top_k=50, top_p=0.9, min_p=0.05)}
 
 

@@ -14,8 +14,9 @@ interval when one token's probability differs.
 `sample_row` is the reference: one row, its arithmetic in float64 on the CPU. `sample_rows`
 samples a window's rows: on the CPU it is sample_row row by row (the same tokens, bit for
 bit); on CUDA `sample_rows_on_device` keeps the logits on the device and copies only the
-picks to the host, and a row that keeps every token is picked by one Triton kernel
-(`pick_unfiltered`, kernels/sampling_triton.py).
+picks to the host: a row that keeps every token is picked by one Triton kernel
+(`pick_unfiltered`, kernels/sampling_triton.py), the others by a sort and one more
+(`_sample_sorted`, kernels/sampling_sorted_triton.py).
 """
 from dataclasses import dataclass
 
@@ -72,40 +73,17 @@ def _descending(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.T
     return candidates[order], values[order]
 
 
-# On CUDA, a row with top_k in 1..HOST_TOP_K goes to sample_row (only its k candidates leave
-# the device: ~0.4 ms a row on an H200 host) and the others are sampled together on the device
-# (~1.4 ms for 1 to 64 rows): a row's path follows its own parameters, never the window's.
-HOST_TOP_K = 256
-
-
-def on_host(row: SamplingRow) -> bool:
-    """Whether sample_rows takes the row to the host on CUDA (a top-k of 1..HOST_TOP_K)."""
-    return 0 < row.top_k <= HOST_TOP_K
-
-
 def sample_rows(logits: torch.Tensor, rows: list[SamplingRow],
                 on_device: bool | None = None) -> list[int]:
     """logits: [N, V] with N >= len(rows); row i of logits is sampled with rows[i]. With
-    on_device (the default on CUDA) the rows without a small top_k are sampled together on
-    the logits' device (sample_rows_on_device) and their picks leave it in one copy; the
-    others (0 < top_k <= HOST_TOP_K), and every row without on_device, go to sample_row."""
+    on_device (the default on CUDA) the rows are sampled together on the logits' device
+    (sample_rows_on_device) and their picks leave it in one copy; without, each row goes to
+    sample_row."""
     if not rows:
         return []
-    if not (logits.is_cuda if on_device is None else on_device):
-        return [sample_row(logits[i], r) for i, r in enumerate(rows)]
-    host = [i for i, r in enumerate(rows) if on_host(r)]
-    if not host:
+    if logits.is_cuda if on_device is None else on_device:
         return sample_rows_on_device(logits, rows).tolist()
-    hosted = set(host)
-    picks = [sample_row(logits[i], rows[i]) if i in hosted else None
-             for i in range(len(rows))]
-    rest = [i for i, p in enumerate(picks) if p is None]
-    if rest:
-        index = to_device(rest, logits.device)
-        for i, token in zip(rest, sample_rows_on_device(logits[index],
-                                                        [rows[i] for i in rest]).tolist()):
-            picks[i] = token
-    return picks
+    return [sample_row(logits[i], r) for i, r in enumerate(rows)]
 
 
 def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -208,21 +186,44 @@ def pick_unfiltered_torch(x: torch.Tensor, temperature: torch.Tensor,
 
 
 def _sample_sorted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """sample_rows_on_device through a sort of each row: the filters rank the tokens."""
-    n, vocab = len(rows), logits.shape[-1]
-    device = logits.device
+    """sample_rows_on_device through a sort of each row, for sampled rows (temperature > 0):
+    the filters rank the tokens. On CUDA the filters and the pick after the sort are one
+    Triton kernel (kernels/sampling_sorted_triton.py: the same arithmetic); elsewhere
+    pick_sorted_torch."""
+    n = len(rows)
     params = to_device(torch.tensor([[r.temperature, r.top_k, r.top_p, r.min_p, r.u]
                                      for r in rows], dtype=torch.float64).reshape(n, 5).T,
-                       device)                                        # [5, n]: one copy
-    temperature, top_k, top_p, min_p, u = params[:, :, None]          # each [n, 1]
-    x = logits[:n]
-    greedy = x.argmax(-1)                                             # first index of the max
+                       logits.device)                                 # [5, n]: one copy
     # ties by token id; + 0.0 makes -0.0 a +0.0, so a radix sort ties them as the CPU's does
-    values, order = torch.sort(x + 0.0, dim=-1, descending=True, stable=True)
-    col = torch.arange(vocab, device=device)                          # [V]
+    values, order = torch.sort(logits[:n] + 0.0, dim=-1, descending=True, stable=True)
+    if logits.is_cuda:
+        from strata.kernels.sampling_sorted_triton import pick_sorted_triton
+        return pick_sorted_triton(values, order, params)
+    return pick_sorted_torch(values, order, params)
+
+
+def pick_sorted_torch(values: torch.Tensor, order: torch.Tensor,
+                      params: torch.Tensor) -> torch.Tensor:
+    """_sample_sorted's picks [n] after the sort, in torch operations on any device (the
+    Triton kernel's reference): rows sorted by logit descending, ties by token id (values
+    [n, V], their token ids order), params [5, n] float64 (temperature, top_k, top_p, min_p,
+    u; every temperature above 0)."""
+    scaled, keep = kept_columns_torch(values, params)
+    col = torch.arange(values.shape[-1], device=values.device)
+    # the Gumbel-max pick among the kept columns
+    pick = _gumbel_pick(scaled.masked_fill(col >= keep, float("-inf")), order, params[4, :, None])
+    return order.gather(1, pick).squeeze(1)
+
+
+def kept_columns_torch(values: torch.Tensor,
+                       params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For sorted rows as pick_sorted_torch takes them: their scaled logits [n, V] (float64,
+    -inf past the top-k) and how many first columns the filters keep, [n, 1]."""
+    vocab = values.shape[-1]
+    temperature, top_k, top_p, min_p, _ = params[:, :, None]          # each [n, 1]
+    col = torch.arange(vocab, device=values.device)                   # [V]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()   # [n, 1]
-    scaled = values.double() / torch.where(temperature > 0, temperature, 1.0)
-    scaled = scaled.masked_fill(col >= k, float("-inf"))              # past the top-k
+    scaled = (values.double() / temperature).masked_fill(col >= k, float("-inf"))
     e = torch.exp(scaled - scaled[:, :1])                             # the max is column 0
     probs = e / _pairwise_sum(e)
     cum = _prefix_sums(probs)
@@ -232,11 +233,7 @@ def _sample_sorted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     keep = torch.where(top_p < 1.0, torch.minimum(k, first + 1), k)
     # min-p: the tokens of probability >= min_p times the top one's (at least one)
     above = (probs >= min_p * probs[:, :1]).sum(-1, keepdim=True).clamp(min=1)
-    keep = torch.where(min_p > 0.0, torch.minimum(keep, above), keep)
-    # the Gumbel-max pick among the kept columns
-    pick = _gumbel_pick(scaled.masked_fill(col >= keep, float("-inf")), order, u)
-    sampled = order.gather(1, pick).squeeze(1)
-    return torch.where(temperature.squeeze(1) > 0, sampled, greedy)
+    return scaled, torch.where(min_p > 0.0, torch.minimum(keep, above), keep)
 
 
 # splitmix64's constants, as int64 (two's complement)

@@ -29,6 +29,18 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
+@triton.jit
+def gumbel_noise(key, ids, GOLDEN: tl.constexpr, MIX1: tl.constexpr, MIX2: tl.constexpr):
+    """sampling.py's gumbel_noise (float64) for the draw's bits `key` (uint64) and token ids:
+    splitmix64 of the two, its top 52 bits a uniform in (0, 1), then -log(-log(.))."""
+    z = key ^ ((ids.to(tl.uint64) + 1) * GOLDEN)
+    z = (z ^ (z >> 30)) * MIX1
+    z = (z ^ (z >> 27)) * MIX2
+    z = z ^ (z >> 31)
+    v = ((z >> 12).to(tl.float64) + 0.5) * 2.220446049250313e-16   # 2**-52
+    return -tl.log(-tl.log(v))
+
+
 # Strides and the temperature, draw and row pointers are not specialised on: each caller's
 # layout (a row of (index, temperature, draw), a [2, n] or an [n, 2] block) would otherwise
 # compile a kernel of its own, some only for an odd n. So one kernel per logits dtype, with
@@ -67,13 +79,7 @@ def _pick_part(x_ptr, stride_x, rows_ptr, stride_r, t_ptr, stride_t, u_ptr, stri
         m_at = tl.min(tl.where((finite == m) & inside, cols, big), 0)
         top_at = tl.where((m > top) | (top_at == big), m_at, top_at)
         top = tl.maximum(top, m)
-        # the noise: splitmix64 of the draw's bits and the token id (gumbel_noise)
-        z = key ^ ((cols.to(tl.uint64) + 1) * GOLDEN)
-        z = (z ^ (z >> 30)) * MIX1
-        z = (z ^ (z >> 27)) * MIX2
-        z = z ^ (z >> 31)
-        v = ((z >> 12).to(tl.float64) + 0.5) * 2.220446049250313e-16   # 2**-52
-        score = x.to(tl.float64) / divisor - tl.log(-tl.log(v))
+        score = x.to(tl.float64) / divisor + gumbel_noise(key, cols, GOLDEN, MIX1, MIX2)
         score = tl.where((score != score) | ~inside, float("-inf"), score)
         s = tl.max(score, 0)
         s_at = tl.min(tl.where((score == s) & inside, cols, big), 0)
@@ -141,12 +147,17 @@ def pick_unfiltered_triton(x: torch.Tensor, temperature: torch.Tensor, u: torch.
 
 
 def compile_picks(vocab: int, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
-    """Compile the kernels for logits of each dtype, with and without rows, so that no request
-    waits for a compilation (a last stage's warm-up: fp32 head logits, the drafter's in the
-    model's dtype)."""
+    """Compile the kernels for logits of each dtype (these, with and without rows, and the
+    pick of sorted rows: kernels/sampling_sorted_triton.py), so that no request waits for a
+    compilation (a last stage's warm-up: fp32 head logits, the drafter's in the model's
+    dtype)."""
+    from strata.kernels.sampling_sorted_triton import pick_sorted_triton
     t = torch.full((1,), 0.7, dtype=torch.float64, device=device)
     u = torch.full((1,), 0.5, dtype=torch.float64, device=device)
+    params = torch.tensor([[0.7], [0.0], [0.9], [0.0], [0.5]], dtype=torch.float64,
+                          device=device)
     for dtype in dtypes:
         x = torch.zeros(1, vocab, dtype=dtype, device=device)
         pick_unfiltered_triton(x, t, u)
         pick_unfiltered_triton(x, t, u, rows=torch.zeros(1, dtype=torch.float64, device=device))
+        pick_sorted_triton(x, torch.arange(vocab, device=device)[None], params)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.kernels.sampling import (SamplingRow, filtered, on_host, pick_unfiltered,
-                                     sample_rows, sample_rows_on_device, to_device)
+from strata.kernels.sampling import (SamplingRow, filtered, pick_unfiltered, sample_rows,
+                                     sample_rows_on_device, to_device)
 from strata.protocol.messages import Window
 
 
@@ -26,8 +26,8 @@ class HeadOutput:
         sample_rows_on_device, as sample_rows on CUDA; where none has top-k, top-p or min-p,
         pick_unfiltered for every row in one call), and copied without waiting into
         pinned host memory (read them once the device is past this point); the logits are
-        dropped. For a window picked_on_device allows. Nothing here waits for the device:
-        the indices and parameters go to it from pinned memory too."""
+        dropped. Nothing here waits for the device: the indices and parameters go to it from
+        pinned memory too."""
         params = row_params(w)
         tempered = [j for j, p in enumerate(params) if p.temperature > 0.0]   # into self.rows
         tokens, rows = self.argmax, self.rows
@@ -50,12 +50,6 @@ class HeadOutput:
         host = torch.empty(tokens.shape, dtype=torch.long, pin_memory=tokens.is_cuda)
         host.copy_(tokens, non_blocking=tokens.is_cuda)
         return HeadOutput(None, host, rows)
-
-
-def picked_on_device(w: Window) -> bool:
-    """Whether the device can pick every sampled row's token (tokens_to_host): each is greedy
-    or not one sample_rows takes to the host."""
-    return all(p.temperature <= 0.0 or not on_host(p) for p in row_params(w))
 
 
 def row_params(w: Window) -> list[SamplingRow]:

@@ -25,7 +25,7 @@ from strata.protocol.peers import PeerWatch
 from strata.stage_worker.checks import RowError, check_window
 from strata.stage_worker.config import WorkerConfig
 from strata.stage_worker.drafter import Drafter
-from strata.stage_worker.head import HeadOutput, head_logits, head_tokens, picked_on_device
+from strata.stage_worker.head import HeadOutput, head_logits, head_tokens
 from strata.stage_worker.link import StageLink
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from strata.stage_worker.runner import WindowRunner
@@ -217,9 +217,9 @@ class StageWorker:
         hidden, head = self.runner.run(inputs, Rows(w.slots, w.positions), chunk=w.chunk,
                                        sample_rows=w.sample_rows, launching=launching)
         # On CUDA, a last stage's tokens are picked on the device behind the window's kernels
-        # (in its GPU span), unless the window wants its logits or a row is sampled on the host
+        # (in its GPU span), unless the window wants its logits
         deferred = (self.model.last and self.model.device.type == "cuda"
-                    and not w.want_logits and picked_on_device(w))
+                    and not w.want_logits)
         if deferred and head is not None:
             head = head.tokens_to_host(w)
         self.trace.gpu_end()
