@@ -94,7 +94,7 @@ def test_prompts_file_mistakes_get_a_sentence(tiny_model, tmp_path, lines, args,
 
 def test_held_out_prompts_with_a_temperature_per_draft_position(tmp_path, no_stage_left):
     """A head that computes its target's distribution (test_mtp's Markov target), held-out
-    prompts, temperature 0.7, coupled and argmax proposals: every arm has the tokens of plain
+    prompts, temperature 0.7 and top-p 0.95, coupled and argmax proposals: every arm has the tokens of plain
     decoding; each coupled proposal is the target's own draw, so every draft position keeps
     nearly all it proposes, while argmax proposals are kept far less; the positions add up to
     the totals, in the output and the JSON."""
@@ -104,14 +104,17 @@ def test_held_out_prompts_with_a_temperature_per_draft_position(tmp_path, no_sta
     out = bench("--model", str(target), "--mtp-head", str(head), "--layer-split", "2",
                 "--devices", "cpu", "--ctx-size", "256", "--batch", "2", "--clients", "2",
                 "--tokens", "24", "--draft-tokens", "3", "--drafter", "mtp",
-                "--draft-sampling", "both", "--temperature", "0.7", "--prompts", str(prompts),
-                "--repeats", "1", "--json-out", str(tmp_path / "d.json"))
+                "--draft-sampling", "both", "--temperature", "0.7", "--top-p", "0.95",
+                "--prompts", str(prompts), "--repeats", "1",
+                "--json-out", str(tmp_path / "d.json"))
     assert out.exit_code == 0, (out.output, out.exception)
     assert "3 request(s) (heldout prompts of" in out.stdout
+    assert "temperature 0.7, top-p 0.95, " in out.stdout
     assert "every request has the same tokens" in out.stdout
     report = json.loads((tmp_path / "d.json").read_text())
     rows = {r["arm"]: r for r in report["results"]}
     assert report["same"] and report["requests"] == 3 and report["temperature"] == 0.7
+    assert (report["top_k"], report["top_p"], report["min_p"]) == (0, 0.95, 0.0)
     assert set(rows) == {"plain", "coupled", "argmax"} and rows["plain"]["positions"] == []
     # the held-out prompts, each as a user message through the model's chat template
     tok = Tokenizer.from_gguf(ModelFile(target).reader)
@@ -154,3 +157,10 @@ def test_a_token_difference_between_the_arms_exits_1(tiny_model, shared_stages, 
     assert out.exit_code == 1, (out.output, out.exception)
     assert "TOKENS DIFFER in drafts" in out.stdout and len(runs) == 3
     assert json.loads((tmp_path / "d.json").read_text())["same"] is False
+
+
+def test_filters_need_a_temperature(tiny_model):
+    out = bench("--model", str(tiny_model), "--top-k", "20")
+    assert out.exit_code != 0 and out.stderr == (
+        "strata-bench drafts: --top-k filter sampled tokens, and greedy requests sample none; "
+        "add --temperature above 0 or leave --top-k out\n")

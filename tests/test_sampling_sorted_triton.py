@@ -135,8 +135,9 @@ def test_cuts_at_exact_boundaries_in_any_block(device):
     reference keeps, and picks within it."""
     vocab = 2600
     x = torch.cat([torch.zeros(2048), torch.full((vocab - 2048,), -60.0)])[None]
-    cases = [(dict(top_p=0.25), 512), (dict(top_p=0.5), 1024), (dict(top_p=0.5 + 2**-11), 1025),
-             (dict(top_p=0.75), 1536), (dict(min_p=1.0), 2048), (dict(min_p=1.0, top_p=0.25), 512),
+    cases = [(dict(top_p=0.25), 512), (dict(top_p=0.5), 1024),
+             (dict(top_p=0.5 + 2**-11), 1025), (dict(top_p=0.75), 1536),
+             (dict(min_p=1.0), 2048), (dict(min_p=1.0, top_p=0.25), 512),
              (dict(top_k=1030), 1030), (dict(top_k=1024, top_p=0.5), 512),
              (dict(top_k=3, min_p=0.5), 3), (dict(min_p=0.99), 2048)]
     rows = [SamplingRow(temperature=1.0, u=draw_uniform(9, i), **kw)

@@ -17,7 +17,8 @@ from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
 from strata.bench import harness
-from strata.bench.harness import chat_prompts, machine, read_prompts, split_option
+from strata.bench.harness import (chat_prompts, filter_options, filters_said, machine,
+                                  read_prompts, sampled, split_option)
 from strata.launch.options import clean_errors, launch_options, prepare
 from strata.model.tokenizer import Tokenizer
 
@@ -79,12 +80,13 @@ def _per_position(counts: list[list[int]], k: int) -> list[int]:
               help="With --prompts: at most this many of its prompts (the first ones).")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0 = greedy; else request i samples with seed 1000 + i in every arm.")
+@filter_options
 @click.option("--repeats", type=int, default=2, show_default=True,
               help="Rounds; each runs every arm, alternating; the best of each is kept.")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @clean_errors("strata-bench drafts")
 def drafts(draft_tokens, draft_sampling, clients, tokens, prompts_file, split, requests,
-           temperature, repeats, json_out, **launch):
+           temperature, top_k, top_p, min_p, repeats, json_out, **launch):
     """Decoding with draft tokens (--drafter mtp: the model's NextN head; lookup: prompt
     lookup) against without, side by side in one launch: total tok/s, windows, drafts
     accepted in all and per draft position; exit 1 if any request's tokens differ between
@@ -97,6 +99,7 @@ def drafts(draft_tokens, draft_sampling, clients, tokens, prompts_file, split, r
     if requests is not None and not prompts_file:
         raise ValueError("--requests takes the first prompts of a --prompts file; without "
                          "one, --clients gives the number of requests")
+    sampled(temperature, top_k, top_p, min_p, 0, tokens)   # refuses bad filters first
     texts = read_prompts(prompts_file, split) if prompts_file else None
     samplings = list(DRAFT_SAMPLINGS) if draft_sampling == "both" else [draft_sampling]
     prep = prepare(**launch, draft_tokens=draft_tokens,   # chooses the drafter, checks k
@@ -106,8 +109,7 @@ def drafts(draft_tokens, draft_sampling, clients, tokens, prompts_file, split, r
         prompts, stop_ids = chat_prompts(tok, texts[:requests]), tok.stop_ids
     else:
         prompts, stop_ids = [tok.encode(t) for t in harness.prompt_set(clients)], frozenset()
-    params = [SamplingParams(temperature=temperature, max_tokens=tokens,
-                             seed=1000 + i if temperature > 0 else None).with_seed()
+    params = [sampled(temperature, top_k, top_p, min_p, i, tokens)
               for i in range(len(prompts))]
     arms = {"plain": replace(prep.sched, draft_tokens=0)}
     for s in samplings:
@@ -115,7 +117,7 @@ def drafts(draft_tokens, draft_sampling, clients, tokens, prompts_file, split, r
     k = prep.sched.draft_tokens
     source = f"{split} prompts of {prompts_file}" if texts else "the bench's prompts"
     click.echo(f"# {len(prompts)} request(s) ({source}), {clients} at a time, up to {tokens} "
-               f"tokens, {'greedy' if temperature <= 0 else f'temperature {temperature}'}, "
+               f"tokens, {filters_said(temperature, top_k, top_p, min_p)}, "
                f"{len(prep.plan)} stage(s), batch {prep.sched.slots}, groups "
                f"{prep.sched.groups}, window rows {prep.sched.window_rows}, up to {k} drafts a "
                f"slot ({prep.sched.drafter}"
@@ -150,7 +152,8 @@ def drafts(draft_tokens, draft_sampling, clients, tokens, prompts_file, split, r
             json.dump({"machine": machine(), "clients": clients, "requests": len(prompts),
                        "prompt_tokens": sum(len(p) for p in prompts), "prompts": prompts_file,
                        "split": split if texts else None, "tokens": tokens,
-                       "temperature": temperature, "draft_tokens": k,
+                       "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                       "min_p": min_p, "draft_tokens": k,
                        "drafter": prep.sched.drafter, "draft_sampling": draft_sampling,
                        "results": list(best.values()), "same": not differ}, f, indent=2)
     sys.exit(1 if differ else 0)

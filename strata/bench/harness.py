@@ -43,6 +43,48 @@ split_option = click.option("--split", type=click.Choice(SPLITS), default="heldo
                             help="Which lines of --prompts to take (all: every line).")
 
 
+def filter_options(command):
+    """--top-k, --top-p and --min-p: the filters of every sampled request (with
+    --temperature), as the command's top_k, top_p and min_p."""
+    for option in reversed([
+            click.option("--top-k", type=int, default=0, show_default=True,
+                         help="With --temperature: keep each step's K likeliest tokens "
+                              "(0 = off)."),
+            click.option("--top-p", type=float, default=1.0, show_default=True,
+                         help="With --temperature: keep the likeliest tokens whose mass "
+                              "reaches P (1 = off)."),
+            click.option("--min-p", type=float, default=0.0, show_default=True,
+                         help="With --temperature: keep tokens at least P times the likeliest "
+                              "one's probability (0 = off).")]):
+        command = option(command)
+    return command
+
+
+def sampled(temperature: float, top_k: int, top_p: float, min_p: float, index: int,
+            max_tokens: int) -> SamplingParams:
+    """The parameters of a bench's request `index`: greedy at temperature 0, else sampled
+    with the filters and seed 1000 + index. Filters without a temperature, or out of range,
+    are refused with a sentence (ValueError)."""
+    filters = {"--top-k": top_k != 0, "--top-p": top_p != 1.0, "--min-p": min_p != 0.0}
+    if temperature <= 0 and any(filters.values()):
+        given = ", ".join(name for name, on in filters.items() if on)
+        raise ValueError(f"{given} filter sampled tokens, and greedy requests sample none; "
+                         f"add --temperature above 0 or leave {given} out")
+    if temperature <= 0:
+        return SamplingParams(max_tokens=max_tokens)
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          seed=1000 + index, max_tokens=max_tokens)
+
+
+def filters_said(temperature: float, top_k: int, top_p: float, min_p: float) -> str:
+    """"greedy", or "temperature T" and the filters that are on, for a bench's header."""
+    if temperature <= 0:
+        return "greedy"
+    return f"temperature {temperature}" + "".join(
+        f", {name} {value}" for name, value, off in
+        [("top-k", top_k, 0), ("top-p", top_p, 1.0), ("min-p", min_p, 0.0)] if value != off)
+
+
 def read_prompts(path: str, split: str) -> list[str]:
     """The prompts of a JSONL file whose lines are {"prompt": TEXT, "split": "train" |
     "heldout"} (strata-train-mtp --write-prompts writes it; strata.train.prompts reads it):
@@ -186,13 +228,7 @@ class Workload:
     min_p: float = 0.0
 
     def __post_init__(self):
-        filters = {"--top-k": self.top_k != 0, "--top-p": self.top_p != 1.0,
-                   "--min-p": self.min_p != 0.0}
-        if self.temperature <= 0 and any(filters.values()):
-            given = ", ".join(name for name, on in filters.items() if on)
-            raise ValueError(f"{given} filter sampled tokens, and greedy requests sample none; "
-                             f"add --temperature above 0 or leave {given} out")
-        self.params(0, 1)   # the filters' ranges, checked once here
+        self.params(0, 1)   # filters without a temperature or out of range: refused here
 
     def prompts(self, tok, clients: int, offset: int = 0) -> list[tuple[int, list[int]]]:
         """(seed index, prompt) of each of `clients` requests."""
@@ -204,11 +240,8 @@ class Workload:
         return [(i, tok.encode(text)) for i, text in enumerate(prompt_set(clients))]
 
     def params(self, index: int, max_tokens: int) -> SamplingParams:
-        if self.temperature <= 0:
-            return SamplingParams(max_tokens=max_tokens)
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, min_p=self.min_p, seed=1000 + index,
-                              max_tokens=max_tokens)
+        return sampled(self.temperature, self.top_k, self.top_p, self.min_p, index,
+                       max_tokens)
 
 
 def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,

@@ -32,7 +32,8 @@ from click.core import ParameterSource
 
 from strata.coordinator.scheduler import SchedulerConfig, auto_groups
 from strata.bench import harness, tracereport
-from strata.bench.harness import (Workload, chat_prompts, machine, read_prompts,
+from strata.bench.harness import (Workload, chat_prompts, filter_options, filters_said,
+                                  machine, read_prompts,
                                   split_option)
 from strata.launch.options import (Prepared, clean_errors, launch_options, open_model,
                                    parse_devices_for, prepare)
@@ -309,14 +310,7 @@ def plot(path: str, rows: list[dict], title: str, peer: dict | None = None) -> N
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0 = greedy; above 0, every request samples at this temperature, seeded "
                    "by its prompt's place.")
-@click.option("--top-k", type=int, default=0, show_default=True,
-              help="With --temperature: keep each step's K likeliest tokens (0 = off).")
-@click.option("--top-p", type=float, default=1.0, show_default=True,
-              help="With --temperature: keep the likeliest tokens whose mass reaches P "
-                   "(1 = off).")
-@click.option("--min-p", type=float, default=0.0, show_default=True,
-              help="With --temperature: keep tokens at least P times the likeliest one's "
-                   "probability (0 = off).")
+@filter_options
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG: decode, prompt + generated and generated tok/s against "
@@ -390,9 +384,7 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, prompts_file, split, t
                                    for lay in layouts if set(lay.modes) & set(DRAFTED)}}
     prompts = (f"{len(pool)} {split} prompts of {prompts_file}" if pool else
                f"{prompt_tokens}-token prompts" if prompt_tokens else "the harness's prompts")
-    sampling = "greedy" if temperature <= 0 else f"temperature {temperature}" + "".join(
-        f", {name} {value}" for name, value, off in
-        [("top-k", top_k, 0), ("top-p", top_p, 1.0), ("min-p", min_p, 0.0)] if value != off)
+    sampling = filters_said(temperature, top_k, top_p, min_p)
     drafts = conditions["draft_tokens"]
     click.echo(f"# {model}, {prompts}, {tokens} tokens per client, {sampling}, "
                f"batch {launch['batch']}, "
