@@ -80,7 +80,6 @@ def test_batched_sampler_picks_sample_rows_tokens(device, window):
     logits = logits.to(device)
     want = reference(logits, rows)
     assert sample_rows(logits, rows) == want
-    assert sample_rows(logits, rows, on_device=True) == want   # CUDA's split, any device
     assert sample_rows_on_device(logits, rows).tolist() == want
 
 
@@ -207,7 +206,6 @@ def test_nan_infinite_and_signed_zero_logits_give_sample_rows_tokens(values, dev
     block = logits.expand(len(rows), -1)
     assert sample_rows_on_device(block, rows).tolist() == reference(block, rows)
     assert sample_rows(block, rows) == reference(block, rows)
-    assert sample_rows(block, rows, on_device=True) == reference(block, rows)
 
 
 def window_of(params: list[SamplingRow]) -> Window:

@@ -73,15 +73,13 @@ def _descending(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.T
     return candidates[order], values[order]
 
 
-def sample_rows(logits: torch.Tensor, rows: list[SamplingRow],
-                on_device: bool | None = None) -> list[int]:
-    """logits: [N, V] with N >= len(rows); row i of logits is sampled with rows[i]. With
-    on_device (the default on CUDA) the rows are sampled together on the logits' device
-    (sample_rows_on_device) and their picks leave it in one copy; without, each row goes to
-    sample_row."""
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """logits: [N, V] with N >= len(rows); row i of logits is sampled with rows[i]. On CUDA
+    the rows are sampled together on the device (sample_rows_on_device) and their picks
+    leave it in one copy; elsewhere each row goes to sample_row."""
     if not rows:
         return []
-    if logits.is_cuda if on_device is None else on_device:
+    if logits.is_cuda:
         return sample_rows_on_device(logits, rows).tolist()
     return [sample_row(logits[i], r) for i, r in enumerate(rows)]
 
