@@ -39,14 +39,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def window(id, rows, *, sample=(), propose=(), commits=(), chunk=False, t=0.0) -> Window:
+def window(id, rows, *, sample=(), propose=(), commits=(), chunk=False, t=0.0, top_k=0,
+           top_p=1.0) -> Window:
     """rows: (slot, position, token) triples; sample: rows sampled greedily, or with
-    temperature t, draws made up from the positions and coupled proposals asked for."""
+    temperature t (and top_k, top_p), draws made up from the positions and coupled proposals
+    asked for."""
     n = len(sample)
     draws = [(7 * rows[i][1] % 10 + 0.5) / 10 if t else 0.0 for i in sample]
     return Window(id, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
                   commits=[list(c) for c in commits], sample_rows=list(sample),
-                  temperature=[t] * n, top_k=[0] * n, top_p=[1.0] * n, min_p=[0.0] * n,
+                  temperature=[t] * n, top_k=[top_k] * n, top_p=[top_p] * n, min_p=[0.0] * n,
                   u=draws, chunk=chunk, propose=[list(p) for p in propose],
                   propose_u=[[(3 * j % 10 + 0.5) / 10 for j in range(k)] for _, k in propose]
                   if t else [])
@@ -389,15 +391,16 @@ def in_process(model: Path, mtp_head: Path | None = None, device: str = "cpu"):
                              device=device, mtp_head=str(mtp_head) if mtp_head else None)
 
 
-def conversation(ask, t: float = 0.0) -> list[Result]:
+def conversation(ask, t: float = 0.0, **filters) -> list[Result]:
     """A prompt asking for 3 proposals, a decode window of two (fixed) drafts asking for 2,
-    and a decode window that asks for none; greedy, or sampled at t (coupled proposals)."""
+    and a decode window that asks for none; greedy, or sampled at t (coupled proposals), with
+    filters (window's top_k, top_p)."""
     prompt = [(0, p, t) for p, t in enumerate([72, 101, 108, 108, 111])]
     a = ask(window(1, prompt, sample=[4], propose=[(0, 3)], commits=[(0, 0)], chunk=True,
-                   t=t))
+                   t=t, **filters))
     b = ask(window(2, [(0, 5, a.tokens[0]), (0, 6, 1), (0, 7, 2)], sample=[0, 1, 2],
-                   propose=[(0, 2)], t=t))
-    c = ask(window(3, [(0, 6, b.tokens[0])], sample=[0], commits=[(0, 6)], t=t))
+                   propose=[(0, 2)], t=t, **filters))
+    c = ask(window(3, [(0, 6, b.tokens[0])], sample=[0], commits=[(0, 6)], t=t, **filters))
     return [a, b, c]
 
 
@@ -480,15 +483,16 @@ def test_on_cuda_graphs_the_drafter_reads_each_windows_own_hidden_states(models)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("t", [0.0, 0.8], ids=["greedy", "coupled"])
-def test_on_cuda_the_drafters_graphs_propose_what_it_does_eagerly(models, t):
+@pytest.mark.parametrize("t,filters", [(0.0, {}), (0.8, {}), (0.8, {"top_k": 12, "top_p": 0.9})],
+                         ids=["greedy", "coupled", "filtered"])
+def test_on_cuda_the_drafters_graphs_propose_what_it_does_eagerly(models, t, filters):
     """The drafter's steps replayed from graphs (captured per row count) give the proposals
     of the same steps run eagerly at the same padded shapes, window for window; coupled, the
-    picks with the draws inside the head's graph too."""
+    picks with the draws (and filters) inside the head's graph too."""
     def drive(graph_cache: int) -> list:
         with in_process_worker(models["nextn"], Stage, layer_end=TINY.n_layers, slots=2,
                                ctx=CTX, device="cuda:0", graph_cache=graph_cache) as stage:
-            return [(r.tokens, r.proposals) for r in conversation(stage.ask, t)]
+            return [(r.tokens, r.proposals) for r in conversation(stage.ask, t, **filters)]
 
     graphed = drive(16)
     assert graphed == drive(0)

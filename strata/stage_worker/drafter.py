@@ -31,17 +31,18 @@ of P_0 - 1 and the `ready` row only if it is the row of P_0 with the same token.
 
 Coupled proposals (a slot that samples with a temperature, when the window sends draws for it
 in `propose_u`): the proposal for position q is the target's own sampler
-(strata/kernels/sampling.py: for a slot without top-k, top-p or min-p, pick_unfiltered inside
-the head's graph; else sample_rows_on_device after it; no step waits for the host) over the
-head's logits with the slot's temperature, top-k, top-p and
-min-p and the uniform u(q) = Philox(seed, q) that the target will sample q with: the window's
-own draws (its sampled row at p carries u(p + 1)), then propose_u's k draws for the positions
-after its last row's. The sampler's pick is Gumbel-max with noise keyed by (u, token id): two
-distributions sampled with one u pick the same token about as often as any coupling of them
-can (1 - their total variation, less a little), far more often than the target's draw
-equals the head's argmax, and equality acceptance does not change: the tokens stay those of plain decoding, only more proposals are
-kept. Greedy slots, windows without draws (older coordinators, `--draft-sampling argmax`) and
-a position whose draw is not known take the argmax.
+(strata/kernels/sampling.py) over the head's logits with the slot's temperature, top-k, top-p
+and min-p and the uniform u(q) = Philox(seed, q) that the target will sample q with: the
+window's own draws (its sampled row at p carries u(p + 1)), then propose_u's k draws for the
+positions after its last row's. It is picked inside the head's graph, no step waits for the
+host: pick_unfiltered for a slot without top-k, top-p or min-p, else pick_proposals, the same
+filters and pick among the head's most likely tokens (kernels/proposal_pick.py). The
+sampler's pick is Gumbel-max with noise keyed by (u, token id): two distributions sampled
+with one u pick the same token about as often as any coupling of them can (1 - their total
+variation, less a little), far more often than the target's draw equals the head's argmax,
+and equality acceptance does not change: the tokens stay those of plain decoding, only more
+proposals are kept. Greedy slots, windows without draws (older coordinators,
+`--draft-sampling argmax`) and a position whose draw is not known take the argmax.
 """
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ import torch.nn.functional as F
 
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS
-from strata.kernels.sampling import (SamplingRow, filtered, pick_unfiltered,
-                                     sample_rows_on_device, to_device)
+from strata.kernels.proposal_pick import pick_proposals
+from strata.kernels.sampling import SamplingRow, filtered, pick_unfiltered, to_device
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.messages import Window
@@ -191,16 +192,8 @@ class Drafter:
                 x = self._rows([asks[a][0] for a in live], [asks[a][2] + i - 1 for a in live],
                                d[index], x[index])
             rows = [asks[a][3].row(asks[a][2] + i) if asks[a][3] else None for a in live]
-            vocab = self.head.shape[0]
-            sorts = [j for j, r in enumerate(rows) if r is not None and filtered(r, vocab)]
-            plain = [r if r is not None and not filtered(r, vocab) else None for r in rows]
-            # logits: valid until the next step; d: the argmax, or picked with the draws where
-            # the row keeps every token (in the head's graph)
-            logits, d = self._head(x, plain if any(plain) else None)
-            if sorts:   # filtered rows: the sampler's sort, on the device: nothing waits
-                index = to_device(sorts, self.device)
-                d = d.index_copy(0, index, sample_rows_on_device(
-                    logits[index], [rows[j] for j in sorts]))
+            # d: the argmax, or the pick with the slot's draw and filters (in the head's graph)
+            d = self._head(x, rows if any(rows) else None)[1]
             drafts.append((live, d))
         out_lists = [[s] for s, _, _, _ in asks]
         for live_i, d in drafts:
@@ -227,17 +220,25 @@ class Drafter:
     def _head(self, x: torch.Tensor, draws: list[SamplingRow | None] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [N, V], proposals [N]) of the block's outputs x [N, D]: the argmax, or
-        where draws[j] is a SamplingRow (one that keeps every token), the sampler's pick
-        with its temperature and u (pick_unfiltered). The logits are valid until the next
-        step (a graph's buffer), the proposals a copy."""
+        where draws[j] is a SamplingRow, the sampler's pick with its temperature, filters and
+        u (pick_unfiltered for a row that keeps every token; pick_proposals, among the most
+        likely tokens, for one with top-k, top-p or min-p). The logits are valid until the
+        next step (a graph's buffer), the proposals a copy."""
+        vocab = self.head.shape[0]
         outs = []
         for i in range(0, x.shape[0], MAX_DECODE_ROWS):
             block = slice(i, i + MAX_DECODE_ROWS)
-            if draws is None:
+            rows = draws[block] if draws else []
+            if not any(rows):
                 logits, d = self._graphed("head", self._head_rows, x[block])
+            elif any(r is not None and filtered(r, vocab) for r in rows):
+                params = torch.tensor([[r.temperature, r.top_k, r.top_p, r.min_p, r.u] if r
+                                       else [0.0] * 5 for r in rows], dtype=torch.float64)
+                logits, d = self._graphed("filtered", self._filtered_rows, x[block],
+                                          to_device(params, self.device))
             else:
                 params = torch.tensor([[r.temperature, r.u] if r else [0.0, 0.0]
-                                       for r in draws[block]], dtype=torch.float64)
+                                       for r in rows], dtype=torch.float64)
                 logits, d = self._graphed("coupled", self._coupled_rows, x[block],
                                           to_device(params, self.device))
             outs.append((logits, d.clone()))
@@ -263,6 +264,18 @@ class Drafter:
         """_head_rows with the picks of pick_unfiltered: params [N, 2] = (temperature, u)."""
         logits = F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
         return logits, pick_unfiltered(logits, params[:, :1], params[:, 1:])
+
+    def _filtered_rows(self, x: torch.Tensor,
+                       params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """_head_rows with the picks of a window where some rows filter: params [N, 5] =
+        (temperature, top_k, top_p, min_p, u); those rows take pick_proposals, the others
+        pick_unfiltered (a temperature of 0: the argmax)."""
+        logits = F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
+        vocab = logits.shape[-1]
+        temperature, top_k, top_p, min_p = params[:, :4].T
+        cuts = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0) | (min_p > 0.0)
+        every = pick_unfiltered(logits, params[:, :1], params[:, 4:])
+        return logits, torch.where(cuts, pick_proposals(logits, params), every)
 
     def _graphed(self, name: str, fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """fn(*inputs) of n <= MAX_DECODE_ROWS rows: on the CPU as given; on CUDA at the
