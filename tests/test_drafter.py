@@ -171,16 +171,19 @@ class Run:
         return [(None if p in self.zeros[s] else self.hidden[s][p - 1], self.tokens[s][p])
                 for p in range(1, self.top[s] + 1)]
 
-    def decode(self, check, k: int, drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+    def decode(self, check, k: int | dict[int, int],
+               drafts: dict[int, list[int]]) -> dict[int, list[int]]:
         """One decode window: slot s's rows are its next token then drafts[s]; all sampled;
-        each slot asks for k proposals. Commits drop the rows a slot rejected last time."""
+        each slot asks for k proposals (or k[s]). Commits drop the rows a slot rejected last
+        time."""
+        ks = k if isinstance(k, dict) else dict.fromkeys(drafts, k)
         rows, commits = [], []
         for s, d in drafts.items():
             length = self.top[s]     # the row of the next token goes at top
             commits.append((s, length))
             rows += [(s, length + j, t) for j, t in enumerate([self.tokens[s][length]] + d)]
         _, proposals = self.step(rows, sample=range(len(rows)), commits=commits,
-                                 propose=[(s, k) for s in drafts], check=check)
+                                 propose=[(s, ks[s]) for s in drafts], check=check)
         return {p[0]: p[1:] for p in proposals}
 
 
@@ -222,6 +225,10 @@ def test_drafter_matches_a_full_recompute(models):
     for accept, wrong, k in ((2, 1, 3), (0, 2, 1), (3, 0, 2), (1, 1, 3)):
         run.decode(ref, k, {0: drafts(0, true0, accept, wrong), 1: drafts(1, true1, wrong, 1)})
     run.decode(ref, 7, {0: [], 1: []})
+    # slots asking for different numbers of proposals (chained together, the shorter
+    # chain's later rows are pad rows)
+    run.decode(ref, {0: 1, 1: 4}, {0: drafts(0, true0, 1, 0), 1: drafts(1, true1, 0, 1)})
+    run.decode(ref, {0: 3, 1: 2}, {0: drafts(0, true0, 0, 1), 1: drafts(1, true1, 1, 0)})
     assert run.accepted >= 6 and run.rejected >= 6, (run.accepted, run.rejected)
 
     # slot 1's request ends; a follow-up keeps its 7 prompt tokens and reads 4 more: the
@@ -250,7 +257,8 @@ def test_drafter_matches_a_full_recompute(models):
 
 def test_a_chunk_of_more_rows_than_a_decode_window(models):
     """A 100-row prompt chunk gives 100 NextN rows, taken in decode windows of 64 rows: the
-    second block reads the first's KV; its proposals near the context's end stop there."""
+    second block reads the first's KV; its proposals near the context's end stop there, while
+    another slot's, chained beside them, go on."""
     ctx = 104
     file = ModelFile(models["nextn"])
     ref, run = Reference(file, ctx), Run(models["nextn"], ctx=ctx)
@@ -259,8 +267,12 @@ def test_a_chunk_of_more_rows_than_a_decode_window(models):
     _, proposals = run.step([(0, p, t) for p, t in enumerate(prompt)], sample=[99],
                             propose=[(0, 7)], chunk=True)
     assert proposals == [[0] + ref.propose(run.inputs(0), 3)], proposals
-    _, proposals = run.step([(0, 100, run.tokens[0][100])], sample=[0], propose=[(0, 7)])
-    assert proposals == [[0] + ref.propose(run.inputs(0), 2)], proposals
+    other = [40, 41, 300, 12, 99]
+    run.step([(1, p, t) for p, t in enumerate(other)], sample=[4], chunk=True)
+    _, proposals = run.step([(0, 100, run.tokens[0][100]), (1, 5, run.tokens[1][5])],
+                            sample=[0, 1], propose=[(0, 7), (1, 7)])
+    assert proposals == [[0] + ref.propose(run.inputs(0), 2),
+                         [1] + ref.propose(run.inputs(1), 7)], proposals
     _, k, v = ref.rows(run.inputs(0))
     torch.testing.assert_close(run.drafter.cache.k[0][0, :, :101].transpose(0, 1).double(), k,
                                rtol=1e-4, atol=1e-4)
