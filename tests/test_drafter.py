@@ -19,7 +19,7 @@ from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
 from strata.model.nextn import find_head
 from strata.protocol.messages import Result, Window
-from strata.stage_worker.drafter import Drafter
+from strata.stage_worker.drafter import Drafter, _pad_rows
 from strata.stage_worker.model import KVCache, Rows, StageModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -200,11 +200,15 @@ def greedy(path: Path, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-def test_drafter_matches_a_full_recompute(models):
+@pytest.mark.parametrize("rows_per_call", [None, 1], ids=["default", "one-row-calls"])
+def test_drafter_matches_a_full_recompute(models, monkeypatch, rows_per_call):
     """Prompt chunks, decode windows of two slots with drafts partly accepted, commits of the
     rejected rows, and follow-up turns on slot 1 that resume what it holds: every
     proposal equals the reference's, and the NextN KV of each slot's accepted positions the
-    reference's keys and values."""
+    reference's keys and values. With rows_per_call 1 the drafter takes its rows and its
+    slots' chains one per call, as it does past MAX_DECODE_ROWS of them."""
+    if rows_per_call:
+        monkeypatch.setattr("strata.stage_worker.drafter.MAX_DECODE_ROWS", rows_per_call)
     file = ModelFile(models["nextn"])
     ref, run = Reference(file), Run(models["nextn"])
     p0, p1 = [5, 77, 120, 33, 250, 8, 91, 64, 200, 17, 3, 140], [40, 41, 300, 12, 99, 7, 61]
@@ -253,6 +257,15 @@ def test_drafter_matches_a_full_recompute(models):
                                    rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cache.v[0][s, :, :m].transpose(0, 1).double(), v,
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_pad_rows_of_a_graph_are_the_trash_slots_and_take_no_steps():
+    packed = torch.tensor([[1, 0], [5, 9], [6, 10], [3, 2]])   # slot, index, length, steps
+    assert _pad_rows(packed, 2, 7).tolist() == [[1, 0, 7, 7], [5, 9, 0, 0], [6, 10, 0, 0],
+                                                [3, 2, 0, 0]]
+    assert _pad_rows(packed[:3], 1, 7).tolist() == [[1, 0, 7], [5, 9, 0], [6, 10, 0]]
+    x = torch.ones(2, 4, 3)   # rows first: padded with zero rows
+    assert _pad_rows(x, 2, 7).shape == (4, 4, 3) and not _pad_rows(x, 2, 7)[2:].any()
 
 
 def test_a_chunk_of_more_rows_than_a_decode_window(models):
@@ -332,26 +345,31 @@ def gumbel_max(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p: 
     return int(kept[int((logits[kept] / t + noise).argmax())])
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (12, 0.9, 0.05)])
+@pytest.mark.parametrize("top_k,top_p,min_p,t1", [(0, 1.0, 0.0, 0.0), (12, 0.9, 0.05, 0.0),
+                                                   (12, 0.9, 0.05, 3.0)],
+                         ids=["unfiltered", "filtered", "filtered-beside-unfiltered"])
 def test_coupled_proposals_are_the_gumbel_max_pick_at_the_targets_draws(models, top_k, top_p,
-                                                                          min_p):
+                                                                          min_p, t1):
     """Slot 0 samples with a temperature and sends draws: each proposal is the Gumbel-max
     pick of the head's own filtered distribution at the draw of its position (the window's
     own draws first: its sampled row at p carries u(p + 1); then propose_u's). Slot 1 is
-    greedy: the argmax, whatever draws come. Without propose_u (an older coordinator), or
-    with an entry [], slot 0 gets the argmax too."""
+    greedy (t1 0): the argmax, whatever draws come; or samples at t1 without filters, beside
+    slot 0's filtered picks. Without propose_u (an older coordinator), or with an entry [],
+    slot 0 gets the argmax too."""
     t = 0.8
     file = ModelFile(models["nextn"])
     ref = Reference(file)
     def pick(us):   # proposal i at the draw us[i]
         return lambda logits, i: gumbel_max(logits, t, top_k, top_p, min_p, us[i])
+    def pick1(us):   # slot 1's, sampled at t1 without filters
+        return lambda logits, i: gumbel_max(logits, t1, 0, 1.0, 0.0, us[i])
     p0, p1 = [5, 77, 120, 33, 250, 8], [40, 41, 300, 12, 99]
     rows = [(0, p, x) for p, x in enumerate(p0)] + [(1, p, x) for p, x in enumerate(p1)]
 
     def prompt_window(propose_u):
         return Window(1, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-                      sample_rows=[5, 10], temperature=[t, 0.0], top_k=[top_k] * 2,
-                      top_p=[top_p] * 2, min_p=[min_p] * 2, u=[0.3, 0.0],
+                      sample_rows=[5, 10], temperature=[t, t1], top_k=[top_k, 0],
+                      top_p=[top_p, 1.0], min_p=[min_p, 0.0], u=[0.3, 0.5 if t1 else 0.0],
                       propose=[[0, 3], [1, 3]], propose_u=propose_u)
 
     answers = {}
@@ -365,10 +383,11 @@ def test_coupled_proposals_are_the_gumbel_max_pick_at_the_targets_draws(models, 
               + [(hidden[first + len(p) - 1], sampled)]
               for s, first, p, sampled in ((0, 0, p0, 17), (1, 6, p1, 23))}
     greedy = [[s] + ref.propose(inputs[s], 3) for s in (0, 1)]
+    slot1 = [1] + ref.propose(inputs[1], 3, pick1([0.2, 0.4, 0.6])) if t1 else greedy[1]
     assert answers["coupled"] == [[0] + ref.propose(inputs[0], 3, pick([0.93, 0.41, 0.77])),
-                                  greedy[1]], answers
+                                  slot1], answers
     assert answers["coupled"][0] != greedy[0]   # the draws moved the proposals
-    assert answers["argmax"] == answers["entry []"] == greedy, answers
+    assert answers["argmax"] == greedy and answers["entry []"] == [greedy[0], slot1], answers
 
     # a decode window of slot 0 (its token at 6, drafts at 7 and 8, every row sampled): the
     # draft at 7 is kept, the one at 8 is not (the row at 7 samples 99), so the first

@@ -118,9 +118,11 @@ class Drafter:
                            torch.tensor([[0], [1], [1]], device=device))
         # on CUDA with graphs: the block's rows, and the proposals' chain of head and rows,
         # captured per row count (GRAPH_ROWS) when first needed: a replay each, not hundreds
-        # of launches
+        # of launches. They share one memory pool (they run one at a time, and none is
+        # dropped): chains of several lengths and picks reuse one another's memory.
         self.graphs: dict[tuple[str, int], Captured] | None = (
             {} if graphs and device.type == "cuda" else None)
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs is not None else None
 
     def run(self, w: Window, hidden: torch.Tensor, tokens: list[int]) -> list[list[int]]:
         """After window w (its rows, `hidden` [R, D] the main model's final hidden
@@ -175,8 +177,8 @@ class Drafter:
     def _propose(self, w: Window, plan: _Plan, out: torch.Tensor) -> list[list[int]]:
         """Chained proposals from each asked slot's row at P_a + 1: argmax, or coupled (the
         module's docstring) where the window sends the slot's draws. Every step of every
-        slot in one call (_chain: on CUDA one graph replay per MAX_DECODE_ROWS slots), and
-        one copy of their proposals to the host."""
+        slot in one call (_chain: on CUDA one graph replay per MAX_DECODE_ROWS slots), each
+        with one copy of its proposals to the host."""
         asks = []   # (slot, k, position of the token its first proposal follows, coupling)
         couplings = _couplings(w)
         for s, k in w.propose:
@@ -286,7 +288,7 @@ class Drafter:
             return tuple(o[:n] for o in fn(*inputs))
         graph = self.graphs.get((name, size))
         if graph is None:
-            graph = self.graphs[(name, size)] = Captured(fn, list(inputs))
+            graph = self.graphs[(name, size)] = Captured(fn, list(inputs), self.pool)
         return tuple(o[:n] for o in graph(*inputs))
 
 
