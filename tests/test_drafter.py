@@ -19,7 +19,7 @@ from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
 from strata.model.nextn import find_head
 from strata.protocol.messages import Result, Window
-from strata.stage_worker.drafter import Drafter
+from strata.stage_worker.drafter import Drafter, _pad_rows
 from strata.stage_worker.model import KVCache, Rows, StageModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -39,14 +39,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def window(id, rows, *, sample=(), propose=(), commits=(), chunk=False, t=0.0) -> Window:
+def window(id, rows, *, sample=(), propose=(), commits=(), chunk=False, t=0.0, top_k=0,
+           top_p=1.0) -> Window:
     """rows: (slot, position, token) triples; sample: rows sampled greedily, or with
-    temperature t, draws made up from the positions and coupled proposals asked for."""
+    temperature t (and top_k, top_p), draws made up from the positions and coupled proposals
+    asked for."""
     n = len(sample)
     draws = [(7 * rows[i][1] % 10 + 0.5) / 10 if t else 0.0 for i in sample]
     return Window(id, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
                   commits=[list(c) for c in commits], sample_rows=list(sample),
-                  temperature=[t] * n, top_k=[0] * n, top_p=[1.0] * n, min_p=[0.0] * n,
+                  temperature=[t] * n, top_k=[top_k] * n, top_p=[top_p] * n, min_p=[0.0] * n,
                   u=draws, chunk=chunk, propose=[list(p) for p in propose],
                   propose_u=[[(3 * j % 10 + 0.5) / 10 for j in range(k)] for _, k in propose]
                   if t else [])
@@ -169,16 +171,19 @@ class Run:
         return [(None if p in self.zeros[s] else self.hidden[s][p - 1], self.tokens[s][p])
                 for p in range(1, self.top[s] + 1)]
 
-    def decode(self, check, k: int, drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+    def decode(self, check, k: int | dict[int, int],
+               drafts: dict[int, list[int]]) -> dict[int, list[int]]:
         """One decode window: slot s's rows are its next token then drafts[s]; all sampled;
-        each slot asks for k proposals. Commits drop the rows a slot rejected last time."""
+        each slot asks for k proposals (or k[s]). Commits drop the rows a slot rejected last
+        time."""
+        ks = k if isinstance(k, dict) else dict.fromkeys(drafts, k)
         rows, commits = [], []
         for s, d in drafts.items():
             length = self.top[s]     # the row of the next token goes at top
             commits.append((s, length))
             rows += [(s, length + j, t) for j, t in enumerate([self.tokens[s][length]] + d)]
         _, proposals = self.step(rows, sample=range(len(rows)), commits=commits,
-                                 propose=[(s, k) for s in drafts], check=check)
+                                 propose=[(s, ks[s]) for s in drafts], check=check)
         return {p[0]: p[1:] for p in proposals}
 
 
@@ -195,11 +200,15 @@ def greedy(path: Path, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-def test_drafter_matches_a_full_recompute(models):
+@pytest.mark.parametrize("rows_per_call", [None, 1], ids=["default", "one-row-calls"])
+def test_drafter_matches_a_full_recompute(models, monkeypatch, rows_per_call):
     """Prompt chunks, decode windows of two slots with drafts partly accepted, commits of the
     rejected rows, and follow-up turns on slot 1 that resume what it holds: every
     proposal equals the reference's, and the NextN KV of each slot's accepted positions the
-    reference's keys and values."""
+    reference's keys and values. With rows_per_call 1 the drafter takes its rows and its
+    slots' chains one per call, as it does past MAX_DECODE_ROWS of them."""
+    if rows_per_call:
+        monkeypatch.setattr("strata.stage_worker.drafter.MAX_DECODE_ROWS", rows_per_call)
     file = ModelFile(models["nextn"])
     ref, run = Reference(file), Run(models["nextn"])
     p0, p1 = [5, 77, 120, 33, 250, 8, 91, 64, 200, 17, 3, 140], [40, 41, 300, 12, 99, 7, 61]
@@ -220,6 +229,10 @@ def test_drafter_matches_a_full_recompute(models):
     for accept, wrong, k in ((2, 1, 3), (0, 2, 1), (3, 0, 2), (1, 1, 3)):
         run.decode(ref, k, {0: drafts(0, true0, accept, wrong), 1: drafts(1, true1, wrong, 1)})
     run.decode(ref, 7, {0: [], 1: []})
+    # slots asking for different numbers of proposals (chained together, the shorter
+    # chain's later rows are pad rows)
+    run.decode(ref, {0: 1, 1: 4}, {0: drafts(0, true0, 1, 0), 1: drafts(1, true1, 0, 1)})
+    run.decode(ref, {0: 3, 1: 2}, {0: drafts(0, true0, 0, 1), 1: drafts(1, true1, 1, 0)})
     assert run.accepted >= 6 and run.rejected >= 6, (run.accepted, run.rejected)
 
     # slot 1's request ends; a follow-up keeps its 7 prompt tokens and reads 4 more: the
@@ -246,9 +259,19 @@ def test_drafter_matches_a_full_recompute(models):
                                    rtol=1e-4, atol=1e-4)
 
 
+def test_pad_rows_of_a_graph_are_the_trash_slots_and_take_no_steps():
+    packed = torch.tensor([[1, 0], [5, 9], [6, 10], [3, 2]])   # slot, index, length, steps
+    assert _pad_rows(packed, 2, 7).tolist() == [[1, 0, 7, 7], [5, 9, 0, 0], [6, 10, 0, 0],
+                                                [3, 2, 0, 0]]
+    assert _pad_rows(packed[:3], 1, 7).tolist() == [[1, 0, 7], [5, 9, 0], [6, 10, 0]]
+    x = torch.ones(2, 4, 3)   # rows first: padded with zero rows
+    assert _pad_rows(x, 2, 7).shape == (4, 4, 3) and not _pad_rows(x, 2, 7)[2:].any()
+
+
 def test_a_chunk_of_more_rows_than_a_decode_window(models):
     """A 100-row prompt chunk gives 100 NextN rows, taken in decode windows of 64 rows: the
-    second block reads the first's KV; its proposals near the context's end stop there."""
+    second block reads the first's KV; its proposals near the context's end stop there, while
+    another slot's, chained beside them, go on."""
     ctx = 104
     file = ModelFile(models["nextn"])
     ref, run = Reference(file, ctx), Run(models["nextn"], ctx=ctx)
@@ -257,8 +280,12 @@ def test_a_chunk_of_more_rows_than_a_decode_window(models):
     _, proposals = run.step([(0, p, t) for p, t in enumerate(prompt)], sample=[99],
                             propose=[(0, 7)], chunk=True)
     assert proposals == [[0] + ref.propose(run.inputs(0), 3)], proposals
-    _, proposals = run.step([(0, 100, run.tokens[0][100])], sample=[0], propose=[(0, 7)])
-    assert proposals == [[0] + ref.propose(run.inputs(0), 2)], proposals
+    other = [40, 41, 300, 12, 99]
+    run.step([(1, p, t) for p, t in enumerate(other)], sample=[4], chunk=True)
+    _, proposals = run.step([(0, 100, run.tokens[0][100]), (1, 5, run.tokens[1][5])],
+                            sample=[0, 1], propose=[(0, 7), (1, 7)])
+    assert proposals == [[0] + ref.propose(run.inputs(0), 2),
+                         [1] + ref.propose(run.inputs(1), 7)], proposals
     _, k, v = ref.rows(run.inputs(0))
     torch.testing.assert_close(run.drafter.cache.k[0][0, :, :101].transpose(0, 1).double(), k,
                                rtol=1e-4, atol=1e-4)
@@ -318,26 +345,31 @@ def gumbel_max(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p: 
     return int(kept[int((logits[kept] / t + noise).argmax())])
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (12, 0.9, 0.05)])
+@pytest.mark.parametrize("top_k,top_p,min_p,t1", [(0, 1.0, 0.0, 0.0), (12, 0.9, 0.05, 0.0),
+                                                   (12, 0.9, 0.05, 3.0)],
+                         ids=["unfiltered", "filtered", "filtered-beside-unfiltered"])
 def test_coupled_proposals_are_the_gumbel_max_pick_at_the_targets_draws(models, top_k, top_p,
-                                                                          min_p):
+                                                                          min_p, t1):
     """Slot 0 samples with a temperature and sends draws: each proposal is the Gumbel-max
     pick of the head's own filtered distribution at the draw of its position (the window's
     own draws first: its sampled row at p carries u(p + 1); then propose_u's). Slot 1 is
-    greedy: the argmax, whatever draws come. Without propose_u (an older coordinator), or
-    with an entry [], slot 0 gets the argmax too."""
+    greedy (t1 0): the argmax, whatever draws come; or samples at t1 without filters, beside
+    slot 0's filtered picks. Without propose_u (an older coordinator), or with an entry [],
+    slot 0 gets the argmax too."""
     t = 0.8
     file = ModelFile(models["nextn"])
     ref = Reference(file)
     def pick(us):   # proposal i at the draw us[i]
         return lambda logits, i: gumbel_max(logits, t, top_k, top_p, min_p, us[i])
+    def pick1(us):   # slot 1's, sampled at t1 without filters
+        return lambda logits, i: gumbel_max(logits, t1, 0, 1.0, 0.0, us[i])
     p0, p1 = [5, 77, 120, 33, 250, 8], [40, 41, 300, 12, 99]
     rows = [(0, p, x) for p, x in enumerate(p0)] + [(1, p, x) for p, x in enumerate(p1)]
 
     def prompt_window(propose_u):
         return Window(1, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-                      sample_rows=[5, 10], temperature=[t, 0.0], top_k=[top_k] * 2,
-                      top_p=[top_p] * 2, min_p=[min_p] * 2, u=[0.3, 0.0],
+                      sample_rows=[5, 10], temperature=[t, t1], top_k=[top_k, 0],
+                      top_p=[top_p, 1.0], min_p=[min_p, 0.0], u=[0.3, 0.5 if t1 else 0.0],
                       propose=[[0, 3], [1, 3]], propose_u=propose_u)
 
     answers = {}
@@ -351,10 +383,11 @@ def test_coupled_proposals_are_the_gumbel_max_pick_at_the_targets_draws(models, 
               + [(hidden[first + len(p) - 1], sampled)]
               for s, first, p, sampled in ((0, 0, p0, 17), (1, 6, p1, 23))}
     greedy = [[s] + ref.propose(inputs[s], 3) for s in (0, 1)]
+    slot1 = [1] + ref.propose(inputs[1], 3, pick1([0.2, 0.4, 0.6])) if t1 else greedy[1]
     assert answers["coupled"] == [[0] + ref.propose(inputs[0], 3, pick([0.93, 0.41, 0.77])),
-                                  greedy[1]], answers
+                                  slot1], answers
     assert answers["coupled"][0] != greedy[0]   # the draws moved the proposals
-    assert answers["argmax"] == answers["entry []"] == greedy, answers
+    assert answers["argmax"] == greedy and answers["entry []"] == [greedy[0], slot1], answers
 
     # a decode window of slot 0 (its token at 6, drafts at 7 and 8, every row sampled): the
     # draft at 7 is kept, the one at 8 is not (the row at 7 samples 99), so the first
@@ -389,15 +422,16 @@ def in_process(model: Path, mtp_head: Path | None = None, device: str = "cpu"):
                              device=device, mtp_head=str(mtp_head) if mtp_head else None)
 
 
-def conversation(ask, t: float = 0.0) -> list[Result]:
+def conversation(ask, t: float = 0.0, **filters) -> list[Result]:
     """A prompt asking for 3 proposals, a decode window of two (fixed) drafts asking for 2,
-    and a decode window that asks for none; greedy, or sampled at t (coupled proposals)."""
+    and a decode window that asks for none; greedy, or sampled at t (coupled proposals), with
+    filters (window's top_k, top_p)."""
     prompt = [(0, p, t) for p, t in enumerate([72, 101, 108, 108, 111])]
     a = ask(window(1, prompt, sample=[4], propose=[(0, 3)], commits=[(0, 0)], chunk=True,
-                   t=t))
+                   t=t, **filters))
     b = ask(window(2, [(0, 5, a.tokens[0]), (0, 6, 1), (0, 7, 2)], sample=[0, 1, 2],
-                   propose=[(0, 2)], t=t))
-    c = ask(window(3, [(0, 6, b.tokens[0])], sample=[0], commits=[(0, 6)], t=t))
+                   propose=[(0, 2)], t=t, **filters))
+    c = ask(window(3, [(0, 6, b.tokens[0])], sample=[0], commits=[(0, 6)], t=t, **filters))
     return [a, b, c]
 
 
@@ -480,15 +514,16 @@ def test_on_cuda_graphs_the_drafter_reads_each_windows_own_hidden_states(models)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("t", [0.0, 0.8], ids=["greedy", "coupled"])
-def test_on_cuda_the_drafters_graphs_propose_what_it_does_eagerly(models, t):
+@pytest.mark.parametrize("t,filters", [(0.0, {}), (0.8, {}), (0.8, {"top_k": 12, "top_p": 0.9})],
+                         ids=["greedy", "coupled", "filtered"])
+def test_on_cuda_the_drafters_graphs_propose_what_it_does_eagerly(models, t, filters):
     """The drafter's steps replayed from graphs (captured per row count) give the proposals
     of the same steps run eagerly at the same padded shapes, window for window; coupled, the
-    picks with the draws inside the head's graph too."""
+    picks with the draws (and filters) inside the head's graph too."""
     def drive(graph_cache: int) -> list:
         with in_process_worker(models["nextn"], Stage, layer_end=TINY.n_layers, slots=2,
                                ctx=CTX, device="cuda:0", graph_cache=graph_cache) as stage:
-            return [(r.tokens, r.proposals) for r in conversation(stage.ask, t)]
+            return [(r.tokens, r.proposals) for r in conversation(stage.ask, t, **filters)]
 
     graphed = drive(16)
     assert graphed == drive(0)

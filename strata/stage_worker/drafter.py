@@ -31,17 +31,18 @@ of P_0 - 1 and the `ready` row only if it is the row of P_0 with the same token.
 
 Coupled proposals (a slot that samples with a temperature, when the window sends draws for it
 in `propose_u`): the proposal for position q is the target's own sampler
-(strata/kernels/sampling.py: for a slot without top-k, top-p or min-p, pick_unfiltered inside
-the head's graph; else sample_rows_on_device after it; no step waits for the host) over the
-head's logits with the slot's temperature, top-k, top-p and
-min-p and the uniform u(q) = Philox(seed, q) that the target will sample q with: the window's
-own draws (its sampled row at p carries u(p + 1)), then propose_u's k draws for the positions
-after its last row's. The sampler's pick is Gumbel-max with noise keyed by (u, token id): two
-distributions sampled with one u pick the same token about as often as any coupling of them
-can (1 - their total variation, less a little), far more often than the target's draw
-equals the head's argmax, and equality acceptance does not change: the tokens stay those of plain decoding, only more proposals are
-kept. Greedy slots, windows without draws (older coordinators, `--draft-sampling argmax`) and
-a position whose draw is not known take the argmax.
+(strata/kernels/sampling.py) over the head's logits with the slot's temperature, top-k, top-p
+and min-p and the uniform u(q) = Philox(seed, q) that the target will sample q with: the
+window's own draws (its sampled row at p carries u(p + 1)), then propose_u's k draws for the
+positions after its last row's. It is picked inside the head's graph, no step waits for the
+host: pick_unfiltered for a slot without top-k, top-p or min-p, else pick_proposals, the same
+filters and pick among the head's most likely tokens (kernels/proposal_pick.py). The
+sampler's pick is Gumbel-max with noise keyed by (u, token id): two distributions sampled
+with one u pick the same token about as often as any coupling of them can (1 - their total
+variation, less a little), far more often than the target's draw equals the head's argmax,
+and equality acceptance does not change: the tokens stay those of plain decoding, only more
+proposals are kept. Greedy slots, windows without draws (older coordinators,
+`--draft-sampling argmax`) and a position whose draw is not known take the argmax.
 """
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ import torch.nn.functional as F
 
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS
-from strata.kernels.sampling import (SamplingRow, filtered, pick_unfiltered,
-                                     sample_rows_on_device, to_device)
+from strata.kernels.proposal_pick import pick_proposals
+from strata.kernels.sampling import SamplingRow, filtered, pick_unfiltered, to_device
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.messages import Window
@@ -112,10 +113,16 @@ class Drafter:
         self.last_h = torch.zeros(slots + 1, cfg.d_model, dtype=dtype, device=device)  # + zeros
         self.last_pos = [-1] * slots     # the position whose hidden state last_h[s] holds
         self.ready: list[tuple[int, int] | None] = [None] * slots  # (p, token) of a row written
-        # on CUDA with graphs: the block's rows and the head, captured per row count
-        # (GRAPH_ROWS) when first needed; each step is then two replays, not ~30 launches
+        # a pad row (slot, index, length) and a step's move of a chained row, on the device
+        self._constants = (torch.tensor([[self.cache.trash], [0], [0]], device=device),
+                           torch.tensor([[0], [1], [1]], device=device))
+        # on CUDA with graphs: the block's rows, and the proposals' chain of head and rows,
+        # captured per row count (GRAPH_ROWS) when first needed: a replay each, not hundreds
+        # of launches. They share one memory pool (they run one at a time, and none is
+        # dropped): chains of several lengths and picks reuse one another's memory.
         self.graphs: dict[tuple[str, int], Captured] | None = (
             {} if graphs and device.type == "cuda" else None)
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs is not None else None
 
     def run(self, w: Window, hidden: torch.Tensor, tokens: list[int]) -> list[list[int]]:
         """After window w (its rows, `hidden` [R, D] the main model's final hidden
@@ -168,8 +175,10 @@ class Drafter:
         return plan
 
     def _propose(self, w: Window, plan: _Plan, out: torch.Tensor) -> list[list[int]]:
-        """Chained proposals from each asked slot's row at P_a + 1, batched by step: argmax,
-        or coupled (the module's docstring) where the window sends the slot's draws."""
+        """Chained proposals from each asked slot's row at P_a + 1: argmax, or coupled (the
+        module's docstring) where the window sends the slot's draws. Every step of every
+        slot in one call (_chain: on CUDA one graph replay per MAX_DECODE_ROWS slots), each
+        with one copy of its proposals to the host."""
         asks = []   # (slot, k, position of the token its first proposal follows, coupling)
         couplings = _couplings(w)
         for s, k in w.propose:
@@ -180,33 +189,31 @@ class Drafter:
                     asks.append((s, k, top, couplings.get(s)))
         if not asks:
             return []
+        steps, vocab = max(k for _, k, _, _ in asks), self.head.shape[0]
+        # per ask and step: the target's sampling of the proposal's position, or None (argmax)
+        draws = [[c.row(top + i) if c and i <= k else None for i in range(1, steps + 1)]
+                 for _, k, top, c in asks]
+        every = [r for row in draws for r in row if r is not None]
+        mode = ("filtered" if any(filtered(r, vocab) for r in every) else
+                "coupled" if every else "argmax")
+        params = torch.tensor([[_params(r, mode) for r in row] for row in draws],
+                              dtype=torch.float64)
+        # the rows of step 2: each slot's NextN row at top + 1 (index top), then one further
+        # a step; k: the steps a slot takes (past them its rows are pad rows)
+        packed = torch.tensor([[s for s, _, _, _ in asks], [top for _, _, top, _ in asks],
+                               [top + 1 for _, _, top, _ in asks], [k for _, k, _, _ in asks]],
+                              dtype=torch.long)
         x = out[to_device([plan.tops[s] for s, _, _, _ in asks], self.device)]
-        drafts: list[tuple[list[int], torch.Tensor]] = []   # per step: (asks, proposals)
-        live = list(range(len(asks)))     # indices into asks still drafting at this step
-        for i in range(1, max(k for _, k, _, _ in asks) + 1):
-            if i > 1:
-                keep = [j for j, a in enumerate(live) if asks[a][1] >= i]
-                index = to_device(keep, self.device)
-                live = [live[j] for j in keep]
-                x = self._rows([asks[a][0] for a in live], [asks[a][2] + i - 1 for a in live],
-                               d[index], x[index])
-            rows = [asks[a][3].row(asks[a][2] + i) if asks[a][3] else None for a in live]
-            vocab = self.head.shape[0]
-            sorts = [j for j, r in enumerate(rows) if r is not None and filtered(r, vocab)]
-            plain = [r if r is not None and not filtered(r, vocab) else None for r in rows]
-            # logits: valid until the next step; d: the argmax, or picked with the draws where
-            # the row keeps every token (in the head's graph)
-            logits, d = self._head(x, plain if any(plain) else None)
-            if sorts:   # filtered rows: the sampler's sort, on the device: nothing waits
-                index = to_device(sorts, self.device)
-                d = d.index_copy(0, index, sample_rows_on_device(
-                    logits[index], [rows[j] for j in sorts]))
-            drafts.append((live, d))
-        out_lists = [[s] for s, _, _, _ in asks]
-        for live_i, d in drafts:
-            for a, token in zip(live_i, d.tolist()):
-                out_lists[a].append(token)
-        return out_lists
+        # the inputs a chain needs: rows past the first step, draws but for the argmax
+        names = [n for n, need in (("packed", steps > 1), ("params", mode != "argmax")) if need]
+        fn = lambda x, *rest: self._chain(mode, steps, x, **dict(zip(names, rest)))  # noqa
+        d = []   # [asks][steps]
+        for i in range(0, len(asks), MAX_DECODE_ROWS):
+            block = slice(i, i + MAX_DECODE_ROWS)
+            rest = {"packed": packed[:, block], "params": params[block]}
+            d += self._graphed(f"chain-{mode}-{steps}", fn, x[block],
+                               *(rest[n] for n in names))[0].tolist()
+        return [[s] + d[a][:k] for a, (s, k, _, _) in enumerate(asks)]
 
     def _rows(self, slots: list[int], positions: list[int], tokens: torch.Tensor,
               h: torch.Tensor) -> torch.Tensor:
@@ -224,27 +231,6 @@ class Drafter:
             outs.append(x.clone())
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _head(self, x: torch.Tensor, draws: list[SamplingRow | None] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [N, V], proposals [N]) of the block's outputs x [N, D]: the argmax, or
-        where draws[j] is a SamplingRow (one that keeps every token), the sampler's pick
-        with its temperature and u (pick_unfiltered). The logits are valid until the next
-        step (a graph's buffer), the proposals a copy."""
-        outs = []
-        for i in range(0, x.shape[0], MAX_DECODE_ROWS):
-            block = slice(i, i + MAX_DECODE_ROWS)
-            if draws is None:
-                logits, d = self._graphed("head", self._head_rows, x[block])
-            else:
-                params = torch.tensor([[r.temperature, r.u] if r else [0.0, 0.0]
-                                       for r in draws[block]], dtype=torch.float64)
-                logits, d = self._graphed("coupled", self._coupled_rows, x[block],
-                                          to_device(params, self.device))
-            outs.append((logits, d.clone()))
-        if len(outs) == 1:
-            return outs[0]
-        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
-
     def _block_rows(self, tokens: torch.Tensor, h: torch.Tensor,
                     packed: torch.Tensor) -> tuple[torch.Tensor]:
         eps = self.cfg.rms_eps
@@ -254,15 +240,37 @@ class Drafter:
         meta = WindowMeta(self.cos, self.sin, RowTensors.unpack(packed.to(self.device)))
         return (self.block(x, meta, self.cache, 0),)
 
-    def _head_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
-        return logits, logits.argmax(-1)
-
-    def _coupled_rows(self, x: torch.Tensor,
-                      params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """_head_rows with the picks of pick_unfiltered: params [N, 2] = (temperature, u)."""
-        logits = F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
-        return logits, pick_unfiltered(logits, params[:, :1], params[:, 1:])
+    def _chain(self, mode: str, steps: int, x: torch.Tensor, packed: torch.Tensor | None = None,
+               params: torch.Tensor | None = None) -> tuple[torch.Tensor]:
+        """`steps` chained proposals [N, steps] for N slots from the block's outputs x [N, D]
+        of their rows at P_a + 1: at each step the head's pick (mode "argmax"; "coupled":
+        pick_unfiltered with params [N, steps, 2] = (temperature, u), a temperature of 0 for
+        the argmax; "filtered": params [N, steps, 5] = (temperature, top_k, top_p, min_p, u),
+        pick_proposals for the rows that filter), then the NextN row of that proposal, one
+        position further. packed [4, N]: slot, index and length of the step-2 rows, and the
+        steps each slot takes; past them (and in pad rows, 0 steps) its rows are pad rows (None
+        for one step; params None for the argmax). No step waits for the host, so a CUDA graph
+        holds them all."""
+        packed = packed.to(self.device) if packed is not None else None
+        params = params.to(self.device) if params is not None else None
+        trash, step = self._constants   # made before any capture: no copy inside one
+        picks = []
+        for i in range(steps):
+            if i > 0:   # the row of proposal i (position top + i, index top + i - 1)
+                rows = torch.where(packed[3] > i, packed[:3] + (i - 1) * step, trash)
+                x, = self._block_rows(picks[-1], x, rows)
+            logits = F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
+            if mode == "argmax":
+                picks.append(logits.argmax(-1))
+                continue
+            p = params[:, i]
+            every = pick_unfiltered(logits, p[:, :1], p[:, -1:])
+            if mode == "filtered":
+                vocab = logits.shape[-1]
+                cuts = ((p[:, 1] > 0) & (p[:, 1] < vocab)) | (p[:, 2] < 1.0) | (p[:, 3] > 0.0)
+                every = torch.where(cuts, pick_proposals(logits, p), every)
+            picks.append(every)
+        return (torch.stack(picks, 1),)
 
     def _graphed(self, name: str, fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """fn(*inputs) of n <= MAX_DECODE_ROWS rows: on the CPU as given; on CUDA at the
@@ -280,17 +288,25 @@ class Drafter:
             return tuple(o[:n] for o in fn(*inputs))
         graph = self.graphs.get((name, size))
         if graph is None:
-            graph = self.graphs[(name, size)] = Captured(fn, list(inputs))
+            graph = self.graphs[(name, size)] = Captured(fn, list(inputs), self.pool)
         return tuple(o[:n] for o in graph(*inputs))
 
 
 def _pad_rows(x: torch.Tensor, pad: int, trash: int) -> torch.Tensor:
     """x with `pad` pad rows after its rows: the packed rows [3, N] get (trash, 0, 0), the
     others zeros."""
-    if x.dim() == 2 and x.dtype == torch.long and x.shape[0] == 3:   # packed: slot, pos, length
-        fill = torch.tensor([[trash], [0], [0]], dtype=torch.long).expand(3, pad)
-        return torch.cat([x, fill.to(x.device)], 1)
+    if x.dim() == 2 and x.dtype == torch.long and x.shape[0] in (3, 4):
+        # packed: slot, index, length (and a chain's steps, 0)
+        fill = torch.tensor([[trash], [0], [0], [0]][:x.shape[0]], dtype=torch.long)
+        return torch.cat([x, fill.expand(-1, pad).to(x.device)], 1)
     return torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))])
+
+
+def _params(row: SamplingRow | None, mode: str) -> list[float]:
+    """A proposal's sampling as _chain takes it in `mode` (none: the argmax)."""
+    if mode == "filtered":
+        return [row.temperature, row.top_k, row.top_p, row.min_p, row.u] if row else [0.0] * 5
+    return [row.temperature, row.u] if row else [0.0, 0.0]
 
 
 @dataclass

@@ -27,8 +27,11 @@ class Captured:
     writes the same values: the capture is preceded by one eager warm-up run (which compiles
     Triton kernels and creates cuBLAS handles outside the capture)."""
 
-    def __init__(self, fn: Callable, inputs: list[torch.Tensor]):
-        """inputs: examples, on the host or the device (copied to the current CUDA device)."""
+    def __init__(self, fn: Callable, inputs: list[torch.Tensor], pool=None):
+        """inputs: examples, on the host or the device (copied to the current CUDA device).
+        pool: a memory pool (torch.cuda.graph_pool_handle()) shared with other graphs that
+        are replayed one at a time on one stream and never dropped (the drafter's); by
+        default the graph's own."""
         self.inputs = [x.to(torch.cuda.current_device(), copy=True) for x in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -37,11 +40,11 @@ class Captured:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # A capture stream of the current device (torch's default one is made once, on the
-        # first device that captured). Each graph has its own memory pool: a pool shared by
-        # graphs cannot be reused once they are all evicted while one of their outputs lives
-        # (torch asserts), and a graph's own pool is small (the window's activations).
+        # first device that captured). A window's graph has its own memory pool: a pool shared
+        # by graphs cannot be reused once they are all evicted while one of their outputs
+        # lives (torch asserts), and a graph's own pool is small (the window's activations).
         # thread_local: the NCCL link's watchdog thread queries events during a capture
-        with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(),
+        with torch.cuda.graph(self.graph, pool=pool, stream=torch.cuda.Stream(),
                               capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
