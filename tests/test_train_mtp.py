@@ -94,13 +94,13 @@ def test_the_training_forward_computes_what_the_stages_and_the_drafter_do(varied
     for j in (0, 7, 20):
         drafter = Drafter(source, file, stage, 1, 64)
         x = drafter._rows([0] * (t - 1), list(range(1, t)), tokens[0, 1:], h[0, :-1])
-        torch.testing.assert_close(drafter._head(x)[0], outs[0][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(drafter.logits(x), outs[0][0], atol=1e-4, rtol=1e-4)
         x = x[j:j + 1]
         for k in (2, 3):
             if j + k >= t:
                 break
             x = drafter._rows([0], [j + k], tokens[0, j + k:j + k + 1], x)
-            torch.testing.assert_close(drafter._head(x)[0][0], outs[k - 1][0, j],
+            torch.testing.assert_close(drafter.logits(x)[0], outs[k - 1][0, j],
                                        atol=1e-4, rtol=1e-4)
 
 

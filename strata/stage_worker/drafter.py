@@ -240,6 +240,10 @@ class Drafter:
         meta = WindowMeta(self.cos, self.sin, RowTensors.unpack(packed.to(self.device)))
         return (self.block(x, meta, self.cache, 0),)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's logits [N, V] of the block's outputs x [N, D]."""
+        return F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
+
     def _chain(self, mode: str, steps: int, x: torch.Tensor, packed: torch.Tensor | None = None,
                params: torch.Tensor | None = None) -> tuple[torch.Tensor]:
         """`steps` chained proposals [N, steps] for N slots from the block's outputs x [N, D]
@@ -259,7 +263,7 @@ class Drafter:
             if i > 0:   # the row of proposal i (position top + i, index top + i - 1)
                 rows = torch.where(packed[3] > i, packed[:3] + (i - 1) * step, trash)
                 x, = self._block_rows(picks[-1], x, rows)
-            logits = F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
+            logits = self.logits(x)
             if mode == "argmax":
                 picks.append(logits.argmax(-1))
                 continue
