@@ -16,7 +16,7 @@ of every row at each proposal step.
 """
 import torch
 
-from strata.kernels.sampling import gumbel_noise
+from strata.kernels.sampling import _gumbel_pick
 
 WIDTH = 128
 
@@ -50,6 +50,5 @@ def pick_proposals(logits: torch.Tensor, params: torch.Tensor, width: int = WIDT
     nan = probs.isnan().any(-1, keepdim=True)
     keep &= (before < top_p) | (top_p >= 1.0) | (col == 0) | nan
     keep &= (probs >= min_p * probs[:, :1]) | (min_p <= 0.0) | (col == 0)
-    score = (scaled + gumbel_noise(u, ids)).masked_fill(~keep, float("-inf"))
-    pick = score.masked_fill(score.isnan(), float("-inf")).argmax(-1, keepdim=True)
+    pick = _gumbel_pick(scaled.masked_fill(~keep, float("-inf")), ids, u)
     return torch.where(temperature[:, 0] > 0, ids.gather(1, pick)[:, 0], logits.argmax(-1))

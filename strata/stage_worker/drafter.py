@@ -204,15 +204,14 @@ class Drafter:
                                [top + 1 for _, _, top, _ in asks], [k for _, k, _, _ in asks]],
                               dtype=torch.long)
         x = out[to_device([plan.tops[s] for s, _, _, _ in asks], self.device)]
-        # the inputs a chain needs: rows past the first step, draws but for the argmax
-        names = [n for n, need in (("packed", steps > 1), ("params", mode != "argmax")) if need]
-        fn = lambda x, *rest: self._chain(mode, steps, x, **dict(zip(names, rest)))  # noqa
+        fn = lambda *inputs: self._chain(mode, steps, *inputs)  # noqa: E731
         d = []   # [asks][steps]
         for i in range(0, len(asks), MAX_DECODE_ROWS):
             block = slice(i, i + MAX_DECODE_ROWS)
-            rest = {"packed": packed[:, block], "params": params[block]}
-            d += self._graphed(f"chain-{mode}-{steps}", fn, x[block],
-                               *(rest[n] for n in names))[0].tolist()
+            # the inputs a chain reads: rows past its first step, draws unless it takes argmaxes
+            inputs = ([x[block]] + ([packed[:, block]] if steps > 1 else [])
+                      + ([params[block]] if mode != "argmax" else []))
+            d += self._graphed(f"chain-{mode}-{steps}", fn, *inputs)[0].tolist()
         return [[s] + d[a][:k] for a, (s, k, _, _) in enumerate(asks)]
 
     def _rows(self, slots: list[int], positions: list[int], tokens: torch.Tensor,
@@ -244,19 +243,19 @@ class Drafter:
         """The head's logits [N, V] of the block's outputs x [N, D]."""
         return F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
 
-    def _chain(self, mode: str, steps: int, x: torch.Tensor, packed: torch.Tensor | None = None,
-               params: torch.Tensor | None = None) -> tuple[torch.Tensor]:
+    def _chain(self, mode: str, steps: int, x: torch.Tensor, *rest: torch.Tensor
+               ) -> tuple[torch.Tensor]:
         """`steps` chained proposals [N, steps] for N slots from the block's outputs x [N, D]
         of their rows at P_a + 1: at each step the head's pick (mode "argmax"; "coupled":
         pick_unfiltered with params [N, steps, 2] = (temperature, u), a temperature of 0 for
         the argmax; "filtered": params [N, steps, 5] = (temperature, top_k, top_p, min_p, u),
         pick_proposals for the rows that filter), then the NextN row of that proposal, one
-        position further. packed [4, N]: slot, index and length of the step-2 rows, and the
-        steps each slot takes; past them (and in pad rows, 0 steps) its rows are pad rows (None
-        for one step; params None for the argmax). No step waits for the host, so a CUDA graph
-        holds them all."""
-        packed = packed.to(self.device) if packed is not None else None
-        params = params.to(self.device) if params is not None else None
+        position further. rest: packed [4, N] (not for one step): slot, index and length of
+        the step-2 rows, and the steps each slot takes, past which (and in pad rows, 0 steps)
+        its rows are pad rows; then params (not for the argmax). No step waits for the host,
+        so a CUDA graph holds them all."""
+        packed = rest[0].to(self.device) if steps > 1 else None
+        params = rest[-1].to(self.device) if mode != "argmax" else None
         trash, step = self._constants   # made before any capture: no copy inside one
         picks = []
         for i in range(steps):
