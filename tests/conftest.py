@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
 
 from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.model.registry import resolve_model
@@ -21,6 +23,13 @@ from strata.model.registry import resolve_model
 # the thread count torch chose for it (read before the variable is set).
 torch.get_num_threads()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Property tests draw the same examples on every run (a clean clone has no example database,
+# so a random search would test other cases each time CI runs); `python -m pytest
+# --hypothesis-profile explore` searches anew and keeps what fails in .hypothesis/.
+settings.register_profile("strata", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False, max_examples=2000)
+settings.load_profile("strata")
 
 
 @pytest.fixture(scope="module")

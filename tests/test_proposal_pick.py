@@ -55,12 +55,26 @@ def windows(draw) -> tuple[torch.Tensor, list[SamplingRow]]:
     return logits, rows
 
 
+def _on_a_cut(logits: torch.Tensor, row: SamplingRow, rounding: float = 1e-6) -> bool:
+    """Whether a top-p or min-p cut of the row falls within float rounding of a cumulative or
+    single probability (the pick's normaliser is float32: a cut there may keep one token more
+    or less than the sampler's)."""
+    values, _ = torch.sort(logits[None].double(), descending=True, stable=True)
+    scaled, kept = kept_columns_torch(values, _params([row], "cpu").T)
+    probs = torch.softmax(scaled[0], -1)
+    if row.top_p < 1.0 and ((probs.cumsum(-1) - row.top_p).abs() <= rounding).any():
+        return True
+    return row.min_p > 0.0 and bool(
+        ((probs - row.min_p * probs[0]).abs() <= rounding * probs[0]).any())
+
+
 def _claimed(logits: torch.Tensor, row: SamplingRow) -> bool:
     """Whether the pick is claimed to be the sampler's: it keeps at most WIDTH tokens, any
-    top-k is at most WIDTH, and none of them ties with a token past the first WIDTH (which
-    of those a top-k of the row takes is not set)."""
+    top-k is at most WIDTH, no cut falls within float rounding of a probability (_on_a_cut),
+    and none of the kept tokens ties with a token past the first WIDTH (which of those a
+    top-k of the row takes is not set)."""
     vocab, kept = logits.shape[-1], _kept(logits, row)
-    if kept > WIDTH or WIDTH < row.top_k < vocab:
+    if kept > WIDTH or WIDTH < row.top_k < vocab or _on_a_cut(logits, row):
         return False
     ranked = torch.sort(logits + 0.0, descending=True, stable=True).values
     if vocab <= WIDTH or not ranked[WIDTH - 1] == ranked[WIDTH]:
