@@ -73,8 +73,16 @@ class JoinableLaunch:
             time.sleep(0.05)
 
     def finish(self, timeout: float = START_S) -> str:
-        """Its stdout, once it has exited (its stderr is read all along)."""
-        self.proc.wait(timeout=timeout)
+        """Its stdout, once it has exited (its stderr is read all along); a launch still
+        running after `timeout` fails the test with its stderr and its workers'."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            workers = "\n".join(f"worker {i}:\n{w.stderr.read() if w.stderr else ''}"
+                                 for i, w in enumerate(self.workers))
+            pytest.fail(f"the launch did not end within {timeout:.0f} s; its stderr:\n"
+                        f"{self.stderr()}\n{workers}")
         self.reader.join(timeout=10)
         return self.proc.stdout.read()
 
@@ -145,6 +153,32 @@ def test_a_joined_stage_gives_the_tokens_of_a_plain_launch(varied_model, plain_t
     assert out == plain_text
     assert "stage 1 joined from tcp://127.0.0.1:" in run.stderr()
     assert not list(Path(no_stage_left).glob("strata-*"))   # the run directory is removed
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "keys"])
+def test_a_joined_stage_that_fails_at_start_ends_the_launch_with_its_reason(
+        varied_model, hosts_keys, keyed, no_stage_left):
+    """The launch cannot see a joined stage's process: the stage tells it why it could not
+    start, and the launch ends at once with that sentence (not after the hello timeout),
+    over CurveZMQ too."""
+    launch_dir, stage_dir = hosts_keys
+    security = ["--keys", str(launch_dir)] if keyed else []
+    run = JoinableLaunch(["--model", str(varied_model), *ARGS, *security])
+    try:
+        t0 = time.monotonic()
+        worker = run.worker("--stage", "1", *(["--keys", str(stage_dir)] if keyed else []),
+                            prefix=["env", "STRATA_FAULT=crash-at-start:1"])
+        run.finish(timeout=60)
+        took = time.monotonic() - t0
+        assert run.proc.returncode == 1, run.stderr()
+        assert worker.wait(timeout=30) != 0
+    finally:
+        run.close()
+    said = [line for line in run.stderr().splitlines() if "failed at start" in line]
+    assert said and "stage 1 failed at start: RuntimeError: stage 1: crash at start " \
+                    "requested by STRATA_FAULT" in said[0], run.stderr()
+    assert took < 45, took   # the hello timeout is 300 s
+    assert_no_traceback(run.stderr())
 
 
 def test_a_stage_joined_with_keys_gives_the_tokens_of_a_plain_launch(varied_model, hosts_keys,

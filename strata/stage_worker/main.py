@@ -11,7 +11,9 @@ import click
 from strata.config_error import ConfigError
 from strata.model.gguf_file import ModelError
 from strata.model.registry import DEFAULT_MODEL, resolve_model
-from strata.protocol.keys import CurveKeys, stage_name
+from strata.protocol.keys import COORDINATOR, CurveKeys, stage_name
+from strata.protocol.messages import Error
+from strata.protocol.transport import Sockets, send
 from strata.stage_worker.join import JoinError, join_launch, with_flag
 from strata.stage_worker.worker import StageWorker, WorkerConfig
 
@@ -82,9 +84,13 @@ def parse_layers(text: str) -> tuple[int, int]:
 @click.option("--insecure", is_flag=True,
               help="Without --keys, listen on a tcp:// endpoint beyond loopback anyway (any "
                    "host that reaches it can send windows).")
+@click.option("--joined", is_flag=True, hidden=True,
+              help="Started by --join: a failure while starting is also told to the "
+                   "coordinator, which cannot see this process.")
 @click.pass_context
 def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, next_, device, slots,
-         ctx_size, graph_cache, link, link_init, link_world, trace, mtp_head, keys, insecure):
+         ctx_size, graph_cache, link, link_init, link_world, trace, mtp_head, keys, insecure,
+         joined):
     """Serve one stage of a layer-split model."""
     if join is not None:
         return run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head, keys,
@@ -100,10 +106,10 @@ def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, nex
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s stage{stage} %(levelname)s %(message)s")
     start, end = parse_layers(layers)
-    # Test hook: STRATA_FAULT=crash-at-start:K makes stage K fail while starting.
-    if os.environ.get("STRATA_FAULT") == f"crash-at-start:{stage}":
-        raise RuntimeError(f"stage {stage}: crash at start requested by STRATA_FAULT")
     try:
+        # Test hook: STRATA_FAULT=crash-at-start:K makes stage K fail while starting.
+        if os.environ.get("STRATA_FAULT") == f"crash-at-start:{stage}":
+            raise RuntimeError(f"stage {stage}: crash at start requested by STRATA_FAULT")
         path = resolve_model(model, say=lambda s: click.echo(f"strata-worker: {s}", err=True))
         cfg = WorkerConfig(model=str(path), stage=stage, layer_start=start, layer_end=end,
                            listen=listen, coordinator=coordinator, next=next_, device=device,
@@ -114,7 +120,13 @@ def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, nex
     except (ModelError, ValueError) as e:
         text = e.render(FLAGS) if isinstance(e, ConfigError) else str(e)
         click.echo(f"strata-worker: stage {stage}: {text}", err=True)
+        if joined:
+            tell_coordinator(coordinator, stage, text, keys, insecure)
         sys.exit(2)
+    except Exception as e:
+        if joined:
+            tell_coordinator(coordinator, stage, f"{type(e).__name__}: {e}", keys, insecure)
+        raise
     worker.serve()
     # serve() closed the sockets, the link and the trace: the process has nothing left to do.
     # Python's own teardown of torch's modules would still take ~1 s of a core, which every
@@ -123,6 +135,21 @@ def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, nex
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def tell_coordinator(endpoint: str, stage: int, text: str, keys: str | None,
+                     insecure: bool) -> None:
+    """Send the coordinator at `endpoint` an Error saying why this stage could not start (it
+    then ends the launch with that sentence instead of waiting for the hello); best effort:
+    a coordinator that cannot be reached within a few seconds learns it from the timeout."""
+    try:
+        identity = CurveKeys.load(keys, stage_name(stage)) if keys else None
+        sockets = Sockets(identity, insecure)
+        send(sockets.push(endpoint, peer=COORDINATOR), Error(stage, -1, text))
+        sockets.close(linger_ms=3000)
+    except Exception as e:   # the stage's own stderr has said why it stops
+        logging.getLogger("strata.worker").warning("stage %d: could not tell the coordinator "
+                                                   "at %s: %s", stage, endpoint, e)
 
 
 def run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head, keys, insecure):
@@ -153,6 +180,7 @@ def run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head, 
     if insecure:
         args.append("--insecure")
     say(f"joined {join}; starting with: {' '.join(args)}")
+    args.append("--joined")
     main.main(args=args, prog_name="strata-worker")
 
 if __name__ == "__main__":
