@@ -228,3 +228,22 @@ def shared_stages(_tiny_stages, monkeypatch):
 
     monkeypatch.setattr(Prepared, "launch", launch)
     yield served
+
+
+# The cases that share the session's SmolLM2 launch (smollm2_stages) run in one process when
+# the suite runs in several (pytest-xdist, `-n 2 --dist loadgroup` as the README's command
+# has it), so that the launch and its references are made once; every other module runs whole
+# in one process, so that its module fixtures are made once too. A module that takes the
+# launch at run time (request.getfixturevalue) names the group itself: pytestmark =
+# pytest.mark.xdist_group(SHARED_GROUP).
+SHARED_LAUNCHES = ("smollm2_stages", "smollm2_alone")
+SHARED_GROUP = "smollm2"
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist reads the marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        shared = any(f in item.fixturenames for f in SHARED_LAUNCHES)
+        item.add_marker(pytest.mark.xdist_group(SHARED_GROUP if shared else item.module.__name__))

@@ -33,7 +33,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import SMOLLM2_CTX, SMOLLM2_REQUESTS, SMOLLM2_SPLIT
+from conftest import SHARED_GROUP, SMOLLM2_CTX, SMOLLM2_REQUESTS, SMOLLM2_SPLIT
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig, auto_groups
 from strata.bench import harness
@@ -48,6 +48,8 @@ N_TOKENS = 24
 LONG_PROMPT = 360  # tokens: 12 chunks of 32
 SLOTS = 8  # the most any case uses (the SmolLM2 cases: 4, conftest's SMOLLM2_SLOTS)
 assert CTX == SMOLLM2_CTX and N_REQUESTS == SMOLLM2_REQUESTS
+# the SmolLM2 subject takes the session's launch at run time (subjects, below)
+pytestmark = pytest.mark.xdist_group(SHARED_GROUP)
 
 
 class Subject:
