@@ -369,16 +369,15 @@ def _request(pipe: Pipeline) -> tuple[str, list[int]]:
     return req.seq.finish_reason, req.seq.generated
 
 
-def _drain(pipe: Pipeline, until=None, seconds: float = 10.0) -> None:
-    """Read and drop what comes into the inbox (as the pipeline does between windows) until
-    `until()` holds, within `seconds`; without `until`, until nothing has come for 0.2 s.
-    Left unread, the storm's messages would fill the intruder's queue and block its sends."""
+def _drain(pipe: Pipeline, until=lambda: True, seconds: float = 10.0) -> None:
+    """Read and drop what is in the inbox (as the pipeline does between windows), and what
+    comes until `until()` holds, within `seconds`: the storm's messages the request did not
+    read. Left unread, they would fill the intruder's queue and block its sends."""
     deadline = time.monotonic() + seconds
-    quiet = time.monotonic() + 0.2
-    while time.monotonic() < deadline and not (until() if until else time.monotonic() > quiet):
+    pipe.check()
+    while not until() and time.monotonic() < deadline:
         if pipe.inbox.poll(20):
             pipe.check()
-            quiet = time.monotonic() + 0.2
 
 
 def _storm_inbox(tiny_model, examples: int) -> None:
