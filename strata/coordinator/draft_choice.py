@@ -17,9 +17,12 @@ draft_tokens auto (choose): a slot with k drafts at acceptance a yields on avera
 (1 - a^(k+1)) / (1 - a) tokens per window (expected_tokens). For each K = 0..7 the group's n
 slots share the rows K implies (at most draft_window_rows), which fixes the window's size; the
 coordinator's own timing of the group's decode windows of that size and K gives their time:
-from the later of the window's sending and the result before it (of any group) to its result,
-which with groups in flight is about the time the window holds the pipeline's busiest stage
-(what bounds the tokens per second), and alone its whole trip, the last stage's drafting
+from the later of the result before it (of any group) and the moment the coordinator could
+start on it (the group's previous window came back, or, after a prompt chunk of the group
+was sent, its sending) to its result. With groups in flight that is about the time the
+window holds the pipeline's busiest stage (what bounds the tokens per second); alone, its
+whole cycle: the coordinator's work on the result before it and on building it (which grows
+with the drafts: more tokens to accept, more rows), its trip, the last stage's drafting
 included (with mtp, times are kept per size and K: the last stage drafts K proposals a slot).
 The choice is the K with the most expected tokens per second. A size and K never timed (or not
 for STALE windows) is tried at most once every EXPLORE_EVERY windows of the group, and only
@@ -105,16 +108,24 @@ class GroupDrafts:
     explored_at: int = -EXPLORE_EVERY
     choice: DraftChoice | None = None
     chosen_at: int = -HOLD
-    in_flight: tuple[float, tuple[int, int]] | None = None   # (sent at, (rows, k))
+    in_flight: tuple[float, tuple[int, int]] | None = None   # (its time starts, (rows, k))
+    ready_at: float | None = None   # the group's last window came back then, none sent since
 
-    def sent(self, at: float, rows: int, k: int) -> None:
+    def sent(self, at: float, rows: int | None = None, k: int = 0) -> None:
+        """A window of the group left at `at`: a decode window of `rows` rows asking k
+        proposals a slot (timed from the group's last window's return, when no other went
+        between), or a prompt chunk (rows None; not timed)."""
+        start, self.ready_at = self.ready_at, None
+        if rows is None:
+            return
         self.windows += 1
-        self.in_flight = (at, (rows, k))
+        self.in_flight = (at if start is None else start, (rows, k))
 
     def landed(self, at: float, previous: float) -> None:
         """A window of the group came back at `at` (the clock of sent), the result before it
-        at `previous`: a decode window's time runs from the later of its sending and
+        at `previous`: a decode window's time runs from the later of its start (see sent) and
         `previous`, so that waiting behind other groups' windows does not count."""
+        self.ready_at = at
         if self.in_flight is None:
             return
         (t0, key), self.in_flight = self.in_flight, None

@@ -297,9 +297,8 @@ class Scheduler:
         mtp = self.cfg.drafter == "mtp"
         if not self.cfg.auto_drafts and self.cfg.draft_tokens:
             g.drafts.choice = g.drafts.describe(k, size, len(chosen), k if mtp else 0)
-        if self._submit(group, rows, size, owners, propose=propose):
+        if self._submit(group, rows, size, owners, propose=propose, timed=(size, k if mtp else 0)):
             g.last_decode = DecodeWindow(size, len(rows))
-            g.drafts.sent(self.clock(), size, k if mtp else 0)
 
     def _observe_drafts(self, g: Group, req: Request) -> None:
         """Count the request's drafts verified since it was last looked at (its last decode
@@ -357,8 +356,11 @@ class Scheduler:
         return [(slot.index, k)] if k >= 1 else []
 
     def _submit(self, group: int, rows: list[Row], shape: int, owners: list[RowOwner],
-                chunk: bool = False, propose: list[tuple[int, int]] = ()) -> bool:
-        """Sends the window; False when it could not be built or sent (its requests ended)."""
+                chunk: bool = False, propose: list[tuple[int, int]] = (),
+                timed: tuple[int, int] | None = None) -> bool:
+        """Sends the window; False when it could not be built or sent (its requests ended).
+        timed: a decode window's (rows, proposals a slot), under which draft_choice.py
+        keeps its time."""
         commits, self.commits = self.commits, []
         try:
             w = build_window(self.pipe.new_window_id(), rows, shape, commits, chunk=chunk,
@@ -377,6 +379,7 @@ class Scheduler:
             return False
         self.in_flight[w.id] = Flight(group, owners)
         self.groups[group].flights += 1
+        self.groups[group].drafts.sent(self.clock(), *(timed or (None,)))
         return True
 
     def _landed(self, group: int) -> None:
