@@ -277,6 +277,32 @@ def test_auto_counts_the_coordinators_work_on_serial_windows():
     assert drafted <= len(full) // EXPLORE_EVERY + 2, (drafted, len(full))
 
 
+def test_auto_asks_no_proposals_the_rows_cannot_hold():
+    """16 slots, windows of up to 32 rows: K = 1 fills the 16 rows left, so K = 2..7 would
+    ask more proposals for the same drafts. They are no option, even when their windows were
+    once timed faster (noise): the choice is K = 0 or 1, explorations included."""
+    g = GroupDrafts()
+    for _ in range(20):
+        g.acceptance.observe(2, 1)
+    now, picks = 0.0, set()
+    for _ in range(6 * EXPLORE_EVERY):
+        c = g.choose(slots=16, limit=32, max_k=7, mtp=True)
+        picks.add(c.k)
+        g.sent(now, c.rows, c.k)
+        now += 0.003
+        g.landed(now, 0)
+    assert picks == {0, 1}, picks
+    # 4 slots in the same rows: each K up to 7 adds drafts (4 each, 28 at most), and is tried
+    options, tried = GroupDrafts(), set()
+    for _ in range(40 * EXPLORE_EVERY):
+        c = options.choose(slots=4, limit=32, max_k=7, mtp=True)
+        tried.add(c.k)
+        options.sent(now, c.rows, c.k)
+        now += 0.003
+        options.landed(now, 0)
+    assert 7 in tried, tried
+
+
 def test_auto_choice_explores_sparingly():
     """GroupDrafts alone: with one size timed, an untimed one is tried only every
     EXPLORE_EVERY windows, and only when even the fastest time known would make it win."""

@@ -15,7 +15,9 @@ kept / (kept + first rejections) over the recent windows, decayed by DECAY a win
 
 draft_tokens auto (choose): a slot with k drafts at acceptance a yields on average
 (1 - a^(k+1)) / (1 - a) tokens per window (expected_tokens). For each K = 0..7 the group's n
-slots share the rows K implies (at most draft_window_rows), which fixes the window's size; the
+slots share the rows K implies (at most draft_window_rows), which fixes the window's size (a K
+whose rows hold no more drafts than K - 1's is no option: it would ask the drafter for more
+proposals and verify no more; 16 slots in windows of up to 32 rows choose K = 0 or 1); the
 coordinator's own timing of the group's decode windows of that size and K gives their time:
 from the later of the result before it (of any group) and the moment the coordinator could
 start on it (the group's previous window came back, or, after a prompt chunk of the group
@@ -177,6 +179,8 @@ class GroupDrafts:
         options = []   # (k, rows, tokens, key)
         for k in range(max_k + 1):
             drafts = min(slots * k, limit - slots)
+            if k and drafts <= min(slots * (k - 1), limit - slots):
+                break   # no row for a k-th draft: more proposals asked for the same drafts
             options.append((k, round_rows(slots + drafts), _tokens(slots, drafts, a),
                             (round_rows(slots + drafts), k if mtp else 0)))
         timed = [(_rate(tokens, self.time(key)), k, rows, tokens, key)
