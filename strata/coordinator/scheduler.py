@@ -379,7 +379,8 @@ class Scheduler:
             return False
         self.in_flight[w.id] = Flight(group, owners)
         self.groups[group].flights += 1
-        self.groups[group].drafts.sent(self.clock(), *(timed or (None,)))
+        rows_timed, k = timed or (None, 0)
+        self.groups[group].drafts.sent(self.clock(), rows_timed, k)
         return True
 
     def _landed(self, group: int) -> None:
