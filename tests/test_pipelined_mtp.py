@@ -277,30 +277,27 @@ def test_auto_counts_the_coordinators_work_on_serial_windows():
     assert drafted <= len(full) // EXPLORE_EVERY + 2, (drafted, len(full))
 
 
-def test_auto_asks_no_proposals_the_rows_cannot_hold():
-    """16 slots, windows of up to 32 rows: K = 1 fills the 16 rows left, so K = 2..7 would
-    ask more proposals for the same drafts. They are no option, even when their windows were
-    once timed faster (noise): the choice is K = 0 or 1, explorations included."""
-    g = GroupDrafts()
+def _ks_chosen(slots: int, windows: int) -> set[int]:
+    """The K a group's choice takes over `windows` decode windows of `slots` slots and up to
+    32 rows, every window 3 ms, half the drafts kept."""
+    g, now, ks = GroupDrafts(), 0.0, set()
     for _ in range(20):
         g.acceptance.observe(2, 1)
-    now, picks = 0.0, set()
-    for _ in range(6 * EXPLORE_EVERY):
-        c = g.choose(slots=16, limit=32, max_k=7, mtp=True)
-        picks.add(c.k)
+    for _ in range(windows):
+        c = g.choose(slots=slots, limit=32, max_k=7, mtp=True)
+        ks.add(c.k)
         g.sent(now, c.rows, c.k)
         now += 0.003
         g.landed(now, 0)
-    assert picks == {0, 1}, picks
-    # 4 slots in the same rows: each K up to 7 adds drafts (4 each, 28 at most), and is tried
-    options, tried = GroupDrafts(), set()
-    for _ in range(40 * EXPLORE_EVERY):
-        c = options.choose(slots=4, limit=32, max_k=7, mtp=True)
-        tried.add(c.k)
-        options.sent(now, c.rows, c.k)
-        now += 0.003
-        options.landed(now, 0)
-    assert 7 in tried, tried
+    return ks
+
+
+def test_auto_asks_no_proposals_the_rows_cannot_hold():
+    """16 slots, windows of up to 32 rows: K = 1 fills the 16 rows left, so K = 2..7 would
+    ask more proposals for the same drafts. They are no option, explorations included: the
+    choice is K = 0 or 1. With 4 slots each K up to 7 adds drafts (28 at most), and is tried."""
+    assert _ks_chosen(16, 6 * EXPLORE_EVERY) == {0, 1}
+    assert 7 in _ks_chosen(4, 40 * EXPLORE_EVERY)
 
 
 def test_auto_choice_explores_sparingly():
