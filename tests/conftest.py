@@ -12,7 +12,6 @@ import pytest
 import torch
 from hypothesis import settings
 
-
 from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.model.registry import resolve_model
 

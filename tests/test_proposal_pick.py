@@ -27,10 +27,16 @@ def _params(rows: list[SamplingRow], device) -> torch.Tensor:
                         dtype=torch.float64, device=device)
 
 
+def _sampler_cut(logits: torch.Tensor, row: SamplingRow) -> tuple[torch.Tensor, int]:
+    """The row's scaled logits [V] as the target's sampler ranks them, and how many it keeps."""
+    values, _ = torch.sort(logits[None].double(), descending=True, stable=True)
+    scaled, kept = kept_columns_torch(values, _params([row], "cpu").T)
+    return scaled[0], int(kept)
+
+
 def _kept(logits: torch.Tensor, row: SamplingRow) -> int:
     """How many tokens the target's sampler keeps for the row."""
-    values, _ = torch.sort(logits[None].double(), descending=True, stable=True)
-    return int(kept_columns_torch(values, _params([row], "cpu").T)[1])
+    return _sampler_cut(logits, row)[1]
 
 
 @st.composite
@@ -59,9 +65,7 @@ def _on_a_cut(logits: torch.Tensor, row: SamplingRow, rounding: float = 1e-6) ->
     """Whether a top-p or min-p cut of the row falls within float rounding of a cumulative or
     single probability (the pick's normaliser is float32: a cut there may keep one token more
     or less than the sampler's)."""
-    values, _ = torch.sort(logits[None].double(), descending=True, stable=True)
-    scaled, kept = kept_columns_torch(values, _params([row], "cpu").T)
-    probs = torch.softmax(scaled[0], -1)
+    probs = torch.softmax(_sampler_cut(logits, row)[0], -1)
     if row.top_p < 1.0 and ((probs.cumsum(-1) - row.top_p).abs() <= rounding).any():
         return True
     return row.min_p > 0.0 and bool(
