@@ -153,6 +153,25 @@ def test_the_soft_loss_compares_the_distributions_at_its_temperature():
     assert abs(soft_loss(student, teacher, 0.7) - soft_loss(student, teacher, 1.0)) > 0.01
 
 
+def test_the_tv_soft_loss_is_the_total_variation_and_trains_toward_the_teacher():
+    g = torch.Generator().manual_seed(4)
+    teacher, student = torch.randn(2, 6, 30, generator=g, dtype=torch.float64) * 2
+    p, q = torch.softmax(teacher / 0.7, -1), torch.softmax(student / 0.7, -1)
+    want = torch.minimum(p, q).sum(-1).neg().add(1).mean()    # TV = 1 - the overlap
+    torch.testing.assert_close(soft_loss(student, teacher, 0.7, "tv"), want)
+    assert soft_loss(teacher, teacher, 0.7, "tv").abs() < 1e-12
+    x = student.clone().requires_grad_()
+    before = float(soft_loss(x.detach(), teacher, 0.7, "tv"))
+    opt = torch.optim.Adam([x], lr=0.1)
+    for _ in range(200):
+        opt.zero_grad()
+        soft_loss(x, teacher, 0.7, "tv").backward()
+        opt.step()
+    assert float(soft_loss(x.detach(), teacher, 0.7, "tv")) < before / 3
+    with pytest.raises(ValueError, match="'kl' or 'tv'"):
+        soft_loss(student, teacher, 0.7, "js")
+
+
 def test_a_whole_run_writes_a_head_that_fits_and_its_figures(varied_model, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     with open(prompts, "w") as f:
@@ -169,7 +188,19 @@ def test_a_whole_run_writes_a_head_that_fits_and_its_figures(varied_model, tmp_p
     figures = json.loads(report.read_text())["teacher_forced"]
     assert [f["position"] for f in figures] == [1, 2, 3] and figures[0]["reached"] > 0
     source = find_head(ModelFile(varied_model), out)
-    open_head(source, ModelFile(varied_model))   # every tensor there, with the model's shapes
+    trained = open_head(source, ModelFile(varied_model))   # every tensor, the model's shapes
+    # --init starts from a head's weights: with no learning rate they stay as they were
+    again = tmp_path / "again.gguf"
+    res = CliRunner().invoke(cli.main, [
+        "--model", str(varied_model), "--out", str(again), "--prompts", str(prompts),
+        "--answer-tokens", "8", "--max-prompt-tokens", "48", "--devices", "cpu", "--batch", "4",
+        "--epochs", "1", "--batch-tokens", "1024", "--lr", "0", "--init", str(out)])
+    assert res.exit_code == 0, res.output
+    kept = open_head(find_head(ModelFile(varied_model), again), ModelFile(varied_model))
+    b = source.block
+    for name in ("eh_proj", "enorm", "hnorm"):
+        key = f"blk.{b}.nextn.{name}.weight"
+        torch.testing.assert_close(kept.tensor(key), trained.tensor(key))
 
 
 def test_kept_answers_stand_for_the_work_they_did():

@@ -67,13 +67,20 @@ def _progress():
 @click.option("--chain", type=click.IntRange(1, 3), default=2, show_default=True,
               help="Train chained proposals up to this position (1 = first proposals only).")
 @click.option("--soft-weight", type=click.FloatRange(0, 1), default=0.5, show_default=True,
-              help="Weight of the KL to the target's distribution beside its greedy token.")
+              help="Weight of the soft loss (--soft-loss) to the target's distribution beside "
+                   "its greedy token.")
 @click.option("--soft-temperature", type=click.FloatRange(0, min_open=True), default=1.0,
               show_default=True,
-              help="Take the KL between the head's and the target's distributions at this "
-                   "temperature (that of the sampled requests the head should serve).")
+              help="Compare the head's and the target's distributions at this temperature "
+                   "(that of the sampled requests the head should serve).")
+@click.option("--soft-loss", type=click.Choice(["kl", "tv"]), default="kl", show_default=True,
+              help="How: the KL divergence, or the total variation distance (1 - TV bounds "
+                   "how often a coupled proposal is kept).")
 @click.option("--weight-type", type=click.Choice(["Q8_0", "F16", "F32"]), default="Q8_0",
               show_default=True)
+@click.option("--init", "init_head", type=click.Path(exists=True, dir_okay=False),
+              help="Start from this head's weights (a sidecar GGUF) instead of the target's "
+                   "last block.")
 @click.option("--eval", "eval_head", type=click.Path(exists=True, dir_okay=False),
               help="Only measure this head's teacher-forced acceptance on the held-out prompts.")
 @click.option("--report", type=click.Path(dir_okay=False),
@@ -82,8 +89,9 @@ def _progress():
 @click.version_option(package_name="strata", prog_name="strata-train-mtp")
 @clean_errors("strata-train-mtp")
 def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max_prompt_tokens,
-         answer_tokens, sampled, answer_seconds, samples, devices, layer_split, batch, batch_groups, epochs, lr,
-         batch_tokens, chain, soft_weight, soft_temperature, weight_type, eval_head, report, seed):
+         answer_tokens, sampled, answer_seconds, samples, devices, layer_split, batch,
+         batch_groups, epochs, lr, batch_tokens, chain, soft_weight, soft_temperature, soft_loss,
+         weight_type, init_head, eval_head, report, seed):
     """Train a NextN (MTP) head for --model by self-distillation and write it to --out."""
     from strata.train import prompts as prompt_files
     if write_prompts:
@@ -118,7 +126,7 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
     click.echo(f"{len(data)} answers, {sum(len(s.tokens) for s in data)} tokens "
                f"({time.perf_counter() - start:.0f} s)", err=True)
     torch.manual_seed(seed)
-    head = job.head(eval_head)
+    head = job.head(eval_head or init_head)
     held_data = [s for s in data if s.split == "heldout"]
     if not eval_head:
         # every answer to 2% of the training prompts (at least one; prompts asked more than
@@ -131,7 +139,8 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
         validation = [s for s in data if s.split == "train" and s.prompt in checked]
         job.fit(head, fitted, dict(epochs=epochs, lr=lr, batch_tokens=batch_tokens,
                                    passes=chain, soft_weight=soft_weight,
-                                   soft_temperature=soft_temperature, seed=seed),
+                                   soft_temperature=soft_temperature,
+                                   soft_loss=soft_loss, seed=seed),
                 validation, lambda s: click.echo(s, err=True), _progress(),
                 on_best=(lambda h: job.write(h, out, weight_type)) if out else None)
     figures = job.acceptance(head, held_data, passes=3)

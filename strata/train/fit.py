@@ -2,10 +2,11 @@
 
 The teacher: at every position, the target's next-token distribution from its final hidden
 state. Pass k's row j learns the target's greedy token at position j + k + 1 (cross-entropy)
-and, with soft_weight > 0, its whole distribution there (KL divergence, both distributions at
-soft_temperature), which is what coupled proposals for sampled requests follow: a request
-sampled at temperature t keeps a coupled proposal where the head's distribution at t agrees
-with the target's.
+and, with soft_weight > 0, its whole distribution there (both distributions at
+soft_temperature; soft_loss "kl", the KL divergence, or "tv", the total variation distance),
+which is what coupled proposals for sampled requests follow: a request sampled at temperature
+t keeps a coupled proposal where the head's distribution at t agrees with the target's, at
+most 1 - TV of the time.
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ class FitConfig:
     batch_tokens: int = 16384
     passes: int = 2                # 1 = first proposals only; 2, 3: chained ones too
     pass_weight: float = 0.5       # pass k's loss weighs pass_weight ** (k - 1)
-    soft_weight: float = 0.5       # KL to the target's distribution, beside the greedy label
-    soft_temperature: float = 1.0  # both distributions of the KL at this temperature
+    soft_weight: float = 0.5       # the soft loss's weight, beside the greedy label's
+    soft_temperature: float = 1.0  # both distributions of the soft loss at this temperature
+    soft_loss: str = "kl"          # "kl" or "tv"
     seed: int = 0
 
 
@@ -73,17 +75,23 @@ def loss_of(head: NextNHead, tokens, h, lengths, cfg: FitConfig):
         label = teacher.argmax(-1)
         loss = F.cross_entropy(student, label)
         if cfg.soft_weight:
-            kl = soft_loss(student, teacher, cfg.soft_temperature)
-            loss = (1 - cfg.soft_weight) * loss + cfg.soft_weight * kl
+            soft = soft_loss(student, teacher, cfg.soft_temperature, cfg.soft_loss)
+            loss = (1 - cfg.soft_weight) * loss + cfg.soft_weight * soft
         total = total + cfg.pass_weight ** (k - 1) * loss
         if k == 1:
             acc = (student.argmax(-1) == label).float().mean().item()
     return total, acc
 
 
-def soft_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(teacher || student) of the two distributions at `temperature`, averaged over the
-    rows of the logits [N, V]."""
+def soft_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
+              kind: str = "kl") -> torch.Tensor:
+    """KL(teacher || student) ("kl") or the total variation distance ("tv") of the two
+    distributions at `temperature`, averaged over the rows of the logits [N, V]."""
+    if kind == "tv":
+        p, q = F.softmax(teacher / temperature, -1), F.softmax(student / temperature, -1)
+        return 0.5 * (p - q).abs().sum(-1).mean()
+    if kind != "kl":
+        raise ValueError(f"soft_loss is 'kl' or 'tv', not {kind!r}")
     return F.kl_div(F.log_softmax(student / temperature, -1),
                     F.log_softmax(teacher / temperature, -1),
                     log_target=True, reduction="batchmean")
