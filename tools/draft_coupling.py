@@ -13,7 +13,10 @@ ways of coupling the proposal with the target's draw:
 
   python tools/draft_coupling.py --prompts prompts.jsonl [--requests 16] [--tokens 96]
                                  [--answers greedy|sampled] [--temperatures 0.7,1.0]
-                                 [--head PATH] [--devices cpu]
+                                 [--head PATH] [--devices cpu] [--bands 32,96,160]
+
+--bands also prints the greedy agreement in bands of answer positions (the position of the
+token proposed, counted from the answer's start): later in an answer it is higher.
 
 The answers come from the target through a strata launch (greedy, or sampled at the first of
 --temperatures), to --requests held-out prompts of the prompts file (strata-train-mtp
@@ -81,8 +84,11 @@ def rates(p_logits: torch.Tensor, q_logits: torch.Tensor, temperatures: list[flo
 @click.option("--devices", default="cpu", show_default=True)
 @click.option("--draws", type=int, default=32, show_default=True,
               help="Gumbel noise samples per position.")
-def main(prompts_file, requests, tokens, answers, temperatures, head, devices, draws):
+@click.option("--bands", default="", help="Band edges of answer positions, e.g. 32,96,160.")
+def main(prompts_file, requests, tokens, answers, temperatures, head, devices, draws, bands):
     temps = [float(t) for t in temperatures.split(",")]
+    edges = [0] + [int(b) for b in bands.split(",") if b] + [tokens]
+    banded = [[0, 0] for _ in edges[1:]]
     job = Job("smollm2-135m", devices=devices.split(",")[0], max_prompt_tokens=256,
               answer_tokens=tokens)
     shipped = shipped_head(job.file)
@@ -113,6 +119,12 @@ def main(prompts_file, requests, tokens, answers, temperatures, head, devices, d
             p_logits = targets(nextn, h, 1, width)
         mask = valid(lengths, width, 1) & valid(lengths, width, 1, starts)
         p_rows, q_rows = p_logits[mask], q_logits[mask]
+        right = p_logits.argmax(-1) == q_logits.argmax(-1)
+        at = torch.arange(width, device=device)[None, :] + 2 - starts[:, None]   # answer position
+        for b, (lo, hi) in enumerate(zip(edges, edges[1:])):
+            inside = mask & (at >= lo) & (at < hi)
+            banded[b][0] += int((right & inside).sum())
+            banded[b][1] += int(inside.sum())
         n += int(mask.sum())
         # a few rows at a time (the vocabulary is wide), on the device of --devices
         for lo in range(0, len(p_rows), ROWS):
@@ -124,6 +136,10 @@ def main(prompts_file, requests, tokens, answers, temperatures, head, devices, d
                f"prompts, teacher-forced; the first proposal of {Path(path).name}")
     for k, v in total.items():
         click.echo(f"{k:>18}: {v / n:.3f}")
+    if len(edges) > 2:
+        for (lo, hi), (right, seen) in zip(zip(edges, edges[1:]), banded):
+            click.echo(f"  greedy, answer positions {lo}-{hi - 1}: {right / max(seen, 1):.3f} "
+                       f"({right} / {seen})")
 
 
 if __name__ == "__main__":
