@@ -251,6 +251,11 @@ def test_a_run_adds_to_the_kept_answers_only_what_they_lack(varied_model, tmp_pa
 def test_the_cli_says_what_is_missing(tmp_path):
     res = CliRunner().invoke(cli.main, ["--model", "x.gguf"])
     assert res.exit_code == 2 and "give --out HEAD.gguf" in res.output
+    head = tmp_path / "head.gguf"
+    head.write_bytes(b"")
+    res = CliRunner().invoke(cli.main, ["--model", "x.gguf", "--eval", str(head),
+                                        "--init", str(head)])
+    assert res.exit_code == 2 and "give one" in res.output
 
 
 def test_smollm2_comes_with_its_head(smollm2):

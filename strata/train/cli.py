@@ -102,6 +102,8 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
         return
     if not out and not eval_head:
         raise click.UsageError("give --out HEAD.gguf (or --eval HEAD.gguf, or --write-prompts)")
+    if init_head and eval_head:
+        raise click.UsageError("--init starts a training and --eval only measures: give one")
     import torch
 
     from strata.train.run import Job
