@@ -3,6 +3,7 @@ compute, the sidecar it writes, a whole run on a tiny model, and the head shippe
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from strata.coordinator.sampling import SamplingParams
 from strata.train.data import Sample, split_kept, teacher_states
 from strata.train.export import write_head
 from strata.train.fit import FitConfig, acceptance, fit, soft_loss
+from strata.train.head import NextNHead
 from strata.train.prompts import (Prompt, heldout, read_conversations, read_prompts,
                                   write_prompts)
 from strata.train.run import Job
@@ -65,11 +67,15 @@ def test_a_prompt_may_hold_any_line_separator(tmp_path):
         assert [p.text for p in read_prompts(path)] == texts
 
 
-@pytest.fixture(scope="module")
-def varied_with_head(varied_model, tmp_path_factory):
-    """The varied tiny model and a random NextN sidecar for it (std 0.2: lively logits)."""
+@pytest.fixture(scope="module", params=["model-width", "wider"])
+def varied_with_head(varied_model, tmp_path_factory, request):
+    """The varied tiny model and a random NextN sidecar for it (std 0.2: lively logits): a
+    block of the model's shapes, or one with a feed-forward layer three times as wide."""
+    shape = SHAPES["tiny"]
+    if request.param == "wider":
+        shape = replace(shape, d_ffn=3 * shape.d_ffn)
     path = tmp_path_factory.mktemp("heads") / "head.gguf"
-    write_nextn_sidecar(path, varied_model, SHAPES["tiny"], seed=3, std=0.2)
+    write_nextn_sidecar(path, varied_model, shape, seed=3, std=0.2)
     return varied_model, path
 
 
@@ -120,6 +126,24 @@ def test_the_sidecar_holds_the_trained_tensors_and_fits_only_its_model(varied_wi
             torch.testing.assert_close(again[name], t, atol=tol * t.abs().max().item(), rtol=0)
     with pytest.raises(ModelError, match="was made for another model"):
         find_head(ModelFile(tiny_model), out)
+
+
+def test_a_wider_head_starts_computing_what_it_widens(varied_model):
+    """--head-ffn adds feed-forward units that change nothing until trained (their ffn_down
+    columns are zero; their gate and up rows are not, so training moves them); narrower than
+    the block it starts from is refused."""
+    job = Job(model=str(varied_model), devices="cpu", max_prompt_tokens=40, answer_tokens=20)
+    d_ffn = job.file.config.d_ffn
+    torch.manual_seed(0)
+    tokens = torch.randint(0, job.file.config.vocab, (2, 16))
+    h = job.target.hidden(tokens)
+    plain, wide = NextNHead(job.target), NextNHead(job.target, ffn=4 * d_ffn)
+    assert wide.w["ffn_gate"].shape[0] == wide.w["ffn_down"].shape[1] == 4 * d_ffn
+    assert wide.w["ffn_up"][d_ffn:].abs().min() > 0
+    for a, b in zip(plain.passes(tokens, h, 3), wide.passes(tokens, h, 3)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="narrower than the head it starts from"):
+        NextNHead(job.target, plain.tensors(), ffn=d_ffn // 2)
 
 
 def test_training_fits_the_targets_answers(varied_model):
@@ -189,18 +213,24 @@ def test_a_whole_run_writes_a_head_that_fits_and_its_figures(varied_model, tmp_p
     assert [f["position"] for f in figures] == [1, 2, 3] and figures[0]["reached"] > 0
     source = find_head(ModelFile(varied_model), out)
     trained = open_head(source, ModelFile(varied_model))   # every tensor, the model's shapes
-    # --init starts from a head's weights: with no learning rate they stay as they were
+    # --init starts from a head's weights: with no learning rate they stay as they were, and
+    # --head-ffn widens its block (the sidecar says how wide; the drafter reads it so)
     again = tmp_path / "again.gguf"
+    d_ffn = ModelFile(varied_model).config.d_ffn
     res = CliRunner().invoke(cli.main, [
         "--model", str(varied_model), "--out", str(again), "--prompts", str(prompts),
         "--answer-tokens", "8", "--max-prompt-tokens", "48", "--devices", "cpu", "--batch", "4",
-        "--epochs", "1", "--batch-tokens", "1024", "--lr", "0", "--init", str(out)])
+        "--epochs", "1", "--batch-tokens", "1024", "--lr", "0", "--init", str(out),
+        "--head-ffn", str(2 * d_ffn), "--weight-type", "F32"])
     assert res.exit_code == 0, res.output
     kept = open_head(find_head(ModelFile(varied_model), again), ModelFile(varied_model))
+    assert kept.config.d_ffn == 2 * d_ffn
     b = source.block
-    for name in ("eh_proj", "enorm", "hnorm"):
-        key = f"blk.{b}.nextn.{name}.weight"
-        torch.testing.assert_close(kept.tensor(key), trained.tensor(key))
+    for name in ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "attn_q", "ffn_gate"):
+        key = f"blk.{b}.{name}.weight"
+        torch.testing.assert_close(kept.tensor(key)[:len(trained.tensor(key))],
+                                   trained.tensor(key), atol=0, rtol=0)
+    assert not kept.tensor(f"blk.{b}.ffn_down.weight")[:, d_ffn:].any()
 
 
 def test_kept_answers_stand_for_the_work_they_did():
@@ -244,6 +274,13 @@ def test_a_run_adds_to_the_kept_answers_only_what_they_lack(varied_model, tmp_pa
     assert again == first and "14 of the 20 answers asked for" in said
     more, _ = run("--sampled", "0.7")
     assert more[:14] == first and len(more) == 20
+    # --epochs 0 only generates: the answers a third pass adds are kept, and no head written
+    (tmp_path / "head.gguf").unlink()
+    res = CliRunner().invoke(cli.main, base + ["--sampled", "0.7", "--sampled", "0.9",
+                                               "--epochs", "0"])
+    assert res.exit_code == 0, res.output
+    assert "train on them with --samples" in res.output and not (tmp_path / "head.gguf").exists()
+    assert kept.read_text().splitlines()[:20] == more and len(kept.read_text().splitlines()) == 26
     seeds = [json.loads(s)["seed"] for s in more]
     assert len(set(seeds[8:])) == 12 and None not in seeds[8:]
 
@@ -256,6 +293,14 @@ def test_the_cli_says_what_is_missing(tmp_path):
     res = CliRunner().invoke(cli.main, ["--model", "x.gguf", "--eval", str(head),
                                         "--init", str(head)])
     assert res.exit_code == 2 and "give one" in res.output
+    res = CliRunner().invoke(cli.main, ["--model", "x.gguf", "--eval", str(head),
+                                        "--head-ffn", "4096"])
+    assert res.exit_code == 2 and "leave --head-ffn out" in res.output
+    res = CliRunner().invoke(cli.main, ["--model", "x.gguf", "--epochs", "0"])
+    assert res.exit_code == 2 and "give --samples FILE" in res.output
+    res = CliRunner().invoke(cli.main, ["--model", "x.gguf", "--epochs", "0", "--samples",
+                                        "s.jsonl", "--out", "h.gguf"])
+    assert res.exit_code == 2 and "--epochs 0 trains no head" in res.output
 
 
 def test_smollm2_comes_with_its_head(smollm2):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -128,24 +128,27 @@ def head_shapes(cfg: ModelConfig, block: int) -> dict[str, tuple[int, ...]]:
 
 class HeadFile(ModelFile):
     """A sidecar's tensors, read with the target model's configuration (a sidecar holds only
-    the head: its block's shapes are the model's)."""
+    the head: its block's shapes are the model's), but for the block's feed-forward width,
+    which is the sidecar's own `{arch}.feed_forward_length` (a head may be wider than a
+    layer of its model: strata-train-mtp --head-ffn)."""
 
     def __init__(self, path: Path, target: ModelConfig):
         # not ModelFile.__init__: that reads a model's configuration, which a sidecar may lack
         self.path = Path(path)
         self.reader = GGUFReader(self.path, "c")
         self.tensors = {t.name: t for t in self.reader.tensors}
-        self.config = target
+        ffn = _field(self.reader, f"{target.arch}.feed_forward_length")
+        self.config = target if ffn is None else replace(target, d_ffn=int(ffn))
         self._check_tensor_types()
 
 
 def open_head(source: HeadSource, file: ModelFile) -> ModelFile:
     """The file to read the head's tensors from (the model file itself, or its sidecar read
     with the model's configuration), its tensors checked: each one present with the model's
-    shapes, or a ModelError that says which is not."""
+    shapes (a sidecar's feed-forward width its own), or a ModelError that says which is not."""
     head = HeadFile(source.path, file.config) if source.sidecar else file
     wrong = []
-    for name, shape in head_shapes(file.config, source.block).items():
+    for name, shape in head_shapes(head.config, source.block).items():
         t = head.tensors.get(name)
         if t is None:
             if name.split(".")[-2] not in NEXTN_OPTIONAL:

@@ -8,8 +8,9 @@
    temperature), on the devices of --devices;
 3. the teacher: the target's final hidden states and next-token distributions over every
    prompt + answer;
-4. the head: one llama block after eh_proj, initialised from the target's last block and
-   trained to predict the target's next-next token (torch_llama.py, head.py, fit.py);
+4. the head: one llama block after eh_proj, initialised from the target's last block (its
+   feed-forward layer widened with --head-ffn) and trained to predict the target's next-next
+   token (torch_llama.py, head.py, fit.py);
 5. its teacher-forced acceptance per draft position on the held-out answers, and the sidecar.
 """
 from __future__ import annotations
@@ -61,7 +62,9 @@ def _progress():
 @click.option("--batch", type=int, default=64, show_default=True,
               help="Slots while generating.")
 @click.option("--batch-groups", default="auto", show_default=True)
-@click.option("--epochs", type=int, default=4, show_default=True)
+@click.option("--epochs", type=click.IntRange(0), default=4, show_default=True,
+              help="Passes over the answers; 0: only generate the answers and keep them "
+                   "(--samples), to train on them later with --answer-seconds 0.")
 @click.option("--lr", type=float, default=1e-3, show_default=True)
 @click.option("--batch-tokens", type=int, default=16384, show_default=True)
 @click.option("--chain", type=click.IntRange(1, 3), default=2, show_default=True,
@@ -78,6 +81,10 @@ def _progress():
                    "how often a coupled proposal is kept).")
 @click.option("--weight-type", type=click.Choice(["Q8_0", "F16", "F32"]), default="Q8_0",
               show_default=True)
+@click.option("--head-ffn", type=click.IntRange(1), default=None,
+              help="The head block's feed-forward width [default: the target's]: a wider "
+                   "one starts as the target's last block (or --init's head) with units added "
+                   "that change nothing until trained.")
 @click.option("--init", "init_head", type=click.Path(exists=True, dir_okay=False),
               help="Start from this head's weights (a sidecar GGUF) instead of the target's "
                    "last block.")
@@ -91,7 +98,7 @@ def _progress():
 def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max_prompt_tokens,
          answer_tokens, sampled, answer_seconds, samples, devices, layer_split, batch,
          batch_groups, epochs, lr, batch_tokens, chain, soft_weight, soft_temperature, soft_loss,
-         weight_type, init_head, eval_head, report, seed):
+         weight_type, head_ffn, init_head, eval_head, report, seed):
     """Train a NextN (MTP) head for --model by self-distillation and write it to --out."""
     from strata.train import prompts as prompt_files
     if write_prompts:
@@ -100,10 +107,20 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
         held = sum(p.split == "heldout" for p in found)
         click.echo(f"wrote {len(found)} prompts ({held} held out) to {write_prompts}")
         return
-    if not out and not eval_head:
+    if epochs == 0 and not eval_head:
+        if not samples:
+            raise click.UsageError("--epochs 0 only generates answers: give --samples FILE to "
+                                   "keep them")
+        if out or init_head or head_ffn:
+            raise click.UsageError("--epochs 0 trains no head: leave out --out, --init and "
+                                   "--head-ffn (give them when training on the kept answers)")
+    elif not out and not eval_head:
         raise click.UsageError("give --out HEAD.gguf (or --eval HEAD.gguf, or --write-prompts)")
     if init_head and eval_head:
         raise click.UsageError("--init starts a training and --eval only measures: give one")
+    if head_ffn and eval_head:
+        raise click.UsageError("--head-ffn shapes a head to train; --eval measures one as it "
+                               "is: leave --head-ffn out")
     import torch
 
     from strata.train.run import Job
@@ -127,8 +144,12 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
                        say=lambda s: click.echo(s, err=True))
     click.echo(f"{len(data)} answers, {sum(len(s.tokens) for s in data)} tokens "
                f"({time.perf_counter() - start:.0f} s)", err=True)
+    if epochs == 0 and not eval_head:
+        click.echo(f"kept the answers in {samples}; train on them with --samples {samples} "
+                   f"--answer-seconds 0 --out HEAD.gguf")
+        return
     torch.manual_seed(seed)
-    head = job.head(eval_head or init_head)
+    head = job.head(eval_head or init_head, head_ffn)
     held_data = [s for s in data if s.split == "heldout"]
     if not eval_head:
         # every answer to 2% of the training prompts (at least one; prompts asked more than

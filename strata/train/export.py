@@ -1,7 +1,8 @@
 """The trained head as a sidecar GGUF in llama.cpp's NextN layout (strata/model/nextn.py reads
 it): `blk.{N}.nextn.{eh_proj,enorm,hnorm,shared_head_norm}` and the block's ordinary tensors at
-N = the target's block count, with the target's dimensions, its embedding's fingerprint, and
-no embedding or output head of its own (the target's serve)."""
+N = the target's block count, with the target's dimensions (its feed_forward_length the head
+block's own, which may be wider), its embedding's fingerprint, and no embedding or output
+head of its own (the target's serve)."""
 from __future__ import annotations
 
 import os
@@ -20,10 +21,11 @@ from strata.model.nextn import NEXTN_TENSORS, TARGET_FINGERPRINT, embedding_fing
 WEIGHT_TYPES = ("F16", "Q8_0", "F32")
 
 
-def shape_of(file: ModelFile) -> ModelShape:
+def shape_of(file: ModelFile, d_ffn: int | None = None) -> ModelShape:
+    """The model's shape; with d_ffn, a head's feed-forward width instead of the model's."""
     c = file.config
     return ModelShape(n_layers=c.n_layers, d_model=c.d_model, n_heads=c.n_heads,
-                      n_kv_heads=c.n_kv_heads, d_ffn=c.d_ffn, vocab=c.vocab,
+                      n_kv_heads=c.n_kv_heads, d_ffn=d_ffn or c.d_ffn, vocab=c.vocab,
                       ctx_len=c.ctx_len, rope_base=c.rope_base, rms_eps=c.rms_eps)
 
 
@@ -37,7 +39,7 @@ def write_head(path: str | os.PathLike, tensors: dict[str, torch.Tensor], file: 
     tmp = path.with_name(path.name + ".partial")
     writer = GGUFWriter(tmp, file.config.arch)
     writer.add_name(name or f"NextN head for {file.path.name}")
-    add_llama_config(writer, shape_of(file), nextn=True)
+    add_llama_config(writer, shape_of(file, tensors["ffn_gate"].shape[0]), nextn=True)
     writer.add_string(TARGET_FINGERPRINT, embedding_fingerprint(file))
     for short, t in tensors.items():
         full = (f"blk.{block}.nextn.{short}.weight" if short in NEXTN_TENSORS

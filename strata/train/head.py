@@ -20,15 +20,21 @@ from strata.train.torch_llama import Target, block_forward, chain_mask
 class NextNHead(torch.nn.Module):
     """Trainable tensors (fp32), bound to a frozen target's embedding and output head."""
 
-    def __init__(self, target: Target, init: dict[str, torch.Tensor] | None = None):
+    def __init__(self, target: Target, init: dict[str, torch.Tensor] | None = None,
+                 ffn: int | None = None):
+        """From `init` (a head's tensors by short name), else the target's last block with
+        eh_proj passing h through; with `ffn`, the block's feed-forward layer widened to
+        that many units (widen_ffn: the head computes what it did)."""
         super().__init__()
         self.target, cfg = target, target.cfg
         d = cfg.d_model
-        if init is None:   # the target's last block; eh_proj passes h through
+        if init is None:
             eh = torch.zeros(d, 2 * d)
             eh[:, d:] = torch.eye(d)
             init = {**target.blocks[-1], "eh_proj": eh, "enorm": torch.ones(d),
                     "hnorm": torch.ones(d), "shared_head_norm": target.norm}
+        if ffn is not None:
+            init = widen_ffn(init, ffn)
         device = target.embed.device
         self.w = torch.nn.ParameterDict(
             {n: torch.nn.Parameter(t.detach().float().clone().to(device)) for n, t in init.items()})
@@ -68,3 +74,24 @@ class NextNHead(torch.nn.Module):
     def tensors(self) -> dict[str, torch.Tensor]:
         """The trained tensors, fp32 on the CPU, by short name."""
         return {n: p.detach().float().cpu() for n, p in self.w.items()}
+
+
+def widen_ffn(block: dict[str, torch.Tensor], ffn: int) -> dict[str, torch.Tensor]:
+    """The block's tensors with `ffn` feed-forward units: the new units' gate and up rows
+    random (each tensor's own spread; torch's generator), their ffn_down columns zero, so the
+    block computes what it did until training moves them. Refuses to narrow."""
+    have = block["ffn_gate"].shape[0]
+    if ffn < have:
+        raise ValueError(f"--head-ffn {ffn} is narrower than the head it starts from "
+                         f"({have} units); give at least {have}")
+    if ffn == have:
+        return block
+    extra = ffn - have
+    out = dict(block)
+    for name in ("ffn_gate", "ffn_up"):
+        w = block[name].float()
+        new = torch.randn(extra, w.shape[1], device=w.device) * w.std()
+        out[name] = torch.cat([w, new])
+    down = block["ffn_down"].float()
+    out["ffn_down"] = torch.cat([down, down.new_zeros(down.shape[0], extra)], 1)
+    return out

@@ -80,16 +80,17 @@ class Job:
             train_data.save_samples(keep, kept + out)
         return used + out
 
-    def head(self, path: str | None = None) -> NextNHead:
-        """A new head (from the target's last block), or the one in the sidecar `path`."""
+    def head(self, path: str | None = None, ffn: int | None = None) -> NextNHead:
+        """A new head (from the target's last block), or the one in the sidecar `path`; with
+        `ffn`, its feed-forward layer widened to that many units."""
         if path is None:
-            return NextNHead(self.target)
+            return NextNHead(self.target, ffn=ffn)
         source = find_head(self.file, path)
         f = open_head(source, self.file)
         b = source.block
         init = {n: f.tensor(f"blk.{b}.nextn.{n}.weight") for n in NEXTN_TENSORS}
         init.update({n: f.tensor(f"blk.{b}.{n}.weight") for n in BLOCK_TENSORS})
-        return NextNHead(self.target, init)
+        return NextNHead(self.target, init, ffn)
 
     def fit(self, head: NextNHead, samples, options: dict, validation=(), say=print,
             progress=None, on_best=None) -> None:
