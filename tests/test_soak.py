@@ -78,6 +78,15 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def _wait_for_exec(pid: int, code: str, timeout: float = 10.0) -> None:
+    """Until the process's command line holds `code`: a process just spawned may still show
+    its parent's until it has exec'd, which a loaded machine can delay."""
+    deadline = time.monotonic() + timeout
+    while code.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, f"process {pid} did not start within {timeout} s"
+        time.sleep(0.01)
+
+
 def test_a_stop_is_continued_after_its_hold_and_a_kill_kills(tmp_path):
     # two processes that look like stage workers (their command line names the module)
     code = "import time; time.sleep(120)"
@@ -85,6 +94,8 @@ def test_a_stop_is_continued_after_its_hold_and_a_kill_kills(tmp_path):
              for _ in range(2)]
     other = subprocess.Popen([sys.executable, "-c", code])   # not a stage worker
     try:
+        for p in procs + [other]:   # each past its exec (until then /proc shows our command line)
+            _wait_for_exec(p.pid, code)
         assert all(is_stage_worker(p.pid) for p in procs) and not is_stage_worker(other.pid)
         soak = Soak([], "", {}, say=lambda s: None,
                     pids={0: procs[0].pid, 1: procs[1].pid, 2: other.pid})
