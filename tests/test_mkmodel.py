@@ -363,15 +363,34 @@ def test_cli_nextn_layer_and_sidecar(tmp_path):
 
 def test_open_head_refuses_a_head_of_other_shapes(tmp_path):
     """A head whose block does not have the model's shapes is refused with a sentence naming
-    the tensor (a sidecar's metadata may match while its tensors do not)."""
+    the tensor (a sidecar's metadata may match while its tensors do not). Its feed-forward
+    width is its own (the sidecar's feed_forward_length): only a block whose tensors disagree
+    with it is refused."""
     from strata.model.gguf_file import ModelError, ModelFile
     from strata.model.mkmodel import write_nextn_sidecar
     from strata.model.nextn import HeadSource, open_head
 
     model = write_random_gguf(tmp_path / "tiny.gguf", TINY, seed=7)
-    narrow = ModelShape(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=64, vocab=320)
-    sidecar = write_nextn_sidecar(tmp_path / "head.gguf", model, narrow, seed=7)
     file = ModelFile(model)
+    fewer_kv = ModelShape(n_layers=4, d_model=64, n_heads=4, n_kv_heads=1, d_ffn=128, vocab=320)
+    sidecar = write_nextn_sidecar(tmp_path / "head.gguf", model, fewer_kv, seed=7)
     with pytest.raises(ModelError) as e:
         open_head(HeadSource(sidecar, TINY.n_layers, sidecar=True), file)
+    assert "blk.4.attn_k.weight has shape [16, 64], not [32, 64]" in str(e.value)
+
+    narrow = ModelShape(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=64, vocab=320)
+    sidecar = write_nextn_sidecar(tmp_path / "narrow.gguf", model, narrow, seed=7)
+    assert open_head(HeadSource(sidecar, TINY.n_layers, sidecar=True), file).config.d_ffn == 64
+    # tensors of one width under the metadata of another
+    lying = tmp_path / "lying.gguf"
+    lying.write_bytes(sidecar.read_bytes().replace(_u32_field(b"llama.feed_forward_length", 64),
+                                                   _u32_field(b"llama.feed_forward_length", 128)))
+    with pytest.raises(ModelError) as e:
+        open_head(HeadSource(lying, TINY.n_layers, sidecar=True), file)
     assert "blk.4.ffn_gate.weight has shape [64, 64], not [128, 64]" in str(e.value)
+
+
+def _u32_field(key: bytes, value: int) -> bytes:
+    """A GGUF metadata key-value pair of type uint32, as written in the file."""
+    import struct
+    return struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, value)
