@@ -231,6 +231,14 @@ def test_a_whole_run_writes_a_head_that_fits_and_its_figures(varied_model, tmp_p
         torch.testing.assert_close(kept.tensor(key)[:len(trained.tensor(key))],
                                    trained.tensor(key), atol=0, rtol=0)
     assert not kept.tensor(f"blk.{b}.ffn_down.weight")[:, d_ffn:].any()
+    # narrower than the head it starts from: refused before any answer is generated
+    res = CliRunner().invoke(cli.main, [
+        "--model", str(varied_model), "--out", str(tmp_path / "narrow.gguf"), "--prompts",
+        str(prompts), "--devices", "cpu", "--init", str(out), "--head-ffn", str(d_ffn // 2),
+        "--samples", str(tmp_path / "none.jsonl")], standalone_mode=False)
+    assert isinstance(res.exception, SystemExit) and res.exception.code == 2
+    assert "narrower than the head it starts from" in res.output
+    assert not (tmp_path / "none.jsonl").exists()
 
 
 def test_kept_answers_stand_for_the_work_they_did():

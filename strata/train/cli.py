@@ -139,17 +139,19 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
     if not held or (not train and not eval_head):
         raise click.UsageError(f"the prompts hold {len(train)} training and {len(held)} "
                                f"held-out prompts; both are needed")
+    trains = epochs > 0 or eval_head
+    if trains:   # before the answers: a head that cannot be made fails at once
+        torch.manual_seed(seed)
+        head = job.head(eval_head or init_head, head_ffn)
     start = time.perf_counter()
     data = job.samples((held if eval_head else held + train), samples, _progress(),
                        say=lambda s: click.echo(s, err=True))
     click.echo(f"{len(data)} answers, {sum(len(s.tokens) for s in data)} tokens "
                f"({time.perf_counter() - start:.0f} s)", err=True)
-    if epochs == 0 and not eval_head:
+    if not trains:
         click.echo(f"kept the answers in {samples}; train on them with --samples {samples} "
                    f"--answer-seconds 0 --out HEAD.gguf")
         return
-    torch.manual_seed(seed)
-    head = job.head(eval_head or init_head, head_ffn)
     held_data = [s for s in data if s.split == "heldout"]
     if not eval_head:
         # every answer to 2% of the training prompts (at least one; prompts asked more than
