@@ -8,13 +8,21 @@ import gguf
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 
+from gguf.constants import GGML_QUANT_SIZES
+
+from strata.model.kquant_blocks import BLOCK_TYPES, random_blocks
 from strata.model.mkmodel import (
-    CHAT_TEMPLATE, KQUANT_TYPES, QUANTIZABLE_TYPES, SHAPES, ModelShape, bytes_to_unicode,
-    estimated_size, main, make_vocabulary, random_kquant_blocks, random_tensor, tensor_specs,
-    write_random_gguf, write_raw_blocks_gguf,
+    CHAT_TEMPLATE, MIX_TYPES, QUANTIZABLE_TYPES, RANDOM_BLOCK_TYPES, SHAPES, WEIGHT_TYPES,
+    ModelShape, bytes_to_unicode, estimated_size, main, make_vocabulary, random_kquant_blocks,
+    random_tensor, tensor_specs, write_random_gguf, write_raw_blocks_gguf,
 )
+from strata.model.quant_mix import file_type, mix_tensor_type, use_more_bits
 
 TINY = SHAPES["tiny"]
+# rows of whole 256-value blocks (the K and IQ types): d_model 256, d_ffn 512
+SMALL256 = ModelShape(n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, d_ffn=512, vocab=300)
+# the quantized types the tiny shape's rows of 64 values fit
+TINY_TYPES = tuple(t for t in QUANTIZABLE_TYPES if 64 % GGML_QUANT_SIZES[QType[t]][0] == 0)
 
 
 def _field(reader: gguf.GGUFReader, key: str):
@@ -40,7 +48,7 @@ def tiny_files(tmp_path_factory):
     """The tiny shape written once per weight type (tied) plus an untied F32 file."""
     d = tmp_path_factory.mktemp("mkmodel")
     files = {wt: write_random_gguf(d / f"tiny-{wt}.gguf", TINY, weight_type=wt, seed=7)
-             for wt in QUANTIZABLE_TYPES}
+             for wt in TINY_TYPES}
     files["F32-untied"] = write_random_gguf(d / "tiny-untied.gguf", TINY, seed=7, tied=False)
     return files
 
@@ -185,7 +193,7 @@ def test_large_vocabulary():
     assert v.token_types[-1] == gguf.TokenType.UNUSED
 
 
-@pytest.mark.parametrize("weight_type", QUANTIZABLE_TYPES)
+@pytest.mark.parametrize("weight_type", TINY_TYPES)
 def test_tensors_roundtrip(tiny_files, weight_type):
     r = gguf.GGUFReader(tiny_files[weight_type])
     assert [t.name for t in r.tensors] == _expected_names(TINY, tied=True)
@@ -207,7 +215,8 @@ def test_tensors_roundtrip(tiny_files, weight_type):
         absmax = float(np.abs(ref).max())
         err = float(np.abs(got - ref).max())
         tol = {"F32": 0.0, "F16": absmax * 2**-11, "BF16": absmax * 2**-8,
-               "Q8_0": absmax / 127, "Q4_0": absmax / 8, "Q4_1": absmax / 15}[weight_type]
+               "Q8_0": absmax / 127, "Q4_0": absmax / 8, "Q4_1": absmax / 15,
+               "Q5_0": absmax / 16, "Q5_1": absmax / 31, "MXFP4": absmax / 3}[weight_type]
         assert err <= tol, (t.name, err, tol)
         if weight_type == "F32":
             np.testing.assert_array_equal(got, ref)
@@ -240,47 +249,181 @@ def test_reproducible(tmp_path, tiny_files):
 
 def test_bad_weight_type_and_block_size(tmp_path):
     with pytest.raises(ValueError, match="unsupported weight type"):
-        write_random_gguf(tmp_path / "x.gguf", TINY, weight_type="Q3_K")
-    with pytest.raises(ValueError, match="Q4_K"):  # rows of 64 are not whole 256-blocks
-        write_random_gguf(tmp_path / "x.gguf", TINY, weight_type="Q4_K")
+        write_random_gguf(tmp_path / "x.gguf", TINY, weight_type="Q1_0")  # no gguf-py dequantizer
+    # rows of 64 values are not whole 256-value blocks
+    for weight_type in ("Q4_K", "IQ2_XXS"):
+        with pytest.raises(ValueError, match=f"row length 64 is not a multiple of the "
+                                             f"{weight_type} block size 256"):
+            write_random_gguf(tmp_path / "x.gguf", TINY, weight_type=weight_type)
+    with pytest.raises(ValueError, match="multiple of 256 values, got 100"):
+        random_blocks("Q4_K", 2, 100)
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("qtype", KQUANT_TYPES)
-def test_kquant_raw_blocks(tmp_path, qtype):
-    rows, cols = 6, 512
-    path = write_raw_blocks_gguf(tmp_path / "k.gguf", "blk.0.ffn_down.weight", qtype,
-                                 rows, cols, seed=3)
-    r = gguf.GGUFReader(path)
-    (t,) = r.tensors
+@pytest.mark.parametrize("qtype", [t.name for t in BLOCK_TYPES])
+def test_random_blocks(tmp_path, qtype):
+    """random_blocks makes valid blocks of every type gguf-py dequantizes: finite, of about the
+    spread asked (here 2.5 x 0.02), reproducible from the seed, read back as written."""
+    rows, cols = 16, 512
+    path = write_raw_blocks_gguf(tmp_path / "b.gguf", "blk.0.ffn_down.weight", qtype,
+                                 rows, cols, seed=3, scale=2.5)
+    (t,) = gguf.GGUFReader(path).tensors
     assert t.name == "blk.0.ffn_down.weight" and t.tensor_type == QType[qtype]
     assert [int(x) for x in t.shape] == [cols, rows]
     got = dequantize(t.data, t.tensor_type)
     assert got.shape == (rows, cols) and got.dtype == np.float32
     assert np.isfinite(got).all()
-    assert 0.005 < float(got.std()) < 0.05 and float(np.abs(got).max()) < 1.0
-    again = random_kquant_blocks(qtype, rows, cols, 3)
+    assert 0.035 < float(got.std()) < 0.065
+    again = random_blocks(qtype, rows, cols, 3, scale=2.5)
     np.testing.assert_array_equal(np.asarray(t.data).reshape(again.shape), again)
+    assert random_kquant_blocks is random_blocks  # the name tests of K-quants import
 
 
-@pytest.mark.parametrize("qtype", KQUANT_TYPES)
-def test_kquant_model(tmp_path, qtype):
-    shape = ModelShape(1, 256, 4, 2, 512, 300)
-    r = gguf.GGUFReader(write_random_gguf(tmp_path / "k.gguf", shape, weight_type=qtype,
-                                          tied=False))
-    assert [t.name for t in r.tensors] == _expected_names(shape, tied=False)
+@pytest.mark.parametrize("weight_type", RANDOM_BLOCK_TYPES + ("TQ1_0", "TQ2_0"))
+def test_block_type_model(tmp_path, weight_type):
+    """A model of every type the tiny shape's rows do not fit (all random-block types) is
+    written and reads back through gguf-py: its file type, finite matrices of about the asked
+    spread, as many bytes as estimated_size says."""
+    r = gguf.GGUFReader(write_random_gguf(tmp_path / "m.gguf", SMALL256, weight_type=weight_type,
+                                          tied=False, std=0.05))
+    assert [t.name for t in r.tensors] == _expected_names(SMALL256, tied=False)
+    assert _field(r, "general.file_type") == file_type(weight_type)
+    assert sum(int(t.n_bytes) for t in r.tensors) == estimated_size(SMALL256, weight_type,
+                                                                    tied=False)
     for t in r.tensors:
-        want = QType.F32 if t.name.endswith("norm.weight") else QType[qtype]
-        assert t.tensor_type == want
         got = dequantize(t.data, t.tensor_type)
-        assert got.shape == tuple(int(x) for x in reversed(t.shape))
-        assert np.isfinite(got).all()
+        assert got.shape == tuple(int(x) for x in reversed(t.shape)) and np.isfinite(got).all()
+        if t.name.endswith("norm.weight"):
+            assert t.tensor_type == QType.F32
+            continue
+        assert t.tensor_type == QType[weight_type], t.name
+        assert 0.035 < float(got.std()) < 0.065, t.name
 
 
-def test_cli(tmp_path):
+def _small_pools(monkeypatch):
+    """--fast pools of 2**17 values, not 2**24 (gguf-py quantizes those of Q8_0... slowly):
+    still more blocks than the small shapes' matrices have rows."""
+    from strata.model import kquant_blocks
+    monkeypatch.setattr(kquant_blocks, "POOL_VALUES", 1 << 17)
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_K", "IQ4_NL", "Q4_K_M"])
+def test_fast_block_types(tmp_path, monkeypatch, weight_type):
+    """--fast writes block types too: the types and sizes of the file written without it, each
+    matrix valid blocks of about the asked spread, no two rows alike (the pool is a prime
+    number of blocks), matrices of one shape unlike each other."""
+    _small_pools(monkeypatch)
+    kw = dict(weight_type=weight_type, tied=False, std=0.05)
+    slow = gguf.GGUFReader(write_random_gguf(tmp_path / "slow.gguf", SMALL256, **kw))
+    fast = gguf.GGUFReader(write_random_gguf(tmp_path / "fast.gguf", SMALL256, fast=True, **kw))
+    assert ([(t.name, t.tensor_type, int(t.n_bytes)) for t in fast.tensors]
+            == [(t.name, t.tensor_type, int(t.n_bytes)) for t in slow.tensors])
+    rows = {}
+    for t in fast.tensors:
+        if t.name.endswith("norm.weight"):
+            continue
+        rows[t.name] = np.asarray(t.data).reshape(int(t.shape[1]), -1)
+        assert len(np.unique(rows[t.name], axis=0)) == len(rows[t.name]), t.name
+        got = dequantize(t.data, t.tensor_type)
+        assert np.isfinite(got).all() and 0.035 < float(got.std()) < 0.065, t.name
+    assert not np.array_equal(rows["blk.0.attn_q.weight"], rows["blk.0.attn_output.weight"])
+
+
+def test_use_more_bits():
+    """llama.cpp's layers of more bits for Llama-3-8B's 32: the first and last 4 and every
+    third between them."""
+    assert [i for i in range(32) if use_more_bits(i, 32)] == [
+        0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
+
+
+def test_mix_tensor_types():
+    """What llama-quantize gives a llama model's tensors for Q4_K_M, Q5_K_M and Q3_K_M, here
+    Llama-3-8B's (32 blocks, rows of 4096 values, 14336 for ffn_down)."""
+    matrices = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+    def block(mix, i):
+        return {n: mix_tensor_type(mix, f"blk.{i}.{n}.weight",
+                                   14336 if n == "ffn_down" else 4096, 32, tied=False).name
+                for n in matrices}
+
+    def like(default, **special):
+        return {n: special.get(n, default) for n in matrices}
+    for i in (0, 6, 31):
+        assert block("Q4_K_M", i) == like("Q4_K", attn_v="Q6_K", ffn_down="Q6_K")
+        assert block("Q5_K_M", i) == like("Q5_K", attn_v="Q6_K", ffn_down="Q6_K")
+    for i in (4, 7, 26):
+        assert block("Q4_K_M", i) == like("Q4_K")
+        assert block("Q5_K_M", i) == like("Q5_K")
+    assert block("Q3_K_M", 1) == like("Q3_K", attn_v="Q5_K", attn_output="Q4_K", ffn_down="Q5_K")
+    assert block("Q3_K_M", 2) == like("Q3_K", attn_v="Q4_K", attn_output="Q4_K", ffn_down="Q4_K")
+
+    def head(mix, name, tied, cols=4096):
+        return mix_tensor_type(mix, name, cols, 32, tied).name
+    for mix in MIX_TYPES:
+        assert head(mix, "output.weight", tied=False) == "Q6_K"
+        assert head(mix, "token_embd.weight", tied=True) == "Q6_K"   # no output.weight
+        assert head(mix, "token_embd.weight", tied=False) == mix[:4]  # Q4_K_M: Q4_K
+        assert head(mix, "token_embd.weight", tied=True, cols=576) == "Q8_0"
+    # a 70B (80 blocks, grouped-query attention): attn_v of Q4_K (or Q3_K) gets Q5_K
+    assert mix_tensor_type("Q4_K_M", "blk.10.attn_v.weight", 8192, 80, False, True) == QType.Q5_K
+    assert mix_tensor_type("Q4_K_M", "blk.12.attn_v.weight", 8192, 80, False, True) == QType.Q6_K
+    assert mix_tensor_type("Q3_K_M", "blk.12.attn_v.weight", 8192, 80, False, True) == QType.Q5_K
+    # rows that are not whole 256-value blocks (SmolLM2-135M's 576) fall back as in llama.cpp
+    assert mix_tensor_type("Q4_K_M", "blk.1.attn_q.weight", 576, 30, False) == QType.Q5_0
+    assert mix_tensor_type("Q5_K_M", "blk.1.attn_q.weight", 576, 30, False) == QType.Q5_1
+    assert mix_tensor_type("Q3_K_M", "blk.1.attn_q.weight", 576, 30, False) == QType.Q4_0
+    assert mix_tensor_type("Q4_K_M", "blk.0.attn_v.weight", 576, 30, False) == QType.Q8_0
+    assert mix_tensor_type("Q4_K_M", "blk.0.ffn_down.weight", 1536, 30, False) == QType.Q6_K
+    assert mix_tensor_type("Q4_K_M", "blk.1.attn_q.weight", 48, 30, False) == QType.F16
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_q4_k_m_file(tmp_path, tied):
+    """A Q4_K_M file has llama-quantize's types: attn_v and ffn_down in Q6_K in the layers of
+    more bits (0, 3, 6, 7 of 8), the head in Q6_K (the token embedding when it is the head),
+    the rest in Q4_K; so layer 0's q/k/v, fused, mix Q4_K and Q6_K."""
+    shape = ModelShape(n_layers=8, d_model=256, n_heads=4, n_kv_heads=2, d_ffn=512, vocab=300)
+    r = gguf.GGUFReader(write_random_gguf(tmp_path / "m.gguf", shape, weight_type="Q4_K_M",
+                                          tied=tied))
+    assert _field(r, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_M
+
+    def want(name):
+        if name.endswith("norm.weight"):
+            return "F32"
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            return "Q6_K"
+        if name.endswith(("attn_v.weight", "ffn_down.weight")):
+            return "Q6_K" if int(name.split(".")[1]) in (0, 3, 6, 7) else "Q4_K"
+        return "Q4_K"
+    assert {t.name: t.tensor_type.name for t in r.tensors} == {
+        n: want(n) for n in _expected_names(shape, tied)}
+    assert sum(int(t.n_bytes) for t in r.tensors) == estimated_size(shape, "Q4_K_M", tied)
+    for t in r.tensors:
+        assert np.isfinite(dequantize(t.data, t.tensor_type)).all(), t.name
+
+
+def test_mix_sizes_of_llama3_8b():
+    """Llama-3-8B in Q4_K_M: attn_v and ffn_down of 16 of the 32 layers and the head in Q6_K,
+    the rest Q4_K; 4.91 GB of tensors, the size of llama.cpp's files of it."""
+    s = SHAPES["llama3-8b"]
+    norms = (2 * s.n_layers + 1) * s.d_model
+    matrices = s.n_params + s.vocab * s.d_model - norms
+    q6k = 16 * s.d_model * (s.n_kv_heads * s.head_dim + s.d_ffn) + s.vocab * s.d_model
+    assert estimated_size(s, "Q4_K_M", tied=False) == (
+        matrices * 144 // 256 + q6k * (210 - 144) // 256 + 4 * norms)
+    assert 4.90e9 < estimated_size(s, "Q4_K_M", tied=False) < 4.92e9
+    assert (estimated_size(s, "Q3_K_M", tied=False) < estimated_size(s, "Q4_K", tied=False)
+            < estimated_size(s, "Q4_K_M", tied=False) < estimated_size(s, "Q5_K_M", tied=False)
+            < estimated_size(s, "Q6_K", tied=False))
+
+
+def test_cli(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     runner = CliRunner()
+    res = runner.invoke(main, ["--help"])
+    assert res.exit_code == 0 and all(t.lower() in res.output for t in WEIGHT_TYPES)
     res = runner.invoke(main, ["nosuch", str(tmp_path / "x.gguf")])
     assert res.exit_code == 2
     assert "unknown shape 'nosuch'" in res.output
@@ -300,6 +443,20 @@ def test_cli(tmp_path):
     res = runner.invoke(main, ["tiny", str(out), "--force"])
     assert res.exit_code == 0, res.output
     assert gguf.GGUFReader(out).tensors[2].tensor_type == QType.BF16
+
+    # rows of 64 values: a K-quant is refused with a sentence, a mix falls back as llama.cpp's
+    res = runner.invoke(main, ["tiny", str(out), "--force", "--weight-type", "q6_k"])
+    assert res.exit_code == 2 and "row length 64 is not a multiple" in res.output
+    _small_pools(monkeypatch)
+    res = runner.invoke(main, ["tiny", str(out), "--force", "--weight-type", "q4_k_m", "--fast"])
+    assert res.exit_code == 0, res.output
+    r = gguf.GGUFReader(out)
+    assert _field(r, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    # Q6_K -> Q8_0 (the tied head, attn_v of layers 2 and 3 of 4), Q4_K -> Q5_0
+    assert (types["token_embd.weight"], types["blk.3.attn_v.weight"],
+            types["blk.0.attn_v.weight"], types["blk.1.ffn_up.weight"]) == (
+        "Q8_0", "Q8_0", "Q5_0", "Q5_0")
 
 
 NEXTN_NAMES = [f"blk.{TINY.n_layers}.nextn.{n}.weight"

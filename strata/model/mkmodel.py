@@ -30,10 +30,14 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES, LlamaFileType
-from gguf.quants import quant_shape_to_byte_shape, quantize
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import quantize
 
-from strata.model.kquant_blocks import random_kquant_blocks, write_raw_blocks_gguf  # noqa: F401
+from strata.model.kquant_blocks import (DEFAULT_STD, random_blocks,  # noqa: F401
+                                        random_kquant_blocks, random_pool, write_raw_blocks_gguf)
+from strata.model.quant_mix import (MIX_TYPES, MIXES, QUANTIZABLE_TYPES,  # noqa: F401
+                                    RANDOM_BLOCK_TYPES, WEIGHT_TYPES, file_type, mix_tensor_type,
+                                    weight_type_name)
 # the vocabulary's names stay importable from here, where tests and tools look for them
 from strata.model.synthetic_vocab import (CHAT_TEMPLATE, EOS_TOKEN, N_BASE_TOKENS,  # noqa: F401
                                           PRE_TOKENIZER, SPECIAL_TOKENS, Vocabulary,
@@ -112,28 +116,8 @@ def get_shape(name: str) -> ModelShape:
 # Weight types
 # --------------------------------------------------------------------------------------------
 
-# Types made by quantizing Gaussian weights with gguf-py.
-QUANTIZABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-# K-quants gguf-py cannot quantize: written as random valid blocks (see random_kquant_blocks).
-KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
-WEIGHT_TYPES = QUANTIZABLE_TYPES + KQUANT_TYPES
-
-_FILE_TYPES = {
-    "F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16,
-    "BF16": LlamaFileType.MOSTLY_BF16, "Q8_0": LlamaFileType.MOSTLY_Q8_0,
-    "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q4_1": LlamaFileType.MOSTLY_Q4_1,
-    "Q4_K": LlamaFileType.MOSTLY_Q4_K_M, "Q5_K": LlamaFileType.MOSTLY_Q5_K_M,
-    "Q6_K": LlamaFileType.MOSTLY_Q6_K,
-}
-
-
-def _qtype(weight_type: str | QType) -> QType:
-    name = weight_type.name if isinstance(weight_type, QType) else str(weight_type).upper()
-    if name not in WEIGHT_TYPES:
-        raise ValueError(f"unsupported weight type {weight_type!r}; choose one of "
-                         f"{', '.join(WEIGHT_TYPES)}")
-    return QType[name]
-
+# The weight types (WEIGHT_TYPES) and what each tensor gets are in quant_mix; the blocks of
+# the types gguf-py cannot quantize to (RANDOM_BLOCK_TYPES) are made by kquant_blocks.
 
 def _row_nbytes(qtype: QType, cols: int) -> int:
     block, type_size = GGML_QUANT_SIZES[qtype]
@@ -141,15 +125,6 @@ def _row_nbytes(qtype: QType, cols: int) -> int:
         raise ValueError(f"row length {cols} is not a multiple of the {qtype.name} block size "
                          f"{block}")
     return cols // block * type_size
-
-
-def _encode(data: np.ndarray, qtype: QType) -> np.ndarray:
-    """float32 rows -> what GGUFWriter stores: float arrays for F32/F16, uint8 bytes otherwise."""
-    if qtype == QType.F32:
-        return data.astype(np.float32, copy=False)
-    if qtype == QType.F16:
-        return data.astype(np.float16)
-    return quantize(data, qtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,6 +181,20 @@ def tensor_specs(shape: ModelShape, tied: bool = True, nextn: bool = False) -> l
     return specs
 
 
+def _tensor_types(specs: list[TensorSpec], weight_type: str, shape: ModelShape,
+                  nextn: bool) -> list[QType]:
+    """Each tensor's ggml type: F32 for norms; for matrices ``weight_type`` (a name of
+    WEIGHT_TYPES), or for a mix its choice for the tensor in a file of the model's blocks."""
+    if weight_type not in MIXES:
+        return [QType.F32 if s.kind == "norm" else QType[weight_type] for s in specs]
+    tied = all(s.name != "output.weight" for s in specs)
+    n_blocks = shape.n_layers + int(nextn)  # block_count: a sidecar's head types as in a model
+    llama_70b = shape.n_layers == 80 and shape.n_heads != shape.n_kv_heads  # llama.cpp's 70B
+    return [QType.F32 if s.kind == "norm" else
+            mix_tensor_type(weight_type, s.name, s.shape[1], n_blocks, tied, llama_70b)
+            for s in specs]
+
+
 _CHUNK_ELEMENTS = 1 << 24  # 16M values (64 MB of float32) per generated chunk
 
 
@@ -230,7 +219,9 @@ def _iter_chunks(spec: TensorSpec, seed: int, std: float) -> Iterator[tuple[int,
 
 def random_tensor(shape: ModelShape, name: str, *, seed: int = 0, std: float = 0.02) -> np.ndarray:
     """The float32 values write_random_gguf generates for tensor ``name`` (before quantization),
-    in torch order (out, in). For K-quant files the written tensors are random blocks instead."""
+    in torch order (out, in): what a tensor of a QUANTIZABLE_TYPES type holds, up to
+    quantization. A tensor of a RANDOM_BLOCK_TYPES type (which a mix may give it) holds random
+    blocks of about the same spread instead, and none of a --fast file holds these values."""
     specs = {s.name: s for s in tensor_specs(shape, tied=False, nextn=True)}
     if name not in specs:
         raise KeyError(f"no tensor {name!r} in a llama model")
@@ -244,19 +235,21 @@ def _random_values(spec: TensorSpec, seed: int, std: float) -> np.ndarray:
     return out
 
 
-def _tensor_plan(spec: TensorSpec, qtype: QType) -> tuple[QType, Sequence[int], np.dtype, int]:
-    """(ggml type, shape to declare, dtype to declare, nbytes) for add_tensor_info."""
-    if spec.kind == "norm":
-        return QType.F32, spec.shape, np.dtype(np.float32), 4 * int(np.prod(spec.shape))
-    rows, cols = spec.shape
+def _tensor_plan(spec: TensorSpec, qtype: QType) -> tuple[Sequence[int], np.dtype, int]:
+    """(shape to declare, dtype to declare, nbytes) for add_tensor_info of a ``qtype`` tensor;
+    a ValueError if its rows are not whole blocks."""
     if qtype in (QType.F32, QType.F16):
         dt = np.dtype(np.float32 if qtype == QType.F32 else np.float16)
-        return qtype, spec.shape, dt, rows * cols * dt.itemsize
+        return spec.shape, dt, int(np.prod(spec.shape)) * dt.itemsize
+    rows, cols = spec.shape
     try:
-        byte_shape = quant_shape_to_byte_shape(spec.shape, qtype)
+        row_nbytes = _row_nbytes(qtype, cols)
     except ValueError as e:
-        raise ValueError(f"cannot write {spec.name} {list(spec.shape)} as {qtype.name}: {e}") from e
-    return qtype, byte_shape, np.dtype(np.uint8), rows * _row_nbytes(qtype, cols)
+        raise ValueError(f"cannot write {spec.name} {list(spec.shape)} as {qtype.name}: {e}; "
+                         f"choose a type of smaller blocks (Q8_0, Q4_0, IQ4_NL have 32) or a mix "
+                         f"(Q4_K_M...), which falls back to one that fits as llama-quantize "
+                         f"does") from e
+    return (rows, row_nbytes), np.dtype(np.uint8), rows * row_nbytes
 
 
 def _make_tensor_data(spec: TensorSpec, qtype: QType, seed: int, std: float) -> np.ndarray:
@@ -264,18 +257,18 @@ def _make_tensor_data(spec: TensorSpec, qtype: QType, seed: int, std: float) -> 
     if spec.kind == "norm":
         return _random_values(spec, seed, std)
     rows, cols = spec.shape
-    if qtype.name in KQUANT_TYPES:
+    if qtype.name in RANDOM_BLOCK_TYPES:
         # random valid blocks, scaled so that the dequantized spread is about std
         rng = _tensor_rng(seed, spec.name)
         out = np.empty((rows, _row_nbytes(qtype, cols)), dtype=np.uint8)
         step = max(1, _CHUNK_ELEMENTS // cols)
         for r0 in range(0, rows, step):
             n = min(step, rows - r0)
-            out[r0:r0 + n] = random_kquant_blocks(qtype, n, cols, rng, scale=std / 0.02)
+            out[r0:r0 + n] = random_blocks(qtype, n, cols, rng, scale=std / DEFAULT_STD)
         return out
     out = None
     for r0, chunk in _iter_chunks(spec, seed, std):
-        enc = _encode(chunk, qtype)
+        enc = quantize(chunk, qtype)  # float arrays for F32/F16, uint8 bytes otherwise
         if out is None:
             out = np.empty((rows, enc.shape[1]), dtype=enc.dtype)
         out[r0:r0 + len(enc)] = enc
@@ -283,26 +276,14 @@ def _make_tensor_data(spec: TensorSpec, qtype: QType, seed: int, std: float) -> 
     return out
 
 
-_POOL_VALUES = (1 << 24) + 7  # --fast: values of the shared random pool (not a multiple of any row)
-
-
-def _pattern_pool(qtype: QType, seed: int, std: float) -> np.ndarray:
-    """--fast: one pool of N(0, std) values in the output type, which every matrix repeats."""
-    if qtype not in (QType.F32, QType.F16, QType.BF16):
-        raise ValueError(f"--fast writes F32, F16 or BF16 matrices, not {qtype.name}")
-    values = np.random.default_rng([seed, 0x5EED]).standard_normal(_POOL_VALUES, dtype=np.float32)
-    enc = _encode(values * np.float32(std), qtype)
-    return enc.view(np.uint16) if qtype == QType.BF16 else enc
-
-
-def _pattern_tensor_data(spec: TensorSpec, pool: np.ndarray) -> np.ndarray:
-    """--fast: the pool repeated from an offset given by the tensor's name (memory speed, not
-    random-number speed); rows differ because the pool length is not a multiple of a row."""
+def _pattern_tensor_data(spec: TensorSpec, qtype: QType, pool: np.ndarray) -> np.ndarray:
+    """--fast: the pool of ``qtype`` units repeated from an offset given by the tensor's name
+    (memory speed, not random-number speed), as uint8 rows."""
     rows, cols = spec.shape
+    units = rows * cols // GGML_QUANT_SIZES[qtype][0]
     start = zlib.crc32(spec.name.encode()) % len(pool)
-    data = np.resize(np.concatenate([pool[start:], pool[:start]]), rows * cols)
-    data = data.reshape(rows, cols)
-    return data.view(np.uint8) if data.dtype == np.uint16 else data  # BF16: raw bytes
+    data = np.resize(np.concatenate([pool[start:], pool[:start]]), (units, pool.shape[1]))
+    return data.reshape(rows, -1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,9 +292,11 @@ def _pattern_tensor_data(spec: TensorSpec, pool: np.ndarray) -> np.ndarray:
 
 def estimated_size(shape: ModelShape, weight_type: str = "F32", tied: bool = True,
                    nextn: bool = False) -> int:
-    """Bytes of tensor data write_random_gguf would write (metadata not counted)."""
-    qtype = _qtype(weight_type)
-    return sum(_tensor_plan(s, qtype)[3] for s in tensor_specs(shape, tied, nextn))
+    """Bytes of tensor data write_random_gguf would write (metadata not counted); a
+    ValueError if a matrix's rows are not whole blocks of its type."""
+    specs = tensor_specs(shape, tied, nextn)
+    types = _tensor_types(specs, weight_type_name(weight_type), shape, nextn)
+    return sum(_tensor_plan(s, t)[2] for s, t in zip(specs, types))
 
 
 def add_llama_config(writer: GGUFWriter, shape: ModelShape, vocab_size: bool = True,
@@ -342,34 +325,37 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int =
                       fast: bool = False, nextn: bool = False) -> Path:
     """Write a GGUF with random weights of ``shape`` and a small gpt2-style tokenizer.
 
-    Matrices (token_embd, attention, ffn, and output when ``tied`` is False) are N(0, std)
-    quantized to ``weight_type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1 through gguf-py), or, for
-    Q4_K/Q5_K/Q6_K, random valid blocks of similar spread (every matrix's row length must then
-    be a multiple of 256). Norm weights are F32, 1 + 0.1*N(0, 1). Values are reproducible:
-    see :func:`random_tensor`.
+    Matrices (token_embd, attention, ffn, and output when ``tied`` is False) are of
+    ``weight_type`` (WEIGHT_TYPES): N(0, std) quantized through gguf-py for QUANTIZABLE_TYPES
+    (F32, F16, BF16, Q8_0, Q4_0, ...), random valid blocks of similar spread for
+    RANDOM_BLOCK_TYPES (K-quants, IQ types, NVFP4; every matrix's row length must be a multiple
+    of the type's block size, 256 for most), or, for MIX_TYPES (Q3_K_M, Q4_K_M, Q5_K_M), the
+    type llama.cpp's llama-quantize gives each tensor (:func:`quant_mix.mix_tensor_type`).
+    Norm weights are F32, 1 + 0.1*N(0, 1). Values are reproducible: see :func:`random_tensor`.
 
     Tensors are streamed one at a time, so memory stays around one tensor whatever the model
     size. The file is written to ``path`` + ".partial" and renamed when complete.
     ``progress``: True for a tqdm bar over tensors, or a callback called after each tensor.
     ``fast``: for performance runs of large shapes, every matrix repeats one pool of random
-    values (F32, F16 or BF16 only): seconds instead of minutes, but :func:`random_tensor` no
-    longer gives the written values.
+    values or blocks of its type, from an offset given by its name: seconds instead of
+    minutes, but :func:`random_tensor` no longer gives the written values.
     ``nextn``: a random NextN (MTP) head in llama.cpp's layout after the blocks
     (:func:`nextn_specs`; block_count + 1, nextn_predict_layers 1).
     """
-    qtype = _qtype(weight_type)
+    weight_type = weight_type_name(weight_type)
+    specs = tensor_specs(shape, tied, nextn)
 
     def metadata(writer: GGUFWriter) -> None:
         writer.add_type("model")
         writer.add_name(name or f"strata random {arch} {shape.n_layers}x{shape.d_model} "
-                                f"{qtype.name}")
-        writer.add_file_type(int(_FILE_TYPES[qtype.name]))
+                                f"{weight_type}")
+        writer.add_file_type(int(file_type(weight_type)))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         add_llama_config(writer, shape, nextn=nextn)
         add_tokenizer(writer, shape.vocab)
 
-    return _write_gguf(Path(path), arch, tensor_specs(shape, tied, nextn), metadata, qtype,
-                       seed=seed, std=std, progress=progress, fast=fast)
+    return _write_gguf(Path(path), arch, specs, _tensor_types(specs, weight_type, shape, nextn),
+                       metadata, seed=seed, std=std, progress=progress, fast=fast)
 
 
 def write_nextn_sidecar(path: str | os.PathLike, model: str | os.PathLike, shape: ModelShape,
@@ -381,7 +367,8 @@ def write_nextn_sidecar(path: str | os.PathLike, model: str | os.PathLike, shape
     token embedding) as strata.model.nextn.find_head checks."""
     from strata.model.gguf_file import ModelFile
     from strata.model.nextn import TARGET_FINGERPRINT, embedding_fingerprint
-    qtype = _qtype(weight_type)
+    specs = nextn_specs(shape)
+    types = _tensor_types(specs, weight_type_name(weight_type), shape, nextn=True)
     fingerprint = embedding_fingerprint(ModelFile(model))
 
     def metadata(writer: GGUFWriter) -> None:
@@ -389,23 +376,23 @@ def write_nextn_sidecar(path: str | os.PathLike, model: str | os.PathLike, shape
         add_llama_config(writer, shape, nextn=True)
         writer.add_string(TARGET_FINGERPRINT, fingerprint)
 
-    return _write_gguf(Path(path), arch, nextn_specs(shape), metadata, qtype, seed=seed, std=std)
+    return _write_gguf(Path(path), arch, specs, types, metadata, seed=seed, std=std)
 
 
-def _write_gguf(path: Path, arch: str, specs: list[TensorSpec],
-                metadata: Callable[[GGUFWriter], None], qtype: QType, *, seed: int, std: float,
+def _write_gguf(path: Path, arch: str, specs: list[TensorSpec], types: list[QType],
+                metadata: Callable[[GGUFWriter], None], *, seed: int, std: float,
                 progress: bool | Callable[[TensorSpec], None] = False,
                 fast: bool = False) -> Path:
-    """Stream the tensors of ``specs`` after the metadata into ``path`` (see
+    """Stream the tensors of ``specs``, of ``types``, after the metadata into ``path`` (see
     write_random_gguf)."""
-    plans = [_tensor_plan(s, qtype) for s in specs]  # validates block sizes before writing
-    pool = _pattern_pool(qtype, seed, std) if fast else None
+    plans = [_tensor_plan(s, t) for s, t in zip(specs, types)]  # checks blocks before writing
+    pools: dict[QType, np.ndarray] = {}  # --fast: one per matrix type, made when first needed
 
     tmp = path.with_name(path.name + ".partial")
     writer = GGUFWriter(tmp, arch)
     metadata(writer)
 
-    for spec, (tq, decl_shape, decl_dtype, nbytes) in zip(specs, plans):
+    for spec, tq, (decl_shape, decl_dtype, nbytes) in zip(specs, types, plans):
         raw = None if tq in (QType.F32, QType.F16) else tq
         writer.add_tensor_info(spec.name, decl_shape, decl_dtype, nbytes, raw_dtype=raw)
 
@@ -418,9 +405,12 @@ def _write_gguf(path: Path, arch: str, specs: list[TensorSpec],
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for spec, (tq, _, _, nbytes) in zip(specs, plans):
-            if pool is not None and spec.kind == "matrix":
-                data = _pattern_tensor_data(spec, pool)
+        for spec, tq, (_, _, nbytes) in zip(specs, types, plans):
+            if fast and spec.kind == "matrix":
+                if tq not in pools:
+                    rng = np.random.default_rng([seed, 0x5EED])
+                    pools[tq] = random_pool(tq, rng, scale=std / DEFAULT_STD)
+                data = _pattern_tensor_data(spec, tq, pools[tq])
             else:
                 data = _make_tensor_data(spec, tq, seed, std)
             assert data.nbytes == nbytes, (spec.name, data.nbytes, nbytes)
@@ -464,16 +454,19 @@ def _cli():
     @click.argument("out", metavar="OUT.gguf", type=click.Path(dir_okay=False, path_type=Path))
     @click.option("--weight-type", default="BF16", show_default=True,
                   type=click.Choice(WEIGHT_TYPES, case_sensitive=False),
-                  help="Type of the matrices (norms are always F32). K-quants are random "
-                       "blocks and need rows that are multiples of 256.")
+                  help="Type of the matrices (norms are always F32). K-quants, IQ types and "
+                       "NVFP4 are random valid blocks, whose block size (256 for most) must "
+                       "divide every row; Q3_K_M, Q4_K_M and Q5_K_M mix types per tensor as "
+                       "llama.cpp's llama-quantize does.")
     @click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
     @click.option("--untied", is_flag=True, help="Write a separate output.weight head.")
     @click.option("--std", default=0.02, show_default=True, type=float,
                   help="Standard deviation of the matrices' values.")
     @click.option("--force", is_flag=True, help="Overwrite OUT.gguf if it exists.")
     @click.option("--fast", is_flag=True,
-                  help="Every matrix repeats one pool of random values: seconds instead of "
-                       "minutes for large shapes (F32/F16/BF16; for performance runs).")
+                  help="Every matrix repeats one pool of random values or blocks of its "
+                       "type: seconds instead of minutes for large shapes (for performance "
+                       "runs).")
     @click.option("--nextn", is_flag=True,
                   help="Add a random NextN (MTP) head in llama.cpp's layout: block_count + 1, "
                        "nextn_predict_layers 1.")
