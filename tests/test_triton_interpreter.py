@@ -7,8 +7,9 @@ Python (~5 ms a program), so the cases of hundreds of rows stay with the GPU: th
 attention's 100- and 512-row references (its 1-, 7- and 32-row ones run, across blocks and
 partial blocks) and its row independence with 4-row blocks (the default blocks run). Skipped
 where triton is not installed (the test extra installs it) or where a GPU runs the kernels
-themselves. The kernel test files run in two child processes at once, one group each (the
-machine's cores are otherwise idle while this test waits)."""
+themselves. The kernel test files run in child processes at once, one group each (the
+machine's cores are otherwise idle while this test waits), and the quantized-weight kernels
+(~55 s) in a third."""
 from __future__ import annotations
 
 import os
@@ -21,11 +22,13 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# two groups of about the same time under the interpreter (~10 s each on a CPU)
+# groups of about the same time under the interpreter (~10 s each on a CPU; the quantized
+# kernels' ~55 s)
 KERNEL_TESTS = [["tests/test_attention_triton.py", "tests/test_attention_chunk.py",
                  "tests/test_sampling_triton.py", "tests/test_sampling_sorted_triton.py"],
                 ["tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py",
-                 "tests/test_batch_invariance.py"]]
+                 "tests/test_batch_invariance.py"],
+                ["tests/test_quant_kernels.py", "tests/test_quant_stage.py"]]
 CASES = "cpu and not 512 and not 100 and not bm4"
 
 

@@ -30,7 +30,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import quant_ops
 from strata.kernels.policy import ROW_BLOCK, KernelPolicy, policy_or_default
+from strata.kernels.quant import QuantWeight
 
 
 def by_row_blocks(fn, x: torch.Tensor, *row_args: torch.Tensor) -> torch.Tensor:
@@ -128,13 +130,21 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot:
     return fused_triton.rope_write_kv(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads)
 
 
-def linear_rows(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
-                policy: KernelPolicy | None = None, decode: bool = False) -> torch.Tensor:
+def linear_rows(x: torch.Tensor, w: torch.Tensor | QuantWeight,
+                res: torch.Tensor | None = None, policy: KernelPolicy | None = None,
+                decode: bool = False) -> torch.Tensor:
     """x: [R, K], w: [N, K] -> x @ w^T (+ res) [R, N]. decode: x is a decode window's rows
     (the skinny kernel, else the matmul in blocks of ROW_BLOCK rows); otherwise a prompt
-    chunk's (addmm / linear whole)."""
-    blocks = policy_or_default(policy, x).skinny(x, w, "plain" if res is None else "res",
-                                                 decode)
+    chunk's (addmm / linear whole). A quantized w: its kernels for a decode window, else its
+    dense weight on the same path."""
+    policy = policy_or_default(policy, x)
+    kind = "plain" if res is None else "res"
+    if isinstance(w, QuantWeight):
+        out = quant_ops.project(x, w, policy, decode, kind=kind, res=res)
+        if out is not None:
+            return out
+        w = quant_ops.dense_weight(w, x.dtype, policy)
+    blocks = policy.skinny(x, w, kind, decode)
     if blocks is not None:
         from strata.kernels.skinny_triton import skinny_mm
         return skinny_mm(x, w, res, **blocks)
@@ -145,12 +155,20 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = Non
     return torch.addmm(res, x, w.t())
 
 
-def norm_linear_rows(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor,
-                     policy: KernelPolicy | None = None, decode: bool = False) -> torch.Tensor:
-    """rms_norm_rows, then x @ w^T: one skinny kernel with the norm folded in for a decode
-    window (the qkv projection), else those two."""
+def norm_linear_rows(x: torch.Tensor, norm: torch.Tensor, eps: float,
+                     w: torch.Tensor | QuantWeight, policy: KernelPolicy | None = None,
+                     decode: bool = False) -> torch.Tensor:
+    """rms_norm_rows, then x @ w^T: one skinny (or quantized) kernel with the norm folded in
+    for a decode window (the qkv projection), else those two."""
     policy = policy_or_default(policy, x)
-    blocks = policy.skinny(x, w, "qkv", decode)
+    if isinstance(w, QuantWeight):
+        if "qkv" in policy.fold:
+            out = quant_ops.project(x, w, policy, decode, kind="qkv", norm=norm, eps=eps)
+            if out is not None:
+                return out
+        blocks = None
+    else:
+        blocks = policy.skinny(x, w, "qkv", decode)
     if blocks is not None:
         from strata.kernels.skinny_triton import skinny_mm
         return skinny_mm(x, w, norm=norm, eps=eps, **blocks)
@@ -158,24 +176,37 @@ def norm_linear_rows(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.T
                        decode=decode)
 
 
-def norm_head_rows(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor,
+def norm_head_rows(x: torch.Tensor, norm: torch.Tensor, eps: float,
+                   w: torch.Tensor | QuantWeight,
                    policy: KernelPolicy | None = None) -> torch.Tensor | None:
     """fp32 logits rmsnorm(x) @ w^T of rows to sample (at most a decode window's), by the
-    skinny kernel with the norm folded in where it takes them, else None: the caller's
-    matmul."""
-    blocks = policy_or_default(policy, x).skinny(x, w, "head", decode=True)
+    skinny (or quantized) kernel with the norm folded in where it takes them, else None: the
+    caller's matmul."""
+    policy = policy_or_default(policy, x)
+    if isinstance(w, QuantWeight):
+        return (quant_ops.project(x, w, policy, True, kind="head", norm=norm, eps=eps,
+                                  out_dtype=torch.float32) if "head" in policy.fold else None)
+    blocks = policy.skinny(x, w, "head", decode=True)
     if blocks is None:
         return None
     from strata.kernels.skinny_triton import skinny_mm
     return skinny_mm(x, w, norm=norm, eps=eps, out_dtype=torch.float32, **blocks)
 
 
-def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor,
+def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float,
+                      w: torch.Tensor | QuantWeight,
                       policy: KernelPolicy | None = None, decode: bool = False) -> torch.Tensor:
-    """rms_norm_rows, the [gate; up] projection and silu_mul: one skinny kernel for a decode
-    window (skinny_triton.gate_up_silu), else those three."""
+    """rms_norm_rows, the [gate; up] projection and silu_mul: one skinny (or quantized) kernel
+    for a decode window (skinny_triton.gate_up_silu), else those three."""
     policy = policy_or_default(policy, x)
-    blocks = policy.skinny(x, w, "gate_up", decode)
+    if isinstance(w, QuantWeight):
+        if "gate_up" in policy.fold:
+            out = quant_ops.gate_up_silu(x, w, norm, eps, policy, decode)
+            if out is not None:
+                return out
+        blocks = None
+    else:
+        blocks = policy.skinny(x, w, "gate_up", decode)
     if blocks is not None:
         from strata.kernels.skinny_triton import gate_up_silu
         return gate_up_silu(x, w, norm, eps, **blocks)

@@ -28,6 +28,14 @@ SKINNY_BLOCKS = MappingProxyType({
     "plain": ((64, 128, 5), (64, 64, 5), (32, 64, 5), (16, 64, 5)),
     "wide": ((128, 128, 3), (64, 128, 3), (64, 64, 3), (16, 64, 3)),  # plain, n >= 4k
 })
+# The quantized kernels' (block_n, block_k, stages, warps) by projection, and by block type
+# where one differs ("*": the rest); block_k is halved until it divides K (SmolLM2's 576: 64).
+# Like SKINNY_BLOCKS, fixed by the weight's type and shape.
+QUANT_BLOCKS = MappingProxyType({
+    "res": {"*": (32, 256, 2, 4)}, "gate_up": {"*": (32, 128, 2, 4)},
+    "qkv": {"*": (32, 256, 2, 4)}, "head": {"*": (64, 128, 2, 4)},
+    "plain": {"*": (32, 256, 2, 4)},
+})
 FOLD_ALL = frozenset({"qkv", "gate_up", "head"})
 MAX_DECODE_ROWS = 64   # a decode window's rows at most (the largest row tile)
 ROW_BLOCK = 8          # rows per call where a decode window's matmul is not a skinny kernel
@@ -57,6 +65,8 @@ class KernelPolicy:
     row_tiles: tuple[int, ...] = (16, 32, 64)
     fit_min_bytes: int = 16 << 20
     mm_fp32_out: bool = True
+    quant_blocks_by_kind: Mapping[str, Mapping[str, tuple[int, int, int, int]]] = field(
+        default_factory=lambda: QUANT_BLOCKS)
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "KernelPolicy":
@@ -76,6 +86,21 @@ class KernelPolicy:
                 return {"block_n": bn, "block_k": bk, "stages": stages, "warps": 4}
         return None
 
+    def quant_blocks(self, qtype: str, n: int, k: int, kind: str = "plain") -> dict:
+        """The quantized kernels' blocks for a [n, k] weight of block type `qtype` used as
+        `kind` (as skinny_blocks; with N masked, every shape takes them), and the row tile
+        for a window of m rows is the caller's (row_tile)."""
+        table = self.quant_blocks_by_kind[kind]
+        block_n, block_k, stages, warps = table.get(qtype, table["*"])
+        while k % block_k and block_k > 64:   # every GGUF row is whole 32-quant blocks
+            block_k //= 2
+        return {"block_n": block_n, "block_k": block_k, "stages": stages, "warps": warps}
+
+    def row_tile(self, m: int, weight_bytes: int) -> int:
+        """BLOCK_M for a window of m rows and a weight of that many bytes (see the class)."""
+        tiles = self.row_tiles if weight_bytes >= self.fit_min_bytes else self.row_tiles[:1]
+        return next((t for t in tiles if m <= t), tiles[-1])
+
     def skinny(self, x: torch.Tensor, w: torch.Tensor, kind: str, decode: bool) -> dict | None:
         """Blocks (with the row tile) if x's rows take the skinny kernel: a decode window, the
         Triton kernels on, a weight the blocks divide; else None. Fixed by (x's rows, w's
@@ -88,9 +113,7 @@ class KernelPolicy:
         blocks = self.skinny_blocks(*w.shape, kind)
         if blocks is None:
             return None
-        tiles = self.row_tiles if w.numel() * 2 >= self.fit_min_bytes else self.row_tiles[:1]
-        tile = next((t for t in tiles if x.shape[0] <= t), tiles[-1])
-        return {**blocks, "block_m": tile}
+        return {**blocks, "block_m": self.row_tile(x.shape[0], w.numel() * 2)}
 
 
 @functools.cache

@@ -1,0 +1,11 @@
+"""The GGUF block types the quantized kernels read (kernels/quant.py, quant_triton.py): their
+geometry and packed planes, as plain data (the launcher plans memory with it without torch)."""
+
+# type -> (quants a block, bytes a block, quants a scale group); llama.cpp's ggml-common.h
+BLOCKS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q8_0": (32, 34, 32),
+          "Q4_K": (256, 144, 32), "Q5_K": (256, 176, 32), "Q6_K": (256, 210, 16)}
+KERNEL_TYPES = tuple(BLOCKS)
+# each type's planes (kernels/quant.py's docstring says what each holds)
+PLANES = {"Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "Q8_0": ("qs", "qh", "d"),
+          "Q4_K": ("qs", "sc", "dm"), "Q5_K": ("qs", "qh", "sc", "dm"),
+          "Q6_K": ("qs", "qh", "sc", "dm")}

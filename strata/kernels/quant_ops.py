@@ -1,0 +1,64 @@
+"""Projections over quantized weights (kernels/quant.py's QuantWeight), as kernels/fused.py's
+dispatch calls them: a decode window on the Triton path takes the quantized kernels
+(kernels/quant_triton.py), one launch per part of one block type, each writing its columns of
+one output; anything else (a prompt chunk, the plain-torch path) returns None, and the caller
+runs its dense path on `dense_weight`: the weight dequantized into the stage's scratch buffer.
+"""
+from __future__ import annotations
+
+import torch
+
+from strata.kernels.policy import KernelPolicy
+from strata.kernels.quant import QuantWeight
+
+
+def dense_weight(w: torch.Tensor | QuantWeight, dtype: torch.dtype,
+                 policy: KernelPolicy) -> torch.Tensor:
+    """w itself, or a quantized w dequantized to `dtype` (valid until the next one)."""
+    return w.dense(dtype, policy.triton) if isinstance(w, QuantWeight) else w
+
+
+def project(x: torch.Tensor, w: QuantWeight, policy: KernelPolicy, decode: bool, *,
+            kind: str, res: torch.Tensor | None = None, norm: torch.Tensor | None = None,
+            eps: float = 0.0, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """x [M, K] @ w^T (+ res; rmsnorm(x) with norm) [M, N], or None where the quantized kernels
+    do not take the window (see the module)."""
+    if not (decode and policy.triton):
+        return None
+    from strata.kernels.quant_triton import fits_k, quant_mm
+    blocks = [policy.quant_blocks(p.qtype, p.rows, p.cols, kind) for p in w.parts]
+    if not all(fits_k(p, b["block_k"]) for p, b in zip(w.parts, blocks)):
+        return None
+    out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    tile = policy.row_tile(x.shape[0], w.nbytes)
+    col = 0
+    for part, b in zip(w.parts, blocks):
+        cols = slice(col, col + part.rows)
+        quant_mm(x, part, None if res is None else res[:, cols], norm, eps, out=out[:, cols],
+                 block_m=tile, **b)
+        col += part.rows
+    return out
+
+
+def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps: float,
+                 policy: KernelPolicy, decode: bool) -> torch.Tensor | None:
+    """silu(g) * u of [g | u] = rmsnorm(x) @ w^T in one kernel, or None (a prompt chunk, the
+    plain-torch path, or gate and up of different types)."""
+    if not (decode and policy.triton) or len(w.parts) != 1:
+        return None
+    from strata.kernels.quant_triton import fits_k, quant_gate_up
+    part = w.parts[0]
+    blocks = policy.quant_blocks(part.qtype, part.rows, part.cols, "gate_up")
+    if not fits_k(part, blocks["block_k"]):
+        return None
+    return quant_gate_up(x, part, norm, eps, block_m=policy.row_tile(x.shape[0], w.nbytes),
+                         **blocks)
+
+
+def embed_rows(tokens: torch.Tensor, w: torch.Tensor | QuantWeight, dtype: torch.dtype,
+               policy: KernelPolicy) -> torch.Tensor:
+    """The token embedding's rows for tokens [R] -> [R, D] in `dtype`: gathered, and
+    dequantized on the gather where the table is quantized."""
+    if isinstance(w, QuantWeight):
+        return w.gather(tokens, dtype, policy.triton)
+    return torch.nn.functional.embedding(tokens, w)

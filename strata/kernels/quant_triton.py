@@ -1,0 +1,266 @@
+"""Triton kernels over quantized weights in their packed GGUF blocks (kernels/quant.py says
+the layout; the plain-torch references are quant.dequantize_torch and fused's):
+
+    quant_mm        out = x @ w^T (+ res), or rmsnorm(x) @ w^T, for a decode window (up to 64
+                    rows): the skinny kernel's structure (kernels/skinny_triton.py) with the
+                    weight tile dequantized in registers
+    quant_gate_up   silu(g) * u of [g | u] = rmsnorm(x) @ [w_gate; w_up]^T
+    dequant_rows    rows of a weight dequantized to x's dtype: a token embedding's gather, and
+                    the dense weight a prompt chunk's matmul reads
+
+Each program owns BLOCK_N weight rows and BLOCK_M window rows and walks K in order, BLOCK_K
+quants a step: it loads the step's packed words (16-byte loads along each row), splits them
+into codes with shifts whose results stay in the loading thread (tl.join), scales each scale
+group's codes (w = a * u + b, a and b per row and group), and feeds the tile in x's dtype to
+one MMA, as the skinny kernel feeds its bf16 tile: a weight is read once and never widened in
+memory. The dequantized weight is rounded to bf16 as a bf16 file's weight is.
+
+Batch invariance as in the skinny kernels: BLOCK_N, BLOCK_K and the group order come from the
+weight's type and shape (kernels/policy.py), every window row is computed alone with the same
+order of sums whatever the window's size and the row tile, and rows past M are never stored.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kernels.quant import BLOCKS, PLANES, Part
+from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES, _row_scale, _x_tile
+
+TYPE_IDS = {name: i for i, name in enumerate(BLOCKS)}   # QTYPE constexpr of the kernels
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = (TYPE_IDS[t] for t in BLOCKS)
+
+
+@triton.jit
+def _split8(w, MASK: tl.constexpr):
+    """int32 words [...] -> [..., 2, 2, 2]: field j of each word, (w >> 4j) & MASK, at the
+    flat index j of the new dimensions (joins: they stay in the thread that holds the word)."""
+    return tl.join(tl.join(tl.join(w & MASK, (w >> 16) & MASK),
+                           tl.join((w >> 8) & MASK, (w >> 24) & MASK)),
+                   tl.join(tl.join((w >> 4) & MASK, (w >> 20) & MASK),
+                           tl.join((w >> 12) & MASK, (w >> 28) & MASK)))
+
+
+@triton.jit
+def _codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE: tl.constexpr, S: tl.constexpr,
+           G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int32 [BLOCK_N, G, S]: the unsigned codes of groups g0 .. g0 + G - 1 of rows n."""
+    W: tl.constexpr = S // 8                                  # qs words a group
+    wi = tl.arange(0, W)
+    at = n[:, None, None] * s0 + ((g0 + tl.arange(0, G)) * W)[None, :, None] + wi[None, None, :]
+    ok = n_ok[:, None, None]
+    u = _split8(tl.load(p0 + at, mask=ok, other=0), 15)      # [BN, G, W, 2, 2, 2]
+    if QTYPE == 2:                                            # Q8_0: the high nibbles alike
+        u = u | (_split8(tl.load(p1 + at, mask=ok, other=0), 15) << 4)
+    elif QTYPE == 4 or QTYPE == 5:                            # Q5_K, Q6_K: a qh word a group
+        bits: tl.constexpr = 1 if QTYPE == 4 else 2
+        hw = tl.load(p1 + n[:, None] * s1 + (g0 + tl.arange(0, G))[None, :],
+                     mask=n_ok[:, None], other=0)
+        u = u | (_split8(hw[:, :, None] >> (bits * wi)[None, None, :], (1 << bits) - 1) << 4)
+    return tl.reshape(u, (BLOCK_N, G, S))
+
+
+@triton.jit
+def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr):
+    """a, b fp32 [BLOCK_N, G]: the weights of group g0 + i are a[:, i] * u + b[:, i]."""
+    gi = g0 + tl.arange(0, G)
+    ok = n_ok[:, None]
+    if QTYPE <= 2:                                            # Q4_0, Q4_1, Q8_0: d (and m)
+        a = tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok, other=0.0).to(tl.float32)
+        if QTYPE == 0:
+            b = -8.0 * a
+        elif QTYPE == 1:
+            b = tl.load(p3 + n[:, None] * s3 + gi[None, :], mask=ok, other=0.0).to(tl.float32)
+        else:
+            b = -128.0 * a
+    elif QTYPE == 5:                                          # Q6_K: d * an int8 per 16
+        d = tl.load(p3 + n * s3 + g0 // 16, mask=n_ok, other=0.0).to(tl.float32)
+        a = d[:, None] * tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok,
+                                 other=0).to(tl.float32)
+        b = -32.0 * a
+    else:                                                     # Q4_K, Q5_K: 6-bit scales, mins
+        sb = g0 // 8
+        base = p2 + n[:, None] * s2 + 3 * sb
+        w0 = tl.load(base, mask=ok, other=0)
+        w1 = tl.load(base + 1, mask=ok, other=0)
+        w2 = tl.load(base + 2, mask=ok, other=0)
+        j = (gi % 8)[None, :]                                 # the group in its super-block
+        sh = 8 * (j % 4)
+        low = j < 4                                           # llama.cpp's get_scale_min_k4
+        sc = tl.where(low, (w0 >> sh) & 63, ((w2 >> sh) & 15) | (((w0 >> (sh + 6)) & 3) << 4))
+        mn = tl.where(low, (w1 >> sh) & 63, ((w2 >> (sh + 4)) & 15) | (((w1 >> (sh + 6)) & 3) << 4))
+        d = tl.load(p3 + n * s3 + 2 * sb, mask=n_ok, other=0.0).to(tl.float32)
+        dmin = tl.load(p3 + n * s3 + 2 * sb + 1, mask=n_ok, other=0.0).to(tl.float32)
+        a = d[:, None] * sc.to(tl.float32)
+        b = -(dmin[:, None] * mn.to(tl.float32))
+    return a, b
+
+
+@triton.jit
+def _weights(p0, p1, p2, p3, s0, s1, s2, s3, n, n_ok, k0, QTYPE: tl.constexpr,
+             S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_K]: rows n, quants k0 .. k0 + BLOCK_K - 1, dequantized. The codes
+    become floats by the magic number (u | 0x4B000000 is 2^23 + u as fp32): no int-to-float
+    conversion, which runs at a quarter of the FMA rate."""
+    G: tl.constexpr = BLOCK_K // S
+    u = _codes(p0, p1, s0, s1, n, n_ok, k0 // S, QTYPE, S, G, BLOCK_N)
+    a, b = _terms(p2, p3, s2, s3, n, n_ok, k0 // S, QTYPE, G)
+    f = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return tl.reshape(f * a[:, :, None] + b[:, :, None], (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _quant_mm_kernel(x_ptr, g_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
+                     M, N, K, eps, stride_xm, stride_rm, stride_om,
+                     QTYPE: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr,
+                     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # out^T: the weight is the MMA's M
+    sq = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        w = _weights(p0, p1, p2, p3, s0, s1, s2, s3, n, n_ok, k0, QTYPE, S, BLOCK_N, BLOCK_K)
+        x, s = _x_tile(x_ptr, g_ptr, m, k0 + kk, M, stride_xm, NORM, BLOCK_M)
+        sq += s
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+    out = _row_scale(acc, sq, K, eps, NORM)                   # [BM, BN]
+    ok = (m[:, None] < M) & n_ok[None, :]
+    if HAS_RES:
+        out += tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=ok,
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit
+def _quant_gate_up_kernel(x_ptr, g_ptr, p0, p1, p2, p3, s0, s1, s2, s3, out_ptr,
+                          M, F, K, eps, stride_xm, stride_om,
+                          QTYPE: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          STAGES: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    jn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)   # columns: gate jn, up F + jn
+    ok_n = jn < F
+    kk = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    sq = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        x, s = _x_tile(x_ptr, g_ptr, m, k0 + kk, M, stride_xm, NORM, BLOCK_M)
+        sq += s
+        xt = tl.trans(x)
+        wg = _weights(p0, p1, p2, p3, s0, s1, s2, s3, jn, ok_n, k0, QTYPE, S, BLOCK_N, BLOCK_K)
+        acc_g = tl.dot(wg.to(x.dtype), xt, acc_g)
+        wu = _weights(p0, p1, p2, p3, s0, s1, s2, s3, F + jn, ok_n, k0, QTYPE, S, BLOCK_N,
+                      BLOCK_K)
+        acc_u = tl.dot(wu.to(x.dtype), xt, acc_u)
+    # rounded as the projection's output would be, then SiLU in fp32 (as silu_mul)
+    gate = _row_scale(acc_g, sq, K, eps, NORM).to(out_ptr.dtype.element_ty).to(tl.float32)
+    up = _row_scale(acc_u, sq, K, eps, NORM).to(out_ptr.dtype.element_ty).to(tl.float32)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + m[:, None] * stride_om + jn[None, :], h.to(out_ptr.dtype.element_ty),
+             mask=(m[:, None] < M) & ok_n[None, :])
+
+
+@triton.jit
+def _dequant_rows_kernel(p0, p1, p2, p3, s0, s1, s2, s3, idx_ptr, out_ptr, R, stride_o,
+                         QTYPE: tl.constexpr, S: tl.constexpr, HAS_INDEX: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    n = tl.load(idx_ptr + r, mask=r_ok, other=0) if HAS_INDEX else r
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _weights(p0, p1, p2, p3, s0, s1, s2, s3, n, r_ok, k0, QTYPE, S, BLOCK_R, BLOCK_K)
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + r[:, None] * stride_o + k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None])
+
+
+def _planes(part: Part) -> tuple[list[torch.Tensor], list[int]]:
+    """The kernels' four plane arguments (p0 qs, p1 qh, p2 d or sc, p3 m or dm; absent ones
+    repeat qs, never read) and their row strides."""
+    p = part.planes
+    names = {"qs": 0, "qh": 1, "d": 2, "sc": 2, "m": 3, "dm": 3}
+    tensors = [p["qs"]] * 4
+    for name in PLANES[part.qtype]:
+        tensors[names[name]] = p[name]
+    assert all(t.is_contiguous() for t in tensors)
+    return tensors, [t.stride(0) for t in tensors]
+
+
+def _check(x: torch.Tensor, part: Part, block_m: int, block_k: int) -> None:
+    m, k = x.shape
+    if m > MAX_ROWS or block_m not in ROW_TILES or part.cols != k or not fits_k(part, block_k):
+        raise ValueError(f"quantized kernel: x {tuple(x.shape)}, {part.qtype} weight "
+                         f"[{part.rows}, {part.cols}] do not fit blocks ({block_m} rows, "
+                         f"{block_k} quants a step; at most {MAX_ROWS} rows)")
+
+
+def fits_k(part: Part, block_k: int) -> bool:
+    """A step of block_k quants divides K, holds whole scale groups (at least 8 qs words a
+    row: the 16-byte loads) and stays within one super-block of a K-quant."""
+    block, _, group = BLOCKS[part.qtype]
+    return (part.cols % block_k == 0 and block_k % group == 0 and block_k >= 64
+            and (block == 32 or 256 % block_k == 0))
+
+
+def quant_mm(x: torch.Tensor, part: Part, res: torch.Tensor | None = None,
+             norm: torch.Tensor | None = None, eps: float = 0.0, *, out: torch.Tensor | None = None,
+             block_m: int | None = None, block_n: int = 32, block_k: int = 256,
+             stages: int = 2, warps: int = 4, out_dtype: torch.dtype | None = None
+             ) -> torch.Tensor:
+    """x: [M, K] (M <= 64), part: a quantized [N, K] weight, res: [M, N] or None, norm: [K]
+    or None -> [M, N] (into `out`, which may be a column slice of a wider tensor), in out_dtype
+    (default x's). block_k: a multiple of the type's super-block (K-quants: 256) or of 32."""
+    block_m = block_m or next(t for t in ROW_TILES if x.shape[0] <= t or t == ROW_TILES[-1])
+    _check(x, part, block_m, block_k)
+    assert x.stride(1) == 1 and (norm is None or norm.is_contiguous())
+    if out is None:
+        out = torch.empty(x.shape[0], part.rows, dtype=out_dtype or x.dtype, device=x.device)
+    assert out.shape == (x.shape[0], part.rows) and out.stride(1) == 1
+    r = res if res is not None else out
+    planes, strides = _planes(part)
+    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(part.rows, block_n))
+    _quant_mm_kernel[grid](
+        x, norm if norm is not None else x, *planes, *strides, r, out,
+        x.shape[0], part.rows, x.shape[1], eps, x.stride(0), r.stride(0), out.stride(0),
+        QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], NORM=norm is not None, HAS_RES=res is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
+    return out
+
+
+def quant_gate_up(x: torch.Tensor, part: Part, norm: torch.Tensor | None = None,
+                  eps: float = 0.0, *, block_m: int | None = None, block_n: int = 32,
+                  block_k: int = 256, stages: int = 2, warps: int = 4) -> torch.Tensor:
+    """x: [M, K], part: [2F, K] = [w_gate; w_up] of one type -> silu(g) * u [M, F]."""
+    block_m = block_m or next(t for t in ROW_TILES if x.shape[0] <= t or t == ROW_TILES[-1])
+    _check(x, part, block_m, block_k)
+    f = part.rows // 2
+    out = torch.empty(x.shape[0], f, dtype=x.dtype, device=x.device)
+    planes, strides = _planes(part)
+    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(f, block_n))
+    _quant_gate_up_kernel[grid](
+        x, norm if norm is not None else x, *planes, *strides, out, x.shape[0], f,
+        x.shape[1], eps, x.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
+        S=BLOCKS[part.qtype][2],
+        NORM=norm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        STAGES=stages, num_warps=warps)
+    return out
+
+
+def dequant_rows(part: Part, out: torch.Tensor, index: torch.Tensor | None = None) -> None:
+    """out [R, K] = rows `index` [R] of the part (rows 0..R-1 when None), dequantized."""
+    rows, k = out.shape
+    assert k == part.cols and out.stride(1) == 1
+    block_k = next(b for b in (256, 128, 64) if fits_k(part, b))
+    planes, strides = _planes(part)
+    block_r = 16
+    grid = (triton.cdiv(rows, block_r), k // block_k)
+    _dequant_rows_kernel[grid](
+        *planes, *strides, index if index is not None else out, out, rows, out.stride(0),
+        QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], HAS_INDEX=index is not None, BLOCK_R=block_r,
+        BLOCK_K=block_k, num_warps=4)
