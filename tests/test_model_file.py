@@ -14,7 +14,7 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
-from strata.model.gguf_file import SUPPORTED_TYPES, ModelError, ModelFile
+from strata.model.gguf_file import ModelError, ModelFile
 from strata.model.mkmodel import (SHAPES, ModelShape, add_llama_config, random_kquant_blocks,
                                   random_tensor, write_random_gguf, write_raw_blocks_gguf)
 from strata.stage_worker.model import KVCache, Rows, StageModel
@@ -204,23 +204,39 @@ def test_unsupported_architecture(tmp_path):
     _error(path, "architecture 'gpt2' is not supported", "llama")
 
 
-@pytest.mark.parametrize("qtype", [QType.Q2_K, QType.IQ4_NL, QType.Q5_0, QType.Q5_1])
-def test_unsupported_tensor_type(tmp_path, qtype):
-    assert qtype not in SUPPORTED_TYPES
+def _odd_type_file(tmp_path, qtype):
+    """A file whose ffn_gate is random bytes of `qtype` (Q5_0/Q5_1: quantized by gguf-py)."""
     if qtype in (QType.Q5_0, QType.Q5_1):
         values = np.random.default_rng(0).standard_normal((4, 256), dtype=np.float32)
         data = quantize(values, qtype)
     else:
         block, size = GGML_QUANT_SIZES[qtype]
         data = np.random.default_rng(0).integers(0, 256, (4, 256 // block * size), np.uint8)
+        if qtype in (QType.Q2_K, QType.IQ4_NL):   # a finite fp16 scale where these keep it
+            at = size - 4 if qtype == QType.Q2_K else 0
+            view = data.reshape(-1, size)
+            view[:, at:at + 2] = np.full((len(view), 1), 0.01, np.float16).view(np.uint8)
     good = random_kquant_blocks("Q4_K", 4, 256, rng=0)
-    path = _write_llama(tmp_path / "odd.gguf", {"blk.0.attn_norm.weight": (np.ones(64, np.float32),
-                                                                          None),
+    return _write_llama(tmp_path / "odd.gguf", {"blk.0.attn_norm.weight": (np.ones(64, np.float32),
+                                                                           None),
                                                 "blk.0.ffn_up.weight": (good, QType.Q4_K),
                                                 "blk.0.ffn_gate.weight": (data, qtype)})
-    text = _error(path, "blk.0.ffn_gate.weight", f"type {qtype.name}", "does not dequantize",
-                  "supported:")
-    assert "Q4_K" in text and "Q8_0" in text
+
+
+@pytest.mark.parametrize("qtype", [QType.Q2_K, QType.IQ4_NL, QType.Q5_0, QType.Q5_1])
+def test_every_type_gguf_py_dequantizes_loads(tmp_path, qtype):
+    file = ModelFile(_odd_type_file(tmp_path, qtype))
+    got = file.tensor("blk.0.ffn_gate.weight")
+    raw, cols = file.blocks("blk.0.ffn_gate.weight")
+    assert got.shape == (4, 256) and cols == 256 and file.tensor_type(
+        "blk.0.ffn_gate.weight") == qtype.name
+    assert torch.equal(got, torch.from_numpy(dequantize(raw, qtype).reshape(4, 256)))
+
+
+def test_a_type_gguf_py_cannot_dequantize_is_refused(tmp_path):
+    text = _error(_odd_type_file(tmp_path, QType.Q8_1), "blk.0.ffn_gate.weight",
+                  "type Q8_1", "cannot dequantize", "llama-quantize")
+    assert "gguf-py" in text
 
 
 def test_missing_metadata_is_named(tmp_path):

@@ -16,16 +16,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 if TYPE_CHECKING:
     import torch
 
 SUPPORTED_ARCHS = ("llama",)
-SUPPORTED_TYPES = {
-    QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
-    QType.Q4_K, QType.Q5_K, QType.Q6_K,
-}
+FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
+
+
+def gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "(version unknown)"
 
 
 class ModelError(ValueError):
@@ -130,11 +136,37 @@ class ModelFile:
         )
 
     def _check_tensor_types(self):
+        """Every type gguf-py can dequantize loads: each type's first block is tried."""
+        tried = set(FLOAT_TYPES)
         for t in self.reader.tensors:
-            if t.tensor_type not in SUPPORTED_TYPES:
-                raise ModelError(f"tensor {t.name} has type {t.tensor_type.name}, which strata "
-                                 f"does not dequantize; supported: "
-                                 f"{', '.join(q.name for q in sorted(SUPPORTED_TYPES))}")
+            if t.tensor_type in tried:
+                continue
+            tried.add(t.tensor_type)
+            block_bytes = GGML_QUANT_SIZES[t.tensor_type][1]
+            try:
+                dequantize(t.data.reshape(-1)[:block_bytes].view(np.uint8), t.tensor_type)
+            except NotImplementedError:
+                raise ModelError(f"tensor {t.name} has type {t.tensor_type.name}, which gguf-py "
+                                 f"{gguf_version()} cannot dequantize; convert the file to "
+                                 f"another type (llama.cpp's llama-quantize) or upgrade the "
+                                 f"gguf package") from None
+
+    def tensor_type(self, name: str) -> str:
+        """The GGUF type name of a tensor (F32, BF16, Q4_K, IQ3_S, ...)."""
+        return self._info(name).tensor_type.name
+
+    def blocks(self, name: str) -> tuple[np.ndarray, int]:
+        """A matrix's rows as the file stores them: (uint8 [N, K / block * type_size], K),
+        a view of the memory map."""
+        t = self._info(name)
+        cols = int(t.shape[0])
+        return np.asarray(t.data).reshape(int(np.prod(t.shape[1:])), -1).view(np.uint8), cols
+
+    def _info(self, name: str):
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelError(f"model file {self.path} has no tensor {name}")
+        return t
 
     def fingerprint(self) -> str:
         """Identifies the model: size, tensor layout, metadata, and the first and last bytes of
@@ -157,9 +189,7 @@ class ModelFile:
         converted on the device; both widen to float32 exactly, so every dtype gets the same
         values as through gguf-py. Quantized types go through gguf-py on the CPU.
         """
-        t = self.tensors.get(name)
-        if t is None:
-            raise ModelError(f"model file {self.path} has no tensor {name}")
+        t = self._info(name)
         import torch
         dtype = dtype or torch.float32
         shape = tuple(int(d) for d in reversed(t.shape))

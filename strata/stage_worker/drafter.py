@@ -46,13 +46,17 @@ proposals are kept. Greedy slots, windows without draws (older coordinators,
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.fused import linear_rows, norm_head_rows
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS
+from strata.kernels.quant import QuantWeight
+from strata.kernels.quant_ops import dense_weight, embed_rows
 from strata.kernels.proposal_pick import pick_proposals
 from strata.kernels.sampling import SamplingRow, filtered, pick_unfiltered, to_device
 from strata.model.gguf_file import ModelFile
@@ -91,23 +95,24 @@ class Drafter:
         assert model.last, "the drafter lives on the last stage"
         head = open_head(source, file)
         cfg, dtype, device = file.config, model.dtype, model.device
-        self.cfg, self.ctx, self.device = cfg, ctx, device
-        load = lambda name: head.tensor(name, dtype, device)  # noqa: E731
+        self.cfg, self.ctx, self.device, self.policy = cfg, ctx, device, model.policy
+        # the head's tensors as the model's are held (quantized or not), counted with them
+        mine = dataclasses.replace(model.weights, file=head)
         n = f"blk.{source.block}.nextn."
-        self.eh_proj = load(n + "eh_proj.weight")                 # [D, 2D]
-        self.shared_norm = load(n + "shared_head_norm.weight")
-        self.enorm, self.hnorm = load(n + "enorm.weight"), load(n + "hnorm.weight")
-        self.head = (load(n + "shared_head_head.weight")
+        self.eh_proj = mine.matrix(n + "eh_proj.weight")           # [D, 2D]
+        self.shared_norm = mine.vector(n + "shared_head_norm.weight")
+        self.enorm, self.hnorm = mine.vector(n + "enorm.weight"), mine.vector(n + "hnorm.weight")
+        self.head = (mine.matrix(n + "shared_head_head.weight")
                      if n + "shared_head_head.weight" in head.tensors else model.head)
         if n + "embed_tokens.weight" in head.tensors:
-            self.embed = load(n + "embed_tokens.weight")
+            self.embed = mine.matrix(n + "embed_tokens.weight")
         elif model.first:
             self.embed = model.embed
         elif cfg.tied_head:
             self.embed = model.head   # the tied head is the token embedding
         else:
-            self.embed = file.tensor("token_embd.weight", dtype, device)
-        self.block = Layer(head, source.block, dtype, device, model.policy)
+            self.embed = model.weights.matrix("token_embd.weight")
+        self.block = Layer(mine, source.block, model.policy)
         self.cache = KVCache(1, slots, cfg, ctx, device, dtype)
         self.cos, self.sin = model.cos, model.sin
         self.last_h = torch.zeros(slots + 1, cfg.d_model, dtype=dtype, device=device)  # + zeros
@@ -233,15 +238,27 @@ class Drafter:
     def _block_rows(self, tokens: torch.Tensor, h: torch.Tensor,
                     packed: torch.Tensor) -> tuple[torch.Tensor]:
         eps = self.cfg.rms_eps
-        e = F.embedding(tokens, self.embed)
-        x = F.linear(torch.cat([rms_norm(e, self.enorm, eps), rms_norm(h, self.hnorm, eps)], -1),
-                     self.eh_proj)
+        e = embed_rows(tokens, self.embed, h.dtype, self.policy)
+        x = self._linear(torch.cat([rms_norm(e, self.enorm, eps), rms_norm(h, self.hnorm, eps)],
+                                   -1), self.eh_proj)
         meta = WindowMeta(self.cos, self.sin, RowTensors.unpack(packed.to(self.device)))
         return (self.block(x, meta, self.cache, 0),)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head's logits [N, V] of the block's outputs x [N, D]."""
-        return F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), self.head)
+        if isinstance(self.head, QuantWeight):   # fp32 logits from the quantized kernel
+            out = norm_head_rows(x, self.shared_norm, self.cfg.rms_eps, self.head, self.policy)
+            if out is not None:
+                return out
+        head = dense_weight(self.head, x.dtype, self.policy)
+        return F.linear(rms_norm(x, self.shared_norm, self.cfg.rms_eps), head)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
+        """x @ w^T: a quantized w through its decode kernels (the rows are at most a decode
+        window's)."""
+        if isinstance(w, QuantWeight):
+            return linear_rows(x, w, policy=self.policy, decode=True)
+        return F.linear(x, w)
 
     def _chain(self, mode: str, steps: int, x: torch.Tensor, *rest: torch.Tensor
                ) -> tuple[torch.Tensor]:

@@ -25,8 +25,10 @@ from strata.kernels.fused import (by_row_blocks, linear_rows, norm_gate_up_silu,
                                   norm_head_rows, norm_linear_rows, rope_write_kv)
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS, KernelPolicy
+from strata.kernels.quant_ops import dense_weight, embed_rows
 from strata.kernels.rope import rope_table
 from strata.model.gguf_file import ModelConfig, ModelFile
+from strata.stage_worker.weights import WeightLoader, packs
 
 
 @dataclass
@@ -108,17 +110,21 @@ class KVCache:
 
 
 class Layer(torch.nn.Module):
-    def __init__(self, file: ModelFile, index: int, dtype: torch.dtype, device: torch.device,
-                 policy: KernelPolicy):
+    """Block `index` of the loader's file. Its matrices are dense tensors or QuantWeights
+    (the loader decides); the kernels take either."""
+
+    def __init__(self, weights: WeightLoader, index: int, policy: KernelPolicy):
         super().__init__()
-        cfg = file.config
-        load = lambda name: file.tensor(f"blk.{index}.{name}.weight", dtype, device)  # noqa: E731
-        self.attn_norm, self.ffn_norm = load("attn_norm"), load("ffn_norm")
+        cfg = weights.file.config
+        name = lambda n: f"blk.{index}.{n}.weight"  # noqa: E731
+        matrices = lambda *ns: weights.matrices([name(n) for n in ns], for_chunks=True)  # noqa: E731
+        self.attn_norm, self.ffn_norm = weights.vector(name("attn_norm")), \
+            weights.vector(name("ffn_norm"))
         # fused [q; k; v] and [gate; up] projections: one matmul each instead of three and two
-        self.wqkv = torch.cat([load("attn_q"), load("attn_k"), load("attn_v")])
-        self.wo = load("attn_output")
-        self.w_gate_up = torch.cat([load("ffn_gate"), load("ffn_up")])
-        self.w_down = load("ffn_down")
+        self.wqkv = matrices("attn_q", "attn_k", "attn_v")
+        self.wo = matrices("attn_output")
+        self.w_gate_up = matrices("ffn_gate", "ffn_up")
+        self.w_down = matrices("ffn_down")
         self.cfg, self.policy = cfg, policy
 
     def forward(self, x: torch.Tensor, meta: WindowMeta, cache: KVCache,
@@ -147,11 +153,15 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 class StageModel(torch.nn.Module):
     """Layers [start, end) of the model; `first` embeds tokens, `last` owns norm and head.
-    `policy` (default: the device's) chooses the kernels; its KV cache is a `KVCache`."""
+    `policy` (default: the device's) chooses the kernels; its KV cache is a `KVCache`.
+    `weights`: "quantized" keeps the file's block types packed on a CUDA device where a
+    kernel reads them, "bf16" widens every matrix, "packed" packs on any device (tests of the
+    kernels under Triton's interpreter); `self.weights.report` says what was loaded
+    (stage_worker/weights.py)."""
 
     def __init__(self, file: ModelFile, start: int, end: int, *, ctx: int,
                  device: str = "cpu", dtype: torch.dtype | None = None,
-                 policy: KernelPolicy | None = None):
+                 policy: KernelPolicy | None = None, weights: str = "quantized"):
         super().__init__()
         cfg = file.config
         self.cfg, self.start, self.end = cfg, start, end
@@ -159,15 +169,17 @@ class StageModel(torch.nn.Module):
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.policy = policy or KernelPolicy.for_device(self.device)
-        self.layers = torch.nn.ModuleList(Layer(file, i, self.dtype, self.device, self.policy)
+        self.weights = WeightLoader(file, self.device, self.dtype, packs(weights, self.device))
+        self.layers = torch.nn.ModuleList(Layer(self.weights, i, self.policy)
                                           for i in range(start, end))
-        load = lambda name: file.tensor(name, self.dtype, self.device)  # noqa: E731
         if self.first:
-            self.embed = load("token_embd.weight")
+            self.embed = self.weights.matrix("token_embd.weight")
         if self.last:
-            self.norm = load("output_norm.weight")
+            self.norm = self.weights.vector("output_norm.weight")
             self.head = (self.embed if cfg.tied_head and self.first  # one copy when tied
-                         else load("token_embd.weight" if cfg.tied_head else "output.weight"))
+                         else self.weights.matrix("token_embd.weight" if cfg.tied_head
+                                                  else "output.weight"))
+        self.weights.finish()
         self.cos, self.sin = (t.to(self.device) for t in rope_table(cfg.rope_dim, cfg.rope_base, ctx))
 
     def forward(self, inputs: torch.Tensor, rows: Rows | RowTensors, cache: KVCache,
@@ -176,7 +188,8 @@ class StageModel(torch.nn.Module):
         chunk: the rows are one slot's prompt rows (the chunk attention)."""
         if isinstance(rows, Rows):
             rows = RowTensors.unpack(RowTensors.pack(rows, cache.trash).to(self.device))
-        x = F.embedding(inputs, self.embed) if self.first else inputs.to(self.dtype)
+        x = (embed_rows(inputs, self.embed, self.dtype, self.policy) if self.first
+             else inputs.to(self.dtype))
         meta = WindowMeta(self.cos, self.sin, rows, chunk)
         for i, layer in enumerate(self.layers):
             x = layer(x, meta, cache, i)
@@ -197,8 +210,9 @@ class StageModel(torch.nn.Module):
 
     def _head_block(self, hidden: torch.Tensor) -> torch.Tensor:
         h = rms_norm(hidden, self.norm, self.cfg.rms_eps)
+        head = dense_weight(self.head, h.dtype, self.policy)
         if h.dtype == torch.float32:
-            return F.linear(h, self.head)
+            return F.linear(h, head)
         if self.policy.mm_fp32_out:
-            return torch.mm(h, self.head.t(), out_dtype=torch.float32)
-        return F.linear(h.float(), self.head.float())
+            return torch.mm(h, head.t(), out_dtype=torch.float32)
+        return F.linear(h.float(), head.float())

@@ -1,0 +1,89 @@
+"""How a stage holds its weights: quantized blocks where a kernel reads them, dense (bf16 on
+CUDA, fp32 on the CPU) everywhere else, and an account of what was loaded.
+
+`--weights quantized` keeps every matrix of a block type with a kernel (kernels/quant.py's
+KERNEL_TYPES: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) packed on a CUDA stage; other types (IQ*,
+Q2_K, Q3_K, Q5_0, ...) are widened at load, and so is everything on CPU stages and with
+`--weights bf16`. Norm vectors are always dense.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.kernels.quant import KERNEL_TYPES, QuantWeight, Scratch
+from strata.model.gguf_file import ModelFile
+
+WEIGHT_MODES = ("auto", "quantized", "bf16")
+
+
+def packs(mode: str, device: torch.device | str) -> bool:
+    """Whether a stage keeps kernel types packed: --weights quantized on a CUDA device, or
+    "packed" (any device: tests running the kernels under Triton's interpreter)."""
+    return mode == "packed" or (mode == "quantized" and torch.device(device).type == "cuda")
+
+
+@dataclass
+class LoadReport:
+    """What a stage's loader made of the file's matrices, and their bytes on the device."""
+    quantized: Counter = field(default_factory=Counter)   # block type -> matrices kept packed
+    widened: Counter = field(default_factory=Counter)     # file type -> matrices made dense
+    weight_bytes: int = 0                                 # norms included
+
+    def summary(self, dtype: torch.dtype) -> str:
+        """e.g. 'kept quantized: Q4_K x193, Q6_K x33; loaded as bfloat16: IQ3_S x2' (matrices
+        by their type in the file)."""
+        def tally(c: Counter) -> str:
+            return ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) or "none"
+        name = str(dtype).removeprefix("torch.")
+        return f"kept quantized: {tally(self.quantized)}; loaded as {name}: {tally(self.widened)}"
+
+
+@dataclass
+class WeightLoader:
+    """Loads one stage's tensors from `file`: `matrices` gives a QuantWeight (where `pack` and
+    every piece is of a kernel type) or a dense tensor, `vector` a dense one; `report` counts
+    them. `scratch` is the buffer the stage's quantized layer matrices dequantize into for
+    prompt chunks: reserved for those loaded `for_chunks`, allocated by `finish`."""
+    file: ModelFile
+    device: torch.device
+    dtype: torch.dtype
+    pack: bool = False
+    scratch: Scratch = field(default_factory=Scratch)
+    report: LoadReport = field(default_factory=LoadReport)
+
+    def vector(self, name: str) -> torch.Tensor:
+        t = self.file.tensor(name, self.dtype, self.device)
+        self.report.weight_bytes += t.numel() * t.element_size()
+        return t
+
+    def matrix(self, name: str) -> torch.Tensor | QuantWeight:
+        return self.matrices([name])
+
+    def matrices(self, names: list[str], for_chunks: bool = False
+                 ) -> torch.Tensor | QuantWeight:
+        """The rows of the named matrices one after another (a fused projection)."""
+        types = [self.file.tensor_type(n) for n in names]
+        if self.pack and all(t in KERNEL_TYPES for t in types):
+            pieces = []
+            for name, qtype in zip(names, types):
+                raw, cols = self.file.blocks(name)
+                pieces.append(QuantWeight.from_blocks(qtype, torch.from_numpy(raw), cols,
+                                                      self.device, self.scratch))
+            w = pieces[0] if len(pieces) == 1 else QuantWeight.cat(pieces)
+            if for_chunks:
+                self.scratch.reserve(w.numel())
+            self.report.quantized.update(types)
+            self.report.weight_bytes += w.nbytes
+            return w
+        dense = [self.file.tensor(n, self.dtype, self.device) for n in names]
+        w = dense[0] if len(dense) == 1 else torch.cat(dense)
+        self.report.widened.update(types)
+        self.report.weight_bytes += w.numel() * w.element_size()
+        return w
+
+    def finish(self) -> None:
+        """Allocate the scratch buffer (after every matrix is loaded)."""
+        self.scratch.allocate(self.dtype, self.device)
