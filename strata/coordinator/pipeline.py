@@ -150,7 +150,9 @@ class Pipeline:
     def stage_table(self) -> list[dict]:
         """The stages as their hellos describe them, with how often each was started again."""
         return [{"stage": h.stage, "layers": [h.layer_start, h.layer_end], "device": h.device,
-                 "pid": h.pid, "restarts": self.restarts.get(h.stage, 0)}
+                 "pid": h.pid, "restarts": self.restarts.get(h.stage, 0),
+                 "weights": h.weights,
+                 "memory": dict(zip(("weights", "kv_cache", "scratch", "held"), h.memory))}
                 for _, h in sorted(self.hellos.items())]
 
     @staticmethod

@@ -14,7 +14,7 @@ from strata.coordinator.config import (AUTO, DRAFT_SAMPLINGS, DRAFT_TILES, DRAFT
                                        SchedulerConfig, auto_groups)
 from strata.coordinator.liveness import FIRST_S, FLOOR_S, MARGIN_S, Liveness
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
-from strata.launch.memory import check_fits
+from strata.launch.memory import check_fits, layer_bytes, tensor_bytes
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
 from strata.model.gguf_file import ModelError, ModelFile
 from strata.model.nextn import find_head
@@ -125,6 +125,14 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "mtp; without it, the model file's own NextN layer if it has one."),
         click.option("--graph-cache", type=int, default=16, show_default=True,
                      help="CUDA graphs kept per stage, one per window shape (0: always eager)."),
+        click.option("--weights", type=click.Choice(["auto", "quantized", "bf16"]),
+                     default="auto", show_default=True,
+                     help="How CUDA stages hold a quantized file's matrices: quantized keeps "
+                          "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K matrices in their blocks (the "
+                          "file's bytes; other types are widened to bf16); bf16 widens every "
+                          "matrix (faster decode today, 2-4x the memory: docs/BENCHMARKS.md); "
+                          "auto = bf16 where the stages fit their devices so, else quantized. "
+                          "CPU stages always widen to fp32."),
         click.option("--stage-link", default="auto", show_default=True,
                      type=click.Choice(["auto", "zmq", "nccl", "gloo"]),
                      help="Activations between stages: auto = nccl (GPU to GPU) when each "
@@ -159,6 +167,7 @@ class Prepared:
     plan: list[StagePlan]
     sched: SchedulerConfig
     graph_cache: int = 16
+    weights: str = "quantized"     # resolved: quantized or bf16
     link: str = "zmq"
     transport: str = "unix"
     mtp_head: Path | None = None   # a sidecar head for the last stage's drafter
@@ -168,7 +177,8 @@ class Prepared:
         """The stages of this plan, as a context manager (see session.launch_stages)."""
         from strata.launch.session import launch_stages
         return launch_stages(self.file, self.plan, slots=self.sched.slots, ctx=self.sched.ctx,
-                             graph_cache=self.graph_cache, link=self.link,
+                             graph_cache=self.graph_cache, weights=self.weights,
+                             link=self.link,
                              transport=self.transport, mtp_head=self.mtp_head,
                              stage_timeout=self.stage_timeout, **kwargs)
 
@@ -176,7 +186,8 @@ class Prepared:
 def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_rows,
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
             drafter=None, mtp_head=None, draft_rows="auto", draft_sampling="argmax",
-            stage_timeout=None, cuda_devices=None, check_memory=True, **_) -> Prepared:
+            stage_timeout=None, cuda_devices=None, check_memory=True, weights="auto",
+            **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
     the flags. cuda_devices: the CUDA devices the stages may have (None: this host's);
@@ -194,7 +205,10 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     file = open_model(model, ctx_size)
     if cuda_devices is None:
         cuda_devices = cuda_count()
-    plan = plan_stages(layer_split, parse_devices(devices, cuda_devices), file.config.n_layers)
+    device_list = parse_devices(devices, cuda_devices)
+    plan = plan_stages(layer_split, device_list, file.config.n_layers,
+                       balance_bytes(file, device_list, weights) if layer_split == "auto"
+                       else None)
     if groups is None:
         groups = auto_groups(batch, len(plan))
     if chunk_rows is None:
@@ -210,9 +224,22 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     drafter, sidecar = choose_drafter(file, draft_tokens, drafter, mtp_head)
     sched = replace(sched, drafter=drafter)
     if check_memory:
-        check_fits(file.config, plan, batch, ctx_size)
-    return Prepared(file, plan, sched, graph_cache, resolve_link(stage_link, plan), transport,
-                    sidecar, stage_timeout)
+        weights = check_fits(file, plan, batch, ctx_size, weights)
+    elif weights == "auto":
+        weights = "quantized"   # where a cluster places the stages: their memory is unknown
+    return Prepared(file, plan, sched, graph_cache, weights, resolve_link(stage_link, plan),
+                    transport, sidecar, stage_timeout)
+
+
+def balance_bytes(file: ModelFile, devices: list[str], weights: str) -> list[int]:
+    """Each layer's bytes as --layer-split auto balances them: as the first device holds
+    them (the quantized blocks where they may stay so)."""
+    mode = "quantized" if weights in ("auto", "quantized") else "bf16"
+    sizes = layer_bytes(file, devices[0], mode)
+    head = "token_embd.weight" if file.config.tied_head else "output.weight"
+    sizes[0] += tensor_bytes(file, "token_embd.weight", devices[0], mode)
+    sizes[-1] += tensor_bytes(file, head, devices[-1], mode)   # read by every window
+    return sizes
 
 
 def choose_drafter(file: ModelFile, draft_tokens: int, drafter: str | None,

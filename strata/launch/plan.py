@@ -38,14 +38,17 @@ def parse_devices(text: str, cuda_count: int) -> list[str]:
     return devices
 
 
-def plan_stages(split: str, devices: list[str], n_layers: int) -> list[StagePlan]:
-    """split: 'auto' (one stage per device, layers spread evenly) or boundaries 'K1,K2,..'."""
+def plan_stages(split: str, devices: list[str], n_layers: int,
+                layer_bytes: list[int] | None = None) -> list[StagePlan]:
+    """split: 'auto' (one stage per device, layers spread evenly, by their bytes when
+    layer_bytes gives them: a file whose layers differ in type, e.g. Q6_K ones among Q4_K)
+    or boundaries 'K1,K2,..'."""
     if split == "auto":
         n = len(devices)
         if n > n_layers:
             raise PlanError(f"{n} stages for a model of {n_layers} layers: every stage needs at "
                             f"least one layer; use fewer devices")
-        bounds = [round(i * n_layers / n) for i in range(1, n)]
+        bounds = balanced_bounds(layer_bytes or [1] * n_layers, n)
     else:
         try:
             bounds = [int(x) for x in split.split(",") if x.strip()]
@@ -71,6 +74,24 @@ def plan_stages(split: str, devices: list[str], n_layers: int) -> list[StagePlan
                         f"stages or one per stage")
     stage_devices = devices * n_stages if len(devices) == 1 else devices
     return [StagePlan(i, edges[i], edges[i + 1], stage_devices[i]) for i in range(n_stages)]
+
+
+def balanced_bounds(sizes: list[int], n: int) -> list[int]:
+    """n - 1 increasing boundaries splitting sizes into n runs of at least one item each,
+    boundary i where the running total first reaches i / n of the whole (the nearer side)."""
+    total, bounds, run = sum(sizes), [], 0
+    for i, size in enumerate(sizes[:-1]):
+        k = len(bounds) + 1
+        target = total * k / n
+        if run + size >= target and k < n:
+            # end the run here or after this layer, whichever lands nearer the target
+            cut = i if (target - run) < (run + size - target) and i > (bounds[-1] if bounds
+                                                                         else 0) else i + 1
+            bounds.append(cut)
+        run += size
+    while len(bounds) < n - 1:   # a few heavy layers last: each stage still gets one
+        bounds.append(bounds[-1] + 1 if bounds else 1)
+    return [min(b, len(sizes) - (n - 1 - j)) for j, b in enumerate(bounds)]
 
 
 LINKS = ("auto", "zmq", "nccl", "gloo")

@@ -36,6 +36,9 @@ class Hello:
     slots: int
     ctx: int
     listen: str = ""    # the endpoint the stage binds: where the coordinator sends heartbeats
+    weights: str = ""   # what the stage made of the file's matrices (kept quantized, widened)
+    memory: list[int] = field(default_factory=list)  # bytes on its device: weights, KV
+                        # cache, scratch, all the process holds (CUDA: torch's reserve; CPU: 0)
 
 
 @dataclass
@@ -202,7 +205,8 @@ FLOAT_LISTS = Kind("list[list[float]]", lambda v: type(v) is list and all(
 # a PROTOCOL_VERSION bump, which the hello handshake checks.
 SCHEMAS: dict[type, dict[str, Kind]] = {
     Hello: {"version": INT, "stage": INT, "layer_start": INT, "layer_end": INT, "device": STR,
-            "fingerprint": STR, "pid": INT, "slots": INT, "ctx": INT, "listen": STR},
+            "fingerprint": STR, "pid": INT, "slots": INT, "ctx": INT, "listen": STR,
+            "weights": STR, "memory": INTS},
     Window: {"id": INT, "slots": INTS, "positions": INTS, "tokens": INTS, "commits": PAIRS,
              "sample_rows": INTS, "temperature": FLOATS, "top_k": INTS, "top_p": FLOATS,
              "min_p": FLOATS, "u": FLOATS, "want_logits": BOOL, "chunk": BOOL,

@@ -20,6 +20,8 @@ class WorkerConfig:
     slots: int = 1
     ctx: int = 2048
     graph_cache: int = 16  # CUDA graphs kept (one per window shape); 0 = eager
+    weights: str = "quantized"  # quantized: block types with a kernel stay packed on CUDA;
+                                # bf16: every matrix widened (stage_worker/weights.py)
     link: str = "zmq"      # activations to/from neighbours: zmq frames, or nccl / gloo
     link_init: str = ""    # torch.distributed init method of the link (e.g. file://...)
     link_world: int = 1    # stages in the link (every stage of the launch)
@@ -33,6 +35,9 @@ class WorkerConfig:
         if not 0 <= self.layer_start < self.layer_end:
             raise ValueError(f"layer range {self.layer_start}:{self.layer_end} is empty")
         check_stage_settings(self.slots, self.ctx, self.graph_cache)
+        if self.weights not in ("quantized", "bf16"):
+            raise ConfigError("weights", f"{{weights}} {self.weights!r} is not quantized or "
+                              f"bf16")
         check_tcp(self.listen, bind=True, keyed=self.keys is not None, insecure=self.insecure,
                   warn=False)  # refused before the model loads; the socket warns when bound
         if self.link != "zmq" and not self.link_init:

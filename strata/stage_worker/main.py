@@ -19,6 +19,7 @@ from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 # WorkerConfig's fields as this command's options
 FLAGS = {"slots": "--slots", "ctx": "--ctx-size", "graph_cache": "--graph-cache",
+         "weights": "--weights",
          "link": "--link", "link_init": "--link-init", "mtp_head": "--mtp-head",
          "keys": "--keys", "insecure": "--insecure"}
 
@@ -59,6 +60,12 @@ def parse_layers(text: str) -> tuple[int, int]:
               envvar="STRATA_GRAPH_CACHE",
               help="CUDA graphs kept per stage, one per window shape (0: always eager). "
                    "Also read from STRATA_GRAPH_CACHE.")
+@click.option("--weights", type=click.Choice(["quantized", "bf16"]), default="quantized",
+              show_default=True, envvar="STRATA_WEIGHTS",
+              help="On a CUDA device: quantized keeps the file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K "
+                   "and Q6_K matrices in their blocks (other types are widened to bf16); "
+                   "bf16 widens every matrix. CPU stages widen to fp32. Also read from "
+                   "STRATA_WEIGHTS.")
 @click.option("--link", type=click.Choice(["zmq", "nccl", "gloo"]), default="zmq",
               show_default=True,
               help="How activations come from / go to the neighbouring stages: ZeroMQ frames, "
@@ -89,8 +96,8 @@ def parse_layers(text: str) -> tuple[int, int]:
                    "coordinator, which cannot see this process.")
 @click.pass_context
 def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, next_, device, slots,
-         ctx_size, graph_cache, link, link_init, link_world, trace, mtp_head, keys, insecure,
-         joined):
+         ctx_size, graph_cache, weights, link, link_init, link_world, trace, mtp_head, keys,
+         insecure, joined):
     """Serve one stage of a layer-split model."""
     if join is not None:
         return run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head, keys,
@@ -114,7 +121,7 @@ def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, nex
         cfg = WorkerConfig(model=str(path), stage=stage, layer_start=start, layer_end=end,
                            listen=listen, coordinator=coordinator, next=next_, device=device,
                            slots=slots, ctx=ctx_size, graph_cache=graph_cache,
-                           link=link, link_init=link_init, link_world=link_world,
+                           weights=weights, link=link, link_init=link_init, link_world=link_world,
                            trace=trace, mtp_head=mtp_head, keys=keys, insecure=insecure)
         worker = StageWorker(cfg)
     except (ModelError, ValueError) as e:
@@ -156,6 +163,7 @@ def run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head, 
     """Join the launch at `join`, then start as a spawned stage does, with its arguments and
     this host's own keys (or --insecure)."""
     given = {"--layers", "--coordinator", "--next", "--slots", "--ctx-size", "--graph-cache",
+             "--weights",
              "--link", "--link-init", "--link-world", "--trace"}
     clash = sorted(p.opts[0] for p in ctx.command.params if p.opts[0] in given and
                    ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE)

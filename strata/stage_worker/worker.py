@@ -50,6 +50,13 @@ class PendingAnswer:
     hidden: torch.Tensor | None = None    # the window's final hidden states, for the drafter
 
 
+def describe_memory(memory: list[int]) -> str:
+    """'weights 4.52 GiB, KV cache 1.00 GiB, scratch 0.22 GiB; 5.91 GiB held in all'."""
+    weights, kv, scratch, held = (b / 2**30 for b in memory)
+    out = f"weights {weights:.2f} GiB, KV cache {kv:.2f} GiB, scratch {scratch:.2f} GiB"
+    return out + (f"; {held:.2f} GiB held in all" if held else "")
+
+
 class StageWorker:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
@@ -64,7 +71,7 @@ class StageWorker:
         if torch.device(cfg.device).type == "cuda":
             torch.cuda.set_device(cfg.device)  # Triton launches and graphs go to this device
         self.model = StageModel(file, cfg.layer_start, cfg.layer_end, ctx=cfg.ctx,
-                                device=cfg.device)
+                                device=cfg.device, weights=cfg.weights)
         self.cache = KVCache(cfg.layer_end - cfg.layer_start, cfg.slots, file.config, cfg.ctx,
                              self.model.device, self.model.dtype)
         self.runner = WindowRunner(self.model, self.cache, cfg.graph_cache)
@@ -87,11 +94,14 @@ class StageWorker:
             self.link.warm_up(file.config.d_model, self.model.dtype)
             log.info("stage %d: activations over %s (%d stages)", cfg.stage, cfg.link,
                      cfg.link_world)
+        self.memory = self.measure_memory()
         log.info("stage %d: layers [%d, %d) on %s (%s, graph cache %d) loaded in %.1fs "
-                 "(graphs warmed in %.1fs); KV cache %.1f MiB", cfg.stage, cfg.layer_start,
-                 cfg.layer_end, cfg.device, str(self.model.dtype).removeprefix("torch."),
+                 "(graphs warmed in %.1fs); %s", cfg.stage, cfg.layer_start, cfg.layer_end,
+                 cfg.device, str(self.model.dtype).removeprefix("torch."),
                  self.runner.capacity, time.perf_counter() - t0, warm_s,
-                 self.cache.nbytes() / 2**20)
+                 describe_memory(self.memory))
+        log.info("stage %d: matrices %s", cfg.stage,
+                 self.model.weights.report.summary(self.model.dtype))
         self.sockets = transport.Sockets(keys, cfg.insecure)   # unix:// or ZeroMQ, by endpoint
         self.inbox = self.sockets.pull(cfg.listen)
         self.to_coordinator = self.sockets.push(cfg.coordinator, peer=COORDINATOR)
@@ -130,10 +140,21 @@ class StageWorker:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    def measure_memory(self) -> list[int]:
+        """Bytes on the device: [weights, KV cache, scratch, all the process holds] (the last:
+        on CUDA what torch reserved, graph pools and workspaces included; on a CPU 0)."""
+        weights = self.model.weights
+        held = (torch.cuda.memory_reserved(self.model.device)
+                if self.model.device.type == "cuda" else 0)
+        drafter = self.drafter.cache.nbytes() if self.drafter is not None else 0
+        return [weights.report.weight_bytes, self.cache.nbytes() + drafter,
+                weights.scratch.nbytes, held]
+
     def hello(self) -> Hello:
         c = self.cfg
         return Hello(PROTOCOL_VERSION, c.stage, c.layer_start, c.layer_end, c.device,
-                     self.fingerprint, os.getpid(), c.slots, c.ctx, c.listen)
+                     self.fingerprint, os.getpid(), c.slots, c.ctx, c.listen,
+                     self.model.weights.report.summary(self.model.dtype), self.memory)
 
     def serve(self) -> None:
         transport.send(self.to_coordinator, self.hello())
