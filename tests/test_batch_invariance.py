@@ -315,10 +315,20 @@ def test_stage_rows_are_invariant_on_gpu_eager_and_graphed(model_file, tiles):
     model = StageModel(model_file, 0, model_file.config.n_layers, ctx=CTX, device="cuda:0",
                        policy=_policy("cuda:0", tiles))
     sizes = tuple(range(8, 65, 8))
+    runner = eager_and_graphed_rows_are_invariant(model, sizes)
+    assert {k for k in runner.graphs if k[0] == "layers+head"} == {
+        ("layers+head", n) for n in sizes}
+    assert runner.captures == len(runner.graphs) == len(sizes) + 1   # and the chunk
+
+
+def eager_and_graphed_rows_are_invariant(model: StageModel, sizes) -> WindowRunner:
+    """The target rows in windows of each size, eagerly and replayed from one CUDA graph per
+    size (layers and head in the window's graph): all the same bits. Returns the runner."""
     runs = []
     with torch.inference_mode():
         for graphed in (False, True):
-            cache = KVCache(len(model.layers), 8, model.cfg, CTX, model.device, model.dtype)
+            ctx = model.cos.shape[0]   # the model's rotary table: its context
+            cache = KVCache(len(model.layers), 8, model.cfg, ctx, model.device, model.dtype)
             runner = WindowRunner(model, cache, 16) if graphed else None
             _prefill(model, cache, runner)
             outs = []
@@ -326,11 +336,8 @@ def test_stage_rows_are_invariant_on_gpu_eager_and_graphed(model_file, tiles):
                 outs.append(_stage_outputs(model, cache, rows, at, runner))
                 _same(outs, len(rows))
             runs.append(outs[0])
-            if graphed:
-                assert {k for k in runner.graphs if k[0] == "layers+head"} == {
-                    ("layers+head", n) for n in sizes}
-                assert runner.captures == len(runner.graphs) == len(sizes) + 1   # and the chunk
     _same(runs, 8)
+    return runner
 
 
 def test_a_stage_refuses_decode_windows_past_64_rows(tiny_model):

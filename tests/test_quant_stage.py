@@ -15,10 +15,10 @@ from strata.kernels.policy import KernelPolicy
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.stage_worker.model import KVCache, Rows, StageModel
-from strata.stage_worker.runner import WindowRunner
 from conftest import triton_devices
 from test_attention_chunk import rowwise_interpreter_dot  # noqa: F401 (a fixture)
-from test_batch_invariance import _decode_windows, _prefill, _same, _stage_outputs
+from test_batch_invariance import (_decode_windows, _prefill, _same, _stage_outputs,
+                                   eager_and_graphed_rows_are_invariant)
 
 SHAPE = dataclasses.replace(SHAPES["tiny"], n_layers=2, d_model=256, n_heads=4, n_kv_heads=2,
                             d_ffn=512)
@@ -62,8 +62,8 @@ def test_the_loader_keeps_kernel_types_packed_and_counts_bytes(mixed, tmp_path):
         ["Q4_K"], ["Q4_K", "Q6_K"]]
     assert model.weights.scratch.numel == 2 * SHAPE.d_ffn * SHAPE.d_model  # gate_up, dense
     assert "kept quantized: Q4_K x" in report.summary(model.dtype)
-    # on a CPU stage (and with bf16) every matrix is widened
-    dense = StageModel(mixed, 0, SHAPE.n_layers, ctx=CTX).weights.report
+    # on a CPU stage (and with bf16, the default) every matrix is widened
+    dense = StageModel(mixed, 0, SHAPE.n_layers, ctx=CTX, weights="quantized").weights.report
     assert not dense.quantized and dense.widened["Q4_K"] == report.quantized["Q4_K"]
     # a type without a kernel is widened where the others stay packed
     iq = ModelFile(write_random_gguf(tmp_path / "iq.gguf", SHAPE, seed=3, weight_type="IQ4_XS"))
@@ -116,18 +116,6 @@ def test_a_quantized_stages_rows_are_invariant(mixed, device, rowwise_interprete
 def test_a_quantized_stage_replays_its_graphs_with_the_same_bits(mixed):
     """Every decode size from 8 to 64 rows, eagerly and from CUDA graphs (the prompt chunk's
     dense weights in the scratch buffer inside its graph)."""
-    model = StageModel(mixed, 0, SHAPE.n_layers, ctx=CTX, device="cuda:0")
+    model = StageModel(mixed, 0, SHAPE.n_layers, ctx=CTX, device="cuda:0", weights="quantized")
     assert model.weights.report.quantized
-    sizes = tuple(range(8, 65, 8))
-    runs = []
-    with torch.inference_mode():
-        for graphed in (False, True):
-            cache = KVCache(len(model.layers), 8, model.cfg, CTX, model.device, model.dtype)
-            runner = WindowRunner(model, cache, 16) if graphed else None
-            _prefill(model, cache, runner)
-            outs = []
-            for rows, at in _decode_windows(model.cfg.vocab, sizes):
-                outs.append(_stage_outputs(model, cache, rows, at, runner))
-                _same(outs, len(rows))
-            runs.append(outs[0])
-    _same(runs, 8)
+    eager_and_graphed_rows_are_invariant(model, tuple(range(8, 65, 8)))

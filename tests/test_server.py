@@ -214,6 +214,11 @@ def test_models_health_status(tiny):
     assert [(st["stage"], st["layers"], st["device"]) for st in s["stages"]] == \
         [(0, [0, 2], "cpu"), (1, [2, 4], "cpu")]
     assert all(Path(f"/proc/{st['pid']}").exists() for st in s["stages"])
+    # what each stage holds: the tiny F32 file's matrices as fp32 on a CPU, its KV cache
+    for st in s["stages"]:
+        assert st["weights"].startswith("kept quantized: none; loaded as float32: F32 x")
+        assert st["memory"]["weights"] > 0 and st["memory"]["kv_cache"] > 0
+        assert st["memory"]["scratch"] == 0 and st["memory"]["held"] == 0
 
 
 def test_status_shows_a_decoding_slot(tiny):

@@ -29,12 +29,13 @@ SKINNY_BLOCKS = MappingProxyType({
     "wide": ((128, 128, 3), (64, 128, 3), (64, 64, 3), (16, 64, 3)),  # plain, n >= 4k
 })
 # The quantized kernels' (block_n, block_k, stages, warps) by projection, and by block type
-# where one differs ("*": the rest); block_k is halved until it divides K (SmolLM2's 576: 64).
-# Like SKINNY_BLOCKS, fixed by the weight's type and shape.
+# where one differs ("*": the rest): the fastest at 1 row of 8 tried per type at the llama3-8b
+# shapes on an H200 (tools/gpu/bench_quant.py, docs/results/quant_kernels_h200.txt). block_k
+# is halved until it divides K (SmolLM2's 576: 64). Fixed by the weight's type and shape.
 QUANT_BLOCKS = MappingProxyType({
-    "res": {"*": (32, 256, 2, 4)}, "gate_up": {"*": (32, 128, 2, 4)},
-    "qkv": {"*": (32, 256, 2, 4)}, "head": {"*": (64, 128, 2, 4)},
-    "plain": {"*": (32, 256, 2, 4)},
+    "res": {"*": (32, 256, 3, 4)}, "qkv": {"*": (32, 256, 3, 4), "Q6_K": (64, 128, 2, 4)},
+    "gate_up": {"*": (64, 128, 2, 4)}, "head": {"*": (64, 128, 2, 4)},
+    "plain": {"*": (32, 256, 3, 4)},
 })
 FOLD_ALL = frozenset({"qkv", "gate_up", "head"})
 MAX_DECODE_ROWS = 64   # a decode window's rows at most (the largest row tile)

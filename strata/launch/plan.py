@@ -77,21 +77,18 @@ def plan_stages(split: str, devices: list[str], n_layers: int,
 
 
 def balanced_bounds(sizes: list[int], n: int) -> list[int]:
-    """n - 1 increasing boundaries splitting sizes into n runs of at least one item each,
-    boundary i where the running total first reaches i / n of the whole (the nearer side)."""
-    total, bounds, run = sum(sizes), [], 0
-    for i, size in enumerate(sizes[:-1]):
-        k = len(bounds) + 1
-        target = total * k / n
-        if run + size >= target and k < n:
-            # end the run here or after this layer, whichever lands nearer the target
-            cut = i if (target - run) < (run + size - target) and i > (bounds[-1] if bounds
-                                                                         else 0) else i + 1
-            bounds.append(cut)
-        run += size
-    while len(bounds) < n - 1:   # a few heavy layers last: each stage still gets one
-        bounds.append(bounds[-1] + 1 if bounds else 1)
-    return [min(b, len(sizes) - (n - 1 - j)) for j, b in enumerate(bounds)]
+    """n - 1 increasing boundaries splitting sizes into n runs of at least one item each:
+    boundary k where the running total comes nearest k / n of the whole."""
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    bounds: list[int] = []
+    for k in range(1, n):
+        low = (bounds[-1] if bounds else 0) + 1
+        high = len(sizes) - (n - k)          # leave a layer for each stage after this one
+        target = prefix[-1] * k / n
+        bounds.append(min(range(low, high + 1), key=lambda c: abs(prefix[c] - target)))
+    return bounds
 
 
 LINKS = ("auto", "zmq", "nccl", "gloo")

@@ -20,8 +20,8 @@ class WorkerConfig:
     slots: int = 1
     ctx: int = 2048
     graph_cache: int = 16  # CUDA graphs kept (one per window shape); 0 = eager
-    weights: str = "quantized"  # quantized: block types with a kernel stay packed on CUDA;
-                                # bf16: every matrix widened (stage_worker/weights.py)
+    weights: str = "bf16"  # quantized: block types with a kernel stay packed on CUDA;
+                           # bf16: every matrix widened (stage_worker/weights.py)
     link: str = "zmq"      # activations to/from neighbours: zmq frames, or nccl / gloo
     link_init: str = ""    # torch.distributed init method of the link (e.g. file://...)
     link_world: int = 1    # stages in the link (every stage of the launch)

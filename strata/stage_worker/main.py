@@ -60,12 +60,12 @@ def parse_layers(text: str) -> tuple[int, int]:
               envvar="STRATA_GRAPH_CACHE",
               help="CUDA graphs kept per stage, one per window shape (0: always eager). "
                    "Also read from STRATA_GRAPH_CACHE.")
-@click.option("--weights", type=click.Choice(["quantized", "bf16"]), default="quantized",
+@click.option("--weights", type=click.Choice(["quantized", "bf16"]), default="bf16",
               show_default=True, envvar="STRATA_WEIGHTS",
               help="On a CUDA device: quantized keeps the file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K "
                    "and Q6_K matrices in their blocks (other types are widened to bf16); "
-                   "bf16 widens every matrix. CPU stages widen to fp32. Also read from "
-                   "STRATA_WEIGHTS.")
+                   "bf16 widens every matrix. CPU stages widen to fp32. strata-launch "
+                   "chooses for its stages (--weights auto). Also read from STRATA_WEIGHTS.")
 @click.option("--link", type=click.Choice(["zmq", "nccl", "gloo"]), default="zmq",
               show_default=True,
               help="How activations come from / go to the neighbouring stages: ZeroMQ frames, "

@@ -161,7 +161,7 @@ class StageModel(torch.nn.Module):
 
     def __init__(self, file: ModelFile, start: int, end: int, *, ctx: int,
                  device: str = "cpu", dtype: torch.dtype | None = None,
-                 policy: KernelPolicy | None = None, weights: str = "quantized"):
+                 policy: KernelPolicy | None = None, weights: str = "bf16"):
         super().__init__()
         cfg = file.config
         self.cfg, self.start, self.end = cfg, start, end
