@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from strata.launch.memory import check_fits, layer_bytes, stage_bytes, tensor_bytes
+from strata.launch.memory import (check_fits, head_bytes, layer_bytes, stage_bytes,
+                                  tensor_bytes)
 from strata.launch.plan import PlanError, StagePlan, balanced_bounds, plan_stages
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_random_gguf
@@ -39,6 +40,19 @@ def test_a_tensor_costs_its_blocks_when_kept_quantized(q4km):
     assert stage_bytes(q4km, 2, 4, "cuda:0", "quantized")[0] > sum(
         tensor_bytes(q4km, n, "cuda:0", "quantized") for n in q4km.tensors
         if n.startswith(("blk.2.", "blk.3.", "output_norm")))
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q3_K_M"])
+def test_the_plan_counts_what_the_loader_holds(tmp_path, mix):
+    """Q3_K_M's v in Q5_K beside q and k in Q3_K (no kernel): the whole projection widened,
+    in the plan as in the stage (on a CPU with weights "packed", as the kernel tests run)."""
+    from strata.stage_worker.model import StageModel
+    file = ModelFile(write_random_gguf(tmp_path / "m.gguf", SHAPE, seed=2, weight_type=mix))
+    for start, end in ((0, 4), (1, 3), (2, 4)):
+        model = StageModel(file, start, end, ctx=16, weights="packed")
+        weights, scratch = stage_bytes(file, start, end, "cpu", "packed")
+        assert weights == model.weights.report.weight_bytes
+        assert scratch == 4 * model.weights.scratch.numel   # fp32 scratch on a CPU
 
 
 def _plan(devices: str) -> list[StagePlan]:
@@ -84,3 +98,17 @@ def test_layer_bytes_follow_each_layers_types(q4km):
     light = [i for i, t in types.items() if t == "Q4_K"]
     assert heavy and light and min(per[i] for i in heavy) > max(per[i] for i in light)
     assert len(set(layer_bytes(q4km, "cuda:0", "bf16"))) == 1
+
+
+def test_a_nextn_drafter_is_counted_on_the_last_stages_device(tmp_path):
+    file = ModelFile(write_random_gguf(tmp_path / "n.gguf", SHAPE, seed=2, weight_type="Q4_K_M",
+                                       nextn=True))
+    last = plan_stages("2", ["cuda:0", "cuda:1"], SHAPE.n_layers)[1:]
+    block = sum(tensor_bytes(file, n, "cuda:1", "quantized") for n in file.tensors
+                if n.startswith(f"blk.{SHAPE.n_layers}."))
+    assert head_bytes(file, file, SHAPE.n_layers, last[0], "quantized") == block > 0
+    alone = sum(stage_bytes(file, 2, 4, "cuda:1", "quantized"))
+    budget = lambda device: int((alone + block // 2) / 0.85)   # noqa: E731  fits only alone
+    assert check_fits(file, last, 0, 64, "quantized", budget) == "quantized"
+    with pytest.raises(PlanError, match="on cuda:1 need"):
+        check_fits(file, last, 0, 64, "quantized", budget, head=(file, SHAPE.n_layers))

@@ -9,3 +9,11 @@ KERNEL_TYPES = tuple(BLOCKS)
 PLANES = {"Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "Q8_0": ("qs", "qh", "d"),
           "Q4_K": ("qs", "sc", "dm"), "Q5_K": ("qs", "qh", "sc", "dm"),
           "Q6_K": ("qs", "qh", "sc", "dm")}
+
+
+def stays_packed(types: list[str], mode: str, cuda: bool) -> bool:
+    """Whether a matrix whose pieces (a fused projection's q, k and v, say) have these GGUF
+    types stays packed: --weights quantized on a CUDA device ("packed": any device, for
+    tests under Triton's interpreter) and a kernel for every piece; else it is widened whole."""
+    return (mode == "packed" or (mode == "quantized" and cuda)) and all(
+        t in KERNEL_TYPES for t in types)

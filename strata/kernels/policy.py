@@ -89,11 +89,11 @@ class KernelPolicy:
 
     def quant_blocks(self, qtype: str, n: int, k: int, kind: str = "plain") -> dict:
         """The quantized kernels' blocks for a [n, k] weight of block type `qtype` used as
-        `kind` (as skinny_blocks; with N masked, every shape takes them), and the row tile
-        for a window of m rows is the caller's (row_tile)."""
+        `kind` (as skinny_blocks; N is masked, so every shape takes them). The row tile is
+        row_tile's."""
         table = self.quant_blocks_by_kind[kind]
         block_n, block_k, stages, warps = table.get(qtype, table["*"])
-        while k % block_k and block_k > 64:   # every GGUF row is whole 32-quant blocks
+        while k % block_k and block_k > 32:   # every GGUF row is whole 32-quant blocks
             block_k //= 2
         return {"block_n": block_n, "block_k": block_k, "stages": stages, "warps": warps}
 

@@ -91,9 +91,20 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1)
 
 
+PACK_ROWS = 1024   # rows repacked at a time: the int64 steps take ~20 bytes a quant
+
+
 def pack(qtype: str, raw: torch.Tensor, cols: int) -> dict[str, torch.Tensor]:
     """raw: uint8 [N, K / block * type_size], a GGUF tensor's rows (on any device; the
-    repacking runs there) -> the planes of PLANES[qtype], with the file's bytes."""
+    repacking runs there, PACK_ROWS rows at a time) -> the planes of PLANES[qtype], with the
+    file's bytes."""
+    if raw.shape[0] > PACK_ROWS:
+        chunks = [_pack(qtype, rows, cols) for rows in raw.split(PACK_ROWS)]
+        return {name: torch.cat([c[name] for c in chunks]) for name in chunks[0]}
+    return _pack(qtype, raw, cols)
+
+
+def _pack(qtype: str, raw: torch.Tensor, cols: int) -> dict[str, torch.Tensor]:
     block, size, _ = BLOCKS[qtype]
     n = raw.shape[0]
     b = raw.view(n, cols // block, size)

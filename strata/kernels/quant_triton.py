@@ -28,8 +28,10 @@ import triton.language as tl
 from strata.kernels.quant import BLOCKS, PLANES, Part
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES, _row_scale, _x_tile
 
-TYPE_IDS = {name: i for i, name in enumerate(BLOCKS)}   # QTYPE constexpr of the kernels
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = (TYPE_IDS[t] for t in BLOCKS)
+# the QTYPE constexpr of the kernels
+Q4_0, Q4_1, Q8_0 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+Q4_K, Q5_K, Q6_K = tl.constexpr(3), tl.constexpr(4), tl.constexpr(5)
+TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 
 
 @triton.jit
@@ -51,10 +53,10 @@ def _codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE: tl.constexpr, S: tl.constexpr,
     at = n[:, None, None] * s0 + ((g0 + tl.arange(0, G)) * W)[None, :, None] + wi[None, None, :]
     ok = n_ok[:, None, None]
     u = _split8(tl.load(p0 + at, mask=ok, other=0), 15)      # [BN, G, W, 2, 2, 2]
-    if QTYPE == 2:                                            # Q8_0: the high nibbles alike
+    if QTYPE == Q8_0:                                         # the high nibbles alike
         u = u | (_split8(tl.load(p1 + at, mask=ok, other=0), 15) << 4)
-    elif QTYPE == 4 or QTYPE == 5:                            # Q5_K, Q6_K: a qh word a group
-        bits: tl.constexpr = 1 if QTYPE == 4 else 2
+    elif QTYPE == Q5_K or QTYPE == Q6_K:                      # a qh word a group
+        bits: tl.constexpr = 1 if QTYPE == Q5_K else 2
         hw = tl.load(p1 + n[:, None] * s1 + (g0 + tl.arange(0, G))[None, :],
                      mask=n_ok[:, None], other=0)
         u = u | (_split8(hw[:, :, None] >> (bits * wi)[None, None, :], (1 << bits) - 1) << 4)
@@ -66,15 +68,15 @@ def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr):
     """a, b fp32 [BLOCK_N, G]: the weights of group g0 + i are a[:, i] * u + b[:, i]."""
     gi = g0 + tl.arange(0, G)
     ok = n_ok[:, None]
-    if QTYPE <= 2:                                            # Q4_0, Q4_1, Q8_0: d (and m)
+    if QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q8_0:      # d (and m) a group
         a = tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok, other=0.0).to(tl.float32)
-        if QTYPE == 0:
+        if QTYPE == Q4_0:
             b = -8.0 * a
-        elif QTYPE == 1:
+        elif QTYPE == Q4_1:
             b = tl.load(p3 + n[:, None] * s3 + gi[None, :], mask=ok, other=0.0).to(tl.float32)
         else:
             b = -128.0 * a
-    elif QTYPE == 5:                                          # Q6_K: d * an int8 per 16
+    elif QTYPE == Q6_K:                                       # d * an int8 per 16
         d = tl.load(p3 + n * s3 + g0 // 16, mask=n_ok, other=0.0).to(tl.float32)
         a = d[:, None] * tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok,
                                  other=0).to(tl.float32)
@@ -201,10 +203,10 @@ def _check(x: torch.Tensor, part: Part, block_m: int, block_k: int) -> None:
 
 
 def fits_k(part: Part, block_k: int) -> bool:
-    """A step of block_k quants divides K, holds whole scale groups (at least 8 qs words a
-    row: the 16-byte loads) and stays within one super-block of a K-quant."""
+    """A step of block_k quants divides K, holds whole scale groups and stays within one
+    super-block of a K-quant."""
     block, _, group = BLOCKS[part.qtype]
-    return (part.cols % block_k == 0 and block_k % group == 0 and block_k >= 64
+    return (part.cols % block_k == 0 and block_k % max(group, 32) == 0
             and (block == 32 or 256 % block_k == 0))
 
 
@@ -228,7 +230,8 @@ def quant_mm(x: torch.Tensor, part: Part, res: torch.Tensor | None = None,
     _quant_mm_kernel[grid](
         x, norm if norm is not None else x, *planes, *strides, r, out,
         x.shape[0], part.rows, x.shape[1], eps, x.stride(0), r.stride(0), out.stride(0),
-        QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], NORM=norm is not None, HAS_RES=res is not None,
+        QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], NORM=norm is not None,
+        HAS_RES=res is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
     return out
 
@@ -256,11 +259,12 @@ def dequant_rows(part: Part, out: torch.Tensor, index: torch.Tensor | None = Non
     """out [R, K] = rows `index` [R] of the part (rows 0..R-1 when None), dequantized."""
     rows, k = out.shape
     assert k == part.cols and out.stride(1) == 1
-    block_k = next(b for b in (256, 128, 64) if fits_k(part, b))
+    block_k = next(b for b in (256, 128, 64, 32) if fits_k(part, b))   # rows are whole blocks
     planes, strides = _planes(part)
     block_r = 16
     grid = (triton.cdiv(rows, block_r), k // block_k)
     _dequant_rows_kernel[grid](
         *planes, *strides, index if index is not None else out, out, rows, out.stride(0),
-        QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], HAS_INDEX=index is not None, BLOCK_R=block_r,
+        QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], HAS_INDEX=index is not None,
+        BLOCK_R=block_r,
         BLOCK_K=block_k, num_warps=4)

@@ -4,7 +4,8 @@ gets a sentence with the numbers instead of a stage dying out of memory."""
 from __future__ import annotations
 
 from strata.launch.plan import PlanError, StagePlan
-from strata.model.gguf_file import ModelConfig, ModelFile
+from strata.kernels.blocks import stays_packed
+from strata.model.gguf_file import FUSED_MATRICES, ModelConfig, ModelFile
 
 HEADROOM = 0.85  # of the memory available, what strata may plan to use
 
@@ -45,66 +46,97 @@ def stage_tensors(file: ModelFile, start: int, end: int) -> list[str]:
     return names
 
 
+def _groups(file: ModelFile, names: list[str]) -> list[list[str]]:
+    """The stage's tensors as its loader takes them: a block's fused matrices together
+    (FUSED_MATRICES), every other tensor alone."""
+    by_block: dict[str, list[str]] = {}
+    singles = []
+    for name in names:
+        parts = name.split(".")
+        piece = parts[2] if len(parts) == 4 and parts[0] == "blk" else None
+        group = next((g for g in FUSED_MATRICES if piece in g), None)
+        if group is None:
+            singles.append([name])
+        else:
+            by_block.setdefault(f"{parts[1]}.{group[0]}", []).append(name)
+    return singles + list(by_block.values())
+
+
+def group_bytes(file: ModelFile, names: list[str], device: str, weights: str
+                ) -> tuple[int, bool]:
+    """(bytes on `device`, whether packed) of tensors the loader takes as one (a fused
+    projection): packed where blocks.stays_packed says so, else fp32 on a CPU and bf16 on
+    CUDA."""
+    tensors = [file.tensors[n] for n in names]
+    if all(len(t.shape) == 2 for t in tensors) and stays_packed(
+            [t.tensor_type.name for t in tensors], weights, device != "cpu"):
+        return sum(int(t.n_bytes) for t in tensors), True
+    return sum(int(t.n_elements) for t in tensors) * (4 if device == "cpu" else 2), False
+
+
 def tensor_bytes(file: ModelFile, name: str, device: str, weights: str) -> int:
-    """A tensor's bytes on `device` with --weights `weights` (stage_worker/weights.py's rules:
-    a matrix of a kernel type stays packed on CUDA with quantized; the rest is fp32 on a CPU
-    and bf16 on CUDA)."""
-    from strata.kernels.blocks import KERNEL_TYPES
-    t = file.tensors[name]
-    if device != "cpu" and weights == "quantized" and len(t.shape) == 2 \
-            and t.tensor_type.name in KERNEL_TYPES:
-        return int(t.n_bytes)
-    return int(t.n_elements) * (4 if device == "cpu" else 2)
+    return group_bytes(file, [name], device, weights)[0]
 
 
 def stage_bytes(file: ModelFile, start: int, end: int, device: str, weights: str
                 ) -> tuple[int, int]:
-    """(weights, scratch) bytes a stage holds on `device`: the scratch, where its layers are
-    packed, holds the largest fused layer matrix a prompt chunk dequantizes."""
-    names = stage_tensors(file, start, end)
-    total = sum(tensor_bytes(file, n, device, weights) for n in names)
-    cfg = file.config
-    from strata.kernels.blocks import KERNEL_TYPES
-    packed = device != "cpu" and weights == "quantized" and any(
-        n.startswith("blk.") and file.tensors[n].tensor_type.name in KERNEL_TYPES
-        for n in names if len(file.tensors[n].shape) == 2)
-    if not packed:
-        return total, 0
-    largest = max((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.d_model,
-                  2 * cfg.d_ffn * cfg.d_model, cfg.n_heads * cfg.head_dim * cfg.d_model)
-    return total, 2 * largest
+    """(weights, scratch) bytes a stage holds on `device`: the scratch, where a layer matrix
+    stays packed, holds the largest one a prompt chunk dequantizes (in the stage's dtype)."""
+    total, largest = 0, 0
+    for group in _groups(file, stage_tensors(file, start, end)):
+        size, packed = group_bytes(file, group, device, weights)
+        total += size
+        if packed and group[0].startswith("blk."):
+            largest = max(largest, sum(int(file.tensors[n].n_elements) for n in group))
+    return total, largest * (4 if device == "cpu" else 2)
 
 
 def layer_bytes(file: ModelFile, device: str, weights: str) -> list[int]:
     """Each layer's weight bytes on `device` (what --layer-split auto balances)."""
-    per = [0] * file.config.n_layers
-    for name in file.tensors:
-        if name.startswith("blk."):
-            i = int(name.split(".")[1])
-            if i < len(per):
-                per[i] += tensor_bytes(file, name, device, weights)
-    return per
+    return [stage_bytes(file, i, i + 1, device, weights)[0]
+            - sum(tensor_bytes(file, n, device, weights) for n in _edges(file, i))
+            for i in range(file.config.n_layers)]
+
+
+def _edges(file: ModelFile, layer: int) -> list[str]:
+    """The tensors beside its blocks a one-layer stage holds (embedding, norm, head)."""
+    return [n for n in stage_tensors(file, layer, layer + 1) if not n.startswith("blk.")]
+
+
+def head_bytes(file: ModelFile, head: ModelFile, block: int, last: StagePlan,
+               weights: str) -> int:
+    """What a last stage's NextN drafter holds beside the stage (stage_worker/drafter.py):
+    the head's block (blk.{block}.* of `head`, the model file or a sidecar), and the token
+    embedding again where the stage holds no copy and the head brings none."""
+    names = [n for n in head.tensors if n.startswith(f"blk.{block}.")]
+    total = sum(group_bytes(head, g, last.device, weights)[0] for g in _groups(head, names))
+    own = f"blk.{block}.nextn.embed_tokens.weight" in head.tensors
+    if not own and last.layer_start != 0 and not file.config.tied_head:
+        total += tensor_bytes(file, "token_embd.weight", last.device, weights)
+    return total
 
 
 def check_fits(file: ModelFile, plan: list[StagePlan], slots: int, ctx: int,
-               weights: str = "auto", available=device_available) -> str:
+               weights: str = "auto", available=device_available,
+               head: tuple[ModelFile, int] | None = None) -> str:
     """Raise PlanError when the stages on some device would not fit with `slots` slots; else
     return --weights resolved: auto is bf16 where every CUDA stage's widened matrices fit
-    (the faster decode today: docs/BENCHMARKS.md), else quantized."""
+    (the faster decode today: docs/BENCHMARKS.md), else quantized. head: (file, block) of
+    the last stage's NextN drafter, counted with its KV cache (one layer)."""
     if weights == "auto":
         weights = "quantized"
         if any(p.device != "cpu" for p in plan):
             try:
-                _check(file, plan, slots, ctx, "bf16", available)
+                _check(file, plan, slots, ctx, "bf16", available, head)
                 return "bf16"
             except PlanError:
                 pass
-    _check(file, plan, slots, ctx, weights, available)
+    _check(file, plan, slots, ctx, weights, available, head)
     return weights
 
 
 def _check(file: ModelFile, plan: list[StagePlan], slots: int, ctx: int, weights: str,
-           available) -> None:
+           available, head: tuple[ModelFile, int] | None) -> None:
     cfg = file.config
     by_device: dict[str, list[StagePlan]] = {}
     for p in plan:
@@ -114,19 +146,24 @@ def _check(file: ModelFile, plan: list[StagePlan], slots: int, ctx: int, weights
         layers = sum(p.layer_end - p.layer_start for p in stages)
         held = [stage_bytes(file, p.layer_start, p.layer_end, device, weights) for p in stages]
         weight = sum(w + s for w, s in held)
+        if head is not None and plan[-1] in stages:   # the drafter: its block and its KV
+            weight += head_bytes(file, *head, plan[-1], weights)
+            layers += 1
         per_slot = kv_bytes_per_slot(cfg, layers, ctx, elem)
         free = available(device)
         budget = int(free * HEADROOM) - weight
         fit = max(0, budget // per_slot)
         what = f"--weights {weights}, " if device != "cpu" else ""
         if budget <= 0:
+            ranges = ", ".join(f"{p.layer_start}-{p.layer_end - 1}" for p in stages)
+            packed = sum(sum(stage_bytes(file, p.layer_start, p.layer_end, device, "quantized"))
+                         for p in stages)
             raise PlanError(f"the stages on {device} need {weight / 2**30:.1f} GiB of weights "
-                            f"({what}layers {', '.join(f'{p.layer_start}-{p.layer_end - 1}' for p in stages)}) "
-                            f"and {device} has {free / 2**30:.1f} GiB free ({HEADROOM:.0%} of "
-                            f"it usable): spread the layers over more devices (--devices, "
-                            f"--layer-split)" + ("" if weights == "quantized" or device == "cpu"
-                                                  else " or keep them quantized (--weights "
-                                                       "quantized)"))
+                            f"({what}layers {ranges}) and {device} has {free / 2**30:.1f} GiB "
+                            f"free ({HEADROOM:.0%} of it usable): spread the layers over more "
+                            f"devices (--devices, --layer-split)"
+                            + (" or keep them quantized (--weights quantized)"
+                               if device != "cpu" and packed < weight else ""))
         if slots > fit:
             raise PlanError(f"--batch {slots} needs {slots * per_slot / 2**30:.1f} GiB of KV cache "
                             f"on {device} (--ctx-size {ctx}), beside {weight / 2**30:.1f} GiB of "

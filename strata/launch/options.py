@@ -224,9 +224,13 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     drafter, sidecar = choose_drafter(file, draft_tokens, drafter, mtp_head)
     sched = replace(sched, drafter=drafter)
     if check_memory:
-        weights = check_fits(file, plan, batch, ctx_size, weights)
+        source = find_head(file, str(sidecar) if sidecar else None, shipped=False)
+        head = None   # the last stage's drafter, if it will have one
+        if source is not None:
+            head = (ModelFile(source.path) if source.sidecar else file, source.block)
+        weights = check_fits(file, plan, batch, ctx_size, weights, head=head)
     elif weights == "auto":
-        weights = "quantized"   # where a cluster places the stages: their memory is unknown
+        weights = "bf16"   # where a cluster places the stages, their memory is not seen here
     return Prepared(file, plan, sched, graph_cache, weights, resolve_link(stage_link, plan),
                     transport, sidecar, stage_timeout)
 

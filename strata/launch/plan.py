@@ -78,7 +78,8 @@ def plan_stages(split: str, devices: list[str], n_layers: int,
 
 def balanced_bounds(sizes: list[int], n: int) -> list[int]:
     """n - 1 increasing boundaries splitting sizes into n runs of at least one item each:
-    boundary k where the running total comes nearest k / n of the whole."""
+    boundary k where the running total comes nearest k / n of the whole (a tie: where
+    round(k * items / n) puts it, so equal layers split as they always have)."""
     prefix = [0]
     for size in sizes:
         prefix.append(prefix[-1] + size)
@@ -87,7 +88,9 @@ def balanced_bounds(sizes: list[int], n: int) -> list[int]:
         low = (bounds[-1] if bounds else 0) + 1
         high = len(sizes) - (n - k)          # leave a layer for each stage after this one
         target = prefix[-1] * k / n
-        bounds.append(min(range(low, high + 1), key=lambda c: abs(prefix[c] - target)))
+        even = round(k * len(sizes) / n)
+        bounds.append(min(range(low, high + 1),
+                          key=lambda c: (abs(prefix[c] - target), abs(c - even))))
     return bounds
 
 

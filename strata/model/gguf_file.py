@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     import torch
 
 SUPPORTED_ARCHS = ("llama",)
+# a block's matrices as a stage computes them: [q; k; v] and [gate; up] fused, one matmul each
+FUSED_MATRICES = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"),
+                  ("ffn_down",))
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 
 

@@ -112,7 +112,7 @@ class Drafter:
             self.embed = model.head   # the tied head is the token embedding
         else:
             self.embed = model.weights.matrix("token_embd.weight")
-        self.block = Layer(mine, source.block, model.policy)
+        self.block = Layer(mine, source.block, model.policy, chunks=False)  # decode rows only
         self.cache = KVCache(1, slots, cfg, ctx, device, dtype)
         self.cos, self.sin = model.cos, model.sin
         self.last_h = torch.zeros(slots + 1, cfg.d_model, dtype=dtype, device=device)  # + zeros

@@ -27,8 +27,8 @@ from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS, KernelPolicy
 from strata.kernels.quant_ops import dense_weight, embed_rows
 from strata.kernels.rope import rope_table
-from strata.model.gguf_file import ModelConfig, ModelFile
-from strata.stage_worker.weights import WeightLoader, packs
+from strata.model.gguf_file import FUSED_MATRICES, ModelConfig, ModelFile
+from strata.stage_worker.weights import WeightLoader
 
 
 @dataclass
@@ -111,20 +111,20 @@ class KVCache:
 
 class Layer(torch.nn.Module):
     """Block `index` of the loader's file. Its matrices are dense tensors or QuantWeights
-    (the loader decides); the kernels take either."""
+    (the loader decides); the kernels take either. chunks: whether prompt chunks run it (a
+    quantized matrix then has room in the stage's scratch buffer)."""
 
-    def __init__(self, weights: WeightLoader, index: int, policy: KernelPolicy):
+    def __init__(self, weights: WeightLoader, index: int, policy: KernelPolicy,
+                 chunks: bool = True):
         super().__init__()
         cfg = weights.file.config
         name = lambda n: f"blk.{index}.{n}.weight"  # noqa: E731
-        matrices = lambda *ns: weights.matrices([name(n) for n in ns], for_chunks=True)  # noqa: E731
-        self.attn_norm, self.ffn_norm = weights.vector(name("attn_norm")), \
-            weights.vector(name("ffn_norm"))
+        self.attn_norm = weights.vector(name("attn_norm"))
+        self.ffn_norm = weights.vector(name("ffn_norm"))
         # fused [q; k; v] and [gate; up] projections: one matmul each instead of three and two
-        self.wqkv = matrices("attn_q", "attn_k", "attn_v")
-        self.wo = matrices("attn_output")
-        self.w_gate_up = matrices("ffn_gate", "ffn_up")
-        self.w_down = matrices("ffn_down")
+        self.wqkv, self.wo, self.w_gate_up, self.w_down = (
+            weights.matrices([name(n) for n in group], for_chunks=chunks)
+            for group in FUSED_MATRICES)
         self.cfg, self.policy = cfg, policy
 
     def forward(self, x: torch.Tensor, meta: WindowMeta, cache: KVCache,
@@ -169,7 +169,7 @@ class StageModel(torch.nn.Module):
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.policy = policy or KernelPolicy.for_device(self.device)
-        self.weights = WeightLoader(file, self.device, self.dtype, packs(weights, self.device))
+        self.weights = WeightLoader(file, self.device, self.dtype, weights)
         self.layers = torch.nn.ModuleList(Layer(self.weights, i, self.policy)
                                           for i in range(start, end))
         if self.first:
@@ -206,11 +206,11 @@ class StageModel(torch.nn.Module):
             out = norm_head_rows(hidden, self.norm, self.cfg.rms_eps, self.head, self.policy)
             if out is not None:
                 return out
-        return by_row_blocks(self._head_block, hidden)
+        head = dense_weight(self.head, hidden.dtype, self.policy)   # a quantized head: once
+        return by_row_blocks(lambda h: self._head_block(h, head), hidden)
 
-    def _head_block(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _head_block(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         h = rms_norm(hidden, self.norm, self.cfg.rms_eps)
-        head = dense_weight(self.head, h.dtype, self.policy)
         if h.dtype == torch.float32:
             return F.linear(h, head)
         if self.policy.mm_fp32_out:

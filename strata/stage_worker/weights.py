@@ -13,16 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata.kernels.quant import KERNEL_TYPES, QuantWeight, Scratch
+from strata.kernels.blocks import stays_packed
+from strata.kernels.quant import QuantWeight, Scratch
 from strata.model.gguf_file import ModelFile
-
-WEIGHT_MODES = ("auto", "quantized", "bf16")
-
-
-def packs(mode: str, device: torch.device | str) -> bool:
-    """Whether a stage keeps kernel types packed: --weights quantized on a CUDA device, or
-    "packed" (any device: tests running the kernels under Triton's interpreter)."""
-    return mode == "packed" or (mode == "quantized" and torch.device(device).type == "cuda")
 
 
 @dataclass
@@ -43,14 +36,15 @@ class LoadReport:
 
 @dataclass
 class WeightLoader:
-    """Loads one stage's tensors from `file`: `matrices` gives a QuantWeight (where `pack` and
-    every piece is of a kernel type) or a dense tensor, `vector` a dense one; `report` counts
-    them. `scratch` is the buffer the stage's quantized layer matrices dequantize into for
-    prompt chunks: reserved for those loaded `for_chunks`, allocated by `finish`."""
+    """Loads one stage's tensors from `file`: `matrices` gives a QuantWeight (where
+    blocks.stays_packed says so for the stage's `mode`) or a dense tensor, `vector` a dense
+    one; `report` counts them. `scratch` is the buffer the stage's quantized layer matrices
+    dequantize into for prompt chunks: reserved for those loaded `for_chunks`, allocated by
+    `finish`."""
     file: ModelFile
     device: torch.device
     dtype: torch.dtype
-    pack: bool = False
+    mode: str = "bf16"    # quantized, bf16, or packed (any device: interpreter tests)
     scratch: Scratch = field(default_factory=Scratch)
     report: LoadReport = field(default_factory=LoadReport)
 
@@ -66,7 +60,7 @@ class WeightLoader:
                  ) -> torch.Tensor | QuantWeight:
         """The rows of the named matrices one after another (a fused projection)."""
         types = [self.file.tensor_type(n) for n in names]
-        if self.pack and all(t in KERNEL_TYPES for t in types):
+        if stays_packed(types, self.mode, torch.device(self.device).type == "cuda"):
             pieces = []
             for name, qtype in zip(names, types):
                 raw, cols = self.file.blocks(name)
