@@ -9,7 +9,7 @@ partial blocks) and its row independence with 4-row blocks (the default blocks r
 where triton is not installed (the test extra installs it) or where a GPU runs the kernels
 themselves. The kernel test files run in child processes at once, one group each (the
 machine's cores are otherwise idle while this test waits), and the quantized-weight kernels
-(~55 s) in a third."""
+(~55 s) in a third; the second runs the model families' Triton path too (~35 s)."""
 from __future__ import annotations
 
 import os
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = [["tests/test_attention_triton.py", "tests/test_attention_chunk.py",
                  "tests/test_sampling_triton.py", "tests/test_sampling_sorted_triton.py"],
                 ["tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py",
-                 "tests/test_batch_invariance.py"],
+                 "tests/test_batch_invariance.py", "tests/test_families.py"],
                 ["tests/test_quant_kernels.py", "tests/test_quant_stage.py"]]
 CASES = "cpu and not 512 and not 100 and not bm4"
 

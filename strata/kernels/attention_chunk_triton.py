@@ -64,6 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.attention_triton import NO_WINDOW
+
 BLOCK_N = 64     # key positions per step (the same chunking as attention.SPAN)
 TILE_ROWS = 128  # default query rows per tile (64 for head size <= 64): BLOCK_M = that // GROUP_PAD
 
@@ -72,7 +74,7 @@ TILE_ROWS = 128  # default query rows per tile (64 for head size <= 64): BLOCK_M
 def _attend_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr, n_rows,
                          stride_qr, stride_qh, stride_or, stride_oh,
                          stride_cs, stride_ch, stride_cp,
-                         qk_scale,
+                         qk_scale, window,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HD: tl.constexpr,
                          BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
@@ -102,7 +104,9 @@ def _attend_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr, n_rows
         offs = base + p[:, None] * stride_cp + d[None, :]
         k = tl.load(k_ptr + offs, mask=pd_mask, other=0.0)               # [BLOCK_N, BLOCK_D]
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        scores = tl.where(p[None, :] < n_keys[:, None], scores, float("-inf"))  # [TILE, BLOCK_N]
+        # keys past a row's length or before its window: masked
+        keep = (p[None, :] < n_keys[:, None]) & (p[None, :] >= n_keys[:, None] - window)
+        scores = tl.where(keep, scores, float("-inf"))                   # [TILE, BLOCK_N]
         m_new = tl.maximum(m, tl.max(scores, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)    # no -inf - -inf: no NaN
         alpha = tl.where(m_new == m, 1.0, tl.exp2(m - m_sub))   # unchanged max: exactly 1
@@ -146,13 +150,16 @@ def chunk_config(n_heads: int, n_kv: int, head_dim: int, block_m: int | None = N
 def attend_chunk_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot: torch.Tensor, length: torch.Tensor, *,
                         block_m: int | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None) -> torch.Tensor:
+                        num_stages: int | None = None, scale: float | None = None,
+                        window: int = 0) -> torch.Tensor:
     """q: [R, H, hd] (rotated; last dim contiguous); k_cache, v_cache: [S, KVH, ctx, hd]
     contiguous, already holding every row's own key/value; slot: [R] int64; length: [R] int64,
     keys [0, length) are attended (0 for a pad row, whose output is zero). Every live row
     (length > 0) must belong to the same slot (module docstring); pad rows may carry any valid
     slot. Returns [R, H, hd] in q's dtype. block_m / num_warps / num_stages override the
-    defaults of chunk_config (for tuning; a row's bits depend on them)."""
+    defaults of chunk_config (for tuning; a row's bits depend on them). scale: the scores'
+    (default 1/sqrt(hd)); window: a row attends keys [length - window, length) (0: all); the
+    blocks before a row's window are exact no-ops for it, as those past its length."""
     n_rows, n_heads, hd = q.shape
     n_kv = k_cache.shape[1]
     assert n_heads % n_kv == 0 and k_cache.shape[-1] == hd
@@ -164,12 +171,12 @@ def attend_chunk_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     cfg = chunk_config(n_heads, n_kv, hd, block_m, num_warps, num_stages)
     # exp2 instead of exp: fold log2(e) into the score scale
-    qk_scale = (1.0 / math.sqrt(hd)) * 1.4426950408889634
+    qk_scale = (scale or 1.0 / math.sqrt(hd)) * 1.4426950408889634
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is moot for bf16/fp16
     grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), n_kv)
     _attend_chunk_kernel[grid](
         q, k_cache, v_cache, out, slot, length, n_rows,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        qk_scale, PRECISION=precision, **cfg)
+        qk_scale, window or NO_WINDOW, PRECISION=precision, **cfg)
     return out

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 128  # key positions per step
+NO_WINDOW = 1 << 30   # the window of a row that attends all its keys
 STAGES = 3     # loads in flight (H200, llama3-8b heads: 5.1 us at 256 keys and 24 us at 2048,
                # against 6.9 and 53 us with 64 positions and 2 stages; docs/BENCHMARKS.md)
 
@@ -26,7 +27,7 @@ STAGES = 3     # loads in flight (H200, llama3-8b heads: 5.1 us at 256 keys and 
 def _attend_rows_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr,
                         stride_qr, stride_qh, stride_or, stride_oh,
                         stride_cs, stride_ch, stride_cp,
-                        qk_scale,
+                        qk_scale, window,
                         GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     row = tl.program_id(0)
@@ -43,13 +44,17 @@ def _attend_rows_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr,
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max (log2 units)
     s = tl.zeros([BLOCK_G], tl.float32)                  # running sum of exp2
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(0, n_keys, BLOCK_N):
+    # a window: keys [first, n_keys), from the block holding the first (fixed by the row's
+    # own position, and never a block of masked keys only: no -inf - -inf)
+    first = tl.maximum(n_keys - window, 0)
+    for start in range((first // BLOCK_N) * BLOCK_N, n_keys, BLOCK_N):
         p = start + tl.arange(0, BLOCK_N)
-        pd_mask = (p[:, None] < n_keys) & (d[None, :] < HD)
+        pd_mask = (p[:, None] < n_keys) & (p[:, None] >= first) & (d[None, :] < HD)
         offs = base + p[:, None] * stride_cp + d[None, :]
         k = tl.load(k_ptr + offs, mask=pd_mask, other=0.0)              # [BLOCK_N, BLOCK_D]
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        scores = tl.where(p[None, :] < n_keys, scores, float("-inf"))   # [BLOCK_G, BLOCK_N]
+        keep = (p[None, :] < n_keys) & (p[None, :] >= first)
+        scores = tl.where(keep, scores, float("-inf"))                  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m, tl.max(scores, 1))
         alpha = tl.exp2(m - m_new)
         probs = tl.exp2(scores - m_new[:, None])
@@ -63,11 +68,13 @@ def _attend_rows_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr,
 
 
 def attend_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+                       slot: torch.Tensor, length: torch.Tensor, scale: float | None = None,
+                       window: int = 0) -> torch.Tensor:
     """q: [R, H, hd] (rotated; last dim contiguous); k_cache, v_cache: [S, KVH, ctx, hd]
     contiguous, already holding every row's own key/value; slot: [R] int64 (any valid slot for
     a pad row); length: [R] int64, keys [0, length) are attended (0 for a pad row, whose output
-    is zero). Returns [R, H, hd] in q's dtype."""
+    is zero); scale: the scores' (default 1/sqrt(hd)); window: keys [length - window,
+    length) (0: all). Returns [R, H, hd] in q's dtype."""
     n_rows, n_heads, hd = q.shape
     n_kv = k_cache.shape[1]
     group = n_heads // n_kv
@@ -75,13 +82,13 @@ def attend_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     assert k_cache.stride() == v_cache.stride()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     # exp2 instead of exp: fold log2(e) into the score scale
-    qk_scale = (1.0 / math.sqrt(hd)) * 1.4426950408889634
+    qk_scale = (scale or 1.0 / math.sqrt(hd)) * 1.4426950408889634
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is moot for bf16/fp16
     _attend_rows_kernel[(n_rows, n_kv)](
         q, k_cache, v_cache, out, slot, length,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        qk_scale,
+        qk_scale, window or NO_WINDOW,
         GROUP=group, HD=hd, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_N=BLOCK_N, PRECISION=precision,
         num_warps=4, num_stages=STAGES)

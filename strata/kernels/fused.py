@@ -58,26 +58,34 @@ def rms_norm_rows_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
 
 def rope_write_kv_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         slot: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, n_heads: int) -> torch.Tensor:
+                        v_cache: torch.Tensor, n_heads: int, halves: bool = False
+                        ) -> torch.Tensor:
     """qkv: [R, (H + 2 KVH) hd]; cos, sin: the full tables [ctx, rope_dim / 2] fp32; slot, pos:
     [R] int64. Writes rotated k and v at (slot, :, pos) of the caches; returns rotated q
-    [R, H, hd]. Pairs (2i, 2i+1) rotate (llama.cpp's layout of GGUF Q/K weights)."""
+    [R, H, hd]. Pairs (2i, 2i+1) rotate (llama.cpp's layout of GGUF llama Q/K weights), or
+    with halves (i, i + rope_dim / 2) (NEOX: the other families)."""
     n, n_kv, hd = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
     heads = qkv.view(n, n_heads + 2 * n_kv, hd)
     c, s = cos[pos][:, None, :], sin[pos][:, None, :]                      # [R, 1, rope/2]
     rope = c.shape[-1] * 2
     x = heads[:, :n_heads + n_kv].float()
-    x0, x1 = x[..., 0:rope:2], x[..., 1:rope:2]
-    rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1).flatten(-2)
+    if halves:
+        x0, x1 = x[..., :rope // 2], x[..., rope // 2:rope]
+        rotated = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), -1)
+    else:
+        x0, x1 = x[..., 0:rope:2], x[..., 1:rope:2]
+        rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1).flatten(-2)
     qk = torch.cat((rotated, x[..., rope:]), -1).to(qkv.dtype)             # [R, H + KVH, hd]
     k_cache[slot, :, pos] = qk[:, n_heads:]
     v_cache[slot, :, pos] = heads[:, n_heads + n_kv:]
     return qk[:, :n_heads].contiguous()
 
 
-def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_torch(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """[gate | up] -> act(gate) * up in fp32, rounded once (act: silu, or gelu_tanh)."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(gate_up.dtype)
+    gated = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    return (gated * up).to(gate_up.dtype)
 
 
 def normed_product(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
@@ -101,9 +109,9 @@ def skinny_mm_torch(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None =
 
 
 def gate_up_silu_torch(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
-                       eps: float = 0.0) -> torch.Tensor:
+                       eps: float = 0.0, act: str = "silu") -> torch.Tensor:
     """skinny_triton.gate_up_silu's arithmetic: the projection rounded, then silu_mul."""
-    return silu_mul_torch(normed_product(x, w, norm, eps).to(x.dtype))
+    return silu_mul_torch(normed_product(x, w, norm, eps).to(x.dtype), act)
 
 
 # --- dispatch: the Triton kernels where the policy runs them, else the references ----------
@@ -123,11 +131,13 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
                   pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  n_heads: int, policy: KernelPolicy | None = None) -> torch.Tensor:
+                  n_heads: int, policy: KernelPolicy | None = None,
+                  halves: bool = False) -> torch.Tensor:
     if not policy_or_default(policy, qkv).triton:
-        return rope_write_kv_torch(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads)
+        return rope_write_kv_torch(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads, halves)
     from strata.kernels import fused_triton
-    return fused_triton.rope_write_kv(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads)
+    return fused_triton.rope_write_kv(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads,
+                                      halves)
 
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor | QuantWeight,
@@ -195,13 +205,15 @@ def norm_head_rows(x: torch.Tensor, norm: torch.Tensor, eps: float,
 
 def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float,
                       w: torch.Tensor | QuantWeight,
-                      policy: KernelPolicy | None = None, decode: bool = False) -> torch.Tensor:
-    """rms_norm_rows, the [gate; up] projection and silu_mul: one skinny (or quantized) kernel
-    for a decode window (skinny_triton.gate_up_silu), else those three."""
+                      policy: KernelPolicy | None = None, decode: bool = False,
+                      act: str = "silu") -> torch.Tensor:
+    """rms_norm_rows, the [gate; up] projection and silu_mul (act: silu, or gelu_tanh for
+    GeGLU): one skinny (or quantized) kernel for a decode window (skinny_triton.gate_up_silu),
+    else those three."""
     policy = policy_or_default(policy, x)
     if isinstance(w, QuantWeight):
         if "gate_up" in policy.fold:
-            out = quant_ops.gate_up_silu(x, w, norm, eps, policy, decode)
+            out = quant_ops.gate_up_silu(x, w, norm, eps, policy, decode, act)
             if out is not None:
                 return out
         blocks = None
@@ -209,14 +221,16 @@ def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float,
         blocks = policy.skinny(x, w, "gate_up", decode)
     if blocks is not None:
         from strata.kernels.skinny_triton import gate_up_silu
-        return gate_up_silu(x, w, norm, eps, **blocks)
+        return gate_up_silu(x, w, norm, eps, act=act, **blocks)
     h = rms_norm_rows(x, norm, eps, policy, decode)
-    return silu_mul(linear_rows(h, w, policy=policy, decode=decode), policy)
+    return silu_mul(linear_rows(h, w, policy=policy, decode=decode), policy, act)
 
 
-def silu_mul(gate_up: torch.Tensor, policy: KernelPolicy | None = None) -> torch.Tensor:
-    """gate_up: [R, 2F] = [gate | up] -> [R, F]: silu(gate) * up in fp32, rounded once."""
+def silu_mul(gate_up: torch.Tensor, policy: KernelPolicy | None = None,
+             act: str = "silu") -> torch.Tensor:
+    """gate_up: [R, 2F] = [gate | up] -> [R, F]: silu(gate) * up (act gelu_tanh: the tanh
+    GELU) in fp32, rounded once."""
     if not policy_or_default(policy, gate_up).triton:
-        return silu_mul_torch(gate_up)
+        return silu_mul_torch(gate_up, act)
     from strata.kernels import fused_triton
-    return fused_triton.silu_mul(gate_up)
+    return fused_triton.silu_mul(gate_up, act)

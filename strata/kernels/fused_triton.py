@@ -1,7 +1,7 @@
 """Triton versions of strata.kernels.fused (see there; these are imported only when used).
 
 One program per row (rms_norm_rows), per (row, head) (rope_write_kv) or per (row, block of
-columns) (silu_mul); fixed block sizes and warps for a given shape, no autotuning: the same
+columns) (silu_mul, SiLU or the tanh GELU as the gate's activation); fixed block sizes and warps for a given shape, no autotuning: the same
 inputs give the same bits, and a row never reads another row.
 """
 from __future__ import annotations
@@ -38,29 +38,35 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, v_ptr,
                     stride_qkv, stride_table, stride_cs, stride_ch, stride_cp,
                     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HD: tl.constexpr,
-                    HALF_ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                    HALF_ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr, HALVES: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)                  # [0, H): a query head; [H, H + KVH): a kv head
     pos = tl.load(pos_ptr + row)
-    i = tl.arange(0, BLOCK_HALF)             # pair index: elements 2i, 2i + 1
-    pair = i < HD // 2
-    rot = i < HALF_ROPE
+    i = tl.arange(0, BLOCK_HALF)             # pair index: elements 2i, 2i + 1 (HALVES: the
+    pair = i < HD // 2                       # rotated i, i + HALF_ROPE, then the rest as
+    rot = i < HALF_ROPE                      # pairs past the rotated dims)
     c = tl.load(cos_ptr + pos * stride_table + i, mask=rot, other=1.0)
     s = tl.load(sin_ptr + pos * stride_table + i, mask=rot, other=0.0)
+    if HALVES:   # element a of pair i; past the rotated dims, pairs of the unrotated rest
+        a0 = tl.where(rot, i, 2 * i)
+        a1 = tl.where(rot, i + HALF_ROPE, 2 * i + 1)
+    else:
+        a0 = 2 * i
+        a1 = 2 * i + 1
     src = qkv_ptr + row * stride_qkv + head * HD
-    x0 = tl.load(src + 2 * i, mask=pair, other=0.0).to(tl.float32)
-    x1 = tl.load(src + 2 * i + 1, mask=pair, other=0.0).to(tl.float32)
+    x0 = tl.load(src + a0, mask=pair, other=0.0).to(tl.float32)
+    x1 = tl.load(src + a1, mask=pair, other=0.0).to(tl.float32)
     y0 = (x0 * c - x1 * s).to(q_ptr.dtype.element_ty)
     y1 = (x0 * s + x1 * c).to(q_ptr.dtype.element_ty)
     if head < N_HEADS:
         dst = q_ptr + (row * N_HEADS + head) * HD
-        tl.store(dst + 2 * i, y0, mask=pair)
-        tl.store(dst + 2 * i + 1, y1, mask=pair)
+        tl.store(dst + a0, y0, mask=pair)
+        tl.store(dst + a1, y1, mask=pair)
     else:
         kvh = head - N_HEADS
         at = tl.load(slot_ptr + row) * stride_cs + kvh * stride_ch + pos * stride_cp
-        tl.store(k_ptr + at + 2 * i, y0, mask=pair)
-        tl.store(k_ptr + at + 2 * i + 1, y1, mask=pair)
+        tl.store(k_ptr + at + a0, y0, mask=pair)
+        tl.store(k_ptr + at + a1, y1, mask=pair)
         d = tl.arange(0, 2 * BLOCK_HALF)
         v = tl.load(qkv_ptr + row * stride_qkv + (N_HEADS + N_KV + kvh) * HD + d, mask=d < HD)
         tl.store(v_ptr + at + d, v, mask=d < HD)
@@ -68,7 +74,7 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
                   pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  n_heads: int) -> torch.Tensor:
+                  n_heads: int, halves: bool = False) -> torch.Tensor:
     n_rows = qkv.shape[0]
     n_kv, hd = k_cache.shape[1], k_cache.shape[3]
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -78,26 +84,41 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot:
         qkv, cos, sin, slot, pos, q, k_cache, v_cache,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_HEADS=n_heads, N_KV=n_kv, HD=hd, HALF_ROPE=cos.shape[1],
-        BLOCK_HALF=triton.next_power_of_2(hd // 2), num_warps=1)
+        BLOCK_HALF=triton.next_power_of_2(hd // 2), HALVES=halves, num_warps=1)
     return q
 
 
+ACTS = {"silu": 0, "gelu_tanh": 1}   # the ACT constexpr of the gated feed-forward kernels
+
+
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr):
+def gate_act(g, ACT: tl.constexpr):
+    """fp32: silu(g) (ACT 0), or tanh-approximated GELU (ACT 1: gemma's GeGLU), tanh as
+    1 - 2 / (exp(2z) + 1) (no tanh in every Triton version)."""
+    if ACT == 1:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr,
+                     ACT: tl.constexpr):
     row = tl.program_id(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = j < n_cols
     g = tl.load(gu_ptr + row * stride_gu + j, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + n_cols + j, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
+    y = gate_act(g, ACT) * u
     tl.store(out_ptr + row * stride_o + j, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     n_rows, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.stride(1) == 1
     out = torch.empty(n_rows, n_cols, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
-        gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block, ACT=ACTS[act],
+        num_warps=4)
     return out

@@ -41,8 +41,8 @@ def project(x: torch.Tensor, w: QuantWeight, policy: KernelPolicy, decode: bool,
 
 
 def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps: float,
-                 policy: KernelPolicy, decode: bool) -> torch.Tensor | None:
-    """silu(g) * u of [g | u] = rmsnorm(x) @ w^T in one kernel, or None (a prompt chunk, the
+                 policy: KernelPolicy, decode: bool, act: str = "silu") -> torch.Tensor | None:
+    """act(g) * u of [g | u] = rmsnorm(x) @ w^T in one kernel, or None (a prompt chunk, the
     plain-torch path, or gate and up of different types)."""
     if not (decode and policy.triton) or len(w.parts) != 1:
         return None
@@ -52,7 +52,7 @@ def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps
     if not fits_k(part, blocks["block_k"]):
         return None
     return quant_gate_up(x, part, norm, eps, block_m=policy.row_tile(x.shape[0], w.nbytes),
-                         **blocks)
+                         act=act, **blocks)
 
 
 def embed_rows(tokens: torch.Tensor, w: torch.Tensor | QuantWeight, dtype: torch.dtype,

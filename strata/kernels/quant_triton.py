@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.fused_triton import ACTS, gate_act
 from strata.kernels.quant import BLOCKS, PLANES, Part
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES, _row_scale, _x_tile
 
@@ -143,7 +144,7 @@ def _quant_gate_up_kernel(x_ptr, g_ptr, p0, p1, p2, p3, s0, s1, s2, s3, out_ptr,
                           M, F, K, eps, stride_xm, stride_om,
                           QTYPE: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          STAGES: tl.constexpr):
+                          STAGES: tl.constexpr, ACT: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     jn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)   # columns: gate jn, up F + jn
     ok_n = jn < F
@@ -160,10 +161,10 @@ def _quant_gate_up_kernel(x_ptr, g_ptr, p0, p1, p2, p3, s0, s1, s2, s3, out_ptr,
         wu = _weights(p0, p1, p2, p3, s0, s1, s2, s3, F + jn, ok_n, k0, QTYPE, S, BLOCK_N,
                       BLOCK_K)
         acc_u = tl.dot(wu.to(x.dtype), xt, acc_u)
-    # rounded as the projection's output would be, then SiLU in fp32 (as silu_mul)
+    # rounded as the projection's output would be, then the activation in fp32 (as silu_mul)
     gate = _row_scale(acc_g, sq, K, eps, NORM).to(out_ptr.dtype.element_ty).to(tl.float32)
     up = _row_scale(acc_u, sq, K, eps, NORM).to(out_ptr.dtype.element_ty).to(tl.float32)
-    h = gate / (1.0 + tl.exp(-gate)) * up
+    h = gate_act(gate, ACT) * up
     tl.store(out_ptr + m[:, None] * stride_om + jn[None, :], h.to(out_ptr.dtype.element_ty),
              mask=(m[:, None] < M) & ok_n[None, :])
 
@@ -238,8 +239,10 @@ def quant_mm(x: torch.Tensor, part: Part, res: torch.Tensor | None = None,
 
 def quant_gate_up(x: torch.Tensor, part: Part, norm: torch.Tensor | None = None,
                   eps: float = 0.0, *, block_m: int | None = None, block_n: int = 32,
-                  block_k: int = 256, stages: int = 2, warps: int = 4) -> torch.Tensor:
-    """x: [M, K], part: [2F, K] = [w_gate; w_up] of one type -> silu(g) * u [M, F]."""
+                  block_k: int = 256, stages: int = 2, warps: int = 4,
+                  act: str = "silu") -> torch.Tensor:
+    """x: [M, K], part: [2F, K] = [w_gate; w_up] of one type -> act(g) * u [M, F] (act:
+    silu, or gelu_tanh)."""
     block_m = block_m or next(t for t in ROW_TILES if x.shape[0] <= t or t == ROW_TILES[-1])
     _check(x, part, block_m, block_k)
     f = part.rows // 2
@@ -251,7 +254,7 @@ def quant_gate_up(x: torch.Tensor, part: Part, norm: torch.Tensor | None = None,
         x.shape[1], eps, x.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
         S=BLOCKS[part.qtype][2],
         NORM=norm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=stages, num_warps=warps)
+        STAGES=stages, ACT=ACTS[act], num_warps=warps)
     return out
 
 

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.fused_triton import ACTS, gate_act
+
 ROW_TILES = (16, 32, 64)   # BLOCK_M: tensor-core tiles of a decode window's rows
 MAX_ROWS = ROW_TILES[-1]
 SMEM_BUDGET = 200 << 10    # bytes of shared memory the pipelined tiles may take (H200: 227 KB)
@@ -106,7 +108,7 @@ def _skinny_kernel(x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, M, K, eps,
 def _gate_up_silu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, M, K, F, eps,
                          stride_xm, stride_wn, stride_om,
                          NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                         BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)   # output columns: gate j, up F + j
     kk = tl.arange(0, BLOCK_K)
@@ -121,10 +123,10 @@ def _gate_up_silu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, M, K, F, eps,
         xt = tl.trans(x)
         acc_g = tl.dot(wg, xt, acc_g)
         acc_u = tl.dot(wu, xt, acc_u)
-    # rounded as the projection's output would be, then SiLU in fp32 (as silu_mul)
+    # rounded as the projection's output would be, then the activation in fp32 (as silu_mul)
     gate = _row_scale(acc_g, sq, K, eps, NORM).to(out_ptr.dtype.element_ty).to(tl.float32)
     up = _row_scale(acc_u, sq, K, eps, NORM).to(out_ptr.dtype.element_ty).to(tl.float32)
-    h = gate / (1.0 + tl.exp(-gate)) * up
+    h = gate_act(gate, ACT) * up
     tl.store(out_ptr + m[:, None] * stride_om + j[None, :], h.to(out_ptr.dtype.element_ty),
              mask=m[:, None] < M)
 
@@ -168,9 +170,11 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
                  eps: float = 0.0, *, block_m: int | None = None, block_n: int = 64,
-                 block_k: int = 128, stages: int = 3, warps: int = 4) -> torch.Tensor:
+                 block_k: int = 128, stages: int = 3, warps: int = 4,
+                 act: str = "silu") -> torch.Tensor:
     """x: [M, K] (M <= 64), w: [2F, K] = [w_gate; w_up], norm: [K] or None -> silu(g) * u
-    [M, F]; blocks as skinny_mm's (block_n counts output columns)."""
+    [M, F] (act "gelu_tanh": gelu(g) * u); blocks as skinny_mm's (block_n counts output
+    columns)."""
     f, block_m = w.shape[0] // 2, block_m or row_tile(x.shape[0])
     _check(x, w, f, block_m, block_n, block_k, norm)
     assert w.shape[0] % 2 == 0, "w is [w_gate; w_up]: an even number of rows"
@@ -180,5 +184,6 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = N
         x, norm if norm is not None else x, w, out, x.shape[0], x.shape[1], f, eps,
         x.stride(0), w.stride(0), out.stride(0), NORM=norm is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=fit_stages(stages, block_m, block_n, block_k, weights=2), num_warps=warps)
+        STAGES=fit_stages(stages, block_m, block_n, block_k, weights=2), ACT=ACTS[act],
+        num_warps=warps)
     return out

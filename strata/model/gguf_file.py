@@ -19,10 +19,12 @@ from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
+from strata.model.families import FAMILIES, Family
+
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = tuple(FAMILIES)
 # a block's matrices as a stage computes them: [q; k; v] and [gate; up] fused, one matmul each
 FUSED_MATRICES = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"),
                   ("ffn_down",))
@@ -56,6 +58,19 @@ class ModelConfig:
     rope_dim: int
     rms_eps: float
     tied_head: bool  # no output.weight: the head is the token embedding
+    family: Family = FAMILIES["llama"]   # how the forward path differs (model/families.py)
+    attn_scale: float = 0.0   # the scores' scale; 0: 1/sqrt(head_dim)
+    window: int = 0           # a sliding layer's keys (positions p - window + 1 .. p); 0: none
+    rope_scale: float = 1.0   # linear RoPE scaling of the global layers (positions / scale)
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim ** -0.5
+
+    def sliding(self, layer: int) -> bool:
+        """Whether a layer attends in a window (with the family's local RoPE base)."""
+        period = self.family.sliding_period
+        return bool(self.window and period and (layer + 1) % period)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -113,18 +128,27 @@ class ModelFile:
             return value
 
         d_model, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
-        head_dim = d_model // n_heads
+        head_dim = int(_field(self.reader, f"{arch}.attention.key_length", d_model // n_heads))
+        family = FAMILIES[arch]
+        n_layers = int(need("block_count")) - int(_field(self.reader,
+                                                         f"{arch}.nextn_predict_layers", 0) or 0)
         vocab = _field(self.reader, f"{arch}.vocab_size")
         if vocab is None:
             if "token_embd.weight" not in self.tensors:
                 raise ModelError(f"model file {self.path} has neither {arch}.vocab_size nor "
                                  f"token_embd.weight")
             vocab = self.tensors["token_embd.weight"].shape[-1]
+        scaling = _field(self.reader, f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none", "linear"):
+            raise ModelError(f"model file {self.path} asks for {scaling!r} RoPE scaling; "
+                             f"strata applies none or linear")
+        attn_scale = 0.0
+        if arch == "gemma3" and n_layers == 62:   # 27B: llama.cpp's query_pre_attn_scalar
+            attn_scale = (d_model / n_heads) ** -0.5
         return ModelConfig(
             arch=arch,
             # a NextN (MTP) layer sits at the last block indices (strata/model/nextn.py)
-            n_layers=int(need("block_count")) - int(_field(self.reader,
-                                                           f"{arch}.nextn_predict_layers", 0) or 0),
+            n_layers=n_layers,
             d_model=d_model,
             n_heads=n_heads,
             n_kv_heads=int(_field(self.reader, f"{arch}.attention.head_count_kv", n_heads)),
@@ -136,6 +160,12 @@ class ModelFile:
             rope_dim=int(_field(self.reader, f"{arch}.rope.dimension_count", head_dim)),
             rms_eps=float(need("attention.layer_norm_rms_epsilon")),
             tied_head="output.weight" not in self.tensors,
+            family=family,
+            attn_scale=attn_scale,
+            window=int(_field(self.reader, f"{arch}.attention.sliding_window", 0) or 0)
+            if family.sliding_period else 0,
+            rope_scale=float(_field(self.reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+            if scaling == "linear" else 1.0,
         )
 
     def _check_tensor_types(self):

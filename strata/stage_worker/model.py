@@ -22,11 +22,13 @@ import torch.nn.functional as F
 
 from strata.kernels.attention import attend_chunk, attend_rows
 from strata.kernels.fused import (by_row_blocks, linear_rows, norm_gate_up_silu,
-                                  norm_head_rows, norm_linear_rows, rope_write_kv)
+                                  norm_head_rows, norm_linear_rows, rms_norm_rows,
+                                  rope_write_kv)
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS, KernelPolicy
 from strata.kernels.quant_ops import dense_weight, embed_rows
 from strata.kernels.rope import rope_table
+from strata.model.families import tensor_name
 from strata.model.gguf_file import FUSED_MATRICES, ModelConfig, ModelFile
 from strata.stage_worker.weights import WeightLoader
 
@@ -79,6 +81,7 @@ class WindowMeta:
     sin: torch.Tensor
     rows: RowTensors
     chunk: bool = False  # one slot's prompt rows: the blocked chunk attention
+    local: tuple[torch.Tensor, torch.Tensor] | None = None  # sliding layers' (cos, sin)
 
 
 class KVCache:
@@ -110,40 +113,79 @@ class KVCache:
 
 
 class Layer(torch.nn.Module):
-    """Block `index` of the loader's file. Its matrices are dense tensors or QuantWeights
-    (the loader decides); the kernels take either. chunks: whether prompt chunks run it (a
-    quantized matrix then has room in the stage's scratch buffer)."""
+    """Block `index` of the loader's file, with its family's differences (model/families.py):
+    a bias on q, k and v; RMSNorm on each q and k head; norms after attention and the
+    feed-forward; GeGLU; a sliding window with its own RoPE table. Its matrices are dense
+    tensors or QuantWeights (the loader decides); the kernels take either. chunks: whether
+    prompt chunks run it (a quantized matrix then has room in the stage's scratch buffer)."""
 
     def __init__(self, weights: WeightLoader, index: int, policy: KernelPolicy,
                  chunks: bool = True):
         super().__init__()
         cfg = weights.file.config
-        name = lambda n: f"blk.{index}.{n}.weight"  # noqa: E731
+        family = cfg.family
+        name = lambda n: tensor_name(index, n)  # noqa: E731
+        optional = lambda n, on: weights.vector(name(n)) if on else None  # noqa: E731
         self.attn_norm = weights.vector(name("attn_norm"))
         self.ffn_norm = weights.vector(name("ffn_norm"))
         # fused [q; k; v] and [gate; up] projections: one matmul each instead of three and two
         self.wqkv, self.wo, self.w_gate_up, self.w_down = (
             weights.matrices([name(n) for n in group], for_chunks=chunks)
             for group in FUSED_MATRICES)
+        self.bqkv = (torch.cat([weights.vector(name(f"attn_{p}.bias")) for p in "qkv"])
+                     if family.qkv_bias else None)
+        self.q_norm = optional("attn_q_norm", family.qk_norm)
+        self.k_norm = optional("attn_k_norm", family.qk_norm)
+        self.post_attn_norm = optional("post_attention_norm", family.post_norms)
+        self.post_ffn_norm = optional("post_ffw_norm", family.post_norms)
+        self.sliding = cfg.sliding(index)
         self.cfg, self.policy = cfg, policy
 
     def forward(self, x: torch.Tensor, meta: WindowMeta, cache: KVCache,
                 layer: int) -> torch.Tensor:
-        """x: [R, D] -> [R, D]. A decode window on CUDA runs 6 kernels a layer: norm + qkv,
-        RoPE + KV write, attention, o + residual, norm + gate_up + SiLU, down + residual
+        """x: [R, D] -> [R, D]. A llama decode window on CUDA runs 6 kernels a layer: norm +
+        qkv, RoPE + KV write, attention, o + residual, norm + gate_up + SiLU, down + residual
         (kernels/skinny_triton.py), each row's bits the same whatever R is; a prompt chunk 9
-        (kernels/fused.py, cuBLAS for its fixed shape)."""
+        (kernels/fused.py, cuBLAS for its fixed shape). The other families add row-wise
+        steps between them."""
         cfg, rows, policy, decode = self.cfg, meta.rows, self.policy, not meta.chunk
+        eps, family = cfg.rms_eps, cfg.family
         k_cache, v_cache = cache.k[layer], cache.v[layer]
-        qkv = norm_linear_rows(x, self.attn_norm, cfg.rms_eps, self.wqkv, policy, decode)
-        q = rope_write_kv(qkv, meta.cos, meta.sin, rows.slot, rows.pos, k_cache, v_cache,
-                          cfg.n_heads, policy)                            # [R, H, hd]
+        qkv = norm_linear_rows(x, self.attn_norm, eps, self.wqkv, policy, decode)
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv, policy, decode)
+        cos, sin = meta.local if self.sliding else (meta.cos, meta.sin)
+        q = rope_write_kv(qkv, cos, sin, rows.slot, rows.pos, k_cache, v_cache,
+                          cfg.n_heads, policy, family.rope_halves)       # [R, H, hd]
         attend_fn = attend_chunk if meta.chunk else attend_rows
-        attn = attend_fn(q, k_cache, v_cache, rows.slot, rows.length, policy)
+        attn = attend_fn(q, k_cache, v_cache, rows.slot, rows.length, policy, cfg.scale,
+                         cfg.window if self.sliding else 0)
         attn = attn.view(x.shape[0], -1)
-        x = linear_rows(attn, self.wo, res=x, policy=policy, decode=decode)   # x + attn wo^T
-        h = norm_gate_up_silu(x, self.ffn_norm, cfg.rms_eps, self.w_gate_up, policy, decode)
-        return linear_rows(h, self.w_down, res=x, policy=policy, decode=decode)
+        x = self._residual(x, attn, self.wo, self.post_attn_norm, decode)
+        h = norm_gate_up_silu(x, self.ffn_norm, eps, self.w_gate_up, policy, decode,
+                              family.ffn_act)
+        return self._residual(x, h, self.w_down, self.post_ffn_norm, decode)
+
+    def _residual(self, x: torch.Tensor, h: torch.Tensor, w, post_norm: torch.Tensor | None,
+                  decode: bool) -> torch.Tensor:
+        """x + h @ w^T, the residual in the projection's epilogue; with a post-norm (gemma3)
+        x + rmsnorm(h @ w^T)."""
+        if post_norm is None:
+            return linear_rows(h, w, res=x, policy=self.policy, decode=decode)
+        out = linear_rows(h, w, policy=self.policy, decode=decode)
+        return x + rms_norm_rows(out, post_norm, self.cfg.rms_eps, self.policy, decode)
+
+    def _norm_heads(self, qkv: torch.Tensor, policy: KernelPolicy,
+                    decode: bool) -> torch.Tensor:
+        """RMSNorm over each head of q and of k (qwen3, gemma3); v as it is."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        n = qkv.shape[0]
+        q, k, v = qkv.split([cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], -1)
+        q = rms_norm_rows(q.reshape(-1, hd), self.q_norm, cfg.rms_eps, policy, decode)
+        k = rms_norm_rows(k.reshape(-1, hd), self.k_norm, cfg.rms_eps, policy, decode)
+        return torch.cat([q.view(n, -1), k.view(n, -1), v], -1)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -180,7 +222,12 @@ class StageModel(torch.nn.Module):
                          else self.weights.matrix("token_embd.weight" if cfg.tied_head
                                                   else "output.weight"))
         self.weights.finish()
-        self.cos, self.sin = (t.to(self.device) for t in rope_table(cfg.rope_dim, cfg.rope_base, ctx))
+        table = rope_table(cfg.rope_dim, cfg.rope_base, ctx, cfg.rope_scale)
+        self.cos, self.sin = (t.to(self.device) for t in table)
+        self.local = None   # the sliding layers' table, with the family's own base
+        if any(cfg.sliding(i) for i in range(start, end)):
+            local = rope_table(cfg.rope_dim, cfg.family.local_rope_base, ctx)
+            self.local = tuple(t.to(self.device) for t in local)
 
     def forward(self, inputs: torch.Tensor, rows: Rows | RowTensors, cache: KVCache,
                 chunk: bool = False) -> torch.Tensor:
@@ -188,9 +235,13 @@ class StageModel(torch.nn.Module):
         chunk: the rows are one slot's prompt rows (the chunk attention)."""
         if isinstance(rows, Rows):
             rows = RowTensors.unpack(RowTensors.pack(rows, cache.trash).to(self.device))
-        x = (embed_rows(inputs, self.embed, self.dtype, self.policy) if self.first
-             else inputs.to(self.dtype))
-        meta = WindowMeta(self.cos, self.sin, rows, chunk)
+        if self.first:
+            x = embed_rows(inputs, self.embed, self.dtype, self.policy)
+            if self.cfg.family.embed_scale:   # gemma: times sqrt(d_model) in the model's dtype
+                x = x * torch.tensor(self.cfg.d_model ** 0.5, dtype=x.dtype)
+        else:
+            x = inputs.to(self.dtype)
+        meta = WindowMeta(self.cos, self.sin, rows, chunk, self.local)
         for i, layer in enumerate(self.layers):
             x = layer(x, meta, cache, i)
         return x

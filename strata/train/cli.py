@@ -123,11 +123,15 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
                                "is: leave --head-ffn out")
     import torch
 
+    from strata.model.gguf_file import ModelError
     from strata.train.run import Job
-    job = Job(model=model, devices=devices, layer_split=layer_split, batch=batch,
-              batch_groups=batch_groups, max_prompt_tokens=max_prompt_tokens,
-              answer_tokens=answer_tokens, sampled=list(sampled),
-              answer_seconds=answer_seconds, seed=seed)
+    try:
+        job = Job(model=model, devices=devices, layer_split=layer_split, batch=batch,
+                  batch_groups=batch_groups, max_prompt_tokens=max_prompt_tokens,
+                  answer_tokens=answer_tokens, sampled=list(sampled),
+                  answer_seconds=answer_seconds, seed=seed)
+    except ModelError as e:   # a model it cannot train for: a sentence, not a traceback
+        raise click.UsageError(str(e)) from None
     found = (prompt_files.read_prompts(prompts) if prompts else prompt_files.sharegpt_prompts())
     rng = random.Random(seed)
     train = [p for p in found if p.split == "train"]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from strata.kernels.norms import rms_norm
 from strata.kernels.rope import apply_rope, rope_table
-from strata.model.gguf_file import ModelConfig, ModelFile
+from strata.model.gguf_file import ModelConfig, ModelError, ModelFile
 from strata.model.nextn import BLOCK_TENSORS
 
 
@@ -58,6 +58,10 @@ class Target:
 
     def __init__(self, file: ModelFile, device, dtype, ctx: int):
         cfg = self.cfg = file.config
+        if cfg.arch != "llama":
+            raise ModelError(f"strata-train-mtp trains heads for llama models; "
+                             f"{file.path.name} is a {cfg.arch} model (its differences on the "
+                             f"forward path are the runtime's, not yet the trainer's)")
         self.embed = file.tensor("token_embd.weight", dtype, device)
         self.norm = file.tensor("output_norm.weight", dtype, device)
         self.head = (self.embed if cfg.tied_head else file.tensor("output.weight", dtype, device))

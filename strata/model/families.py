@@ -1,0 +1,59 @@
+"""The model families strata runs, as differences on one forward path (stage_worker/model.py),
+the way transformers' modeling files differ side by side. llama.cpp's GGUF names and keys
+(src/llama-arch.cpp, convert_hf_to_gguf.py) say what each file holds:
+
+    llama   the path itself: RMSNorm, RoPE on adjacent pairs (the converter permutes Q and K
+            rows for llama.cpp's rotation), SwiGLU
+    qwen2   a bias on q, k and v; RoPE on halves (NEOX: nothing permuted)
+    qwen3   RMSNorm on each head of q and k before RoPE; RoPE on halves
+    gemma3  the embedding scaled by sqrt(d_model); RMSNorm before and after attention and the
+            feed-forward (the file's norm weights hold 1 + w, as Gemma's norm computes);
+            RMSNorm on q and k heads; GeGLU (tanh GELU); RoPE on halves; sliding-window
+            attention on 5 layers of every 6 with their own RoPE base (10000), the 6th global;
+            the attention scale 1/sqrt(head size) (1/sqrt(d_model / heads) for the 62-layer
+            27B, as llama.cpp reads Gemma's query_pre_attn_scalar)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str
+    rope_halves: bool = False      # rotate (i, i + d/2) pairs (NEOX); else (2i, 2i + 1)
+    qkv_bias: bool = False         # blk.N.attn_{q,k,v}.bias
+    qk_norm: bool = False          # blk.N.attn_{q,k}_norm.weight, RMSNorm over each head
+    post_norms: bool = False       # blk.N.post_attention_norm, post_ffw_norm
+    ffn_act: str = "silu"          # the gate's activation: silu or gelu_tanh
+    embed_scale: bool = False      # the embedding times sqrt(d_model)
+    sliding_period: int = 0        # layers i with (i + 1) % period != 0 attend in a window
+    local_rope_base: float = 0.0   # the sliding layers' RoPE base
+
+
+FAMILIES = {
+    "llama": Family("llama"),
+    "qwen2": Family("qwen2", rope_halves=True, qkv_bias=True),
+    "qwen3": Family("qwen3", rope_halves=True, qk_norm=True),
+    "gemma3": Family("gemma3", rope_halves=True, qk_norm=True, post_norms=True,
+                     ffn_act="gelu_tanh", embed_scale=True, sliding_period=6,
+                     local_rope_base=10000.0),
+}
+
+
+def block_tensor_names(family: Family) -> list[str]:
+    """A block's tensors (blk.N.{name}.weight, or .bias where named so) in the file."""
+    names = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+             "ffn_gate", "ffn_up", "ffn_down"]
+    if family.qkv_bias:
+        names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+    if family.qk_norm:
+        names += ["attn_q_norm", "attn_k_norm"]
+    if family.post_norms:
+        names += ["post_attention_norm", "post_ffw_norm"]
+    return names
+
+
+def tensor_name(block: int, name: str) -> str:
+    """blk.{block}.{name}.weight, or blk.{block}.{name} for a name ending in .bias."""
+    return f"blk.{block}.{name}" if name.endswith(".bias") else f"blk.{block}.{name}.weight"

@@ -1,0 +1,65 @@
+"""Write a GGUF file of any family (model/families.py) from named arrays, with the metadata
+llama.cpp's converter writes for it and strata's small tokenizer: how tests put a
+transformers model's weights into a file, and how strata-mkmodel writes random ones."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter
+
+from strata.model.synthetic_vocab import add_tokenizer
+
+
+@dataclass(frozen=True)
+class Dims:
+    """A model's sizes and the family's numbers, as the file's metadata states them."""
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ffn: int
+    vocab: int
+    ctx_len: int = 2048
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-6
+    sliding_window: int = 0    # gemma3: the sliding layers' window
+
+
+def add_family_config(writer: GGUFWriter, dims: Dims) -> None:
+    """The {arch}.* keys strata's ModelFile (and llama.cpp) read."""
+    writer.add_block_count(dims.n_layers)
+    writer.add_context_length(dims.ctx_len)
+    writer.add_embedding_length(dims.d_model)
+    writer.add_feed_forward_length(dims.d_ffn)
+    writer.add_head_count(dims.n_heads)
+    writer.add_head_count_kv(dims.n_kv_heads)
+    writer.add_key_length(dims.head_dim)
+    writer.add_value_length(dims.head_dim)
+    writer.add_rope_dimension_count(dims.head_dim)
+    writer.add_rope_freq_base(float(dims.rope_base))
+    writer.add_layer_norm_rms_eps(float(dims.rms_eps))
+    writer.add_vocab_size(dims.vocab)
+    if dims.sliding_window:
+        writer.add_sliding_window(dims.sliding_window)
+
+
+def write_family_gguf(path: str | os.PathLike, arch: str, dims: Dims,
+                      tensors: dict[str, np.ndarray], name: str | None = None) -> Path:
+    """A GGUF of `arch` holding `tensors` (GGUF names -> float32 arrays in torch's [out, in]
+    order, written as F32) and a byte-level tokenizer of dims.vocab tokens."""
+    path = Path(path)
+    writer = GGUFWriter(path, arch)
+    writer.add_name(name or f"strata {arch} {dims.n_layers}x{dims.d_model}")
+    add_family_config(writer, dims)
+    add_tokenizer(writer, dims.vocab)
+    for tensor_name, value in tensors.items():
+        writer.add_tensor(tensor_name, np.ascontiguousarray(value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

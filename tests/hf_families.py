@@ -1,0 +1,98 @@
+"""Tiny models of each family built by transformers' own modeling code (random weights,
+fp32), and the same tensors written to GGUF as llama.cpp's convert_hf_to_gguf.py names and
+transforms them: llama's q and k rows permuted for llama.cpp's rotation of adjacent pairs,
+Gemma's norm weights stored as 1 + w. Tests compare strata's stages with the model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from strata.model.family_writer import Dims, write_family_gguf
+
+VOCAB = 320
+LAYERS = 7   # gemma3: 5 sliding, the 6th global, and one more sliding
+D, FFN, HEADS, KV, HEAD_DIM = 64, 128, 4, 2, 32   # head size 32: not d_model / heads (16)
+WINDOW = 12
+
+
+def build(arch: str, seed: int = 0, layers: int = LAYERS):
+    """(transformers model in fp32 eval mode, Dims) of a tiny random `arch` model."""
+    import transformers as tf
+    common = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=FFN,
+                  num_hidden_layers=layers, num_attention_heads=HEADS,
+                  num_key_value_heads=KV, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  tie_word_embeddings=arch == "gemma3")
+    if arch == "qwen2":
+        cls, config = tf.Qwen2ForCausalLM, tf.Qwen2Config(**common, rope_theta=10000.0)
+        head_dim = D // HEADS   # qwen2 has no head_dim of its own
+    elif arch == "qwen3":
+        cls, config = tf.Qwen3ForCausalLM, tf.Qwen3Config(**common, head_dim=HEAD_DIM,
+                                                          rope_theta=10000.0)
+        head_dim = HEAD_DIM
+    elif arch == "gemma3":
+        cls = tf.Gemma3ForCausalLM
+        config = tf.Gemma3TextConfig(**common, head_dim=HEAD_DIM, sliding_window=WINDOW,
+                                     query_pre_attn_scalar=HEAD_DIM)
+        head_dim = HEAD_DIM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    with torch.no_grad():   # norms away from their initial 1 (or 0 for gemma): exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    rope = config.rope_parameters
+    base = rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"]
+    dims = Dims(layers, D, HEADS, KV, head_dim, FFN, VOCAB, ctx_len=256, rope_base=base,
+                sliding_window=WINDOW if arch == "gemma3" else 0)
+    return model, dims
+
+
+_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "input_layernorm": "attn_norm"}
+_GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_tensors(arch: str, model) -> dict[str, np.ndarray]:
+    """The model's state dict under llama.cpp's GGUF names, transformed as its converter
+    does."""
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().float()
+        if name == "model.embed_tokens.weight":
+            key = "token_embd.weight"
+        elif name == "model.norm.weight":
+            key = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if arch == "gemma3":
+                continue   # tied
+            key = "output.weight"
+        else:
+            _, _, block, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            piece = (_GEMMA_NORMS if arch == "gemma3" else {}).get(module) or _NAMES.get(module)
+            if piece is None and module == "post_attention_layernorm":
+                piece = "ffn_norm"   # llama, qwen: the norm before the feed-forward
+            key = f"blk.{block}.{piece}.{kind}"
+        if arch == "gemma3" and key.endswith("norm.weight"):
+            t = t + 1.0   # Gemma's norm computes x * (1 + w); llama.cpp's file holds 1 + w
+        out[key] = t.numpy()
+    return out
+
+
+def write(arch: str, directory: Path, seed: int = 0, layers: int = LAYERS):
+    """(transformers model, path of the same tensors as a GGUF)."""
+    model, dims = build(arch, seed, layers)
+    path = write_family_gguf(Path(directory) / f"{arch}.gguf", arch, dims,
+                             gguf_tensors(arch, model))
+    return model, path
