@@ -229,9 +229,47 @@ def test_raise_exception_in_template(tmp_path: Path):
         tok.render_chat([{"role": "assistant", "content": "x"}])
 
 
-def test_refuses_sentencepiece(tmp_path: Path):
-    with pytest.raises(ValueError, match="'llama'"):
-        Tokenizer.from_gguf(_write(tmp_path / "spm.gguf", model="llama"))
+def test_refuses_wordpiece(tmp_path: Path):
+    with pytest.raises(ValueError, match="'bert'.*'gpt2'.*'llama'"):
+        Tokenizer.from_gguf(_write(tmp_path / "bert.gguf", model="bert"))
+
+
+def _write_spm(path: Path, prefix: bool | None) -> gguf.GGUFReader:
+    """A SentencePiece vocabulary: <unk> <s> </s>, byte tokens, then pieces with scores."""
+    pieces = {"\u2581": -1.0, "a": -2.0, "b": -2.0, "\u2581a": -0.5, "ab": -0.7,
+              "\u2581ab": -0.2}
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    writer.add_token_scores([0.0] * 259 + list(pieces.values()))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if prefix is not None:
+        writer.add_add_space_prefix(prefix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(path)
+
+
+def test_sentencepiece_merges_by_score_and_falls_back_to_bytes(tmp_path: Path):
+    """(Gemma's real vocabulary: tests/test_gemma3_file.py.) A space prefix unless the file
+    says not; the best-scored join first; a character the pieces cannot spell as its UTF-8
+    bytes; BOS by default, as llama.cpp adds it to SentencePiece vocabularies."""
+    tok = Tokenizer.from_gguf(_write_spm(tmp_path / "spm.gguf", prefix=None))
+    ids = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in
+                                                                  range(256)),
+                                        "\u2581", "a", "b", "\u2581a", "ab", "\u2581ab"])}
+    assert tok.encode("ab ab") == [1, ids["\u2581ab"], ids["\u2581ab"]]
+    assert tok.encode("ba") == [1, ids["\u2581"], ids["b"], ids["a"]]   # no "\u2581b" piece
+    assert tok.encode("é") == [1, ids["\u2581"], ids["<0xC3>"], ids["<0xA9>"]]
+    assert tok.decode(tok.encode("ab é ba")) == "ab é ba"
+    bare = Tokenizer.from_gguf(_write_spm(tmp_path / "bare.gguf", prefix=False))
+    assert bare.encode("ab") == [1, ids["ab"]] and bare.decode([ids["\u2581ab"]]) == " ab"
 
 
 def test_refuses_unknown_pre(tmp_path: Path):

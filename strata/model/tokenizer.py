@@ -8,8 +8,9 @@ HuggingFace `tokenizers` pipeline:
 
     Split(regex_1) -> ... -> Split(regex_n) -> ByteLevel(no regex) -> BPE(vocab, merges)
 
-Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are supported; SentencePiece
-("llama"), WordPiece ("bert"), Unigram ("t5") and the rest are refused with a ValueError.
+Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are built here, SentencePiece
+ones ("llama": Llama 2, Mistral, Gemma) in tokenizer_spm.py; WordPiece ("bert"), Unigram ("t5")
+and the rest are refused with a ValueError.
 
 The chat template is rendered with a sandboxed jinja2 environment set up as transformers sets up
 its own (`apply_chat_template`), so the prompt text matches it character for character.
@@ -29,6 +30,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
+
+from strata.model.tokenizer_spm import spm_backend
 
 # tokenizer.ggml.token_type values (gguf.TokenType); the ones this module treats specially.
 _CONTROL = 3  # special: <|im_start|>, <|endoftext|>; matched whole in text, skipped on decode
@@ -168,6 +171,11 @@ def _build_backend(
     return backend
 
 
+# Turn-end tokens some families' chat templates close a turn with, which their files do not
+# always name as eot: generation stops on them too.
+_TURN_ENDS = {"gemma3": ("<end_of_turn>",), "qwen2": ("<|im_end|>",), "qwen3": ("<|im_end|>",)}
+
+
 # --- the chat template ---------------------------------------------------------------------------
 
 
@@ -229,18 +237,20 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
         model = _field(reader, "tokenizer.ggml.model")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise ValueError(
-                f"The GGUF's tokenizer is tokenizer.ggml.model={model!r}; strata supports only "
-                "'gpt2' (byte-level BPE) vocabularies, so use a model with one."
+                f"The GGUF's tokenizer is tokenizer.ggml.model={model!r}; strata supports "
+                "'gpt2' (byte-level BPE) and 'llama' (SentencePiece) vocabularies, so use a "
+                "model with one."
             )
         pre = _field(reader, "tokenizer.ggml.pre") or "default"
-        if pre not in _SPLITS:
+        if model == "gpt2" and pre not in _SPLITS:
             raise ValueError(
                 f"The GGUF's pre-tokenizer tokenizer.ggml.pre={pre!r} is not supported; "
                 f"supported names are {sorted(_SPLITS)}."
             )
-        split = _SPLITS[pre]
+        # SentencePiece: llama.cpp adds BOS unless the file says not to
+        split = _SPLITS[pre] if model == "gpt2" else _Split((), add_bos=True)
 
         tokens: list[str] = _field(reader, "tokenizer.ggml.tokens") or []
         if not tokens:
@@ -270,17 +280,28 @@ class Tokenizer:
         if add_bos and bos_id is None:
             raise ValueError("The GGUF asks for a BOS token (add_bos_token) but names none.")
 
+        if model == "gpt2":
+            backend = _build_backend(tokens, types, merges, split)
+        else:
+            arch = _field(reader, "general.architecture")
+            prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
+            backend = spm_backend(tokens, types, _field(reader, "tokenizer.ggml.scores"),
+                                  token_id("unknown_token_id"),
+                                  prefix_space=True if prefix is None else bool(prefix),
+                                  rank_by_order=str(arch).startswith("gemma"))
+        # What the metadata names, and the turn ends of the families that close a chat turn
+        # with a token of their own (llama.cpp stops on those by their text)
+        by_text = [tokens.index(t) for t in _TURN_ENDS.get(_field(reader, "general.architecture"), ())
+                   if t in tokens]
         return cls(
-            _build_backend(tokens, types, merges, split),
+            backend,
             tokens,
             eos_id=eos_id,
             bos_id=bos_id,
             add_bos=add_bos,
-            # Only what the metadata names: llama.cpp also stops on tokens it recognises by text
-            # (<|endoftext|>, <|eot_id|>, ...), transformers' generate() does not.
             stop_ids=frozenset(
                 i
-                for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id"))
+                for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id"), *by_text)
                 if i is not None
             ),
             chat_template=_field(reader, "tokenizer.chat_template"),
