@@ -23,7 +23,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
 TOKENS = 12
 CTX = 64
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.long   # a 240 MB download and two loads of the file: ~2 minutes
 
 
 @pytest.fixture(scope="module")

@@ -551,3 +551,21 @@ def _u32_field(key: bytes, value: int) -> bytes:
     """A GGUF metadata key-value pair of type uint32, as written in the file."""
     import struct
     return struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, value)
+
+
+@pytest.mark.parametrize("name", ["qwen2-tiny", "qwen3-tiny", "gemma3-tiny"])
+def test_family_shapes_write_their_tensors_and_keys(tmp_path, name):
+    from strata.model.families import FAMILIES, block_tensor_names, tensor_name
+    from strata.model.gguf_file import ModelFile
+    shape = SHAPES[name]
+    path = write_random_gguf(tmp_path / f"{name}.gguf", shape, seed=2)
+    file = ModelFile(path)
+    family = FAMILIES[shape.arch]
+    assert (file.config.arch, file.config.head_dim, file.config.window) == (
+        shape.arch, shape.head_dim, shape.sliding_window)
+    want = {tensor_name(i, n) for i in range(shape.n_layers) for n in block_tensor_names(family)}
+    assert want == {n for n in file.tensors if n.startswith("blk.")}
+    assert path.stat().st_size > estimated_size(shape, "F32")   # and the metadata
+    if family.qkv_bias:   # biases are N(0, std), norms about 1
+        assert abs(file.tensor("blk.0.attn_q.bias").mean()) < 0.01
+    assert abs(file.tensor("blk.0.attn_norm.weight").mean() - 1) < 0.1

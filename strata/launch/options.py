@@ -17,7 +17,7 @@ from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.launch.memory import check_fits, layer_bytes, tensor_bytes
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
 from strata.model.gguf_file import ModelError, ModelFile
-from strata.model.nextn import find_head
+from strata.model.nextn import find_head, open_head
 from strata.model.registry import DEFAULT_MODEL, resolve_model
 
 
@@ -227,7 +227,10 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
         source = find_head(file, str(sidecar) if sidecar else None, shipped=False)
         head = None   # the last stage's drafter, if it will have one
         if source is not None:
-            head = (ModelFile(source.path) if source.sidecar else file, source.block)
+            try:
+                head = (open_head(source, file), source.block)
+            except ModelError:
+                pass   # a head that does not fit: its stage refuses it with the sentence
         weights = check_fits(file, plan, batch, ctx_size, weights, head=head)
     elif weights == "auto":
         weights = "bf16"   # where a cluster places the stages, their memory is not seen here

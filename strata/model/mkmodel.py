@@ -1,4 +1,4 @@
-"""Write llama-architecture GGUF files with random weights.
+"""Write GGUF files of the model families (model/families.py) with random weights.
 
 Used by tests to make tiny models, and by ``strata-mkmodel`` to make files of real shapes
 (SmolLM2-135M, Llama-3-8B) for performance runs.
@@ -39,6 +39,7 @@ from strata.model.quant_mix import (MIX_TYPES, MIXES, QUANTIZABLE_TYPES,  # noqa
                                     RANDOM_BLOCK_TYPES, WEIGHT_TYPES, file_type, mix_tensor_type,
                                     weight_type_name)
 # the vocabulary's names stay importable from here, where tests and tools look for them
+from strata.model.families import FAMILIES
 from strata.model.synthetic_vocab import (CHAT_TEMPLATE, EOS_TOKEN, N_BASE_TOKENS,  # noqa: F401
                                           PRE_TOKENIZER, SPECIAL_TOKENS, Vocabulary,
                                           add_tokenizer, bytes_to_unicode, make_vocabulary)
@@ -59,13 +60,18 @@ class ModelShape:
     ctx_len: int = 2048
     rope_base: float = 10000.0
     rms_eps: float = 1e-5
+    arch: str = "llama"        # the family (model/families.py): its tensors and keys
+    key_length: int = 0        # a head size other than d_model / n_heads (qwen3, gemma3)
+    sliding_window: int = 0    # gemma3: the sliding layers' window
 
     def __post_init__(self):
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ffn", "vocab", "ctx_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelShape.{name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
+        if self.d_model % self.n_heads and not self.key_length:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
+        if self.arch not in FAMILIES:
+            raise ValueError(f"unknown architecture {self.arch!r}; known: {', '.join(FAMILIES)}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads "
                              f"{self.n_kv_heads}")
@@ -77,7 +83,7 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.key_length or self.d_model // self.n_heads
 
     @property
     def n_params(self) -> int:
@@ -100,6 +106,22 @@ SHAPES: dict[str, ModelShape] = {
                             vocab=128256, ctx_len=8192, rope_base=500000.0),
     "llama3-8b": ModelShape(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ffn=14336,
                             vocab=128256, ctx_len=8192, rope_base=500000.0),
+    "qwen2-tiny": ModelShape(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=128,
+                             vocab=320, arch="qwen2"),
+    "qwen3-tiny": ModelShape(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=128,
+                             vocab=320, arch="qwen3", key_length=32),
+    "gemma3-tiny": ModelShape(n_layers=7, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=128,
+                              vocab=320, arch="gemma3", key_length=32, sliding_window=12,
+                              rms_eps=1e-6, rope_base=1000000.0),
+    "qwen2.5-7b": ModelShape(n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4, d_ffn=18944,
+                             vocab=152064, ctx_len=32768, rope_base=1000000.0, rms_eps=1e-6,
+                             arch="qwen2"),
+    "qwen3-8b": ModelShape(n_layers=36, d_model=4096, n_heads=32, n_kv_heads=8, d_ffn=12288,
+                           vocab=151936, ctx_len=40960, rope_base=1000000.0, rms_eps=1e-6,
+                           arch="qwen3", key_length=128),
+    "gemma3-270m": ModelShape(n_layers=18, d_model=640, n_heads=4, n_kv_heads=1, d_ffn=2048,
+                              vocab=262144, ctx_len=32768, rope_base=1000000.0, rms_eps=1e-6,
+                              arch="gemma3", key_length=256, sliding_window=512),
 }
 
 
@@ -135,15 +157,26 @@ def _row_nbytes(qtype: QType, cols: int) -> int:
 class TensorSpec:
     name: str
     shape: tuple[int, ...]  # torch order: (out, in) for matrices, (n,) for norms
-    kind: str               # "norm" (F32, ~1.0) or "matrix" (weight_type, ~N(0, std))
+    kind: str               # "norm" (F32, ~1.0), "bias" (F32, ~N(0, std)) or "matrix"
+                            # (weight_type, ~N(0, std))
 
 
 def _block_specs(block: int, shape: ModelShape) -> list[TensorSpec]:
-    """A llama block's tensors (attention and FFN) under blk.{block}."""
+    """A block's tensors (attention and FFN) under blk.{block}, with its family's own."""
     d, hd, ffn = shape.d_model, shape.head_dim, shape.d_ffn
     q_out, kv_out = shape.n_heads * hd, shape.n_kv_heads * hd
     b = f"blk.{block}."
-    return [
+    family = FAMILIES[shape.arch]
+    extra = []
+    if family.qkv_bias:
+        extra += [TensorSpec(b + f"attn_{p}.bias", (n,), "bias")
+                  for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+    if family.qk_norm:
+        extra += [TensorSpec(b + f"attn_{p}_norm.weight", (hd,), "norm") for p in "qk"]
+    if family.post_norms:
+        extra += [TensorSpec(b + f"{n}.weight", (d,), "norm")
+                  for n in ("post_attention_norm", "post_ffw_norm")]
+    return extra + [
         TensorSpec(b + "attn_norm.weight", (d,), "norm"),
         TensorSpec(b + "attn_q.weight", (q_out, d), "matrix"),
         TensorSpec(b + "attn_k.weight", (kv_out, d), "matrix"),
@@ -186,11 +219,11 @@ def _tensor_types(specs: list[TensorSpec], weight_type: str, shape: ModelShape,
     """Each tensor's ggml type: F32 for norms; for matrices ``weight_type`` (a name of
     WEIGHT_TYPES), or for a mix its choice for the tensor in a file of the model's blocks."""
     if weight_type not in MIXES:
-        return [QType.F32 if s.kind == "norm" else QType[weight_type] for s in specs]
+        return [QType.F32 if s.kind != "matrix" else QType[weight_type] for s in specs]
     tied = all(s.name != "output.weight" for s in specs)
     n_blocks = shape.n_layers + int(nextn)  # block_count: a sidecar's head types as in a model
     llama_70b = shape.n_layers == 80 and shape.n_heads != shape.n_kv_heads  # llama.cpp's 70B
-    return [QType.F32 if s.kind == "norm" else
+    return [QType.F32 if s.kind != "matrix" else
             mix_tensor_type(weight_type, s.name, s.shape[1], n_blocks, tied, llama_70b)
             for s in specs]
 
@@ -207,6 +240,9 @@ def _iter_chunks(spec: TensorSpec, seed: int, std: float) -> Iterator[tuple[int,
     rng = _tensor_rng(seed, spec.name)
     if spec.kind == "norm":
         yield 0, (1.0 + 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float32)
+        return
+    if spec.kind == "bias":
+        yield 0, (std * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float32)
         return
     rows, cols = spec.shape
     step = max(1, _CHUNK_ELEMENTS // cols)
@@ -254,7 +290,7 @@ def _tensor_plan(spec: TensorSpec, qtype: QType) -> tuple[Sequence[int], np.dtyp
 
 def _make_tensor_data(spec: TensorSpec, qtype: QType, seed: int, std: float) -> np.ndarray:
     """The bytes (as the array GGUFWriter writes) of one tensor, built chunk by chunk."""
-    if spec.kind == "norm":
+    if spec.kind != "matrix":   # norms and biases: F32 vectors
         return _random_values(spec, seed, std)
     rows, cols = spec.shape
     if qtype.name in RANDOM_BLOCK_TYPES:
@@ -314,12 +350,17 @@ def add_llama_config(writer: GGUFWriter, shape: ModelShape, vocab_size: bool = T
     writer.add_rope_freq_base(float(shape.rope_base))
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_layer_norm_rms_eps(float(shape.rms_eps))
+    if shape.key_length:
+        writer.add_key_length(shape.key_length)
+        writer.add_value_length(shape.key_length)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
     if vocab_size:
         writer.add_vocab_size(shape.vocab)
 
 
 def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int = 0,
-                      weight_type: str = "F32", tied: bool = True, arch: str = "llama",
+                      weight_type: str = "F32", tied: bool = True, arch: str | None = None,
                       std: float = 0.02, name: str | None = None,
                       progress: bool | Callable[[TensorSpec], None] = False,
                       fast: bool = False, nextn: bool = False) -> Path:
@@ -344,6 +385,7 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int =
     """
     weight_type = weight_type_name(weight_type)
     specs = tensor_specs(shape, tied, nextn)
+    arch = arch or shape.arch   # another name: a file strata refuses (tests)
 
     def metadata(writer: GGUFWriter) -> None:
         writer.add_type("model")
@@ -360,7 +402,7 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int =
 
 def write_nextn_sidecar(path: str | os.PathLike, model: str | os.PathLike, shape: ModelShape,
                         *, seed: int = 0, weight_type: str = "F32", std: float = 0.02,
-                        arch: str = "llama") -> Path:
+                        arch: str | None = None) -> Path:
     """Write a sidecar GGUF holding a random NextN head (:func:`nextn_specs`, the values
     write_random_gguf's nextn head gets with the same seed) for the model file ``model`` of
     ``shape``: its metadata names the target (dimensions, vocabulary, the fingerprint of its
@@ -368,6 +410,7 @@ def write_nextn_sidecar(path: str | os.PathLike, model: str | os.PathLike, shape
     from strata.model.gguf_file import ModelFile
     from strata.model.nextn import TARGET_FINGERPRINT, embedding_fingerprint
     specs = nextn_specs(shape)
+    arch = arch or shape.arch
     types = _tensor_types(specs, weight_type_name(weight_type), shape, nextn=True)
     fingerprint = embedding_fingerprint(ModelFile(model))
 
@@ -474,7 +517,7 @@ def _cli():
                   default=None, help="Also write the same random NextN head as a sidecar GGUF "
                                      "for this model (strata-launch --mtp-head PATH).")
     def main(shape_name, out, weight_type, seed, untied, std, force, fast, nextn, nextn_sidecar):
-        """Write a llama-architecture GGUF with random weights of a named SHAPE.
+        """Write a GGUF with random weights of a named SHAPE (its family's architecture).
 
         Shapes: """
         if shape_name not in SHAPES:
