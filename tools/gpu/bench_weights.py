@@ -71,11 +71,14 @@ def main():
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--modes", default="quantized,bf16")
     a = ap.parse_args()
+    from bench_quant import copy_rate   # this script's folder is on the path
     file = ModelFile(a.model)
     rows = [int(r) for r in a.rows.split(",")]
     size = file.path.stat().st_size
-    print(f"== {file.path.name}: {size / 1e9:.2f} GB; one stage, graph replay ms per decode "
-          f"window of R live rows (context 256), a {a.chunk}-row prompt chunk")
+    rate = copy_rate()
+    print(f"== {file.path.name}: {size / 1e9:.2f} GB, {size / rate * 1e3:.3f} ms to read at the "
+          f"copy rate ({rate / 1e12:.2f} TB/s); one stage, graph replay ms per decode window of "
+          f"R live rows (context 256), a {a.chunk}-row prompt chunk")
     results = [run(file, mode, rows, a.chunk) for mode in a.modes.split(",")]
     gib = 2 ** 30
     for r in results:

