@@ -15,6 +15,7 @@ VOCAB = 320
 LAYERS = 7   # gemma3: 5 sliding, the 6th global, and one more sliding
 D, FFN, HEADS, KV, HEAD_DIM = 64, 128, 4, 2, 32   # head size 32: not d_model / heads (16)
 WINDOW = 12
+EXPERTS, EXPERTS_USED, EXPERT_FFN = 8, 2, 32
 
 
 def build(arch: str, seed: int = 0, layers: int = LAYERS):
@@ -30,6 +31,12 @@ def build(arch: str, seed: int = 0, layers: int = LAYERS):
     elif arch == "qwen3":
         cls, config = tf.Qwen3ForCausalLM, tf.Qwen3Config(**common, head_dim=HEAD_DIM,
                                                           rope_theta=10000.0)
+        head_dim = HEAD_DIM
+    elif arch == "qwen3moe":
+        cls = tf.Qwen3MoeForCausalLM
+        config = tf.Qwen3MoeConfig(**common, head_dim=HEAD_DIM, rope_theta=10000.0,
+                                   moe_intermediate_size=EXPERT_FFN, num_experts=EXPERTS,
+                                   num_experts_per_tok=EXPERTS_USED, norm_topk_prob=True)
         head_dim = HEAD_DIM
     elif arch == "gemma3":
         cls = tf.Gemma3ForCausalLM
@@ -49,7 +56,8 @@ def build(arch: str, seed: int = 0, layers: int = LAYERS):
     rope = config.rope_parameters
     base = rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"]
     dims = Dims(layers, D, HEADS, KV, head_dim, FFN, VOCAB, ctx_len=256, rope_base=base,
-                sliding_window=WINDOW if arch == "gemma3" else 0)
+                sliding_window=WINDOW if arch == "gemma3" else 0,
+                experts=(EXPERTS, EXPERTS_USED, EXPERT_FFN) if arch == "qwen3moe" else None)
     return model, dims
 
 
@@ -77,6 +85,10 @@ def gguf_tensors(arch: str, model) -> dict[str, np.ndarray]:
             if arch == "gemma3":
                 continue   # tied
             key = "output.weight"
+        elif ".mlp.experts." in name or ".mlp.gate." in name:
+            block = name.split(".")[2]
+            out.update(_experts(block, name, t))
+            continue
         else:
             _, _, block, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
@@ -88,6 +100,18 @@ def gguf_tensors(arch: str, model) -> dict[str, np.ndarray]:
             t = t + 1.0   # Gemma's norm computes x * (1 + w); llama.cpp's file holds 1 + w
         out[key] = t.numpy()
     return out
+
+
+def _experts(block: str, name: str, t: torch.Tensor) -> dict[str, np.ndarray]:
+    """An MoE block's router and experts under llama.cpp's names ([E, F, D] gate and up
+    apart, as its converter writes them from the per-expert matrices)."""
+    b = f"blk.{block}."
+    if name.endswith("mlp.gate.weight"):
+        return {b + "ffn_gate_inp.weight": t.numpy()}
+    if name.endswith("gate_up_proj"):
+        gate, up = t.chunk(2, dim=1)
+        return {b + "ffn_gate_exps.weight": gate.numpy(), b + "ffn_up_exps.weight": up.numpy()}
+    return {b + "ffn_down_exps.weight": t.numpy()}
 
 
 def write(arch: str, directory: Path, seed: int = 0, layers: int = LAYERS):

@@ -1,5 +1,5 @@
 """The model families (model/families.py) against transformers' own modeling code: a tiny
-random model of each, written to GGUF as llama.cpp's converter writes it, gives
+random model of each (qwen3moe: 8 routed experts, 2 a row), written to GGUF as llama.cpp's converter writes it, gives
 transformers' greedy tokens over 32 tokens and its logits within 1e-3 through strata's stages
 split 1, 2 and 3 ways (CPU, fp32); the Triton path (RoPE on halves, windows, per-head norms,
 GeGLU) gives the plain-torch path's logits (interpreter, "cpu" cases, and CUDA); and a
@@ -20,7 +20,7 @@ from strata.model.gguf_file import ModelFile
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from conftest import triton_devices
 
-ARCHS = ("qwen2", "qwen3", "gemma3")
+ARCHS = ("qwen2", "qwen3", "gemma3", "qwen3moe")
 PROMPT = 20     # prompt tokens: past gemma3's window of 12, so the window is exercised
 TOKENS = 32
 CTX = 96
@@ -82,7 +82,9 @@ def test_the_triton_path_gives_the_torch_paths_logits(family, device):
     per-head norms and GeGLU, against the plain-torch path of the same file (4 tokens under
     the interpreter: ~1 s a decode step)."""
     arch, _, file = family
-    if device == "cpu" and arch == "qwen3":
+    if arch == "qwen3moe" and device != "cpu":
+        pytest.skip("routed experts run on CPU stages only (a sentence says so: below)")
+    if device == "cpu" and arch in ("qwen3", "qwen3moe"):
         pytest.skip("under the interpreter gemma3 covers qwen3's steps (per-head norms, halves)")
     torch_path = StageModel(file, 0, file.config.n_layers, ctx=CTX,
                             policy=KernelPolicy(triton=False))
@@ -108,3 +110,16 @@ def test_a_family_batched_equals_alone_serial_and_pipelined(family):
                                          "--tokens", "12"])
         assert out.exit_code == 0, (arch, out.output, out.exception)
         assert out.stdout.splitlines()[-1] == "all requests identical", (arch, out.stdout)
+
+
+def test_routed_experts_are_refused_beyond_cpu_stages(tmp_path):
+    from strata.launch.options import prepare
+    from strata.launch.plan import PlanError
+    from strata.model.gguf_file import ModelError
+    _, path = hf.write("qwen3moe", tmp_path, layers=2)
+    with pytest.raises(ModelError, match="qwen3moe routes its feed-forward through experts.*"
+                                         "--devices cpu"):
+        StageModel(ModelFile(path), 0, 2, ctx=CTX, device="meta")
+    with pytest.raises(PlanError, match="--devices cpu"):
+        prepare(model=str(path), layer_split="1", devices="cpu,cuda:0", ctx_size=64, batch=1,
+                batch_groups="1", window_rows="auto", chunk_rows="auto", cuda_devices=1)

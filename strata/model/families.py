@@ -12,6 +12,10 @@ the way transformers' modeling files differ side by side. llama.cpp's GGUF names
             attention on 5 layers of every 6 with their own RoPE base (10000), the 6th global;
             the attention scale 1/sqrt(head size) (1/sqrt(d_model / heads) for the 62-layer
             27B, as llama.cpp reads Gemma's query_pre_attn_scalar)
+    qwen3moe qwen3's attention; the feed-forward is routed: each row's top-k experts of a
+            softmax over its router logits, their weights renormalised to sum to 1, each
+            expert a SwiGLU of its own (blk.N.ffn_{gate,up,down}_exps, [experts, ...]) summed
+            in the order of the row's ranking; no shared expert
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ class Family:
     embed_scale: bool = False      # the embedding times sqrt(d_model)
     sliding_period: int = 0        # layers i with (i + 1) % period != 0 attend in a window
     local_rope_base: float = 0.0   # the sliding layers' RoPE base
+    moe: bool = False              # routed experts in place of the feed-forward
 
 
 FAMILIES = {
@@ -38,13 +43,20 @@ FAMILIES = {
     "gemma3": Family("gemma3", rope_halves=True, qk_norm=True, post_norms=True,
                      ffn_act="gelu_tanh", embed_scale=True, sliding_period=6,
                      local_rope_base=10000.0),
+    "qwen3moe": Family("qwen3moe", rope_halves=True, qk_norm=True, moe=True),
 }
+
+
+# routed experts have a plain-torch path only: refused on other devices before any weight loads
+MOE_ON_CPU = ("{arch} routes its feed-forward through experts, which strata runs on CPU stages "
+              "only so far; use --devices cpu")
 
 
 def block_tensor_names(family: Family) -> list[str]:
     """A block's tensors (blk.N.{name}.weight, or .bias where named so) in the file."""
-    names = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
-             "ffn_gate", "ffn_up", "ffn_down"]
+    names = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"]
+    names += (["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] if family.moe
+              else ["ffn_gate", "ffn_up", "ffn_down"])
     if family.qkv_bias:
         names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if family.qk_norm:

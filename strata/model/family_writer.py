@@ -27,6 +27,7 @@ class Dims:
     rope_base: float = 10000.0
     rms_eps: float = 1e-6
     sliding_window: int = 0    # gemma3: the sliding layers' window
+    experts: tuple[int, int, int] | None = None   # MoE: (experts, used a row, expert width)
 
 
 def add_family_config(writer: GGUFWriter, dims: Dims) -> None:
@@ -45,6 +46,11 @@ def add_family_config(writer: GGUFWriter, dims: Dims) -> None:
     writer.add_vocab_size(dims.vocab)
     if dims.sliding_window:
         writer.add_sliding_window(dims.sliding_window)
+    if dims.experts:
+        count, used, width = dims.experts
+        writer.add_expert_count(count)
+        writer.add_expert_used_count(used)
+        writer.add_expert_feed_forward_length(width)
 
 
 def write_family_gguf(path: str | os.PathLike, arch: str, dims: Dims,

@@ -28,6 +28,7 @@ SUPPORTED_ARCHS = tuple(FAMILIES)
 # a block's matrices as a stage computes them: [q; k; v] and [gate; up] fused, one matmul each
 FUSED_MATRICES = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"),
                   ("ffn_down",))
+ATTENTION_MATRICES = FUSED_MATRICES[:2]   # an MoE block's: its experts are tensors of their own
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 
 
@@ -62,6 +63,9 @@ class ModelConfig:
     attn_scale: float = 0.0   # the scores' scale; 0: 1/sqrt(head_dim)
     window: int = 0           # a sliding layer's keys (positions p - window + 1 .. p); 0: none
     rope_scale: float = 1.0   # linear RoPE scaling of the global layers (positions / scale)
+    n_experts: int = 0        # routed experts a layer (0: a dense feed-forward)
+    n_experts_used: int = 0   # experts a row takes
+    d_ffn_expert: int = 0     # an expert's feed-forward width
 
     @property
     def scale(self) -> float:
@@ -166,6 +170,10 @@ class ModelFile:
             if family.sliding_period else 0,
             rope_scale=float(_field(self.reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
             if scaling == "linear" else 1.0,
+            **(dict(n_experts=int(need("expert_count")),
+                    n_experts_used=int(need("expert_used_count")),
+                    d_ffn_expert=int(need("expert_feed_forward_length")))
+               if family.moe else {}),
         )
 
     def _check_tensor_types(self):

@@ -24,12 +24,14 @@ from strata.kernels.attention import attend_chunk, attend_rows
 from strata.kernels.fused import (by_row_blocks, linear_rows, norm_gate_up_silu,
                                   norm_head_rows, norm_linear_rows, rms_norm_rows,
                                   rope_write_kv)
+from strata.kernels.moe import moe_rows
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS, KernelPolicy
 from strata.kernels.quant_ops import dense_weight, embed_rows
 from strata.kernels.rope import rope_table
-from strata.model.families import tensor_name
-from strata.model.gguf_file import FUSED_MATRICES, ModelConfig, ModelFile
+from strata.model.families import MOE_ON_CPU, tensor_name
+from strata.model.gguf_file import (ATTENTION_MATRICES, FUSED_MATRICES, ModelConfig,
+                                    ModelError, ModelFile)
 from strata.stage_worker.weights import WeightLoader
 
 
@@ -129,9 +131,17 @@ class Layer(torch.nn.Module):
         self.attn_norm = weights.vector(name("attn_norm"))
         self.ffn_norm = weights.vector(name("ffn_norm"))
         # fused [q; k; v] and [gate; up] projections: one matmul each instead of three and two
-        self.wqkv, self.wo, self.w_gate_up, self.w_down = (
-            weights.matrices([name(n) for n in group], for_chunks=chunks)
-            for group in FUSED_MATRICES)
+        groups = ATTENTION_MATRICES if family.moe else FUSED_MATRICES
+        matrices = [weights.matrices([name(n) for n in group], for_chunks=chunks)
+                    for group in groups]
+        self.wqkv, self.wo = matrices[:2]
+        self.w_gate_up, self.w_down = matrices[2:] or (None, None)
+        self.moe = None   # routed experts: (router [E, D], [gate; up] [E, 2F, D], down)
+        if family.moe:
+            self.moe = (weights.vector(name("ffn_gate_inp")),
+                        torch.cat([weights.vector(name("ffn_gate_exps")),
+                                   weights.vector(name("ffn_up_exps"))], 1),
+                        weights.vector(name("ffn_down_exps")))
         self.bqkv = (torch.cat([weights.vector(name(f"attn_{p}.bias")) for p in "qkv"])
                      if family.qkv_bias else None)
         self.q_norm = optional("attn_q_norm", family.qk_norm)
@@ -164,6 +174,9 @@ class Layer(torch.nn.Module):
                          cfg.window if self.sliding else 0)
         attn = attn.view(x.shape[0], -1)
         x = self._residual(x, attn, self.wo, self.post_attn_norm, decode)
+        if self.moe is not None:
+            h = rms_norm_rows(x, self.ffn_norm, eps, policy, decode)
+            return x + moe_rows(h, *self.moe, cfg.n_experts_used)
         h = norm_gate_up_silu(x, self.ffn_norm, eps, self.w_gate_up, policy, decode,
                               family.ffn_act)
         return self._residual(x, h, self.w_down, self.post_ffn_norm, decode)
@@ -209,6 +222,8 @@ class StageModel(torch.nn.Module):
         self.cfg, self.start, self.end = cfg, start, end
         self.first, self.last = start == 0, end == cfg.n_layers
         self.device = torch.device(device)
+        if cfg.family.moe and self.device.type != "cpu":
+            raise ModelError(MOE_ON_CPU.format(arch=cfg.arch))
         self.dtype = dtype or default_dtype(self.device)
         self.policy = policy or KernelPolicy.for_device(self.device)
         self.weights = WeightLoader(file, self.device, self.dtype, weights)

@@ -49,6 +49,7 @@ class WeightLoader:
     report: LoadReport = field(default_factory=LoadReport)
 
     def vector(self, name: str) -> torch.Tensor:
+        """A tensor widened whatever its type (norms, biases, an MoE layer's experts)."""
         t = self.file.tensor(name, self.dtype, self.device)
         self.report.weight_bytes += t.numel() * t.element_size()
         return t

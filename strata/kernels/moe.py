@@ -1,0 +1,43 @@
+"""Routed experts in place of a layer's feed-forward (qwen3moe), on the plain-torch path.
+
+A row's routing depends on that row alone: the top-k of a softmax over its own router logits,
+the k weights renormalised to sum to 1 (llama.cpp's qwen3moe; transformers' norm_topk_prob).
+Each expert is a SwiGLU of its own; the rows an expert takes are computed in blocks of
+ROW_BLOCK rows, padded (fused.by_row_blocks: on a CPU a matmul's bits for a row depend on its
+row count, never on the other rows' values), and a row's k outputs are summed in the order of
+its ranking. So a row's result does not depend on which rows share its window or chunk, nor on
+which experts they chose.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.kernels.fused import by_row_blocks, silu_mul_torch
+
+
+def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [R, D], router [E, D] -> (weights [R, k] in h's dtype, experts [R, k] int64), best
+    first."""
+    logits = by_row_blocks(lambda b: F.linear(b, router), h)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, k, dim=-1)
+    return (weights / weights.sum(-1, keepdim=True)).to(h.dtype), experts
+
+
+def moe_rows(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor, k: int) -> torch.Tensor:
+    """h [R, D] (the normed rows), router [E, D], gate_up [E, 2F, D] ([gate; up] of each
+    expert), down [E, D, F] -> [R, D]: each row's experts' outputs, weighted and summed."""
+    weights, experts = route(h, router, k)
+    outs = torch.zeros(h.shape[0], k, h.shape[1], dtype=h.dtype, device=h.device)
+    for e in experts.unique().tolist():
+        rows, ranks = (experts == e).nonzero(as_tuple=True)
+
+        def expert(b: torch.Tensor) -> torch.Tensor:
+            return F.linear(silu_mul_torch(F.linear(b, gate_up[e])), down[e])
+        outs[rows, ranks] = by_row_blocks(expert, h[rows])
+    out = outs[:, 0] * weights[:, :1]
+    for rank in range(1, k):      # in each row's ranking order, the same for every row
+        out = out + outs[:, rank] * weights[:, rank:rank + 1]
+    return out
