@@ -38,6 +38,16 @@ def build(arch: str, seed: int = 0, layers: int = LAYERS):
                                    moe_intermediate_size=EXPERT_FFN, num_experts=EXPERTS,
                                    num_experts_per_tok=EXPERTS_USED, norm_topk_prob=True)
         head_dim = HEAD_DIM
+    elif arch == "glm4moe":
+        cls = tf.Glm4MoeForCausalLM
+        config = tf.Glm4MoeConfig(**common, head_dim=HEAD_DIM, rope_theta=10000.0,
+                                  moe_intermediate_size=EXPERT_FFN, n_routed_experts=EXPERTS,
+                                  num_experts_per_tok=EXPERTS_USED, n_shared_experts=1,
+                                  first_k_dense_replace=1, n_group=2, topk_group=1,
+                                  norm_topk_prob=True, routed_scaling_factor=2.5,
+                                  partial_rotary_factor=0.5, attention_bias=True,
+                                  use_qk_norm=False)
+        head_dim = HEAD_DIM
     elif arch == "gemma3":
         cls = tf.Gemma3ForCausalLM
         config = tf.Gemma3TextConfig(**common, head_dim=HEAD_DIM, sliding_window=WINDOW,
@@ -48,16 +58,20 @@ def build(arch: str, seed: int = 0, layers: int = LAYERS):
     torch.manual_seed(seed)
     model = cls(config).float().eval()
     with torch.no_grad():   # norms away from their initial 1 (or 0 for gemma): exercised
-        for name, p in model.named_parameters():
+        for name, p in model.state_dict().items():
             if "norm" in name:
                 p.add_(0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
+            elif name.endswith("bias"):   # e_score_correction_bias too: routing exercised
                 p.copy_(0.5 * torch.randn_like(p))
     rope = config.rope_parameters
     base = rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"]
+    moe = arch in ("qwen3moe", "glm4moe")
+    glm = arch == "glm4moe"
     dims = Dims(layers, D, HEADS, KV, head_dim, FFN, VOCAB, ctx_len=256, rope_base=base,
                 sliding_window=WINDOW if arch == "gemma3" else 0,
-                experts=(EXPERTS, EXPERTS_USED, EXPERT_FFN) if arch == "qwen3moe" else None)
+                experts=(EXPERTS, EXPERTS_USED, EXPERT_FFN) if moe else None,
+                rope_dim=head_dim // 2 if glm else 0, dense_first=1 if glm else 0,
+                expert_scale=2.5 if glm else 1.0, expert_groups=(2, 1) if glm else (1, 1))
     return model, dims
 
 
@@ -85,7 +99,7 @@ def gguf_tensors(arch: str, model) -> dict[str, np.ndarray]:
             if arch == "gemma3":
                 continue   # tied
             key = "output.weight"
-        elif ".mlp.experts." in name or ".mlp.gate." in name:
+        elif ".mlp.experts." in name or ".mlp.gate." in name or ".shared_experts." in name:
             block = name.split(".")[2]
             out.update(_experts(block, name, t))
             continue
@@ -94,7 +108,8 @@ def gguf_tensors(arch: str, model) -> dict[str, np.ndarray]:
             module, kind = rest.rsplit(".", 1)
             piece = (_GEMMA_NORMS if arch == "gemma3" else {}).get(module) or _NAMES.get(module)
             if piece is None and module == "post_attention_layernorm":
-                piece = "ffn_norm"   # llama, qwen: the norm before the feed-forward
+                # the norm before the feed-forward: llama.cpp names glm4moe's after the HF name
+                piece = "post_attention_norm" if arch == "glm4moe" else "ffn_norm"
             key = f"blk.{block}.{piece}.{kind}"
         if arch == "gemma3" and key.endswith("norm.weight"):
             t = t + 1.0   # Gemma's norm computes x * (1 + w); llama.cpp's file holds 1 + w
@@ -108,15 +123,32 @@ def _experts(block: str, name: str, t: torch.Tensor) -> dict[str, np.ndarray]:
     b = f"blk.{block}."
     if name.endswith("mlp.gate.weight"):
         return {b + "ffn_gate_inp.weight": t.numpy()}
+    if name.endswith("e_score_correction_bias"):
+        return {b + "exp_probs_b.bias": t.numpy()}
+    if ".shared_experts." in name:
+        piece = name.split(".shared_experts.")[1].split("_proj")[0]   # gate, up, down
+        return {b + f"ffn_{piece}_shexp.weight": t.numpy()}
     if name.endswith("gate_up_proj"):
         gate, up = t.chunk(2, dim=1)
         return {b + "ffn_gate_exps.weight": gate.numpy(), b + "ffn_up_exps.weight": up.numpy()}
     return {b + "ffn_down_exps.weight": t.numpy()}
 
 
-def write(arch: str, directory: Path, seed: int = 0, layers: int = LAYERS):
-    """(transformers model, path of the same tensors as a GGUF)."""
-    model, dims = build(arch, seed, layers)
-    path = write_family_gguf(Path(directory) / f"{arch}.gguf", arch, dims,
-                             gguf_tensors(arch, model))
+def write(arch: str, directory: Path, seed: int = 0, layers: int = LAYERS,
+          nextn: bool = False):
+    """(transformers model, path of the same tensors as a GGUF). nextn: one more block of the
+    model's becomes a NextN layer at blk.{layers} (llama.cpp's layout, with random
+    projections and norms), as GLM-4.5's files carry one; the model keeps `layers` blocks."""
+    model, dims = build(arch, seed, layers + int(nextn))
+    tensors = gguf_tensors(arch, model)
+    if nextn:
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+        g = torch.Generator().manual_seed(seed + 1)
+        n = f"blk.{layers}.nextn."
+        tensors[n + "eh_proj.weight"] = (0.1 * torch.randn(D, 2 * D, generator=g)).numpy()
+        for name in ("enorm", "hnorm", "shared_head_norm"):
+            tensors[n + f"{name}.weight"] = (1 + 0.1 * torch.randn(D, generator=g)).numpy()
+    path = write_family_gguf(Path(directory) / f"{arch}.gguf", arch, dims, tensors,
+                             nextn=int(nextn))
     return model, path

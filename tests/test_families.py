@@ -1,5 +1,6 @@
 """The model families (model/families.py) against transformers' own modeling code: a tiny
-random model of each (qwen3moe: 8 routed experts, 2 a row), written to GGUF as llama.cpp's converter writes it, gives
+random model of each (qwen3moe and glm4moe: 8 routed experts, 2 a row; glm4moe's in 2 groups,
+with a correction bias, a shared expert and a dense first layer), written to GGUF as llama.cpp's converter writes it, gives
 transformers' greedy tokens over 32 tokens and its logits within 1e-3 through strata's stages
 split 1, 2 and 3 ways (CPU, fp32); the Triton path (RoPE on halves, windows, per-head norms,
 GeGLU) gives the plain-torch path's logits (interpreter, "cpu" cases, and CUDA); and a
@@ -20,7 +21,8 @@ from strata.model.gguf_file import ModelFile
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from conftest import triton_devices
 
-ARCHS = ("qwen2", "qwen3", "gemma3", "qwen3moe")
+ARCHS = ("qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe")
+MOE = ("qwen3moe", "glm4moe")
 PROMPT = 20     # prompt tokens: past gemma3's window of 12, so the window is exercised
 TOKENS = 32
 CTX = 96
@@ -82,10 +84,10 @@ def test_the_triton_path_gives_the_torch_paths_logits(family, device):
     per-head norms and GeGLU, against the plain-torch path of the same file (4 tokens under
     the interpreter: ~1 s a decode step)."""
     arch, _, file = family
-    if arch == "qwen3moe" and device != "cpu":
+    if arch in MOE and device != "cpu":
         pytest.skip("routed experts run on CPU stages only (a sentence says so: below)")
-    if device == "cpu" and arch in ("qwen3", "qwen3moe"):
-        pytest.skip("under the interpreter gemma3 covers qwen3's steps (per-head norms, halves)")
+    if device == "cpu" and arch in ("qwen3", *MOE):
+        pytest.skip("under the interpreter gemma3 and qwen2 cover the other families' steps")
     torch_path = StageModel(file, 0, file.config.n_layers, ctx=CTX,
                             policy=KernelPolicy(triton=False))
     triton_path = StageModel(file, 0, file.config.n_layers, ctx=CTX, device=device,
@@ -123,3 +125,20 @@ def test_routed_experts_are_refused_beyond_cpu_stages(tmp_path):
     with pytest.raises(PlanError, match="--devices cpu"):
         prepare(model=str(path), layer_split="1", devices="cpu,cuda:0", ctx_size=64, batch=1,
                 batch_groups="1", window_rows="auto", chunk_rows="auto", cuda_devices=1)
+
+
+@pytest.mark.slow
+def test_glm_drafts_with_its_own_nextn_layer_and_stays_exact(tmp_path):
+    """A GLM-4.5-style file with its NextN layer (blk.3.nextn.*, a routed block): the last
+    stage drafts with it, no sidecar; batched requests with drafts equal each alone, and the
+    drafted tokens equal plain decoding's (a random head's proposals are rarely kept: this
+    checks the path, not the gain)."""
+    _, path = hf.write("glm4moe", tmp_path, layers=3, nextn=True)
+    common = ["--model", str(path), "--layer-split", "2", "--ctx-size", "128", "--batch", "2",
+              "--tokens", "10", "--draft-tokens", "2"]
+    for args in (["exact", "--batch-groups", "2", "--requests", "3"],
+                 ["drafts", "--batch-groups", "1", "--clients", "2"]):
+        out = CliRunner().invoke(bench, args + common)
+        assert out.exit_code == 0, (args, out.output, out.exception)
+        assert "mtp (the NextN head in the model file" in out.output
+    assert "every request has the same tokens" in out.output

@@ -1,7 +1,10 @@
-"""Routed experts in place of a layer's feed-forward (qwen3moe), on the plain-torch path.
+"""Routed experts in place of a layer's feed-forward (qwen3moe, glm4moe), on the plain-torch
+path.
 
-A row's routing depends on that row alone: the top-k of a softmax over its own router logits,
-the k weights renormalised to sum to 1 (llama.cpp's qwen3moe; transformers' norm_topk_prob).
+A row's routing depends on that row alone: qwen3moe's top-k of a softmax over its own router
+logits; glm4moe's top-k of sigmoid scores plus a correction bias, within the expert groups
+whose best two scores sum highest, weighted by the scores; the k weights renormalised to sum to
+1 (llama.cpp's qwen3moe and glm4moe; transformers' norm_topk_prob) and scaled.
 Each expert is a SwiGLU of its own; the rows an expert takes are computed in blocks of
 ROW_BLOCK rows, padded (fused.by_row_blocks: on a CPU a matmul's bits for a row depend on its
 row count, never on the other rows' values), and a row's k outputs are summed in the order of
@@ -16,20 +19,36 @@ import torch.nn.functional as F
 from strata.kernels.fused import by_row_blocks, silu_mul_torch
 
 
-def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(h: torch.Tensor, router: torch.Tensor, k: int, bias: torch.Tensor | None = None,
+          scale: float = 1.0, groups: tuple[int, int] = (1, 1)
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [R, D], router [E, D] -> (weights [R, k] in h's dtype, experts [R, k] int64), best
-    first."""
-    logits = by_row_blocks(lambda b: F.linear(b, router), h)
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, k, dim=-1)
-    return (weights / weights.sum(-1, keepdim=True)).to(h.dtype), experts
+    first. bias [E] (glm4moe): sigmoid scores, chosen by score + bias in the best groups."""
+    logits = by_row_blocks(lambda b: F.linear(b.float(), router.float()), h)
+    if bias is None:
+        scores = choice = torch.softmax(logits, dim=-1)
+    else:
+        scores = logits.sigmoid()
+        choice = scores + bias.float()
+        n_groups, chosen = groups
+        if n_groups > 1:   # the groups whose best two sum highest; the others out
+            grouped = choice.view(choice.shape[0], n_groups, -1)
+            best = grouped.topk(2, dim=-1)[0].sum(-1).topk(chosen, dim=-1)[1]
+            keep = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1.0).bool()
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+    experts = torch.topk(choice, k, dim=-1)[1]
+    weights = scores.gather(1, experts)
+    weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if bias is not None else 0.0))
+    return (weights * scale).to(h.dtype), experts
 
 
 def moe_rows(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
-             down: torch.Tensor, k: int) -> torch.Tensor:
+             down: torch.Tensor, k: int, bias: torch.Tensor | None = None, scale: float = 1.0,
+             groups: tuple[int, int] = (1, 1)) -> torch.Tensor:
     """h [R, D] (the normed rows), router [E, D], gate_up [E, 2F, D] ([gate; up] of each
-    expert), down [E, D, F] -> [R, D]: each row's experts' outputs, weighted and summed."""
-    weights, experts = route(h, router, k)
+    expert), down [E, D, F] -> [R, D]: each row's experts' outputs, weighted and summed
+    (routing: `route`)."""
+    weights, experts = route(h, router, k, bias, scale, groups)
     outs = torch.zeros(h.shape[0], k, h.shape[1], dtype=h.dtype, device=h.device)
     for e in experts.unique().tolist():
         rows, ranks = (experts == e).nonzero(as_tuple=True)

@@ -16,6 +16,13 @@ the way transformers' modeling files differ side by side. llama.cpp's GGUF names
             softmax over its router logits, their weights renormalised to sum to 1, each
             expert a SwiGLU of its own (blk.N.ffn_{gate,up,down}_exps, [experts, ...]) summed
             in the order of the row's ranking; no shared expert
+    glm4moe  a bias on q, k and v; partial RoPE on halves (the first rope.dimension_count
+            dims of a head); the first leading_dense_block_count layers dense, the others
+            routed: sigmoid scores, the top-k chosen by score plus a correction bias
+            (blk.N.exp_probs_b.bias) within the best-scoring expert groups, weighted by their
+            scores renormalised and scaled (expert_weights_scale), beside a shared expert
+            (blk.N.ffn_{gate,up,down}_shexp); the feed-forward's norm is the file's
+            post_attention_norm; a NextN layer (blk.{n_layers}.nextn.*, itself routed)
 """
 from __future__ import annotations
 
@@ -34,6 +41,9 @@ class Family:
     sliding_period: int = 0        # layers i with (i + 1) % period != 0 attend in a window
     local_rope_base: float = 0.0   # the sliding layers' RoPE base
     moe: bool = False              # routed experts in place of the feed-forward
+    sigmoid_gating: bool = False   # expert scores: sigmoid (else softmax)
+    shared_expert: bool = False    # blk.N.ffn_*_shexp beside the routed experts
+    ffn_norm: str = "ffn_norm"     # the name of the feed-forward's input norm in the file
 
 
 FAMILIES = {
@@ -44,6 +54,8 @@ FAMILIES = {
                      ffn_act="gelu_tanh", embed_scale=True, sliding_period=6,
                      local_rope_base=10000.0),
     "qwen3moe": Family("qwen3moe", rope_halves=True, qk_norm=True, moe=True),
+    "glm4moe": Family("glm4moe", rope_halves=True, qkv_bias=True, moe=True, sigmoid_gating=True,
+                      shared_expert=True, ffn_norm="post_attention_norm"),
 }
 
 
@@ -52,11 +64,17 @@ MOE_ON_CPU = ("{arch} routes its feed-forward through experts, which strata runs
               "only so far; use --devices cpu")
 
 
-def block_tensor_names(family: Family) -> list[str]:
-    """A block's tensors (blk.N.{name}.weight, or .bias where named so) in the file."""
-    names = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"]
-    names += (["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] if family.moe
+def block_tensor_names(family: Family, routed: bool | None = None) -> list[str]:
+    """A block's tensors (blk.N.{name}.weight, or .bias where named so) in the file; routed:
+    whether the block's feed-forward is routed (default: the family's)."""
+    routed = family.moe if routed is None else routed
+    names = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", family.ffn_norm]
+    names += (["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] if routed
               else ["ffn_gate", "ffn_up", "ffn_down"])
+    if routed and family.sigmoid_gating:
+        names += ["exp_probs_b.bias"]
+    if routed and family.shared_expert:
+        names += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"]
     if family.qkv_bias:
         names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if family.qk_norm:

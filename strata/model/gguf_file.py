@@ -66,7 +66,13 @@ class ModelConfig:
     n_experts: int = 0        # routed experts a layer (0: a dense feed-forward)
     n_experts_used: int = 0   # experts a row takes
     d_ffn_expert: int = 0     # an expert's feed-forward width
+    n_dense_first: int = 0    # MoE: the first layers keep a dense feed-forward
+    expert_scale: float = 1.0           # the routed weights' scale
+    expert_groups: tuple[int, int] = (1, 1)   # (groups of experts, groups a row chooses in)
 
+    def routed(self, layer: int) -> bool:
+        """Whether a layer's feed-forward is routed experts."""
+        return self.family.moe and layer >= self.n_dense_first
     @property
     def scale(self) -> float:
         return self.attn_scale or self.head_dim ** -0.5
@@ -170,11 +176,19 @@ class ModelFile:
             if family.sliding_period else 0,
             rope_scale=float(_field(self.reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
             if scaling == "linear" else 1.0,
-            **(dict(n_experts=int(need("expert_count")),
-                    n_experts_used=int(need("expert_used_count")),
-                    d_ffn_expert=int(need("expert_feed_forward_length")))
-               if family.moe else {}),
+            **(self._experts(arch, need) if family.moe else {}),
         )
+
+    def _experts(self, arch: str, need) -> dict:
+        """The routed experts' keys (llama.cpp's names)."""
+        get = lambda key, default: _field(self.reader, f"{arch}.{key}", default)  # noqa: E731
+        return dict(n_experts=int(need("expert_count")),
+                    n_experts_used=int(need("expert_used_count")),
+                    d_ffn_expert=int(need("expert_feed_forward_length")),
+                    n_dense_first=int(get("leading_dense_block_count", 0)),
+                    expert_scale=float(get("expert_weights_scale", 1.0) or 1.0),
+                    expert_groups=(int(get("expert_group_count", 1) or 1),
+                                   int(get("expert_group_used_count", 1) or 1)))
 
     def _check_tensor_types(self):
         """Every type gguf-py can dequantize loads: each type's first block is tried."""

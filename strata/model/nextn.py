@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader
 
+from strata.model.families import block_tensor_names, tensor_name
 from strata.model.gguf_file import ModelConfig, ModelError, ModelFile, _field
 
 TARGET_FINGERPRINT = "strata.nextn.target_fingerprint"
@@ -104,26 +105,36 @@ def find_head(file: ModelFile, sidecar: str | os.PathLike | None = None,
 
 
 # The head's tensors at block N (torch order [out, in]; D model width, V vocabulary): the
-# NextN projections, then the block's ordinary llama tensors. embed_tokens and
-# shared_head_head are optional (absent: the model's own embedding and output head).
+# NextN projections, then the block's own tensors as its family has them (a routed block
+# for glm4moe). embed_tokens and shared_head_head are optional (absent: the model's own
+# embedding and output head).
 NEXTN_TENSORS = ("eh_proj", "enorm", "hnorm", "shared_head_norm")
 NEXTN_OPTIONAL = ("embed_tokens", "shared_head_head")
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
-                 "ffn_gate", "ffn_up", "ffn_down")
+                 "ffn_gate", "ffn_up", "ffn_down")   # a llama block's (strata-train-mtp's)
 
 
-def head_shapes(cfg: ModelConfig, block: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor a NextN head at `block` may hold, with its shape in torch order."""
-    d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ffn
-    b, n = f"blk.{block}.", f"blk.{block}.nextn."
-    return {n + "eh_proj.weight": (d, 2 * d), n + "enorm.weight": (d,),
-            n + "hnorm.weight": (d,), n + "shared_head_norm.weight": (d,),
-            n + "embed_tokens.weight": (cfg.vocab, d),
-            n + "shared_head_head.weight": (cfg.vocab, d),
-            b + "attn_norm.weight": (d,), b + "attn_q.weight": (q, d), b + "attn_k.weight": (kv, d),
-            b + "attn_v.weight": (kv, d), b + "attn_output.weight": (d, q),
-            b + "ffn_norm.weight": (d,), b + "ffn_gate.weight": (f, d), b + "ffn_up.weight": (f, d),
-            b + "ffn_down.weight": (d, f)}
+def head_shapes(cfg: ModelConfig, block: int) -> dict[str, tuple[int, ...] | None]:
+    """Every tensor a NextN head at `block` may hold, with its shape in torch order (None: a
+    shared expert's, whose width the file alone says)."""
+    d, hd, f = cfg.d_model, cfg.head_dim, cfg.d_ffn
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    e, fe = cfg.n_experts, cfg.d_ffn_expert
+    n = f"blk.{block}.nextn."
+    shapes = {n + "eh_proj.weight": (d, 2 * d), n + "enorm.weight": (d,),
+              n + "hnorm.weight": (d,), n + "shared_head_norm.weight": (d,),
+              n + "embed_tokens.weight": (cfg.vocab, d),
+              n + "shared_head_head.weight": (cfg.vocab, d)}
+    known = {"attn_norm": (d,), cfg.family.ffn_norm: (d,), "attn_q": (q, d),
+             "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
+             "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+             "attn_q_norm": (hd,), "attn_k_norm": (hd,), "post_attention_norm": (d,),
+             "post_ffw_norm": (d,), "ffn_gate": (f, d), "ffn_up": (f, d), "ffn_down": (d, f),
+             "ffn_gate_inp": (e, d), "ffn_gate_exps": (e, fe, d), "ffn_up_exps": (e, fe, d),
+             "ffn_down_exps": (e, d, fe), "exp_probs_b.bias": (e,)}
+    for name in block_tensor_names(cfg.family, cfg.routed(block)):
+        shapes[tensor_name(block, name)] = known.get(name)
+    return shapes
 
 
 class HeadFile(ModelFile):
@@ -155,7 +166,7 @@ def open_head(source: HeadSource, file: ModelFile) -> ModelFile:
                 wrong.append(f"{name} is missing")
             continue
         have = tuple(int(x) for x in reversed(t.shape))
-        if have != shape:
+        if shape is not None and have != shape:
             wrong.append(f"{name} has shape {list(have)}, not {list(shape)}")
     if wrong:
         raise ModelError(f"the NextN head in {source.describe()} does not fit the model: "

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from strata.kernels.attention import attend_chunk, attend_rows
 from strata.kernels.fused import (by_row_blocks, linear_rows, norm_gate_up_silu,
                                   norm_head_rows, norm_linear_rows, rms_norm_rows,
-                                  rope_write_kv)
+                                  rope_write_kv, silu_mul_torch)
 from strata.kernels.moe import moe_rows
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS, KernelPolicy
@@ -129,19 +129,15 @@ class Layer(torch.nn.Module):
         name = lambda n: tensor_name(index, n)  # noqa: E731
         optional = lambda n, on: weights.vector(name(n)) if on else None  # noqa: E731
         self.attn_norm = weights.vector(name("attn_norm"))
-        self.ffn_norm = weights.vector(name("ffn_norm"))
+        self.ffn_norm = weights.vector(name(family.ffn_norm))
         # fused [q; k; v] and [gate; up] projections: one matmul each instead of three and two
-        groups = ATTENTION_MATRICES if family.moe else FUSED_MATRICES
+        routed = cfg.routed(index)
+        groups = ATTENTION_MATRICES if routed else FUSED_MATRICES
         matrices = [weights.matrices([name(n) for n in group], for_chunks=chunks)
                     for group in groups]
         self.wqkv, self.wo = matrices[:2]
         self.w_gate_up, self.w_down = matrices[2:] or (None, None)
-        self.moe = None   # routed experts: (router [E, D], [gate; up] [E, 2F, D], down)
-        if family.moe:
-            self.moe = (weights.vector(name("ffn_gate_inp")),
-                        torch.cat([weights.vector(name("ffn_gate_exps")),
-                                   weights.vector(name("ffn_up_exps"))], 1),
-                        weights.vector(name("ffn_down_exps")))
+        self.experts = Experts.load(weights, index, family) if routed else None
         self.bqkv = (torch.cat([weights.vector(name(f"attn_{p}.bias")) for p in "qkv"])
                      if family.qkv_bias else None)
         self.q_norm = optional("attn_q_norm", family.qk_norm)
@@ -174,9 +170,8 @@ class Layer(torch.nn.Module):
                          cfg.window if self.sliding else 0)
         attn = attn.view(x.shape[0], -1)
         x = self._residual(x, attn, self.wo, self.post_attn_norm, decode)
-        if self.moe is not None:
-            h = rms_norm_rows(x, self.ffn_norm, eps, policy, decode)
-            return x + moe_rows(h, *self.moe, cfg.n_experts_used)
+        if self.experts is not None:
+            return x + self.experts(rms_norm_rows(x, self.ffn_norm, eps, policy, decode), cfg)
         h = norm_gate_up_silu(x, self.ffn_norm, eps, self.w_gate_up, policy, decode,
                               family.ffn_act)
         return self._residual(x, h, self.w_down, self.post_ffn_norm, decode)
@@ -199,6 +194,39 @@ class Layer(torch.nn.Module):
         q = rms_norm_rows(q.reshape(-1, hd), self.q_norm, cfg.rms_eps, policy, decode)
         k = rms_norm_rows(k.reshape(-1, hd), self.k_norm, cfg.rms_eps, policy, decode)
         return torch.cat([q.view(n, -1), k.view(n, -1), v], -1)
+
+
+@dataclass
+class Experts:
+    """A routed feed-forward (kernels/moe.py): router [E, D], each expert's [gate; up]
+    [E, 2F, D] and down [E, D, F]; glm4moe's correction bias [E] and shared expert."""
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    bias: torch.Tensor | None = None
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None   # ([gate; up], down)
+
+    @classmethod
+    def load(cls, weights: WeightLoader, index: int, family) -> "Experts":
+        dense = lambda n: weights.vector(tensor_name(index, n))  # noqa: E731
+        shared = None
+        if family.shared_expert:
+            shared = (torch.cat([dense("ffn_gate_shexp"), dense("ffn_up_shexp")]),
+                      dense("ffn_down_shexp"))
+        return cls(dense("ffn_gate_inp"),
+                   torch.cat([dense("ffn_gate_exps"), dense("ffn_up_exps")], 1),
+                   dense("ffn_down_exps"),
+                   dense("exp_probs_b.bias") if family.sigmoid_gating else None, shared)
+
+    def __call__(self, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        """h [R, D] (normed) -> [R, D]: the routed experts' sum (and the shared expert's)."""
+        out = moe_rows(h, self.router, self.gate_up, self.down, cfg.n_experts_used, self.bias,
+                       cfg.expert_scale, cfg.expert_groups)
+        if self.shared is not None:
+            gate_up, down = self.shared
+            out = out + by_row_blocks(
+                lambda b: F.linear(silu_mul_torch(F.linear(b, gate_up)), down), h)
+        return out
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
