@@ -4,12 +4,16 @@ transforms them: llama's q and k rows permuted for llama.cpp's rotation of adjac
 Gemma's norm weights stored as 1 + w. Tests compare strata's stages with the model."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from strata.model.family_writer import Dims, write_family_gguf
+from gguf import GGUFWriter
+
+from strata.model.shapes import ModelShape, add_llama_config
+from strata.model.synthetic_vocab import add_tokenizer
 
 VOCAB = 320
 LAYERS = 7   # gemma3: 5 sliding, the 6th global, and one more sliding
@@ -19,7 +23,8 @@ EXPERTS, EXPERTS_USED, EXPERT_FFN = 8, 2, 32
 
 
 def build(arch: str, seed: int = 0, layers: int = LAYERS):
-    """(transformers model in fp32 eval mode, Dims) of a tiny random `arch` model."""
+    """(transformers model in fp32 eval mode, its ModelShape) of a tiny random `arch`
+    model."""
     import transformers as tf
     common = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=FFN,
                   num_hidden_layers=layers, num_attention_heads=HEADS,
@@ -67,12 +72,14 @@ def build(arch: str, seed: int = 0, layers: int = LAYERS):
     base = rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"]
     moe = arch in ("qwen3moe", "glm4moe")
     glm = arch == "glm4moe"
-    dims = Dims(layers, D, HEADS, KV, head_dim, FFN, VOCAB, ctx_len=256, rope_base=base,
-                sliding_window=WINDOW if arch == "gemma3" else 0,
-                experts=(EXPERTS, EXPERTS_USED, EXPERT_FFN) if moe else None,
-                rope_dim=head_dim // 2 if glm else 0, dense_first=1 if glm else 0,
-                expert_scale=2.5 if glm else 1.0, expert_groups=(2, 1) if glm else (1, 1))
-    return model, dims
+    shape = ModelShape(layers, D, HEADS, KV, FFN, VOCAB, ctx_len=256, rope_base=base,
+                       rms_eps=1e-6, arch=arch, key_length=head_dim,
+                       sliding_window=WINDOW if arch == "gemma3" else 0,
+                       experts=(EXPERTS, EXPERTS_USED, EXPERT_FFN) if moe else (0, 0, 0),
+                       rope_dim=head_dim // 2 if glm else 0, dense_first=1 if glm else 0,
+                       expert_scale=2.5 if glm else 1.0,
+                       expert_groups=(2, 1) if glm else (1, 1))
+    return model, shape
 
 
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -139,7 +146,7 @@ def write(arch: str, directory: Path, seed: int = 0, layers: int = LAYERS,
     """(transformers model, path of the same tensors as a GGUF). nextn: one more block of the
     model's becomes a NextN layer at blk.{layers} (llama.cpp's layout, with random
     projections and norms), as GLM-4.5's files carry one; the model keeps `layers` blocks."""
-    model, dims = build(arch, seed, layers + int(nextn))
+    model, shape = build(arch, seed, layers + int(nextn))
     tensors = gguf_tensors(arch, model)
     if nextn:
         model.model.layers = model.model.layers[:layers]
@@ -149,6 +156,14 @@ def write(arch: str, directory: Path, seed: int = 0, layers: int = LAYERS,
         tensors[n + "eh_proj.weight"] = (0.1 * torch.randn(D, 2 * D, generator=g)).numpy()
         for name in ("enorm", "hnorm", "shared_head_norm"):
             tensors[n + f"{name}.weight"] = (1 + 0.1 * torch.randn(D, generator=g)).numpy()
-    path = write_family_gguf(Path(directory) / f"{arch}.gguf", arch, dims, tensors,
-                             nextn=int(nextn))
+    path = Path(directory) / f"{arch}.gguf"
+    writer = GGUFWriter(path, arch)
+    add_llama_config(writer, dataclasses.replace(shape, n_layers=layers), nextn=nextn)
+    add_tokenizer(writer, VOCAB)
+    for name, value in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return model, path

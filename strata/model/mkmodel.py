@@ -40,98 +40,10 @@ from strata.model.quant_mix import (MIX_TYPES, MIXES, QUANTIZABLE_TYPES,  # noqa
                                     weight_type_name)
 # the vocabulary's names stay importable from here, where tests and tools look for them
 from strata.model.families import FAMILIES
+from strata.model.shapes import SHAPES, ModelShape, add_llama_config, get_shape  # noqa: F401
 from strata.model.synthetic_vocab import (CHAT_TEMPLATE, EOS_TOKEN, N_BASE_TOKENS,  # noqa: F401
                                           PRE_TOKENIZER, SPECIAL_TOKENS, Vocabulary,
                                           add_tokenizer, bytes_to_unicode, make_vocabulary)
-
-
-# --------------------------------------------------------------------------------------------
-# Shapes
-# --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ModelShape:
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    d_ffn: int
-    vocab: int
-    ctx_len: int = 2048
-    rope_base: float = 10000.0
-    rms_eps: float = 1e-5
-    arch: str = "llama"        # the family (model/families.py): its tensors and keys
-    key_length: int = 0        # a head size other than d_model / n_heads (qwen3, gemma3)
-    sliding_window: int = 0    # gemma3: the sliding layers' window
-
-    def __post_init__(self):
-        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ffn", "vocab", "ctx_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelShape.{name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.n_heads and not self.key_length:
-            raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
-        if self.arch not in FAMILIES:
-            raise ValueError(f"unknown architecture {self.arch!r}; known: {', '.join(FAMILIES)}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads "
-                             f"{self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
-        if self.vocab < N_BASE_TOKENS:
-            raise ValueError(f"vocab {self.vocab} is below the {N_BASE_TOKENS} byte-level and "
-                             f"special tokens every generated tokenizer has")
-
-    @property
-    def head_dim(self) -> int:
-        return self.key_length or self.d_model // self.n_heads
-
-    @property
-    def n_params(self) -> int:
-        """Parameter count with tied embeddings (add vocab*d_model for an untied head)."""
-        d, hd = self.d_model, self.head_dim
-        per_layer = (2 * d                                      # norms
-                     + d * self.n_heads * hd * 2                # q, output
-                     + d * self.n_kv_heads * hd * 2             # k, v
-                     + 3 * d * self.d_ffn)                      # gate, up, down
-        return self.vocab * d + self.n_layers * per_layer + d
-
-
-SHAPES: dict[str, ModelShape] = {
-    "tiny": ModelShape(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=128, vocab=320),
-    "smollm2-135m": ModelShape(n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, d_ffn=1536,
-                               vocab=49152, ctx_len=8192, rope_base=100000.0),
-    "smollm2-360m": ModelShape(n_layers=32, d_model=960, n_heads=15, n_kv_heads=5, d_ffn=2560,
-                               vocab=49152, ctx_len=8192, rope_base=100000.0),
-    "llama3-1b": ModelShape(n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ffn=8192,
-                            vocab=128256, ctx_len=8192, rope_base=500000.0),
-    "llama3-8b": ModelShape(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ffn=14336,
-                            vocab=128256, ctx_len=8192, rope_base=500000.0),
-    "qwen2-tiny": ModelShape(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=128,
-                             vocab=320, arch="qwen2"),
-    "qwen3-tiny": ModelShape(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=128,
-                             vocab=320, arch="qwen3", key_length=32),
-    "gemma3-tiny": ModelShape(n_layers=7, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=128,
-                              vocab=320, arch="gemma3", key_length=32, sliding_window=12,
-                              rms_eps=1e-6, rope_base=1000000.0),
-    "qwen2.5-7b": ModelShape(n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4, d_ffn=18944,
-                             vocab=152064, ctx_len=32768, rope_base=1000000.0, rms_eps=1e-6,
-                             arch="qwen2"),
-    "qwen3-8b": ModelShape(n_layers=36, d_model=4096, n_heads=32, n_kv_heads=8, d_ffn=12288,
-                           vocab=151936, ctx_len=40960, rope_base=1000000.0, rms_eps=1e-6,
-                           arch="qwen3", key_length=128),
-    "gemma3-270m": ModelShape(n_layers=18, d_model=640, n_heads=4, n_kv_heads=1, d_ffn=2048,
-                              vocab=262144, ctx_len=32768, rope_base=1000000.0, rms_eps=1e-6,
-                              arch="gemma3", key_length=256, sliding_window=512),
-}
-
-
-def get_shape(name: str) -> ModelShape:
-    """The named shape; a KeyError listing the known names otherwise."""
-    try:
-        return SHAPES[name]
-    except KeyError:
-        raise KeyError(f"unknown model shape {name!r}; known shapes: "
-                       f"{', '.join(SHAPES)}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -333,30 +245,6 @@ def estimated_size(shape: ModelShape, weight_type: str = "F32", tied: bool = Tru
     specs = tensor_specs(shape, tied, nextn)
     types = _tensor_types(specs, weight_type_name(weight_type), shape, nextn)
     return sum(_tensor_plan(s, t)[2] for s, t in zip(specs, types))
-
-
-def add_llama_config(writer: GGUFWriter, shape: ModelShape, vocab_size: bool = True,
-                     nextn: bool = False) -> None:
-    """The {arch}.* keys llama.cpp (and strata's ModelFile) read for a model of this shape;
-    with nextn, a NextN layer after the blocks (block_count + 1, nextn_predict_layers 1)."""
-    writer.add_block_count(shape.n_layers + int(nextn))
-    if nextn:
-        writer.add_uint32(gguf.Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=writer.arch), 1)
-    writer.add_context_length(shape.ctx_len)
-    writer.add_embedding_length(shape.d_model)
-    writer.add_feed_forward_length(shape.d_ffn)
-    writer.add_head_count(shape.n_heads)
-    writer.add_head_count_kv(shape.n_kv_heads)
-    writer.add_rope_freq_base(float(shape.rope_base))
-    writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_layer_norm_rms_eps(float(shape.rms_eps))
-    if shape.key_length:
-        writer.add_key_length(shape.key_length)
-        writer.add_value_length(shape.key_length)
-    if shape.sliding_window:
-        writer.add_sliding_window(shape.sliding_window)
-    if vocab_size:
-        writer.add_vocab_size(shape.vocab)
 
 
 def write_random_gguf(path: str | os.PathLike, shape: ModelShape, *, seed: int = 0,
