@@ -51,14 +51,18 @@ def random_blocks(qtype: str, rows: int, cols: int, generator: torch.Generator
     return raw.reshape(rows, -1)
 
 
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words held in int64 -> the int32 tensor of the same bits."""
+    return torch.where(words >= (1 << 31), words - (1 << 32), words).to(torch.int32)
+
+
 def _bits_to_words(u: torch.Tensor, bits: int) -> torch.Tensor:
     """u: uint8 codes [N, K] of `bits` bits -> int32 [N, K*bits/32], element (32/bits) c + j
     in bits `bits` j.. (low bits first)."""
     n, k = u.shape
     per = 32 // bits
     shifts = bits * torch.arange(per, device=u.device, dtype=torch.int64)
-    words = (u.view(n, k // per, per).to(torch.int64) << shifts).sum(-1)
-    return torch.where(words >= (1 << 31), words - (1 << 32), words).to(torch.int32)
+    return _as_int32((u.view(n, k // per, per).to(torch.int64) << shifts).sum(-1))
 
 
 def _high_words(h: torch.Tensor, bits: int, group: int) -> torch.Tensor:
@@ -68,8 +72,7 @@ def _high_words(h: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     a = torch.arange(group // 8, device=h.device, dtype=torch.int64)[:, None]
     j = torch.arange(8, device=h.device, dtype=torch.int64)[None, :]
     shifts = 4 * j + bits * a                                          # [group / 8, 8]
-    words = (h.view(n, k // group, group // 8, 8).to(torch.int64) << shifts).sum((-1, -2))
-    return torch.where(words >= (1 << 31), words - (1 << 32), words).to(torch.int32)
+    return _as_int32((h.view(n, k // group, group // 8, 8).to(torch.int64) << shifts).sum((-1, -2)))
 
 
 def _high_codes(words: torch.Tensor, bits: int, group: int) -> torch.Tensor:

@@ -265,6 +265,9 @@ class StageModel(torch.nn.Module):
                          else self.weights.matrix("token_embd.weight" if cfg.tied_head
                                                   else "output.weight"))
         self.weights.finish()
+        # gemma: the embedding times sqrt(d_model), rounded to the model's dtype as Gemma does
+        self.embed_scale = (torch.tensor(cfg.d_model ** 0.5, dtype=self.dtype)
+                            if cfg.family.embed_scale else None)
         table = rope_table(cfg.rope_dim, cfg.rope_base, ctx, cfg.rope_scale)
         self.cos, self.sin = (t.to(self.device) for t in table)
         self.local = None   # the sliding layers' table, with the family's own base
@@ -280,8 +283,8 @@ class StageModel(torch.nn.Module):
             rows = RowTensors.unpack(RowTensors.pack(rows, cache.trash).to(self.device))
         if self.first:
             x = embed_rows(inputs, self.embed, self.dtype, self.policy)
-            if self.cfg.family.embed_scale:   # gemma: times sqrt(d_model) in the model's dtype
-                x = x * torch.tensor(self.cfg.d_model ** 0.5, dtype=x.dtype)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
         else:
             x = inputs.to(self.dtype)
         meta = WindowMeta(self.cos, self.sin, rows, chunk, self.local)
