@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from bench_kernels import timed   # this script's folder is on the path
 from strata.kernels.quant import KERNEL_TYPES, QuantWeight, random_blocks
 
 L8B = {"qkv": (6144, 4096), "res": (4096, 4096), "down": (4096, 14336),
@@ -31,32 +32,6 @@ def weights(qtype: str, n: int, k: int, copies: int, seed: int = 0) -> list[Quan
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return [QuantWeight.from_blocks(qtype, random_blocks(qtype, n, k, gen), k, "cuda")
             for _ in range(copies)]
-
-
-def timed(fn, n: int = 24) -> float:
-    """us per call of fn(i) from a CUDA graph of n calls (kernels/bench_kernels.py's way)."""
-    fn(0)
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n):
-            fn(i)
-    graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        a.record()
-        for _ in range(3):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / (3 * n) * 1e3)
-    return sorted(times)[1]
 
 
 def call(kind: str, x, w: QuantWeight, norm, res, config, tile):
