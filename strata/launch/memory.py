@@ -93,14 +93,9 @@ def stage_bytes(file: ModelFile, start: int, end: int, device: str, weights: str
 
 def layer_bytes(file: ModelFile, device: str, weights: str) -> list[int]:
     """Each layer's weight bytes on `device` (what --layer-split auto balances)."""
-    return [stage_bytes(file, i, i + 1, device, weights)[0]
-            - sum(tensor_bytes(file, n, device, weights) for n in _edges(file, i))
+    return [sum(group_bytes(file, g, device, weights)[0]
+                for g in _groups(file, [n for n in file.tensors if n.startswith(f"blk.{i}.")]))
             for i in range(file.config.n_layers)]
-
-
-def _edges(file: ModelFile, layer: int) -> list[str]:
-    """The tensors beside its blocks a one-layer stage holds (embedding, norm, head)."""
-    return [n for n in stage_tensors(file, layer, layer + 1) if not n.startswith("blk.")]
 
 
 def head_bytes(file: ModelFile, head: ModelFile, block: int, last: StagePlan,
