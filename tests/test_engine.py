@@ -23,7 +23,7 @@ async def _finish(engine: Engine, name: str, prompt: list[int], p: SamplingParam
         item = await asyncio.wait_for(job.events.get(), 30)
         if isinstance(item, Finished):
             return tokens, item
-        tokens.append(item)
+        tokens.append(item.id)
 
 
 def test_the_engine_survives_a_window_that_cannot_be_sent():

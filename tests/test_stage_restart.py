@@ -77,7 +77,7 @@ def _serve(run, tok, cfg: SchedulerConfig, ids, ps, faults: list[tuple[int, int,
                 if isinstance(item, Finished):
                     assert item.reason in ("stop", "length"), item
                     return out
-                out.append(item)
+                out.append(item.id)
                 while job is jobs[0] and pending and len(out) >= pending[0][0]:
                     _, sig, stage = pending.pop(0)
                     os.kill(run.procs.procs[stage].pid, sig)

@@ -2,7 +2,7 @@
 and the stages.
 
     event loop --Submit/Cancel/Stop--> queue.Queue --> engine thread: Scheduler.step() --> stages
-    event loop <--token ids, Finished-- loop.call_soon_threadsafe(job.events.put_nowait, ..)
+    event loop <--Token, Finished-- loop.call_soon_threadsafe(job.events.put_nowait, ..)
 
 Only the engine thread touches the Pipeline (ZeroMQ sockets are not thread-safe). Idle, it
 waits on its command queue, and each IDLE_CHECK_S asks the Pipeline to check the stages (so a
@@ -34,7 +34,7 @@ from typing import Callable
 
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling import SamplingParams, TokenLogprob
 from strata.coordinator.draft_choice import DraftChoice
 from strata.coordinator.scheduler import (DecodeWindow, Request, Scheduler, SchedulerConfig,
                                           SlotState)
@@ -50,6 +50,16 @@ class EngineDown(RuntimeError):
     """The engine cannot take requests: a stage failed, or the server is stopping."""
 
 
+@dataclass(frozen=True)
+class Token:
+    """A generated token, as a job's events carry it: its log-probability when the request
+    asks for them, and with the first token, the prompt's (a request that scores its prompt;
+    position 0's is None)."""
+    id: int
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
 @dataclass
 class Finished:
     """How a job ended; the last event on its queue."""
@@ -58,11 +68,13 @@ class Finished:
     text: str                # the generated text, cut before a stop string
     error: str | None = None
     down: bool = False       # the error is the engine's own (stages gone), not one window's
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # one per generated token
+    prompt_logprobs: list[TokenLogprob | None] | None = None    # as Token's
 
 
 @dataclass
 class Job:
-    """One generation request as the server sees it. `events` receives each generated token id,
+    """One generation request as the server sees it. `events` receives each generated Token,
     then one Finished. Fields after `events` are written by the engine thread only."""
     id: str
     prompt: list[int]
@@ -352,12 +364,17 @@ class Engine:
         job.last_token, job.tokens = now, job.tokens + 1
         if self.metrics:
             self.metrics.generated_tokens.inc()
-        job.post(token)
+        seq = job.request.seq
+        prompt = (list(seq.prompt_logprobs) if job.tokens == 1
+                  and seq.params.prompt_logprobs is not None else None)
+        job.post(Token(token, seq.logprobs[-1] if seq.params.logprobs is not None else None,
+                       prompt))
 
     def _on_done(self, job: Job, req: Request) -> None:
         seq = req.seq
+        prompt = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
         self._end(job, Finished(seq.finish_reason, list(seq.generated), seq.final_text(),
-                                req.error))
+                                req.error, logprobs=list(seq.logprobs), prompt_logprobs=prompt))
 
     def _end(self, job: Job, fin: Finished) -> None:
         if job.finished:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from strata.coordinator.pipeline import Pipeline
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling import SamplingParams, TokenLogprob
 from strata.coordinator.windows import (DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS, Row,
                                         build_window, prompt_chunks)
 
@@ -29,6 +29,10 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "error"
+    # with params.logprobs: each generated token's (TokenLogprob); with params.prompt_logprobs:
+    # each prompt position's (None at position 0, which nothing predicts), as windows land
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.prompt:
@@ -37,6 +41,12 @@ class Sequence:
             raise RequestError(f"the prompt has {len(self.prompt)} tokens, which does not leave "
                                f"room to generate in a context of {self.ctx}; shorten the prompt "
                                f"or raise --ctx-size")
+        # the tokens that end the output: the model's end of text (unless ignore_eos) and the
+        # request's stop_token_ids; none of them is part of the output
+        self.stops = ((frozenset() if self.params.ignore_eos else self.stop_ids)
+                      | frozenset(self.params.stop_token_ids))
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt)
 
     @property
     def length(self) -> int:
@@ -47,12 +57,31 @@ class Sequence:
     def last_token(self) -> int:
         return self.generated[-1] if self.generated else self.prompt[-1]
 
-    def accept(self, token: int) -> bool:
-        """Take a sampled token; True when the sequence has ended."""
-        if token in self.stop_ids:
+    def sampled_row(self, slot: int, position: int, token: int) -> Row:
+        """The row at `position` (reading `token`) that samples the token at position + 1:
+        while fewer than min_tokens tokens come before that one in the output, it may not
+        sample a stop token."""
+        early = position + 1 - len(self.prompt) < self.params.min_tokens
+        return Row(slot, position, token, self.params, len(self.prompt),
+                   self.stops if early else frozenset())
+
+    def scored_row(self, slot: int, position: int) -> Row:
+        """Prompt row `position`; with prompt_logprobs, it reports the next prompt token's
+        log-probability (none for the last prompt row, which samples)."""
+        top = self.params.prompt_logprobs
+        score = ((self.prompt[position + 1], top)
+                 if top is not None and position + 1 < len(self.prompt) else None)
+        return Row(slot, position, self.prompt[position], score=score)
+
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Take a sampled token (and its log-probability, with params.logprobs); True when the
+        sequence has ended."""
+        if token in self.stops:
             self.finish_reason = "stop"
             return True
         self.generated.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         self.on_token(token)
         if self.params.stop:
             self.text = self.detokenize(self.generated)
@@ -96,8 +125,10 @@ def generate_solo(pipe: Pipeline, seq: Sequence, *, slot: int = 0,
         return result.tokens[0]
 
     token = None
-    for rows in prompt_chunks(slot, seq.prompt, 0, chunk_rows, params):
+    chunks = prompt_chunks(slot, seq.prompt, 0, chunk_rows, params)
+    chunks[-1][-1] = seq.sampled_row(slot, len(seq.prompt) - 1, seq.prompt[-1])
+    for rows in chunks:
         token = run(rows, chunk_rows, chunk=True)
     while not seq.accept(token):
-        token = run([Row(slot, seq.length - 1, seq.last_token, params)], window_rows)
+        token = run([seq.sampled_row(slot, seq.length - 1, seq.last_token)], window_rows)
     return seq

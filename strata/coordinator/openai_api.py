@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from strata.coordinator import request_fields as fields
 from strata.coordinator.request_fields import ApiError
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
+                                         SamplingParams)
 
 COMPLETIONS_MAX_TOKENS = 16   # OpenAI's (and vLLM's) default for /v1/completions
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -26,11 +27,14 @@ class Parsed:
     params: SamplingParams      # with a concrete seed
     stream: bool
     include_usage: bool
+    echo: bool = False          # completions: the prompt comes before the completion
+    echo_text: str | None = None   # the prompt's text as given (None: given as token ids)
 
 
 # --- sampling ---------------------------------------------------------------------------------
 
 TEMPERATURE_MIN, TEMPERATURE_MAX = 1e-6, 100.0   # for a positive temperature (0 is greedy)
+REPETITION_MAX = 100.0
 
 
 def _sampling(body: dict, vocab: int) -> dict:
@@ -57,7 +61,43 @@ def _sampling(body: dict, vocab: int) -> dict:
     seed = fields.integer(body, "seed", None, "1234", 0, 2**64 - 1,
                           "use a non-negative integer below 2**64")
     return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                stop=fields.stop(body))
+                stop=fields.stop(body), **_penalties(body, vocab))
+
+
+def _penalties(body: dict, vocab: int) -> dict:
+    """SamplingParams' penalties, biases and stop tokens (min_tokens: checked in parse)."""
+    out = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        out[name] = fields.number(body, name, 0.0, "0.5")
+        if not -2 <= out[name] <= 2:
+            raise fields.bad(name, f"{name} {out[name]:g} is outside [-2, 2]; use 0 to turn it "
+                                   f"off")
+    out["repetition_penalty"] = fields.number(body, "repetition_penalty", 1.0, "1.1")
+    if not 0 < out["repetition_penalty"] <= REPETITION_MAX:
+        raise fields.bad("repetition_penalty", f"repetition_penalty "
+                                               f"{out['repetition_penalty']:g} is outside (0, "
+                                               f"{REPETITION_MAX:g}]; use 1 to turn it off, or "
+                                               f"a value such as 1.1")
+    out["logit_bias"] = fields.logit_bias(body, vocab, MAX_LOGIT_BIAS)
+    out["ignore_eos"] = fields.boolean(body, "ignore_eos", False)
+    out["stop_token_ids"] = fields.stop_token_ids(body, vocab, MAX_STOP_TOKEN_IDS)
+    return out
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top tokens to report with each token's log-probability (None: none reported):
+    chat's logprobs (a boolean) and top_logprobs, completions' logprobs (a number)."""
+    if not chat:
+        return fields.integer(body, "logprobs", None, "5", 0, MAX_TOP_LOGPROBS,
+                              f"give 0 to {MAX_TOP_LOGPROBS} (the most likely tokens reported "
+                              f"at each position), or null for none")
+    wanted = fields.boolean(body, "logprobs", False)
+    top = fields.integer(body, "top_logprobs", None, "5", 0, MAX_TOP_LOGPROBS,
+                         f"give 0 to {MAX_TOP_LOGPROBS}")
+    if top is not None and not wanted:
+        raise fields.bad("top_logprobs", "top_logprobs needs \"logprobs\": true; add it, or "
+                                         "remove top_logprobs")
+    return (top or 0) if wanted else None
 
 
 # --- prompts ----------------------------------------------------------------------------------
@@ -176,9 +216,12 @@ def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int,
                                            "the rest")
     include_usage = stream and fields.boolean(opts or {}, "include_usage", False)
     knobs = _sampling(body, vocab)
+    logprobs = _logprobs(body, chat)
+    echo = not chat and fields.boolean(body, "echo", False)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    max_tokens = fields.integer(body, name, None, "64", 1, None, "ask for at least one token")
+    max_tokens = fields.integer(body, name, None, "64", 0 if echo else 1, None,
+                                "ask for at least one token (0 only with \"echo\": true)")
     if max_tokens is not None and max_tokens > ctx:
         raise fields.bad(name, f"{name} is above this server's context of {ctx} tokens; lower "
                                f"{name}, or start strata-launch with a larger --ctx-size")
@@ -199,8 +242,20 @@ def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int,
                                f"the prompt, {max_tokens} for the completion); lower {name} to "
                                f"{ctx - len(prompt)} or less, shorten the prompt, or start "
                                f"strata-launch with a larger --ctx-size")
-    return Parsed(chat, prompt, SamplingParams(**knobs, max_tokens=max_tokens).with_seed(),
-                  stream, include_usage)
+    min_tokens = fields.integer(body, "min_tokens", 0, "4", 0, max_tokens,
+                                f"give at most max_tokens ({max_tokens})")
+    # echo with logprobs scores the prompt too; with max_tokens 0 (the prompt only) it is
+    # scored, reported or not
+    prompt_logprobs = None
+    if echo and (logprobs is not None or not max_tokens):
+        prompt_logprobs = logprobs or 0
+    params = SamplingParams(**knobs, max_tokens=max_tokens, min_tokens=min_tokens,
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    given = body["prompt"] if echo else None
+    if isinstance(given, list) and len(given) == 1:
+        given = given[0]
+    return Parsed(chat, prompt, params.with_seed(), stream, include_usage, echo,
+                  given if isinstance(given, str) else None)
 
 
 # --- streamed text ---------------------------------------------------------------------------
@@ -275,8 +330,8 @@ def usage(prompt: int, completion: int) -> dict:
 
 
 def response(job_id: str, model: str, p: Parsed, text: str, finish: str, generated: int,
-             created: int) -> dict:
-    choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+             created: int, logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     if p.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -287,9 +342,10 @@ def response(job_id: str, model: str, p: Parsed, text: str, finish: str, generat
 
 
 def chunk(job_id: str, model: str, p: Parsed, created: int, text: str | None = None,
-          finish: str | None = None, role: bool = False, usage_of: tuple[int, int] | None = None
-          ) -> dict:
-    """One stream chunk: a text delta, the finish, or (usage_of) the usage after the finish."""
+          finish: str | None = None, role: bool = False, usage_of: tuple[int, int] | None = None,
+          logprobs: dict | None = None) -> dict:
+    """One stream chunk: a text delta (with its tokens' logprobs object), the finish, or
+    (usage_of) the usage after the finish."""
     out = {"id": job_id, "object": "chat.completion.chunk" if p.chat else "text_completion",
            "created": created, "model": model, "seed": p.params.seed}
     if usage_of is not None:
@@ -299,10 +355,10 @@ def chunk(job_id: str, model: str, p: Parsed, created: int, text: str | None = N
         delta = {"role": "assistant", "content": ""} if role else \
             ({"content": text} if text else {})
         out["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish,
-                           "logprobs": None}]
+                           "logprobs": logprobs}]
     else:
         out["choices"] = [{"index": 0, "text": text or "", "finish_reason": finish,
-                           "logprobs": None}]
+                           "logprobs": logprobs}]
     return out
 
 

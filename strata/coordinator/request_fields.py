@@ -29,10 +29,12 @@ STOP_MAX_CHARS = 256   # characters of one stop string
 
 # fields a route reads; the rest of a body must be in NO_OP
 HONOURED = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
-            "min_p", "seed", "stop",
+            "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids",
+            "logprobs",
             "user", "safety_identifier", "prompt_cache_key"}  # identifiers, no effect here
-COMPLETIONS = HONOURED | {"prompt"}
-CHAT = HONOURED | {"messages", "max_completion_tokens"}
+COMPLETIONS = HONOURED | {"prompt", "echo"}
+CHAT = HONOURED | {"messages", "max_completion_tokens", "top_logprobs"}
 
 _repr = reprlib.Repr()   # a value as a message shows it: short, however long or deep
 _repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlong = 2, 40, 40, 40
@@ -48,18 +50,11 @@ def _off(*values):
 NO_OP = {
     "n": (_off(1), "strata returns one choice per request; send several requests instead"),
     "best_of": (_off(1), "remove 'best_of'"),
-    "logprobs": (_off(False), "logprobs are not supported yet (the last stage returns token "
-                              "ids only); remove 'logprobs' and 'top_logprobs'"),
-    "top_logprobs": (_off(0), "logprobs are not supported yet; remove 'top_logprobs'"),
-    "echo": (_off(False), "remove 'echo' (the prompt is yours already)"),
+    # completions take logprobs: N; chat takes top_logprobs (with logprobs: true)
+    "top_logprobs": (lambda v: False, "/v1/completions takes 'logprobs': N (the top N tokens "
+                                      "at each position); remove 'top_logprobs'"),
+    "echo": (_off(False), "echo is taken by /v1/completions only; remove it"),
     "suffix": (_off(""), "suffix (fill-in-the-middle) is not supported; remove 'suffix'"),
-    "presence_penalty": (_off(0, 0.0), "remove it or set it to 0"),
-    "frequency_penalty": (_off(0, 0.0), "remove it or set it to 0"),
-    "repetition_penalty": (_off(1, 1.0), "remove it or set it to 1"),
-    "logit_bias": (lambda v: v == {}, "remove 'logit_bias'"),
-    "ignore_eos": (_off(False), "remove 'ignore_eos' (generation stops at the end of text)"),
-    "min_tokens": (_off(0), "remove 'min_tokens'"),
-    "stop_token_ids": (lambda v: v == [], "remove 'stop_token_ids'; give 'stop' strings"),
     "tools": (lambda v: v == [], "function calling is not supported; remove 'tools'"),
     "functions": (lambda v: v == [], "function calling is not supported; remove 'functions'"),
     "tool_choice": (_off("none"), "function calling is not supported; remove 'tool_choice'"),
@@ -183,3 +178,46 @@ def stop(body: dict) -> tuple[str, ...]:
                               f"{STOP_MAX_CHARS}")
         text("stop", s)
     return tuple(stops)
+
+
+def token_id(name: str, v, vocab: int) -> int:
+    """A token id of the vocabulary (an integer, or for a JSON object's key its decimal text)."""
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise wrong_type(name, "token ids", v, "[2]" if name != "logit_bias" else "{\"2\": -100}")
+    if not 0 <= v < vocab:
+        raise bad(name, f"token id {shown(v)} in '{name}' is outside the vocabulary [0, {vocab})")
+    return v
+
+
+def logit_bias(body: dict, vocab: int, most: int) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias in [-100, 100]}, at most `most` entries, in token order."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise wrong_type("logit_bias", "an object of token ids to biases", v, "{\"2\": -100}")
+    if len(v) > most:
+        raise bad("logit_bias", f"'logit_bias' has {len(v)} entries; give at most {most}")
+    out = {}
+    for key, b in v.items():
+        t = token_id("logit_bias", key, vocab)
+        b = number({"logit_bias": b}, "logit_bias", 0.0, "{\"2\": -100}")
+        if not -100 <= b <= 100:
+            raise bad("logit_bias", f"the bias {b:g} of token {t} is outside [-100, 100]")
+        if t in out:
+            raise bad("logit_bias", f"token {t} is given twice in 'logit_bias'; give it once")
+        out[t] = b
+    return tuple(sorted(out.items()))
+
+
+def stop_token_ids(body: dict, vocab: int, most: int) -> tuple[int, ...]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise wrong_type("stop_token_ids", "an array of token ids", v, "[2]")
+    if len(v) > most:
+        raise bad("stop_token_ids", f"'stop_token_ids' holds {len(v)} ids; give at most {most}")
+    return tuple(sorted({token_id("stop_token_ids", t, vocab) for t in v}))

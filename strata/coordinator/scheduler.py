@@ -64,13 +64,19 @@ from strata.coordinator.drafts import PromptLookup, count_positions, draft_limit
 from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.rebuild import decoded_rows, start_rebuild
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling import SamplingParams, TokenLogprob
 from strata.coordinator.scheduler_state import (  # noqa: F401 (the state types re-exported)
     DecodeWindow, Flight, Group, Request, RowOwner, SchedulerSnapshot, SlotState)
 from strata.coordinator.slots import Slot, SlotTable
 from strata.coordinator.windows import Row, build_window
 
 log = logging.getLogger("strata.scheduler")
+
+
+def token_logprob(token: int, entry: tuple[float, list[int], list[float]]) -> TokenLogprob:
+    """A Result's log-probability entry (logprob, top ids, top logprobs) of `token`."""
+    logprob, ids, values = entry
+    return TokenLogprob(token, logprob, tuple(zip(ids, values)))
 
 CHUNKS_FIRST = 8   # prompt chunks sent in a row while the decode window can grow
 
@@ -173,27 +179,44 @@ class Scheduler:
         now = self.clock()   # times the group's decode windows (draft_choice.py)
         self.groups[flight.group].drafts.landed(now, self.landed_at)
         self.landed_at = now
+        if (len(result.tokens) != sum(o.sampled for o in flight.owners)
+                or len(result.logprobs) != sum(o.logprobs for o in flight.owners)):
+            self._fail(flight, f"window {result.id} came back with {len(result.tokens)} tokens "
+                               f"and {len(result.logprobs)} log-probabilities, not what it "
+                               f"asked for", landed=False)   # (landed above)
+            return True
         sampled = iter(result.tokens)
+        scored = iter(zip(result.logprobs, result.top_ids, result.top_logprobs))
         proposals = {p[0]: p[1:] for p in result.proposals}   # slot -> d1..dk
         for o in flight.owners:
             tokens = [next(sampled) for _ in range(o.sampled)]
+            entries = [next(scored) for _ in range(o.logprobs)]
+            prompt, logprobs = entries[:len(o.scores)], entries[len(o.scores):]
             if o.request.cancelled:
                 self._release(o.slot, o.request, "cancelled")
-            elif tokens:
+                continue
+            seq = o.request.seq
+            for position, entry in zip(o.scores, prompt):
+                seq.prompt_logprobs[position] = token_logprob(seq.prompt[position], entry)
+            if tokens:
                 self._accept(o.slot, o.request, tokens, o.drafts,
-                             proposals.get(o.slot.index, []))
+                             proposals.get(o.slot.index, []),
+                             [token_logprob(t, e) for t, e in zip(tokens, logprobs)])
+            elif o.ends:
+                self._release(o.slot, o.request, "length")
         return True
 
     def _accept(self, slot: Slot, req: Request, tokens: list[int], drafts: list[int],
-                proposals: list[int] = ()) -> None:
+                proposals: list[int] = (), logprobs: list[TokenLogprob] = ()) -> None:
         """tokens[j] was sampled at position L + j (L: the sequence's length before); it
         counts while the drafts before it equal the tokens sampled at their positions.
         proposals: the drafter's for the positions after the tokens that count (the last
         stage accepts by the same equality), kept for the slot's next decode window. Draft
-        position i counts as proposed for i <= len(drafts), as accepted for i <= j."""
+        position i counts as proposed for i <= len(drafts), as accepted for i <= j.
+        logprobs: tokens[j]'s, when the request asks for them."""
         start = req.seq.length
         for j, token in enumerate(tokens):
-            done = req.seq.accept(token)
+            done = req.seq.accept(token, logprobs[j] if logprobs else None)
             if done or j == len(drafts) or drafts[j] != token:
                 break
         req.drafted += len(drafts)
@@ -218,7 +241,10 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.queue:
-            chosen = self.table.choose(self.queue[0].seq.prompt, self._group_load)
+            seq = self.queue[0].seq
+            # a request that scores its prompt reads all of it: a held prefix has no logits
+            chosen = self.table.choose(seq.prompt, self._group_load,
+                                       reuse=seq.params.prompt_logprobs is None)
             if chosen is None:
                 return
             slot, reuse = chosen
@@ -289,7 +315,7 @@ class Scheduler:
         rows, owners, propose = [], [], []
         for s, offered, n in zip(chosen, wants, shares):
             seq, drafts = s.request.seq, offered[:n]
-            rows += [Row(s.index, seq.length - 1 + j, t, seq.params)
+            rows += [seq.sampled_row(s.index, seq.length - 1 + j, t)
                      for j, t in enumerate([seq.last_token] + drafts)]
             owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
             propose += self._propose(s, len(chosen))
@@ -314,12 +340,14 @@ class Scheduler:
             self._submit_rebuild(group, slot)
             return
         end = min(start + self.cfg.chunk_rows, len(seq.prompt))
-        rows = [Row(slot.index, p, seq.prompt[p]) for p in range(start, end)]
+        rows = [seq.scored_row(slot.index, p) for p in range(start, end)]
+        scores = tuple(r.position + 1 for r in rows if r.score is not None)
         # the prompt's last row samples the first token, unless that was sampled before a
-        # rebuild
-        last = end == len(seq.prompt) and not slot.rebuild
+        # rebuild, or the request asks for none (max_tokens 0: it ends with its prompt)
+        ends = end == len(seq.prompt) and not slot.rebuild
+        last = ends and seq.params.max_tokens > 0
         if last:
-            rows[-1] = Row(slot.index, end - 1, seq.prompt[end - 1], seq.params)
+            rows[-1] = seq.sampled_row(slot.index, end - 1, seq.prompt[end - 1])
         slot.read_pos = end
         slot.held.extend(seq.prompt[start:end])
         self.groups[group].streaming = slot if slot.reading else None
@@ -327,8 +355,8 @@ class Scheduler:
         decoding = sum(not s.free and not s.reading
                        for s in self.table.in_group(group))
         propose = self._propose(slot, min(decoding, self.cfg.window_rows)) if last else []
-        self._submit(group, rows, self.cfg.chunk_rows, [RowOwner(slot, slot.request, int(last))],
-                     chunk=True, propose=propose)
+        owner = RowOwner(slot, slot.request, int(last), scores=scores, ends=ends and not last)
+        self._submit(group, rows, self.cfg.chunk_rows, [owner], chunk=True, propose=propose)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Draft tokens on offer for the request's next window: at most `room`, within the

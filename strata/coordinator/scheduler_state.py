@@ -40,11 +40,22 @@ class Request:
 @dataclass(frozen=True)
 class RowOwner:
     """A slot's rows in a window in flight: the request they serve, how many of them sample
-    (0 for a prompt chunk before the last), and the draft tokens those sampled rows verify."""
+    (0 for a prompt chunk before the last), and the draft tokens those sampled rows verify.
+    Their log-probabilities come in row order: the prompt positions `scores` names (a
+    request that scores its prompt), then one per sampled row if the request asks for them.
+    `ends`: the window reads the end of a prompt that samples nothing (max_tokens 0)."""
     slot: Slot
     request: Request
     sampled: int
     drafts: list[int] = field(default_factory=list)
+    scores: tuple[int, ...] = ()
+    ends: bool = False
+
+    @property
+    def logprobs(self) -> int:
+        """The log-probabilities the rows report (Result.logprobs entries)."""
+        asks = self.request.seq.params.logprobs is not None
+        return len(self.scores) + (self.sampled if asks else 0)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from strata.coordinator.drafts import draft_counts
 from strata.coordinator.engine import Engine, EngineDown, Finished, Job
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.openai_api import ApiError
+from strata.coordinator.openai_logprobs import Logprobs, Spelling
 from strata.coordinator.request_fields import shown
 
 log = logging.getLogger("strata.server")
@@ -43,6 +44,7 @@ class Server:
         self.ctx = engine.cfg.ctx
         self.created = api.now()
         self.names = {cfg.model, *cfg.aliases}
+        self.spelling = Spelling(tok)   # tokens as logprobs objects show them
         metrics.watch(lambda: engine.queued,
                       lambda: sum(s.state != "idle" for s in engine.snapshot.slots),
                       lambda: 0.0 if self.health_error() else 1.0, engine.cfg.slots)
@@ -222,13 +224,26 @@ class Server:
         return ApiError(500, f"this request's window failed: {fin.error}",
                         code="stage_error")
 
+    def _logprobs(self, p: api.Parsed) -> Logprobs:
+        return Logprobs(self.spelling, p.chat, p.params.logprobs is not None)
+
+    def _echo(self, p: api.Parsed) -> str:
+        """The prompt's text, for echo: as given, or its token ids decoded."""
+        return p.echo_text if p.echo_text is not None else \
+            self.tok.decode(p.prompt, skip_special=False)
+
     async def _complete(self, job: Job, p: api.Parsed) -> web.Response:
         while not isinstance(fin := await job.events.get(), Finished):
             pass
         if fin.reason not in ("stop", "length"):
             raise self._failure(fin)
-        return web.json_response(api.response(job.id, self.cfg.model, p, fin.text, fin.reason,
-                                              len(fin.generated), api.now()))
+        tokens, entries = fin.generated, fin.logprobs
+        if p.echo and fin.prompt_logprobs is not None:
+            tokens, entries = p.prompt + tokens, fin.prompt_logprobs + entries
+        text = self._echo(p) + fin.text if p.echo else fin.text
+        return web.json_response(api.response(job.id, self.cfg.model, p, text, fin.reason,
+                                              len(fin.generated), api.now(),
+                                              self._logprobs(p).of(tokens, entries)))
 
     async def _stream(self, request: web.Request, job: Job, p: api.Parsed
                       ) -> web.StreamResponse:
@@ -241,27 +256,36 @@ class Server:
         async def send(obj) -> None:
             await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
+        logprobs, echo = self._logprobs(p), p.echo
         try:
             if p.chat:
                 await send(api.chunk(job.id, model, p, created, role=True))
             while True:
                 ev = await job.events.get()
-                delta = ""
+                if echo:   # the prompt first, once it is read (its logprobs come then)
+                    echo = False
+                    if not isinstance(ev, Finished) or ev.reason in ("stop", "length"):
+                        await send(api.chunk(job.id, model, p, created, self._echo(p),
+                                             logprobs=logprobs.of(p.prompt,
+                                                                  ev.prompt_logprobs or [])))
+                delta, tokens = "", []
                 while not isinstance(ev, Finished):  # every token already here: one chunk
-                    delta += text.push(ev)
+                    delta += text.push(ev.id)
+                    tokens.append(ev)
                     if job.events.empty():
                         break
                     ev = job.events.get_nowait()
+                lp = logprobs.of([t.id for t in tokens], [t.logprob for t in tokens])
                 if not isinstance(ev, Finished):
-                    if delta:
-                        await send(api.chunk(job.id, model, p, created, delta))
+                    if delta or lp:
+                        await send(api.chunk(job.id, model, p, created, delta, logprobs=lp))
                     continue
                 fin = ev
                 delta += text.finish(fin.text)
                 if text.sent != fin.text and fin.reason in ("stop", "length"):
                     log.warning("%s: streamed text differs from the final text", job.id)
-                if delta:
-                    await send(api.chunk(job.id, model, p, created, delta))
+                if delta or lp:
+                    await send(api.chunk(job.id, model, p, created, delta, logprobs=lp))
                 break
             if fin.reason in ("stop", "length"):
                 await send(api.chunk(job.id, model, p, created, finish=fin.reason))

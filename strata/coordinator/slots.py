@@ -52,20 +52,23 @@ class SlotTable:
     def in_group(self, group: int) -> list[Slot]:
         return [s for s in self.slots if s.group == group]
 
-    def choose(self, prompt: list[int],
-               group_load: Callable[[int], Any] | None = None) -> tuple[Slot, int] | None:
+    def choose(self, prompt: list[int], group_load: Callable[[int], Any] | None = None,
+               reuse: bool = True) -> tuple[Slot, int] | None:
         """A free slot for this prompt and how many of its tokens the slot already holds.
-        Prefers the longest held prefix; without one, a slot of the group with the least
-        `group_load` (compared as given; None: any group), and among those a never-used slot,
-        then the least recently used (so under light load every group's slots keep
-        conversations)."""
+        Prefers the longest held prefix (unless not `reuse`: then none is held); without one,
+        a slot of the group with the least `group_load` (compared as given; None: any
+        group), and among those a never-used slot, then the least recently used (so under
+        light load every group's slots keep conversations)."""
         free = [s for s in self.slots if s.free]
         if not free:
             return None
-        # at least one prompt token is read again: its row gives the logits of the first token
-        best = max(free, key=lambda s: (min(common_prefix(s.held, prompt), len(prompt) - 1),
-                                        -s.last_used))
-        reuse = min(common_prefix(best.held, prompt), len(prompt) - 1)
+
+        def held(s: Slot) -> int:
+            # at least one prompt token is read again: its row gives the first token's logits
+            return min(common_prefix(s.held, prompt), len(prompt) - 1) if reuse else 0
+
+        best = max(free, key=lambda s: (held(s), -s.last_used))
+        reuse = held(best)
         if reuse == 0:
             load = {g: group_load(g) if group_load else 0 for g in {s.group for s in free}}
             best = min(free, key=lambda s: (load[s.group], s.last_used))

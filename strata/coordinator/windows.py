@@ -6,6 +6,7 @@ the size: scheduler.py). Pad rows have slot -1.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from strata.coordinator.config import WINDOW_ROW_STEP
@@ -22,6 +23,10 @@ class Row:
     position: int
     token: int
     sample: SamplingParams | None = None  # sample the token for position + 1 from this row
+    prompt_len: int = 0          # a sampled row's: its slot's output begins at this position
+    held_back: frozenset[int] = frozenset()   # a sampled row's tokens it may not sample
+    score: tuple[int, int] | None = None   # (token, top): a prompt row reports the logprob of
+                                           # the next prompt token and of its top most likely
 
 
 def build_window(window_id: int, rows: list[Row], shape: int,
@@ -40,7 +45,12 @@ def build_window(window_id: int, rows: list[Row], shape: int,
                tokens=[r.token for r in rows] + [0] * pad,
                commits=[list(c) for c in commits],
                want_logits=want_logits, chunk=chunk, propose=[list(p) for p in propose])
+    sampled = [r.sample for r in rows if r.sample is not None]
+    penalties = any(p.penalised for p in sampled)
+    biases = any(p.logit_bias or r.held_back for r in rows if (p := r.sample) is not None)
     for i, r in enumerate(rows):
+        if r.score is not None:
+            _ask_logprobs(w, i, *r.score)
         if r.sample is None:
             continue
         p = r.sample
@@ -51,9 +61,28 @@ def build_window(window_id: int, rows: list[Row], shape: int,
         w.min_p.append(float(p.min_p))
         # the sampled token goes to position + 1: its draw is keyed by that position
         w.u.append(draw_uniform(p.seed, r.position + 1) if p.temperature > 0 else 0.0)
+        if penalties:
+            w.penalty.append([float(p.repetition_penalty), float(p.frequency_penalty),
+                              float(p.presence_penalty)] if p.penalised else [])
+            w.output_start.append(r.prompt_len)
+        if biases:
+            bias = dict(p.logit_bias) | dict.fromkeys(r.held_back, -math.inf)
+            w.bias_ids.append(sorted(bias))
+            w.bias.append([float(bias[t]) for t in sorted(bias)])
+        if p.logprobs is not None:
+            assert r.score is None, "a row reports one log-probability"
+            _ask_logprobs(w, i, -1, p.logprobs)
     if coupled and propose:
         w.propose_u = proposal_draws(rows, propose)
     return w
+
+
+def _ask_logprobs(w: Window, row: int, token: int, top: int) -> None:
+    """Window.logprob_rows: row i reports the log-probability of `token` (-1: the one it
+    samples) and of its `top` most likely tokens."""
+    w.logprob_rows.append(row)
+    w.logprob_tokens.append(token)
+    w.logprob_top.append(top)
 
 
 def proposal_draws(rows: list[Row], propose: list[tuple[int, int]]) -> list[list[float]]:

@@ -34,6 +34,24 @@ from strata.protocol.transport import is_loopback
 @click.option("--min-p", type=float, default=0.0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampling draws (random if unset).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="Divides a positive logit (multiplies a negative one) of each token in the "
+                   "prompt or the output, as transformers and vLLM do; 1 = off.")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+              help="Subtracted from a token's logit per occurrence in the output, in [-2, 2] "
+                   "(OpenAI's); 0 = off.")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+              help="Subtracted once from the logit of each token in the output, in [-2, 2] "
+                   "(OpenAI's); 0 = off.")
+@click.option("--logit-bias", multiple=True, metavar="ID=BIAS",
+              help="Added to token ID's logit, in [-100, 100] (repeatable).")
+@click.option("--min-tokens", type=int, default=0, show_default=True,
+              help="The end-of-text and --stop-token-id tokens are held back until this many "
+                   "tokens are generated.")
+@click.option("--ignore-eos", is_flag=True,
+              help="Go on past the model's end-of-text tokens (until --max-tokens).")
+@click.option("--stop-token-id", type=int, multiple=True,
+              help="A token id that ends the output, not part of it (repeatable).")
 @click.option("--external-stage", type=int, multiple=True,
               help="Don't spawn stage K: print its strata-worker command and wait for it "
                    "(with --listen: for it to join from another host).")
@@ -92,7 +110,8 @@ from strata.protocol.transport import is_loopback
               help="Serving: open connections from one client address; more get a 503.")
 @clean_errors("strata-launch")
 def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
-         external_stage, listen, join_timeout, cluster, log_dir, keys, insecure,
+         repetition_penalty, frequency_penalty, presence_penalty, logit_bias, min_tokens,
+         ignore_eos, stop_token_id, external_stage, listen, join_timeout, cluster, log_dir, keys, insecure,
          restart_stages, verbose, host, port, api_key, read_timeout, max_connections,
          max_client_connections, **launch):
     """Run a GGUF model split across stage processes and print the generated text; without
@@ -100,7 +119,12 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                            seed=seed, max_tokens=max_tokens, stop=tuple(stop)).with_seed()
+                            seed=seed, max_tokens=max_tokens, stop=tuple(stop),
+                            repetition_penalty=repetition_penalty,
+                            frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty,
+                            logit_bias=parse_logit_bias(logit_bias), min_tokens=min_tokens,
+                            ignore_eos=ignore_eos, stop_token_ids=stop_token_id).with_seed()
     if join_timeout is not None and not join_timeout > 0:
         raise PlanError(f"--join-timeout {join_timeout:g} is no duration; give a number of "
                         f"seconds above 0, or leave it out to wait for ever")
@@ -131,6 +155,12 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
     check_security(keys, insecure, prep, stages)
     stages.update(keys=keys, insecure=insecure)
     tok = Tokenizer.from_gguf(prep.file.reader)
+    vocab = prep.file.config.vocab
+    for flag, t in ([("--logit-bias", t) for t, _ in params.logit_bias]
+                    + [("--stop-token-id", t) for t in params.stop_token_ids]):
+        if t >= vocab:
+            raise PlanError(f"{flag} names token {t}, outside the model's vocabulary [0, "
+                            f"{vocab})")
     if prompt is None:
         limits = dict(read_timeout=read_timeout, max_connections=max_connections,
                       max_client_connections=max_client_connections)
@@ -152,6 +182,19 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
                   if prep.sched.draft_tokens else "")
         say(f"[{len(ids)} prompt tokens, {len(req.seq.generated)} generated, {drafts}"
             f"finish: {req.seq.finish_reason}, seed {params.seed}]")
+
+
+def parse_logit_bias(given: tuple[str, ...]) -> tuple[tuple[int, float], ...]:
+    """--logit-bias ID=BIAS, repeatable, as SamplingParams.logit_bias."""
+    out = []
+    for item in given:
+        token, _, bias = item.partition("=")
+        try:
+            out.append((int(token), float(bias)))
+        except ValueError:
+            raise PlanError(f"--logit-bias {item!r} is not ID=BIAS; give e.g. --logit-bias "
+                            f"2=-100") from None
+    return tuple(sorted(out))
 
 
 def restartable(prep, prompt, external_stage, stage_link):

@@ -101,6 +101,7 @@ def _byte_alphabet() -> dict[int, str]:
 
 _BYTE_SPELLING = _byte_alphabet()
 _BYTE_CHARS = frozenset(_BYTE_SPELLING.values())
+_BYTE_OF = {c: b for b, c in _BYTE_SPELLING.items()}
 
 
 def _byte_level_spelling(token: str) -> str:
@@ -221,9 +222,13 @@ class Tokenizer:
         add_bos: bool,
         stop_ids: frozenset[int],
         chat_template: str | None,
+        byte_level: bool = True,
+        types: list[int] | None = None,
     ) -> None:
         self._backend = backend
         self._tokens = tokens  # GGUF spelling of each id, for the template's bos/eos strings
+        self._byte_level = byte_level  # byte-level BPE spellings (else SentencePiece pieces)
+        self._types = types or [1] * len(tokens)
         self._eos_id = eos_id
         self._bos_id = bos_id
         self._add_bos = add_bos
@@ -305,6 +310,8 @@ class Tokenizer:
                 if i is not None
             ),
             chat_template=_field(reader, "tokenizer.chat_template"),
+            byte_level=model == "gpt2",
+            types=types,
         )
 
     @property
@@ -336,6 +343,20 @@ class Tokenizer:
         """Text of `ids`; control tokens are dropped when `skip_special`. Bytes that do not form
         whole UTF-8 characters (a cut-off multi-byte token) come out as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token spells (part of a UTF-8 character, for some): a control or
+        user-defined token its text; a byte-level one its bytes; a SentencePiece piece its
+        text with U+2581 as a space, a byte-fallback piece (<0x0A>) its byte."""
+        text = self._tokens[token_id]
+        if self._types[token_id] not in (_CONTROL, _USER_DEFINED):
+            if self._byte_level and _BYTE_CHARS.issuperset(text):
+                return bytes(_BYTE_OF[c] for c in text)
+            if not self._byte_level:
+                if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                    return bytes([int(text[3:5], 16)])
+                text = text.replace("\u2581", " ")
+        return text.encode("utf-8")
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]) through the

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Callable
 
-PROTOCOL_VERSION = 2   # 2: Heartbeat, and Hello.listen
+PROTOCOL_VERSION = 3   # 2: Heartbeat, and Hello.listen; 3: penalties, biases and logprobs
 
 
 class ProtocolError(ValueError):
@@ -73,6 +73,22 @@ class Window:
     # positions after the one the slot's last row samples, for coupled proposals; an entry []
     # asks for argmax proposals (see strata/stage_worker/drafter.py)
     propose_u: list[list[float]] = field(default_factory=list)
+    # Per sampled row (parallel to `sample_rows`, or empty: none for any row), applied to its
+    # logits before temperature and the filters (strata/kernels/penalties.py):
+    # [repetition, frequency, presence] or [] (none for this row); output_start: the position
+    # where the slot's output begins (frequency and presence count the tokens at positions
+    # [output_start, row's position], repetition those at [0, row's position]); bias_ids and
+    # bias: added to those tokens' logits (-inf: the row may not sample them)
+    penalty: list[list[float]] = field(default_factory=list)
+    output_start: list[int] = field(default_factory=list)
+    bias_ids: list[list[int]] = field(default_factory=list)
+    bias: list[list[float]] = field(default_factory=list)
+    # rows whose log-probabilities the last stage reports (Result.logprobs), any live rows:
+    # of the token logprob_tokens names (-1: the token the row samples) and of the row's
+    # logprob_top most likely tokens, in the model's own distribution (before any of the above)
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_tokens: list[int] = field(default_factory=list)
+    logprob_top: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         n = len(self.slots)
@@ -89,6 +105,22 @@ class Window:
         if self.propose_u and len(self.propose_u) != len(self.propose):
             raise ProtocolError(f"window {self.id}: propose_u and propose differ in length; "
                                 f"send one propose_u entry per proposal request, or none")
+        for name in ("penalty", "output_start", "bias_ids", "bias"):
+            if getattr(self, name) and len(getattr(self, name)) != m:
+                raise ProtocolError(f"window {self.id}: {name} has an entry per sampled row, "
+                                    f"or none")
+        if any(p and len(p) != 3 for p in self.penalty):
+            raise ProtocolError(f"window {self.id}: a penalty entry is not [] or [repetition, "
+                                f"frequency, presence]")
+        if len(self.bias) != len(self.bias_ids) or any(
+                len(i) != len(b) for i, b in zip(self.bias_ids, self.bias)):
+            raise ProtocolError(f"window {self.id}: bias_ids and bias differ in length")
+        k = len(self.logprob_rows)
+        if len(self.logprob_tokens) != k or len(self.logprob_top) != k:
+            raise ProtocolError(f"window {self.id}: logprob_rows, logprob_tokens and "
+                                f"logprob_top differ in length")
+        if any(not 0 <= r < n or self.slots[r] < 0 for r in self.logprob_rows):
+            raise ProtocolError(f"window {self.id}: a logprob row is out of range or a pad row")
         for (slot, k), us in zip(self.propose, self.propose_u):
             if us and (len(us) != k or not all(0.0 <= u < 1.0 for u in us)):
                 raise ProtocolError(f"window {self.id}: slot {slot}'s propose_u entry must be "
@@ -103,6 +135,11 @@ class Result:
     tokens: list[int]
     stage_ms: list[float] = field(default_factory=list)
     proposals: list[list[int]] = field(default_factory=list)  # [slot, d1, ..., dk] per propose
+    # per Window.logprob_rows entry: the token's log-probability, and the row's most likely
+    # tokens with theirs (most likely first, ties by token id)
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -210,8 +247,12 @@ SCHEMAS: dict[type, dict[str, Kind]] = {
     Window: {"id": INT, "slots": INTS, "positions": INTS, "tokens": INTS, "commits": PAIRS,
              "sample_rows": INTS, "temperature": FLOATS, "top_k": INTS, "top_p": FLOATS,
              "min_p": FLOATS, "u": FLOATS, "want_logits": BOOL, "chunk": BOOL,
-             "stage_ms": FLOATS, "propose": PAIRS, "propose_u": FLOAT_LISTS},
-    Result: {"id": INT, "tokens": INTS, "stage_ms": FLOATS, "proposals": PAIRS},
+             "stage_ms": FLOATS, "propose": PAIRS, "propose_u": FLOAT_LISTS,
+             "penalty": FLOAT_LISTS, "output_start": INTS, "bias_ids": PAIRS,
+             "bias": FLOAT_LISTS, "logprob_rows": INTS, "logprob_tokens": INTS,
+             "logprob_top": INTS},
+    Result: {"id": INT, "tokens": INTS, "stage_ms": FLOATS, "proposals": PAIRS,
+             "logprobs": FLOATS, "top_ids": PAIRS, "top_logprobs": FLOAT_LISTS},
     Error: {"stage": INT, "window": INT, "message": STR},
     Heartbeat: {"seq": INT, "stage": INT},
     Shutdown: {"reason": STR},

@@ -2,8 +2,11 @@
 sentence (RowError) and leaves the KV cache as it was."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from strata.kernels.logprobs import MAX_TOP
 from strata.kernels.policy import MAX_DECODE_ROWS
 from strata.model.gguf_file import ModelConfig
 from strata.protocol.messages import Window
@@ -17,15 +20,17 @@ class RowError(ValueError):
 
 
 def check_window(w: Window, tensors: list[np.ndarray], cfg: WorkerConfig, model: ModelConfig,
-                 first: bool, filled: list[int]) -> None:
-    """Raises RowError unless stage `cfg` (its model's first stage or not; slot s holding
-    positions [0, filled[s])) can run window w with these activation frames."""
-    _check_rows(w, cfg, model, first)
+                 first: bool, filled: list[int], last: bool = False) -> None:
+    """Raises RowError unless stage `cfg` (its model's first stage or not, its last or not;
+    slot s holding positions [0, filled[s])) can run window w with these activation frames."""
+    _check_rows(w, cfg, model, first or last)
     _check_activations(w, tensors, cfg, model, first)
     _check_gaps(w, filled)
+    if last:
+        _check_sampling(w, model.vocab)
 
 
-def _check_rows(w: Window, c: WorkerConfig, model: ModelConfig, first: bool) -> None:
+def _check_rows(w: Window, c: WorkerConfig, model: ModelConfig, reads_tokens: bool) -> None:
     if not w.slots:
         raise RowError(f"window {w.id} has no rows; send at least one (pad rows have slot -1)")
     if not w.chunk and len(w.slots) > MAX_DECODE_ROWS:
@@ -36,7 +41,7 @@ def _check_rows(w: Window, c: WorkerConfig, model: ModelConfig, first: bool) -> 
             raise RowError(f"window {w.id}: slot {s} does not exist (this stage has {c.slots})")
         if s >= 0 and not 0 <= p < c.ctx:
             raise RowError(f"window {w.id}: position {p} is outside the context of {c.ctx}")
-        if s >= 0 and first and not 0 <= t < model.vocab:
+        if s >= 0 and reads_tokens and not 0 <= t < model.vocab:
             raise RowError(f"window {w.id}: token {t} is outside the vocabulary")
     if w.chunk and len({s for s in w.slots if s >= 0}) > 1:
         raise RowError(f"window {w.id} is marked as a prompt chunk but holds rows of several "
@@ -74,3 +79,35 @@ def _check_gaps(w: Window, filled: list[int]) -> None:
                 raise RowError(f"window {w.id}: slot {s} holds {reach[s]} positions, so "
                                f"position {p} would leave a gap")
             reach[s] = max(reach[s], p + 1)
+
+
+def _check_sampling(w: Window, vocab: int) -> None:
+    """The last stage's fields: penalties, biases and log-probabilities (their shapes are the
+    message's own checks)."""
+    if w.penalty and not w.output_start:
+        raise RowError(f"window {w.id} has penalties but no output_start; send one per "
+                       f"sampled row")
+    for j, r in enumerate(w.sample_rows):
+        penalty = w.penalty[j] if w.penalty else []
+        if penalty and not (all(math.isfinite(v) for v in penalty) and penalty[0] > 0):
+            raise RowError(f"window {w.id}: penalty {penalty} of row {r} is not finite "
+                           f"numbers with a repetition penalty above 0")
+        if w.output_start and not 0 <= w.output_start[j] <= w.positions[r] + 1:
+            raise RowError(f"window {w.id}: output_start {w.output_start[j]} of row {r} is "
+                           f"not within [0, its position + 1]")
+        ids = w.bias_ids[j] if w.bias_ids else []
+        if any(not 0 <= t < vocab for t in ids) or len(set(ids)) != len(ids):
+            raise RowError(f"window {w.id}: row {r}'s bias_ids are not distinct tokens of "
+                           f"the vocabulary")
+        if any(not (math.isfinite(b) or b == -math.inf) for b in (w.bias[j] if ids else [])):
+            raise RowError(f"window {w.id}: row {r}'s biases are not finite numbers or -inf")
+    sampled = set(w.sample_rows)
+    for r, t, top in zip(w.logprob_rows, w.logprob_tokens, w.logprob_top):
+        if not (0 <= t < vocab or (t == -1 and r in sampled)):
+            raise RowError(f"window {w.id}: logprob row {r} asks for token {t}; give a token "
+                           f"of the vocabulary, or -1 for a sampled row's own")
+        if not 0 <= top <= MAX_TOP:
+            raise RowError(f"window {w.id}: logprob row {r} asks for {top} top tokens; give "
+                           f"0 to {MAX_TOP}")
+    if len(set(w.logprob_rows)) != len(w.logprob_rows):
+        raise RowError(f"window {w.id} names a logprob row twice")

@@ -1,59 +1,141 @@
-"""What the last stage's head computed for a window's sampled rows, and the tokens it gives."""
+"""What the last stage's head computed for a window's sampled and scored rows, and the answer
+it gives: a token per sampled row, and log-probabilities where the window asks for them.
+
+For a window, in this order (each step per row: a row's answer never depends on the others):
+1. `penalised`: penalties and biases (kernels/penalties.py) on the logits of the sampled rows
+   that have any, from their slots' tokens (history.py); such a greedy row takes the argmax of
+   its penalised logits;
+2. the pick: greedy rows the argmax, rows with a temperature kernels/sampling.py's sampler
+   (its own temperature, filters and draw, over the penalised logits);
+3. the log-probabilities of Window.logprob_rows (kernels/logprobs.py), from the model's own
+   logits (before steps 1 and 2): of the token a row picked, or of a given one (the next
+   token of a prompt row, for a request that scores its prompt).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from strata.kernels.logprobs import row_logprobs
+from strata.kernels.penalties import apply_penalties
 from strata.kernels.sampling import (SamplingRow, filtered, pick_unfiltered, sample_rows,
                                      sample_rows_on_device, to_device)
 from strata.protocol.messages import Window
+from strata.stage_worker.history import SlotTokens
 
 
 @dataclass
 class HeadOutput:
-    """The head's output for the sampled rows of a window (on the device; static buffers of a
-    graph when graphed: read them before the next window)."""
-    logits: torch.Tensor | None  # fp32 [N, V]; None once the tokens are picked (tokens_to_host)
-    argmax: torch.Tensor         # [N] int64: the first index of each row's maximum; without
-                                 # logits, each row's token (sampled rows' included)
+    """The head's output for the sampled and scored rows of a window (on the device; static
+    buffers of a graph when graphed: read them before the next window)."""
+    logits: torch.Tensor | None  # fp32 [N, V] the sampler reads (penalised rows penalised);
+                                 # None once the tokens are picked (tokens_to_host)
+    argmax: torch.Tensor         # [N] int64: the first index of each row's maximum in
+                                 # `logits`; without logits, each sampled row's token
     rows: list[int]              # the index into logits / argmax of each sampled row, in order
+    scored: list[int] = field(default_factory=list)   # the index of each Window.logprob_rows
+    raw: torch.Tensor | None = None   # the model's logits where `logits` were penalised
+    # once picked on the device (tokens_to_host): per logprob row, on the host, (logprob [k]
+    # float64, top ids [k, T], top logprobs [k, T] float64), T the window's largest top
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def model_logits(self) -> torch.Tensor:
+        """The model's own logits [N, V] (before penalties and biases)."""
+        return self.raw if self.raw is not None else self.logits
 
     def tokens_to_host(self, w: Window) -> "HeadOutput":
         """The tokens of the window's sampled rows picked on the device, queued behind the
         window's kernels (greedy rows: the argmax; rows with a temperature:
         sample_rows_on_device, as sample_rows on CUDA; where none has top-k, top-p or min-p,
-        pick_unfiltered for every row in one call), and copied without waiting into
-        pinned host memory (read them once the device is past this point); the logits are
-        dropped. Nothing here waits for the device: the indices and parameters go to it from
-        pinned memory too."""
+        pick_unfiltered for every row in one call), and the log-probabilities the window asks
+        for, copied without waiting into pinned host memory (read them once the device is
+        past this point); the logits are dropped. Nothing here waits for the device: the
+        indices and parameters go to it from pinned memory too."""
+        tokens = self._picks_on_device(w)
+        pinned = tokens.is_cuda
+        logprobs = None
+        if self.scored:
+            logprobs = tuple(_to_host(t, pinned) for t in self._logprobs(w, tokens))
+        return HeadOutput(None, _to_host(tokens, pinned), list(range(len(self.rows))),
+                          logprobs=logprobs)
+
+    def _picks_on_device(self, w: Window) -> torch.Tensor:
+        """[n] int64 on the logits' device: each sampled row's token."""
         params = row_params(w)
         tempered = [j for j, p in enumerate(params) if p.temperature > 0.0]   # into self.rows
-        tokens, rows = self.argmax, self.rows
+        device = self.argmax.device
         if tempered and not any(filtered(params[j], self.logits.shape[-1]) for j in tempered):
             # every row at once (greedy ones too: temperature 0 takes the argmax), with one
             # copy to the device of each row's (index, temperature, draw)
             given = to_device(torch.tensor([[r, p.temperature, p.u]
-                                            for r, p in zip(rows, params)],
-                                           dtype=torch.float64), tokens.device)
-            tokens = pick_unfiltered(self.logits, given[:, 1], given[:, 2], rows=given[:, 0])
-            rows = list(range(len(rows)))
-        elif tempered:
-            # one copy of the indices: the sampled rows, the tempered ones, their places
-            n, m = len(rows), len(tempered)
-            index = to_device(rows + [rows[j] for j in tempered] + tempered, tokens.device)
-            picks = sample_rows_on_device(self.logits[index[n:n + m]],
-                                          [params[j] for j in tempered])
-            tokens = tokens[index[:n]].index_copy(0, index[n + m:], picks)
-            rows = list(range(n))
-        host = torch.empty(tokens.shape, dtype=torch.long, pin_memory=tokens.is_cuda)
-        host.copy_(tokens, non_blocking=tokens.is_cuda)
-        return HeadOutput(None, host, rows)
+                                            for r, p in zip(self.rows, params)],
+                                           dtype=torch.float64), device)
+            return pick_unfiltered(self.logits, given[:, 1], given[:, 2], rows=given[:, 0])
+        n = len(self.rows)
+        if not tempered:
+            return self.argmax[to_device(self.rows, device)] if n else self.argmax[:0]
+        # one copy of the indices: the sampled rows, the tempered ones, their places
+        m = len(tempered)
+        index = to_device(self.rows + [self.rows[j] for j in tempered] + tempered, device)
+        picks = sample_rows_on_device(self.logits[index[n:n + m]], [params[j] for j in tempered])
+        return self.argmax[index[:n]].index_copy(0, index[n + m:], picks)
+
+    def _logprobs(self, w: Window, tokens: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """row_logprobs of the window's logprob rows (on the logits' device), given the
+        sampled rows' tokens [n] on that device: a row that asks for the token it samples
+        (logprob_tokens -1) is one of them (checks.py)."""
+        device = tokens.device
+        sample_at = {r: j for j, r in enumerate(w.sample_rows)}
+        given = [[t, sample_at.get(r, 0)] for r, t in zip(w.logprob_rows, w.logprob_tokens)]
+        given = to_device(torch.tensor(given, dtype=torch.long).reshape(-1, 2).T, device)
+        targets = torch.where(given[0] >= 0, given[0], tokens[given[1]] if len(tokens)
+                              else given[0])
+        x = self.model_logits[to_device(self.scored, device)]
+        return row_logprobs(x, targets, max(w.logprob_top))
+
+
+def _to_host(t: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """A copy of t on the host, made without waiting (pinned memory) when t is on CUDA."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+    host.copy_(t, non_blocking=pinned)
+    return host
 
 
 def row_params(w: Window) -> list[SamplingRow]:
     return [SamplingRow(*p) for p in zip(w.temperature, w.top_k, w.top_p, w.min_p, w.u)]
+
+
+def penalised(head: HeadOutput | None, w: Window, history: SlotTokens) -> HeadOutput | None:
+    """The head's output with the window's penalties and biases applied to the logits of the
+    sampled rows that have any (and their argmax taken again); as it is when none has. The
+    window's rows must be in `history` already."""
+    js = [j for j in range(len(w.sample_rows))
+          if (w.penalty and w.penalty[j]) or (w.bias_ids and w.bias_ids[j])]
+    if head is None or not js:
+        return head
+    device, vocab = head.logits.device, head.logits.shape[-1]
+    at = to_device([head.rows[j] for j in js], device)
+    penalty = torch.tensor([(w.penalty[j] if w.penalty and w.penalty[j] else [1.0, 0.0, 0.0])
+                            for j in js], dtype=torch.float32)
+    counted = [j for j in js if w.penalty and w.penalty[j]]
+    # rows with a bias only: a neutral penalty over an empty history (history_counts' zeros)
+    seen, counts = (history.counts(w, js, vocab, device) if counted else
+                    (torch.zeros(len(js), vocab, dtype=torch.bool, device=device),
+                     torch.zeros(len(js), vocab, dtype=torch.int32, device=device)))
+    bias = None
+    if w.bias_ids and any(w.bias_ids[j] for j in js):
+        places = [(i, t, b) for i, j in enumerate(js) for t, b in zip(w.bias_ids[j], w.bias[j])]
+        rows, ids, values = zip(*places)
+        bias = (to_device(list(rows), device), to_device(list(ids), device),
+                to_device(list(values), device, torch.float32))
+    x = apply_penalties(head.logits[at], seen, counts, to_device(penalty, device, torch.float32),
+                        bias)
+    return replace(head, logits=head.logits.index_copy(0, at, x),
+                   argmax=head.argmax.index_copy(0, at, x.argmax(-1)), raw=head.model_logits)
 
 
 def head_tokens(head: HeadOutput | None, w: Window) -> list[int]:
@@ -75,8 +157,24 @@ def head_tokens(head: HeadOutput | None, w: Window) -> list[int]:
     return tokens
 
 
+def head_logprobs(head: HeadOutput | None, w: Window, tokens: list[int]
+                  ) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """Result.logprobs, top_ids and top_logprobs of the window's logprob rows (each row's top
+    cut to its own logprob_top), given the sampled rows' tokens; ([], [], []) when it asks
+    for none."""
+    if head is None or not w.logprob_rows:
+        return [], [], []
+    if head.logprobs is None:
+        on = to_device(tokens, head.argmax.device)
+        head = replace(head, logprobs=tuple(t.cpu() for t in head._logprobs(w, on)))
+    chosen, ids, values = (t.tolist() for t in head.logprobs)
+    return (chosen, [row[:k] for row, k in zip(ids, w.logprob_top)],
+            [row[:k] for row, k in zip(values, w.logprob_top)])
+
+
 def head_logits(head: HeadOutput | None, vocab: int) -> np.ndarray:
-    """fp32 logits [N, V] of the sampled rows, on the host ([0, V] without sampled rows)."""
-    if head is None:
+    """The model's fp32 logits [N, V] of the sampled rows, on the host ([0, V] without sampled
+    rows)."""
+    if head is None or not head.rows:
         return np.zeros((0, vocab), dtype=np.float32)
-    return head.logits[head.rows].cpu().numpy()
+    return head.model_logits[head.rows].cpu().numpy()

@@ -38,23 +38,28 @@ class WindowRunner:
         self.captures = 0  # graphs captured so far (evictions make this exceed the capacity)
 
     def run(self, inputs: torch.Tensor | list[int], rows: Rows, *, chunk: bool = False,
-            sample_rows: Sequence[int] = (), launching: Callable[[], None] = lambda: None
+            sample_rows: Sequence[int] = (), logprob_rows: Sequence[int] = (),
+            launching: Callable[[], None] = lambda: None
             ) -> tuple[torch.Tensor, HeadOutput | None]:
         """inputs: token ids (first stage: a list, or a tensor [R]) or hidden states [R, D],
         on any device. chunk: one slot's prompt rows (Window.chunk). sample_rows: the rows
-        whose tokens the window wants (last stage). Returns the hidden states [R, D] on the
-        model's device and, on the last stage with rows to sample, the head's output for them
-        (static buffers when graphed: read them before the next window). launching() is
-        called when the host work is done and the kernels are about to be queued (a trace's
-        GPU span starts there)."""
+        whose tokens the window wants, logprob_rows those whose log-probabilities it wants
+        (last stage). Returns the hidden states [R, D] on the model's device and, on the last
+        stage with such rows, the head's output for them (static buffers when graphed: read
+        them before the next window). launching() is called when the host work is done and
+        the kernels are about to be queued (a trace's GPU span starts there)."""
         hidden, window_head = self._layers(inputs, rows, chunk, launching)
-        if not (self.model.last and sample_rows):
+        wanted = sorted(set(sample_rows) | set(logprob_rows))
+        if not (self.model.last and wanted):
             return hidden, None
         if window_head is not None:   # every row's logits and argmax, from the window's graph
-            return hidden, HeadOutput(*window_head, rows=list(sample_rows))
+            return hidden, HeadOutput(*window_head, rows=list(sample_rows),
+                                      scored=list(logprob_rows))
         # the rows' indices from pinned memory: a pageable copy would wait for the window
-        logits, argmax = self.logits(hidden[to_device(list(sample_rows), hidden.device)])
-        return hidden, HeadOutput(logits, argmax, list(range(len(sample_rows))))
+        logits, argmax = self.logits(hidden[to_device(wanted, hidden.device)])
+        at = {r: i for i, r in enumerate(wanted)}
+        return hidden, HeadOutput(logits, argmax, [at[r] for r in sample_rows],
+                                  [at[r] for r in logprob_rows])
 
     # -- layers ----------------------------------------------------------------------------
 

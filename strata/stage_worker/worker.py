@@ -25,7 +25,9 @@ from strata.protocol.peers import PeerWatch
 from strata.stage_worker.checks import RowError, check_window
 from strata.stage_worker.config import WorkerConfig
 from strata.stage_worker.drafter import Drafter
-from strata.stage_worker.head import HeadOutput, head_logits, head_tokens
+from strata.stage_worker.head import (HeadOutput, head_logits, head_logprobs, head_tokens,
+                                     penalised)
+from strata.stage_worker.history import SlotTokens
 from strata.stage_worker.link import StageLink
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from strata.stage_worker.runner import WindowRunner
@@ -45,7 +47,7 @@ class PendingAnswer:
     """A last-stage window computed (or queued on the device) and not yet answered."""
     window: Window
     t0: float                    # when the window came (time.perf_counter)
-    head: HeadOutput | None      # None: no sampled rows
+    head: HeadOutput | None      # None: no sampled or scored rows
     done: torch.cuda.Event | None = None  # recorded after the head: the device is past it
     hidden: torch.Tensor | None = None    # the window's final hidden states, for the drafter
 
@@ -75,6 +77,8 @@ class StageWorker:
         self.cache = KVCache(cfg.layer_end - cfg.layer_start, cfg.slots, file.config, cfg.ctx,
                              self.model.device, self.model.dtype)
         self.runner = WindowRunner(self.model, self.cache, cfg.graph_cache)
+        # the last stage's record of each slot's tokens, for penalties (history.py)
+        self.history = SlotTokens(cfg.slots, cfg.ctx) if self.model.last else None
         # the last stage drafts with a NextN head: a sidecar, or the model file's own layer
         source = find_head(file, cfg.mtp_head, shipped=False) if self.model.last else None
         self.drafter = (Drafter(source, file, self.model, cfg.slots, cfg.ctx,
@@ -217,7 +221,7 @@ class StageWorker:
             receiving = self.link.recv(len(w.slots), self.model.cfg.d_model, self.model.dtype)
         try:
             check_window(w, tensors, self.cfg, self.model.cfg, self.model.first,
-                         self.cache.filled)
+                         self.cache.filled, last=self.model.last)
         except RowError:
             if receiving is not None:
                 receiving.wait()  # complete the transfer: the link stays in step
@@ -236,7 +240,11 @@ class StageWorker:
             self.trace.gpu_begin(w.id)
 
         hidden, head = self.runner.run(inputs, Rows(w.slots, w.positions), chunk=w.chunk,
-                                       sample_rows=w.sample_rows, launching=launching)
+                                       sample_rows=w.sample_rows, logprob_rows=w.logprob_rows,
+                                       launching=launching)
+        if self.model.last:   # the window's tokens, then what its penalties make of them
+            self.history.write(w)
+            head = penalised(head, w, self.history)
         # On CUDA, a last stage's tokens are picked on the device behind the window's kernels
         # (in its GPU span), unless the window wants its logits
         deferred = (self.model.last and self.model.device.type == "cuda"
@@ -306,11 +314,12 @@ class StageWorker:
         transport.send(self.to_next, w, frames)
 
     def _answer(self, a: PendingAnswer) -> None:
-        """The Result of a last-stage window: the tokens of its sampled rows (and their logits
-        if it wants them)."""
+        """The Result of a last-stage window: the tokens of its sampled rows, the
+        log-probabilities it asks for (and the logits if it wants them)."""
         if a.done is not None:
             a.done.synchronize()
         tokens = head_tokens(a.head, a.window)
+        logprobs = head_logprobs(a.head, a.window, tokens)
         w = a.window
         # the drafter's rows for what the window accepts, and the proposals it asks for:
         # computed here, so drafting costs no window and no round trip of its own
@@ -319,7 +328,8 @@ class StageWorker:
         extra = [head_logits(a.head, self.model.cfg.vocab)] if w.want_logits else []
         w.stage_ms.append((time.perf_counter() - a.t0) * 1e3)
         self.trace.mark(w.id, "sent")
-        transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms, proposals), extra)
+        transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms, proposals,
+                                                   *logprobs), extra)
 
     def _await_pending(self) -> None:
         """Answer the window in hand once the device has computed it, unless another window
