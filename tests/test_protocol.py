@@ -1,6 +1,8 @@
 """strata.protocol: one round trip per message type, malformed input, and real ZeroMQ sockets."""
 from __future__ import annotations
 
+import re
+
 import msgpack
 import numpy as np
 import pytest
@@ -64,8 +66,14 @@ MESSAGES = {
     "hello": _hello(),
     "window": _window(),
     "window-defaults": Window(id=0, slots=[3], positions=[0], tokens=[11]),
+    "window-penalties-logprobs": _window(
+        penalty=[[1.1, 0.5, -0.25], []], output_start=[8, 0], bias_ids=[[3, 17], []],
+        bias=[[-100.0, float("-inf")], []], logprob_rows=[1, 2], logprob_tokens=[250, -1],
+        logprob_top=[0, 20]),
     "result": Result(id=17, tokens=[42, 7], stage_ms=[0.25, 1.0, 3.5],
                      proposals=[[0, 9, 8, 7], [5, 4]]),
+    "result-logprobs": Result(id=17, tokens=[42], logprobs=[-0.5, -3.25],
+                              top_ids=[[], [42, 9]], top_logprobs=[[], [-0.125, -2.0]]),
     "error": Error(stage=2, window=17, message="window 17: position 9000 is outside the context"),
     "error-no-window": Error(stage=0, window=-1, message="malformed message: ünïcode ✓"),
     "heartbeat": Heartbeat(seq=12),
@@ -109,6 +117,18 @@ def test_window_round_trip_keeps_values_and_types():
     assert back.commits == [[0, 10], [2, 99]]
     assert back.want_logits is True
     assert all(type(x) is int for x in back.slots + back.positions + back.tokens + back.top_k)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"penalty": [[1.1, 0.0, 0.0]]}, "penalty has an entry per sampled row"),
+    ({"penalty": [[1.1, 0.0], []]}, "not [] or [repetition"),
+    ({"bias_ids": [[3], []], "bias": [[1.0, 2.0], []]}, "bias_ids and bias differ"),
+    ({"logprob_rows": [1], "logprob_tokens": [], "logprob_top": [0]}, "differ in length"),
+    ({"logprob_rows": [6], "logprob_tokens": [1], "logprob_top": [0]}, "pad row"),
+])
+def test_window_extras_of_the_wrong_shape_are_refused(extra, words):
+    with pytest.raises(ProtocolError, match=re.escape(words)):
+        _window(**extra)
 
 
 def test_window_with_activations_frame():
