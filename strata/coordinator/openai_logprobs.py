@@ -73,9 +73,11 @@ class Logprobs:
         self.spelling, self.chat, self.wanted = spelling, chat, wanted
         self.offset = 0
 
-    def of(self, tokens: list[int], entries: list[TokenLogprob | None]) -> dict | None:
-        """The object of `tokens` (None when not wanted, or for no token)."""
-        if not self.wanted or not tokens:
+    def of(self, tokens: list[int], entries: list[TokenLogprob | None], whole: bool = False
+           ) -> dict | None:
+        """The object of `tokens` (None when not wanted, or for a stream chunk of no token;
+        `whole`: the answer's, an object with empty lists then)."""
+        if not self.wanted or not (tokens or whole):
             return None
         if self.chat:
             return self.spelling.chat(entries)

@@ -243,7 +243,8 @@ class Server:
         text = self._echo(p) + fin.text if p.echo else fin.text
         return web.json_response(api.response(job.id, self.cfg.model, p, text, fin.reason,
                                               len(fin.generated), api.now(),
-                                              self._logprobs(p).of(tokens, entries)))
+                                              self._logprobs(p).of(tokens, entries,
+                                                                   whole=True)))
 
     async def _stream(self, request: web.Request, job: Job, p: api.Parsed
                       ) -> web.StreamResponse:
