@@ -94,7 +94,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     wanted = fields.boolean(body, "logprobs", False)
     top = fields.integer(body, "top_logprobs", None, "5", 0, MAX_TOP_LOGPROBS,
                          f"give 0 to {MAX_TOP_LOGPROBS}")
-    if top is not None and not wanted:
+    if top and not wanted:
         raise fields.bad("top_logprobs", "top_logprobs needs \"logprobs\": true; add it, or "
                                          "remove top_logprobs")
     return (top or 0) if wanted else None
@@ -221,7 +221,8 @@ def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int,
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = fields.integer(body, name, None, "64", 0 if echo else 1, None,
-                                "ask for at least one token (0 only with \"echo\": true)")
+                                "ask for at least one token" + ("" if chat else
+                                                                " (0 only with \"echo\": true)"))
     if max_tokens is not None and max_tokens > ctx:
         raise fields.bad(name, f"{name} is above this server's context of {ctx} tokens; lower "
                                f"{name}, or start strata-launch with a larger --ctx-size")

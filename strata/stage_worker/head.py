@@ -54,42 +54,41 @@ class HeadOutput:
         for, copied without waiting into pinned host memory (read them once the device is
         past this point); the logits are dropped. Nothing here waits for the device: the
         indices and parameters go to it from pinned memory too."""
-        tokens = self._picks_on_device(w)
+        tokens, rows = self._picks_on_device(w)
         pinned = tokens.is_cuda
         logprobs = None
         if self.scored:
-            logprobs = tuple(_to_host(t, pinned) for t in self._logprobs(w, tokens))
-        return HeadOutput(None, _to_host(tokens, pinned), list(range(len(self.rows))),
-                          logprobs=logprobs)
+            logprobs = tuple(_to_host(t, pinned) for t in self._logprobs(w, tokens, rows))
+        return HeadOutput(None, _to_host(tokens, pinned), rows, logprobs=logprobs)
 
-    def _picks_on_device(self, w: Window) -> torch.Tensor:
-        """[n] int64 on the logits' device: each sampled row's token."""
+    def _picks_on_device(self, w: Window) -> tuple[torch.Tensor, list[int]]:
+        """(tokens, rows) on the logits' device: sampled row j's token is tokens[rows[j]]."""
         params = row_params(w)
         tempered = [j for j, p in enumerate(params) if p.temperature > 0.0]   # into self.rows
-        device = self.argmax.device
-        if tempered and not any(filtered(params[j], self.logits.shape[-1]) for j in tempered):
+        if not tempered:   # the argmax of every row, as it is: no copy of indices
+            return self.argmax, self.rows
+        device, n = self.argmax.device, len(self.rows)
+        if not any(filtered(params[j], self.logits.shape[-1]) for j in tempered):
             # every row at once (greedy ones too: temperature 0 takes the argmax), with one
             # copy to the device of each row's (index, temperature, draw)
             given = to_device(torch.tensor([[r, p.temperature, p.u]
                                             for r, p in zip(self.rows, params)],
                                            dtype=torch.float64), device)
-            return pick_unfiltered(self.logits, given[:, 1], given[:, 2], rows=given[:, 0])
-        n = len(self.rows)
-        if not tempered:
-            return self.argmax[to_device(self.rows, device)] if n else self.argmax[:0]
+            return (pick_unfiltered(self.logits, given[:, 1], given[:, 2], rows=given[:, 0]),
+                    list(range(n)))
         # one copy of the indices: the sampled rows, the tempered ones, their places
         m = len(tempered)
         index = to_device(self.rows + [self.rows[j] for j in tempered] + tempered, device)
         picks = sample_rows_on_device(self.logits[index[n:n + m]], [params[j] for j in tempered])
-        return self.argmax[index[:n]].index_copy(0, index[n + m:], picks)
+        return self.argmax[index[:n]].index_copy(0, index[n + m:], picks), list(range(n))
 
-    def _logprobs(self, w: Window, tokens: torch.Tensor
+    def _logprobs(self, w: Window, tokens: torch.Tensor, rows: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """row_logprobs of the window's logprob rows (on the logits' device), given the
-        sampled rows' tokens [n] on that device: a row that asks for the token it samples
-        (logprob_tokens -1) is one of them (checks.py)."""
+        sampled rows' tokens on that device (sampled row j's is tokens[rows[j]]): a row that
+        asks for the token it samples (logprob_tokens -1) is one of them (checks.py)."""
         device = tokens.device
-        sample_at = {r: j for j, r in enumerate(w.sample_rows)}
+        sample_at = {r: rows[j] for j, r in enumerate(w.sample_rows)}
         given = [[t, sample_at.get(r, 0)] for r, t in zip(w.logprob_rows, w.logprob_tokens)]
         given = to_device(torch.tensor(given, dtype=torch.long).reshape(-1, 2).T, device)
         targets = torch.where(given[0] >= 0, given[0], tokens[given[1]] if len(tokens)
@@ -166,7 +165,8 @@ def head_logprobs(head: HeadOutput | None, w: Window, tokens: list[int]
         return [], [], []
     if head.logprobs is None:
         on = to_device(tokens, head.argmax.device)
-        head = replace(head, logprobs=tuple(t.cpu() for t in head._logprobs(w, on)))
+        head = replace(head, logprobs=tuple(t.cpu() for t in head._logprobs(
+            w, on, list(range(len(tokens))))))
     chosen, ids, values = (t.tolist() for t in head.logprobs)
     return (chosen, [row[:k] for row, k in zip(ids, w.logprob_top)],
             [row[:k] for row, k in zip(values, w.logprob_top)])
