@@ -106,3 +106,9 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()   # (token id, logprob), most likely first
+
+    @classmethod
+    def of(cls, token: int, entry: tuple[float, list[int], list[float]]) -> "TokenLogprob":
+        """`token`'s, from a Result's entry (logprob, top ids, top logprobs)."""
+        logprob, ids, values = entry
+        return cls(token, logprob, tuple(zip(ids, values)))

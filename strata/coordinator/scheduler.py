@@ -48,6 +48,11 @@ every draw depends only on (seed, position), no schedule can change a request's 
 
 After a stage starts again, every request in a slot writes its KV again in its group's windows,
 as a reading slot, before it goes on (rebuild.py).
+
+Log-probabilities come back with the tokens (Result.logprobs, in row order): a sampled row's
+when its request asks for them, and for a request that scores its prompt (echo), every prompt
+row's but the last, for the prompt token after it. Such a request reads its whole prompt (a
+held prefix was computed without logits), and with max_tokens 0 it ends with its last chunk.
 """
 from __future__ import annotations
 
@@ -71,12 +76,6 @@ from strata.coordinator.slots import Slot, SlotTable
 from strata.coordinator.windows import Row, build_window
 
 log = logging.getLogger("strata.scheduler")
-
-
-def token_logprob(token: int, entry: tuple[float, list[int], list[float]]) -> TokenLogprob:
-    """A Result's log-probability entry (logprob, top ids, top logprobs) of `token`."""
-    logprob, ids, values = entry
-    return TokenLogprob(token, logprob, tuple(zip(ids, values)))
 
 CHUNKS_FIRST = 8   # prompt chunks sent in a row while the decode window can grow
 
@@ -197,11 +196,11 @@ class Scheduler:
                 continue
             seq = o.request.seq
             for position, entry in zip(o.scores, prompt):
-                seq.prompt_logprobs[position] = token_logprob(seq.prompt[position], entry)
+                seq.prompt_logprobs[position] = TokenLogprob.of(seq.prompt[position], entry)
             if tokens:
                 self._accept(o.slot, o.request, tokens, o.drafts,
                              proposals.get(o.slot.index, []),
-                             [token_logprob(t, e) for t, e in zip(tokens, logprobs)])
+                             [TokenLogprob.of(t, e) for t, e in zip(tokens, logprobs)])
             elif o.ends:
                 self._release(o.slot, o.request, "length")
         return True
