@@ -116,6 +116,8 @@ BAD = {
                         ["outside (0, 100]", "1 to turn it off"]),
     "logit-bias-not-a-token": (C, {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias",
                                ["token ids"]),
+    "logit-bias-long-key": (C, {"prompt": "x", "logit_bias": {"9" * 5000: 1}}, 400,
+                            "logit_bias", ["token ids"]),
     "logit-bias-out-of-vocab": (P, {"messages": USER, "logit_bias": {"99999": 1}}, 400,
                                 "logit_bias", ["99999", "vocabulary"]),
     "logit-bias-too-large": (C, {"prompt": "x", "logit_bias": {"3": 101}}, 400, "logit_bias",

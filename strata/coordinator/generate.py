@@ -33,6 +33,7 @@ class Sequence:
     # each prompt position's (None at position 0, which nothing predicts), as windows land
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    stops: frozenset[int] = field(init=False)   # the tokens that end the output (below)
 
     def __post_init__(self):
         if not self.prompt:

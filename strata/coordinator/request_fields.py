@@ -182,7 +182,7 @@ def stop(body: dict) -> tuple[str, ...]:
 
 def token_id(name: str, v, vocab: int) -> int:
     """A token id of the vocabulary (an integer, or for a JSON object's key its decimal text)."""
-    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+    if isinstance(v, str) and len(v) < 20 and v.strip().lstrip("-").isdigit():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise wrong_type(name, "token ids", v, "[2]" if name != "logit_bias" else "{\"2\": -100}")
