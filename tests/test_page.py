@@ -125,7 +125,7 @@ class Browser:
 
 
 PROMPT = 'What is the capital of France? <img src=x onerror="document.title=\'run\'"> & <b>'
-TOKENS = 24
+TOKENS = 16
 
 
 @pytest.mark.slow
