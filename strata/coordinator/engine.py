@@ -108,7 +108,7 @@ class SlotView(SlotState):
 @dataclass(frozen=True)
 class Snapshot:
     slots: tuple[SlotView, ...] = ()
-    in_flight: tuple[bool, ...] = ()   # per group: a window is out
+    in_flight: tuple[int, ...] = ()   # per group: its windows out
     queued: int = 0
     windows: int = 0
     decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window

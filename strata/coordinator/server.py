@@ -5,6 +5,7 @@
     GET  /health   200 while every stage process and the engine thread are alive and every
                    stage answers (no hang); never gated
     GET  /metrics  Prometheus text
+    GET  /, /page.js   a page: a chat box and the pipeline live (page/); never gated
 
 With an API key, every /v1 route wants `Authorization: Bearer KEY`. Every refusal is OpenAI's
 error object with a sentence saying what to change; the server stays up after each. Request
@@ -25,6 +26,7 @@ from typing import Callable
 from aiohttp import web
 
 from strata.coordinator import openai_api as api
+from strata.coordinator import page
 from strata.coordinator.connections import ConnectionPool, Limits, ServerConfig
 from strata.coordinator.drafts import draft_counts
 from strata.coordinator.engine import Engine, EngineDown, Finished, Job
@@ -57,6 +59,7 @@ class Server:
             web.get("/v1/status", self.status),
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
+            *page.routes(),
         ])
         return app
 
@@ -125,7 +128,8 @@ class Server:
         if e.status == 404:
             return ApiError(404, f"there is no route {request.method} {request.path}; this "
                                  f"server has POST /v1/completions, POST /v1/chat/completions, "
-                                 f"GET /v1/models, GET /v1/status, GET /health, GET /metrics",
+                                 f"GET /v1/models, GET /v1/status, GET /health, GET /metrics "
+                                 f"and a page at GET /",
                             code="unknown_url")
         if e.status == 405:
             return ApiError(405, f"{request.path} does not take {request.method}; use "
@@ -324,7 +328,7 @@ class Server:
                                                 s.accepted_at, cfg.max_draft_tokens))
             slots.append(view)
         groups = [{"group": g, "slots": [s.slot for s in snap.slots if s.group == g],
-                   "window_in_flight": busy,
+                   "window_in_flight": busy > 0, "windows_in_flight": busy,
                    # the last decode window sent: its rows and, of them, rows of requests
                    "decode_window": None if w is None else {"rows": w.rows, "live": w.live},
                    "drafts": draft_choice(c)}
