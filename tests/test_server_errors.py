@@ -4,6 +4,7 @@ a stage that dies turns /health and new requests into 503; Ctrl-C stops everythi
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 import urllib.request
@@ -11,6 +12,7 @@ import urllib.request
 import openai
 import pytest
 
+from conftest import stage_processes
 from strata.bench.loadtest import ServerProcess
 from test_server import CTX, START_S, Serving
 
@@ -226,4 +228,25 @@ def test_ctrl_c_while_streaming_stops_everything(tiny_model, tmp_path, no_stage_
     err = server.stderr()
     assert "strata: stopping" in err and "strata: stopped; every stage has exited" in err
     assert "Traceback" not in err
+    stream.close()
+
+
+def test_ctrl_c_to_the_process_group_removes_the_run_directory(tiny_model, no_stage_left):
+    """Ctrl-C in a terminal signals the launcher and every stage: the stages leave it to the
+    launcher, which stops them and removes its run directory (the stage logs are in it), and
+    exits 0 as after SIGTERM."""
+    server = ServerProcess(["--model", str(tiny_model), "--layer-split", "2", "--ctx-size",
+                            str(CTX), "--port", "0"], own_group=True)
+    server.wait_ready(START_S)
+    (run_dir,) = os.listdir(no_stage_left)
+    assert run_dir.startswith("strata-") and stage_processes(run_dir), run_dir
+    c = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+    stream = c.completions.create(model="tiny", prompt="x", max_tokens=CTX - 10, stream=True)
+    next(iter(stream))
+    code = server.stop(signal.SIGINT, group=True)
+    err = server.stderr()
+    assert code == 0, err
+    assert "strata: stopped; every stage has exited" in err and "kept" not in err, err
+    assert os.listdir(no_stage_left) == [], err
+    assert stage_processes(run_dir) == []
     stream.close()
