@@ -35,6 +35,11 @@ from strata.coordinator.request_fields import shown
 log = logging.getLogger("strata.server")
 
 
+class ClientGone(Exception):
+    """The client hung up before its request was read: a 499 in /metrics and the access log,
+    not a failure."""
+
+
 class Server:
     def __init__(self, engine: Engine, tok, vocab: int, cfg: ServerConfig, metrics: Metrics,
                  check_alive: Callable[[], None]):
@@ -84,6 +89,9 @@ class Server:
             return web.json_response(self._http_error(request, e).body(), status=e.status,
                                      headers={k: v for k, v in e.headers.items()
                                               if k == "Allow"})
+        except ClientGone:   # the access log's line says 499; nothing failed here
+            status = 499
+            return web.Response(status=499)   # nobody reads it: the connection is closed
         except asyncio.CancelledError:  # the client went away (handler_cancellation)
             status = 499
             raise
@@ -148,6 +156,9 @@ class Server:
             return await asyncio.wait_for(request.read(), self.cfg.read_timeout)
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large(request) from None
+        except ConnectionError:   # reset, or closed before Content-Length bytes came
+            raise ClientGone("the client closed the connection while sending the request "
+                             "body") from None
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise ApiError(408, f"the request body did not arrive within "
                                 f"{self.cfg.read_timeout:g} s; send all of it (as many bytes "
