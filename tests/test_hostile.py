@@ -81,7 +81,7 @@ def test_top_k_beyond_the_vocabulary_means_the_vocabulary(server):
     ("seed", 2**64, ["seed", "below 2**64"]),
     ("seed", -5, ["non-negative"]),
     ("max_tokens", 10**30, [f"context of {CTX}"]),
-    ("n", 10**30, ["not supported"]),
+    ("n", 10**30, ["above 128", "1 to 128 choices"]),
     ("presence_penalty", 10**400, ["not supported"]),
     ("top_p", 10**400, ["finite"]),
     ("temperature", 10**400, ["finite"]),

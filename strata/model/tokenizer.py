@@ -14,6 +14,11 @@ and the rest are refused with a ValueError.
 
 The chat template is rendered with a sandboxed jinja2 environment set up as transformers sets up
 its own (`apply_chat_template`), so the prompt text matches it character for character.
+
+A message's content is text, never control tokens: `encode_chat` reads "<|im_end|>" written in
+a message as the characters it spells, so no message can close its turn and forge another
+(transformers and llama.cpp tokenize the rendered prompt whole, and would read it as the
+token). Only the template's own control tokens are read as tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from datetime import datetime
 from typing import Any, NoReturn
 
@@ -205,6 +211,15 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _unused_mark(texts: list) -> str:
+    """A private-use character that none of `texts` holds (to mark where a text was hidden)."""
+    for code in range(0xE000, 0xF900):
+        mark = chr(code)
+        if not any(isinstance(t, str) and mark in t for t in texts):
+            return mark
+    raise ValueError("the messages use every private-use character; send fewer of them")
+
+
 # --- the tokenizer -------------------------------------------------------------------------------
 
 
@@ -230,6 +245,11 @@ class Tokenizer:
         self._stop_ids = stop_ids
         self._chat_template = chat_template
         self.vocab_size: int = len(tokens)
+        controls = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        # leftmost-longest, as the backend matches added tokens; a group, so split keeps them
+        self._control_text = re.compile("(" + "|".join(
+            re.escape(t) for t in sorted(controls, key=len, reverse=True)) + ")") \
+            if controls else None
         # a token spells at most this many characters (GGUF spellings are one character per
         # byte), so a text of n characters has at least n / longest_token tokens
         self.longest_token: int = max(len(t) for t in tokens)
@@ -320,17 +340,75 @@ class Tokenizer:
         """Ids that end generation: eos, and eot/eom where the file names them."""
         return self._stop_ids
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`. Control and user-defined tokens written in it ("<|im_start|>") are
-        read as their ids. BOS is prepended only when the file asks for it, and not a second time
-        when `text` already starts with it (a rendered chat template often does)."""
+        read as their ids. BOS is prepended only when the file asks for it (and add_bos), and
+        not a second time when `text` already starts with it (a rendered chat template often
+        does)."""
         # encode_batch releases the GIL while it works (encode holds it): a long text tokenized
         # in a worker thread leaves the caller's other threads running
         ids: list[int] = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
-        if self._add_bos and (not ids or ids[0] != self._bos_id):
+        return self._with_bos(ids, add_bos)
+
+    def _with_bos(self, ids: list[int], add_bos: bool = True) -> list[int]:
+        if add_bos and self._add_bos and (not ids or ids[0] != self._bos_id):
             assert self._bos_id is not None  # from_gguf refuses add_bos without a bos id
             ids.insert(0, self._bos_id)
         return ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    control_in_content: bool = False, add_bos: bool = True) -> list[int]:
+        """Token ids of `messages` through the chat template (BOS as `encode` adds it). The
+        text of a control token inside a message's content is read as plain text (the ids of
+        its characters), unless `control_in_content`; then, and for every message that has
+        none, the ids are encode(render_chat(messages)).
+
+        How: each control token's text in a content is replaced by a mark, the template is
+        rendered, the text is cut at the template's control tokens, the marks are put back,
+        and the pieces are tokenized with special-token matching off. The backend cuts a text
+        at its added tokens before it pre-tokenizes and normalizes each piece alone, so
+        tokenizing the pieces apart gives the ids it gives the whole text."""
+        if control_in_content or self._control_text is None:
+            return self.encode(self.render_chat(messages, add_generation_prompt), add_bos)
+        mark = _unused_mark([m.get("content") for m in messages] + [self._chat_template or ""])
+        hidden: list[str] = []
+
+        def hide(found: re.Match) -> str:
+            hidden.append(found.group())
+            return f"{mark}{len(hidden) - 1}{mark}"
+
+        text = self.render_chat([{**m, "content": self._control_text.sub(hide, m["content"])}
+                                 if isinstance(m.get("content"), str) else m
+                                 for m in messages], add_generation_prompt)
+        if not hidden:
+            return self.encode(text, add_bos)
+        marked = re.compile(f"{mark}(\\d+){mark}")
+        return self._with_bos(self._encode_as_text(
+            text, lambda piece: marked.sub(lambda m: hidden[int(m.group(1))], piece)), add_bos)
+
+    def _encode_as_text(self, text: str, restore=lambda piece: piece) -> list[int]:
+        """Ids of `text` with its control tokens read as tokens, and whatever restore(piece)
+        adds to a piece between them read as plain text. No BOS."""
+        parts = self._control_text.split(text)   # [piece, control, piece, ..., piece]
+        pieces = [restore(p) for p in parts[::2]]
+        encoded = self._plain_backend.encode_batch(pieces, add_special_tokens=False)
+        ids: list[int] = []
+        for i, piece in enumerate(encoded):
+            ids += piece.ids
+            if 2 * i + 1 < len(parts):
+                ids.append(self._backend.token_to_id(parts[2 * i + 1]))
+        return ids
+
+    @functools.cached_property
+    def _plain_backend(self) -> _Backend:
+        """The backend with special-token matching off: "<|im_end|>" is text in it."""
+        plain = _Backend.from_str(self._backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def spellings(self, ids: list[int]) -> list[str]:
+        """Each token as the model file spells it ("Ġthe", "<|im_end|>")."""
+        return [self._tokens[i] for i in ids]
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         """Text of `ids`; control tokens are dropped when `skip_special`. Bytes that do not form
