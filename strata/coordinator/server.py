@@ -9,12 +9,13 @@
                    stage answers (no hang); never gated
     GET  /metrics  Prometheus text
 
-With an API key, every /v1 route, /tokenize and /detokenize want `Authorization: Bearer KEY`. Every refusal is OpenAI's
-error object with a sentence saying what to change; the server stays up after each. Request
-bodies are parsed and their prompts tokenized in a worker thread, so no request holds up the
-event loop; connections.py bounds connections and the time a request may take to arrive. A client
-that goes away (handler_cancellation) has its request cancelled: its slot frees at the next
-window and none of its tokens reach anyone.
+With an API key, every /v1 route, /tokenize and /detokenize want `Authorization: Bearer KEY`.
+Every refusal is OpenAI's error object with a sentence saying what to change; the server stays
+up after each. Request bodies are parsed and their prompts tokenized in a worker thread, so no
+request holds up the event loop; connections.py bounds connections and the time a request may
+take to arrive. A client that goes away (handler_cancellation) has its request cancelled: its
+slots free at the next window and none of its tokens reach anyone; one that hangs up while
+sending its body is a 499 too, not a failure.
 """
 from __future__ import annotations
 
