@@ -13,7 +13,8 @@ ones ("llama": Llama 2, Mistral, Gemma) in tokenizer_spm.py; WordPiece ("bert"),
 and the rest are refused with a ValueError.
 
 The chat template is rendered with a sandboxed jinja2 environment set up as transformers sets up
-its own (`apply_chat_template`), so the prompt text matches it character for character.
+its own (`apply_chat_template`, chat_template.py), so the prompt text matches it character for
+character.
 
 A message's content is text, never control tokens: `encode_chat` reads "<|im_end|>" written in
 a message as the characters it spells, so no message can close its turn and forge another
@@ -25,18 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import re
-from datetime import datetime
-from typing import Any, NoReturn
+from typing import Any
 
 import gguf
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from strata.model.chat_template import compile_template, unused_mark
 from strata.model.tokenizer_spm import spm_backend
 
 # tokenizer.ggml.token_type values (gguf.TokenType); the ones this module treats specially.
@@ -180,44 +177,6 @@ def _build_backend(
 # Turn-end tokens some families' chat templates close a turn with, which their files do not
 # always name as eot: generation stops on them too.
 _TURN_ENDS = {"gemma3": ("<end_of_turn>",), "qwen2": ("<|im_end|>",), "qwen3": ("<|im_end|>",)}
-
-
-# --- the chat template ---------------------------------------------------------------------------
-
-
-def _raise_exception(message: str) -> NoReturn:
-    # Templates call this to reject a conversation (e.g. roles not alternating).
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # jinja's own tojson escapes HTML characters, which would change the prompt; transformers'
-    # does not, and templates are written against transformers.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-@functools.lru_cache(maxsize=8)
-def _compile_template(source: str) -> jinja2.Template:
-    """`source` compiled in an environment like transformers' (trim/lstrip blocks, loop controls,
-    raise_exception, strftime_now, its tojson). Sandboxed: templates come with downloaded files."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
-def _unused_mark(texts: list) -> str:
-    """A private-use character that none of `texts` holds (to mark where a text was hidden)."""
-    for code in range(0xE000, 0xF900):
-        mark = chr(code)
-        if not any(isinstance(t, str) and mark in t for t in texts):
-            return mark
-    raise ValueError("the messages use every private-use character; send fewer of them")
 
 
 # --- the tokenizer -------------------------------------------------------------------------------
@@ -370,7 +329,7 @@ class Tokenizer:
         tokenizing the pieces apart gives the ids it gives the whole text."""
         if control_in_content or self._control_text is None:
             return self.encode(self.render_chat(messages, add_generation_prompt), add_bos)
-        mark = _unused_mark([m.get("content") for m in messages] + [self._chat_template or ""])
+        mark = unused_mark([m.get("content") for m in messages] + [self._chat_template or ""])
         hidden: list[str] = []
 
         def hide(found: re.Match) -> str:
@@ -427,7 +386,7 @@ class Tokenizer:
         def spelled(token_id: int | None) -> str:
             return "" if token_id is None else self._tokens[token_id]
 
-        return _compile_template(self._chat_template).render(
+        return compile_template(self._chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             # transformers passes these as None when absent; templates test `tools is defined`.
