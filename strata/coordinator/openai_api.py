@@ -19,8 +19,6 @@ from strata.coordinator.request_fields import ApiError
 from strata.coordinator.sampling import SamplingParams
 
 COMPLETIONS_MAX_TOKENS = 16   # OpenAI's (and vLLM's) default for /v1/completions
-
-
 MAX_CHOICES = 128   # n times the prompts, in one request
 
 
@@ -79,6 +77,25 @@ def _sampling(body: dict, vocab: int) -> dict:
                 stop=fields.stop(body))
 
 
+def _room(length: int, which: str, max_tokens: int | None, name: str, chat: bool,
+          ctx: int) -> int:
+    """The tokens a choice of a prompt of `length` tokens may generate: max_tokens, if the
+    context holds them, else the route's default."""
+    where = "messages" if chat else "prompt"
+    if length >= ctx:
+        raise fields.bad(where, f"{which} has {length} tokens, which leaves no room to generate "
+                                f"in this server's context of {ctx}; shorten it, or start "
+                                f"strata-launch with a larger --ctx-size")
+    if max_tokens is None:
+        return ctx - length if chat else min(COMPLETIONS_MAX_TOKENS, ctx - length)
+    if length + max_tokens > ctx:
+        raise fields.bad(name, f"this server's context is {ctx} tokens, but {length + max_tokens} "
+                               f"were requested ({length} in {which}, {max_tokens} for the "
+                               f"completion); lower {name} to {ctx - length} or less, shorten "
+                               f"the prompt, or start strata-launch with a larger --ctx-size")
+    return max_tokens
+
+
 def parse(body, *, chat: bool, prompts: Prompts) -> Parsed:
     """The request `body` (parsed JSON) checked into a Parsed; every number bounded before the
     prompts are tokenized."""
@@ -107,7 +124,6 @@ def parse(body, *, chat: bool, prompts: Prompts) -> Parsed:
     if max_tokens is not None and max_tokens > ctx:
         raise fields.bad(name, f"{name} is above this server's context of {ctx} tokens; lower "
                                f"{name}, or start strata-launch with a larger --ctx-size")
-    where = "messages" if chat else "prompt"
     ids = [prompts.chat(body)] if chat else prompts.completion(body)
     if len(ids) * n > MAX_CHOICES:
         raise fields.bad("n", f"{len(ids)} prompts with n={n} make {len(ids) * n} choices; "
@@ -115,22 +131,8 @@ def parse(body, *, chat: bool, prompts: Prompts) -> Parsed:
     params = SamplingParams(**knobs).with_seed()
     choices = []
     for k, prompt in enumerate(ids):
-        which = f"prompt {k} has" if len(ids) > 1 else "the prompt has"
-        if len(prompt) >= ctx:
-            raise fields.bad(where, f"{which} {len(prompt)} tokens, which leaves no room to "
-                                    f"generate in this server's context of {ctx}; shorten it, "
-                                    f"or start strata-launch with a larger --ctx-size")
-        if max_tokens is None:
-            room = min(COMPLETIONS_MAX_TOKENS, ctx - len(prompt)) if not chat else \
-                ctx - len(prompt)
-        elif len(prompt) + max_tokens > ctx:
-            raise fields.bad(name, f"this server's context is {ctx} tokens, but "
-                                   f"{len(prompt) + max_tokens} were requested ({which} "
-                                   f"{len(prompt)} tokens, {max_tokens} for the completion); "
-                                   f"lower {name} to {ctx - len(prompt)} or less, shorten the "
-                                   f"prompt, or start strata-launch with a larger --ctx-size")
-        else:
-            room = max_tokens
+        which = f"prompt {k}" if len(ids) > 1 else "the prompt"
+        room = _room(len(prompt), which, max_tokens, name, chat, ctx)
         for j in range(n):
             choices.append(Choice(k * n + j, prompt, replace(
                 params, max_tokens=room, seed=choice_seed(params.seed, j))))
