@@ -179,6 +179,17 @@ def _build_backend(
 _TURN_ENDS = {"gemma3": ("<end_of_turn>",), "qwen2": ("<|im_end|>",), "qwen3": ("<|im_end|>",)}
 
 
+_UNMATCHED = "\uffff"   # not a token: the text between added tokens, to the finder
+
+
+def _cut(text: str, spans: list[tuple[int, int]]) -> tuple[list[str], list[str]]:
+    """`text` cut at `spans`: the pieces around them (one more than the spans) and the spans'
+    texts."""
+    ends = [0] + [x for span in spans for x in span] + [len(text)]
+    return ([text[a:b] for a, b in zip(ends[::2], ends[1::2])],
+            [text[a:b] for a, b in spans])
+
+
 # --- the tokenizer -------------------------------------------------------------------------------
 
 
@@ -204,11 +215,6 @@ class Tokenizer:
         self._stop_ids = stop_ids
         self._chat_template = chat_template
         self.vocab_size: int = len(tokens)
-        controls = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
-        # leftmost-longest, as the backend matches added tokens; a group, so split keeps them
-        self._control_text = re.compile("(" + "|".join(
-            re.escape(t) for t in sorted(controls, key=len, reverse=True)) + ")") \
-            if controls else None
         # a token spells at most this many characters (GGUF spellings are one character per
         # byte), so a text of n characters has at least n / longest_token tokens
         self.longest_token: int = max(len(t) for t in tokens)
@@ -327,20 +333,24 @@ class Tokenizer:
         and the pieces are tokenized with special-token matching off. The backend cuts a text
         at its added tokens before it pre-tokenizes and normalizes each piece alone, so
         tokenizing the pieces apart gives the ids it gives the whole text."""
-        if control_in_content or self._control_text is None:
+        contents = [m.get("content") if isinstance(m.get("content"), str) else ""
+                    for m in messages]
+        found = [] if control_in_content else self._controls_in(contents)
+        if not any(found):
             return self.encode(self.render_chat(messages, add_generation_prompt), add_bos)
-        mark = unused_mark([m.get("content") for m in messages] + [self._chat_template or ""])
+        mark = unused_mark(contents + [self._chat_template or ""])
         hidden: list[str] = []
 
-        def hide(found: re.Match) -> str:
-            hidden.append(found.group())
-            return f"{mark}{len(hidden) - 1}{mark}"
+        def hide(text: str, spans: list[tuple[int, int]]) -> str:
+            pieces, controls = _cut(text, spans)
+            hidden.extend(controls)
+            first = len(hidden) - len(controls)
+            return "".join(p + (f"{mark}{first + i}{mark}" if i < len(controls) else "")
+                           for i, p in enumerate(pieces))
 
-        text = self.render_chat([{**m, "content": self._control_text.sub(hide, m["content"])}
-                                 if isinstance(m.get("content"), str) else m
-                                 for m in messages], add_generation_prompt)
-        if not hidden:
-            return self.encode(text, add_bos)
+        text = self.render_chat([{**m, "content": hide(c, spans)} if spans else m
+                                 for m, c, spans in zip(messages, contents, found)],
+                                add_generation_prompt)
         marked = re.compile(f"{mark}(\\d+){mark}")
         return self._with_bos(self._encode_as_text(
             text, lambda piece: marked.sub(lambda m: hidden[int(m.group(1))], piece)), add_bos)
@@ -348,15 +358,31 @@ class Tokenizer:
     def _encode_as_text(self, text: str, restore=lambda piece: piece) -> list[int]:
         """Ids of `text` with its control tokens read as tokens, and whatever restore(piece)
         adds to a piece between them read as plain text. No BOS."""
-        parts = self._control_text.split(text)   # [piece, control, piece, ..., piece]
-        pieces = [restore(p) for p in parts[::2]]
-        encoded = self._plain_backend.encode_batch(pieces, add_special_tokens=False)
+        pieces, controls = _cut(text, self._controls_in([text])[0])
+        encoded = self._plain_backend.encode_batch([restore(p) for p in pieces],
+                                                   add_special_tokens=False)
         ids: list[int] = []
         for i, piece in enumerate(encoded):
             ids += piece.ids
-            if 2 * i + 1 < len(parts):
-                ids.append(self._backend.token_to_id(parts[2 * i + 1]))
+            if i < len(controls):
+                ids.append(self._backend.token_to_id(controls[i]))
         return ids
+
+    def _controls_in(self, texts: list[str]) -> list[list[tuple[int, int]]]:
+        """Per text, the (start, end) characters of each control token the backend finds in
+        it, in time linear in the text (a regex of many tokens is not)."""
+        finder, controls = self._added_tokens
+        return [[span for i, span in zip(e.ids, e.offsets) if i in controls]
+                for e in finder.encode_batch(texts, add_special_tokens=False)]
+
+    @functools.cached_property
+    def _added_tokens(self) -> tuple[_Backend, frozenset[int]]:
+        """A tokenizer of the backend's added tokens alone, matched as the backend matches
+        them (the text between is one unknown piece); and the ids in it of the control ones."""
+        finder = _Backend(models.WordLevel({_UNMATCHED: 0}, unk_token=_UNMATCHED))
+        added = list(self._backend.get_added_tokens_decoder().values())
+        finder.add_tokens(added)
+        return finder, frozenset(finder.token_to_id(t.content) for t in added if t.special)
 
     @functools.cached_property
     def _plain_backend(self) -> _Backend:
