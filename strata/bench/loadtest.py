@@ -29,6 +29,10 @@ from strata.launch.options import clean_errors, launch_options
 SERVING = re.compile(r"^strata: serving (\S+) on (http://\S+/v1) ")
 
 
+def _sigint_default() -> None:   # in the child, before exec
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class ServerProcess:
     """`strata-launch ARGS` serving HTTP as a child process; own_group: in a process group of
     its own, as a terminal starts a command (stop(group=True) then signals the whole group,
@@ -42,7 +46,9 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "strata.launch.cli", *args], stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})}, start_new_session=own_group)
+            env={**os.environ, **(env or {})}, start_new_session=own_group,
+            # as a terminal starts it: a shell running this in the background ignores SIGINT
+            preexec_fn=_sigint_default if own_group else None)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
