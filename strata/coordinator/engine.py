@@ -63,7 +63,8 @@ class Finished:
 @dataclass
 class Job:
     """One generation request as the server sees it. `events` receives each generated token id,
-    then one Finished. Fields after `events` are written by the engine thread only."""
+    then one Finished (an asyncio.Queue, or what has its put_nowait: choices.py tags each
+    choice's). Fields after `events` are written by the engine thread only."""
     id: str
     prompt: list[int]
     params: SamplingParams     # with a concrete seed

@@ -29,7 +29,7 @@ STOP_MAX_CHARS = 256   # characters of one stop string
 
 # fields a route reads; the rest of a body must be in NO_OP
 HONOURED = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
-            "min_p", "seed", "stop",
+            "min_p", "seed", "stop", "n",
             "user", "safety_identifier", "prompt_cache_key"}  # identifiers, no effect here
 COMPLETIONS = HONOURED | {"prompt"}
 CHAT = HONOURED | {"messages", "max_completion_tokens"}
@@ -46,7 +46,6 @@ def _off(*values):
 
 # field: (the values that ask for nothing, what to do instead). Absent and null always pass.
 NO_OP = {
-    "n": (_off(1), "strata returns one choice per request; send several requests instead"),
     "best_of": (_off(1), "remove 'best_of'"),
     "logprobs": (_off(False), "logprobs are not supported yet (the last stage returns token "
                               "ids only); remove 'logprobs' and 'top_logprobs'"),
@@ -104,10 +103,6 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
                                 f"honours; remove it", name[:100], "unknown_parameter")
         asks_nothing, instead = NO_OP[name]
         if not asks_nothing(v):
-            if name == "n" and type(v) is int and 1 < v <= 1000:
-                raise bad(name, f"n={v} is not supported: strata returns one choice per "
-                                f"request; send {v} requests instead (give each its own seed "
-                                f"for different samples)")
             raise bad(name, f"{name}={shown(v)} is not supported; {instead}")
 
 

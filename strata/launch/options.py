@@ -311,6 +311,7 @@ FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--windo
          "drafter": "--drafter", "draft_rows": "--draft-rows",
          "draft_sampling": "--draft-sampling",
          "graph_cache": "--graph-cache", "port": "--port", "api_key": "--api-key",
+         "served_model_name": "--served-model-name",
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
          "max_client_connections": "--max-client-connections",
          "stage_timeout": "--stage-timeout"}
