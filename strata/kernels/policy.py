@@ -31,9 +31,9 @@ SKINNY_BLOCKS = MappingProxyType({
 # The quantized kernels' (block_n, block_k, stages, warps) by projection, and by block type
 # where one differs ("*": the rest), chosen on an H200 at the llama3-8b shapes
 # (tools/gpu/bench_quant.py). block_k is halved until it divides K (SmolLM2's 576: 64). A weight
-# of few column blocks is split along K (QuantSplit) until its programs fill the GPU: a
-# Q4_K 4096 x 4096 projection at 1 row took 22 us in 128 programs and 17 us in 8 splits of 64
-# column blocks, a 4096 x 14336 one 71 and 42 us. Fixed by the weight's type and shape.
+# of few column blocks is split along K until its programs fill the GPU (a 4096-row projection
+# has 64 column blocks for 132 SMs, and each program's dequantization is a long chain of
+# dependent instructions). Fixed by the weight's type and shape.
 QUANT_BLOCKS = MappingProxyType({
     "res": {"*": (64, 128, 2, 4)}, "qkv": {"*": (64, 128, 2, 4)},
     "gate_up": {"*": (64, 128, 2, 4)}, "head": {"*": (64, 128, 2, 4)},
