@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 import time
 import urllib.request
@@ -80,7 +81,7 @@ def test_top_k_beyond_the_vocabulary_means_the_vocabulary(server):
     ("seed", 2**64, ["seed", "below 2**64"]),
     ("seed", -5, ["non-negative"]),
     ("max_tokens", 10**30, [f"context of {CTX}"]),
-    ("n", 10**30, ["not supported"]),
+    ("n", 10**30, ["above 128", "1 to 128 choices"]),
     ("presence_penalty", 10**400, ["finite"]),
     ("top_p", 10**400, ["finite"]),
     ("temperature", 10**400, ["finite"]),
@@ -189,6 +190,33 @@ def test_a_request_that_never_finishes_arriving_is_closed(server):
     assert _read_all(headers) == b""  # closed
     assert time.monotonic() - t0 < READ_TIMEOUT + 5
     body.close(), headers.close()
+    assert_unharmed(server)
+
+
+def _requests_counted(server: Serving, status: str) -> float:
+    line = f'strata_requests_total{{endpoint="/v1/completions",status="{status}"}} '
+    found = [x for x in server.get("/metrics")[1].splitlines() if x.startswith(line)]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_a_client_that_hangs_up_in_its_body_is_a_499_not_a_failure(server, reset):
+    before = {s: _requests_counted(server, s) for s in ("499", "500")}
+    errors = server.server.stderr().count("ERROR")
+    sock = _connect(server)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+    time.sleep(0.3)   # the server is reading the body
+    if reset:   # RST instead of FIN
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    deadline = time.monotonic() + 10
+    while _requests_counted(server, "499") == before["499"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _requests_counted(server, "499") == before["499"] + 1
+    assert _requests_counted(server, "500") == before["500"]
+    assert server.server.stderr().count("ERROR") == errors, server.server.stderr()
+    assert "Traceback" not in server.server.stderr()
     assert_unharmed(server)
 
 

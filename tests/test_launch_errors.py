@@ -103,6 +103,8 @@ EARLY = {
                          ["--restart-stages", "stage 1", "--external-stage"]),
     "restart-gloo": (["--layer-split", "2", "--restart-stages", "--stage-link", "gloo"],
                      ["--stage-link gloo", "use --stage-link zmq"]),
+    "served-name-with-prompt": (["--served-model-name", "m"], ["--served-model-name",
+                                                              "--prompt", "leave one"]),
     "batch-beyond-memory": (["--batch", "100000000"],
                             ["--batch 100000000", "of KV cache", "slot(s) fit", "use --batch"]),
 }

@@ -99,11 +99,22 @@ def _project(kind: str, x, w, norm, res, policy):
 KINDS = ("plain", "res", "qkv", "gate_up", "head")
 
 
+SPLITS = {"split": {}, "whole": {"quant_split_programs": 0}}   # K split by the policy, or not
+
+
+def _skip_whole_on_cpu(device: str, qtype: str, splits: str) -> None:
+    if device == "cpu" and splits == "whole" and qtype != "Q4_K":
+        pytest.skip("unsplit K under the interpreter for Q4_K (the same code for every type)")
+
+
 @pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("qtype", TYPES)
-def test_kernels_match_gguf_dequantization_and_a_matmul(device, qtype):
+def test_kernels_match_gguf_dequantization_and_a_matmul(device, splits, qtype):
     """Every projection of a decode window, at window sizes across the row tiles (under the
-    interpreter, ~50 ms a program and group: 17 rows over two row blocks)."""
+    interpreter, ~50 ms a program and group: 17 rows over two row blocks), K split into
+    ranges added in order (the policy's splits: 2 to 4 at these shapes) or whole."""
+    _skip_whole_on_cpu(device, qtype, splits)
     like = _like(device)
     g = torch.Generator().manual_seed(5)
     n, k = (64, 256) if device == "cpu" else (96, 512)
@@ -117,7 +128,7 @@ def test_kernels_match_gguf_dequantization_and_a_matmul(device, qtype):
             x = torch.randn(m, k, generator=g).to(**like)
             res = torch.randn(m, n, generator=g).to(**like) if kind == "res" else None
             got = _project(kind, x, w, norm if kind in ("qkv", "gate_up", "head") else None,
-                           res, _policy(device))
+                           res, _policy(device, **SPLITS[splits]))
             want = _reference(kind, x, ref, norm if kind in ("qkv", "gate_up", "head")
                               else None, res)
             assert got.dtype == (torch.float32 if kind == "head" else like["dtype"])
@@ -152,8 +163,9 @@ def _windows(x: torch.Tensor, g: torch.Generator):
 
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("tiles", ["fit", "16"])
+@pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("qtype", TYPES)
-def test_a_rows_bits_do_not_depend_on_its_window(device, tiles, qtype,
+def test_a_rows_bits_do_not_depend_on_its_window(device, tiles, splits, qtype,
                                                  rowwise_interpreter_dot):
     """Row tiles that fit the window (one program reads a weight tile for all rows) and
     16-row tiles over row blocks; every projection kind on CUDA. Under the interpreter the
@@ -161,13 +173,14 @@ def test_a_rows_bits_do_not_depend_on_its_window(device, tiles, qtype,
     gate/up for the other types (the same group code)."""
     if device == "cpu" and tiles == "16":
         pytest.skip("16-row tiles over row blocks: on CUDA (the interpreter's time)")
+    _skip_whole_on_cpu(device, qtype, splits)
     kinds = KINDS if device != "cpu" or qtype == "Q4_K" else ("res", "gate_up")
     like = _like(device)
     g = torch.Generator().manual_seed(6)
     w, _ = _weight(qtype, 64, 256, device, seed=5)
     norm = (1 + 0.1 * torch.randn(256, generator=g)).to(**like)
-    policy = _policy(device, **({"row_tiles": (16, 32, 64), "fit_min_bytes": 0}
-                                if tiles == "fit" else {"row_tiles": (16,)}))
+    policy = _policy(device, **SPLITS[splits], **({"row_tiles": (16, 32, 64), "fit_min_bytes": 0}
+                                                  if tiles == "fit" else {"row_tiles": (16,)}))
     x = torch.randn(1, 256, generator=g).to(**like)
     for kind in kinds:
         first = None
@@ -199,3 +212,15 @@ def test_rows_are_invariant_at_llama3_8b_shapes_on_gpu(qtype, kind, n, k):
                        _policy("cuda"))
         first = out[at] if first is None else first
         assert torch.equal(out[at], first), f"{qtype} {kind}: {window.shape[0]} rows differ"
+
+
+def test_the_policy_splits_k_only_where_column_blocks_are_few():
+    """Splits divide K's steps, fill the GPU's programs, and leave a wide weight whole."""
+    policy = KernelPolicy(triton=True)
+    assert policy.quant_blocks("Q4_K", 4096, 4096, "res")["splits"] == 8      # 64 column blocks
+    assert policy.quant_blocks("Q4_K", 28672, 4096, "gate_up")["splits"] == 4  # 224 blocks
+    assert policy.quant_blocks("Q6_K", 128256, 4096, "head")["splits"] == 1
+    smol = policy.quant_blocks("Q4_1", 576, 576, "res")                        # 9 steps of 64
+    assert smol["block_k"] == 64 and smol["splits"] == 3
+    assert dataclasses.replace(policy, quant_split_programs=0).quant_blocks(
+        "Q4_K", 4096, 4096, "res")["splits"] == 1

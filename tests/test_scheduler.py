@@ -229,7 +229,7 @@ def test_streamed_prompt_cancelled_or_failed_ends_once():
                        frozenset({STOP}))
     req = sched2.submit(list(range(3, 60)), params(0, 4), on_done=done.append)
     sched2.step()  # sends 3 chunks, takes the first result
-    assert len(pipe2.queue) == 2
+    assert len(pipe2.queue) == 2 and sched2.snapshot().in_flight == (2,)
     sched2.cancel(req)
     sched2.run()
     assert req.seq.finish_reason == "cancelled" and done.count(req) == 1 and sched2.idle

@@ -198,6 +198,50 @@ def test_stop_string_cuts_the_text(tiny, stream):
     assert text == want and finish == "stop"
 
 
+# --- several choices ---------------------------------------------------------------------------
+
+def test_n_choices_of_several_prompts_through_the_client(tiny, tiny_tok):
+    """Choice j of prompt k (index k * n + j) is prompt k asked alone with seed + j; usage sums
+    the prompts once each and every choice's tokens; token-id prompts give the same."""
+    c = tiny.client()
+    texts = ["hello world", "abc"]
+    kw = dict(model="tiny", n=3, max_tokens=6, temperature=0.9, seed=5)
+    r = c.completions.create(prompt=texts, **kw)
+    assert [ch.index for ch in r.choices] == list(range(6))
+    completion_tokens = 0
+    for ch in r.choices:
+        k, j = divmod(ch.index, 3)
+        one = c.completions.create(**{**kw, "n": 1, "seed": 5 + j}, prompt=texts[k])
+        assert (ch.text, ch.finish_reason) == (one.choices[0].text, one.choices[0].finish_reason)
+        assert ch.model_extra["seed"] == 5 + j
+        completion_tokens += one.usage.completion_tokens
+    assert len({ch.text for ch in r.choices[:3]}) == 3   # the seeds differ, so do the texts
+    assert r.usage.prompt_tokens == sum(len(tiny_tok.encode(t)) for t in texts)
+    assert r.usage.completion_tokens == completion_tokens
+    assert r.model_extra["seed"] == 5
+    ids = c.completions.create(prompt=[tiny_tok.encode(t) for t in texts], **kw)
+    assert [ch.text for ch in ids.choices] == [ch.text for ch in r.choices]
+
+
+def test_a_stream_of_n_choices_through_the_client(tiny):
+    c = tiny.client()
+    kw = dict(model="tiny", n=3, max_tokens=8, temperature=0.9, seed=21,
+              messages=[{"role": "user", "content": "Tell me a story"}])
+    whole = c.chat.completions.create(**kw)
+    texts, finishes, usage = {}, {}, None
+    for chunk in c.chat.completions.create(**kw, stream=True,
+                                           stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+    assert texts == {ch.index: ch.message.content for ch in whole.choices}
+    assert finishes == {ch.index: ch.finish_reason for ch in whole.choices}
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens   # one prompt, counted once
+
+
 # --- routes ------------------------------------------------------------------------------------
 
 def test_models_health_status(tiny):

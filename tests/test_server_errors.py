@@ -4,6 +4,7 @@ a stage that dies turns /health and new requests into 503; Ctrl-C stops everythi
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 import urllib.request
@@ -11,6 +12,7 @@ import urllib.request
 import openai
 import pytest
 
+from conftest import stage_processes
 from strata.bench.loadtest import ServerProcess
 from test_server import CTX, START_S, Serving
 
@@ -66,7 +68,7 @@ BAD = {
     "wrong-type-stream": (P, {"messages": USER, "stream": "yes"}, 400, "stream",
                           ["must be a boolean"]),
     "wrong-type-messages": (P, {"messages": "hi"}, 400, "messages", ["array of messages"]),
-    "wrong-type-prompt": (C, {"prompt": 5}, 400, "prompt", ["string or an array of token"]),
+    "wrong-type-prompt": (C, {"prompt": 5}, 400, "prompt", ["a string, an array of token ids"]),
     "wrong-type-stop": (C, {"prompt": "x", "stop": 3}, 400, "stop", ["string or an array"]),
     "missing-prompt": (C, {"max_tokens": 3}, 400, "prompt", ["'prompt' is missing"]),
     "missing-messages": (P, {}, 400, "messages", ["'messages' is missing"]),
@@ -81,7 +83,12 @@ BAD = {
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content",
                    ["image_url", "text parts only"]),
     "token-out-of-vocab": (C, {"prompt": [1, 99999]}, 400, "prompt", ["99999", "vocabulary"]),
-    "several-prompts": (C, {"prompt": ["a", "b"]}, 400, "prompt", ["2 prompts", "2 requests"]),
+    "one-of-several-prompts": (C, {"prompt": ["a", [1, 99999]]}, 400, "prompt",
+                               ["prompt[1]", "99999", "vocabulary"]),
+    "too-many-prompts": (C, {"prompt": ["a"] * 129}, 400, "prompt", ["129 prompts",
+                                                                      "at most 128"]),
+    "too-many-choices": (C, {"prompt": ["a", "b", "c"], "n": 50}, 400, "n",
+                         ["3 prompts with n=50", "150 choices", "at most 128"]),
     "prompt-over-ctx": (C, {"prompt": LONG, "max_tokens": 1}, 400, "prompt",
                         [f"context of {CTX}", "--ctx-size"]),
     "prompt-plus-max-tokens-over-ctx": (C, {"prompt": "hello", "max_tokens": CTX}, 400,
@@ -97,8 +104,19 @@ BAD = {
     "top-k-negative": (C, {"prompt": "x", "top_k": -3}, 400, "top_k", ["below 0"]),
     "min-p-above-1": (C, {"prompt": "x", "min_p": 2}, 400, "min_p", ["outside [0, 1]"]),
     "seed-negative": (C, {"prompt": "x", "seed": -1}, 400, "seed", ["non-negative"]),
-    "n-above-1": (P, {"messages": USER, "n": 3}, 400, "n", ["n=3 is not supported",
-                                                           "send 3 requests"]),
+    "n-above-128": (P, {"messages": USER, "n": 129}, 400, "n", ["n 129 is above 128"]),
+    "n-zero": (C, {"prompt": "x", "n": 0}, 400, "n", ["n 0 is below 1"]),
+    "message-name": (P, {"messages": [{"role": "user", "content": "hi", "name": "ana"}]}, 400,
+                     "messages[0].name", ["messages[0].name is not supported",
+                                          "write it into 'content'"]),
+    "message-tool-call-id": (P, {"messages": [*USER, {"role": "tool", "content": "42",
+                                                      "tool_call_id": "c1"}]}, 400,
+                             "messages[1].tool_call_id", ["function calling is not supported"]),
+    "message-unknown-field": (P, {"messages": [{"role": "user", "content": "hi", "mood": 1}]},
+                              400, "messages[0].mood", ["not a message field", "remove it"]),
+    "stream-options-without-stream": (C, {"prompt": "x", "stream_options": {
+        "include_usage": True}}, 400, "stream_options", ["streamed answers only",
+                                                         "\"stream\": true"]),
     "top-logprobs-above-20": (P, {"messages": USER, "logprobs": True, "top_logprobs": 21},
                               400, "top_logprobs", ["above 20"]),
     "top-logprobs-alone": (P, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs",
@@ -246,4 +264,25 @@ def test_ctrl_c_while_streaming_stops_everything(tiny_model, tmp_path, no_stage_
     err = server.stderr()
     assert "strata: stopping" in err and "strata: stopped; every stage has exited" in err
     assert "Traceback" not in err
+    stream.close()
+
+
+def test_ctrl_c_to_the_process_group_removes_the_run_directory(tiny_model, no_stage_left):
+    """Ctrl-C in a terminal signals the launcher and every stage: the stages leave it to the
+    launcher, which stops them and removes its run directory (the stage logs are in it), and
+    exits 0 as after SIGTERM."""
+    server = ServerProcess(["--model", str(tiny_model), "--layer-split", "2", "--ctx-size",
+                            str(CTX), "--port", "0"], own_group=True)
+    server.wait_ready(START_S)
+    (run_dir,) = os.listdir(no_stage_left)
+    assert run_dir.startswith("strata-") and stage_processes(run_dir), run_dir
+    c = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+    stream = c.completions.create(model="tiny", prompt="x", max_tokens=CTX - 10, stream=True)
+    next(iter(stream))
+    code = server.stop(signal.SIGINT, group=True)
+    err = server.stderr()
+    assert code == 0, err
+    assert "strata: stopped; every stage has exited" in err and "kept" not in err, err
+    assert os.listdir(no_stage_left) == [], err
+    assert stage_processes(run_dir) == []
     stream.close()

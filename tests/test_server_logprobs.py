@@ -120,6 +120,35 @@ def test_logprobs_and_penalties_are_equal_alone_and_batched(tiny):
     assert all(a["logprobs"]["token_logprobs"] for a in alone)
 
 
+def test_each_choice_carries_the_knobs(tiny, tiny_tok):
+    """n=2 of two prompts (text and token ids) with echo, logprobs and penalties: choice
+    k * 2 + j is prompt k asked alone with seed + j, text, echo and logprobs alike, whole and
+    streamed."""
+    c = tiny.client()
+    prompts = ["The sea", tiny_tok.encode("A cat")]
+    ask = dict(model="tiny", max_tokens=6, logprobs=2, echo=True, temperature=0.9, seed=40,
+               presence_penalty=0.5, logit_bias={str(B): 2},
+               extra_body={"repetition_penalty": 1.3, "min_tokens": 2})
+    whole = c.completions.create(**ask, prompt=prompts, n=2)
+    assert [x.index for x in whole.choices] == [0, 1, 2, 3]
+    for x in whole.choices:
+        k, j = divmod(x.index, 2)
+        alone = c.completions.create(**{**ask, "seed": 40 + j}, prompt=prompts[k]).choices[0]
+        assert dump(x) == {**dump(alone), "index": x.index}, x.index
+    assert whole.choices[1].text.startswith("The sea")
+    assert len({x.text for x in whole.choices}) > 1   # the seeds differ
+    streamed: dict[int, list] = {}
+    for ch in c.completions.create(**ask, prompt=prompts, n=2, stream=True):
+        for x in ch.choices:
+            streamed.setdefault(x.index, []).append(x)
+    for x in whole.choices:
+        parts = streamed[x.index]
+        assert "".join(p.text for p in parts) == x.text
+        assert sum((p.logprobs.tokens for p in parts if p.logprobs), []) == x.logprobs.tokens
+        assert sum((p.logprobs.text_offset for p in parts if p.logprobs), []) == \
+            x.logprobs.text_offset
+
+
 def greedy(c, max_tokens: int = 8, **extra) -> tuple[list[str], str]:
     """The tokens (their text) and the finish of a greedy completion of "He"."""
     r = c.completions.create(model="tiny", prompt=[72, 101], max_tokens=max_tokens, logprobs=0,

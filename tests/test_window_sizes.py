@@ -251,7 +251,7 @@ def test_histogram_and_status_show_each_decode_window():
     status, text = asyncio.run(main())
     assert status["window_rows"] == 16
     assert status["groups"] == [{"group": 0, "slots": list(range(n)), "window_in_flight": False,
-                                 "decode_window": {"rows": 8, "live": 1},
+                                 "windows_in_flight": 0, "decode_window": {"rows": 8, "live": 1},
                                  "drafts": None}]   # no drafts: nothing chosen
     m = prometheus(text)
     assert m['strata_window_rows_count{counted="size"}'] == n

@@ -29,10 +29,16 @@ from strata.launch.options import clean_errors, launch_options
 SERVING = re.compile(r"^strata: serving (\S+) on (http://\S+/v1) ")
 
 
-class ServerProcess:
-    """`strata-launch ARGS` serving HTTP as a child process."""
+def _sigint_default() -> None:   # in the child, before exec
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    def __init__(self, args: list[str], env: dict | None = None):
+
+class ServerProcess:
+    """`strata-launch ARGS` serving HTTP as a child process; own_group: in a process group of
+    its own, as a terminal starts a command (stop(group=True) then signals the whole group,
+    as Ctrl-C does)."""
+
+    def __init__(self, args: list[str], env: dict | None = None, own_group: bool = False):
         self.lines: list[str] = []
         self.url: str | None = None
         self.model: str | None = None
@@ -40,7 +46,9 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "strata.launch.cli", *args], stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})})
+            env={**os.environ, **(env or {})}, start_new_session=own_group,
+            # as a terminal starts it: a shell running this in the background ignores SIGINT
+            preexec_fn=_sigint_default if own_group else None)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -65,10 +73,14 @@ class ServerProcess:
     def stderr(self) -> str:
         return "".join(self.lines)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        """Signal it and wait; kill it if it does not exit in time. The exit code."""
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0, group: bool = False) -> int:
+        """Signal it (group: its whole process group) and wait; kill it if it does not exit
+        in time. The exit code."""
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -35,6 +35,8 @@ class ServerConfig:
     read_timeout: float = 30.0      # seconds to send a request's headers, and again its body
     max_connections: int = 512      # open connections in all
     max_client_connections: int = 128   # open connections from one client address
+    # read control tokens' text in a message's content as control tokens (prompts.py)
+    allow_control_tokens_in_messages: bool = False
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -49,6 +51,10 @@ class ServerConfig:
         if self.api_key == "":
             raise ConfigError("api_key", "{api_key} is empty",
                               "give a key, or leave it out")
+        for name in (self.model, *self.aliases):
+            if not name.strip():
+                raise ConfigError("served_model_name", "{served_model_name} is empty",
+                                  "give a name such as my-model, or leave it out")
 
 
 @dataclass(frozen=True)

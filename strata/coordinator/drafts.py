@@ -34,10 +34,10 @@ Two drafters (SchedulerConfig.drafter):
   filtered and tempered as the target's, with the draw the target will use there. Where head and target agree closely, one u lands both on the same token (a
   head that computes its target's distribution has nearly every proposal kept, against a
   third for argmax: tests/test_mtp.py); an argmax proposal ("argmax") is kept only when the
-  target's draw happens to pick the head's most likely token. Coupling pays only with a head
-  calibrated to its target: the shipped SmolLM2 head at temperature 0.7 has 27% of its first
-  coupled proposals kept against 31% of argmax ones (docs/BENCHMARKS.md). Each draw is made once
-  (draw_uniform is memoised): the window that samples the position finds it.
+  target's draw happens to pick the head's most likely token. Coupling pays only as far as the
+  head's distribution is close to its target's (docs/BENCHMARKS.md measures the shipped head's).
+  Each draw is made once (draw_uniform is memoised): the window that samples the position
+  finds it.
 Either way acceptance is the same equality, so the drafter changes the windows, never a token.
 
 Acceptance per draft position: a slot's drafts d_1..d_k in a window count as proposed at

@@ -75,7 +75,8 @@ class Finished:
 @dataclass
 class Job:
     """One generation request as the server sees it. `events` receives each generated Token,
-    then one Finished. Fields after `events` are written by the engine thread only."""
+    then one Finished (an asyncio.Queue, or what has its put_nowait: choices.py tags each
+    choice's). Fields after `events` are written by the engine thread only."""
     id: str
     prompt: list[int]
     params: SamplingParams     # with a concrete seed
@@ -120,7 +121,7 @@ class SlotView(SlotState):
 @dataclass(frozen=True)
 class Snapshot:
     slots: tuple[SlotView, ...] = ()
-    in_flight: tuple[bool, ...] = ()   # per group: a window is out
+    in_flight: tuple[int, ...] = ()   # per group: its windows out
     queued: int = 0
     windows: int = 0
     decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window

@@ -1,34 +1,51 @@
-"""OpenAI's HTTP API as strata speaks it: request bodies checked field by field into a prompt
-and SamplingParams, and the response, stream chunk and error objects.
+"""OpenAI's HTTP API as strata speaks it: request bodies checked field by field into choices
+(a prompt and SamplingParams each), and the response, stream chunk and error objects.
 
 Every refusal is an ApiError whose message says what to change; `param` names the field.
 Beyond OpenAI's fields, each response and each stream chunk carries `"seed": N`, the seed its
 draws used (chosen at random when the request gave none), so any answer can be reproduced.
+With n > 1, choice j of each prompt draws with seed + j (choice_seed), and each choice of a
+whole response carries its own "seed".
 """
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from strata.coordinator import request_fields as fields
+from strata.coordinator.prompts import Prompts
 from strata.coordinator.request_fields import ApiError
 from strata.coordinator.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
                                          SamplingParams)
 
 COMPLETIONS_MAX_TOKENS = 16   # OpenAI's (and vLLM's) default for /v1/completions
-ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHOICES = 128   # n times the prompts, in one request
+
+
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of choice j of n (of each prompt): the request's seed + j, as vLLM derives
+    it, so choice j is what the same request with that seed and n=1 gives."""
+    return (seed + j) % 2**64
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int                  # prompt k's choice j: k * n + j
+    prompt: list[int]
+    params: SamplingParams      # with its own seed (choice_seed) and max_tokens
+    echo_text: str | None = None   # echo: its prompt's text as given (None: token ids)
 
 
 @dataclass(frozen=True)
 class Parsed:
     chat: bool
-    prompt: list[int]
-    params: SamplingParams      # with a concrete seed
+    choices: tuple[Choice, ...]   # by index
+    seed: int                     # the request's (choice 0's)
+    prompt_tokens: int            # each prompt counted once, however many choices it has
     stream: bool
     include_usage: bool
-    echo: bool = False          # completions: the prompt comes before the completion
-    echo_text: str | None = None   # the prompt's text as given (None: given as token ids)
+    echo: bool = False            # completions: each prompt comes before its completions
 
 
 # --- sampling ---------------------------------------------------------------------------------
@@ -100,109 +117,28 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-# --- prompts ----------------------------------------------------------------------------------
-
-def _checked(encode, ctx: int, longest_token: int, name: str):
-    """`encode` for prompt text: refuses what no tokenizer can read, and a text too long for
-    the context before the tokenizer spends time on it."""
-    def checked(text: str) -> list[int]:
-        fields.text(name, text)
-        if len(text) >= ctx * longest_token:  # at least len(text) / longest_token tokens
-            raise fields.bad(name, f"the prompt has {len(text)} characters, more than this "
-                                   f"server's context of {ctx} tokens can hold; shorten it, or "
-                                   f"start strata-launch with a larger --ctx-size")
-        return encode(text)
-    return checked
-
-
-def completion_prompt(body: dict, encode, vocab: int) -> list[int]:
-    """'prompt': a string, or an array of token ids (or one of either, in an array)."""
-    if "prompt" not in body or body["prompt"] is None:
-        raise ApiError(400, "'prompt' is missing; give the text to continue, e.g. \"prompt\": "
-                            "\"Once upon a time\"", "prompt", "missing_required_parameter")
-    p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise fields.bad("prompt", "the prompt is empty; give at least one character of "
-                                       "text")
-        return encode(p)
-    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        if not p:
-            raise fields.bad("prompt", "the prompt is empty; give at least one token")
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise fields.bad("prompt", f"token id {fields.shown(bad[0])} is outside the "
-                                       f"vocabulary [0, {vocab})")
-        return list(p)
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise fields.bad("prompt", f"'prompt' holds {len(p)} prompts; strata takes one per "
-                                   f"request, so send them as {len(p)} requests")
-    raise fields.wrong_type("prompt", "a string or an array of token ids", p,
-                            "\"Once upon a time\"")
+def _room(length: int, which: str, max_tokens: int | None, name: str, chat: bool,
+          ctx: int) -> int:
+    """The tokens a choice of a prompt of `length` tokens may generate: max_tokens, if the
+    context holds them, else the route's default."""
+    where = "messages" if chat else "prompt"
+    if length >= ctx:
+        raise fields.bad(where, f"{which} has {length} tokens, which leaves no room to generate "
+                                f"in this server's context of {ctx}; shorten it, or start "
+                                f"strata-launch with a larger --ctx-size")
+    if max_tokens is None:
+        return ctx - length if chat else min(COMPLETIONS_MAX_TOKENS, ctx - length)
+    if length + max_tokens > ctx:
+        raise fields.bad(name, f"this server's context is {ctx} tokens, but {length + max_tokens} "
+                               f"were requested ({length} in {which}, {max_tokens} for the "
+                               f"completion); lower {name} to {ctx - length} or less, shorten "
+                               f"the prompt, or start strata-launch with a larger --ctx-size")
+    return max_tokens
 
 
-def _content(i: int, m: dict) -> str:
-    c = m.get("content")
-    if isinstance(c, str):
-        return c
-    if c is None:
-        raise ApiError(400, f"messages[{i}] has no 'content'; give its text", f"messages[{i}]",
-                       "invalid_value")
-    if isinstance(c, list):
-        texts = []
-        for part in c:
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                kind = fields.shown(part.get("type")) if isinstance(part, dict) else \
-                    fields.kind(part)
-                raise fields.bad(f"messages[{i}].content",
-                                 f"messages[{i}] has a content part of type {kind}; strata "
-                                 f"reads text parts only ({{\"type\": \"text\", \"text\": ...}})")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise fields.wrong_type(f"messages[{i}].content", "a string or an array of text parts", c,
-                            "\"Hello\"")
-
-
-def chat_prompt(body: dict, render_chat, encode) -> list[int]:
-    msgs = body.get("messages")
-    if msgs is None:
-        raise ApiError(400, "'messages' is missing; give the conversation, e.g. \"messages\": "
-                            "[{\"role\": \"user\", \"content\": \"Hello\"}]", "messages",
-                       "missing_required_parameter")
-    if not isinstance(msgs, list):
-        raise fields.wrong_type("messages", "an array of messages", msgs,
-                                "[{\"role\": \"user\", \"content\": \"Hello\"}]")
-    if not msgs:
-        raise fields.bad("messages", "'messages' is empty; give at least one message")
-    clean = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise fields.wrong_type(f"messages[{i}]", "an object", m,
-                                    "{\"role\": \"user\", \"content\": \"Hello\"}")
-        role = m.get("role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise fields.bad(f"messages[{i}].role", f"messages[{i}] has role "
-                                                    f"{fields.shown(role)}; use one of "
-                                                    f"{', '.join(ROLES)}")
-        clean.append({"role": "system" if role == "developer" else role,
-                      "content": _content(i, m)})
-    if all(not m["content"] for m in clean):
-        raise fields.bad("messages", "every message is empty; give some text to answer")
-    try:
-        text = render_chat(clean)
-    except Exception as e:  # the model's template refuses (e.g. roles must alternate)
-        raise fields.bad("messages", f"the model's chat template refused these messages: "
-                                     f"{e}") from e
-    return encode(text)
-
-
-def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int,
-          longest_token: int) -> Parsed:
+def parse(body, *, chat: bool, prompts: Prompts) -> Parsed:
     """The request `body` (parsed JSON) checked into a Parsed; every number bounded before the
-    prompt is tokenized. `longest_token`: the most characters one token spells."""
+    prompts are tokenized."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {fields.kind(body)}; "
                             f"send e.g. {{\"prompt\": \"Hello\"}}")
@@ -211,13 +147,19 @@ def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int,
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise fields.wrong_type("stream_options", "an object", opts, "{\"include_usage\": true}")
+    if opts is not None and not stream:
+        raise fields.bad("stream_options", "stream_options applies to streamed answers only; "
+                                           "remove it, or set \"stream\": true")
     if opts and set(opts) - {"include_usage", "include_obfuscation"}:  # the latter: no-op
         raise fields.bad("stream_options", "stream_options takes only 'include_usage'; remove "
                                            "the rest")
     include_usage = stream and fields.boolean(opts or {}, "include_usage", False)
-    knobs = _sampling(body, vocab)
+    knobs = _sampling(body, prompts.vocab)
     logprobs = _logprobs(body, chat)
     echo = not chat and fields.boolean(body, "echo", False)
+    n = fields.integer(body, "n", 1, "2", 1, MAX_CHOICES,
+                       f"ask for 1 to {MAX_CHOICES} choices")
+    ctx = prompts.ctx
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = fields.integer(body, name, None, "64", 0 if echo else 1, None,
@@ -226,37 +168,36 @@ def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int,
     if max_tokens is not None and max_tokens > ctx:
         raise fields.bad(name, f"{name} is above this server's context of {ctx} tokens; lower "
                                f"{name}, or start strata-launch with a larger --ctx-size")
-    where = "messages" if chat else "prompt"
-    encode = _checked(encode, ctx, longest_token, where)
-    prompt = chat_prompt(body, render_chat, encode) if chat else \
-        completion_prompt(body, encode, vocab)
-    if len(prompt) >= ctx:
-        raise fields.bad(where, f"the prompt has {len(prompt)} tokens, which leaves no room to "
-                                f"generate in this server's context of {ctx}; shorten it, or "
-                                f"start strata-launch with a larger --ctx-size")
-    if max_tokens is None:
-        max_tokens = min(COMPLETIONS_MAX_TOKENS, ctx - len(prompt)) if not chat else \
-            ctx - len(prompt)
-    elif len(prompt) + max_tokens > ctx:
-        raise fields.bad(name, f"this server's context is {ctx} tokens, but "
-                               f"{len(prompt) + max_tokens} were requested ({len(prompt)} in "
-                               f"the prompt, {max_tokens} for the completion); lower {name} to "
-                               f"{ctx - len(prompt)} or less, shorten the prompt, or start "
-                               f"strata-launch with a larger --ctx-size")
-    min_tokens = fields.integer(body, "min_tokens", 0, "4", 0, max_tokens,
-                                f"give at most max_tokens ({max_tokens})")
-    # echo with logprobs scores the prompt too; with max_tokens 0 (the prompt only) it is
-    # scored, reported or not
-    prompt_logprobs = None
-    if echo and (logprobs is not None or not max_tokens):
-        prompt_logprobs = logprobs or 0
-    params = SamplingParams(**knobs, max_tokens=max_tokens, min_tokens=min_tokens,
-                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-    given = body["prompt"] if echo else None
-    if isinstance(given, list) and len(given) == 1:
-        given = given[0]
-    return Parsed(chat, prompt, params.with_seed(), stream, include_usage, echo,
-                  given if isinstance(given, str) else None)
+    ids = [prompts.chat(body)] if chat else prompts.completion(body)
+    if len(ids) * n > MAX_CHOICES:
+        raise fields.bad("n", f"{len(ids)} prompts with n={n} make {len(ids) * n} choices; "
+                              f"ask for at most {MAX_CHOICES} in one request")
+    rooms = [_room(len(prompt), f"prompt {k}" if len(ids) > 1 else "the prompt", max_tokens,
+                   name, chat, ctx) for k, prompt in enumerate(ids)]
+    min_tokens = fields.integer(body, "min_tokens", 0, "4", 0, min(rooms),
+                                f"give at most max_tokens ({min(rooms)})")
+    given = _given(body["prompt"]) if echo else [None] * len(ids)
+    params = SamplingParams(**knobs, logprobs=logprobs).with_seed()
+    choices = []
+    for k, (prompt, room) in enumerate(zip(ids, rooms)):
+        # echo with logprobs scores the prompt too; with max_tokens 0 (the prompt only) it is
+        # scored, reported or not
+        prompt_logprobs = (logprobs or 0) if echo and (logprobs is not None or not room) \
+            else None
+        for j in range(n):
+            choices.append(Choice(k * n + j, prompt, replace(
+                params, max_tokens=room, min_tokens=min_tokens, prompt_logprobs=prompt_logprobs,
+                seed=choice_seed(params.seed, j)), given[k]))
+    return Parsed(chat, tuple(choices), params.seed, sum(map(len, ids)), stream, include_usage,
+                  echo)
+
+
+def _given(p) -> list[str | None]:
+    """Each prompt's text as given (None: given as token ids), as Prompts.completion reads
+    'prompt'."""
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        return [x if isinstance(x, str) else None for x in p]
+    return [p if isinstance(p, str) else None]
 
 
 # --- streamed text ---------------------------------------------------------------------------
@@ -330,35 +271,41 @@ def usage(prompt: int, completion: int) -> dict:
             "total_tokens": prompt + completion}
 
 
-def response(job_id: str, model: str, p: Parsed, text: str, finish: str, generated: int,
-             created: int, logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
-    if p.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+def response(job_id: str, model: str, p: Parsed, ends: list[tuple[str, str, int, dict | None]],
+             created: int) -> dict:
+    """The whole answer; ends[i]: choice i's (text, finish reason, generated tokens, logprobs
+    object). Each choice carries its seed."""
+    choices = []
+    for c, (text, finish, _, logprobs) in zip(p.choices, ends):
+        choice = {"index": c.index, "finish_reason": finish, "logprobs": logprobs,
+                  "seed": c.params.seed}
+        if p.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choices.append(choice)
     return {"id": job_id, "object": "chat.completion" if p.chat else "text_completion",
-            "created": created, "model": model, "seed": p.params.seed, "choices": [choice],
-            "usage": usage(len(p.prompt), generated)}
+            "created": created, "model": model, "seed": p.seed, "choices": choices,
+            "usage": usage(p.prompt_tokens, sum(end[2] for end in ends))}
 
 
-def chunk(job_id: str, model: str, p: Parsed, created: int, text: str | None = None,
-          finish: str | None = None, role: bool = False, usage_of: tuple[int, int] | None = None,
-          logprobs: dict | None = None) -> dict:
-    """One stream chunk: a text delta (with its tokens' logprobs object), the finish, or
-    (usage_of) the usage after the finish."""
+def chunk(job_id: str, model: str, p: Parsed, created: int, index: int = 0,
+          text: str | None = None, finish: str | None = None, role: bool = False,
+          completion_tokens: int | None = None, logprobs: dict | None = None) -> dict:
+    """One stream chunk of choice `index`: a text delta (with its tokens' logprobs object), its
+    finish; or (completion_tokens) the usage after every choice's finish."""
     out = {"id": job_id, "object": "chat.completion.chunk" if p.chat else "text_completion",
-           "created": created, "model": model, "seed": p.params.seed}
-    if usage_of is not None:
-        out["choices"], out["usage"] = [], usage(*usage_of)
+           "created": created, "model": model, "seed": p.seed}
+    if completion_tokens is not None:
+        out["choices"], out["usage"] = [], usage(p.prompt_tokens, completion_tokens)
         return out
     if p.chat:
         delta = {"role": "assistant", "content": ""} if role else \
             ({"content": text} if text else {})
-        out["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish,
+        out["choices"] = [{"index": index, "delta": delta, "finish_reason": finish,
                            "logprobs": logprobs}]
     else:
-        out["choices"] = [{"index": 0, "text": text or "", "finish_reason": finish,
+        out["choices"] = [{"index": index, "text": text or "", "finish_reason": finish,
                            "logprobs": logprobs}]
     return out
 

@@ -29,7 +29,7 @@ STOP_MAX_CHARS = 256   # characters of one stop string
 
 # fields a route reads; the rest of a body must be in NO_OP
 HONOURED = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
-            "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+            "min_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids",
             "logprobs",
             "user", "safety_identifier", "prompt_cache_key"}  # identifiers, no effect here
@@ -48,7 +48,6 @@ def _off(*values):
 
 # field: (the values that ask for nothing, what to do instead). Absent and null always pass.
 NO_OP = {
-    "n": (_off(1), "strata returns one choice per request; send several requests instead"),
     "best_of": (_off(1), "remove 'best_of'"),
     # completions take logprobs: N; chat takes top_logprobs (with logprobs: true)
     "top_logprobs": (lambda v: False, "/v1/completions takes 'logprobs': N (the top N tokens "
@@ -99,10 +98,6 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
                                 f"honours; remove it", name[:100], "unknown_parameter")
         asks_nothing, instead = NO_OP[name]
         if not asks_nothing(v):
-            if name == "n" and type(v) is int and 1 < v <= 1000:
-                raise bad(name, f"n={v} is not supported: strata returns one choice per "
-                                f"request; send {v} requests instead (give each its own seed "
-                                f"for different samples)")
             raise bad(name, f"{name}={shown(v)} is not supported; {instead}")
 
 

@@ -136,7 +136,7 @@ class Scheduler:
                                    len(req.seq.generated), drafted=req.drafted,
                                    accepted=req.accepted, drafted_at=tuple(req.drafted_at),
                                    accepted_at=tuple(req.accepted_at)))
-        return SchedulerSnapshot(tuple(views), tuple(g.flights > 0 for g in self.groups),
+        return SchedulerSnapshot(tuple(views), tuple(g.flights for g in self.groups),
                                  len(self.queue), tuple(g.last_decode for g in self.groups),
                                  self.drafted, self.accepted,
                                  tuple(g.drafts.choice for g in self.groups),

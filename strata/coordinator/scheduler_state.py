@@ -106,7 +106,7 @@ class SlotState:
 @dataclass(frozen=True)
 class SchedulerSnapshot:
     slots: tuple[SlotState, ...]
-    in_flight: tuple[bool, ...]   # per group: a window is out
+    in_flight: tuple[int, ...]   # per group: its windows out
     queued: int
     decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
     drafted: int = 0    # draft tokens sent in windows, every request since the start

@@ -1,22 +1,28 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of the engine thread.
 
-    POST /v1/completions, /v1/chat/completions   (stream: true gives server-sent events)
+    POST /v1/completions, /v1/chat/completions   (stream: true gives server-sent events;
+                   n choices of each prompt, choices.py)
     GET  /v1/models, /v1/models/{id}, /v1/status
+    POST /tokenize, /detokenize   vLLM's shapes (tokenize_routes.py)
+    GET  /version  {"version": strata's}; never gated
     GET  /health   200 while every stage process and the engine thread are alive and every
                    stage answers (no hang); never gated
     GET  /metrics  Prometheus text
+    GET  /, /page.js   a page: a chat box and the pipeline live (page/); never gated
 
-With an API key, every /v1 route wants `Authorization: Bearer KEY`. Every refusal is OpenAI's
-error object with a sentence saying what to change; the server stays up after each. Request
-bodies are parsed and their prompts tokenized in a worker thread, so no request holds up the
-event loop; connections.py bounds connections and the time a request may take to arrive. A client
-that goes away (handler_cancellation) has its request cancelled: its slot frees at the next
-window and none of its tokens reach anyone.
+With an API key, every /v1 route, /tokenize and /detokenize want `Authorization: Bearer KEY`.
+Every refusal is OpenAI's error object with a sentence saying what to change; the server stays
+up after each. Request bodies are parsed and their prompts tokenized in a worker thread, so no
+request holds up the event loop; connections.py bounds connections and the time a request may
+take to arrive. A client that goes away (handler_cancellation) has its request cancelled: its
+slots free at the next window and none of its tokens reach anyone; one that hangs up while
+sending its body is a 499 too, not a failure.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import socket
@@ -25,15 +31,28 @@ from typing import Callable
 from aiohttp import web
 
 from strata.coordinator import openai_api as api
+from strata.coordinator import page, tokenize_routes
 from strata.coordinator.connections import ConnectionPool, Limits, ServerConfig
+from strata.coordinator.choices import Choices
 from strata.coordinator.drafts import draft_counts
-from strata.coordinator.engine import Engine, EngineDown, Finished, Job
+from strata.coordinator.engine import Engine
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.openai_api import ApiError
-from strata.coordinator.openai_logprobs import Logprobs, Spelling
+from strata.coordinator.openai_logprobs import Spelling
+from strata.coordinator.prompts import Prompts
 from strata.coordinator.request_fields import shown
 
 log = logging.getLogger("strata.server")
+KEYED = ("/tokenize", "/detokenize")   # beside /v1/*: the routes that want the key
+try:
+    VERSION = importlib.metadata.version("strata")
+except importlib.metadata.PackageNotFoundError:   # run from a checkout, not installed
+    VERSION = "unknown"
+
+
+class ClientGone(Exception):
+    """The client hung up before its request was read: a 499 in /metrics and the access log,
+    not a failure."""
 
 
 class Server:
@@ -45,6 +64,7 @@ class Server:
         self.created = api.now()
         self.names = {cfg.model, *cfg.aliases}
         self.spelling = Spelling(tok)   # tokens as logprobs objects show them
+        self.prompts = Prompts(tok, vocab, self.ctx, cfg.allow_control_tokens_in_messages)
         metrics.watch(lambda: engine.queued,
                       lambda: sum(s.state != "idle" for s in engine.snapshot.slots),
                       lambda: 0.0 if self.health_error() else 1.0, engine.cfg.slots)
@@ -57,8 +77,12 @@ class Server:
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),
             web.get("/v1/status", self.status),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/version", self.version),
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
+            *page.routes(),
         ])
         return app
 
@@ -86,6 +110,9 @@ class Server:
             return web.json_response(self._http_error(request, e).body(), status=e.status,
                                      headers={k: v for k, v in e.headers.items()
                                               if k == "Allow"})
+        except ClientGone:   # the access log's line says 499; nothing failed here
+            status = 499
+            return web.Response(status=499)   # nobody reads it: the connection is closed
         except asyncio.CancelledError:  # the client went away (handler_cancellation)
             status = 499
             raise
@@ -109,7 +136,8 @@ class Server:
         return "unmatched"
 
     def _authorize(self, request: web.Request) -> None:
-        if self.cfg.api_key is None or not request.path.startswith("/v1"):
+        if self.cfg.api_key is None or not (request.path.startswith("/v1") or
+                                            request.path in KEYED):
             return
         given = request.headers.get("Authorization", "")
         if not given:
@@ -127,7 +155,9 @@ class Server:
         if e.status == 404:
             return ApiError(404, f"there is no route {request.method} {request.path}; this "
                                  f"server has POST /v1/completions, POST /v1/chat/completions, "
-                                 f"GET /v1/models, GET /v1/status, GET /health, GET /metrics",
+                                 f"GET /v1/models, GET /v1/status, POST /tokenize, POST "
+                                 f"/detokenize, GET /version, GET /health, GET /metrics "
+                                 f"and a page at GET /",
                             code="unknown_url")
         if e.status == 405:
             return ApiError(405, f"{request.path} does not take {request.method}; use "
@@ -150,6 +180,9 @@ class Server:
             return await asyncio.wait_for(request.read(), self.cfg.read_timeout)
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large(request) from None
+        except ConnectionError:   # reset, or closed before Content-Length bytes came
+            raise ClientGone("the client closed the connection while sending the request "
+                             "body") from None
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise ApiError(408, f"the request body did not arrive within "
                                 f"{self.cfg.read_timeout:g} s; send all of it (as many bytes "
@@ -189,118 +222,62 @@ class Server:
     def _parse(self, raw: bytes, chat: bool) -> api.Parsed:
         body = self._json(raw)
         self._check_model(body)
-        return api.parse(body, chat=chat, encode=self.tok.encode,
-                         render_chat=self.tok.render_chat, vocab=self.vocab, ctx=self.ctx,
-                         longest_token=self.tok.longest_token)
+        return api.parse(body, chat=chat, prompts=self.prompts)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await self._body(request)
-        # parsing renders and tokenizes the prompt: off the event loop, which keeps serving
+        # parsing renders and tokenizes the prompts: off the event loop, which keeps serving
         p = await asyncio.to_thread(self._parse, raw, chat)
-        job = Job(api.new_id(chat), p.prompt, p.params, asyncio.get_running_loop(),
-                  asyncio.Queue())
-        try:
-            self.engine.submit(job)
-        except EngineDown as e:
-            raise ApiError(503, f"{e}; restart strata-launch", code="unavailable") from None
-        done = False
+        choices = Choices(self.engine, api.new_id(chat), p)
+        choices.submit()
         try:
             if p.stream:
-                response = await self._stream(request, job, p)
-            else:
-                response = await self._complete(job, p)
-            done = True
-            return response
+                return await self._stream(request, choices)
+            await choices.whole()
+            return web.json_response(api.response(
+                choices.id, self.cfg.model, p, choices.answers(self.tok.decode, self.spelling),
+                api.now()))
         finally:
-            if not done:  # the client went away, or we failed: free the slot
-                self.engine.cancel(job)
+            if not choices.done:  # the client went away, or a choice failed: free the slots
+                choices.cancel()
 
-    @staticmethod
-    def _failure(fin: Finished) -> ApiError:
-        if fin.reason == "cancelled" or fin.down:
-            why = fin.error or "the server is stopping"
-            return ApiError(503, f"{why}; the request was not completed, retry it once the "
-                                 f"server is back", code="unavailable")
-        return ApiError(500, f"this request's window failed: {fin.error}",
-                        code="stage_error")
-
-    def _logprobs(self, p: api.Parsed) -> Logprobs:
-        return Logprobs(self.spelling, p.chat, p.params.logprobs is not None)
-
-    def _echo(self, p: api.Parsed) -> str:
-        """The prompt's text, for echo: as given, or its token ids decoded."""
-        return p.echo_text if p.echo_text is not None else \
-            self.tok.decode(p.prompt, skip_special=False)
-
-    async def _complete(self, job: Job, p: api.Parsed) -> web.Response:
-        while not isinstance(fin := await job.events.get(), Finished):
-            pass
-        if fin.reason not in ("stop", "length"):
-            raise self._failure(fin)
-        tokens, entries = fin.generated, fin.logprobs
-        if p.echo and fin.prompt_logprobs is not None:
-            tokens, entries = p.prompt + tokens, fin.prompt_logprobs + entries
-        text = self._echo(p) + fin.text if p.echo else fin.text
-        return web.json_response(api.response(job.id, self.cfg.model, p, text, fin.reason,
-                                              len(fin.generated), api.now(),
-                                              self._logprobs(p).of(tokens, entries,
-                                                                   whole=True)))
-
-    async def _stream(self, request: web.Request, job: Job, p: api.Parsed
-                      ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        created, model = api.now(), self.cfg.model
-        text = api.TextStream(self.tok.decode, p.params.stop)
 
         async def send(obj) -> None:
             await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
-        logprobs, echo = self._logprobs(p), p.echo
         try:
-            if p.chat:
-                await send(api.chunk(job.id, model, p, created, role=True))
-            while True:
-                ev = await job.events.get()
-                if echo:   # the prompt first, once it is read (its logprobs come then)
-                    echo = False
-                    if not isinstance(ev, Finished) or ev.reason in ("stop", "length"):
-                        await send(api.chunk(job.id, model, p, created, self._echo(p),
-                                             logprobs=logprobs.of(p.prompt,
-                                                                  ev.prompt_logprobs or [])))
-                delta, tokens = "", []
-                while not isinstance(ev, Finished):  # every token already here: one chunk
-                    delta += text.push(ev.id)
-                    tokens.append(ev)
-                    if job.events.empty():
-                        break
-                    ev = job.events.get_nowait()
-                lp = logprobs.of([t.id for t in tokens], [t.logprob for t in tokens])
-                if not isinstance(ev, Finished):
-                    if delta or lp:
-                        await send(api.chunk(job.id, model, p, created, delta, logprobs=lp))
-                    continue
-                fin = ev
-                delta += text.finish(fin.text)
-                if text.sent != fin.text and fin.reason in ("stop", "length"):
-                    log.warning("%s: streamed text differs from the final text", job.id)
-                if delta or lp:
-                    await send(api.chunk(job.id, model, p, created, delta, logprobs=lp))
-                break
-            if fin.reason in ("stop", "length"):
-                await send(api.chunk(job.id, model, p, created, finish=fin.reason))
-                if p.include_usage:
-                    await send(api.chunk(job.id, model, p, created,
-                                         usage_of=(len(p.prompt), len(fin.generated))))
-            else:
-                await send(self._failure(fin).body())
+            await choices.stream(send, self.tok.decode, self.spelling, self.cfg.model, log)
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:  # the client closed the stream: nobody to tell
             request["client_gone"] = True
-            self.engine.cancel(job)
+            choices.cancel()
         return resp
+
+    # --- tokens ---------------------------------------------------------------------------------
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        raw = await self._body(request)
+
+        def run() -> dict:
+            body = self._json(raw)
+            self._check_model(body)
+            return tokenize_routes.tokenize(body, self.prompts, self.tok.spellings)
+        return web.json_response(await asyncio.to_thread(run))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        raw = await self._body(request)
+
+        def run() -> dict:
+            body = self._json(raw)
+            self._check_model(body)
+            return tokenize_routes.detokenize(
+                body, self.vocab, lambda ids: self.tok.decode(ids, skip_special=False))
+        return web.json_response(await asyncio.to_thread(run))
 
     # --- information --------------------------------------------------------------------------
 
@@ -328,6 +305,9 @@ class Server:
             return "the engine thread has stopped"
         return None
 
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
     async def health(self, request: web.Request) -> web.Response:
         error = self.health_error()
         if error:
@@ -349,7 +329,7 @@ class Server:
                                                 s.accepted_at, cfg.max_draft_tokens))
             slots.append(view)
         groups = [{"group": g, "slots": [s.slot for s in snap.slots if s.group == g],
-                   "window_in_flight": busy,
+                   "window_in_flight": busy > 0, "windows_in_flight": busy,
                    # the last decode window sent: its rows and, of them, rows of requests
                    "decode_window": None if w is None else {"rows": w.rows, "live": w.live},
                    "drafts": draft_choice(c)}

@@ -29,14 +29,18 @@ SKINNY_BLOCKS = MappingProxyType({
     "wide": ((128, 128, 3), (64, 128, 3), (64, 64, 3), (16, 64, 3)),  # plain, n >= 4k
 })
 # The quantized kernels' (block_n, block_k, stages, warps) by projection, and by block type
-# where one differs ("*": the rest): the fastest at 1 row of 8 tried per type at the llama3-8b
-# shapes on an H200 (tools/gpu/bench_quant.py, docs/results/quant_kernels_h200.txt). block_k
-# is halved until it divides K (SmolLM2's 576: 64). Fixed by the weight's type and shape.
+# where one differs ("*": the rest), chosen on an H200 at the llama3-8b shapes
+# (tools/gpu/bench_quant.py). block_k is halved until it divides K (SmolLM2's 576: 64). A weight
+# of few column blocks is split along K until its programs fill the GPU (a 4096-row projection
+# has 64 column blocks for 132 SMs, and each program's dequantization is a long chain of
+# dependent instructions). Fixed by the weight's type and shape.
 QUANT_BLOCKS = MappingProxyType({
-    "res": {"*": (32, 256, 3, 4)}, "qkv": {"*": (32, 256, 3, 4), "Q6_K": (64, 128, 2, 4)},
+    "res": {"*": (64, 128, 2, 4)}, "qkv": {"*": (64, 128, 2, 4)},
     "gate_up": {"*": (64, 128, 2, 4)}, "head": {"*": (64, 128, 2, 4)},
-    "plain": {"*": (32, 256, 3, 4)},
+    "plain": {"*": (64, 128, 2, 4)},
 })
+QUANT_SPLIT_PROGRAMS = 1024   # split K while column blocks x splits stay within this
+QUANT_MAX_SPLITS = 8
 FOLD_ALL = frozenset({"qkv", "gate_up", "head"})
 MAX_DECODE_ROWS = 64   # a decode window's rows at most (the largest row tile)
 ROW_BLOCK = 8          # rows per call where a decode window's matmul is not a skinny kernel
@@ -68,6 +72,7 @@ class KernelPolicy:
     mm_fp32_out: bool = True
     quant_blocks_by_kind: Mapping[str, Mapping[str, tuple[int, int, int, int]]] = field(
         default_factory=lambda: QUANT_BLOCKS)
+    quant_split_programs: int = QUANT_SPLIT_PROGRAMS   # 0: never split K
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "KernelPolicy":
@@ -89,13 +94,19 @@ class KernelPolicy:
 
     def quant_blocks(self, qtype: str, n: int, k: int, kind: str = "plain") -> dict:
         """The quantized kernels' blocks for a [n, k] weight of block type `qtype` used as
-        `kind` (as skinny_blocks; N is masked, so every shape takes them). The row tile is
-        row_tile's."""
+        `kind` (as skinny_blocks; N is masked, so every shape takes them) and its splits of K:
+        the most, up to QUANT_MAX_SPLITS and dividing K's steps, whose programs (column blocks
+        x splits) stay within quant_split_programs. The row tile is row_tile's."""
         table = self.quant_blocks_by_kind[kind]
         block_n, block_k, stages, warps = table.get(qtype, table["*"])
         while k % block_k and block_k > 32:   # every GGUF row is whole 32-quant blocks
             block_k //= 2
-        return {"block_n": block_n, "block_k": block_k, "stages": stages, "warps": warps}
+        columns = -(-(n // 2 if kind == "gate_up" else n) // block_n)
+        splits = max(s for s in range(1, QUANT_MAX_SPLITS + 1)
+                     if (k // block_k) % s == 0
+                     and (s == 1 or columns * s <= self.quant_split_programs))
+        return {"block_n": block_n, "block_k": block_k, "stages": stages, "warps": warps,
+                "splits": splits}
 
     def row_tile(self, m: int, weight_bytes: int) -> int:
         """BLOCK_M for a window of m rows and a weight of that many bytes (see the class)."""

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.sampling_triton import _GOLDEN, _MIX1, _MIX2, gumbel_noise
+from strata.kernels.gumbel_triton import GOLDEN, MIX1, MIX2, gumbel_noise
 
 BLOCK = 1024   # the columns a program takes at once
 
@@ -109,6 +109,6 @@ def pick_sorted_triton(values: torch.Tensor, order: torch.Tensor, params: torch.
     out = torch.empty(n, dtype=torch.long, device=values.device)
     if n:
         _pick_sorted[(n,)](values, order, values.stride(0), params, params.stride(0), out,
-                           out if keep is None else keep, vocab, GOLDEN=_GOLDEN, MIX1=_MIX1,
-                           MIX2=_MIX2, WRITE_KEEP=keep is not None, BLOCK=BLOCK, num_warps=4)
+                           out if keep is None else keep, vocab, GOLDEN=GOLDEN, MIX1=MIX1,
+                           MIX2=MIX2, WRITE_KEEP=keep is not None, BLOCK=BLOCK, num_warps=4)
     return out

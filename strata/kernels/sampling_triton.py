@@ -22,25 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.gumbel_triton import GOLDEN, MIX1, MIX2, gumbel_noise
+from strata.kernels.sampling_sorted_triton import pick_sorted_triton
+
 CHUNK = 4096   # a program's share of a row: SmolLM2's 49,152 tokens make 12 programs a row
 BLOCK = 1024   # the columns a program takes at once
-# splitmix64's constants (sampling.py), as unsigned 64-bit
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-@triton.jit
-def gumbel_noise(key, ids, GOLDEN: tl.constexpr, MIX1: tl.constexpr, MIX2: tl.constexpr):
-    """sampling.py's gumbel_noise (float64) for the draw's bits `key` (uint64) and token ids:
-    splitmix64 of the two, its top 52 bits a uniform in (0, 1), then -log(-log(.))."""
-    z = key ^ ((ids.to(tl.uint64) + 1) * GOLDEN)
-    z = (z ^ (z >> 30)) * MIX1
-    z = (z ^ (z >> 27)) * MIX2
-    z = z ^ (z >> 31)
-    v = ((z >> 12).to(tl.float64) + 0.5) * 2.220446049250313e-16   # 2**-52
-    return -tl.log(-tl.log(v))
-
-
 # Strides and the temperature, draw and row pointers are not specialised on: each caller's
 # layout (a row of (index, temperature, draw), a [2, n] or an [n, 2] block) would otherwise
 # compile a kernel of its own, some only for an odd n. So one kernel per logits dtype, with
@@ -139,7 +125,7 @@ def pick_unfiltered_triton(x: torch.Tensor, temperature: torch.Tensor, u: torch.
     rows = rows.reshape(n) if has_rows else out   # out: never read without rows
     _pick_part[(n, chunks)](x, x.stride(0), rows, rows.stride(0), temperature,
                             temperature.stride(0), u, u.stride(0), best, at, vocab, chunks,
-                            GOLDEN=_GOLDEN, MIX1=_MIX1, MIX2=_MIX2, HAS_ROWS=has_rows,
+                            GOLDEN=GOLDEN, MIX1=MIX1, MIX2=MIX2, HAS_ROWS=has_rows,
                             CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
     _pick_join[(n,)](temperature, temperature.stride(0), best, at, out, chunks, vocab + CHUNK,
                      CHUNKS_BLOCK=triton.next_power_of_2(chunks), num_warps=1)
@@ -151,7 +137,6 @@ def compile_picks(vocab: int, device: torch.device, dtypes: tuple[torch.dtype, .
     pick of sorted rows: kernels/sampling_sorted_triton.py), so that no request waits for a
     compilation (a last stage's warm-up: fp32 head logits, the drafter's in the model's
     dtype)."""
-    from strata.kernels.sampling_sorted_triton import pick_sorted_triton
     t = torch.full((1,), 0.7, dtype=torch.float64, device=device)
     u = torch.full((1,), 0.5, dtype=torch.float64, device=device)
     params = torch.tensor([[0.7], [0.0], [0.9], [0.0], [0.5]], dtype=torch.float64,

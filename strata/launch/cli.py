@@ -100,7 +100,18 @@ from strata.protocol.transport import is_loopback
 @click.option("--port", type=int, default=8080, show_default=True,
               help="Serving: the TCP port (0 = any free port; the URL printed names it).")
 @click.option("--api-key", default=None,
-              help="Serving: every /v1 route then wants 'Authorization: Bearer KEY'.")
+              help="Serving: every /v1 route, /tokenize and /detokenize then want "
+                   "'Authorization: Bearer KEY'.")
+@click.option("--served-model-name", multiple=True, metavar="NAME",
+              help="Serving: the model's name in /v1/models and in every answer (default: "
+                   "the --model name, or the file's name without .gguf); requests must name "
+                   "it (or leave 'model' out). Repeat it for more accepted names: the first "
+                   "is reported.")
+@click.option("--allow-control-tokens-in-messages", is_flag=True,
+              help="Read a control token's text written in a chat message ('<|im_end|>') as "
+                   "that token, as transformers and llama.cpp do. Without it the text stays "
+                   "text, so no message can close its turn and forge another (a system "
+                   "turn); only the chat template's own control tokens are tokens.")
 @click.option("--read-timeout", type=float, default=30.0, show_default=True,
               help="Serving: seconds a client has to send a request's headers, and again its "
                    "body; a connection idle that long between requests is closed.")
@@ -111,8 +122,9 @@ from strata.protocol.transport import is_loopback
 @clean_errors("strata-launch")
 def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
          repetition_penalty, frequency_penalty, presence_penalty, logit_bias, min_tokens,
-         ignore_eos, stop_token_id, external_stage, listen, join_timeout, cluster, log_dir, keys, insecure,
-         restart_stages, verbose, host, port, api_key, read_timeout, max_connections,
+         ignore_eos, stop_token_id, external_stage, listen, join_timeout, cluster, log_dir,
+         keys, insecure, restart_stages, verbose, host, port, api_key, served_model_name,
+         allow_control_tokens_in_messages, read_timeout, max_connections,
          max_client_connections, **launch):
     """Run a GGUF model split across stage processes and print the generated text; without
     --prompt, serve the OpenAI-compatible HTTP API (sampling then comes with each request)."""
@@ -163,11 +175,16 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
                             f"{vocab})")
     if prompt is None:
         limits = dict(read_timeout=read_timeout, max_connections=max_connections,
-                      max_client_connections=max_client_connections)
-        return serve(prep, tok, launch["model"], host, port, api_key, log_dir, stages, limits,
-                     restart_stages)
-    text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
-    ids = tok.encode(text)
+                      max_client_connections=max_client_connections,
+                      allow_control_tokens_in_messages=allow_control_tokens_in_messages)
+        return serve(prep, tok, launch["model"], served_model_name, host, port, api_key,
+                     log_dir, stages, limits, restart_stages)
+    if served_model_name:
+        raise PlanError("--served-model-name names the model to HTTP clients, and --prompt "
+                        "serves none; leave one of them out")
+    ids = tok.encode_chat([{"role": "user", "content": prompt}],
+                          control_in_content=allow_control_tokens_in_messages) if chat \
+        else tok.encode(prompt)
     Sequence(ids, params, tok.stop_ids, prep.sched.ctx)  # refuses an empty or too long prompt
     with prep.launch(log_dir=log_dir, say=say, **stages) as run:
         for p in prep.plan:
@@ -256,14 +273,18 @@ def check_security(keys: str | None, insecure: bool, prep, stages: dict) -> None
             CurveKeys.load(keys, stage_name(p.index))
 
 
-def serve(prep, tok, model, host, port, api_key, log_dir, stages, limits, restart_stages):
+def serve(prep, tok, model, served_names, host, port, api_key, log_dir, stages, limits,
+          restart_stages):
     # the HTTP stack (aiohttp) is imported only to serve
     from strata.coordinator.connections import ServerConfig
     from strata.launch.serving import bind_socket, run_server
 
-    cfg = ServerConfig(model=model if model == DEFAULT_MODEL else prep.file.path.stem,
-                       aliases=(model, prep.file.path.name, str(prep.file.path)),
-                       host=host, port=port, api_key=api_key, **limits)
+    if served_names:   # these names only, as vLLM's --served-model-name
+        names = dict(model=served_names[0], aliases=tuple(served_names[1:]))
+    else:
+        names = dict(model=model if model == DEFAULT_MODEL else prep.file.path.stem,
+                     aliases=(model, prep.file.path.name, str(prep.file.path)))
+    cfg = ServerConfig(**names, host=host, port=port, api_key=api_key, **limits)
     sock = bind_socket(host, port)  # a taken port fails before any stage starts
     try:
         with prep.launch(log_dir=log_dir, say=say, **stages) as run:

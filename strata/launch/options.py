@@ -117,9 +117,7 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "head's distribution with the draw the target will use at that "
                           "position (kept more often where the head's distribution is close "
                           "to the target's; picked inside the drafter's graph, with top-k, "
-                          "top-p or min-p among the head's 128 most likely tokens; with the "
-                          "shipped SmolLM2 head no faster than argmax ones: "
-                          "docs/BENCHMARKS.md). "
+                          "top-p or min-p among the head's 128 most likely tokens). "
                           "Greedy requests always take the argmax."),
         click.option("--mtp-head", type=click.Path(dir_okay=False), default=None,
                      help="A NextN head GGUF made for the model (a sidecar), for --drafter "
@@ -313,6 +311,7 @@ FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--windo
          "drafter": "--drafter", "draft_rows": "--draft-rows",
          "draft_sampling": "--draft-sampling",
          "graph_cache": "--graph-cache", "port": "--port", "api_key": "--api-key",
+         "served_model_name": "--served-model-name",
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
          "max_client_connections": "--max-client-connections",
          "stage_timeout": "--stage-timeout"}

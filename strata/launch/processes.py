@@ -2,6 +2,9 @@
 
 Each spawned worker gets PR_SET_PDEATHSIG, so it dies with the launcher even if the launcher is
 killed with SIGKILL; a normal exit sends Shutdown through the chain, then terminates, then kills.
+A spawned worker ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the
+launcher alone decides how its stages stop (a stage that died of the same Ctrl-C would look
+like a failure, and its logs would be kept).
 The signal comes when the *thread* that spawned the worker ends, so a stage started again
 (from the engine's thread) is spawned by a thread that lives as long as the launch.
 """
@@ -31,6 +34,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # kept across exec: Python then leaves it
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the parent died before prctl: no signal will come

@@ -13,24 +13,27 @@ ones ("llama": Llama 2, Mistral, Gemma) in tokenizer_spm.py; WordPiece ("bert"),
 and the rest are refused with a ValueError.
 
 The chat template is rendered with a sandboxed jinja2 environment set up as transformers sets up
-its own (`apply_chat_template`), so the prompt text matches it character for character.
+its own (`apply_chat_template`, chat_template.py), so the prompt text matches it character for
+character.
+
+A message's content is text, never control tokens: `encode_chat` reads "<|im_end|>" written in
+a message as the characters it spells, so no message can close its turn and forge another
+(transformers and llama.cpp tokenize the rendered prompt whole, and would read it as the
+token). Only the template's own control tokens are read as tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-from datetime import datetime
-from typing import Any, NoReturn
+import re
+from typing import Any
 
 import gguf
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from strata.model.chat_template import compile_template, unused_mark
 from strata.model.tokenizer_spm import spm_backend
 
 # tokenizer.ggml.token_type values (gguf.TokenType); the ones this module treats specially.
@@ -177,33 +180,15 @@ def _build_backend(
 _TURN_ENDS = {"gemma3": ("<end_of_turn>",), "qwen2": ("<|im_end|>",), "qwen3": ("<|im_end|>",)}
 
 
-# --- the chat template ---------------------------------------------------------------------------
+_UNMATCHED = "\uffff"   # not a token: the text between added tokens, to the finder
 
 
-def _raise_exception(message: str) -> NoReturn:
-    # Templates call this to reject a conversation (e.g. roles not alternating).
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # jinja's own tojson escapes HTML characters, which would change the prompt; transformers'
-    # does not, and templates are written against transformers.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-@functools.lru_cache(maxsize=8)
-def _compile_template(source: str) -> jinja2.Template:
-    """`source` compiled in an environment like transformers' (trim/lstrip blocks, loop controls,
-    raise_exception, strftime_now, its tojson). Sandboxed: templates come with downloaded files."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+def _cut(text: str, spans: list[tuple[int, int]]) -> tuple[list[str], list[str]]:
+    """`text` cut at `spans`: the pieces around them (one more than the spans) and the spans'
+    texts."""
+    ends = [0] + [x for span in spans for x in span] + [len(text)]
+    return ([text[a:b] for a, b in zip(ends[::2], ends[1::2])],
+            [text[a:b] for a, b in spans])
 
 
 # --- the tokenizer -------------------------------------------------------------------------------
@@ -327,17 +312,95 @@ class Tokenizer:
         """Ids that end generation: eos, and eot/eom where the file names them."""
         return self._stop_ids
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`. Control and user-defined tokens written in it ("<|im_start|>") are
-        read as their ids. BOS is prepended only when the file asks for it, and not a second time
-        when `text` already starts with it (a rendered chat template often does)."""
+        read as their ids. BOS is prepended only when the file asks for it (and add_bos), and
+        not a second time when `text` already starts with it (a rendered chat template often
+        does)."""
         # encode_batch releases the GIL while it works (encode holds it): a long text tokenized
         # in a worker thread leaves the caller's other threads running
         ids: list[int] = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
-        if self._add_bos and (not ids or ids[0] != self._bos_id):
+        return self._with_bos(ids, add_bos)
+
+    def _with_bos(self, ids: list[int], add_bos: bool = True) -> list[int]:
+        if add_bos and self._add_bos and (not ids or ids[0] != self._bos_id):
             assert self._bos_id is not None  # from_gguf refuses add_bos without a bos id
             ids.insert(0, self._bos_id)
         return ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    control_in_content: bool = False, add_bos: bool = True) -> list[int]:
+        """Token ids of `messages` through the chat template (BOS as `encode` adds it). The
+        text of a control token inside a message's content is read as plain text (the ids of
+        its characters), unless `control_in_content`; then, and for every message that has
+        none, the ids are encode(render_chat(messages)).
+
+        How: each control token's text in a content is replaced by a mark, the template is
+        rendered, the text is cut at the template's control tokens, the marks are put back,
+        and the pieces are tokenized with special-token matching off. The backend cuts a text
+        at its added tokens before it pre-tokenizes and normalizes each piece alone, so
+        tokenizing the pieces apart gives the ids it gives the whole text."""
+        contents = [m.get("content") if isinstance(m.get("content"), str) else ""
+                    for m in messages]
+        found = [] if control_in_content else self._controls_in(contents)
+        if not any(found):
+            return self.encode(self.render_chat(messages, add_generation_prompt), add_bos)
+        mark = unused_mark(contents + [self._chat_template or ""])
+        hidden: list[str] = []
+
+        def hide(text: str, spans: list[tuple[int, int]]) -> str:
+            pieces, controls = _cut(text, spans)
+            hidden.extend(controls)
+            first = len(hidden) - len(controls)
+            return "".join(p + (f"{mark}{first + i}{mark}" if i < len(controls) else "")
+                           for i, p in enumerate(pieces))
+
+        text = self.render_chat([{**m, "content": hide(c, spans)} if spans else m
+                                 for m, c, spans in zip(messages, contents, found)],
+                                add_generation_prompt)
+        marked = re.compile(f"{mark}(\\d+){mark}")
+        return self._with_bos(self._encode_as_text(
+            text, lambda piece: marked.sub(lambda m: hidden[int(m.group(1))], piece)), add_bos)
+
+    def _encode_as_text(self, text: str, restore=lambda piece: piece) -> list[int]:
+        """Ids of `text` with its control tokens read as tokens, and whatever restore(piece)
+        adds to a piece between them read as plain text. No BOS."""
+        pieces, controls = _cut(text, self._controls_in([text])[0])
+        encoded = self._plain_backend.encode_batch([restore(p) for p in pieces],
+                                                   add_special_tokens=False)
+        ids: list[int] = []
+        for i, piece in enumerate(encoded):
+            ids += piece.ids
+            if i < len(controls):
+                ids.append(self._backend.token_to_id(controls[i]))
+        return ids
+
+    def _controls_in(self, texts: list[str]) -> list[list[tuple[int, int]]]:
+        """Per text, the (start, end) characters of each control token the backend finds in
+        it, in time linear in the text (a regex of many tokens is not)."""
+        finder, controls = self._added_tokens
+        return [[span for i, span in zip(e.ids, e.offsets) if i in controls]
+                for e in finder.encode_batch(texts, add_special_tokens=False)]
+
+    @functools.cached_property
+    def _added_tokens(self) -> tuple[_Backend, frozenset[int]]:
+        """A tokenizer of the backend's added tokens alone, matched as the backend matches
+        them (the text between is one unknown piece); and the ids in it of the control ones."""
+        finder = _Backend(models.WordLevel({_UNMATCHED: 0}, unk_token=_UNMATCHED))
+        added = list(self._backend.get_added_tokens_decoder().values())
+        finder.add_tokens(added)
+        return finder, frozenset(finder.token_to_id(t.content) for t in added if t.special)
+
+    @functools.cached_property
+    def _plain_backend(self) -> _Backend:
+        """The backend with special-token matching off: "<|im_end|>" is text in it."""
+        plain = _Backend.from_str(self._backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def spellings(self, ids: list[int]) -> list[str]:
+        """Each token as the model file spells it ("Ġthe", "<|im_end|>")."""
+        return [self._tokens[i] for i in ids]
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         """Text of `ids`; control tokens are dropped when `skip_special`. Bytes that do not form
@@ -370,7 +433,7 @@ class Tokenizer:
         def spelled(token_id: int | None) -> str:
             return "" if token_id is None else self._tokens[token_id]
 
-        return _compile_template(self._chat_template).render(
+        return compile_template(self._chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             # transformers passes these as None when absent; templates test `tools is defined`.

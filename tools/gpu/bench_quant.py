@@ -1,7 +1,7 @@
 """The quantized decode kernels (kernels/quant_triton.py) in several block configurations
 against the bf16 skinny kernel and the HBM time of each weight's bytes, at the llama3-8b
 shapes (and SmolLM2's), for every block type: us per call from a CUDA graph with the weights
-rotating past L2, the best configuration per (type, projection, window rows), and the
+rotating past L2, the best configuration (blocks, splits of K) per (type, projection, window rows), and the
 dequantization a prompt chunk's matmul reads (GB/s). An experiment, not a test: what it
 prints chose kernels/policy.py's QUANT_BLOCKS.
 
@@ -26,6 +26,7 @@ SMOL = {"qkv": (960, 576), "res": (576, 576), "down": (576, 1536), "gate_up": (3
         "head": (49152, 576)}
 CONFIGS = [(16, 256, 4, 2), (32, 256, 4, 2), (32, 128, 4, 2), (64, 128, 4, 2),
            (64, 128, 8, 2), (32, 256, 8, 2), (32, 256, 4, 3), (16, 128, 4, 3)]
+SPLITS = (1, 2, 4, 8)   # of K, where they divide its steps (fewer otherwise)
 ROWS = (1, 16, 64)
 TILES = (16, 64)
 def weights(qtype: str, n: int, k: int, copies: int, seed: int = 0) -> list[QuantWeight]:
@@ -34,13 +35,16 @@ def weights(qtype: str, n: int, k: int, copies: int, seed: int = 0) -> list[Quan
             for _ in range(copies)]
 
 
-def call(kind: str, x, w: QuantWeight, norm, res, config, tile):
+def call(kind: str, x, w: QuantWeight, norm, res, config, tile, splits=1):
     from strata.kernels.quant_triton import quant_gate_up, quant_mm
     bn, block_k, warps, stages = config
     part = w.parts[0]
     while part.cols % block_k:
         block_k //= 2
-    kw = dict(block_m=tile, block_n=bn, block_k=block_k, stages=stages, warps=warps)
+    while (part.cols // block_k) % splits:
+        splits //= 2
+    kw = dict(block_m=tile, block_n=bn, block_k=block_k, stages=stages, warps=warps,
+              splits=splits)
     if kind == "gate_up":
         return quant_gate_up(x, part, norm, 1e-5, **kw)
     if kind == "head":
@@ -73,7 +77,9 @@ def _compile(jobs) -> int:
         kind = "res" if name == "down" else name
         x = torch.randn(tile, k, **bf)
         out_n = w.shape[0] // 2 if kind == "gate_up" else w.shape[0]
-        call(kind, x, w, torch.ones(k, **bf), torch.zeros(tile, out_n, **bf), config, tile)
+        for splits in (1, 2):   # the unsplit kernel and the split one (with its sum)
+            call(kind, x, w, torch.ones(k, **bf), torch.zeros(tile, out_n, **bf), config, tile,
+                 splits)
         made += 1
     torch.cuda.synchronize()
     return made
@@ -110,13 +116,14 @@ def bench(types, shapes, label, rate, out):
                 norm = torch.ones(k, **bf)
                 res = torch.zeros(m, n // 2 if kind == "gate_up" else n, **bf)
                 best = None
-                for config in CONFIGS:
+                for config, splits in itertools.product(CONFIGS, SPLITS):
                     for t in TILES if m > 1 else TILES[:1]:
                         if t < m and t != TILES[0]:
                             continue
-                        us = timed(lambda i: call(kind, x, ws[i % copies], norm, res, config, t))
+                        us = timed(lambda i: call(kind, x, ws[i % copies], norm, res, config, t,
+                                                  splits))
                         if best is None or us < best[0]:
-                            best = (us, config, t)
+                            best = (us, config + (splits,), t)
                 sk = policy.skinny_blocks(n, k, kind)
                 bf_us = None
                 if sk is not None:
