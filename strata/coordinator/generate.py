@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from strata.coordinator.grammar import Constraint
 from strata.coordinator.pipeline import Pipeline
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.windows import (DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS, Row,
@@ -26,9 +27,11 @@ class Sequence:
     ctx: int
     detokenize: Callable[[list[int]], str] = lambda ids: ""
     on_token: Callable[[int], None] = lambda token: None  # each token added to `generated`
+    grammar: Constraint | None = None   # structured output: its rows are masked (grammar.py)
     generated: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None           # why it ended in "error"
 
     def __post_init__(self):
         if not self.prompt:
@@ -52,6 +55,11 @@ class Sequence:
         if token in self.stop_ids:
             self.finish_reason = "stop"
             return True
+        if self.grammar is not None and not self.grammar.accept(token):
+            self.finish_reason = "error"
+            self.error = (f"token {token} was sampled though the grammar forbids it "
+                          f"({self.grammar.error})")
+            return True
         self.generated.append(token)
         self.on_token(token)
         if self.params.stop:
@@ -62,6 +70,9 @@ class Sequence:
                 self.text = self.text[:cut]
                 self.finish_reason = "stop"
                 return True
+        if self.grammar is not None and self.grammar.complete:
+            self.finish_reason = "stop"
+            return True
         if len(self.generated) >= self.params.max_tokens or self.length >= self.ctx:
             self.finish_reason = "length"
             return True

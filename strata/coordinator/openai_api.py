@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass
 
 from strata.coordinator import request_fields as fields
+from strata.coordinator.grammar import Constraint, GrammarError, Grammars
+from strata.coordinator.grammar_fields import grammar_request, refusal
 from strata.coordinator.request_fields import ApiError
 from strata.coordinator.sampling import SamplingParams
 
@@ -26,6 +28,7 @@ class Parsed:
     params: SamplingParams      # with a concrete seed
     stream: bool
     include_usage: bool
+    grammar: Constraint | None = None   # structured output: the request's own matcher
 
 
 # --- sampling ---------------------------------------------------------------------------------
@@ -160,9 +163,10 @@ def chat_prompt(body: dict, render_chat, encode) -> list[int]:
 
 
 def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int,
-          longest_token: int) -> Parsed:
+          longest_token: int, grammars: Grammars | None = None) -> Parsed:
     """The request `body` (parsed JSON) checked into a Parsed; every number bounded before the
-    prompt is tokenized. `longest_token`: the most characters one token spells."""
+    prompt is tokenized. `longest_token`: the most characters one token spells. grammars:
+    compiles a structured output's grammar (None: such requests are refused)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {fields.kind(body)}; "
                             f"send e.g. {{\"prompt\": \"Hello\"}}")
@@ -176,6 +180,7 @@ def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int,
                                            "the rest")
     include_usage = stream and fields.boolean(opts or {}, "include_usage", False)
     knobs = _sampling(body, vocab)
+    wanted = grammar_request(body)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = fields.integer(body, name, None, "64", 1, None, "ask for at least one token")
@@ -199,8 +204,17 @@ def parse(body, *, chat: bool, encode, render_chat, vocab: int, ctx: int,
                                f"the prompt, {max_tokens} for the completion); lower {name} to "
                                f"{ctx - len(prompt)} or less, shorten the prompt, or start "
                                f"strata-launch with a larger --ctx-size")
+    grammar = None
+    if wanted is not None:
+        if grammars is None:
+            raise fields.bad(wanted.param, f"this server follows no grammars; remove "
+                                           f"'{wanted.param.split('.')[0]}'")
+        try:
+            grammar = grammars.compile(wanted.grammar)
+        except GrammarError as e:
+            raise refusal(wanted, str(e)) from None
     return Parsed(chat, prompt, SamplingParams(**knobs, max_tokens=max_tokens).with_seed(),
-                  stream, include_usage)
+                  stream, include_usage, grammar)
 
 
 # --- streamed text ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from strata.coordinator import openai_api as api
 from strata.coordinator.connections import ConnectionPool, Limits, ServerConfig
 from strata.coordinator.drafts import draft_counts
 from strata.coordinator.engine import Engine, EngineDown, Finished, Job
+from strata.coordinator.grammar import Grammars
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.openai_api import ApiError
 from strata.coordinator.request_fields import shown
@@ -43,6 +44,7 @@ class Server:
         self.ctx = engine.cfg.ctx
         self.created = api.now()
         self.names = {cfg.model, *cfg.aliases}
+        self.grammars = Grammars(tok, vocab)   # built when asked
         metrics.watch(lambda: engine.queued,
                       lambda: sum(s.state != "idle" for s in engine.snapshot.slots),
                       lambda: 0.0 if self.health_error() else 1.0, engine.cfg.slots)
@@ -189,14 +191,14 @@ class Server:
         self._check_model(body)
         return api.parse(body, chat=chat, encode=self.tok.encode,
                          render_chat=self.tok.render_chat, vocab=self.vocab, ctx=self.ctx,
-                         longest_token=self.tok.longest_token)
+                         longest_token=self.tok.longest_token, grammars=self.grammars)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await self._body(request)
         # parsing renders and tokenizes the prompt: off the event loop, which keeps serving
         p = await asyncio.to_thread(self._parse, raw, chat)
         job = Job(api.new_id(chat), p.prompt, p.params, asyncio.get_running_loop(),
-                  asyncio.Queue())
+                  asyncio.Queue(), grammar=p.grammar)
         try:
             self.engine.submit(job)
         except EngineDown as e:

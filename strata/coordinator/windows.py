@@ -22,16 +22,18 @@ class Row:
     position: int
     token: int
     sample: SamplingParams | None = None  # sample the token for position + 1 from this row
+    mask: int = -1   # a sampled row's token mask: its index in build_window's masks (-1: none)
 
 
 def build_window(window_id: int, rows: list[Row], shape: int,
                  commits: list[tuple[int, int]] = (), want_logits: bool = False,
                  chunk: bool = False, propose: list[tuple[int, int]] = (),
-                 coupled: bool = False) -> Window:
+                 coupled: bool = False, masks=None) -> Window:
     """rows: at most `shape` live rows; the rest of the window is padding. chunk: the rows are
     prompt rows of one slot (see Window.chunk). propose: (slot, k) asks the last stage's
     drafter for k proposals for a slot with rows here (see Window.propose). coupled: a slot
-    that samples with a temperature gets coupled proposals (Window.propose_u)."""
+    that samples with a temperature gets coupled proposals (Window.propose_u). masks: the
+    token masks the rows' `mask` index, [n, words] int32 (grammar.WindowMasks), or None."""
     assert len(rows) <= shape, (len(rows), shape)
     pad = shape - len(rows)
     w = Window(id=window_id,
@@ -51,6 +53,9 @@ def build_window(window_id: int, rows: list[Row], shape: int,
         w.min_p.append(float(p.min_p))
         # the sampled token goes to position + 1: its draw is keyed by that position
         w.u.append(draw_uniform(p.seed, r.position + 1) if p.temperature > 0 else 0.0)
+    if masks is not None:
+        w.mask = [r.mask for r in rows if r.sample is not None]
+        w.masks = masks.astype("<i4", copy=False).tobytes()
     if coupled and propose:
         w.propose_u = proposal_draws(rows, propose)
     return w

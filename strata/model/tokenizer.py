@@ -337,6 +337,11 @@ class Tokenizer:
         whole UTF-8 characters (a cut-off multi-byte token) come out as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special)
 
+    def tokenizers_json(self) -> str:
+        """The `tokenizers` pipeline as JSON (what grammar libraries read the vocabulary from:
+        coordinator/grammar.py)."""
+        return self._backend.to_str()
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]) through the
         model's chat template, as transformers' apply_chat_template(tokenize=False) renders it."""

@@ -52,6 +52,32 @@ class HeadOutput:
         return HeadOutput(None, host, rows)
 
 
+def apply_masks(head: HeadOutput | None, w: Window) -> HeadOutput | None:
+    """The head's output with the window's token masks applied (Window.mask): a masked row's
+    forbidden tokens get logit -inf and its argmax is taken again (the first index of the
+    maximum, as sample_row's); rows without a mask keep theirs. Only the sampled rows' logits
+    are copied (a graph's output buffers stay as they are). Every step is per row (a gather,
+    shifts, a fill, an argmax), so a row's token depends on its own logits and mask alone."""
+    if head is None or not any(i >= 0 for i in w.mask):
+        return head
+    device, vocab, n = head.logits.device, head.logits.shape[-1], len(head.rows)
+    masked = [j for j, i in enumerate(w.mask) if i >= 0]            # into the sampled rows
+    words = np.frombuffer(w.masks, dtype="<i4").reshape(-1, w.mask_words())
+    index = to_device(head.rows + masked, device)                   # one copy of the indices
+    bits = to_device(torch.from_numpy(words[[w.mask[j] for j in masked]]), device)  # [M, W]
+    logits, at = head.logits[index[:n]], index[n:]                  # [N, V] (a copy), [M]
+    logits[at] = logits[at].masked_fill(~allowed_tokens(bits, vocab), float("-inf"))
+    argmax = head.argmax[index[:n]]
+    argmax[at] = logits[at].argmax(-1)
+    return HeadOutput(logits, argmax, list(range(n)))
+
+
+def allowed_tokens(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[M, W] int32 bitmasks (bit j of word i: token 32 i + j) -> [M, vocab] bool."""
+    col = torch.arange(vocab, device=bits.device)
+    return (bits[:, col >> 5] >> (col & 31)) & 1 == 1
+
+
 def row_params(w: Window) -> list[SamplingRow]:
     return [SamplingRow(*p) for p in zip(w.temperature, w.top_k, w.top_p, w.min_p, w.u)]
 

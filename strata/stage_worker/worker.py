@@ -25,7 +25,7 @@ from strata.protocol.peers import PeerWatch
 from strata.stage_worker.checks import RowError, check_window
 from strata.stage_worker.config import WorkerConfig
 from strata.stage_worker.drafter import Drafter
-from strata.stage_worker.head import HeadOutput, head_logits, head_tokens
+from strata.stage_worker.head import HeadOutput, apply_masks, head_logits, head_tokens
 from strata.stage_worker.link import StageLink
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from strata.stage_worker.runner import WindowRunner
@@ -237,6 +237,7 @@ class StageWorker:
 
         hidden, head = self.runner.run(inputs, Rows(w.slots, w.positions), chunk=w.chunk,
                                        sample_rows=w.sample_rows, launching=launching)
+        head = apply_masks(head, w)   # structured output: the grammar's tokens only
         # On CUDA, a last stage's tokens are picked on the device behind the window's kernels
         # (in its GPU span), unless the window wants its logits
         deferred = (self.model.last and self.model.device.type == "cuda"
