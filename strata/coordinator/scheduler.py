@@ -46,6 +46,12 @@ while their group has no decoding slot.
 Because every row's arithmetic is independent of its neighbours and of its window's size, and
 every draw depends only on (seed, position), no schedule can change a request's tokens.
 
+Structured output (grammar.py): a request with a grammar has its sampled rows masked. Its last
+prompt chunk's row and each decode window's rows (its last token, then its drafts, cut first
+where the grammar forbids them) get the masks of its matcher advanced along the drafts, all of
+a window's masks computed in one call when the window is built; the matcher advances by each
+token the request keeps (Sequence.accept), and the request ends once its grammar is complete.
+
 After a stage starts again, every request in a slot writes its KV again in its group's windows,
 as a reading slot, before it goes on (rebuild.py).
 """

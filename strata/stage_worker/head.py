@@ -66,18 +66,20 @@ def apply_masks(head: HeadOutput | None, w: Window) -> HeadOutput | None:
     index = to_device(head.rows + masked, device)                   # one copy of the indices
     bits = to_device(torch.from_numpy(words[[w.mask[j] for j in masked]]), device)  # [M, W]
     logits, at = head.logits[index[:n]], index[n:]                  # [N, V] (a copy), [M]
-    logits[at] = logits[at].masked_fill_(~allowed_tokens(bits, vocab), float("-inf"))
+    masked = logits[at].masked_fill_(forbidden_tokens(bits, vocab), float("-inf"))
+    logits[at] = masked
     argmax = head.argmax[index[:n]]
-    argmax[at] = logits[at].argmax(-1)
+    argmax[at] = masked.argmax(-1)
     return HeadOutput(logits, argmax, list(range(n)))
 
 
-def allowed_tokens(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[M, W] int32 bitmasks (bit j of word i: token 32 i + j) -> [M, vocab] bool. The words'
-    bytes in memory order (little-endian), 8 bits each: byte k's bit j is token 8 k + j."""
+def forbidden_tokens(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[M, W] int32 bitmasks (bit j of word i set: token 32 i + j allowed) -> [M, vocab] bool,
+    True where a token is not allowed. The words' bytes in memory order (little-endian), 8
+    bits each: byte k's bit j is token 8 k + j."""
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     octets = bits.contiguous().view(torch.uint8)                      # [M, 4 W]
-    return ((octets[:, :, None] >> shifts) & 1).bool().reshape(len(bits), -1)[:, :vocab]
+    return ((octets[:, :, None] >> shifts) & 1 == 0).reshape(len(bits), -1)[:, :vocab]
 
 
 def row_params(w: Window) -> list[SamplingRow]:
