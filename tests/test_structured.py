@@ -17,7 +17,6 @@ import torch
 
 from strata.coordinator import openai_api as api
 from strata.coordinator.grammar import Grammars, WindowMasks
-from strata.coordinator.grammar_fields import grammar_request
 from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.kernels.sampling import sample_row
@@ -188,11 +187,14 @@ def masked_window(rng: random.Random, rows: int, sampled: list[int], masked: lis
     return unpack(pack(w))[0], allowed
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 @pytest.mark.parametrize("graphed", [False, True])
-def test_a_masked_row_samples_as_if_forbidden_logits_were_minus_inf(graphed):
+def test_a_masked_row_samples_as_if_forbidden_logits_were_minus_inf(graphed, device):
     """Greedy, unfiltered and filtered rows, masked or not, against sample_row over the row's
     logits with the forbidden ones at -inf; a head whose logits are every row's (a decode
-    window's graph) or the sampled rows' only."""
+    window's graph) or the sampled rows' only. On CUDA the tokens are picked on the device
+    (tokens_to_host), as a CUDA last stage does."""
     rng = random.Random(graphed)
     torch.manual_seed(int(graphed))
     params = [SamplingParams(), SamplingParams(temperature=0.8, seed=1),
@@ -202,8 +204,12 @@ def test_a_masked_row_samples_as_if_forbidden_logits_were_minus_inf(graphed):
     w, allowed = masked_window(rng, 8, sampled, masked, params)
     logits = torch.randn(8 if graphed else len(sampled), VOCAB) * 3
     rows = sampled if graphed else list(range(len(sampled)))
-    head = HeadOutput(logits.clone(), logits.argmax(-1), rows)
-    tokens = head_tokens(apply_masks(head, w), w)
+    head = HeadOutput(logits.to(device), logits.argmax(-1).to(device), rows)
+    out = apply_masks(head, w)
+    if device == "cuda":
+        out = out.tokens_to_host(w)
+        torch.cuda.synchronize()
+    tokens = head_tokens(out, w)
     expected = []
     for j, (r, p) in enumerate(zip(rows, row_params(w))):
         x = logits[r].clone()
@@ -212,8 +218,8 @@ def test_a_masked_row_samples_as_if_forbidden_logits_were_minus_inf(graphed):
         expected.append(sample_row(x, p))
     assert tokens == expected
     assert all(allowed[masked.index(j)][t] for j, t in enumerate(tokens) if j in masked)
-    assert (head.logits == logits).all()   # the head's own buffers are left as they were
-    unmasked = head_tokens(head, w)
+    assert (head.logits.cpu() == logits).all()   # the head's buffers are left as they were
+    unmasked = head_tokens(HeadOutput(logits, logits.argmax(-1), rows), w)
     assert tokens[3] == unmasked[3] and tokens != unmasked
 
 

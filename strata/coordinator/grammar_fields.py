@@ -2,7 +2,8 @@
 
 OpenAI's shape, on chat and completions alike:
     "response_format": {"type": "text" | "json_object" | "json_schema",
-                        "json_schema": {"name": ..., "schema": {...}, "strict": ..., "description": ...}}
+                        "json_schema": {"name": ..., "schema": {...}, "strict": ...,
+                                        "description": ...}}
 vLLM's shapes, older and newer:
     "guided_json": SCHEMA, "guided_regex": RE, "guided_choice": [STR, ...], "guided_grammar": G
     "structured_outputs": {"json": SCHEMA | "regex": RE | "choice": [...] | "grammar": G
