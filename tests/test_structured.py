@@ -89,6 +89,8 @@ def test_text_and_no_format_ask_for_nothing(tok, grammars):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format.json_schema", "has no 'schema'"),
     ({"response_format": {"type": "xml"}}, "response_format", "\"json_object\""),
+    ({"response_format": {"type": "text", "json_schema": {}}},
+     "response_format.json_schema", "does not know"),
     ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema",
      "does not know"),
     ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),

@@ -57,8 +57,11 @@ def grammar_request(body: dict) -> GrammarRequest | None:
 
 
 def _plain_text(name: str, v) -> bool:
-    return name == "response_format" and isinstance(v, dict) and v.get("type") == "text" \
-        and set(v) == {"type"}
+    """response_format {"type": "text"}: asks for nothing."""
+    if name != "response_format" or not isinstance(v, dict) or v.get("type") != "text":
+        return False
+    _only(name, v, {"type"})
+    return True
 
 
 def _response_format(v) -> GrammarRequest:
