@@ -357,3 +357,17 @@ def test_grammars_keep_every_schedule_exact(tok, grammars):
     done = [i for i, r in enumerate(reqs) if r.seq.finish_reason == "stop"]
     assert len(done) >= len(ps) // 2, [r.seq.finish_reason for r in reqs]
     assert all(valid(request(i)[1], texts[i]) for i in done), texts
+
+
+def test_the_grammar_bench_prints_a_row_per_draft_count(tmp_path):
+    from click.testing import CliRunner
+
+    from strata.bench.cli import main   # (through the group: its -h stays the command's)
+    out = tmp_path / "g.json"
+    r = CliRunner().invoke(main, ["grammar", "--slots", "3", "--drafts", "0,2", "--windows",
+                                  "12", "--json-out", str(out)], prog_name="strata-bench")
+    assert r.exit_code == 0, (r.output, r.exception)
+    rows = json.loads(out.read_text())["results"]
+    assert [row["drafts"] for row in rows] == [0, 2]
+    assert rows[0]["rows"] == 3 and 3 < rows[1]["rows"] <= 9
+    assert all(row["masks_ms"][0] > 0 for row in rows)
