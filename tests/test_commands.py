@@ -41,7 +41,7 @@ def test_bench_subcommand_help(sub):
 
 def test_every_bench_subcommand_is_there():
     assert set(bench.commands) == {"exact", "throughput", "decode", "sweep", "prompt", "drafts",
-                                   "peer", "loadtest", "soak"}
+                                   "peer", "loadtest", "soak", "grammar"}
 
 
 def test_the_runtime_does_not_import_the_benchmarks():

@@ -131,8 +131,11 @@ def malformed(draw, first: bool) -> tuple[list, int | None]:
         return _frames(header, tail), (-1 if field == "id" else wid)
     if kind == "length":   # lists that must agree, or name rows and slots, do not
         field = r.choice(["positions", "tokens", "temperature", "top_k", "top_p", "min_p",
-                          "u", "sample_rows", "propose", "propose_u"])
-        if field == "propose":      # a slot with no row in the window
+                          "u", "sample_rows", "propose", "propose_u", "mask"])
+        if field == "mask":         # a mask index more than sampled rows, or too few bytes
+            header["mask"] = [0] * (len(header["sample_rows"]) + r.randint(0, 1))
+            header["masks"] = bytes(r.choice([0, 3, 4]) if header["mask"] else 4)
+        elif field == "propose":    # a slot with no row in the window
             header["propose"] = [[SLOTS + 5, 1]]
         elif field == "propose_u":  # one entry per proposal request, and there is none
             header["propose_u"] = [[0.5]]
@@ -174,7 +177,7 @@ def _refused(r: random.Random, header: dict, tail: list, first: bool) -> list:
             header["tensors"] = [["float32", [m, D]]]
 
     how = r.choice(["slot", "position", "gap", "commit", "pair", "empty", "rows", "chunk",
-                    "token" if first else "activations"])
+                    "masks", "token" if first else "activations"])
     if how == "slot":
         header["slots"][r.randrange(n)] = r.choice([SLOTS, SLOTS + 1, 2**63 - 1])
     elif how == "position":
@@ -192,6 +195,12 @@ def _refused(r: random.Random, header: dict, tail: list, first: bool) -> list:
     elif how == "chunk":  # a prompt chunk holding rows of two slots
         rows(2, slots=[0, 1], positions=[len(PROMPT)] * 2, tokens=[1, 2], chunk=True,
              commits=[])
+    elif how == "masks":  # token masks over a vocabulary of another size
+        if not header["sample_rows"]:
+            header.update(sample_rows=[0], temperature=[0.0], top_k=[0], top_p=[1.0],
+                          min_p=[0.0], u=[0.0])
+        header["mask"] = [0] * len(header["sample_rows"])
+        header["masks"] = bytes(4 * (-(-VOCAB // 32) + r.choice([-1, 1, 2])))
     elif how == "token":
         header["tokens"][-1] = r.choice([VOCAB, VOCAB + 1, 2**63 - 1, -1, -2**63])
     else:   # activations of another row count, or of a dtype a stage does not take

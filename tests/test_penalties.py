@@ -2,11 +2,14 @@
 against transformers' RepetitionPenaltyLogitsProcessor and a hand computation, the
 log-probabilities against torch's log_softmax, each row's numbers alone and among others, and
 the head's answer for a window with drafts (a draft row penalised as if the drafts before it
-were kept), the same through the device path (tokens_to_host) as through the host one."""
+were kept), the same through the device path (tokens_to_host) as through the host one; a
+grammar's mask applied after the penalties, the log-probabilities still the model's own."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +17,8 @@ from strata.kernels.logprobs import log_normalizer, row_logprobs
 from strata.kernels.penalties import apply_penalties, history_counts
 from strata.kernels.sampling import SamplingRow, sample_row
 from strata.protocol.messages import Window
-from strata.stage_worker.head import HeadOutput, head_logprobs, head_tokens, penalised
+from strata.stage_worker.head import (HeadOutput, apply_masks, head_logprobs, head_tokens,
+                                     penalised)
 from strata.stage_worker.history import SlotTokens
 
 V = 50
@@ -152,6 +156,42 @@ def test_a_draft_row_is_penalised_as_if_the_drafts_before_it_were_kept(temperatu
     assert lp[0] == pytest.approx([raw[j, t].item() for j, t in enumerate(targets)], abs=1e-12)
     assert [len(t) for t in lp[1]] == [0, 3, 3, 2]
     assert lp[1][1] == torch.sort(logits[1], descending=True, stable=True).indices[:3].tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_mask_comes_after_the_penalties_and_leaves_logprobs_raw(temperature):
+    """The window above with a grammar's masks on rows 1 and 3: they sample from their
+    penalised logits with the forbidden tokens at -inf (row 3's bias of -inf on token 4 still
+    holds); every row's log-probabilities stay the model's own, host and device path alike."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, V, generator=g) + torch.arange(V) / 10   # 9, 8 likely
+    head = HeadOutput(logits, logits.argmax(-1), rows=[0, 1, 2, 3], scored=[0, 1, 2, 3])
+    allowed = np.zeros((2, V), dtype=bool)
+    allowed[0, [2, 3, 8]] = allowed[1, [4, 5, 6]] = True
+    bits = np.zeros((2, -(-V // 32) * 32), dtype=np.uint8)
+    bits[:, :V] = allowed
+    w = replace(drafted_window(temperature), mask=[-1, 0, -1, 1],
+                masks=np.packbits(bits, axis=1, bitorder="little").view("<i4").tobytes())
+    pen = penalised(head, w, history_for(w))
+    got = apply_masks(pen, w)
+    tokens = head_tokens(got, w)
+    params = [SamplingRow(temperature, k, 1.0, 0.0, u) for k, u in zip([0, 0, 0, 5], w.u)]
+    expected = []
+    for j, p in enumerate(params):
+        x = pen.logits[j].clone()
+        if j in (1, 3):
+            x[~torch.from_numpy(allowed[j // 2])] = -math.inf
+        expected.append(sample_row(x, p))
+    assert tokens == expected
+    assert tokens[1] in (2, 3, 8) and tokens[3] in (5, 6)
+    assert tokens[0] == head_tokens(pen, w)[0]   # an unmasked row as the penalties left it
+    picked = got.tokens_to_host(w)
+    assert head_tokens(picked, w) == tokens
+    lp = head_logprobs(got, w, tokens)
+    assert head_logprobs(picked, w, tokens) == lp
+    raw = torch.log_softmax(logits.double(), -1)
+    targets = [tokens[0], tokens[1], 8, tokens[3]]
+    assert lp[0] == pytest.approx([raw[j, t].item() for j, t in enumerate(targets)], abs=1e-12)
 
 
 def test_no_penalty_leaves_the_head_as_it_is():

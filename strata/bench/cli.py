@@ -12,6 +12,8 @@
   drafts      decoding with draft tokens (mtp or lookup) against without, side by side;
               tokens compared, drafts kept per draft position (held-out prompts: --prompts)
   peer        the arms compared with: HF transformers `generate`, llama.cpp's batched bench
+  grammar     structured output's cost per window: S slots' token masks for a JSON schema
+              (with drafts), packed and applied
 
 `python -m strata.bench` runs the same command.
 """
@@ -31,6 +33,7 @@ from strata.coordinator.sampling import SamplingParams
 from strata.coordinator.scheduler import auto_groups
 from strata.bench import harness
 from strata.bench.draftbench import drafts
+from strata.bench.grammarbench import grammar
 from strata.bench.harness import machine
 from strata.bench.loadtest import loadtest
 from strata.bench.peer import peer
@@ -176,6 +179,7 @@ main.add_command(drafts)
 main.add_command(sweep)
 main.add_command(prompt)
 main.add_command(peer)
+main.add_command(grammar)
 
 
 if __name__ == "__main__":

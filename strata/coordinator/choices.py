@@ -48,7 +48,8 @@ class Choices:
         loop = asyncio.get_running_loop()
         one = len(p.choices) == 1   # its job is the request (/v1/status names it so)
         self.jobs = [Job(request_id if one else f"{request_id}-{c.index}", c.prompt, c.params,
-                         loop, _Tagged(self.events, i)) for i, c in enumerate(p.choices)]
+                         loop, _Tagged(self.events, i), c.grammar)
+                     for i, c in enumerate(p.choices)]
         self.ends: list[Finished | None] = [None] * len(self.jobs)
 
     def submit(self) -> None:

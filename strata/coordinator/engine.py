@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from strata.coordinator.grammar import Constraint
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.sampling import SamplingParams, TokenLogprob
@@ -76,12 +77,13 @@ class Finished:
 class Job:
     """One generation request as the server sees it. `events` receives each generated Token,
     then one Finished (an asyncio.Queue, or what has its put_nowait: choices.py tags each
-    choice's). Fields after `events` are written by the engine thread only."""
+    choice's). Fields after `grammar` are written by the engine thread only."""
     id: str
     prompt: list[int]
     params: SamplingParams     # with a concrete seed
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    grammar: Constraint | None = None   # structured output (grammar.py), the request's own
     submitted: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
@@ -348,7 +350,7 @@ class Engine:
         try:
             job.request = self.scheduler.submit(
                 job.prompt, job.params, on_token=functools.partial(self._on_token, job),
-                on_done=functools.partial(self._on_done, job))
+                on_done=functools.partial(self._on_done, job), grammar=job.grammar)
         except ValueError as e:  # RequestError: the server checks first, so this is a backstop
             self._end(job, Finished("error", [], "", str(e)))
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from strata.coordinator.grammar import Constraint
 from strata.coordinator.pipeline import Pipeline
 from strata.coordinator.sampling import SamplingParams, TokenLogprob
 from strata.coordinator.windows import (DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS, Row,
@@ -26,9 +27,11 @@ class Sequence:
     ctx: int
     detokenize: Callable[[list[int]], str] = lambda ids: ""
     on_token: Callable[[int], None] = lambda token: None  # each token added to `generated`
+    grammar: Constraint | None = None   # structured output: its rows are masked (grammar.py)
     generated: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None           # why it ended in "error"
     # with params.logprobs: each generated token's (TokenLogprob); with params.prompt_logprobs:
     # each prompt position's (None at position 0, which nothing predicts), as windows land
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -58,13 +61,13 @@ class Sequence:
     def last_token(self) -> int:
         return self.generated[-1] if self.generated else self.prompt[-1]
 
-    def sampled_row(self, slot: int, position: int, token: int) -> Row:
+    def sampled_row(self, slot: int, position: int, token: int, mask: int = -1) -> Row:
         """The row at `position` (reading `token`) that samples the token at position + 1:
         while fewer than min_tokens tokens come before that one in the output, it may not
-        sample a stop token."""
+        sample a stop token. mask: its token mask's index (grammar.WindowMasks; -1: none)."""
         early = position + 1 - len(self.prompt) < self.params.min_tokens
         return Row(slot, position, token, self.params, len(self.prompt),
-                   self.stops if early else frozenset())
+                   self.stops if early else frozenset(), mask=mask)
 
     def scored_row(self, slot: int, position: int) -> Row:
         """Prompt row `position`; with prompt_logprobs, it reports the next prompt token's
@@ -80,6 +83,11 @@ class Sequence:
         if token in self.stops:
             self.finish_reason = "stop"
             return True
+        if self.grammar is not None and not self.grammar.accept(token):
+            self.finish_reason = "error"
+            self.error = (f"token {token} was sampled though the grammar forbids it "
+                          f"({self.grammar.error})")
+            return True
         self.generated.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
@@ -92,6 +100,9 @@ class Sequence:
                 self.text = self.text[:cut]
                 self.finish_reason = "stop"
                 return True
+        if self.grammar is not None and self.grammar.complete:
+            self.finish_reason = "stop"
+            return True
         if len(self.generated) >= self.params.max_tokens or self.length >= self.ctx:
             self.finish_reason = "length"
             return True

@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, replace
 
 from strata.coordinator import request_fields as fields
+from strata.coordinator.grammar import Constraint, GrammarError, Grammars
+from strata.coordinator.grammar_fields import grammar_request, refusal
 from strata.coordinator.prompts import Prompts
 from strata.coordinator.request_fields import ApiError
 from strata.coordinator.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
@@ -35,6 +37,7 @@ class Choice:
     prompt: list[int]
     params: SamplingParams      # with its own seed (choice_seed) and max_tokens
     echo_text: str | None = None   # echo: its prompt's text as given (None: token ids)
+    grammar: Constraint | None = None   # structured output: this choice's own matcher
 
 
 @dataclass(frozen=True)
@@ -136,9 +139,10 @@ def _room(length: int, which: str, max_tokens: int | None, name: str, chat: bool
     return max_tokens
 
 
-def parse(body, *, chat: bool, prompts: Prompts) -> Parsed:
+def parse(body, *, chat: bool, prompts: Prompts, grammars: Grammars | None = None) -> Parsed:
     """The request `body` (parsed JSON) checked into a Parsed; every number bounded before the
-    prompts are tokenized."""
+    prompts are tokenized. grammars: compiles a structured output's grammar (None: such
+    requests are refused)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {fields.kind(body)}; "
                             f"send e.g. {{\"prompt\": \"Hello\"}}")
@@ -155,6 +159,7 @@ def parse(body, *, chat: bool, prompts: Prompts) -> Parsed:
                                            "the rest")
     include_usage = stream and fields.boolean(opts or {}, "include_usage", False)
     knobs = _sampling(body, prompts.vocab)
+    wanted = grammar_request(body)
     logprobs = _logprobs(body, chat)
     echo = not chat and fields.boolean(body, "echo", False)
     n = fields.integer(body, "n", 1, "2", 1, MAX_CHOICES,
@@ -177,6 +182,7 @@ def parse(body, *, chat: bool, prompts: Prompts) -> Parsed:
     min_tokens = fields.integer(body, "min_tokens", 0, "4", 0, min(rooms),
                                 f"give at most max_tokens ({min(rooms)})")
     given = _given(body["prompt"]) if echo else [None] * len(ids)
+    grammar = _compile(wanted, grammars) if wanted is not None else None
     params = SamplingParams(**knobs, logprobs=logprobs).with_seed()
     choices = []
     for k, (prompt, room) in enumerate(zip(ids, rooms)):
@@ -185,9 +191,11 @@ def parse(body, *, chat: bool, prompts: Prompts) -> Parsed:
         prompt_logprobs = (logprobs or 0) if echo and (logprobs is not None or not room) \
             else None
         for j in range(n):
+            # compiled once; each choice advances a matcher of its own
+            own = grammar.copy() if grammar is not None and choices else grammar
             choices.append(Choice(k * n + j, prompt, replace(
                 params, max_tokens=room, min_tokens=min_tokens, prompt_logprobs=prompt_logprobs,
-                seed=choice_seed(params.seed, j)), given[k]))
+                seed=choice_seed(params.seed, j)), given[k], own))
     return Parsed(chat, tuple(choices), params.seed, sum(map(len, ids)), stream, include_usage,
                   echo)
 
@@ -198,6 +206,17 @@ def _given(p) -> list[str | None]:
     if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
         return [x if isinstance(x, str) else None for x in p]
     return [p if isinstance(p, str) else None]
+
+
+def _compile(wanted, grammars: Grammars | None) -> Constraint:
+    """The structured output's matcher (grammar_fields.GrammarRequest `wanted`)."""
+    if grammars is None:
+        raise fields.bad(wanted.param, f"this server follows no grammars; remove "
+                                       f"'{wanted.param.split('.')[0]}'")
+    try:
+        return grammars.compile(wanted.grammar)
+    except GrammarError as e:
+        raise refusal(wanted, str(e)) from None
 
 
 # --- streamed text ---------------------------------------------------------------------------

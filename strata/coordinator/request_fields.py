@@ -32,7 +32,10 @@ HONOURED = {"model", "stream", "stream_options", "max_tokens", "temperature", "t
             "min_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids",
             "logprobs",
-            "user", "safety_identifier", "prompt_cache_key"}  # identifiers, no effect here
+            "user", "safety_identifier", "prompt_cache_key",  # identifiers, no effect here
+            # structured output (grammar_fields.FIELDS)
+            "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+            "structured_outputs"}
 COMPLETIONS = HONOURED | {"prompt", "echo"}
 CHAT = HONOURED | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -59,8 +62,6 @@ NO_OP = {
     "tool_choice": (_off("none"), "function calling is not supported; remove 'tool_choice'"),
     "function_call": (_off("none"), "function calling is not supported; remove it"),
     "parallel_tool_calls": (lambda v: isinstance(v, bool), "remove 'parallel_tool_calls'"),
-    "response_format": (lambda v: v == {"type": "text"},
-                        "only response_format {\"type\": \"text\"} is supported; remove it"),
     "modalities": (lambda v: v == ["text"], "strata answers with text only; remove it"),
     "store": (_off(False), "strata stores nothing; remove 'store'"),
     "metadata": (lambda v: isinstance(v, dict), "'metadata' must be an object; remove it"),

@@ -46,6 +46,12 @@ while their group has no decoding slot.
 Because every row's arithmetic is independent of its neighbours and of its window's size, and
 every draw depends only on (seed, position), no schedule can change a request's tokens.
 
+Structured output (grammar.py): a request with a grammar has its sampled rows masked. Its last
+prompt chunk's row and each decode window's rows (its last token, then its drafts, cut first
+where the grammar forbids them) get the masks of its matcher advanced along the drafts, all of
+a window's masks computed in one call when the window is built; the matcher advances by each
+token the request keeps (Sequence.accept), and the request ends once its grammar is complete.
+
 After a stage starts again, every request in a slot writes its KV again in its group's windows,
 as a reading slot, before it goes on (rebuild.py).
 
@@ -67,6 +73,7 @@ from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_gro
 from strata.coordinator.draft_choice import share_rows
 from strata.coordinator.drafts import PromptLookup, count_positions, draft_limit
 from strata.coordinator.generate import Sequence
+from strata.coordinator.grammar import Constraint, WindowMasks
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.rebuild import decoded_rows, start_rebuild
 from strata.coordinator.sampling import SamplingParams, TokenLogprob
@@ -101,9 +108,11 @@ class Scheduler:
 
     def submit(self, prompt: list[int], params: SamplingParams,
                on_token: Callable[[int], None] = lambda t: None,
-               on_done: Callable[[Request], None] = lambda r: None) -> Request:
+               on_done: Callable[[Request], None] = lambda r: None,
+               grammar: Constraint | None = None) -> Request:
+        """grammar: structured output, a fresh matcher of the request's own (grammar.py)."""
         seq = Sequence(prompt, params.with_seed(), self.stop_ids, self.cfg.ctx, self.detokenize,
-                       on_token=on_token)
+                       on_token=on_token, grammar=grammar)
         req = Request(next(self._ids), seq, on_done)
         self.queue.append(req)
         return req
@@ -228,6 +237,7 @@ class Scheduler:
             count_positions(accepted_at, j)
         req.proposals = [] if done else list(proposals)
         if done:
+            req.error = req.error or req.seq.error
             self._release(slot, req, req.seq.finish_reason)
         elif j < len(drafts):  # rows of rejected drafts hold KV past L + j: drop it
             self.commits.append((slot.index, start + j))
@@ -306,15 +316,19 @@ class Scheduler:
             self._observe_drafts(g, s.request)
         k = g.drafts.per_slot(self.cfg, len(chosen))
         wants = [self._drafts(s.request, k) for s in chosen]
+        wants = [d if s.request.seq.grammar is None else s.request.seq.grammar.drafts(d)
+                 for s, d in zip(chosen, wants)]   # the drafts the grammar allows
         prior = g.drafts.acceptance.rate()
         limit = self.cfg.draft_window_rows(round_rows(len(chosen))) if k else len(chosen)
         shares = share_rows([len(d) for d in wants],
                             [s.request.acceptance.rate(prior) for s in chosen],
                             limit - len(chosen))
-        rows, owners, propose = [], [], []
+        rows, owners, propose, masks = [], [], [], WindowMasks()
         for s, offered, n in zip(chosen, wants, shares):
             seq, drafts = s.request.seq, offered[:n]
-            rows += [seq.sampled_row(s.index, seq.length - 1 + j, t)
+            mask = masks.add(seq.grammar, drafts) if seq.grammar is not None else None
+            rows += [seq.sampled_row(s.index, seq.length - 1 + j, t,
+                                     -1 if mask is None else mask + j)
                      for j, t in enumerate([seq.last_token] + drafts)]
             owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
             propose += self._propose(s, len(chosen))
@@ -322,7 +336,8 @@ class Scheduler:
         mtp = self.cfg.drafter == "mtp"
         if not self.cfg.auto_drafts and self.cfg.draft_tokens:
             g.drafts.choice = g.drafts.describe(k, size, len(chosen), k if mtp else 0)
-        if self._submit(group, rows, size, owners, propose=propose, timed=(size, k if mtp else 0)):
+        if self._submit(group, rows, size, owners, propose=propose, timed=(size, k if mtp else 0),
+                        masks=masks):
             g.last_decode = DecodeWindow(size, len(rows))
 
     def _observe_drafts(self, g: Group, req: Request) -> None:
@@ -345,8 +360,10 @@ class Scheduler:
         # rebuild, or the request asks for none (max_tokens 0: it ends with its prompt)
         ends = end == len(seq.prompt) and not slot.rebuild
         last = ends and seq.params.max_tokens > 0
+        masks = WindowMasks()
         if last:
-            rows[-1] = seq.sampled_row(slot.index, end - 1, seq.prompt[end - 1])
+            mask = masks.add(seq.grammar, []) if seq.grammar is not None else -1
+            rows[-1] = seq.sampled_row(slot.index, end - 1, seq.prompt[end - 1], mask)
         slot.read_pos = end
         slot.held.extend(seq.prompt[start:end])
         self.groups[group].streaming = slot if slot.reading else None
@@ -355,7 +372,8 @@ class Scheduler:
                        for s in self.table.in_group(group))
         propose = self._propose(slot, min(decoding, self.cfg.window_rows)) if last else []
         owner = RowOwner(slot, slot.request, int(last), scores=scores, ends=ends and not last)
-        self._submit(group, rows, self.cfg.chunk_rows, [owner], chunk=True, propose=propose)
+        self._submit(group, rows, self.cfg.chunk_rows, [owner], chunk=True, propose=propose,
+                     masks=masks)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Draft tokens on offer for the request's next window: at most `room`, within the
@@ -384,14 +402,15 @@ class Scheduler:
 
     def _submit(self, group: int, rows: list[Row], shape: int, owners: list[RowOwner],
                 chunk: bool = False, propose: list[tuple[int, int]] = (),
-                timed: tuple[int, int] | None = None) -> bool:
+                timed: tuple[int, int] | None = None, masks: WindowMasks | None = None) -> bool:
         """Sends the window; False when it could not be built or sent (its requests ended).
         timed: a decode window's (rows, proposals a slot), under which draft_choice.py
-        keeps its time."""
+        keeps its time. masks: the token masks its rows index (structured output)."""
         commits, self.commits = self.commits, []
         try:
             w = build_window(self.pipe.new_window_id(), rows, shape, commits, chunk=chunk,
-                             propose=propose, coupled=self.cfg.draft_sampling == "coupled")
+                             propose=propose, coupled=self.cfg.draft_sampling == "coupled",
+                             masks=masks.fill() if masks is not None else None)
             self.pipe.submit(w)
         except PipelineError:
             raise

@@ -36,6 +36,7 @@ from strata.coordinator.connections import ConnectionPool, Limits, ServerConfig
 from strata.coordinator.choices import Choices
 from strata.coordinator.drafts import draft_counts
 from strata.coordinator.engine import Engine
+from strata.coordinator.grammar import Grammars
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.openai_api import ApiError
 from strata.coordinator.openai_logprobs import Spelling
@@ -65,6 +66,7 @@ class Server:
         self.names = {cfg.model, *cfg.aliases}
         self.spelling = Spelling(tok)   # tokens as logprobs objects show them
         self.prompts = Prompts(tok, vocab, self.ctx, cfg.allow_control_tokens_in_messages)
+        self.grammars = Grammars(tok, vocab)   # built when asked
         metrics.watch(lambda: engine.queued,
                       lambda: sum(s.state != "idle" for s in engine.snapshot.slots),
                       lambda: 0.0 if self.health_error() else 1.0, engine.cfg.slots)
@@ -222,7 +224,7 @@ class Server:
     def _parse(self, raw: bytes, chat: bool) -> api.Parsed:
         body = self._json(raw)
         self._check_model(body)
-        return api.parse(body, chat=chat, prompts=self.prompts)
+        return api.parse(body, chat=chat, prompts=self.prompts, grammars=self.grammars)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await self._body(request)

@@ -27,16 +27,18 @@ class Row:
     held_back: frozenset[int] = frozenset()   # a sampled row's tokens it may not sample
     score: tuple[int, int] | None = None   # (token, top): a prompt row reports the logprob of
                                            # the next prompt token and of its top most likely
+    mask: int = -1   # a sampled row's token mask: its index in build_window's masks (-1: none)
 
 
 def build_window(window_id: int, rows: list[Row], shape: int,
                  commits: list[tuple[int, int]] = (), want_logits: bool = False,
                  chunk: bool = False, propose: list[tuple[int, int]] = (),
-                 coupled: bool = False) -> Window:
+                 coupled: bool = False, masks=None) -> Window:
     """rows: at most `shape` live rows; the rest of the window is padding. chunk: the rows are
     prompt rows of one slot (see Window.chunk). propose: (slot, k) asks the last stage's
     drafter for k proposals for a slot with rows here (see Window.propose). coupled: a slot
-    that samples with a temperature gets coupled proposals (Window.propose_u)."""
+    that samples with a temperature gets coupled proposals (Window.propose_u). masks: the
+    token masks the rows' `mask` index, [n, words] int32 (grammar.WindowMasks), or None."""
     assert len(rows) <= shape, (len(rows), shape)
     pad = shape - len(rows)
     w = Window(id=window_id,
@@ -72,6 +74,9 @@ def build_window(window_id: int, rows: list[Row], shape: int,
         if p.logprobs is not None:
             assert r.score is None, "a row reports one log-probability"
             _ask_logprobs(w, i, -1, p.logprobs)
+    if masks is not None:
+        w.mask = [r.mask for r in rows if r.sample is not None]
+        w.masks = masks.astype("<i4", copy=False).tobytes()
     if coupled and propose:
         w.propose_u = proposal_draws(rows, propose)
     return w

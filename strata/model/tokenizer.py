@@ -421,6 +421,11 @@ class Tokenizer:
                 text = text.replace("\u2581", " ")
         return text.encode("utf-8")
 
+    def tokenizers_json(self) -> str:
+        """The `tokenizers` pipeline as JSON (what grammar libraries read the vocabulary from:
+        coordinator/grammar.py)."""
+        return self._backend.to_str()
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]) through the
         model's chat template, as transformers' apply_chat_template(tokenize=False) renders it."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Callable
 
-PROTOCOL_VERSION = 3   # 2: Heartbeat, and Hello.listen; 3: penalties, biases and logprobs
+PROTOCOL_VERSION = 3   # 2: Heartbeat, and Hello.listen; 3: penalties, biases, logprobs and
+                       # token masks
 
 
 class ProtocolError(ValueError):
@@ -89,6 +90,13 @@ class Window:
     logprob_rows: list[int] = field(default_factory=list)
     logprob_tokens: list[int] = field(default_factory=list)
     logprob_top: list[int] = field(default_factory=list)
+    # token masks (structured output): parallel to `sample_rows` (or empty: no row masked),
+    # the index of the row's mask in `masks`, or -1 for none. `masks`: the masks, each
+    # ceil(V / 32) little-endian int32 words (V: the model's vocabulary), bit j of word i
+    # set where token 32 i + j may be sampled; the last stage samples a masked row as if the
+    # others' logits were -inf, after its penalties and biases (stage_worker/head.py)
+    mask: list[int] = field(default_factory=list)
+    masks: bytes = b""
 
     def __post_init__(self):
         n = len(self.slots)
@@ -125,6 +133,19 @@ class Window:
             if us and (len(us) != k or not all(0.0 <= u < 1.0 for u in us)):
                 raise ProtocolError(f"window {self.id}: slot {slot}'s propose_u entry must be "
                                     f"[] (argmax) or one uniform in [0, 1) per proposal")
+        if self.mask and len(self.mask) != m:
+            raise ProtocolError(f"window {self.id}: mask and sample_rows differ in length; "
+                                f"send one mask index per sampled row, or none")
+        count = max(self.mask, default=-1) + 1   # masks the rows name
+        if any(i < -1 for i in self.mask) or bool(count) != bool(self.masks) or (
+                count and len(self.masks) % (4 * count)):
+            raise ProtocolError(f"window {self.id}: mask names {count} masks but masks holds "
+                                f"{len(self.masks)} bytes; send whole int32 words for each")
+
+    def mask_words(self) -> int:
+        """The int32 words of each mask in `masks` (0 without masks)."""
+        count = max(self.mask, default=-1) + 1
+        return len(self.masks) // (4 * count) if count else 0
 
 
 @dataclass
@@ -229,6 +250,7 @@ INTS = Kind("list[int]", lambda v: type(v) is list and {type(x) for x in v} <= _
 FLOATS = Kind("list[float]", lambda v: type(v) is list and {type(x) for x in v} <= _NUMBER)
 PAIRS = Kind("list[list[int]]", lambda v: type(v) is list and all(
     type(x) is list and {type(y) for y in x} <= _INT for x in v))
+BYTES = Kind("bytes", lambda v: type(v) is bytes)
 FLOAT_LISTS = Kind("list[list[float]]", lambda v: type(v) is list and all(
     type(x) is list and {type(y) for y in x} <= _NUMBER for x in v))
 
@@ -250,7 +272,7 @@ SCHEMAS: dict[type, dict[str, Kind]] = {
              "stage_ms": FLOATS, "propose": PAIRS, "propose_u": FLOAT_LISTS,
              "penalty": FLOAT_LISTS, "output_start": INTS, "bias_ids": PAIRS,
              "bias": FLOAT_LISTS, "logprob_rows": INTS, "logprob_tokens": INTS,
-             "logprob_top": INTS},
+             "logprob_top": INTS, "mask": INTS, "masks": BYTES},
     Result: {"id": INT, "tokens": INTS, "stage_ms": FLOATS, "proposals": PAIRS,
              "logprobs": FLOATS, "top_ids": PAIRS, "top_logprobs": FLOAT_LISTS},
     Error: {"stage": INT, "window": INT, "message": STR},

@@ -46,6 +46,10 @@ def _check_rows(w: Window, c: WorkerConfig, model: ModelConfig, reads_tokens: bo
     if w.chunk and len({s for s in w.slots if s >= 0}) > 1:
         raise RowError(f"window {w.id} is marked as a prompt chunk but holds rows of several "
                        f"slots; a chunk reads one slot's prompt")
+    words = -(-model.vocab // 32)
+    if w.masks and w.mask_words() != words:
+        raise RowError(f"window {w.id}: its token masks have {w.mask_words()} words each; this "
+                       f"model's vocabulary of {model.vocab} needs {words} (one bit a token)")
     for commit in w.commits:
         if len(commit) != 2:
             raise RowError(f"window {w.id}: commit {commit} is not a [slot, length] pair")

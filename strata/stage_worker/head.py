@@ -5,10 +5,12 @@ For a window, in this order (each step per row: a row's answer never depends on 
 1. `penalised`: penalties and biases (kernels/penalties.py) on the logits of the sampled rows
    that have any, from their slots' tokens (history.py); such a greedy row takes the argmax of
    its penalised logits;
-2. the pick: greedy rows the argmax, rows with a temperature kernels/sampling.py's sampler
-   (its own temperature, filters and draw, over the penalised logits);
-3. the log-probabilities of Window.logprob_rows (kernels/logprobs.py), from the model's own
-   logits (before steps 1 and 2): of the token a row picked, or of a given one (the next
+2. `apply_masks`: a structured output's token masks (Window.mask): a masked row's forbidden
+   tokens get -inf, and its argmax is taken again;
+3. the pick: greedy rows the argmax, rows with a temperature kernels/sampling.py's sampler
+   (its own temperature, filters and draw, over the penalised and masked logits);
+4. the log-probabilities of Window.logprob_rows (kernels/logprobs.py), from the model's own
+   logits (before steps 1 to 3): of the token a row picked, or of a given one (the next
    token of a prompt row, for a request that scores its prompt).
 """
 from __future__ import annotations
@@ -30,13 +32,13 @@ from strata.stage_worker.history import SlotTokens
 class HeadOutput:
     """The head's output for the sampled and scored rows of a window (on the device; static
     buffers of a graph when graphed: read them before the next window)."""
-    logits: torch.Tensor | None  # fp32 [N, V] the sampler reads (penalised rows penalised);
+    logits: torch.Tensor | None  # fp32 [N, V] the sampler reads (penalised, masked);
                                  # None once the tokens are picked (tokens_to_host)
     argmax: torch.Tensor         # [N] int64: the first index of each row's maximum in
                                  # `logits`; without logits, each sampled row's token
     rows: list[int]              # the index into logits / argmax of each sampled row, in order
     scored: list[int] = field(default_factory=list)   # the index of each Window.logprob_rows
-    raw: torch.Tensor | None = None   # the model's logits where `logits` were penalised
+    raw: torch.Tensor | None = None   # the model's logits where `logits` were penalised or masked
     # once picked on the device (tokens_to_host): per logprob row, on the host, (logprob [k]
     # float64, top ids [k, T], top logprobs [k, T] float64), T the window's largest top
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -102,6 +104,34 @@ def _to_host(t: torch.Tensor, pinned: bool) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
     host.copy_(t, non_blocking=pinned)
     return host
+
+
+def apply_masks(head: HeadOutput | None, w: Window) -> HeadOutput | None:
+    """The head's output with the window's token masks applied (Window.mask), after the
+    penalties: a masked row's forbidden tokens get logit -inf and its argmax is taken again
+    (the first index of the maximum, as sample_row's); rows without a mask keep theirs. The
+    logits are copied, not written (a graph's output buffers stay as they are), and the
+    model's own stay beside them for the log-probabilities. Every step is per row (a gather,
+    shifts, a fill, an argmax), so a row's token depends on its own logits and mask alone."""
+    if head is None or not any(i >= 0 for i in w.mask):
+        return head
+    device, vocab = head.logits.device, head.logits.shape[-1]
+    masked = [j for j, i in enumerate(w.mask) if i >= 0]            # into the sampled rows
+    words = np.frombuffer(w.masks, dtype="<i4").reshape(-1, w.mask_words())
+    at = to_device([head.rows[j] for j in masked], device)           # [M]
+    bits = to_device(torch.from_numpy(words[[w.mask[j] for j in masked]]), device)  # [M, W]
+    x = head.logits[at].masked_fill_(forbidden_tokens(bits, vocab), float("-inf"))
+    return replace(head, logits=head.logits.index_copy(0, at, x),
+                   argmax=head.argmax.index_copy(0, at, x.argmax(-1)), raw=head.model_logits)
+
+
+def forbidden_tokens(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[M, W] int32 bitmasks (bit j of word i set: token 32 i + j allowed) -> [M, vocab] bool,
+    True where a token is not allowed. The words' bytes in memory order (little-endian), 8
+    bits each: byte k's bit j is token 8 k + j."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    octets = bits.contiguous().view(torch.uint8)                      # [M, 4 W]
+    return ((octets[:, :, None] >> shifts) & 1 == 0).reshape(len(bits), -1)[:, :vocab]
 
 
 def row_params(w: Window) -> list[SamplingRow]:

@@ -25,8 +25,8 @@ from strata.protocol.peers import PeerWatch
 from strata.stage_worker.checks import RowError, check_window
 from strata.stage_worker.config import WorkerConfig
 from strata.stage_worker.drafter import Drafter
-from strata.stage_worker.head import (HeadOutput, head_logits, head_logprobs, head_tokens,
-                                     penalised)
+from strata.stage_worker.head import (HeadOutput, apply_masks, head_logits, head_logprobs,
+                                     head_tokens, penalised)
 from strata.stage_worker.history import SlotTokens
 from strata.stage_worker.link import StageLink
 from strata.stage_worker.model import KVCache, Rows, StageModel
@@ -244,7 +244,8 @@ class StageWorker:
                                        launching=launching)
         if self.model.last:   # the window's tokens, then what its penalties make of them
             self.history.write(w)
-            head = penalised(head, w, self.history)
+            # penalties and biases, then the grammar's masks (the sampler reads both)
+            head = apply_masks(penalised(head, w, self.history), w)
         # On CUDA, a last stage's tokens are picked on the device behind the window's kernels
         # (in its GPU span), unless the window wants its logits
         deferred = (self.model.last and self.model.device.type == "cuda"
