@@ -81,6 +81,7 @@ from strata.coordinator.scheduler_state import (  # noqa: F401 (the state types 
     DecodeWindow, Flight, Group, Request, RowOwner, SchedulerSnapshot, SlotState)
 from strata.coordinator.slots import Slot, SlotTable
 from strata.coordinator.windows import Row, build_window
+from strata.protocol.acceptance import kept_drafts
 
 log = logging.getLogger("strata.scheduler")
 
@@ -217,15 +218,17 @@ class Scheduler:
     def _accept(self, slot: Slot, req: Request, tokens: list[int], drafts: list[int],
                 proposals: list[int] = (), logprobs: list[TokenLogprob] = ()) -> None:
         """tokens[j] was sampled at position L + j (L: the sequence's length before); it
-        counts while the drafts before it equal the tokens sampled at their positions.
+        counts while the drafts before it are kept (protocol/acceptance.py's rule, which the
+        last stage's drafter applies too) and the sequence has not finished.
         proposals: the drafter's for the positions after the tokens that count (the last
         stage accepts by the same equality), kept for the slot's next decode window. Draft
         position i counts as proposed for i <= len(drafts), as accepted for i <= j.
         logprobs: tokens[j]'s, when the request asks for them."""
         start = req.seq.length
-        for j, token in enumerate(tokens):
+        kept = kept_drafts(drafts, tokens)
+        for j, token in enumerate(tokens[:kept + 1]):
             done = req.seq.accept(token, logprobs[j] if logprobs else None)
-            if done or j == len(drafts) or drafts[j] != token:
+            if done:
                 break
         req.drafted += len(drafts)
         req.accepted += j      # drafts equal to the token sampled at their position

@@ -18,7 +18,7 @@ as its h and the proposal just made as its token, one position further.
 Which rows a window gives a slot (its rows sorted by position, rows j = 0..n-1 at P_0 + j):
 rows 0..a are accepted, where each row j >= 1 follows its predecessor when that one was not
 sampled (a prompt row: the next token is given) or was sampled as this row's token (a draft
-equal to the target's token; the coordinator accepts by the same rule). NextN rows then go at
+equal to the target's token: protocol/acceptance.py's rule, the coordinator's too). NextN rows then go at
 P_0 + 1..P_a (h of the window's rows 0..a-1), at P_0 (h from the slot's `last_h`, the hidden
 state of its last accepted position, or zeros when that is not P_0 - 1: a follow-up turn that
 resumes a held prompt) unless the previous window already wrote that row with this token, and,
@@ -61,6 +61,7 @@ from strata.kernels.proposal_pick import pick_proposals
 from strata.kernels.sampling import SamplingRow, filtered, pick_unfiltered, to_device
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
+from strata.protocol.acceptance import kept_drafts
 from strata.protocol.messages import Window
 from strata.stage_worker.graphs import Captured
 from strata.stage_worker.model import KVCache, Layer, RowTensors, StageModel, WindowMeta
@@ -157,12 +158,13 @@ class Drafter:
         plan, n_rows, zeros = _Plan(), len(w.slots), len(w.slots) + len(self.last_pos)
         for s, rows in by_slot.items():
             rows.sort(key=lambda r: w.positions[r])
-            accepted = rows[:1]
-            for prev, r in zip(rows, rows[1:]):
-                given = sampled.get(prev, w.tokens[r])   # a prompt row's successor is given
-                if w.positions[r] != w.positions[prev] + 1 or given != w.tokens[r]:
-                    break
-                accepted.append(r)
+            run = 1                                      # the rows at consecutive positions
+            while run < len(rows) and w.positions[rows[run]] == w.positions[rows[run - 1]] + 1:
+                run += 1
+            drafts = [w.tokens[r] for r in rows[1:run]]
+            # a prompt row's successor is given: it passes as sampled
+            samples = [sampled.get(prev, w.tokens[r]) for prev, r in zip(rows, rows[1:run])]
+            accepted = rows[:1 + kept_drafts(drafts, samples)]
             p0 = w.positions[rows[0]]
             if p0 > 0 and self.ready[s] != (p0, w.tokens[rows[0]]):
                 plan.add(s, p0, w.tokens[rows[0]],

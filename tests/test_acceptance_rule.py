@@ -1,0 +1,82 @@
+"""The coordinator (Scheduler._accept) and the last stage's drafter (Drafter._plan) accept the
+same draft rows of a window: both apply protocol/acceptance.py's rule, to inputs each side
+builds its own way. Random slots, drafts and sampled tokens; the test fails if the two sides
+ever count differently."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from hypothesis import given, settings, strategies as st
+
+from strata.coordinator.generate import Sequence
+from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.scheduler import Scheduler
+from strata.coordinator.scheduler_state import Request
+from strata.protocol.acceptance import kept_drafts
+from strata.protocol.messages import Window
+from strata.stage_worker.drafter import Drafter
+
+TOKENS = st.integers(0, 3)   # few token values: drafts equal the sampled token often
+
+
+def _coordinator_keeps(prompt: list[int], drafts: list[int], sampled: list[int]) -> int:
+    """Draft rows the coordinator keeps: Scheduler._accept on a request that has generated
+    nothing yet (an object holding only what _accept reads and writes stands in for the
+    scheduler)."""
+    seq = Sequence(prompt, SamplingParams(max_tokens=100), frozenset(), ctx=256)
+    req = Request(0, seq)
+    sched = SimpleNamespace(drafted=0, accepted=0, drafted_at=[], accepted_at=[], commits=[],
+                            _release=lambda *a: None)
+    Scheduler._accept(sched, SimpleNamespace(index=0), req, sampled, drafts)
+    return req.accepted
+
+
+def _drafter_keeps(slot_rows: dict[int, tuple[int, list[int], list[int]]], order: list[int]
+                   ) -> dict[int, int]:
+    """Draft rows the drafter keeps per slot, from one window holding every slot's rows (its
+    last token at P, then its drafts), in the row order `order` gives."""
+    slots, positions, tokens, samples = [], [], [], {}
+    for s, (p, drafts, sampled) in slot_rows.items():
+        for i, token in enumerate([7] + drafts):
+            slots.append(s)
+            positions.append(p + i)
+            tokens.append(token)
+            samples[len(slots) - 1] = sampled[i]
+    perm = [order[i % len(order)] % len(slots) for i in range(len(slots))]
+    perm = list(dict.fromkeys(perm + list(range(len(slots)))))   # a permutation of the rows
+    n = len(perm)
+    w = Window(id=1, slots=[slots[i] for i in perm], positions=[positions[i] for i in perm],
+               tokens=[tokens[i] for i in perm], sample_rows=list(range(n)),
+               temperature=[0.0] * n, top_k=[0] * n, top_p=[1.0] * n, min_p=[0.0] * n,
+               u=[0.5] * n)
+    sampled = {r: samples[perm[r]] for r in range(len(perm))}
+    drafter = Drafter.__new__(Drafter)
+    drafter.last_pos = [-1] * len(slot_rows)
+    drafter.ready = [None] * len(slot_rows)
+    plan = drafter._plan(w, sampled)
+    rows_of = {s: sorted((r for r in range(len(perm)) if w.slots[r] == s),
+                         key=lambda r: w.positions[r]) for s in slot_rows}
+    return {s: rows_of[s].index(plan.accepted[s]) for s in slot_rows}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(TOKENS, max_size=7), st.lists(TOKENS, min_size=8,
+                                                                  max_size=8)),
+                min_size=1, max_size=4),
+       st.lists(st.integers(0, 40), min_size=1, max_size=32))
+def test_the_coordinator_and_the_drafter_keep_the_same_drafts(slots, order):
+    slot_rows = {}
+    for s, (drafts, sampled) in enumerate(slots):
+        slot_rows[s] = (5 + 3 * s, drafts, sampled[:len(drafts) + 1])
+    on_stage = _drafter_keeps(slot_rows, order)
+    for s, (p, drafts, sampled) in slot_rows.items():
+        prompt = [1] * p + [7]           # the row at P holds the prompt's last token
+        kept = _coordinator_keeps(prompt, drafts, sampled)
+        assert kept == kept_drafts(drafts, sampled)
+        assert on_stage[s] == kept, f"slot {s}: drafts {drafts}, sampled {sampled}"
+
+
+def test_a_draft_is_kept_only_after_every_draft_before_it():
+    assert kept_drafts([3, 4, 5], [3, 4, 9, 1]) == 2
+    assert kept_drafts([3, 4, 5], [3, 9, 5, 1]) == 1   # a later match after a miss counts not
+    assert kept_drafts([], [2]) == 0
