@@ -47,7 +47,7 @@ class Sequence:
                                f"or raise --ctx-size")
         # the tokens that end the output: the model's end of text (unless ignore_eos) and the
         # request's stop_token_ids; none of them is part of the output
-        self.stops = ((frozenset() if self.params.ignore_eos else self.stop_ids)
+        self.stops = ((frozenset() if self.params.ignore_eos else frozenset(self.stop_ids))
                       | frozenset(self.params.stop_token_ids))
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt)
