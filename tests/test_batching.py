@@ -34,7 +34,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import SHARED_GROUP, SMOLLM2_CTX, SMOLLM2_REQUESTS, SMOLLM2_SPLIT
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig, auto_groups
 from strata.bench import harness
 from strata.launch.plan import plan_stages

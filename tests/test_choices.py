@@ -16,7 +16,7 @@ from strata.coordinator.choices import Choices
 from strata.coordinator.engine import Engine
 from strata.coordinator.openai_logprobs import Spelling
 from strata.coordinator.prompts import Prompts
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 
 CTX = 128

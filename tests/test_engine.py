@@ -9,7 +9,7 @@ import pytest
 
 from strata.coordinator.engine import IDLE_CHECK_S, Engine, EngineDown, Finished, Job
 from strata.coordinator.pipeline import PipelineError
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from test_scheduler import STOP, FakePipeline, params, run_alone
 

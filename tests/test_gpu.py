@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.coordinator.generate import Sequence, generate_solo
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.generate import generate_solo
+from strata.coordinator.sequence import Sequence
+from strata.coordinator.sampling_params import SamplingParams
 from strata.kernels.attention import attend_reference, attend_rows
 from strata.model.gguf_file import ModelFile
 from strata.kernels.policy import KernelPolicy

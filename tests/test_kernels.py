@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.coordinator.sampling import SamplingParams, draw_uniform
+from strata.coordinator.sampling_params import SamplingParams, draw_uniform
 from strata.kernels.attention import SPAN, attend, attend_reference, span_of
 from strata.kernels.norms import rms_norm, swiglu
 from strata.kernels.rope import apply_rope, rope_table

@@ -17,7 +17,7 @@ import zmq
 from click.testing import CliRunner
 
 from strata.coordinator.pipeline import Expect, Pipeline, PipelineError
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.windows import build_window, prompt_chunks
 from strata.protocol import transport
 from strata.protocol.keys import COORDINATOR, CurveKeys, KeysError, main as keys_main, make_keys

@@ -148,7 +148,7 @@ def test_windows_send_the_draws_of_the_positions_proposals_take(sampling):
     """Coupled: each propose entry of a slot that samples with a temperature carries the
     draws of the k positions after the one its last row samples (the draws its rows will
     sample with); a greedy slot's entry is []. argmax: no draws at all."""
-    from strata.coordinator.sampling import draw_uniform
+    from strata.coordinator.sampling_params import draw_uniform
     ps = prompts(4, random.Random(8))
     alone = run_alone(ps)
     pipe = DraftingPipeline(4, 256, truth_of(ps, alone), random_policy(1), 3)

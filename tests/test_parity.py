@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from conftest import fast_transformers_gguf
-from strata.coordinator.generate import Sequence, generate_solo
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.generate import generate_solo
+from strata.coordinator.sequence import Sequence
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages

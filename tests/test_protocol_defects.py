@@ -18,7 +18,7 @@ import pytest
 import torch
 import zmq
 
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.protocol import transport, unixsock
 from strata.protocol.messages import Error, ProtocolError, Result, Window

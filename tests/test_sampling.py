@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata.coordinator.sampling import draw_uniform
+from strata.coordinator.sampling_params import draw_uniform
 from strata.kernels.sampling import (SamplingRow, _pairwise_sum, _prefix_sums, sample_row,
                                      sample_rows, sample_rows_on_device)
 from strata.protocol.messages import Window

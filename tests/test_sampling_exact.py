@@ -15,7 +15,7 @@ import torch
 
 from conftest import fast_transformers_gguf
 from strata.bench import harness
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages

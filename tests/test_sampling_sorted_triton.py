@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import triton_devices
-from strata.coordinator.sampling import draw_uniform
+from strata.coordinator.sampling_params import draw_uniform
 from strata.kernels.sampling import (SamplingRow, kept_columns_torch, pick_sorted_torch,
                                      sample_row, sample_rows)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import triton_devices
-from strata.coordinator.sampling import draw_uniform
+from strata.coordinator.sampling_params import draw_uniform
 from strata.kernels.sampling import pick_unfiltered, pick_unfiltered_torch
 
 NAN, INF = float("nan"), float("inf")

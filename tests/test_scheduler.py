@@ -13,7 +13,7 @@ from collections import deque
 import pytest
 
 from strata.coordinator.pipeline import WindowFailed
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.protocol.messages import Error, Result
 from strata.protocol.transport import pack, unpack

@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from conftest import SMOLLM2_REQUESTS, SMOLLM2_TOKENS, smollm2_params, stage_processes
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from strata.bench import harness
 from strata.bench.loadtest import ServerProcess

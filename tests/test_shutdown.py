@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages

@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
-from strata.coordinator.generate import Sequence, generate_solo
+from strata.coordinator.generate import generate_solo
+from strata.coordinator.sequence import Sequence
 from strata.coordinator.pipeline import WindowFailed
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from strata.bench import harness
 from strata.launch.joins import host_rendezvous

@@ -18,7 +18,7 @@ import torch
 from strata.coordinator import openai_api as api
 from strata.coordinator.grammar import Grammars, WindowMasks
 from strata.coordinator.prompts import Prompts
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.kernels.sampling import sample_row
 from strata.model.gguf_file import ModelFile
@@ -174,7 +174,7 @@ def test_drafts_stop_where_the_grammar_or_the_text_does(tok, grammars):
 
 
 def test_a_request_ends_when_its_grammar_is_complete(tok, grammars):
-    from strata.coordinator.generate import Sequence
+    from strata.coordinator.sequence import Sequence
     c = compiled(tok, grammars, guided_choice=["yes", "no"])
     seq = Sequence([1, 2, 3], SamplingParams(max_tokens=50), tok.stop_ids, 512, grammar=c)
     assert seq.accept(tok.encode("yes")[0]) and seq.finish_reason == "stop"

@@ -17,7 +17,7 @@ import pytest
 from conftest import SMOLLM2_CTX
 from strata.coordinator.grammar import Grammars
 from strata.coordinator.grammar_fields import grammar_request
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.model.tokenizer import Tokenizer
 from test_server import Serving

@@ -15,7 +15,7 @@ from strata.model.nextn import SHIPPED_HEADS, find_head, open_head, shipped_head
 from strata.stage_worker.drafter import Drafter
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from strata.train import cli
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.train.data import Sample, split_kept, teacher_states
 from strata.train.export import write_head
 from strata.train.fit import FitConfig, acceptance, fit, soft_loss

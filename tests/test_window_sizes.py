@@ -21,7 +21,7 @@ from strata.bench import harness
 from strata.coordinator.config import MAX_WINDOW_ROWS
 from strata.coordinator.engine import Engine, Finished, Job
 from strata.coordinator.metrics import Metrics
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.coordinator.server import Server

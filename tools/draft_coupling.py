@@ -30,7 +30,7 @@ import click
 import torch
 import torch.nn.functional as F
 
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.launch.options import prepare
 from strata.model.nextn import shipped_head
 from strata.train import data

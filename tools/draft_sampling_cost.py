@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 import torch
 
-from strata.coordinator.sampling import SamplingParams, draw_uniform
+from strata.coordinator.sampling_params import SamplingParams, draw_uniform
 from strata.coordinator.windows import Row, build_window
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import get_shape, write_nextn_sidecar

@@ -22,7 +22,7 @@ import time
 import click
 import torch
 
-from strata.coordinator.sampling import draw_uniform
+from strata.coordinator.sampling_params import draw_uniform
 from strata.kernels.sampling import SamplingRow, sample_row, sample_rows, sample_rows_on_device
 
 FILTERS = {"none": dict(top_k=0, top_p=1.0, min_p=0.0),

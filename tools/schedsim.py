@@ -14,7 +14,7 @@ from collections import deque
 import click
 import gguf
 
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.bench.harness import prompt_set
 from strata.model.tokenizer import Tokenizer

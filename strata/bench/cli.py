@@ -28,9 +28,10 @@ from statistics import mean, median
 
 import click
 
-from strata.coordinator.generate import Sequence, generate_solo
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.generate import generate_solo
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import auto_groups
+from strata.coordinator.sequence import Sequence
 from strata.bench import harness
 from strata.bench.draftbench import drafts
 from strata.bench.grammarbench import grammar

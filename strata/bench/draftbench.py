@@ -14,7 +14,7 @@ import click
 from strata.coordinator.config import DRAFT_SAMPLINGS, MAX_DRAFT_TOKENS
 from strata.coordinator.drafts import draft_counts
 from strata.coordinator.pipeline import PipelineError
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
 from strata.bench import harness
 from strata.bench.harness import (chat_prompts, filter_options, filters_said, machine,

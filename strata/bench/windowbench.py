@@ -33,7 +33,7 @@ import click
 import numpy as np
 import torch
 
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.windows import Row, build_window
 from strata.bench import tracereport
 from strata.launch.plan import parse_devices, plan_stages

@@ -46,7 +46,7 @@ before them (Request.drafted_at / accepted_at, the scheduler's totals, /v1/statu
 """
 from __future__ import annotations
 
-from strata.coordinator.generate import Sequence
+from strata.coordinator.sequence import Sequence
 
 MAX_NGRAM = 3
 

@@ -35,7 +35,7 @@ from typing import Callable
 from strata.coordinator.grammar import Constraint
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
-from strata.coordinator.sampling import SamplingParams, TokenLogprob
+from strata.coordinator.sampling_params import SamplingParams, TokenLogprob
 from strata.coordinator.draft_choice import DraftChoice
 from strata.coordinator.scheduler import (DecodeWindow, Request, Scheduler, SchedulerConfig,
                                           SlotState)

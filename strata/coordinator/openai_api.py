@@ -18,7 +18,7 @@ from strata.coordinator.grammar import Constraint, GrammarError, Grammars
 from strata.coordinator.grammar_fields import grammar_request, refusal
 from strata.coordinator.prompts import Prompts
 from strata.coordinator.request_fields import ApiError
-from strata.coordinator.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
+from strata.coordinator.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
                                          SamplingParams)
 
 COMPLETIONS_MAX_TOKENS = 16   # OpenAI's (and vLLM's) default for /v1/completions

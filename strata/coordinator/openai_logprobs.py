@@ -1,5 +1,5 @@
 """OpenAI's logprobs objects, from the log-probabilities the last stage reports
-(coordinator/sampling.py TokenLogprob: the model's own distribution at each position, before
+(coordinator/sampling_params.py TokenLogprob: the model's own distribution at each position, before
 temperature, penalties and filters).
 
 Chat (`logprobs: true`, `top_logprobs: N`): {"content": [{"token", "logprob", "bytes",
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from strata.coordinator.sampling import TokenLogprob
+from strata.coordinator.sampling_params import TokenLogprob
 
 UNLIKELY = -9999.0
 

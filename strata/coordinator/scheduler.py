@@ -72,13 +72,13 @@ from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_gro
     WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
 from strata.coordinator.draft_choice import share_rows
 from strata.coordinator.drafts import PromptLookup, count_positions, draft_limit
-from strata.coordinator.generate import Sequence
 from strata.coordinator.grammar import Constraint, WindowMasks
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.rebuild import decoded_rows, start_rebuild
-from strata.coordinator.sampling import SamplingParams, TokenLogprob
+from strata.coordinator.sampling_params import SamplingParams, TokenLogprob
 from strata.coordinator.scheduler_state import (  # noqa: F401 (the state types re-exported)
     DecodeWindow, Flight, Group, Request, RowOwner, SchedulerSnapshot, SlotState)
+from strata.coordinator.sequence import Sequence
 from strata.coordinator.slots import Slot, SlotTable
 from strata.coordinator.windows import Row, build_window
 from strata.protocol.acceptance import kept_drafts

@@ -8,7 +8,7 @@ from typing import Callable
 
 from strata.coordinator.draft_choice import Acceptance, DraftChoice, GroupDrafts
 from strata.coordinator.drafts import PromptLookup
-from strata.coordinator.generate import Sequence
+from strata.coordinator.sequence import Sequence
 from strata.coordinator.slots import Slot
 
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from strata.coordinator.config import WINDOW_ROW_STEP
-from strata.coordinator.sampling import SamplingParams, draw_uniform
+from strata.coordinator.sampling_params import SamplingParams, draw_uniform
 from strata.protocol.messages import Window
 
 DEFAULT_CHUNK_ROWS = 32

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import click
 
-from strata.coordinator.generate import Sequence
 from strata.coordinator.pipeline import PipelineError
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Scheduler
+from strata.coordinator.sequence import Sequence
 from strata.launch.joins import parse_listen
 from strata.launch.options import clean_errors, launch_options, prepare, say
 from strata.launch.plan import PlanError, resolve_link

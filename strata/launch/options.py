@@ -324,7 +324,7 @@ def clean_errors(command_name: str):
     import functools
     import sys
 
-    from strata.coordinator.generate import RequestError
+    from strata.coordinator.sequence import RequestError
     from strata.coordinator.pipeline import PipelineError, WindowFailed
 
     def wrap(f):

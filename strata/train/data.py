@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.train.prompts import Prompt
 from strata.train.torch_llama import Target
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from strata.coordinator.sampling import SamplingParams
+from strata.coordinator.sampling_params import SamplingParams
 from strata.launch.options import open_model, parse_devices_for, prepare
 from strata.model.nextn import BLOCK_TENSORS, NEXTN_TENSORS, find_head, open_head
 from strata.model.tokenizer import Tokenizer
