@@ -75,6 +75,16 @@ def fast_transformers_gguf():
         yield
 
 
+@pytest.fixture(scope="module")
+def hf_model(smollm2):
+    """The embedded SmolLM2 in transformers' own modeling code (fp32, CPU): the reference that
+    parity and log-probability tests compare with."""
+    transformers = pytest.importorskip("transformers")
+    with fast_transformers_gguf():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
+
+
 SMOLLM2_SPLIT = "10,20"  # 3 stages: a middle stage, as well as the first and the last
 SMOLLM2_SLOTS = 4
 SMOLLM2_CTX = 512

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 from hypothesis import given, settings, strategies as st
 
-from strata.coordinator.sequence import Sequence
 from strata.coordinator.sampling_params import SamplingParams
+from strata.coordinator.sequence import Sequence
 from strata.coordinator.scheduler import Scheduler
 from strata.coordinator.scheduler_state import Request
 from strata.protocol.acceptance import kept_drafts

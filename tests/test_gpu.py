@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from strata.coordinator.generate import generate_solo
-from strata.coordinator.sequence import Sequence
 from strata.coordinator.sampling_params import SamplingParams
+from strata.coordinator.sequence import Sequence
 from strata.kernels.attention import attend_reference, attend_rows
 from strata.model.gguf_file import ModelFile
 from strata.kernels.policy import KernelPolicy

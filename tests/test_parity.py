@@ -17,10 +17,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import fast_transformers_gguf
 from strata.coordinator.generate import generate_solo
-from strata.coordinator.sequence import Sequence
 from strata.coordinator.sampling_params import SamplingParams
+from strata.coordinator.sequence import Sequence
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
@@ -117,14 +116,6 @@ def runs(model, launches):
     out = {n: generate(run, tok, want_logits=True) for n, run in launches.items() if n != 2}
     tokens, logits = generate(launches[2], tok, PROMPTS[::-1], PARAMS[::-1], want_logits=True)
     return {**out, 2: (tokens[::-1], logits[::-1])}
-
-
-@pytest.fixture(scope="module")
-def hf_model(smollm2):
-    transformers = pytest.importorskip("transformers")
-    with fast_transformers_gguf():
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
 
 
 def test_stage_counts_give_identical_tokens(runs):

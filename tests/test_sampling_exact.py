@@ -13,7 +13,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import fast_transformers_gguf
 from strata.bench import harness
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
@@ -77,14 +76,6 @@ def test_tokens_and_logprobs_are_exact_together_pipelined_and_drafted(smol, alon
     plain = harness.run_together(run, configs["together"], tok, prompts, PLAIN)
     assert all(p.seq.generated != want[0] for p, want in zip(plain, alone))
     assert 30 not in alone[2][0]   # its bias of -100
-
-
-@pytest.fixture(scope="module")
-def hf_model(smollm2):
-    transformers = pytest.importorskip("transformers")
-    with fast_transformers_gguf():
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
 
 
 def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:

@@ -226,6 +226,15 @@ def _byte_tokens() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
+
+def _written(writer: "gguf.GGUFWriter", path) -> "gguf.GGUFReader":
+    """The file the writer holds, written to path and read back."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(path)
+
 def _write(path: Path, model: str = "gpt2", pre: str | None = None, add_bos: bool | None = None,
            template: str | None = None, eot: bool = False) -> gguf.GGUFReader:
     """A GGUF with 256 byte tokens, then SPECIALS (control; the last user-defined), no merges and
@@ -244,11 +253,7 @@ def _write(path: Path, model: str = "gpt2", pre: str | None = None, add_bos: boo
         writer.add_add_bos_token(add_bos)
     if template is not None:
         writer.add_chat_template(template)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return gguf.GGUFReader(path)
+    return _written(writer, path)
 
 
 def test_tiny_byte_vocabulary(tmp_path: Path):
@@ -312,11 +317,7 @@ def _write_spm(path: Path, prefix: bool | None, template: str | None = None
         writer.add_add_space_prefix(prefix)
     if template is not None:
         writer.add_chat_template(template)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return gguf.GGUFReader(path)
+    return _written(writer, path)
 
 
 def test_sentencepiece_merges_by_score_and_falls_back_to_bytes(tmp_path: Path):

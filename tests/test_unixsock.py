@@ -149,8 +149,8 @@ def test_launch_over_either_transport_gives_the_same_tokens_and_logits(tiny_mode
     """Two CPU stages, a prompt longer than one chunk, logits wanted: the first chunk's Result
     carries an empty logits frame. Unix sockets and ZeroMQ give the same tokens and logits."""
     from strata.coordinator.generate import generate_solo
-    from strata.coordinator.sequence import Sequence
     from strata.coordinator.sampling_params import SamplingParams
+    from strata.coordinator.sequence import Sequence
     from strata.launch.plan import plan_stages
     from strata.launch.session import launch_stages
     from strata.model.gguf_file import ModelFile
