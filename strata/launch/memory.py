@@ -53,7 +53,8 @@ def _groups(file: ModelFile, names: list[str]) -> list[list[str]]:
     singles = []
     for name in names:
         parts = name.split(".")
-        piece = parts[2] if len(parts) == 4 and parts[0] == "blk" else None
+        piece = parts[2] if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" \
+            else None   # a bias (blk.N.attn_q.bias) is a vector of its own
         group = next((g for g in FUSED_MATRICES if piece in g), None)
         if group is None:
             singles.append([name])
