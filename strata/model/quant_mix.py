@@ -74,8 +74,10 @@ def mix_tensor_type(mix: str, name: str, cols: int, n_blocks: int, tied: bool,
     Q4_K attn_v becomes Q5_K; a model of exactly 8 experts (``n_experts``, Mixtral's rule)
     gets Q8_0 attn_k and attn_v and Q5_K attn_output. Everything else gets the mix's default
     type (an MoE router, ffn_gate_inp, stays F32: no matrix here). Last, tensor_type_fallback
-    replaces a type whose block size does not divide ``cols``. llama.cpp counts attn_v and ffn_down tensors in file order, sorted by
-    block: for a llama model that count is the block number in the name.
+    replaces a type whose block size does not divide ``cols``. llama.cpp counts attn_v and
+    ffn_down tensors in file order, sorted by block: for a llama model that count is the block
+    number in the name (where ffn_down tensors are not one a block, llama.cpp reads the block
+    number from the name: the same).
     """
     default = MIXES[mix]
     block = int(name.split(".")[1]) if name.startswith("blk.") else -1
