@@ -117,7 +117,8 @@ class KVCache:
 class Layer(torch.nn.Module):
     """Block `index` of the loader's file, with its family's differences (model/families.py):
     a bias on q, k and v; RMSNorm on each q and k head; norms after attention and the
-    feed-forward; GeGLU; a sliding window with its own RoPE table. Its matrices are dense
+    feed-forward; GeGLU; a sliding window with its own RoPE table; routed experts in place of
+    the feed-forward (`Experts`, kernels/moe.py). Its matrices are dense
     tensors or QuantWeights (the loader decides); the kernels take either. chunks: whether
     prompt chunks run it (a quantized matrix then has room in the stage's scratch buffer)."""
 
