@@ -252,7 +252,8 @@ def route(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None, scale:
         logits.stride(0), E=n_experts, TOPK=k, SIGMOID=bias is not None,
         HAS_BIAS=bias is not None, GROUPS=n_groups, CHOSEN=chosen,
         BLOCK_E=triton.next_power_of_2(n_experts), BLOCK_K=triton.next_power_of_2(k),
-        BLOCK_G=triton.next_power_of_2(n_groups), num_warps=4)
+        BLOCK_G=triton.next_power_of_2(n_groups),
+        num_warps=1 if n_experts <= 256 else 4)   # one warp: its k reductions are shuffles
     return experts, weights, counts
 
 
