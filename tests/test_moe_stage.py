@@ -122,10 +122,10 @@ def test_an_moe_stages_rows_are_invariant(moe_file):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("weights", ["quantized", "bf16"])
 def test_an_moe_stage_replays_its_graphs_with_the_same_bits(moe_file, weights):
-    """Every decode size from 8 to 64 rows, eagerly and from CUDA graphs: the routing, the
+    """Decode windows of 8, 24, 40 and 64 rows, eagerly and from CUDA graphs: the routing, the
     aligned blocks and the experts inside each window's graph."""
     model = _model(moe_file, "cuda:0", weights)
-    eager_and_graphed_rows_are_invariant(model, tuple(range(8, 65, 8)))
+    eager_and_graphed_rows_are_invariant(model, (8, 24, 40, 64))
 
 
 def test_the_launcher_plans_moe_stages_on_cuda(moe_file):

@@ -35,12 +35,13 @@ def _policy(device: str) -> KernelPolicy:
 
 
 def _dense(device: str, experts: int = E, d: int = D, f: int = F, seed: int = 0):
-    """router [E, D], gate_up [E, 2F, D], down [E, D, F] of random values."""
-    g = torch.Generator().manual_seed(seed)
+    """router [E, D], gate_up [E, 2F, D], down [E, D, F] of random values (drawn on the
+    device: qwen3-30b-a3b's experts are 600M values)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     like = _like(device)
-    return (torch.randn(experts, d, generator=g).mul(0.3).to(**like),
-            torch.randn(experts, 2 * f, d, generator=g).mul(0.1).to(**like),
-            torch.randn(experts, d, f, generator=g).mul(0.1).to(**like))
+    return tuple(torch.randn(*shape, generator=g, device=device).mul(std).to(like["dtype"])
+                 for shape, std in (((experts, d), 0.3), ((experts, 2 * f, d), 0.1),
+                                    ((experts, d, f), 0.1)))
 
 
 GLM = {"bias": "random", "scale": 2.5, "groups": (2, 1)}   # sigmoid, bias, groups
