@@ -136,7 +136,7 @@ def _tile(w0, w1, w2, w3, s0, s1, s2, s3, n, n_ok, k0, QTYPE: tl.constexpr, S: t
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weight rows n, columns k0 .. k0 + BLOCK_K - 1: loaded (QTYPE -1: dense, w0 the matrix
     and s0 its row stride) or dequantized from the packed planes (fp32)."""
-    if QTYPE == -1:
+    if QTYPE == -1:                                            # DENSE
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w0 + n[:, None] * s0 + k[None, :], mask=n_ok[:, None], other=0.0)
     else:
@@ -145,7 +145,7 @@ def _tile(w0, w1, w2, w3, s0, s1, s2, s3, n, n_ok, k0, QTYPE: tl.constexpr, S: t
 
 
 @triton.jit
-def _block(sorted_ptr, block_expert_ptr, P, TOPK: tl.constexpr, BLOCK_M: tl.constexpr):
+def _block(sorted_ptr, block_expert_ptr, P, BLOCK_M: tl.constexpr):
     """The program's block: its expert, slots [BLOCK_M], their pairs and whether each is one."""
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
@@ -165,7 +165,7 @@ def _gate_up_kernel(x_ptr, sorted_ptr, block_expert_ptr, n_blocks_ptr, h_ptr,
     """h[slot] = act(x[row] @ gate_e^T) * (x[row] @ up_e^T); expert e's gate rows are
     e * gate_e + gate_off + j, its up rows e * up_e + up_off + j."""
     if tl.program_id(0) < tl.load(n_blocks_ptr):
-        e, slot, pair, live = _block(sorted_ptr, block_expert_ptr, P, TOPK, BLOCK_M)
+        e, slot, pair, live = _block(sorted_ptr, block_expert_ptr, P, BLOCK_M)
         row = tl.where(live, pair // TOPK, 0)
         j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         j_ok = j < F
@@ -196,11 +196,11 @@ def _gate_up_kernel(x_ptr, sorted_ptr, block_expert_ptr, n_blocks_ptr, h_ptr,
 def _down_kernel(h_ptr, sorted_ptr, block_expert_ptr, n_blocks_ptr, o_ptr,
                  d0, d1, d2, d3, ds0, ds1, ds2, ds3, down_e,
                  P, N, K, stride_hm, stride_om,
-                 QD: tl.constexpr, SD: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                 QD: tl.constexpr, SD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """o[pair] = h[slot] @ down_e^T (expert e's rows e * down_e + n)."""
     if tl.program_id(0) < tl.load(n_blocks_ptr):
-        e, slot, pair, live = _block(sorted_ptr, block_expert_ptr, P, TOPK, BLOCK_M)
+        e, slot, pair, live = _block(sorted_ptr, block_expert_ptr, P, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         rows = (e * down_e + n).to(tl.int64)
@@ -339,7 +339,7 @@ def experts(h: torch.Tensor, slots: torch.Tensor, block_expert: torch.Tensor,
     out = torch.empty(m * k, d, dtype=h.dtype, device=h.device)
     _down_kernel[(max_blocks, triton.cdiv(d, dn["block_n"]))](
         hidden, slots, block_expert, n_blocks, out, *src[0], *src[1], src[2][0],
-        m * k, d, f, hidden.stride(0), out.stride(0), QD=src[3][0], SD=src[3][1], TOPK=k,
+        m * k, d, f, hidden.stride(0), out.stride(0), QD=src[3][0], SD=src[3][1],
         BLOCK_M=block_m, BLOCK_N=dn["block_n"], BLOCK_K=bk, STAGES=dn["stages"],
         num_warps=dn["warps"])
     return out
