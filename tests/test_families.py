@@ -3,7 +3,7 @@ random model of each (qwen3moe and glm4moe: 8 routed experts, 2 a row; glm4moe's
 with a correction bias, a shared expert and a dense first layer), written to GGUF as llama.cpp's converter writes it, gives
 transformers' greedy tokens over 32 tokens and its logits within 1e-3 through strata's stages
 split 1, 2 and 3 ways (CPU, fp32); the Triton path (RoPE on halves, windows, per-head norms,
-GeGLU) gives the plain-torch path's logits (interpreter, "cpu" cases, and CUDA); and a
+GeGLU, routed experts) gives the plain-torch path's logits (interpreter, "cpu" cases, and CUDA); and a
 launch of each family gives every request alone the tokens it gives in a batch, serial and
 pipelined, greedy and seeded (`strata-bench exact`)."""
 from __future__ import annotations
@@ -81,13 +81,13 @@ def test_a_family_gives_transformers_tokens_and_logits(family, split):
 @pytest.mark.parametrize("device", triton_devices())
 def test_the_triton_path_gives_the_torch_paths_logits(family, device):
     """RoPE on halves, the sliding window in the per-row and chunk kernels, the scale, the
-    per-head norms and GeGLU, against the plain-torch path of the same file (4 tokens under
-    the interpreter: ~1 s a decode step)."""
+    per-head norms, GeGLU and the routed experts' kernels (kernels/moe_triton.py) with a
+    shared expert, against the plain-torch path of the same file (4 tokens under the
+    interpreter: ~1 s a decode step)."""
     arch, _, file = family
-    if arch in MOE and device != "cpu":
-        pytest.skip("routed experts run on CPU stages only (a sentence says so: below)")
-    if device == "cpu" and arch in ("qwen3", *MOE):
-        pytest.skip("under the interpreter gemma3 and qwen2 cover the other families' steps")
+    if device == "cpu" and arch in ("qwen3", "qwen3moe"):
+        pytest.skip("under the interpreter gemma3, qwen2 and glm4moe cover the other families' "
+                    "steps")
     torch_path = StageModel(file, 0, file.config.n_layers, ctx=CTX,
                             policy=KernelPolicy(triton=False))
     triton_path = StageModel(file, 0, file.config.n_layers, ctx=CTX, device=device,
@@ -112,19 +112,6 @@ def test_a_family_batched_equals_alone_serial_and_pipelined(family):
                                          "--tokens", "12"])
         assert out.exit_code == 0, (arch, out.output, out.exception)
         assert out.stdout.splitlines()[-1] == "all requests identical", (arch, out.stdout)
-
-
-def test_routed_experts_are_refused_beyond_cpu_stages(tmp_path):
-    from strata.launch.options import prepare
-    from strata.launch.plan import PlanError
-    from strata.model.gguf_file import ModelError
-    _, path = hf.write("qwen3moe", tmp_path, layers=2)
-    with pytest.raises(ModelError, match="qwen3moe routes its feed-forward through experts.*"
-                                         "--devices cpu"):
-        StageModel(ModelFile(path), 0, 2, ctx=CTX, device="meta")
-    with pytest.raises(PlanError, match="--devices cpu"):
-        prepare(model=str(path), layer_split="1", devices="cpu,cuda:0", ctx_size=64, batch=1,
-                batch_groups="1", window_rows="auto", chunk_rows="auto", cuda_devices=1)
 
 
 @pytest.mark.slow

@@ -72,6 +72,18 @@ def test_shapes():
         + (4 - 2) * (2 * s.n_layers + 1) * s.d_model  # norms stay F32
 
 
+def test_moe_shapes():
+    """Qwen3-30B-A3B: 30.5B parameters with its untied head, 3.3B a token; the GLM-4.5-Air
+    shape: its layers' sizes, 12 of them."""
+    s = SHAPES["qwen3-30b-a3b"]
+    assert 30.4e9 < s.n_params + s.vocab * s.d_model < 30.6e9
+    assert 3.3e9 < s.active_params + s.vocab * s.d_model < 3.4e9
+    assert 17.5e9 < estimated_size(s, "Q4_K_M", tied=False) < 19e9   # llama.cpp's: 18.6 GB
+    glm = SHAPES["glm4.5-air-12l"]
+    assert glm.layer_params(1) - glm.layer_params(0) == 3 * 4096 * 1408 * 129 + 128 * 4096 \
+        - 3 * 4096 * 10944
+
+
 def test_shape_validation():
     with pytest.raises(ValueError, match="n_heads"):
         ModelShape(2, 64, 5, 1, 128, 300)
@@ -553,7 +565,8 @@ def _u32_field(key: bytes, value: int) -> bytes:
     return struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, value)
 
 
-@pytest.mark.parametrize("name", ["qwen2-tiny", "qwen3-tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("name", ["qwen2-tiny", "qwen3-tiny", "gemma3-tiny", "qwen3moe-tiny",
+                                  "glm4moe-tiny"])
 def test_family_shapes_write_their_tensors_and_keys(tmp_path, name):
     from strata.model.families import FAMILIES, block_tensor_names, tensor_name
     from strata.model.gguf_file import ModelFile
@@ -563,8 +576,18 @@ def test_family_shapes_write_their_tensors_and_keys(tmp_path, name):
     family = FAMILIES[shape.arch]
     assert (file.config.arch, file.config.head_dim, file.config.window) == (
         shape.arch, shape.head_dim, shape.sliding_window)
-    want = {tensor_name(i, n) for i in range(shape.n_layers) for n in block_tensor_names(family)}
+    want = {tensor_name(i, n) for i in range(shape.n_layers)
+            for n in block_tensor_names(family, shape.routed(i))}
     assert want == {n for n in file.tensors if n.startswith("blk.")}
+    if family.moe:   # experts [E, F, D] in llama.cpp's layout, with the keys it reads
+        cfg, layer = file.config, shape.dense_first
+        assert (cfg.n_experts, cfg.n_experts_used, cfg.d_ffn_expert, cfg.n_dense_first,
+                cfg.expert_scale, cfg.expert_groups) == (*shape.experts, shape.dense_first,
+                                                         shape.expert_scale, shape.expert_groups)
+        name = f"blk.{layer}.ffn_down_exps.weight"
+        np.testing.assert_array_equal(file.tensor(name).numpy(), random_tensor(shape, name, seed=2))
+        assert tuple(file.tensor(name).shape) == (shape.experts[0], shape.d_model, shape.experts[2])
+        assert file.tensor_type(f"blk.{layer}.ffn_gate_inp.weight") == "F32"
     assert path.stat().st_size > estimated_size(shape, "F32")   # and the metadata
     if family.qkv_bias:   # biases are N(0, std), norms about 1
         assert abs(file.tensor("blk.0.attn_q.bias").mean()) < 0.01

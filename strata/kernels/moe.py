@@ -10,6 +10,10 @@ ROW_BLOCK rows, padded (fused.by_row_blocks: on a CPU a matmul's bits for a row 
 row count, never on the other rows' values), and a row's k outputs are summed in the order of
 its ranking. So a row's result does not depend on which rows share its window or chunk, nor on
 which experts they chose.
+
+`moe_window` is the dispatch a layer calls: with the Triton kernels on (CUDA, or the
+interpreter) the routed experts of kernels/moe_triton.py (fixed shapes, no host sync: inside a
+decode window's CUDA graph), else `moe_rows`, the reference.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.fused import by_row_blocks, silu_mul_torch
+from strata.kernels.policy import KernelPolicy
+from strata.kernels.quant import QuantWeight
 
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int, bias: torch.Tensor | None = None,
@@ -60,3 +66,42 @@ def moe_rows(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
     for rank in range(1, k):      # in each row's ranking order, the same for every row
         out = out + outs[:, rank] * weights[:, rank:rank + 1]
     return out
+
+
+def router_logits(h: torch.Tensor, router: torch.Tensor, policy: KernelPolicy,
+                  decode: bool) -> torch.Tensor:
+    """fp32 [R, E] = h @ router^T, a row's bits the same whatever R is: a decode window by the
+    skinny kernel (fp32 out; its blocks from the router's shape) where they divide it, else in
+    blocks of 8 rows; a prompt chunk (a fixed shape) in one matmul."""
+    blocks = policy.skinny(h, router, "plain", decode)
+    if blocks is not None:
+        from strata.kernels.skinny_triton import skinny_mm
+        return skinny_mm(h, router, out_dtype=torch.float32, **blocks)
+    if decode:
+        return by_row_blocks(lambda b: F.linear(b.float(), router.float()), h)
+    if h.dtype != torch.float32 and policy.mm_fp32_out:
+        return torch.mm(h, router.t(), out_dtype=torch.float32)
+    return F.linear(h.float(), router.float())
+
+
+def moe_window(x: torch.Tensor, h: torch.Tensor, router: torch.Tensor,
+               gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight, k: int,
+               *, bias: torch.Tensor | None = None, scale: float = 1.0,
+               groups: tuple[int, int] = (1, 1), policy: KernelPolicy, decode: bool,
+               act: str = "silu") -> torch.Tensor:
+    """x [R, D] + the routed experts' weighted sum of h [R, D] (x's rows normed). gate_up:
+    [E, 2F, D] or packed (every expert's gate rows, then their up rows); down: [E, D, F] or
+    packed [E * D, F]. The Triton kernels where the policy runs them, else moe_rows."""
+    if not policy.triton:
+        assert not isinstance(gate_up, QuantWeight) and not isinstance(down, QuantWeight), \
+            "packed experts need the Triton kernels (a CUDA device or the interpreter)"
+        assert act == "silu", "moe_rows computes SwiGLU experts"
+        return x + moe_rows(h, router, gate_up, down, k, bias, scale, groups)
+    from strata.kernels import moe_triton
+    experts, weights, counts = moe_triton.route(router_logits(h, router, policy, decode), k,
+                                                bias, scale, groups)
+    blocks = policy.moe_blocks()
+    slots, block_expert, n_blocks = moe_triton.align(experts, counts, blocks["block_m"])
+    outs = moe_triton.experts(h, slots, block_expert, n_blocks, k, gate_up, down,
+                              router.shape[0], blocks, act)
+    return moe_triton.weighted_sum(outs, weights, res=x)

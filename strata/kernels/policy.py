@@ -39,6 +39,13 @@ QUANT_BLOCKS = MappingProxyType({
     "gate_up": {"*": (64, 128, 2, 4)}, "head": {"*": (64, 128, 2, 4)},
     "plain": {"*": (64, 128, 2, 4)},
 })
+# The routed experts' grouped kernels (kernels/moe_triton.py): (block_n, block_k, stages, warps)
+# of the [gate; up] and down kernels, block_k halved until it divides the experts' K (and holds
+# whole scale groups of a packed type); block_n is masked. MOE_BLOCK_M slots a block: each
+# expert's (row, rank) pairs padded to whole blocks, the same for decode windows and prompt
+# chunks (a decode row's expert rarely has more than a few pairs).
+MOE_BLOCKS = MappingProxyType({"gate_up": (64, 128, 2, 4), "down": (64, 128, 2, 4)})
+MOE_BLOCK_M = 16
 QUANT_SPLIT_PROGRAMS = 1024   # split K while column blocks x splits stay within this
 QUANT_MAX_SPLITS = 8
 FOLD_ALL = frozenset({"qkv", "gate_up", "head"})
@@ -73,6 +80,9 @@ class KernelPolicy:
     quant_blocks_by_kind: Mapping[str, Mapping[str, tuple[int, int, int, int]]] = field(
         default_factory=lambda: QUANT_BLOCKS)
     quant_split_programs: int = QUANT_SPLIT_PROGRAMS   # 0: never split K
+    moe_blocks_by_kind: Mapping[str, tuple[int, int, int, int]] = field(
+        default_factory=lambda: MOE_BLOCKS)
+    moe_block_m: int = MOE_BLOCK_M
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "KernelPolicy":
@@ -107,6 +117,16 @@ class KernelPolicy:
                      and (s == 1 or columns * s <= self.quant_split_programs))
         return {"block_n": block_n, "block_k": block_k, "stages": stages, "warps": warps,
                 "splits": splits}
+
+    def moe_blocks(self) -> dict:
+        """The grouped expert kernels' blocks (kernels/moe_triton.py): block_m, and for
+        "gate_up" and "down" block_n, block_k (a ceiling: halved to fit K), stages and warps.
+        Fixed by the policy, never by a window's rows or their experts."""
+        out: dict = {"block_m": self.moe_block_m}
+        for kind, (block_n, block_k, stages, warps) in self.moe_blocks_by_kind.items():
+            out[kind] = {"block_n": block_n, "block_k": block_k, "stages": stages,
+                         "warps": warps}
+        return out
 
     def row_tile(self, m: int, weight_bytes: int) -> int:
         """BLOCK_M for a window of m rows and a weight of that many bytes (see the class)."""

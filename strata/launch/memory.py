@@ -53,7 +53,8 @@ def _groups(file: ModelFile, names: list[str]) -> list[list[str]]:
     singles = []
     for name in names:
         parts = name.split(".")
-        piece = parts[2] if len(parts) == 4 and parts[0] == "blk" else None
+        piece = parts[2] if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" \
+            else None   # a bias (blk.N.attn_q.bias) is a vector of its own
         group = next((g for g in FUSED_MATRICES if piece in g), None)
         if group is None:
             singles.append([name])
@@ -65,13 +66,19 @@ def _groups(file: ModelFile, names: list[str]) -> list[list[str]]:
 def group_bytes(file: ModelFile, names: list[str], device: str, weights: str
                 ) -> tuple[int, bool]:
     """(bytes on `device`, whether packed) of tensors the loader takes as one (a fused
-    projection): packed where blocks.stays_packed says so, else fp32 on a CPU and bf16 on
-    CUDA."""
+    projection): packed where blocks.stays_packed says so (matrices, and an MoE layer's expert
+    tensors [E, N, K]), else fp32 on a CPU and bf16 on CUDA."""
     tensors = [file.tensors[n] for n in names]
-    if all(len(t.shape) == 2 for t in tensors) and stays_packed(
+    if all(len(t.shape) == 2 or _experts(n) for t, n in zip(tensors, names)) and stays_packed(
             [t.tensor_type.name for t in tensors], weights, device != "cpu"):
         return sum(int(t.n_bytes) for t in tensors), True
     return sum(int(t.n_elements) for t in tensors) * (4 if device == "cpu" else 2), False
+
+
+def _experts(name: str) -> bool:
+    """An MoE layer's expert tensor (blk.N.ffn_{gate,up,down}_exps.weight): 3-D, read packed
+    in place by the expert kernels, never dequantized into the scratch."""
+    return name.startswith("blk.") and "_exps." in name
 
 
 def tensor_bytes(file: ModelFile, name: str, device: str, weights: str) -> int:
@@ -86,7 +93,7 @@ def stage_bytes(file: ModelFile, start: int, end: int, device: str, weights: str
     for group in _groups(file, stage_tensors(file, start, end)):
         size, packed = group_bytes(file, group, device, weights)
         total += size
-        if packed and group[0].startswith("blk."):
+        if packed and group[0].startswith("blk.") and not _experts(group[0]):
             largest = max(largest, sum(int(file.tensors[n].n_elements) for n in group))
     return total, largest * (4 if device == "cpu" else 2)
 

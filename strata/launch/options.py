@@ -17,7 +17,6 @@ from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.launch.memory import check_fits, layer_bytes, tensor_bytes
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
 from strata.model.gguf_file import ModelError, ModelFile
-from strata.model.families import MOE_ON_CPU
 from strata.model.nextn import find_head, open_head
 from strata.model.registry import DEFAULT_MODEL, resolve_model
 
@@ -205,8 +204,6 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     if cuda_devices is None:
         cuda_devices = cuda_count()
     device_list = parse_devices(devices, cuda_devices)
-    if file.config.family.moe and any(d != "cpu" for d in device_list):
-        raise PlanError(MOE_ON_CPU.format(arch=file.config.arch))
     plan = plan_stages(layer_split, device_list, file.config.n_layers,
                        balance_bytes(file, device_list, weights) if layer_split == "auto"
                        else None)

@@ -59,11 +59,6 @@ FAMILIES = {
 }
 
 
-# routed experts have a plain-torch path only: refused on other devices before any weight loads
-MOE_ON_CPU = ("{arch} routes its feed-forward through experts, which strata runs on CPU stages "
-              "only so far; use --devices cpu")
-
-
 def block_tensor_names(family: Family, routed: bool | None = None) -> list[str]:
     """A block's tensors (blk.N.{name}.weight, or .bias where named so) in the file; routed:
     whether the block's feed-forward is routed (default: the family's)."""

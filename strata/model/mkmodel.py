@@ -68,9 +68,15 @@ def _row_nbytes(qtype: QType, cols: int) -> int:
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    shape: tuple[int, ...]  # torch order: (out, in) for matrices, (n,) for norms
-    kind: str               # "norm" (F32, ~1.0), "bias" (F32, ~N(0, std)) or "matrix"
-                            # (weight_type, ~N(0, std))
+    shape: tuple[int, ...]  # torch order: (out, in) for matrices ((experts, out, in) for an
+                            # MoE layer's), (n,) for norms
+    kind: str               # "norm" (F32, ~1.0), "bias" or "router" (F32, ~N(0, std)) or
+                            # "matrix" (weight_type, ~N(0, std))
+
+    @property
+    def rows(self) -> int:
+        """A matrix's rows as the file stores them (an expert tensor's: experts x out)."""
+        return int(np.prod(self.shape[:-1]))
 
 
 def _block_specs(block: int, shape: ModelShape) -> list[TensorSpec]:
@@ -94,11 +100,31 @@ def _block_specs(block: int, shape: ModelShape) -> list[TensorSpec]:
         TensorSpec(b + "attn_k.weight", (kv_out, d), "matrix"),
         TensorSpec(b + "attn_v.weight", (kv_out, d), "matrix"),
         TensorSpec(b + "attn_output.weight", (d, q_out), "matrix"),
-        TensorSpec(b + "ffn_norm.weight", (d,), "norm"),
+        TensorSpec(b + f"{family.ffn_norm}.weight", (d,), "norm"),
+    ] + (_expert_specs(b, shape) if shape.routed(block) else [
         TensorSpec(b + "ffn_gate.weight", (ffn, d), "matrix"),
         TensorSpec(b + "ffn_up.weight", (ffn, d), "matrix"),
         TensorSpec(b + "ffn_down.weight", (d, ffn), "matrix"),
-    ]
+    ])
+
+
+def _expert_specs(b: str, shape: ModelShape) -> list[TensorSpec]:
+    """A routed block's feed-forward in llama.cpp's layout: the router (F32, as llama-quantize
+    leaves it), the experts [E, F, D] / [E, D, F], glm4moe's correction bias and shared
+    expert."""
+    d, (count, _, width) = shape.d_model, shape.experts
+    family = FAMILIES[shape.arch]
+    specs = [TensorSpec(b + "ffn_gate_inp.weight", (count, d), "router"),
+             TensorSpec(b + "ffn_gate_exps.weight", (count, width, d), "matrix"),
+             TensorSpec(b + "ffn_up_exps.weight", (count, width, d), "matrix"),
+             TensorSpec(b + "ffn_down_exps.weight", (count, d, width), "matrix")]
+    if family.sigmoid_gating:
+        specs.append(TensorSpec(b + "exp_probs_b.bias", (count,), "bias"))
+    if family.shared_expert:
+        specs += [TensorSpec(b + "ffn_gate_shexp.weight", (width, d), "matrix"),
+                  TensorSpec(b + "ffn_up_shexp.weight", (width, d), "matrix"),
+                  TensorSpec(b + "ffn_down_shexp.weight", (d, width), "matrix")]
+    return specs
 
 
 def nextn_specs(shape: ModelShape) -> list[TensorSpec]:
@@ -136,7 +162,8 @@ def _tensor_types(specs: list[TensorSpec], weight_type: str, shape: ModelShape,
     n_blocks = shape.n_layers + int(nextn)  # block_count: a sidecar's head types as in a model
     llama_70b = shape.n_layers == 80 and shape.n_heads != shape.n_kv_heads  # llama.cpp's 70B
     return [QType.F32 if s.kind != "matrix" else
-            mix_tensor_type(weight_type, s.name, s.shape[1], n_blocks, tied, llama_70b)
+            mix_tensor_type(weight_type, s.name, s.shape[-1], n_blocks, tied, llama_70b,
+                            shape.experts[0])
             for s in specs]
 
 
@@ -153,10 +180,10 @@ def _iter_chunks(spec: TensorSpec, seed: int, std: float) -> Iterator[tuple[int,
     if spec.kind == "norm":
         yield 0, (1.0 + 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float32)
         return
-    if spec.kind == "bias":
+    if spec.kind in ("bias", "router"):
         yield 0, (std * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float32)
         return
-    rows, cols = spec.shape
+    rows, cols = spec.rows, spec.shape[-1]
     step = max(1, _CHUNK_ELEMENTS // cols)
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
@@ -178,8 +205,9 @@ def random_tensor(shape: ModelShape, name: str, *, seed: int = 0, std: float = 0
 
 def _random_values(spec: TensorSpec, seed: int, std: float) -> np.ndarray:
     out = np.empty(spec.shape, dtype=np.float32)
+    rows = out.reshape(-1, spec.shape[-1]) if spec.kind == "matrix" else out
     for r0, chunk in _iter_chunks(spec, seed, std):
-        out[r0:r0 + len(chunk)] = chunk
+        rows[r0:r0 + len(chunk)] = chunk
     return out
 
 
@@ -189,7 +217,7 @@ def _tensor_plan(spec: TensorSpec, qtype: QType) -> tuple[Sequence[int], np.dtyp
     if qtype in (QType.F32, QType.F16):
         dt = np.dtype(np.float32 if qtype == QType.F32 else np.float16)
         return spec.shape, dt, int(np.prod(spec.shape)) * dt.itemsize
-    rows, cols = spec.shape
+    rows, cols = spec.rows, spec.shape[-1]
     try:
         row_nbytes = _row_nbytes(qtype, cols)
     except ValueError as e:
@@ -197,14 +225,14 @@ def _tensor_plan(spec: TensorSpec, qtype: QType) -> tuple[Sequence[int], np.dtyp
                          f"choose a type of smaller blocks (Q8_0, Q4_0, IQ4_NL have 32) or a mix "
                          f"(Q4_K_M...), which falls back to one that fits as llama-quantize "
                          f"does") from e
-    return (rows, row_nbytes), np.dtype(np.uint8), rows * row_nbytes
+    return (*spec.shape[:-1], row_nbytes), np.dtype(np.uint8), rows * row_nbytes
 
 
 def _make_tensor_data(spec: TensorSpec, qtype: QType, seed: int, std: float) -> np.ndarray:
     """The bytes (as the array GGUFWriter writes) of one tensor, built chunk by chunk."""
-    if spec.kind != "matrix":   # norms and biases: F32 vectors
+    if spec.kind != "matrix":   # norms, biases and routers: F32
         return _random_values(spec, seed, std)
-    rows, cols = spec.shape
+    rows, cols = spec.rows, spec.shape[-1]
     if qtype.name in RANDOM_BLOCK_TYPES:
         # random valid blocks, scaled so that the dequantized spread is about std
         rng = _tensor_rng(seed, spec.name)
@@ -227,7 +255,7 @@ def _make_tensor_data(spec: TensorSpec, qtype: QType, seed: int, std: float) -> 
 def _pattern_tensor_data(spec: TensorSpec, qtype: QType, pool: np.ndarray) -> np.ndarray:
     """--fast: the pool of ``qtype`` units repeated from an offset given by the tensor's name
     (memory speed, not random-number speed), as uint8 rows."""
-    rows, cols = spec.shape
+    rows, cols = spec.rows, spec.shape[-1]
     units = rows * cols // GGML_QUANT_SIZES[qtype][0]
     start = zlib.crc32(spec.name.encode()) % len(pool)
     data = np.resize(np.concatenate([pool[start:], pool[:start]]), (units, pool.shape[1]))

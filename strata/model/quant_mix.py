@@ -59,20 +59,25 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
 
 
 def mix_tensor_type(mix: str, name: str, cols: int, n_blocks: int, tied: bool,
-                    llama_70b: bool = False) -> QType:
+                    llama_70b: bool = False, n_experts: int = 0) -> QType:
     """The type llama-quantize gives matrix ``name`` (rows of ``cols`` values) of a llama
     model of ``n_blocks`` blocks (block_count, NextN layers included) for file type ``mix``.
 
-    What llama_tensor_get_type_impl does for these file types on a llama model (no experts):
+    What llama_tensor_get_type_impl does for these file types on a llama model (and the
+    other families'):
     output.weight, and token_embd.weight when there is no output.weight (``tied``), get Q6_K
     (Q8_0 if ``cols`` is not a multiple of 256); attn_v gets Q6_K in the use_more_bits layers
     for Q4_K_M and Q5_K_M, Q5_K in layers 0-1 and Q4_K after for Q3_K_M; ffn_down gets Q6_K
     in the use_more_bits layers for Q4_K_M and Q5_K_M, Q5_K in the first n/16 layers and Q4_K
-    after for Q3_K_M; attn_output gets Q4_K for Q3_K_M; for a 70B (80 layers, grouped-query
-    attention: ``llama_70b``) a Q3_K or Q4_K attn_v becomes Q5_K. Everything else gets the
-    mix's default type. Last, tensor_type_fallback replaces a type whose block size does not
-    divide ``cols``. llama.cpp counts attn_v and ffn_down tensors in file order, sorted by
-    block: for a llama model that count is the block number in the name.
+    after for Q3_K_M (an MoE layer's ffn_down_exps and ffn_down_shexp alike); attn_output gets
+    Q4_K for Q3_K_M; for a 70B (80 layers, grouped-query attention: ``llama_70b``) a Q3_K or
+    Q4_K attn_v becomes Q5_K; a model of exactly 8 experts (``n_experts``, Mixtral's rule)
+    gets Q8_0 attn_k and attn_v and Q5_K attn_output. Everything else gets the mix's default
+    type (an MoE router, ffn_gate_inp, stays F32: no matrix here). Last, tensor_type_fallback
+    replaces a type whose block size does not divide ``cols``. llama.cpp counts attn_v and
+    ffn_down tensors in file order, sorted by block: for a llama model that count is the block
+    number in the name (where ffn_down tensors are not one a block, llama.cpp reads the block
+    number from the name: the same).
     """
     default = MIXES[mix]
     block = int(name.split(".")[1]) if name.startswith("blk.") else -1
@@ -85,7 +90,13 @@ def mix_tensor_type(mix: str, name: str, cols: int, n_blocks: int, tied: bool,
             qtype = QType.Q6_K if use_more_bits(block, n_blocks) else default
         if llama_70b and qtype in (QType.Q3_K, QType.Q4_K):
             qtype = QType.Q5_K
-    elif name.endswith("ffn_down.weight"):
+        if n_experts == 8:
+            qtype = QType.Q8_0
+    elif name.endswith("attn_k.weight") and n_experts == 8:
+        qtype = QType.Q8_0
+    elif name.endswith("attn_output.weight") and n_experts == 8:
+        qtype = QType.Q5_K
+    elif ".ffn_down" in name:
         if mix == "Q3_K_M":
             qtype = QType.Q5_K if block < n_blocks // 16 else QType.Q4_K
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf import GGUFWriter
+from gguf import ExpertGatingFuncType, GGUFWriter
 
 from strata.model.families import FAMILIES
 from strata.model.synthetic_vocab import N_BASE_TOKENS
@@ -52,15 +52,33 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.key_length or self.d_model // self.n_heads
 
+    def routed(self, layer: int) -> bool:
+        """Whether a layer's feed-forward is routed experts (past the leading dense ones)."""
+        return FAMILIES[self.arch].moe and layer >= self.dense_first
+
+    def layer_params(self, layer: int, active: bool = False) -> int:
+        """A block's parameters (norms and biases not counted); active: those one row reads
+        (its k experts of a routed block, beside the router and the shared expert)."""
+        d, hd = self.d_model, self.head_dim
+        attention = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
+        if not self.routed(layer):
+            return attention + 3 * d * self.d_ffn
+        count, used, width = self.experts
+        shared = 3 * d * width if FAMILIES[self.arch].shared_expert else 0
+        return attention + count * d + 3 * d * width * (used if active else count) + shared
+
     @property
     def n_params(self) -> int:
         """Parameter count with tied embeddings (add vocab*d_model for an untied head)."""
-        d, hd = self.d_model, self.head_dim
-        per_layer = (2 * d                                      # norms
-                     + d * self.n_heads * hd * 2                # q, output
-                     + d * self.n_kv_heads * hd * 2             # k, v
-                     + 3 * d * self.d_ffn)                      # gate, up, down
-        return self.vocab * d + self.n_layers * per_layer + d
+        return (self.vocab * self.d_model + self.d_model
+                + sum(self.layer_params(i) + 2 * self.d_model for i in range(self.n_layers)))
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token reads: its experts of each routed block, the head (the
+        embedding is a gather)."""
+        return (self.vocab * self.d_model
+                + sum(self.layer_params(i, active=True) for i in range(self.n_layers)))
 
 
 SHAPES: dict[str, ModelShape] = {
@@ -86,6 +104,25 @@ SHAPES: dict[str, ModelShape] = {
     "qwen3-8b": ModelShape(n_layers=36, d_model=4096, n_heads=32, n_kv_heads=8, d_ffn=12288,
                            vocab=151936, ctx_len=40960, rope_base=1000000.0, rms_eps=1e-6,
                            arch="qwen3", key_length=128),
+    "qwen3moe-tiny": ModelShape(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=128,
+                                vocab=320, arch="qwen3moe", key_length=32,
+                                experts=(8, 2, 32)),
+    "glm4moe-tiny": ModelShape(n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, d_ffn=128,
+                               vocab=320, arch="glm4moe", key_length=32, rope_dim=16,
+                               experts=(8, 2, 32), dense_first=1, expert_scale=2.5,
+                               expert_groups=(2, 1)),
+    # Qwen3-30B-A3B: 48 routed layers of 128 experts, 8 a token, each 768 wide
+    "qwen3-30b-a3b": ModelShape(n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4,
+                                d_ffn=6144, vocab=151936, ctx_len=40960, rope_base=1000000.0,
+                                rms_eps=1e-6, arch="qwen3moe", key_length=128,
+                                experts=(128, 8, 768)),
+    # GLM-4.5-Air's layers (a dense first layer, then 128 experts, 8 a token, 1408 wide,
+    # beside a shared expert; partial RoPE; q, k, v biases), 12 of its 46 layers: with its
+    # NextN layer (--nextn) 19.0 GB in Q4_K_M, 58 GB in BF16, on one GPU
+    "glm4.5-air-12l": ModelShape(n_layers=12, d_model=4096, n_heads=96, n_kv_heads=8,
+                                 d_ffn=10944, vocab=151552, ctx_len=131072,
+                                 rope_base=1000000.0, arch="glm4moe", key_length=128,
+                                 rope_dim=64, experts=(128, 8, 1408), dense_first=1),
     "gemma3-270m": ModelShape(n_layers=18, d_model=640, n_heads=4, n_kv_heads=1, d_ffn=2048,
                               vocab=262144, ctx_len=32768, rope_base=1000000.0, rms_eps=1e-6,
                               arch="gemma3", key_length=256, sliding_window=512),
@@ -129,7 +166,11 @@ def add_llama_config(writer: GGUFWriter, shape: ModelShape, vocab_size: bool = T
         writer.add_expert_feed_forward_length(width)
         if shape.dense_first:
             writer.add_leading_dense_block_count(shape.dense_first)
-        if shape.expert_scale != 1.0:
+        if FAMILIES[shape.arch].shared_expert:   # the keys llama.cpp's glm4moe needs too
+            writer.add_expert_shared_count(1)
+            writer.add_expert_weights_norm(True)
+            writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        if shape.expert_scale != 1.0 or FAMILIES[shape.arch].shared_expert:
             writer.add_expert_weights_scale(shape.expert_scale)
         if shape.expert_groups != (1, 1):
             writer.add_expert_group_count(shape.expert_groups[0])

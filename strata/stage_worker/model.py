@@ -23,15 +23,15 @@ import torch.nn.functional as F
 from strata.kernels.attention import attend_chunk, attend_rows
 from strata.kernels.fused import (by_row_blocks, linear_rows, norm_gate_up_silu,
                                   norm_head_rows, norm_linear_rows, rms_norm_rows,
-                                  rope_write_kv, silu_mul_torch)
-from strata.kernels.moe import moe_rows
+                                  rope_write_kv)
+from strata.kernels.moe import moe_window
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS, KernelPolicy
+from strata.kernels.quant import QuantWeight
 from strata.kernels.quant_ops import dense_weight, embed_rows
 from strata.kernels.rope import rope_table
-from strata.model.families import MOE_ON_CPU, tensor_name
-from strata.model.gguf_file import (ATTENTION_MATRICES, FUSED_MATRICES, ModelConfig,
-                                    ModelError, ModelFile)
+from strata.model.families import tensor_name
+from strata.model.gguf_file import ATTENTION_MATRICES, FUSED_MATRICES, ModelConfig, ModelFile
 from strata.stage_worker.weights import WeightLoader
 
 
@@ -117,7 +117,8 @@ class KVCache:
 class Layer(torch.nn.Module):
     """Block `index` of the loader's file, with its family's differences (model/families.py):
     a bias on q, k and v; RMSNorm on each q and k head; norms after attention and the
-    feed-forward; GeGLU; a sliding window with its own RoPE table. Its matrices are dense
+    feed-forward; GeGLU; a sliding window with its own RoPE table; routed experts in place of
+    the feed-forward (`Experts`, kernels/moe.py). Its matrices are dense
     tensors or QuantWeights (the loader decides); the kernels take either. chunks: whether
     prompt chunks run it (a quantized matrix then has room in the stage's scratch buffer)."""
 
@@ -137,7 +138,7 @@ class Layer(torch.nn.Module):
                     for group in groups]
         self.wqkv, self.wo = matrices[:2]
         self.w_gate_up, self.w_down = matrices[2:] or (None, None)
-        self.experts = Experts.load(weights, index, family) if routed else None
+        self.experts = Experts.load(weights, index, family, chunks) if routed else None
         self.bqkv = (torch.cat([weights.vector(name(f"attn_{p}.bias")) for p in "qkv"])
                      if family.qkv_bias else None)
         self.q_norm = optional("attn_q_norm", family.qk_norm)
@@ -171,7 +172,7 @@ class Layer(torch.nn.Module):
         attn = attn.view(x.shape[0], -1)
         x = self._residual(x, attn, self.wo, self.post_attn_norm, decode)
         if self.experts is not None:
-            return x + self.experts(rms_norm_rows(x, self.ffn_norm, eps, policy, decode), cfg)
+            return self.experts(x, self.ffn_norm, cfg, policy, decode)
         h = norm_gate_up_silu(x, self.ffn_norm, eps, self.w_gate_up, policy, decode,
                               family.ffn_act)
         return self._residual(x, h, self.w_down, self.post_ffn_norm, decode)
@@ -198,34 +199,42 @@ class Layer(torch.nn.Module):
 
 @dataclass
 class Experts:
-    """A routed feed-forward (kernels/moe.py): router [E, D], each expert's [gate; up]
-    [E, 2F, D] and down [E, D, F]; glm4moe's correction bias [E] and shared expert."""
+    """A routed feed-forward (kernels/moe.py): router [E, D]; each expert's [gate; up] and
+    down, dense ([E, 2F, D], [E, D, F]) or packed (weights.py's `experts`); glm4moe's
+    correction bias [E] (fp32, as llama.cpp keeps it) and shared expert ([gate; up] and down
+    matrices, on the dense feed-forward's path)."""
     router: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | QuantWeight
+    down: torch.Tensor | QuantWeight
     bias: torch.Tensor | None = None
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None   # ([gate; up], down)
+    shared: tuple | None = None   # ([gate; up], down), each a tensor or a QuantWeight
 
     @classmethod
-    def load(cls, weights: WeightLoader, index: int, family) -> "Experts":
-        dense = lambda n: weights.vector(tensor_name(index, n))  # noqa: E731
+    def load(cls, weights: WeightLoader, index: int, family, chunks: bool) -> "Experts":
+        name = lambda n: tensor_name(index, n)  # noqa: E731
         shared = None
         if family.shared_expert:
-            shared = (torch.cat([dense("ffn_gate_shexp"), dense("ffn_up_shexp")]),
-                      dense("ffn_down_shexp"))
-        return cls(dense("ffn_gate_inp"),
-                   torch.cat([dense("ffn_gate_exps"), dense("ffn_up_exps")], 1),
-                   dense("ffn_down_exps"),
-                   dense("exp_probs_b.bias") if family.sigmoid_gating else None, shared)
+            shared = (weights.matrices([name("ffn_gate_shexp"), name("ffn_up_shexp")],
+                                       for_chunks=chunks),
+                      weights.matrices([name("ffn_down_shexp")], for_chunks=chunks))
+        bias = (weights.vector(name("exp_probs_b.bias"), torch.float32)
+                if family.sigmoid_gating else None)
+        return cls(weights.vector(name("ffn_gate_inp")),
+                   weights.experts([name("ffn_gate_exps"), name("ffn_up_exps")]),
+                   weights.experts([name("ffn_down_exps")]), bias, shared)
 
-    def __call__(self, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-        """h [R, D] (normed) -> [R, D]: the routed experts' sum (and the shared expert's)."""
-        out = moe_rows(h, self.router, self.gate_up, self.down, cfg.n_experts_used, self.bias,
-                       cfg.expert_scale, cfg.expert_groups)
+    def __call__(self, x: torch.Tensor, norm: torch.Tensor, cfg: ModelConfig,
+                 policy: KernelPolicy, decode: bool) -> torch.Tensor:
+        """x [R, D] -> x + the routed experts' sum of rmsnorm(x) (+ the shared expert's)."""
+        eps, act = cfg.rms_eps, cfg.family.ffn_act
+        h = rms_norm_rows(x, norm, eps, policy, decode)
+        out = moe_window(x, h, self.router, self.gate_up, self.down, cfg.n_experts_used,
+                         bias=self.bias, scale=cfg.expert_scale, groups=cfg.expert_groups,
+                         policy=policy, decode=decode, act=act)
         if self.shared is not None:
             gate_up, down = self.shared
-            out = out + by_row_blocks(
-                lambda b: F.linear(silu_mul_torch(F.linear(b, gate_up)), down), h)
+            hs = norm_gate_up_silu(x, norm, eps, gate_up, policy, decode, act)
+            out = linear_rows(hs, down, res=out, policy=policy, decode=decode)
         return out
 
 
@@ -250,8 +259,6 @@ class StageModel(torch.nn.Module):
         self.cfg, self.start, self.end = cfg, start, end
         self.first, self.last = start == 0, end == cfg.n_layers
         self.device = torch.device(device)
-        if cfg.family.moe and self.device.type != "cpu":
-            raise ModelError(MOE_ON_CPU.format(arch=cfg.arch))
         self.dtype = dtype or default_dtype(self.device)
         self.policy = policy or KernelPolicy.for_device(self.device)
         self.weights = WeightLoader(file, self.device, self.dtype, weights)

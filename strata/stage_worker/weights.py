@@ -4,7 +4,9 @@ CUDA, fp32 on the CPU) everywhere else, and an account of what was loaded.
 `--weights quantized` keeps every matrix of a block type with a kernel (kernels/quant.py's
 KERNEL_TYPES: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) packed on a CUDA stage; other types (IQ*,
 Q2_K, Q3_K, Q5_0, ...) are widened at load, and so is everything on CPU stages and with
-`--weights bf16`. Norm vectors are always dense.
+`--weights bf16`. Norm vectors are always dense. An MoE layer's expert tensors ([E, N, K] in
+the file) follow the same rule (`experts`): packed as E * N rows, which the grouped expert
+kernels read (kernels/moe_triton.py), or widened to [E, N, K].
 """
 from __future__ import annotations
 
@@ -48,9 +50,10 @@ class WeightLoader:
     scratch: Scratch = field(default_factory=Scratch)
     report: LoadReport = field(default_factory=LoadReport)
 
-    def vector(self, name: str) -> torch.Tensor:
-        """A tensor widened whatever its type (norms, biases, an MoE layer's experts)."""
-        t = self.file.tensor(name, self.dtype, self.device)
+    def vector(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A tensor widened whatever its type (norms, biases, a router), in the stage's dtype
+        or `dtype`."""
+        t = self.file.tensor(name, dtype or self.dtype, self.device)
         self.report.weight_bytes += t.numel() * t.element_size()
         return t
 
@@ -61,20 +64,39 @@ class WeightLoader:
                  ) -> torch.Tensor | QuantWeight:
         """The rows of the named matrices one after another (a fused projection)."""
         types = [self.file.tensor_type(n) for n in names]
-        if stays_packed(types, self.mode, torch.device(self.device).type == "cuda"):
-            pieces = []
-            for name, qtype in zip(names, types):
-                raw, cols = self.file.blocks(name)
-                pieces.append(QuantWeight.from_blocks(qtype, torch.from_numpy(raw), cols,
-                                                      self.device, self.scratch))
-            w = pieces[0] if len(pieces) == 1 else QuantWeight.cat(pieces)
+        if self._packs(types):
+            w = self._packed(names, types)
             if for_chunks:
                 self.scratch.reserve(w.numel())
-            self.report.quantized.update(types)
-            self.report.weight_bytes += w.nbytes
             return w
+        return self._dense(names, types, dim=0)
+
+    def experts(self, names: list[str]) -> torch.Tensor | QuantWeight:
+        """An MoE layer's expert tensors [E, N, K] (gate and up: [gate; up] of each expert):
+        packed, the first tensor's E * N rows (expert e's rows e * N ..), then the next's; or
+        dense [E, sum of N, K]. Prompt chunks read packed experts in place (no scratch)."""
+        types = [self.file.tensor_type(n) for n in names]
+        if self._packs(types):
+            return self._packed(names, types)
+        return self._dense(names, types, dim=1)
+
+    def _packs(self, types: list[str]) -> bool:
+        return stays_packed(types, self.mode, torch.device(self.device).type == "cuda")
+
+    def _packed(self, names: list[str], types: list[str]) -> QuantWeight:
+        pieces = []
+        for name, qtype in zip(names, types):
+            raw, cols = self.file.blocks(name)
+            pieces.append(QuantWeight.from_blocks(qtype, torch.from_numpy(raw), cols,
+                                                  self.device, self.scratch))
+        w = pieces[0] if len(pieces) == 1 else QuantWeight.cat(pieces)
+        self.report.quantized.update(types)
+        self.report.weight_bytes += w.nbytes
+        return w
+
+    def _dense(self, names: list[str], types: list[str], dim: int) -> torch.Tensor:
         dense = [self.file.tensor(n, self.dtype, self.device) for n in names]
-        w = dense[0] if len(dense) == 1 else torch.cat(dense)
+        w = dense[0] if len(dense) == 1 else torch.cat(dense, dim)
         self.report.widened.update(types)
         self.report.weight_bytes += w.numel() * w.element_size()
         return w
