@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from hypothesis import given, settings, strategies as st
 
+from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.scheduler import Scheduler
@@ -25,10 +26,9 @@ def _coordinator_keeps(prompt: list[int], drafts: list[int], sampled: list[int])
     scheduler)."""
     seq = Sequence(prompt, SamplingParams(max_tokens=100), frozenset(), ctx=256)
     req = Request(0, seq)
-    sched = SimpleNamespace(drafted=0, accepted=0, drafted_at=[], accepted_at=[], commits=[],
-                            _release=lambda *a: None)
+    sched = SimpleNamespace(draft_counts=DraftCounts(), commits=[], _release=lambda *a: None)
     Scheduler._accept(sched, SimpleNamespace(index=0), req, sampled, drafts)
-    return req.accepted
+    return req.draft_counts.accepted
 
 
 def _drafter_keeps(slot_rows: dict[int, tuple[int, list[int], list[int]]], order: list[int]

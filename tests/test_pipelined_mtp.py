@@ -132,7 +132,7 @@ def test_rows_go_to_the_slots_whose_drafts_are_kept():
     good = sum(d[s] for d in steady for s in range(4))
     bad = sum(d[s] for d in steady for s in range(4, 8))
     assert good >= 6 * bad and good > 0, (good, bad)
-    assert all(r.accepted == 0 for r in reqs[4:]) and all(r.accepted > 0 for r in reqs[:4])
+    assert all(r.draft_counts.accepted == 0 for r in reqs[4:]) and all(r.draft_counts.accepted > 0 for r in reqs[:4])
 
 
 def _alone(prompt: list[int], tokens: int, stop=frozenset({STOP})) -> list[int]:
@@ -164,7 +164,7 @@ def test_pipelined_groups_with_drafts_give_the_tokens_of_plain_decoding(slots, g
     sched.run()
     assert [r.seq.generated for r in reqs] == alone
     assert sched.idle and all(pipe.kv[s.index] == s.held for s in sched.table.slots)
-    drafted, accepted = sum(r.drafted for r in reqs), sum(r.accepted for r in reqs)
+    drafted, accepted = sum(r.draft_counts.drafted for r in reqs), sum(r.draft_counts.accepted for r in reqs)
     assert 0 < accepted < drafted   # partial acceptance: rejected drafts were committed away
     # drafts took rows past the pad in some window (more live rows than slots rounded up)
     assert any(live > -(-len(d) // 8) * 8 for _, _, live, d in pipe.decodes)
@@ -197,7 +197,7 @@ def test_cancels_across_groups_while_windows_grow():
             assert r.seq.generated == alone[i][:len(r.seq.generated)] and r.proposals == []
         else:
             assert r.seq.generated == alone[i], i
-    assert sum(r.accepted for r in reqs) > 0
+    assert sum(r.draft_counts.accepted for r in reqs) > 0
     assert any(live > 8 for _, _, live, _ in pipe.decodes)   # windows grew past 8 rows
     for slot in sched.table.slots:
         assert pipe.kv[slot.index] == slot.held
@@ -239,7 +239,7 @@ def test_auto_takes_the_most_drafts_that_keep_windows_cheap_when_drafts_are_kept
         late = full[len(full) // 2:]
         assert sum(r == 16 and set(d.values()) == {3} for r, d in late) >= 0.8 * len(late), \
             [r for r, _ in full]
-    assert sum(r.accepted for r in reqs) > 0.8 * sum(r.drafted for r in reqs)
+    assert sum(r.draft_counts.accepted for r in reqs) > 0.8 * sum(r.draft_counts.drafted for r in reqs)
 
 
 def test_auto_stops_drafting_when_drafts_are_never_kept():
@@ -254,7 +254,7 @@ def test_auto_stops_drafting_when_drafts_are_never_kept():
         late = [d for g, _, _, d in pipe.decodes if g == group][-100:]
         drafted = sum(1 for d in late if sum(d.values()))
         assert drafted <= 100 // EXPLORE_EVERY * 2 + 2, drafted
-    assert sum(r.accepted for r in reqs) == 0
+    assert sum(r.draft_counts.accepted for r in reqs) == 0
 
 
 def test_auto_counts_the_coordinators_work_on_serial_windows():

@@ -66,7 +66,7 @@ def test_drafts_across_a_restart_give_solo_tokens(drafter):
                           drafter=drafter)
     pipe = Crashing(cfg.slots, cfg.ctx, **kw)
     sched, reqs, _ = serve(pipe, cfg, ps, ps_params)
-    assert 0 < sum(r.accepted for r in reqs) < sum(r.drafted for r in reqs)
+    assert 0 < sum(r.draft_counts.accepted for r in reqs) < sum(r.draft_counts.drafted for r in reqs)
     n = pipe.calls
     sweep(cfg, ps, ps_params, want, [{k: k % 2} for k in range(1, n + 1)], kw)
 

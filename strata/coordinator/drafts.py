@@ -42,9 +42,11 @@ Either way acceptance is the same equality, so the drafter changes the windows, 
 
 Acceptance per draft position: a slot's drafts d_1..d_k in a window count as proposed at
 positions 1..k, and d_j as accepted at position j when d_1..d_j all equal the tokens sampled
-before them (Request.drafted_at / accepted_at, the scheduler's totals, /v1/status, /metrics).
+before them (DraftCounts: a request's, the scheduler's totals, /v1/status, /metrics).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from strata.coordinator.sequence import Sequence
 
@@ -58,27 +60,67 @@ def draft_room(decoding: int, draft_tokens: int, window_rows: int) -> int:
     return max(min(draft_tokens, window_rows - decoding), 0)
 
 
-def count_positions(counts: list[int], n: int) -> None:
-    """One more at draft positions 1..n: counts[j - 1] is position j's (grown as needed)."""
-    counts.extend([0] * (n - len(counts)))
-    for j in range(n):
-        counts[j] += 1
+@dataclass
+class DraftCounts:
+    """Draft tokens put in windows and kept of them (equal to the token sampled at their
+    position), in all and per draft position j = 1.. (index j - 1): a slot's drafts d_1..d_n
+    in a window count as drafted at 1..n, and d_j as kept at j when d_1..d_j all were. A
+    request's, or every request's (the scheduler's); /v1/status, /metrics and the bench
+    report these."""
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        """One slot's window: `accepted` of its `drafted` drafts kept."""
+        if not drafted:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        for at, n in ((self.drafted_at, drafted), (self.accepted_at, accepted)):
+            at.extend([0] * (n - len(at)))
+            for j in range(n):
+                at[j] += 1
+
+    def __add__(self, other: DraftCounts) -> DraftCounts:
+        n = max(len(self.drafted_at), len(other.drafted_at))
+        return DraftCounts(self.drafted + other.drafted, self.accepted + other.accepted,
+                           _sum_at(self.drafted_at, other.drafted_at, n),
+                           _sum_at(self.accepted_at, other.accepted_at, n))
+
+    def copy(self) -> DraftCounts:
+        return DraftCounts(self.drafted, self.accepted, list(self.drafted_at),
+                           list(self.accepted_at))
+
+    def since(self, before: DraftCounts) -> DraftCounts:
+        """What was counted after `before` (an earlier copy of these counts)."""
+        n = len(self.drafted_at)
+        less = lambda now, then: [a - b for a, b in zip(now, _sum_at(then, (), n))]  # noqa: E731
+        return DraftCounts(self.drafted - before.drafted, self.accepted - before.accepted,
+                           less(self.drafted_at, before.drafted_at),
+                           less(self.accepted_at, before.accepted_at))
+
+    def report(self, positions: int = 0) -> dict:
+        """Proposed, kept, and the share kept (None before any); with "positions" the same for
+        each draft position j = 1..max(positions, those counted)."""
+        counts = _rate(self.drafted, self.accepted)
+        n = max(positions, len(self.drafted_at))
+        if n:
+            at = _sum_at(self.drafted_at, (), n), _sum_at(self.accepted_at, (), n)
+            counts["positions"] = [dict(position=j + 1, **_rate(at[0][j], at[1][j]))
+                                   for j in range(n)]
+        return counts
 
 
-def draft_counts(proposed: int, accepted: int, proposed_at=(), accepted_at=(),
-                 positions: int = 0) -> dict:
-    """Draft tokens put in windows, kept of them, and the share kept (None before any); with
-    "positions" the same for each draft position j = 1..max(positions, those counted), where
-    a draft at j is kept only if those at 1..j-1 were."""
-    counts = {"proposed": proposed, "accepted": accepted,
-              "rate": round(accepted / proposed, 4) if proposed else None}
-    n = max(positions, len(proposed_at))
-    if n:
-        at = lambda c, j: c[j] if j < len(c) else 0  # noqa: E731
-        counts["positions"] = [dict(position=j + 1, **draft_counts(at(proposed_at, j),
-                                                                   at(accepted_at, j)))
-                               for j in range(n)]
-    return counts
+def _rate(proposed: int, accepted: int) -> dict:
+    return {"proposed": proposed, "accepted": accepted,
+            "rate": round(accepted / proposed, 4) if proposed else None}
+
+
+def _sum_at(a, b, n: int) -> list[int]:
+    """Two per-position counts added, positions 1..n (a missing one counts 0)."""
+    return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(n)]
 
 
 def draft_limit(seq: Sequence, room: int, draft_tokens: int, ahead: int = 0) -> int:

@@ -71,7 +71,7 @@ from typing import Callable
 from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_groups re-exported)
     WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
 from strata.coordinator.draft_choice import share_rows
-from strata.coordinator.drafts import PromptLookup, count_positions, draft_limit
+from strata.coordinator.drafts import DraftCounts, PromptLookup, draft_limit
 from strata.coordinator.grammar import Constraint, WindowMasks
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.rebuild import decoded_rows, start_rebuild
@@ -99,10 +99,8 @@ class Scheduler:
         self.in_flight: dict[int, Flight] = {}     # window id -> what its rows serve
         self.groups = [Group() for _ in range(cfg.groups)]
         self.commits: list[tuple[int, int]] = []   # ride on the next window submitted
-        self.drafted = self.accepted = 0            # draft tokens, every request's
+        self.draft_counts = DraftCounts()           # every request's drafts
         self.landed_at = 0.0                        # when the last result came (clock)
-        self.drafted_at: list[int] = []             # the same per draft position (drafts.py)
-        self.accepted_at: list[int] = []
         self._ids = itertools.count(1)
 
     # --- requests -----------------------------------------------------------------------------
@@ -143,14 +141,12 @@ class Scheduler:
                      "reading" if slot.reading else "decoding")
             views.append(SlotState(slot.index, slot.group, state,
                                    req.id, prompt, slot.read_pos, req.reused,
-                                   len(req.seq.generated), drafted=req.drafted,
-                                   accepted=req.accepted, drafted_at=tuple(req.drafted_at),
-                                   accepted_at=tuple(req.accepted_at)))
+                                   len(req.seq.generated),
+                                   draft_counts=req.draft_counts.copy()))
         return SchedulerSnapshot(tuple(views), tuple(g.flights for g in self.groups),
                                  len(self.queue), tuple(g.last_decode for g in self.groups),
-                                 self.drafted, self.accepted,
-                                 tuple(g.drafts.choice for g in self.groups),
-                                 tuple(self.drafted_at), tuple(self.accepted_at))
+                                 self.draft_counts.copy(),
+                                 tuple(g.drafts.choice for g in self.groups))
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -230,14 +226,9 @@ class Scheduler:
             done = req.seq.accept(token, logprobs[j] if logprobs else None)
             if done:
                 break
-        req.drafted += len(drafts)
-        req.accepted += j      # drafts equal to the token sampled at their position
-        self.drafted += len(drafts)
-        self.accepted += j
-        for drafted_at, accepted_at in ((req.drafted_at, req.accepted_at),
-                                        (self.drafted_at, self.accepted_at)):
-            count_positions(drafted_at, len(drafts))
-            count_positions(accepted_at, j)
+        # j: drafts equal to the token sampled at their position
+        req.draft_counts.add(len(drafts), j)
+        self.draft_counts.add(len(drafts), j)
         req.proposals = [] if done else list(proposals)
         if done:
             req.error = req.error or req.seq.error
@@ -346,8 +337,9 @@ class Scheduler:
     def _observe_drafts(self, g: Group, req: Request) -> None:
         """Count the request's drafts verified since it was last looked at (its last decode
         window's) into its acceptance and its group's."""
-        drafted, accepted = req.drafted - req.observed[0], req.accepted - req.observed[1]
-        req.observed = (req.drafted, req.accepted)
+        counts = req.draft_counts
+        drafted, accepted = counts.drafted - req.observed[0], counts.accepted - req.observed[1]
+        req.observed = (counts.drafted, counts.accepted)
         req.acceptance.observe(drafted, accepted)
         g.drafts.acceptance.observe(drafted, accepted)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from strata.coordinator.draft_choice import Acceptance, DraftChoice, GroupDrafts
-from strata.coordinator.drafts import PromptLookup
+from strata.coordinator.drafts import DraftCounts, PromptLookup
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.slots import Slot
 
@@ -23,11 +23,7 @@ class Request:
     error: str | None = None
     notified: bool = False   # on_done was called (exactly once)
     drafter: PromptLookup | None = None
-    drafted: int = 0         # draft tokens sent in windows
-    accepted: int = 0        # of them, equal to the token sampled at their position
-    # per draft position j = 1.. (index j - 1): drafts sent there, and kept (drafts.py)
-    drafted_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
+    draft_counts: DraftCounts = field(default_factory=DraftCounts)   # its drafts, kept
     proposals: list[int] = field(default_factory=list)  # mtp: drafts for the next decode window
     acceptance: Acceptance = field(default_factory=Acceptance)   # of its recent windows
     observed: tuple[int, int] = (0, 0)   # (drafted, accepted) already in `acceptance`
@@ -97,10 +93,7 @@ class SlotState:
     reused: int = 0            # of them, held from an earlier request (the conversation cache)
     generated: int = 0
     held: int = 0              # an idle slot's cached prompt tokens
-    drafted: int = 0           # its request's draft tokens sent in windows
-    accepted: int = 0          # of them, kept (equal to the token sampled at their position)
-    drafted_at: tuple[int, ...] = ()    # per draft position j = 1.. (index j - 1)
-    accepted_at: tuple[int, ...] = ()
+    draft_counts: DraftCounts = field(default_factory=DraftCounts)   # its request's (a copy)
 
 
 @dataclass(frozen=True)
@@ -109,8 +102,6 @@ class SchedulerSnapshot:
     in_flight: tuple[int, ...]   # per group: its windows out
     queued: int
     decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
-    drafted: int = 0    # draft tokens sent in windows, every request since the start
-    accepted: int = 0   # of them, kept
+    # every request's drafts since the start (a copy)
+    draft_counts: DraftCounts = field(default_factory=DraftCounts)
     draft_choices: tuple[DraftChoice | None, ...] = ()   # per group: what its windows carry
-    drafted_at: tuple[int, ...] = ()    # per draft position j = 1.. (index j - 1)
-    accepted_at: tuple[int, ...] = ()
