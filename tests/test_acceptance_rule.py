@@ -1,18 +1,16 @@
-"""The coordinator (Scheduler._accept) and the last stage's drafter (Drafter._plan) accept the
+"""The coordinator (Speculation.accept) and the last stage's drafter (Drafter._plan) accept the
 same draft rows of a window: both apply protocol/acceptance.py's rule, to inputs each side
 builds its own way. Random slots, drafts and sampled tokens; the test fails if the two sides
 ever count differently."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from hypothesis import given, settings, strategies as st
 
-from strata.coordinator.drafts import DraftCounts
+from strata.coordinator.config import SchedulerConfig
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.sequence import Sequence
-from strata.coordinator.scheduler import Scheduler
 from strata.coordinator.scheduler_state import Request
+from strata.coordinator.sequence import Sequence
+from strata.coordinator.speculation import Speculation
 from strata.protocol.acceptance import kept_drafts
 from strata.protocol.messages import Window
 from strata.stage_worker.drafter import Drafter
@@ -21,14 +19,14 @@ TOKENS = st.integers(0, 3)   # few token values: drafts equal the sampled token 
 
 
 def _coordinator_keeps(prompt: list[int], drafts: list[int], sampled: list[int]) -> int:
-    """Draft rows the coordinator keeps: Scheduler._accept on a request that has generated
-    nothing yet (an object holding only what _accept reads and writes stands in for the
-    scheduler)."""
+    """Draft rows the coordinator keeps: Speculation.accept on a request that has generated
+    nothing yet."""
     seq = Sequence(prompt, SamplingParams(max_tokens=100), frozenset(), ctx=256)
     req = Request(0, seq)
-    sched = SimpleNamespace(draft_counts=DraftCounts(), commits=[], _release=lambda *a: None)
-    Scheduler._accept(sched, SimpleNamespace(index=0), req, sampled, drafts)
-    return req.draft_counts.accepted
+    kept, _ = Speculation(SchedulerConfig(drafter="mtp", draft_tokens=7)).accept(
+        req, sampled, drafts)
+    assert req.drafts.counts.accepted == kept
+    return kept
 
 
 def _drafter_keeps(slot_rows: dict[int, tuple[int, list[int], list[int]]], order: list[int]

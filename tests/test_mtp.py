@@ -102,9 +102,9 @@ def test_mtp_drafts_give_the_tokens_of_plain_decoding(subject, split):
                 for i, (want, r) in enumerate(zip(plain, reqs)):
                     assert r.seq.generated == want, (split, mode, label, i)
                 if mode == "greedy":
-                    assert sum(r.draft_counts.accepted for r in reqs) >= sum(r.draft_counts.drafted for r in reqs) // 2, \
-                        (label, [(r.draft_counts.drafted, r.draft_counts.accepted) for r in reqs])
-                assert sum(r.draft_counts.drafted for r in reqs) > 0, label
+                    assert sum(r.drafts.counts.accepted for r in reqs) >= sum(r.drafts.counts.drafted for r in reqs) // 2, \
+                        (label, [(r.drafts.counts.drafted, r.drafts.counts.accepted) for r in reqs])
+                assert sum(r.drafts.counts.drafted for r in reqs) > 0, label
 
 
 def test_follow_up_turn_with_mtp_drafts_equals_a_fresh_read(subject):
@@ -156,9 +156,9 @@ def test_coupled_proposals_are_kept_far_more_often_than_argmax_ones(markov):
                     slots=N, ctx=CTX, draft_tokens=k, drafter="mtp", draft_sampling=sampling),
                     tok, prompts, ps)
                 assert [r.seq.generated for r in reqs] == plain, (k, sampling)
-                drafted = sum(r.draft_counts.drafted_at[0] for r in reqs if r.draft_counts.drafted_at)
+                drafted = sum(r.drafts.counts.drafted_at[0] for r in reqs if r.drafts.counts.drafted_at)
                 assert drafted >= N * 3, (k, sampling, drafted)
-                first[k, sampling] = sum(r.draft_counts.accepted_at[0] for r in reqs
-                                         if r.draft_counts.accepted_at) / drafted
+                first[k, sampling] = sum(r.drafts.counts.accepted_at[0] for r in reqs
+                                         if r.drafts.counts.accepted_at) / drafted
     for k in (1, 3):
         assert first[k, "coupled"] >= 0.9 and first[k, "argmax"] <= 0.6, first

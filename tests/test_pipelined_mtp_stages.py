@@ -96,7 +96,7 @@ def check(run, tok, n: int, tokens: int, cancel_after: int | None = None) -> Non
                     assert r.seq.generated == want[:len(r.seq.generated)], (mode, label, i)
                 else:
                     assert r.seq.generated == want, (mode, label, i)
-            drafted, accepted = sum(r.draft_counts.drafted for r in reqs), sum(r.draft_counts.accepted for r in reqs)
+            drafted, accepted = sum(r.drafts.counts.drafted for r in reqs), sum(r.drafts.counts.accepted for r in reqs)
             assert 0 < accepted < drafted, (mode, label, drafted, accepted)
             if mode == "greedy":
                 # many kept, many not

@@ -370,8 +370,8 @@ def test_grammars_keep_every_schedule_exact(tok, grammars):
         assert [r.seq.generated for r in reqs] == alone, cfg
         assert all(r.error is None for r in reqs)
     # the MTP run: true proposals kept, the fake's wrong ones (a token no grammar allows) cut
-    assert 0 < sum(r.draft_counts.accepted for r in reqs) <= sum(r.draft_counts.drafted for r in reqs)
-    assert pipe.asked > sum(r.draft_counts.drafted > 0 for r in reqs)
+    assert 0 < sum(r.drafts.counts.accepted for r in reqs) <= sum(r.drafts.counts.drafted for r in reqs)
+    assert pipe.asked > sum(r.drafts.counts.drafted > 0 for r in reqs)
     texts = [tok.decode(g) for g in alone]
     done = [i for i, r in enumerate(reqs) if r.seq.finish_reason == "stop"]
     assert len(done) >= len(ps) // 2, [r.seq.finish_reason for r in reqs]

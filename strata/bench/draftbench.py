@@ -39,7 +39,7 @@ def run_arm(run, cfg: SchedulerConfig, tok: Tokenizer, prompts: list[list[int]],
             raise PipelineError(r.error)
     tokens = sum(len(r.seq.generated) for r in reqs)
     windows = run.pipe.next_window_id - first
-    counts = sum((r.draft_counts for r in reqs), DraftCounts()).report(cfg.max_draft_tokens)
+    counts = sum((r.drafts.counts for r in reqs), DraftCounts()).report(cfg.max_draft_tokens)
     return {"total_tok_s": tokens / seconds, "tokens": tokens, "windows": windows,
             "tok_per_window": tokens / windows, "drafted": counts["proposed"],
             "accepted": counts["accepted"], "rate": counts["rate"],

@@ -23,8 +23,9 @@ Two drafters (SchedulerConfig.drafter):
 - mtp: the model's NextN head on the last stage. A window asks it for proposals
   (`Window.propose`: [slot, k] for slots with rows in it); right after sampling, the last
   stage runs the head on the rows equality accepts and answers them with the tokens
-  (`Result.proposals`: [slot, d1..dk]). The scheduler keeps them on the request and puts as
-  many as fit in the slot's next decode window: no window of its own is spent on drafting.
+  (`Result.proposals`: [slot, d1..dk]). The coordinator keeps them on the request
+  (speculation.py) and puts as many as fit in the slot's next decode window: no window of
+  its own is spent on drafting.
   For a request that samples with a temperature the proposals can be coupled
   (SchedulerConfig.draft_sampling "coupled"; the default is "argmax"): the token at position q is drawn
   with u(q) = Philox(seed, q) whatever the window (sampling.py), so the window that asks for

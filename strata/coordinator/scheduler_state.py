@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from strata.coordinator.draft_choice import Acceptance, DraftChoice, GroupDrafts
-from strata.coordinator.drafts import DraftCounts, PromptLookup
+from strata.coordinator.draft_choice import DraftChoice
+from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.slots import Slot
+from strata.coordinator.speculation import RequestDrafts
 
 
 @dataclass
@@ -22,11 +23,7 @@ class Request:
     reused: int = 0          # prompt tokens the slot already held
     error: str | None = None
     notified: bool = False   # on_done was called (exactly once)
-    drafter: PromptLookup | None = None
-    draft_counts: DraftCounts = field(default_factory=DraftCounts)   # its drafts, kept
-    proposals: list[int] = field(default_factory=list)  # mtp: drafts for the next decode window
-    acceptance: Acceptance = field(default_factory=Acceptance)   # of its recent windows
-    observed: tuple[int, int] = (0, 0)   # (drafted, accepted) already in `acceptance`
+    drafts: RequestDrafts = field(default_factory=RequestDrafts)   # speculation.py
 
     @property
     def done(self) -> bool:
@@ -78,7 +75,6 @@ class Group:
     ahead: int = 0                   # chunks sent in a row while slots decode
     cursor: int = -1                 # the slot that ended the last decode window
     last_decode: DecodeWindow | None = None   # the last decode window sent
-    drafts: GroupDrafts = field(default_factory=GroupDrafts)   # acceptance, times, choice
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,7 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
         if req.error:
             raise PipelineError(req.error)
         click.echo(req.seq.final_text())
-        counts = req.draft_counts
+        counts = req.drafts.counts
         drafts = (f"{counts.accepted} of {counts.drafted} drafts ({prep.sched.drafter}) accepted, "
                   if prep.sched.draft_tokens else "")
         say(f"[{len(ids)} prompt tokens, {len(req.seq.generated)} generated, {drafts}"

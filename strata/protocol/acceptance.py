@@ -1,4 +1,4 @@
-"""The one acceptance rule of draft tokens, which the coordinator (Scheduler._accept) and the
+"""The one acceptance rule of draft tokens, which the coordinator (Speculation.accept) and the
 last stage's drafter (Drafter._plan) both apply to a window's rows.
 
 A slot's rows in a window are consecutive positions: row 0 holds the slot's last token, row
