@@ -67,11 +67,12 @@ class DraftCounts:
     position), in all and per draft position j = 1.. (index j - 1): a slot's drafts d_1..d_n
     in a window count as drafted at 1..n, and d_j as kept at j when d_1..d_j all were. A
     request's, or every request's (the scheduler's); /v1/status, /metrics and the bench
-    report these."""
+    report these. Kept as how many windows of a slot had n drafts and kept j of them (index
+    n, j), so that a window counts in O(1)."""
     drafted: int = 0
     accepted: int = 0
-    drafted_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
+    by_drafted: list[int] = field(default_factory=lambda: [0])   # [n]: windows with n drafts
+    by_kept: list[int] = field(default_factory=lambda: [0])      # [j]: windows that kept j
 
     def add(self, drafted: int, accepted: int) -> None:
         """One slot's window: `accepted` of its `drafted` drafts kept."""
@@ -79,37 +80,49 @@ class DraftCounts:
             return
         self.drafted += drafted
         self.accepted += accepted
-        for at, n in ((self.drafted_at, drafted), (self.accepted_at, accepted)):
-            at.extend([0] * (n - len(at)))
-            for j in range(n):
-                at[j] += 1
+        if drafted >= len(self.by_drafted):
+            self.by_drafted.extend([0] * (drafted + 1 - len(self.by_drafted)))
+        self.by_drafted[drafted] += 1
+        if accepted >= len(self.by_kept):
+            self.by_kept.extend([0] * (accepted + 1 - len(self.by_kept)))
+        self.by_kept[accepted] += 1
+
+    @property
+    def drafted_at(self) -> list[int]:
+        """Drafts put at position j = 1.. (index j - 1): the windows with at least j."""
+        return _at_least(self.by_drafted)
+
+    @property
+    def accepted_at(self) -> list[int]:
+        """Drafts kept at position j = 1.. (index j - 1): the windows that kept at least j."""
+        return _at_least(self.by_kept)
 
     def __add__(self, other: DraftCounts) -> DraftCounts:
-        n = max(len(self.drafted_at), len(other.drafted_at))
         return DraftCounts(self.drafted + other.drafted, self.accepted + other.accepted,
-                           _sum_at(self.drafted_at, other.drafted_at, n),
-                           _sum_at(self.accepted_at, other.accepted_at, n))
+                           _plus(self.by_drafted, other.by_drafted),
+                           _plus(self.by_kept, other.by_kept))
 
     def copy(self) -> DraftCounts:
-        return DraftCounts(self.drafted, self.accepted, list(self.drafted_at),
-                           list(self.accepted_at))
+        return DraftCounts(self.drafted, self.accepted, list(self.by_drafted),
+                           list(self.by_kept))
 
     def since(self, before: DraftCounts) -> DraftCounts:
         """What was counted after `before` (an earlier copy of these counts)."""
-        n = len(self.drafted_at)
-        less = lambda now, then: [a - b for a, b in zip(now, _sum_at(then, (), n))]  # noqa: E731
+        less = lambda a, b: _plus(a, [-c for c in b])  # noqa: E731
         return DraftCounts(self.drafted - before.drafted, self.accepted - before.accepted,
-                           less(self.drafted_at, before.drafted_at),
-                           less(self.accepted_at, before.accepted_at))
+                           less(self.by_drafted, before.by_drafted),
+                           less(self.by_kept, before.by_kept))
 
     def report(self, positions: int = 0) -> dict:
         """Proposed, kept, and the share kept (None before any); with "positions" the same for
         each draft position j = 1..max(positions, those counted)."""
         counts = _rate(self.drafted, self.accepted)
-        n = max(positions, len(self.drafted_at))
+        drafted_at, accepted_at = self.drafted_at, self.accepted_at
+        n = max(positions, len(drafted_at))
         if n:
-            at = _sum_at(self.drafted_at, (), n), _sum_at(self.accepted_at, (), n)
-            counts["positions"] = [dict(position=j + 1, **_rate(at[0][j], at[1][j]))
+            at = lambda c, j: c[j] if j < len(c) else 0  # noqa: E731
+            counts["positions"] = [dict(position=j + 1, **_rate(at(drafted_at, j),
+                                                                at(accepted_at, j)))
                                    for j in range(n)]
         return counts
 
@@ -119,9 +132,19 @@ def _rate(proposed: int, accepted: int) -> dict:
             "rate": round(accepted / proposed, 4) if proposed else None}
 
 
-def _sum_at(a, b, n: int) -> list[int]:
-    """Two per-position counts added, positions 1..n (a missing one counts 0)."""
-    return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(n)]
+def _plus(a: list[int], b: list[int]) -> list[int]:
+    """Two counts by index added (a missing index counts 0)."""
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def _at_least(windows: list[int]) -> list[int]:
+    """From windows by count [n] to counts at positions 1..: [sum(windows[j:]) for j >= 1]."""
+    out, total = [], 0
+    for c in reversed(windows[1:]):
+        total += c
+        out.append(total)
+    return out[::-1]
 
 
 def draft_limit(seq: Sequence, room: int, draft_tokens: int, ahead: int = 0) -> int:

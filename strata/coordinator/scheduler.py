@@ -294,9 +294,7 @@ class Scheduler:
         for s, drafts in zip(chosen, offer.drafts):
             seq = s.request.seq
             mask = masks.add(seq.grammar, drafts) if seq.grammar is not None else None
-            rows += [seq.sampled_row(s.index, seq.length - 1 + j, t,
-                                     -1 if mask is None else mask + j)
-                     for j, t in enumerate([seq.last_token] + drafts)]
+            rows += seq.decode_rows(s.index, drafts, -1 if mask is None else mask)
             owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
         if self._submit(group, rows, offer.rows, owners, propose=offer.propose,
                         timed=offer.timed, masks=masks):

@@ -37,6 +37,8 @@ class RequestDrafts:
         """Counts the drafts verified since the last call (its last decode window's) into its
         acceptance and its group's."""
         drafted = self.counts.drafted - self.observed[0]
+        if not drafted:   # nothing verified since: nothing to count
+            return
         accepted = self.counts.accepted - self.observed[1]
         self.observed = (self.counts.drafted, self.counts.accepted)
         self.acceptance.observe(drafted, accepted)
@@ -78,10 +80,16 @@ class Speculation:
         for s in slots:   # the drafts of each slot's last window, kept or not
             s.request.drafts.observe(g.acceptance)
         k = g.per_slot(self.cfg, n)
-        wants = [self._drafts(s.request, k) for s in slots]
-        wants = [d if s.request.seq.grammar is None else s.request.seq.grammar.drafts(d)
-                 for s, d in zip(slots, wants)]   # the drafts the grammar allows
         room = (self.cfg.draft_window_rows(round_rows(n)) if k else n) - n
+        if room:
+            wants = [self._drafts(s.request, k) for s in slots]
+            wants = [d if not d or s.request.seq.grammar is None
+                     else s.request.seq.grammar.drafts(d)
+                     for s, d in zip(slots, wants)]   # the drafts the grammar allows
+        else:   # no row for a draft: proposals waiting are dropped (used once)
+            for s in slots:
+                s.request.drafts.proposals = []
+            wants = [[] for _ in slots]
         lengths = [len(d) for d in wants]
         if sum(lengths) <= room:   # every draft fits: no choice to make
             drafts = wants
