@@ -4,11 +4,12 @@ builds its own way. Random slots, drafts and sampled tokens; the test fails if t
 ever count differently."""
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from strata.coordinator.config import SchedulerConfig
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler_state import Request
+from strata.coordinator.scheduler_state import Request, RowOwner
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.speculation import Speculation
 from strata.protocol.acceptance import kept_drafts
@@ -19,12 +20,14 @@ TOKENS = st.integers(0, 3)   # few token values: drafts equal the sampled token 
 
 
 def _coordinator_keeps(prompt: list[int], drafts: list[int], sampled: list[int]) -> int:
-    """Draft rows the coordinator keeps: Speculation.accept on a request that has generated
-    nothing yet."""
+    """Draft rows the coordinator keeps: Speculation.verify, then accept, on a request that
+    has generated nothing yet."""
     seq = Sequence(prompt, SamplingParams(max_tokens=100), frozenset(), ctx=256)
     req = Request(0, seq)
-    kept, _ = Speculation(SchedulerConfig(drafter="mtp", draft_tokens=7)).accept(
-        req, sampled, drafts)
+    speculation = Speculation(SchedulerConfig(drafter="mtp", draft_tokens=7))
+    owner = RowOwner(None, req, 1 + len(drafts), drafts)
+    kept, = speculation.verify([owner], sampled)
+    assert speculation.accept(req, sampled, drafts, kept) == (kept, False)
     assert req.drafts.counts.accepted == kept
     return kept
 
@@ -49,9 +52,9 @@ def _drafter_keeps(slot_rows: dict[int, tuple[int, list[int], list[int]]], order
                u=[0.5] * n)
     sampled = {r: samples[perm[r]] for r in range(len(perm))}
     drafter = Drafter.__new__(Drafter)
-    drafter.last_pos = [-1] * len(slot_rows)
-    drafter.ready = [None] * len(slot_rows)
-    plan = drafter._plan(w, sampled)
+    drafter.last_pos, drafter.ready_at, drafter.ready_token = (
+        np.full(len(slot_rows), -1) for _ in range(3))
+    plan = drafter._plan(w, [sampled[r] for r in range(n)])
     rows_of = {s: sorted((r for r in range(len(perm)) if w.slots[r] == s),
                          key=lambda r: w.positions[r]) for s in slot_rows}
     return {s: rows_of[s].index(plan.accepted[s]) for s in slot_rows}

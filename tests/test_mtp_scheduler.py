@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.engine import Engine, Finished, Job
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
@@ -109,8 +110,9 @@ def test_mtp_drafts_give_the_tokens_of_plain_decoding(slots, groups, window_rows
     assert [r.seq.generated for r in reqs] == alone
     assert pipe.max_in_flight <= groups * depth
     assert sched.idle and all(pipe.kv[s.index] == s.held for s in sched.table.slots)
-    drafted, accepted = sum(r.drafts.counts.drafted for r in reqs), sum(r.drafts.counts.accepted for r in reqs)
-    assert (sched.speculation.counts.drafted, sched.speculation.counts.accepted) == (drafted, accepted)
+    counts = sum((r.drafts.counts for r in reqs), DraftCounts())
+    drafted, accepted = counts.drafted, counts.accepted
+    assert sched.speculation.counts == counts
     # proposals asked for, some kept, some not (with 20 slots, once fewer than 8 decode)
     assert pipe.asked and 0 < accepted < drafted
 
@@ -127,7 +129,8 @@ def test_each_kind_of_proposal(mode):
     reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
     sched.run()
     assert [r.seq.generated for r in reqs] == alone
-    drafted, accepted = sum(r.drafts.counts.drafted for r in reqs), sum(r.drafts.counts.accepted for r in reqs)
+    counts = sum((r.drafts.counts for r in reqs), DraftCounts())
+    drafted, accepted = counts.drafted, counts.accepted
     windows = len(pipe.decode_drafts)
     tokens = sum(len(g) for g in alone)
     if mode == "true":
@@ -268,7 +271,6 @@ async def _finish(engine: Engine, name: str, prompt: list[int], p):
 
 
 def test_counters_and_status_count_drafts_proposed_and_accepted():
-    from strata.coordinator.drafts import DraftCounts
     ps = prompts(6, random.Random(4))
     alone = run_alone(ps)
     metrics = Metrics()
@@ -372,8 +374,8 @@ def test_acceptance_per_draft_position_in_status_and_metrics():
         pass
     assert pipe.decode_drafts[:3] == [(0, 3), (0, 3), (0, 3)]
     assert (req.drafts.counts.drafted_at, req.drafts.counts.accepted_at) == ([3, 3, 3], [2, 1, 1])
-    assert (sched.speculation.counts.drafted_at, sched.speculation.counts.accepted_at) == ([3, 3, 3],
-                                                                              [2, 1, 1])
+    total = sched.speculation.counts
+    assert (total.drafted_at, total.accepted_at) == ([3, 3, 3], [2, 1, 1])
     engine._publish()
     server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, lambda: None)
     status = json.loads(asyncio.run(server.status(None)).text)

@@ -367,7 +367,7 @@ def test_a_stage_answers_a_heartbeat_only_once_its_device_is_past_the_windows(ti
     answered = []
     with in_process_worker(tiny_model, layer_end=4, slots=1, ctx=64) as stage:
         pending = stage.worker.last.pending = PendingAnswer(None, 0.0, None, done=Busy())
-        stage.worker.last._answer = answered.append   # the window's Result (it waits for the device)
+        stage.worker.last._answer = answered.append   # its Result (it waits for the device)
         stage.send(transport.pack(Heartbeat(5)))
         stage.step()
         assert answered == [pending]   # before the heartbeat's answer is sent

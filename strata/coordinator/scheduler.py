@@ -191,7 +191,9 @@ class Scheduler:
         sampled = iter(result.tokens)
         scored = iter(zip(result.logprobs, result.top_ids, result.top_logprobs))
         proposals = {p[0]: p[1:] for p in result.proposals}   # slot -> d1..dk
+        kept = iter(self.speculation.verify(flight.owners, result.tokens))
         for o in flight.owners:
+            drafts_kept = next(kept)
             tokens = [next(sampled) for _ in range(o.sampled)]
             entries = [next(scored) for _ in range(o.logprobs)]
             prompt, logprobs = entries[:len(o.scores)], entries[len(o.scores):]
@@ -202,7 +204,7 @@ class Scheduler:
             for position, entry in zip(o.scores, prompt):
                 seq.prompt_logprobs[position] = TokenLogprob.of(seq.prompt[position], entry)
             if tokens:
-                self._accept(o.slot, o.request, tokens, o.drafts,
+                self._accept(o.slot, o.request, tokens, o.drafts, drafts_kept,
                              proposals.get(o.slot.index, []),
                              [TokenLogprob.of(t, e) for t, e in zip(tokens, logprobs)])
             elif o.ends:
@@ -210,11 +212,12 @@ class Scheduler:
         return True
 
     def _accept(self, slot: Slot, req: Request, tokens: list[int], drafts: list[int],
-                proposals: list[int] = (), logprobs: list[TokenLogprob] = ()) -> None:
-        """The slot's sampled tokens, its drafts verified (speculation.py): the request ends,
-        or the KV of the drafts it did not keep is dropped."""
+                kept: int, proposals: list[int] = (), logprobs: list[TokenLogprob] = ()
+                ) -> None:
+        """The slot's sampled tokens, `kept` of its drafts kept (speculation.py): the request
+        ends, or the KV of the drafts it did not keep is dropped."""
         start = req.seq.length
-        kept, done = self.speculation.accept(req, tokens, drafts, proposals, logprobs)
+        kept, done = self.speculation.accept(req, tokens, drafts, kept, proposals, logprobs)
         if done:
             req.error = req.error or req.seq.error
             self._release(slot, req, req.seq.finish_reason)

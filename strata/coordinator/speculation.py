@@ -13,14 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from strata.coordinator.config import SchedulerConfig, round_rows
 from strata.coordinator.draft_choice import Acceptance, DraftChoice, GroupDrafts, share_rows
 from strata.coordinator.drafts import DraftCounts, PromptLookup, draft_limit
 from strata.coordinator.sampling_params import TokenLogprob
-from strata.protocol.acceptance import kept_drafts
+from strata.protocol.acceptance import kept_rows
 
 if TYPE_CHECKING:
-    from strata.coordinator.scheduler_state import Request
+    from strata.coordinator.scheduler_state import Request, RowOwner
     from strata.coordinator.slots import Slot
 
 
@@ -136,17 +138,30 @@ class Speculation:
 
     # --- a window back ------------------------------------------------------------------------
 
-    def accept(self, req: Request, tokens: list[int], drafts: list[int],
+    def verify(self, owners: list[RowOwner], tokens: list[int]) -> list[int]:
+        """The drafts each owner's rows keep (protocol/acceptance.py's rule, the last stage's
+        too), given the window's sampled tokens in row order: one pass over the window."""
+        if not any(o.drafts for o in owners):
+            return [0] * len(owners)
+        runs, first = [], []   # each sampling owner's rows: its last token's, its drafts'
+        for o in owners:
+            if o.sampled:
+                runs += [-1] + o.drafts
+                first += [True] + [False] * len(o.drafts)
+        kept = kept_rows(runs, tokens, first)
+        counts = iter(np.add.reduceat(kept, np.flatnonzero(first)).tolist())
+        return [next(counts) - 1 if o.sampled else 0 for o in owners]
+
+    def accept(self, req: Request, tokens: list[int], drafts: list[int], kept: int,
                proposals: list[int] = (), logprobs: list[TokenLogprob] = ()
                ) -> tuple[int, bool]:
         """A slot's sampled tokens: tokens[j] was sampled at position L + j (L: the sequence's
-        length before); it counts while the drafts before it are kept (protocol/acceptance.py)
-        and the sequence has not ended. proposals: the drafter's for the positions after the
-        tokens that count (the last stage accepts by the same rule), kept for the slot's
-        next decode window. logprobs: tokens[j]'s, when the request asks for them.
-        Returns (drafts kept, whether the sequence has ended)."""
+        length before); it counts while the drafts before it are kept (`kept` of them:
+        verify) and the sequence has not ended. proposals: the drafter's for the positions
+        after the tokens that count (the last stage accepts by the same rule), kept for the
+        slot's next decode window. logprobs: tokens[j]'s, when the request asks for them.
+        Returns (drafts kept before the sequence ended, whether it has)."""
         seq = req.seq
-        kept = kept_drafts(drafts, tokens)
         for j, token in enumerate(tokens[:kept + 1]):
             done = seq.accept(token, logprobs[j] if logprobs else None)
             if done:

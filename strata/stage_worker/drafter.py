@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -61,7 +62,7 @@ from strata.kernels.proposal_pick import pick_proposals
 from strata.kernels.sampling import SamplingRow, filtered, pick_unfiltered, to_device
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
-from strata.protocol.acceptance import kept_drafts
+from strata.protocol.acceptance import kept_rows
 from strata.protocol.messages import Window
 from strata.stage_worker.graphs import Captured
 from strata.stage_worker.model import KVCache, Layer, RowTensors, StageModel, WindowMeta
@@ -78,12 +79,6 @@ class _Plan:
     sources: list[int] = field(default_factory=list)     # row of [hidden; last_h; zeros] = h_{p-1}
     tops: dict[int, int] = field(default_factory=dict)   # slot -> its row at P_a + 1
     accepted: dict[int, int] = field(default_factory=dict)  # slot -> its window row a
-
-    def add(self, slot: int, position: int, token: int, source: int) -> None:
-        self.slots.append(slot)
-        self.positions.append(position)
-        self.tokens.append(token)
-        self.sources.append(source)
 
 
 class Drafter:
@@ -117,8 +112,9 @@ class Drafter:
         self.cache = KVCache(1, slots, cfg, ctx, device, dtype)
         self.cos, self.sin = model.cos, model.sin
         self.last_h = torch.zeros(slots + 1, cfg.d_model, dtype=dtype, device=device)  # + zeros
-        self.last_pos = [-1] * slots     # the position whose hidden state last_h[s] holds
-        self.ready: list[tuple[int, int] | None] = [None] * slots  # (p, token) of a row written
+        self.last_pos = np.full(slots, -1)      # the position whose hidden state last_h[s] holds
+        # (p, token) of the NextN row the slot's last window wrote at P_a + 1 (p -1: none)
+        self.ready_at, self.ready_token = np.full(slots, -1), np.full(slots, -1)
         # a pad row (slot, index, length) and a step's move of a chained row, on the device
         self._constants = (torch.tensor([[self.cache.trash], [0], [0]], device=device),
                            torch.tensor([[0], [1], [1]], device=device))
@@ -136,49 +132,64 @@ class Drafter:
         NextN rows of what w accepts and returns [slot, d1, ..., dk] for each [slot, k] of
         w.propose it can serve (a slot whose last accepted row was sampled; proposals stop at
         the context's end)."""
-        plan = self._plan(w, dict(zip(w.sample_rows, tokens)))
+        plan = self._plan(w, tokens)
         if not plan.slots:
             return []
+        # one copy to the device: the rows' sources and tokens, each slot's last row counted
+        n, m = len(plan.slots), len(plan.accepted)
+        ints = to_device(plan.sources + plan.tokens + list(plan.accepted)
+                         + list(plan.accepted.values()), self.device)
         source = torch.cat([hidden.to(self.last_h.dtype), self.last_h])
-        h = source[to_device(plan.sources, self.device)]
-        tok = to_device(plan.tokens, self.device)
-        out = self._rows(plan.slots, plan.positions, tok, h)
+        out = self._rows(plan.slots, plan.positions, ints[n:2 * n], source[ints[:n]])
         # after the rows read the previous last_h; one copy for every slot
-        slots = to_device(list(plan.accepted), self.device)
-        rows = to_device(list(plan.accepted.values()), self.device)
-        self.last_h[slots] = hidden[rows].to(self.last_h.dtype)
+        self.last_h[ints[2 * n:2 * n + m]] = hidden[ints[2 * n + m:]].to(self.last_h.dtype)
         return self._propose(w, plan, out)
 
-    def _plan(self, w: Window, sampled: dict[int, int]) -> _Plan:
-        """The window's NextN rows (see the module's docstring); updates last_pos and ready."""
-        by_slot: dict[int, list[int]] = {}
-        for r, s in enumerate(w.slots):
-            if s >= 0:
-                by_slot.setdefault(s, []).append(r)
-        plan, n_rows, zeros = _Plan(), len(w.slots), len(w.slots) + len(self.last_pos)
-        for s, rows in by_slot.items():
-            rows.sort(key=lambda r: w.positions[r])
-            run = 1                                      # the rows at consecutive positions
-            while run < len(rows) and w.positions[rows[run]] == w.positions[rows[run - 1]] + 1:
-                run += 1
-            drafts = [w.tokens[r] for r in rows[1:run]]
-            # a prompt row's successor is given: it passes as sampled
-            samples = [sampled.get(prev, w.tokens[r]) for prev, r in zip(rows, rows[1:run])]
-            accepted = rows[:1 + kept_drafts(drafts, samples)]
-            p0 = w.positions[rows[0]]
-            if p0 > 0 and self.ready[s] != (p0, w.tokens[rows[0]]):
-                plan.add(s, p0, w.tokens[rows[0]],
-                         n_rows + s if self.last_pos[s] == p0 - 1 else zeros)
-            for prev, r in zip(accepted, accepted[1:]):
-                plan.add(s, w.positions[r], w.tokens[r], prev)
-            last = accepted[-1]
-            self.ready[s] = None
-            if last in sampled:
-                plan.tops[s] = len(plan.slots)
-                plan.add(s, w.positions[last] + 1, sampled[last], last)
-                self.ready[s] = (w.positions[last] + 1, sampled[last])
-            self.last_pos[s] = w.positions[last]
-            plan.accepted[s] = last
+    def _plan(self, w: Window, tokens: list[int]) -> _Plan:
+        """The window's NextN rows (see the module's docstring), given the tokens of its
+        sampled rows; updates last_pos and ready. Array operations over the window's rows:
+        no step per row or slot in Python."""
+        slots = np.asarray(w.slots)
+        live = np.flatnonzero(slots >= 0)
+        if not live.size:
+            return _Plan()
+        positions, given = np.asarray(w.positions), np.asarray(w.tokens)
+        sampled = np.full(len(slots), -1)   # each row's sampled token; -1: not sampled
+        sampled[w.sample_rows] = tokens
+        # each slot's rows in position order, the slots in the order of their first row
+        _, first_at, which = np.unique(slots[live], return_index=True, return_inverse=True)
+        order = live[np.lexsort((positions[live], first_at[which]))]   # [n] window rows
+        so, po, to, sa = slots[order], positions[order], given[order], sampled[order]
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = so[1:] != so[:-1]
+        adjacent = np.ones(len(order), dtype=bool)
+        adjacent[1:] = po[1:] == po[:-1] + 1
+        counted = kept_rows(to, sa, first, adjacent)   # rows 0..a of each slot
+        starts = np.flatnonzero(first)
+        last = starts + np.add.reduceat(counted, starts) - 1   # each slot's row a (in order)
+        s, p0, t0 = so[starts], po[starts], to[starts]
+        # the row at P_0, unless the previous window wrote it with this token; its h is
+        # last_h's when that holds P_0 - 1, else zeros
+        head = (p0 > 0) & ~((self.ready_at[s] == p0) & (self.ready_token[s] == t0))
+        head_source = np.where(self.last_pos[s] == p0 - 1, len(slots) + s,
+                               len(slots) + len(self.last_pos))
+        inner = np.flatnonzero(counted & ~first)    # P_0 + 1 .. P_a: h of the row before
+        top = sa[last] >= 0                          # row a sampled: its row at P_a + 1
+        self.ready_at[s] = np.where(top, po[last] + 1, -1)
+        self.ready_token[s] = sa[last]
+        self.last_pos[s] = po[last]
+        run = np.cumsum(first) - 1                   # each ordered row's slot, 0..
+        kinds = (  # (slot's run, slot, position, token, source) of each kind of NextN row
+            (np.flatnonzero(head), s[head], p0[head], t0[head], head_source[head]),
+            (run[inner], so[inner], po[inner], to[inner], order[inner - 1]),
+            (np.flatnonzero(top), s[top], po[last][top] + 1, sa[last][top], order[last][top]))
+        runs, *columns = (np.concatenate(c) for c in zip(*kinds))
+        by_slot = np.lexsort((columns[1], runs))     # a slot's rows together, by position
+        at = np.empty_like(by_slot)
+        at[by_slot] = np.arange(len(by_slot))
+        plan = _Plan(*(c[by_slot].tolist() for c in columns))
+        plan.tops = dict(zip(s[top].tolist(), at[len(runs) - top.sum():].tolist()))
+        plan.accepted = dict(zip(s.tolist(), order[last].tolist()))
         return plan
 
     def _propose(self, w: Window, plan: _Plan, out: torch.Tensor) -> list[list[int]]:
