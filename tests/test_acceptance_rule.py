@@ -4,7 +4,6 @@ builds its own way. Random slots, drafts and sampled tokens; the test fails if t
 ever count differently."""
 from __future__ import annotations
 
-import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from strata.coordinator.config import SchedulerConfig
@@ -52,8 +51,8 @@ def _drafter_keeps(slot_rows: dict[int, tuple[int, list[int], list[int]]], order
                u=[0.5] * n)
     sampled = {r: samples[perm[r]] for r in range(len(perm))}
     drafter = Drafter.__new__(Drafter)
-    drafter.last_pos, drafter.ready_at, drafter.ready_token = (
-        np.full(len(slot_rows), -1) for _ in range(3))
+    drafter.last_pos = [-1] * len(slot_rows)
+    drafter.ready = [None] * len(slot_rows)
     plan = drafter._plan(w, [sampled[r] for r in range(n)])
     rows_of = {s: sorted((r for r in range(len(perm)) if w.slots[r] == s),
                          key=lambda r: w.positions[r]) for s in slot_rows}

@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from strata.coordinator.config import SchedulerConfig, round_rows
 from strata.coordinator.draft_choice import Acceptance, DraftChoice, GroupDrafts, share_rows
 from strata.coordinator.drafts import DraftCounts, PromptLookup, draft_limit
@@ -148,9 +146,12 @@ class Speculation:
             if o.sampled:
                 runs += [-1] + o.drafts
                 first += [True] + [False] * len(o.drafts)
-        kept = kept_rows(runs, tokens, first)
-        counts = iter(np.add.reduceat(kept, np.flatnonzero(first)).tolist())
-        return [next(counts) - 1 if o.sampled else 0 for o in owners]
+        counted, out, at = kept_rows(runs, tokens, first), [], 0
+        for o in owners:   # a run's rows that count are a prefix of it: row 0 and its kept
+            n = o.sampled and 1 + len(o.drafts)
+            out.append(sum(counted[at:at + n]) - 1 if n else 0)
+            at += n
+        return out
 
     def accept(self, req: Request, tokens: list[int], drafts: list[int], kept: int,
                proposals: list[int] = (), logprobs: list[TokenLogprob] = ()

@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -79,6 +78,12 @@ class _Plan:
     sources: list[int] = field(default_factory=list)     # row of [hidden; last_h; zeros] = h_{p-1}
     tops: dict[int, int] = field(default_factory=dict)   # slot -> its row at P_a + 1
     accepted: dict[int, int] = field(default_factory=dict)  # slot -> its window row a
+
+    def add(self, slot: int, position: int, token: int, source: int) -> None:
+        self.slots.append(slot)
+        self.positions.append(position)
+        self.tokens.append(token)
+        self.sources.append(source)
 
 
 class Drafter:
@@ -112,9 +117,8 @@ class Drafter:
         self.cache = KVCache(1, slots, cfg, ctx, device, dtype)
         self.cos, self.sin = model.cos, model.sin
         self.last_h = torch.zeros(slots + 1, cfg.d_model, dtype=dtype, device=device)  # + zeros
-        self.last_pos = np.full(slots, -1)      # the position whose hidden state last_h[s] holds
-        # (p, token) of the NextN row the slot's last window wrote at P_a + 1 (p -1: none)
-        self.ready_at, self.ready_token = np.full(slots, -1), np.full(slots, -1)
+        self.last_pos = [-1] * slots     # the position whose hidden state last_h[s] holds
+        self.ready: list[tuple[int, int] | None] = [None] * slots  # (p, token) of a row written
         # a pad row (slot, index, length) and a step's move of a chained row, on the device
         self._constants = (torch.tensor([[self.cache.trash], [0], [0]], device=device),
                            torch.tensor([[0], [1], [1]], device=device))
@@ -147,49 +151,41 @@ class Drafter:
 
     def _plan(self, w: Window, tokens: list[int]) -> _Plan:
         """The window's NextN rows (see the module's docstring), given the tokens of its
-        sampled rows; updates last_pos and ready. Array operations over the window's rows:
-        no step per row or slot in Python."""
-        slots = np.asarray(w.slots)
-        live = np.flatnonzero(slots >= 0)
-        if not live.size:
-            return _Plan()
-        positions, given = np.asarray(w.positions), np.asarray(w.tokens)
-        sampled = np.full(len(slots), -1)   # each row's sampled token; -1: not sampled
-        sampled[w.sample_rows] = tokens
-        # each slot's rows in position order, the slots in the order of their first row
-        _, first_at, which = np.unique(slots[live], return_index=True, return_inverse=True)
-        order = live[np.lexsort((positions[live], first_at[which]))]   # [n] window rows
-        so, po, to, sa = slots[order], positions[order], given[order], sampled[order]
-        first = np.ones(len(order), dtype=bool)
-        first[1:] = so[1:] != so[:-1]
-        adjacent = np.ones(len(order), dtype=bool)
-        adjacent[1:] = po[1:] == po[:-1] + 1
-        counted = kept_rows(to, sa, first, adjacent)   # rows 0..a of each slot
-        starts = np.flatnonzero(first)
-        last = starts + np.add.reduceat(counted, starts) - 1   # each slot's row a (in order)
-        s, p0, t0 = so[starts], po[starts], to[starts]
-        # the row at P_0, unless the previous window wrote it with this token; its h is
-        # last_h's when that holds P_0 - 1, else zeros
-        head = (p0 > 0) & ~((self.ready_at[s] == p0) & (self.ready_token[s] == t0))
-        head_source = np.where(self.last_pos[s] == p0 - 1, len(slots) + s,
-                               len(slots) + len(self.last_pos))
-        inner = np.flatnonzero(counted & ~first)    # P_0 + 1 .. P_a: h of the row before
-        top = sa[last] >= 0                          # row a sampled: its row at P_a + 1
-        self.ready_at[s] = np.where(top, po[last] + 1, -1)
-        self.ready_token[s] = sa[last]
-        self.last_pos[s] = po[last]
-        run = np.cumsum(first) - 1                   # each ordered row's slot, 0..
-        kinds = (  # (slot's run, slot, position, token, source) of each kind of NextN row
-            (np.flatnonzero(head), s[head], p0[head], t0[head], head_source[head]),
-            (run[inner], so[inner], po[inner], to[inner], order[inner - 1]),
-            (np.flatnonzero(top), s[top], po[last][top] + 1, sa[last][top], order[last][top]))
-        runs, *columns = (np.concatenate(c) for c in zip(*kinds))
-        by_slot = np.lexsort((columns[1], runs))     # a slot's rows together, by position
-        at = np.empty_like(by_slot)
-        at[by_slot] = np.arange(len(by_slot))
-        plan = _Plan(*(c[by_slot].tolist() for c in columns))
-        plan.tops = dict(zip(s[top].tolist(), at[len(runs) - top.sum():].tolist()))
-        plan.accepted = dict(zip(s.tolist(), order[last].tolist()))
+        sampled rows; updates last_pos and ready. One pass of the acceptance rule over the
+        window's rows, then one over its slots."""
+        positions, given = w.positions, w.tokens
+        by_slot: dict[int, list[int]] = {}   # slot -> its rows, in position order
+        for r, s in enumerate(w.slots):
+            if s >= 0:
+                by_slot.setdefault(s, []).append(r)
+        order, first = [], []   # the rows slot by slot, and where a slot's begin
+        for rows in by_slot.values():
+            if len(rows) > 1:
+                rows.sort(key=positions.__getitem__)
+            order += rows
+            first += [True] + [False] * (len(rows) - 1)
+        sampled = dict(zip(w.sample_rows, tokens))   # row -> its token; -1: not sampled
+        counted = kept_rows([given[r] for r in order], [sampled.get(r, -1) for r in order],
+                            first, [positions[r] for r in order])   # rows 0..a of each slot
+        plan, n_rows, zeros = _Plan(), len(w.slots), len(w.slots) + len(self.last_pos)
+        at = 0   # the slot's first row in `order`
+        for s, rows in by_slot.items():
+            a = sum(counted[at:at + len(rows)]) - 1   # the rows that count are a prefix
+            at += len(rows)
+            r0 = rows[0]
+            p0, t0 = positions[r0], given[r0]
+            if p0 > 0 and self.ready[s] != (p0, t0):
+                plan.add(s, p0, t0, n_rows + s if self.last_pos[s] == p0 - 1 else zeros)
+            for prev, r in zip(rows, rows[1:a + 1]):   # P_0 + 1 .. P_a: h of the row before
+                plan.add(s, positions[r], given[r], prev)
+            last = rows[a]
+            self.ready[s] = None
+            if last in sampled:
+                plan.tops[s] = len(plan.slots)
+                plan.add(s, positions[last] + 1, sampled[last], last)
+                self.ready[s] = (positions[last] + 1, sampled[last])
+            self.last_pos[s] = positions[last]
+            plan.accepted[s] = last
         return plan
 
     def _propose(self, w: Window, plan: _Plan, out: torch.Tensor) -> list[list[int]]:
@@ -214,8 +210,8 @@ class Drafter:
         every = [r for row in draws for r in row if r is not None]
         mode = ("filtered" if any(filtered(r, vocab) for r in every) else
                 "coupled" if every else "argmax")
-        params = torch.tensor([[_params(r, mode) for r in row] for row in draws],
-                              dtype=torch.float64)
+        params = (torch.tensor([[_params(r, mode) for r in row] for row in draws],
+                               dtype=torch.float64) if mode != "argmax" else None)
         # the rows of step 2: each slot's NextN row at top + 1 (index top), then one further
         # a step; k: the steps a slot takes (past them its rows are pad rows)
         packed = torch.tensor([[s for s, _, _, _ in asks], [top for _, _, top, _ in asks],
