@@ -11,7 +11,7 @@ from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler_state import Request, RowOwner
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.speculation import Speculation
-from strata.protocol.acceptance import kept_drafts
+from strata.protocol.acceptance import kept_drafts, kept_rows
 from strata.protocol.messages import Window
 from strata.stage_worker.drafter import Drafter
 
@@ -80,3 +80,16 @@ def test_a_draft_is_kept_only_after_every_draft_before_it():
     assert kept_drafts([3, 4, 5], [3, 4, 9, 1]) == 2
     assert kept_drafts([3, 4, 5], [3, 9, 5, 1]) == 1   # a later match after a miss counts not
     assert kept_drafts([], [2]) == 0
+
+
+def test_kept_rows_over_a_window_of_several_slots():
+    """Runs side by side: each run's rows count up to its first break (a draft unlike the
+    token sampled before it, or a position gap), a row not sampled passes its successor, and
+    a run's breaks stay its own."""
+    tokens = [9, 3, 4, 5, 9, 7, 8, 9, 1, 2]
+    sampled = [3, 4, 6, 0, -1, -1, 5, 2, 2, 0]   # run 1 breaks at 5; run 2's rows not sampled
+    first = [True, False, False, False, True, False, False, True, False, False]
+    assert kept_rows(tokens, sampled, first) == [True, True, True, False,
+                                                 True, True, True, True, False, False]
+    positions = [10, 11, 12, 13, 4, 5, 7, 0, 1, 2]   # run 2 has a gap before its third row
+    assert kept_rows(tokens, sampled, first, positions)[4:7] == [True, True, False]

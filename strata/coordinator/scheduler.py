@@ -2,8 +2,8 @@
 
 Policy only: windows are built by windows.py and run by Pipeline; what concerns drafts (which
 drafts a decode window verifies, the proposals it asks for, what the tokens keep) is
-speculation.py's, which the scheduler calls. Every slot belongs to one
-group; a group has one window in flight at a time. `groups == 1` is serial (a window passes
+speculation.py's, which the scheduler calls. Every slot belongs to one group; a group has one
+window in flight at a time. `groups == 1` is serial (a window passes
 every stage and returns before the next); `groups == G` keeps up to G windows in flight, one per
 group, each on a different stage. One exception: while a group has no decoding slot, it streams
 the prompt chunks of the slot it reads, up to `prompt_depth` in flight (chunk k+1 on stage 0
@@ -17,24 +17,10 @@ after the last one served), and has that many rows rounded up to a multiple of 8
 1 decoding slot -> 8 rows, 9 -> 16, 40 -> 40, 70 with window_rows 64 -> 64 rows each window.
 So a window reads the weights once for all its rows, and a lone request pays for 8 rows, not
 for window_rows. The rounding's spare rows are pad rows (slot -1). With draft_tokens, a slot
-verifies up to K drafts (drafts.py) in rows beyond its own: the pad rows, and up to draft_rows
-more (draft_window_rows: by default up to the window's row tile, 32 or 64 rows), so 4 decoding
-slots with K = 7 take a window of 32 rows; when the slots want more rows than that, the rows go
-to the drafts most likely to be kept, by each request's recent acceptance (speculation.py,
-draft_choice.py).
-With draft_tokens auto, K is chosen per group from its measured window times and acceptance.
-The stages compute a row the same whatever the window's size (batch-invariant kernels), so
+verifies up to K drafts (drafts.py) in rows beyond its own (speculation.py): the pad rows,
+and up to draft_rows more (draft_window_rows: by default up to the window's row tile, 32 or
+64 rows), so 4 decoding slots with K = 7 take a window of 32 rows. The stages compute a row the same whatever the window's size (batch-invariant kernels), so
 neither the size nor which slot gets drafts changes a token.
-
-MTP drafts (drafter "mtp"): each decode window, and a prompt's last chunk, asks the last
-stage's drafter for proposals for its slots (`propose`, k = the group's drafts per slot,
-within the rows its next decode window may have); its Result carries them, and they wait on
-the request until the slot's next decode window, which puts as many as fit in its rows. A group sends a slot's next decode
-window only after the previous window of the group has come back (one window in flight per
-group, and a group's prompt chunks stream only while it has no decoding slot), so the
-proposals are always there in time, with any number of groups. A request that ends drops its
-proposals with it; a request new to a slot has none until its first Result (they wait in its
-RequestDrafts, speculation.py).
 
 Which window next, in a group: each prompt chunk (oldest request first) delays the decoding
 slots by one window whenever it runs; the order decides who waits when. While the decode

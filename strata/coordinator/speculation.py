@@ -1,7 +1,21 @@
 """Speculation on the coordinator, the one place the scheduler asks about drafts: which drafts
 each slot of a decode window verifies (`offer`), which proposals a window asks the last stage
-for (`ask`), what a slot's sampled tokens keep (`accept`), and the times of each group's decode
-windows (`sent`, `landed`) from which draft_tokens auto chooses.
+for (`ask`), what a window's sampled tokens keep (`verify`, `accept`), and the times of each
+group's decode windows (`sent`, `landed`) from which draft_tokens auto chooses.
+
+When the slots want more rows than a window may have, the rows go to the drafts most likely
+to be kept, by each request's recent acceptance; with draft_tokens auto, K is chosen per group
+from its measured window times and acceptance (draft_choice.py).
+
+MTP drafts (drafter "mtp"): each decode window, and a prompt's last chunk, asks the last
+stage's drafter for proposals for its slots (`propose`, k = the group's drafts per slot,
+within the rows its next decode window may have); its Result carries them, and they wait in
+the request's RequestDrafts until the slot's next decode window, which puts as many as fit in
+its rows. A group sends a slot's next decode window only after the previous window of the
+group has come back (one window in flight per group, and a group's prompt chunks stream only
+while it has no decoding slot: scheduler.py), so the proposals are always there in time, with
+any number of groups. A request that ends drops its proposals with it; a request new to a
+slot has none until its first Result.
 
 The drafts themselves (what a draft row is, the two drafters, the counts): drafts.py. How many
 drafts a group's slots get and which slots get the rows: draft_choice.py. The rule that keeps
