@@ -1,18 +1,17 @@
-"""The coordinator (Scheduler._accept) and the last stage's drafter (Drafter._plan) accept the
+"""The coordinator (Speculation.accept) and the last stage's drafter (Drafter._plan) accept the
 same draft rows of a window: both apply protocol/acceptance.py's rule, to inputs each side
 builds its own way. Random slots, drafts and sampled tokens; the test fails if the two sides
 ever count differently."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from hypothesis import given, settings, strategies as st
 
+from strata.coordinator.config import SchedulerConfig
 from strata.coordinator.sampling_params import SamplingParams
+from strata.coordinator.scheduler_state import Request, RowOwner
 from strata.coordinator.sequence import Sequence
-from strata.coordinator.scheduler import Scheduler
-from strata.coordinator.scheduler_state import Request
-from strata.protocol.acceptance import kept_drafts
+from strata.coordinator.speculation import Speculation
+from strata.protocol.acceptance import kept_drafts, kept_rows
 from strata.protocol.messages import Window
 from strata.stage_worker.drafter import Drafter
 
@@ -20,15 +19,16 @@ TOKENS = st.integers(0, 3)   # few token values: drafts equal the sampled token 
 
 
 def _coordinator_keeps(prompt: list[int], drafts: list[int], sampled: list[int]) -> int:
-    """Draft rows the coordinator keeps: Scheduler._accept on a request that has generated
-    nothing yet (an object holding only what _accept reads and writes stands in for the
-    scheduler)."""
+    """Draft rows the coordinator keeps: Speculation.verify, then accept, on a request that
+    has generated nothing yet."""
     seq = Sequence(prompt, SamplingParams(max_tokens=100), frozenset(), ctx=256)
     req = Request(0, seq)
-    sched = SimpleNamespace(drafted=0, accepted=0, drafted_at=[], accepted_at=[], commits=[],
-                            _release=lambda *a: None)
-    Scheduler._accept(sched, SimpleNamespace(index=0), req, sampled, drafts)
-    return req.accepted
+    speculation = Speculation(SchedulerConfig(drafter="mtp", draft_tokens=7))
+    owner = RowOwner(None, req, 1 + len(drafts), drafts)
+    kept, = speculation.verify([owner], sampled)
+    assert speculation.accept(req, sampled, drafts, kept) == (kept, False)
+    assert req.drafts.counts.accepted == kept
+    return kept
 
 
 def _drafter_keeps(slot_rows: dict[int, tuple[int, list[int], list[int]]], order: list[int]
@@ -53,7 +53,7 @@ def _drafter_keeps(slot_rows: dict[int, tuple[int, list[int], list[int]]], order
     drafter = Drafter.__new__(Drafter)
     drafter.last_pos = [-1] * len(slot_rows)
     drafter.ready = [None] * len(slot_rows)
-    plan = drafter._plan(w, sampled)
+    plan = drafter._plan(w, [sampled[r] for r in range(n)])
     rows_of = {s: sorted((r for r in range(len(perm)) if w.slots[r] == s),
                          key=lambda r: w.positions[r]) for s in slot_rows}
     return {s: rows_of[s].index(plan.accepted[s]) for s in slot_rows}
@@ -80,3 +80,16 @@ def test_a_draft_is_kept_only_after_every_draft_before_it():
     assert kept_drafts([3, 4, 5], [3, 4, 9, 1]) == 2
     assert kept_drafts([3, 4, 5], [3, 9, 5, 1]) == 1   # a later match after a miss counts not
     assert kept_drafts([], [2]) == 0
+
+
+def test_kept_rows_over_a_window_of_several_slots():
+    """Runs side by side: each run's rows count up to its first break (a draft unlike the
+    token sampled before it, or a position gap), a row not sampled passes its successor, and
+    a run's breaks stay its own."""
+    tokens = [9, 3, 4, 5, 9, 7, 8, 9, 1, 2]
+    sampled = [3, 4, 6, 0, -1, -1, 5, 2, 2, 0]   # run 1 breaks at 5; run 2's rows not sampled
+    first = [True, False, False, False, True, False, False, True, False, False]
+    assert kept_rows(tokens, sampled, first) == [True, True, True, False,
+                                                 True, True, True, True, False, False]
+    positions = [10, 11, 12, 13, 4, 5, 7, 0, 1, 2]   # run 2 has a gap before its third row
+    assert kept_rows(tokens, sampled, first, positions)[4:7] == [True, True, False]

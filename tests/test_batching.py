@@ -296,5 +296,5 @@ def test_drafts_give_the_solo_tokens(subject, batch, groups, drafts):
         got = harness.run_together(run, cfg, subject.tok, subject.prompts,
                                    params_for(mode, tokens=subject.tokens))
         assert_same(alone[mode], got, f"drafts, batch {batch}, groups {groups}, {mode}")
-        accepted += sum(r.accepted for r in got)
+        accepted += sum(r.drafts.counts.accepted for r in got)
     assert accepted > 0

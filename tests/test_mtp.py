@@ -14,6 +14,7 @@ import pytest
 from gguf import GGUFReader
 
 from strata.bench import harness
+from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
@@ -102,9 +103,10 @@ def test_mtp_drafts_give_the_tokens_of_plain_decoding(subject, split):
                 for i, (want, r) in enumerate(zip(plain, reqs)):
                     assert r.seq.generated == want, (split, mode, label, i)
                 if mode == "greedy":
-                    assert sum(r.accepted for r in reqs) >= sum(r.drafted for r in reqs) // 2, \
-                        (label, [(r.drafted, r.accepted) for r in reqs])
-                assert sum(r.drafted for r in reqs) > 0, label
+                    counts = sum((r.drafts.counts for r in reqs), DraftCounts())
+                    assert counts.accepted >= counts.drafted // 2, \
+                        (label, [r.drafts.counts for r in reqs])
+                assert sum(r.drafts.counts.drafted for r in reqs) > 0, label
 
 
 def test_follow_up_turn_with_mtp_drafts_equals_a_fresh_read(subject):
@@ -156,9 +158,9 @@ def test_coupled_proposals_are_kept_far_more_often_than_argmax_ones(markov):
                     slots=N, ctx=CTX, draft_tokens=k, drafter="mtp", draft_sampling=sampling),
                     tok, prompts, ps)
                 assert [r.seq.generated for r in reqs] == plain, (k, sampling)
-                drafted = sum(r.drafted_at[0] for r in reqs if r.drafted_at)
+                counts = sum((r.drafts.counts for r in reqs), DraftCounts())
+                drafted = counts.drafted_at[0]
                 assert drafted >= N * 3, (k, sampling, drafted)
-                first[k, sampling] = sum(r.accepted_at[0] for r in reqs
-                                         if r.accepted_at) / drafted
+                first[k, sampling] = (counts.accepted_at or [0])[0] / drafted
     for k in (1, 3):
         assert first[k, "coupled"] >= 0.9 and first[k, "argmax"] <= 0.6, first

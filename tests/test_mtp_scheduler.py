@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.engine import Engine, Finished, Job
 from strata.coordinator.metrics import Metrics
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
@@ -109,8 +110,9 @@ def test_mtp_drafts_give_the_tokens_of_plain_decoding(slots, groups, window_rows
     assert [r.seq.generated for r in reqs] == alone
     assert pipe.max_in_flight <= groups * depth
     assert sched.idle and all(pipe.kv[s.index] == s.held for s in sched.table.slots)
-    drafted, accepted = sum(r.drafted for r in reqs), sum(r.accepted for r in reqs)
-    assert (sched.drafted, sched.accepted) == (drafted, accepted)
+    counts = sum((r.drafts.counts for r in reqs), DraftCounts())
+    drafted, accepted = counts.drafted, counts.accepted
+    assert sched.speculation.counts == counts
     # proposals asked for, some kept, some not (with 20 slots, once fewer than 8 decode)
     assert pipe.asked and 0 < accepted < drafted
 
@@ -127,7 +129,8 @@ def test_each_kind_of_proposal(mode):
     reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
     sched.run()
     assert [r.seq.generated for r in reqs] == alone
-    drafted, accepted = sum(r.drafted for r in reqs), sum(r.accepted for r in reqs)
+    counts = sum((r.drafts.counts for r in reqs), DraftCounts())
+    drafted, accepted = counts.drafted, counts.accepted
     windows = len(pipe.decode_drafts)
     tokens = sum(len(g) for g in alone)
     if mode == "true":
@@ -207,11 +210,11 @@ def test_cancels_and_slot_reuse_across_windows():
     for i, r in enumerate(reqs):
         if r.seq.finish_reason == "cancelled":
             assert r.seq.generated == alone[i][:len(r.seq.generated)]
-            assert r.proposals == []
+            assert r.drafts.proposals == []
         else:
             assert r.seq.generated == alone[i], i
     assert sum(r.seq.finish_reason == "cancelled" for r in reqs) >= 2
-    assert sum(r.accepted for r in reqs) > 0
+    assert sum(r.drafts.counts.accepted for r in reqs) > 0
     for slot in sched.table.slots:
         assert pipe.kv[slot.index] == slot.held
 
@@ -227,13 +230,13 @@ def test_a_reused_slot_starts_without_the_last_requests_proposals():
     first = sched.submit(ps[0], params(0))
     while len(first.seq.generated) < 4 and sched.step():
         pass
-    assert first.proposals   # waiting for its next decode window
+    assert first.drafts.proposals   # waiting for its next decode window
     sched.cancel(first)
     state["mode"] = "none"
     second = sched.submit(ps[1], params(1))
     seen = len(pipe.decode_drafts)
     sched.run()
-    assert first.proposals == [] and second.seq.generated == alone[1]
+    assert first.drafts.proposals == [] and second.seq.generated == alone[1]
     assert pipe.decode_drafts[seen:] and all(d == 0 for _, d in pipe.decode_drafts[seen:])
 
 
@@ -254,7 +257,7 @@ def test_proposals_fit_the_room_the_request_has_left():
         req = sched.submit(ps[0], p)
         sched.run()
         assert req.seq.generated == ref.seq.generated and len(req.seq.generated) == max_tokens
-        assert req.drafted == req.accepted == max(max_tokens - 2, 0)
+        assert req.drafts.counts.drafted == req.drafts.counts.accepted == max(max_tokens - 2, 0)
         # the prompt's last chunk asks for what the first decode window can take
         assert pipe.asked_k[:1] == ([max_tokens - 2] if max_tokens > 2 else [])
 
@@ -268,7 +271,6 @@ async def _finish(engine: Engine, name: str, prompt: list[int], p):
 
 
 def test_counters_and_status_count_drafts_proposed_and_accepted():
-    from strata.coordinator.drafts import draft_counts
     ps = prompts(6, random.Random(4))
     alone = run_alone(ps)
     metrics = Metrics()
@@ -286,10 +288,11 @@ def test_counters_and_status_count_drafts_proposed_and_accepted():
         return engine, jobs
 
     engine, jobs = asyncio.run(main())
-    drafted = sum(j.request.drafted for j in jobs)
-    accepted = sum(j.request.accepted for j in jobs)
+    drafted = sum(j.request.drafts.counts.drafted for j in jobs)
+    accepted = sum(j.request.drafts.counts.accepted for j in jobs)
     assert 0 < accepted < drafted
-    assert (engine.snapshot.drafted, engine.snapshot.accepted) == (drafted, accepted)
+    snap = engine.snapshot.draft_counts
+    assert (snap.drafted, snap.accepted) == (drafted, accepted)
     text = metrics.render().decode()
     assert f"strata_draft_tokens_proposed_total {float(drafted)}" in text
     assert f"strata_draft_tokens_accepted_total {float(accepted)}" in text
@@ -309,7 +312,7 @@ def test_counters_and_status_count_drafts_proposed_and_accepted():
     assert sum(p["accepted"] for p in positions) == accepted
     assert (status["drafter"], status["draft_tokens"], status["draft_sampling"]) == (
         "mtp", 3, "argmax")
-    assert draft_counts(0, 0)["rate"] is None
+    assert DraftCounts().report()["rate"] is None
 
 
 def test_a_decoding_slot_shows_its_drafts():
@@ -324,20 +327,19 @@ def test_a_decoding_slot_shows_its_drafts():
     engine = Engine(pipe, mtp_config(draft_tokens=3), frozenset({STOP}), lambda ids: "")
     sched = engine.scheduler   # stepped here, without the engine's thread
     req = sched.submit(ps[0], params(0))
-    while req.drafted < 6 and sched.step():
+    while req.drafts.counts.drafted < 6 and sched.step():
         pass
     view = sched.snapshot().slots[0]
-    assert view.state == "decoding" and (view.drafted, view.accepted) == (req.drafted,
-                                                                           req.accepted)
-    assert 0 < view.accepted < view.drafted
+    assert view.state == "decoding" and view.draft_counts == req.drafts.counts
+    assert 0 < view.draft_counts.accepted < view.draft_counts.drafted
     engine._publish()
     server = Server(engine, None, 64, ServerConfig(model="fake"), Metrics(), lambda: None)
     slot = json.loads(asyncio.run(server.status(None)).text)["slots"][0]
     # "mix" proposals: the first is kept, the two after it never
-    windows = req.drafted // 3
+    windows = req.drafts.counts.drafted // 3
     assert slot["drafts"] == {
-        "proposed": req.drafted, "accepted": req.accepted,
-        "rate": round(req.accepted / req.drafted, 4),
+        "proposed": req.drafts.counts.drafted, "accepted": req.drafts.counts.accepted,
+        "rate": round(req.drafts.counts.accepted / req.drafts.counts.drafted, 4),
         "positions": [{"position": 1, "proposed": windows, "accepted": windows, "rate": 1.0},
                       {"position": 2, "proposed": windows, "accepted": 0, "rate": 0.0},
                       {"position": 3, "proposed": windows, "accepted": 0, "rate": 0.0}]}
@@ -371,8 +373,9 @@ def test_acceptance_per_draft_position_in_status_and_metrics():
     while len(req.seq.generated) < 8 and sched.step():   # windows 4, 5, 6 have come back
         pass
     assert pipe.decode_drafts[:3] == [(0, 3), (0, 3), (0, 3)]
-    assert (req.drafted_at, req.accepted_at) == ([3, 3, 3], [2, 1, 1])
-    assert (sched.drafted_at, sched.accepted_at) == ([3, 3, 3], [2, 1, 1])
+    assert (req.drafts.counts.drafted_at, req.drafts.counts.accepted_at) == ([3, 3, 3], [2, 1, 1])
+    total = sched.speculation.counts
+    assert (total.drafted_at, total.accepted_at) == ([3, 3, 3], [2, 1, 1])
     engine._publish()
     server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, lambda: None)
     status = json.loads(asyncio.run(server.status(None)).text)

@@ -15,6 +15,7 @@ import pytest
 from strata.coordinator.config import SchedulerConfig
 from strata.coordinator.draft_choice import (EXPLORE_EVERY, Acceptance, GroupDrafts,
                                              expected_tokens, share_rows)
+from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.scheduler import Scheduler
 from test_mtp_scheduler import DraftingPipeline, mtp_config, random_policy, truth_of
 from test_scheduler import STOP, params, prompts, run_alone
@@ -132,7 +133,8 @@ def test_rows_go_to_the_slots_whose_drafts_are_kept():
     good = sum(d[s] for d in steady for s in range(4))
     bad = sum(d[s] for d in steady for s in range(4, 8))
     assert good >= 6 * bad and good > 0, (good, bad)
-    assert all(r.accepted == 0 for r in reqs[4:]) and all(r.accepted > 0 for r in reqs[:4])
+    assert all(r.drafts.counts.accepted == 0 for r in reqs[4:])
+    assert all(r.drafts.counts.accepted > 0 for r in reqs[:4])
 
 
 def _alone(prompt: list[int], tokens: int, stop=frozenset({STOP})) -> list[int]:
@@ -164,7 +166,8 @@ def test_pipelined_groups_with_drafts_give_the_tokens_of_plain_decoding(slots, g
     sched.run()
     assert [r.seq.generated for r in reqs] == alone
     assert sched.idle and all(pipe.kv[s.index] == s.held for s in sched.table.slots)
-    drafted, accepted = sum(r.drafted for r in reqs), sum(r.accepted for r in reqs)
+    counts = sum((r.drafts.counts for r in reqs), DraftCounts())
+    drafted, accepted = counts.drafted, counts.accepted
     assert 0 < accepted < drafted   # partial acceptance: rejected drafts were committed away
     # drafts took rows past the pad in some window (more live rows than slots rounded up)
     assert any(live > -(-len(d) // 8) * 8 for _, _, live, d in pipe.decodes)
@@ -194,10 +197,10 @@ def test_cancels_across_groups_while_windows_grow():
     assert len(cancelled) >= 3 and {r.slot.group for r in cancelled} == {0, 1}
     for i, r in enumerate(reqs):
         if r in cancelled:
-            assert r.seq.generated == alone[i][:len(r.seq.generated)] and r.proposals == []
+            assert r.seq.generated == alone[i][:len(r.seq.generated)] and r.drafts.proposals == []
         else:
             assert r.seq.generated == alone[i], i
-    assert sum(r.accepted for r in reqs) > 0
+    assert sum(r.drafts.counts.accepted for r in reqs) > 0
     assert any(live > 8 for _, _, live, _ in pipe.decodes)   # windows grew past 8 rows
     for slot in sched.table.slots:
         assert pipe.kv[slot.index] == slot.held
@@ -232,14 +235,15 @@ def test_auto_takes_the_most_drafts_that_keep_windows_cheap_when_drafts_are_kept
     group's windows of 4 slots settle at 16 rows (explorations aside)."""
     sched, pipe, reqs = run_auto(lambda s, w: "true", tokens=220)
     for group in (0, 1):
-        timed = {(r, k): ms for r, k, ms in sched.groups[group].drafts.timed()}
+        timed = {(r, k): ms for r, k, ms in sched.speculation.groups[group].timed()}
         # a window's own time, not the other group's before it
         assert timed[(16, 3)] == pytest.approx(10.6) and timed[(32, 7)] == pytest.approx(41.4)
         full = [(r, d) for g, r, _, d in pipe.decodes if g == group and len(d) == 4]
         late = full[len(full) // 2:]
         assert sum(r == 16 and set(d.values()) == {3} for r, d in late) >= 0.8 * len(late), \
             [r for r, _ in full]
-    assert sum(r.accepted for r in reqs) > 0.8 * sum(r.drafted for r in reqs)
+    counts = sum((r.drafts.counts for r in reqs), DraftCounts())
+    assert counts.accepted > 0.8 * counts.drafted
 
 
 def test_auto_stops_drafting_when_drafts_are_never_kept():
@@ -249,12 +253,12 @@ def test_auto_stops_drafting_when_drafts_are_never_kept():
     sched, pipe, reqs = run_auto(lambda s, w: "wrong",
                                  cost=lambda r, k: 0.010 + 0.002 * k, tokens=200)
     for group in (0, 1):
-        choice = sched.groups[group].drafts.choice
+        choice = sched.speculation.groups[group].choice
         assert choice.k == 0 and choice.acceptance < 0.2, choice
         late = [d for g, _, _, d in pipe.decodes if g == group][-100:]
         drafted = sum(1 for d in late if sum(d.values()))
         assert drafted <= 100 // EXPLORE_EVERY * 2 + 2, drafted
-    assert sum(r.accepted for r in reqs) == 0
+    assert sum(r.drafts.counts.accepted for r in reqs) == 0
 
 
 def test_auto_counts_the_coordinators_work_on_serial_windows():
@@ -268,7 +272,7 @@ def test_auto_counts_the_coordinators_work_on_serial_windows():
     half = lambda slot, wid: memo.setdefault((slot, wid), coin.choice(("true", "wrong")))
     sched, pipe, reqs = run_auto(half, tokens=160, groups=1, rounds=2,
                                  host=lambda live: 0.002 * live)
-    timed = {(r, k): ms for r, k, ms in sched.groups[0].drafts.timed()}
+    timed = {(r, k): ms for r, k, ms in sched.speculation.groups[0].timed()}
     assert timed[(16, 1)] == pytest.approx(10 + 0.2 + 16 * 2), timed   # its whole cycle
     # while all 8 slots decode (before the last requests end), drafts only to explore
     full = [d for _, _, live, d in pipe.decodes if len(d) == 8]

@@ -16,6 +16,7 @@ import pytest
 
 from strata.bench import harness
 from strata.coordinator.config import round_rows
+from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
@@ -96,7 +97,8 @@ def check(run, tok, n: int, tokens: int, cancel_after: int | None = None) -> Non
                     assert r.seq.generated == want[:len(r.seq.generated)], (mode, label, i)
                 else:
                     assert r.seq.generated == want, (mode, label, i)
-            drafted, accepted = sum(r.drafted for r in reqs), sum(r.accepted for r in reqs)
+            counts = sum((r.drafts.counts for r in reqs), DraftCounts())
+            drafted, accepted = counts.drafted, counts.accepted
             assert 0 < accepted < drafted, (mode, label, drafted, accepted)
             if mode == "greedy":
                 # many kept, many not

@@ -71,7 +71,7 @@ def test_tokens_and_logprobs_are_exact_together_pipelined_and_drafted(smol, alon
         for i, (want, got) in enumerate(zip(alone, answers(reqs))):
             assert got == want, (label, i)
         if cfg.draft_tokens:
-            assert sum(r.accepted for r in reqs) > 0, [(r.drafted, r.accepted) for r in reqs]
+            assert sum(r.drafts.counts.accepted for r in reqs) > 0, [r.drafts.counts for r in reqs]
     # the penalties and biases change the text (so the comparisons above could fail)
     plain = harness.run_together(run, configs["together"], tok, prompts, PLAIN)
     assert all(p.seq.generated != want[0] for p, want in zip(plain, alone))

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from test_scheduler import STOP, params
@@ -66,7 +67,8 @@ def test_drafts_across_a_restart_give_solo_tokens(drafter):
                           drafter=drafter)
     pipe = Crashing(cfg.slots, cfg.ctx, **kw)
     sched, reqs, _ = serve(pipe, cfg, ps, ps_params)
-    assert 0 < sum(r.accepted for r in reqs) < sum(r.drafted for r in reqs)
+    counts = sum((r.drafts.counts for r in reqs), DraftCounts())
+    assert 0 < counts.accepted < counts.drafted
     n = pipe.calls
     sweep(cfg, ps, ps_params, want, [{k: k % 2} for k in range(1, n + 1)], kw)
 
@@ -258,7 +260,7 @@ def test_a_decode_window_given_up_is_not_timed():
     now[0] += 30.0   # the stage loads again
     sched.restarted()
     while sched.step():
-        times = sched.groups[0].drafts.ms
+        times = sched.speculation.groups[0].ms
         assert times and max(times.values()) < 1000, times
     assert [r.seq.generated for r in reqs] == [g for g, _ in reference(ps, [params(0, 30),
                                                                           params(1, 30)],

@@ -358,7 +358,7 @@ def test_a_stage_answers_a_heartbeat_only_once_its_device_is_past_the_windows(ti
     a heartbeat that comes meanwhile waits for the device, so a device that never finishes
     leaves it unanswered. The order, on a CPU stage given such an answer in hand."""
     from inprocess import in_process_worker
-    from strata.stage_worker.worker import PendingAnswer
+    from strata.stage_worker.last_stage import PendingAnswer
 
     class Busy:   # a device event not reached yet
         def query(self) -> bool:
@@ -366,13 +366,13 @@ def test_a_stage_answers_a_heartbeat_only_once_its_device_is_past_the_windows(ti
 
     answered = []
     with in_process_worker(tiny_model, layer_end=4, slots=1, ctx=64) as stage:
-        pending = stage.worker.pending = PendingAnswer(None, 0.0, None, done=Busy())
-        stage.worker._answer = answered.append   # the window's Result (it waits for the device)
+        pending = stage.worker.last.pending = PendingAnswer(None, 0.0, None, done=Busy())
+        stage.worker.last._answer = answered.append   # its Result (it waits for the device)
         stage.send(transport.pack(Heartbeat(5)))
         stage.step()
         assert answered == [pending]   # before the heartbeat's answer is sent
         (answer,) = stage.answers(1)
-    assert answer == Heartbeat(5, 0) and stage.worker.pending is None
+    assert answer == Heartbeat(5, 0) and stage.worker.last.pending is None
 
 
 @pytest.mark.parametrize("scheme", ["unix", "ipc"])

@@ -132,9 +132,10 @@ def test_drafts_fill_only_the_spare_rows_of_the_rounded_size(slots, decoding, dr
         assert rows == round8(decoding) and len(live) == rows, (rows, live)
     for rows, live in rec.decodes:
         assert rows == round8(len(set(live))) and len(live) <= rows, (rows, live)
-    drafted = sum(r.drafted for r in reqs)
+    drafted = sum(r.drafts.counts.drafted for r in reqs)
     assert drafted == sum(len(live) - len(set(live)) for _, live in rec.decodes)
-    assert (drafted > 0) == (decoding % 8 != 0) and sum(r.accepted for r in reqs) == drafted
+    assert (drafted > 0) == (decoding % 8 != 0)
+    assert sum(r.drafts.counts.accepted for r in reqs) == drafted
     plain = run_recorded(SchedulerConfig(slots=slots, ctx=128), prompts, sampling,
                          pipe=RepeatsTwelveBack(slots, 128))[1]
     assert [r.seq.generated for r in reqs] == [r.seq.generated for r in plain]

@@ -12,7 +12,7 @@ from dataclasses import replace
 import click
 
 from strata.coordinator.config import DRAFT_SAMPLINGS, MAX_DRAFT_TOKENS
-from strata.coordinator.drafts import draft_counts
+from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
@@ -39,20 +39,12 @@ def run_arm(run, cfg: SchedulerConfig, tok: Tokenizer, prompts: list[list[int]],
             raise PipelineError(r.error)
     tokens = sum(len(r.seq.generated) for r in reqs)
     windows = run.pipe.next_window_id - first
-    drafted_at = _per_position([r.drafted_at for r in reqs], cfg.max_draft_tokens)
-    accepted_at = _per_position([r.accepted_at for r in reqs], cfg.max_draft_tokens)
-    counts = draft_counts(sum(drafted_at), sum(accepted_at), drafted_at, accepted_at,
-                          cfg.max_draft_tokens)
+    counts = sum((r.drafts.counts for r in reqs), DraftCounts()).report(cfg.max_draft_tokens)
     return {"total_tok_s": tokens / seconds, "tokens": tokens, "windows": windows,
             "tok_per_window": tokens / windows, "drafted": counts["proposed"],
             "accepted": counts["accepted"], "rate": counts["rate"],
             "positions": counts.get("positions", []),
             "generated": [r.seq.generated for r in reqs]}
-
-
-def _per_position(counts: list[list[int]], k: int) -> list[int]:
-    """The requests' per-position counts summed, positions 1..k (index j - 1)."""
-    return [sum(c[j] for c in counts if j < len(c)) for j in range(k)]
 
 
 @click.command()

@@ -183,11 +183,11 @@ class Throughput:
     @property
     def drafted(self) -> int:
         """Draft tokens verified in windows, all requests."""
-        return sum(r.drafted for r in self.requests)
+        return sum(r.drafts.counts.drafted for r in self.requests)
 
     @property
     def accepted(self) -> int:
-        return sum(r.accepted for r in self.requests)
+        return sum(r.drafts.counts.accepted for r in self.requests)
 
     @property
     def tokens_per_window(self) -> float:

@@ -1,4 +1,4 @@
-"""How many drafts a group's slots verify, and which slots get the rows (the scheduler asks).
+"""How many drafts a group's slots verify, and which slots get the rows (speculation.py asks).
 
 Rows: a decode window of n decoding slots has round8(n) rows without drafts; drafts may grow
 it up to SchedulerConfig.draft_window_rows(round8(n)) rows. When the slots want more drafts

@@ -23,8 +23,9 @@ Two drafters (SchedulerConfig.drafter):
 - mtp: the model's NextN head on the last stage. A window asks it for proposals
   (`Window.propose`: [slot, k] for slots with rows in it); right after sampling, the last
   stage runs the head on the rows equality accepts and answers them with the tokens
-  (`Result.proposals`: [slot, d1..dk]). The scheduler keeps them on the request and puts as
-  many as fit in the slot's next decode window: no window of its own is spent on drafting.
+  (`Result.proposals`: [slot, d1..dk]). The coordinator keeps them on the request
+  (speculation.py) and puts as many as fit in the slot's next decode window: no window of
+  its own is spent on drafting.
   For a request that samples with a temperature the proposals can be coupled
   (SchedulerConfig.draft_sampling "coupled"; the default is "argmax"): the token at position q is drawn
   with u(q) = Philox(seed, q) whatever the window (sampling.py), so the window that asks for
@@ -42,9 +43,11 @@ Either way acceptance is the same equality, so the drafter changes the windows, 
 
 Acceptance per draft position: a slot's drafts d_1..d_k in a window count as proposed at
 positions 1..k, and d_j as accepted at position j when d_1..d_j all equal the tokens sampled
-before them (Request.drafted_at / accepted_at, the scheduler's totals, /v1/status, /metrics).
+before them (DraftCounts: a request's, the scheduler's totals, /v1/status, /metrics).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from strata.coordinator.sequence import Sequence
 
@@ -58,27 +61,90 @@ def draft_room(decoding: int, draft_tokens: int, window_rows: int) -> int:
     return max(min(draft_tokens, window_rows - decoding), 0)
 
 
-def count_positions(counts: list[int], n: int) -> None:
-    """One more at draft positions 1..n: counts[j - 1] is position j's (grown as needed)."""
-    counts.extend([0] * (n - len(counts)))
-    for j in range(n):
-        counts[j] += 1
+@dataclass
+class DraftCounts:
+    """Draft tokens put in windows and kept of them (equal to the token sampled at their
+    position), in all and per draft position j = 1.. (index j - 1): a slot's drafts d_1..d_n
+    in a window count as drafted at 1..n, and d_j as kept at j when d_1..d_j all were. A
+    request's, or every request's (the scheduler's); /v1/status, /metrics and the bench
+    report these. Kept as how many windows of a slot had n drafts and kept j of them (index
+    n, j), so that a window counts in O(1)."""
+    drafted: int = 0
+    accepted: int = 0
+    by_drafted: list[int] = field(default_factory=lambda: [0])   # [n]: windows with n drafts
+    by_kept: list[int] = field(default_factory=lambda: [0])      # [j]: windows that kept j
+
+    def add(self, drafted: int, accepted: int) -> None:
+        """One slot's window: `accepted` of its `drafted` drafts kept."""
+        if not drafted:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted >= len(self.by_drafted):
+            self.by_drafted.extend([0] * (drafted + 1 - len(self.by_drafted)))
+        self.by_drafted[drafted] += 1
+        if accepted >= len(self.by_kept):
+            self.by_kept.extend([0] * (accepted + 1 - len(self.by_kept)))
+        self.by_kept[accepted] += 1
+
+    @property
+    def drafted_at(self) -> list[int]:
+        """Drafts put at position j = 1.. (index j - 1): the windows with at least j."""
+        return _at_least(self.by_drafted)
+
+    @property
+    def accepted_at(self) -> list[int]:
+        """Drafts kept at position j = 1.. (index j - 1): the windows that kept at least j."""
+        return _at_least(self.by_kept)
+
+    def __add__(self, other: DraftCounts) -> DraftCounts:
+        return DraftCounts(self.drafted + other.drafted, self.accepted + other.accepted,
+                           _plus(self.by_drafted, other.by_drafted),
+                           _plus(self.by_kept, other.by_kept))
+
+    def copy(self) -> DraftCounts:
+        return DraftCounts(self.drafted, self.accepted, list(self.by_drafted),
+                           list(self.by_kept))
+
+    def since(self, before: DraftCounts) -> DraftCounts:
+        """What was counted after `before` (an earlier copy of these counts)."""
+        less = lambda a, b: _plus(a, [-c for c in b])  # noqa: E731
+        return DraftCounts(self.drafted - before.drafted, self.accepted - before.accepted,
+                           less(self.by_drafted, before.by_drafted),
+                           less(self.by_kept, before.by_kept))
+
+    def report(self, positions: int = 0) -> dict:
+        """Proposed, kept, and the share kept (None before any); with "positions" the same for
+        each draft position j = 1..max(positions, those counted)."""
+        counts = _rate(self.drafted, self.accepted)
+        drafted_at, accepted_at = self.drafted_at, self.accepted_at
+        n = max(positions, len(drafted_at))
+        if n:
+            at = lambda c, j: c[j] if j < len(c) else 0  # noqa: E731
+            counts["positions"] = [dict(position=j + 1, **_rate(at(drafted_at, j),
+                                                                at(accepted_at, j)))
+                                   for j in range(n)]
+        return counts
 
 
-def draft_counts(proposed: int, accepted: int, proposed_at=(), accepted_at=(),
-                 positions: int = 0) -> dict:
-    """Draft tokens put in windows, kept of them, and the share kept (None before any); with
-    "positions" the same for each draft position j = 1..max(positions, those counted), where
-    a draft at j is kept only if those at 1..j-1 were."""
-    counts = {"proposed": proposed, "accepted": accepted,
-              "rate": round(accepted / proposed, 4) if proposed else None}
-    n = max(positions, len(proposed_at))
-    if n:
-        at = lambda c, j: c[j] if j < len(c) else 0  # noqa: E731
-        counts["positions"] = [dict(position=j + 1, **draft_counts(at(proposed_at, j),
-                                                                   at(accepted_at, j)))
-                               for j in range(n)]
-    return counts
+def _rate(proposed: int, accepted: int) -> dict:
+    return {"proposed": proposed, "accepted": accepted,
+            "rate": round(accepted / proposed, 4) if proposed else None}
+
+
+def _plus(a: list[int], b: list[int]) -> list[int]:
+    """Two counts by index added (a missing index counts 0)."""
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def _at_least(windows: list[int]) -> list[int]:
+    """From windows by count [n] to counts at positions 1..: [sum(windows[j:]) for j >= 1]."""
+    out, total = [], 0
+    for c in reversed(windows[1:]):
+        total += c
+        out.append(total)
+    return out[::-1]
 
 
 def draft_limit(seq: Sequence, room: int, draft_tokens: int, ahead: int = 0) -> int:

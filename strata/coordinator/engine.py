@@ -37,6 +37,7 @@ from strata.coordinator.metrics import Metrics
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.sampling_params import SamplingParams, TokenLogprob
 from strata.coordinator.draft_choice import DraftChoice
+from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.scheduler import (DecodeWindow, Request, Scheduler, SchedulerConfig,
                                           SlotState)
 from strata.protocol.messages import Window
@@ -127,11 +128,8 @@ class Snapshot:
     queued: int = 0
     windows: int = 0
     decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
-    drafted: int = 0    # draft tokens sent in windows since the start
-    accepted: int = 0   # of them, kept
+    draft_counts: DraftCounts = field(default_factory=DraftCounts)   # since the start
     draft_choices: tuple[DraftChoice | None, ...] = ()   # per group: what its windows carry
-    drafted_at: tuple[int, ...] = ()    # the same per draft position j = 1.. (index j - 1)
-    accepted_at: tuple[int, ...] = ()
 
 
 def _window_kind(w: Window) -> str:
@@ -398,14 +396,10 @@ class Engine:
         now = time.monotonic()
         if self.metrics:  # the drafts verified since the last snapshot
             last = self.snapshot
-            self.metrics.observe_drafts(snap.drafted - last.drafted,
-                                        snap.accepted - last.accepted,
-                                        _since(snap.drafted_at, last.drafted_at),
-                                        _since(snap.accepted_at, last.accepted_at))
+            self.metrics.observe_drafts(snap.draft_counts.since(last.draft_counts))
         self.snapshot = Snapshot(tuple(self._view(s, now) for s in snap.slots), snap.in_flight,
                                  snap.queued, self.pipe.windows, snap.decode_windows,
-                                 snap.drafted, snap.accepted, snap.draft_choices,
-                                 snap.drafted_at, snap.accepted_at)
+                                 snap.draft_counts, snap.draft_choices)
         held, self._held = self._held or [], None
         for job, fin in held:
             job.post(fin)
@@ -418,7 +412,3 @@ class Engine:
             rate = (job.tokens - 1) / (now - job.first_token)
         return SlotView(**vars(s), job=job.id if job else None, tok_s=rate)
 
-
-def _since(now: tuple[int, ...], before: tuple[int, ...]) -> list[int]:
-    """Per-position counts added since `before` (the lists only grow)."""
-    return [n - (before[i] if i < len(before) else 0) for i, n in enumerate(now)]

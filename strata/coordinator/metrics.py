@@ -3,10 +3,12 @@ so two servers in one process, or a test, don't collide). prometheus_client's me
 thread-safe: the engine thread observes windows and tokens, the event loop counts requests."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from strata.coordinator.drafts import DraftCounts
 
 # a CPU window of a small model takes milliseconds, a prompt chunk of a big one seconds
 WINDOW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -82,17 +84,16 @@ class Metrics:
         self.window_rows.labels("size").observe(rows)
         self.window_rows.labels("live").observe(live)
 
-    def observe_drafts(self, proposed: int, accepted: int, proposed_at: Sequence[int] = (),
-                       accepted_at: Sequence[int] = ()) -> None:
+    def observe_drafts(self, counts: DraftCounts) -> None:
         """Draft tokens verified since the last call: put in windows, and kept of them; the
-        same per draft position (index j - 1 is position j)."""
-        if proposed:
-            self.drafts_proposed.inc(proposed)
-        if accepted:
-            self.drafts_accepted.inc(accepted)
-        for counter, counts in ((self.drafts_proposed_at, proposed_at),
-                                (self.drafts_accepted_at, accepted_at)):
-            for j, n in enumerate(counts, 1):
+        same per draft position."""
+        if counts.drafted:
+            self.drafts_proposed.inc(counts.drafted)
+        if counts.accepted:
+            self.drafts_accepted.inc(counts.accepted)
+        for counter, at in ((self.drafts_proposed_at, counts.drafted_at),
+                            (self.drafts_accepted_at, counts.accepted_at)):
+            for j, n in enumerate(at, 1):
                 if n:
                     counter.labels(str(j)).inc(n)
 

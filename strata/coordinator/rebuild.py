@@ -33,7 +33,7 @@ def start_rebuild(slot: Slot) -> None:
     is its prompt, then all its tokens but the last if it has decoded."""
     req = slot.request
     # nothing of its prompt is held any more: it reads it all again
-    slot.read_pos, req.reused, req.proposals = 0, 0, []
+    slot.read_pos, req.reused, req.drafts.proposals = 0, 0, []
     slot.rebuild = req.seq.length - 1 if req.seq.generated else 0
     if slot.rebuild:
         log.info("request %d: slot %d writes %d positions again", req.id, slot.index,

@@ -1,7 +1,9 @@
 """The batch scheduler: slots in groups, windows in flight, admissions, completions, cancels.
 
-Policy only: windows are built by windows.py and run by Pipeline. Every slot belongs to one
-group; a group has one window in flight at a time. `groups == 1` is serial (a window passes
+Policy only: windows are built by windows.py and run by Pipeline; what concerns drafts (which
+drafts a decode window verifies, the proposals it asks for, what the tokens keep) is
+speculation.py's, which the scheduler calls. Every slot belongs to one group; a group has one
+window in flight at a time. `groups == 1` is serial (a window passes
 every stage and returns before the next); `groups == G` keeps up to G windows in flight, one per
 group, each on a different stage. One exception: while a group has no decoding slot, it streams
 the prompt chunks of the slot it reads, up to `prompt_depth` in flight (chunk k+1 on stage 0
@@ -15,22 +17,10 @@ after the last one served), and has that many rows rounded up to a multiple of 8
 1 decoding slot -> 8 rows, 9 -> 16, 40 -> 40, 70 with window_rows 64 -> 64 rows each window.
 So a window reads the weights once for all its rows, and a lone request pays for 8 rows, not
 for window_rows. The rounding's spare rows are pad rows (slot -1). With draft_tokens, a slot
-verifies up to K drafts (drafts.py) in rows beyond its own: the pad rows, and up to draft_rows
-more (draft_window_rows: by default up to the window's row tile, 32 or 64 rows), so 4 decoding
-slots with K = 7 take a window of 32 rows; when the slots want more rows than that, the rows go
-to the drafts most likely to be kept, by each request's recent acceptance (draft_choice.py).
-With draft_tokens auto, K is chosen per group from its measured window times and acceptance.
-The stages compute a row the same whatever the window's size (batch-invariant kernels), so
+verifies up to K drafts (drafts.py) in rows beyond its own (speculation.py): the pad rows,
+and up to draft_rows more (draft_window_rows: by default up to the window's row tile, 32 or
+64 rows), so 4 decoding slots with K = 7 take a window of 32 rows. The stages compute a row the same whatever the window's size (batch-invariant kernels), so
 neither the size nor which slot gets drafts changes a token.
-
-MTP drafts (drafter "mtp"): each decode window, and a prompt's last chunk, asks the last
-stage's drafter for proposals for its slots (`propose`, k = the group's drafts per slot,
-within the rows its next decode window may have); its Result carries them, and they wait on
-the request until the slot's next decode window, which puts as many as fit in its rows. A group sends a slot's next decode
-window only after the previous window of the group has come back (one window in flight per
-group, and a group's prompt chunks stream only while it has no decoding slot), so the
-proposals are always there in time, with any number of groups. A request that ends drops its
-proposals with it; a request new to a slot has none until its first Result.
 
 Which window next, in a group: each prompt chunk (oldest request first) delays the decoding
 slots by one window whenever it runs; the order decides who waits when. While the decode
@@ -70,8 +60,6 @@ from typing import Callable
 
 from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_groups re-exported)
     WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
-from strata.coordinator.draft_choice import share_rows
-from strata.coordinator.drafts import PromptLookup, count_positions, draft_limit
 from strata.coordinator.grammar import Constraint, WindowMasks
 from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.rebuild import decoded_rows, start_rebuild
@@ -80,8 +68,8 @@ from strata.coordinator.scheduler_state import (  # noqa: F401 (the state types 
     DecodeWindow, Flight, Group, Request, RowOwner, SchedulerSnapshot, SlotState)
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.slots import Slot, SlotTable
+from strata.coordinator.speculation import Speculation
 from strata.coordinator.windows import Row, build_window
-from strata.protocol.acceptance import kept_drafts
 
 log = logging.getLogger("strata.scheduler")
 
@@ -99,10 +87,7 @@ class Scheduler:
         self.in_flight: dict[int, Flight] = {}     # window id -> what its rows serve
         self.groups = [Group() for _ in range(cfg.groups)]
         self.commits: list[tuple[int, int]] = []   # ride on the next window submitted
-        self.drafted = self.accepted = 0            # draft tokens, every request's
-        self.landed_at = 0.0                        # when the last result came (clock)
-        self.drafted_at: list[int] = []             # the same per draft position (drafts.py)
-        self.accepted_at: list[int] = []
+        self.speculation = Speculation(cfg)         # drafts: offered, asked for, accepted
         self._ids = itertools.count(1)
 
     # --- requests -----------------------------------------------------------------------------
@@ -143,14 +128,11 @@ class Scheduler:
                      "reading" if slot.reading else "decoding")
             views.append(SlotState(slot.index, slot.group, state,
                                    req.id, prompt, slot.read_pos, req.reused,
-                                   len(req.seq.generated), drafted=req.drafted,
-                                   accepted=req.accepted, drafted_at=tuple(req.drafted_at),
-                                   accepted_at=tuple(req.accepted_at)))
+                                   len(req.seq.generated),
+                                   draft_counts=req.drafts.counts.copy()))
         return SchedulerSnapshot(tuple(views), tuple(g.flights for g in self.groups),
                                  len(self.queue), tuple(g.last_decode for g in self.groups),
-                                 self.drafted, self.accepted,
-                                 tuple(g.drafts.choice for g in self.groups),
-                                 tuple(self.drafted_at), tuple(self.accepted_at))
+                                 self.speculation.counts.copy(), self.speculation.choices())
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -185,9 +167,7 @@ class Scheduler:
             log.error("dropped a result for window %d, which is not in flight", result.id)
             return True
         self._landed(flight.group)
-        now = self.clock()   # times the group's decode windows (draft_choice.py)
-        self.groups[flight.group].drafts.landed(now, self.landed_at)
-        self.landed_at = now
+        self.speculation.landed(flight.group, self.clock())   # times its decode windows
         if (len(result.tokens) != sum(o.sampled for o in flight.owners)
                 or len(result.logprobs) != sum(o.logprobs for o in flight.owners)):
             self._fail(flight, f"window {result.id} came back with {len(result.tokens)} tokens "
@@ -197,7 +177,9 @@ class Scheduler:
         sampled = iter(result.tokens)
         scored = iter(zip(result.logprobs, result.top_ids, result.top_logprobs))
         proposals = {p[0]: p[1:] for p in result.proposals}   # slot -> d1..dk
+        kept = iter(self.speculation.verify(flight.owners, result.tokens))
         for o in flight.owners:
+            drafts_kept = next(kept)
             tokens = [next(sampled) for _ in range(o.sampled)]
             entries = [next(scored) for _ in range(o.logprobs)]
             prompt, logprobs = entries[:len(o.scores)], entries[len(o.scores):]
@@ -208,7 +190,7 @@ class Scheduler:
             for position, entry in zip(o.scores, prompt):
                 seq.prompt_logprobs[position] = TokenLogprob.of(seq.prompt[position], entry)
             if tokens:
-                self._accept(o.slot, o.request, tokens, o.drafts,
+                self._accept(o.slot, o.request, tokens, o.drafts, drafts_kept,
                              proposals.get(o.slot.index, []),
                              [TokenLogprob.of(t, e) for t, e in zip(tokens, logprobs)])
             elif o.ends:
@@ -216,34 +198,17 @@ class Scheduler:
         return True
 
     def _accept(self, slot: Slot, req: Request, tokens: list[int], drafts: list[int],
-                proposals: list[int] = (), logprobs: list[TokenLogprob] = ()) -> None:
-        """tokens[j] was sampled at position L + j (L: the sequence's length before); it
-        counts while the drafts before it are kept (protocol/acceptance.py's rule, which the
-        last stage's drafter applies too) and the sequence has not finished.
-        proposals: the drafter's for the positions after the tokens that count (the last
-        stage accepts by the same equality), kept for the slot's next decode window. Draft
-        position i counts as proposed for i <= len(drafts), as accepted for i <= j.
-        logprobs: tokens[j]'s, when the request asks for them."""
+                kept: int, proposals: list[int] = (), logprobs: list[TokenLogprob] = ()
+                ) -> None:
+        """The slot's sampled tokens, `kept` of its drafts kept (speculation.py): the request
+        ends, or the KV of the drafts it did not keep is dropped."""
         start = req.seq.length
-        kept = kept_drafts(drafts, tokens)
-        for j, token in enumerate(tokens[:kept + 1]):
-            done = req.seq.accept(token, logprobs[j] if logprobs else None)
-            if done:
-                break
-        req.drafted += len(drafts)
-        req.accepted += j      # drafts equal to the token sampled at their position
-        self.drafted += len(drafts)
-        self.accepted += j
-        for drafted_at, accepted_at in ((req.drafted_at, req.accepted_at),
-                                        (self.drafted_at, self.accepted_at)):
-            count_positions(drafted_at, len(drafts))
-            count_positions(accepted_at, j)
-        req.proposals = [] if done else list(proposals)
+        kept, done = self.speculation.accept(req, tokens, drafts, kept, proposals, logprobs)
         if done:
             req.error = req.error or req.seq.error
             self._release(slot, req, req.seq.finish_reason)
-        elif j < len(drafts):  # rows of rejected drafts hold KV past L + j: drop it
-            self.commits.append((slot.index, start + j))
+        elif kept < len(drafts):  # rows of rejected drafts hold KV past L + kept: drop it
+            self.commits.append((slot.index, start + kept))
 
     def run(self) -> None:
         while self.step():
@@ -305,9 +270,7 @@ class Scheduler:
 
     def _submit_decode(self, group: int, decoding: list[Slot]) -> None:
         """The next decode window of the group: up to window_rows decoding slots (in rotation),
-        each with up to the group's drafts per slot; its rows (slots and drafts) rounded up to a
-        multiple of 8, at most draft_window_rows of the slots' own size. When the slots want
-        more drafts than fit, the rows go to those most likely to be kept (share_rows)."""
+        each with the drafts speculation.py offers it."""
         g = self.groups[group]
         # in slot order, from the slot after the last one served: slots that join or leave
         # don't make others skip their turn
@@ -315,41 +278,16 @@ class Scheduler:
                  + [s for s in decoding if s.index <= g.cursor])
         chosen = order[: self.cfg.window_rows]
         g.cursor = chosen[-1].index
-        for s in chosen:   # the drafts of each slot's last window, kept or not
-            self._observe_drafts(g, s.request)
-        k = g.drafts.per_slot(self.cfg, len(chosen))
-        wants = [self._drafts(s.request, k) for s in chosen]
-        wants = [d if s.request.seq.grammar is None else s.request.seq.grammar.drafts(d)
-                 for s, d in zip(chosen, wants)]   # the drafts the grammar allows
-        prior = g.drafts.acceptance.rate()
-        limit = self.cfg.draft_window_rows(round_rows(len(chosen))) if k else len(chosen)
-        shares = share_rows([len(d) for d in wants],
-                            [s.request.acceptance.rate(prior) for s in chosen],
-                            limit - len(chosen))
-        rows, owners, propose, masks = [], [], [], WindowMasks()
-        for s, offered, n in zip(chosen, wants, shares):
-            seq, drafts = s.request.seq, offered[:n]
+        offer = self.speculation.offer(group, chosen)
+        rows, owners, masks = [], [], WindowMasks()
+        for s, drafts in zip(chosen, offer.drafts):
+            seq = s.request.seq
             mask = masks.add(seq.grammar, drafts) if seq.grammar is not None else None
-            rows += [seq.sampled_row(s.index, seq.length - 1 + j, t,
-                                     -1 if mask is None else mask + j)
-                     for j, t in enumerate([seq.last_token] + drafts)]
+            rows += seq.decode_rows(s.index, drafts, -1 if mask is None else mask)
             owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
-            propose += self._propose(s, len(chosen))
-        size = round_rows(len(rows))   # <= MAX_WINDOW_ROWS (draft_window_rows)
-        mtp = self.cfg.drafter == "mtp"
-        if not self.cfg.auto_drafts and self.cfg.draft_tokens:
-            g.drafts.choice = g.drafts.describe(k, size, len(chosen), k if mtp else 0)
-        if self._submit(group, rows, size, owners, propose=propose, timed=(size, k if mtp else 0),
-                        masks=masks):
-            g.last_decode = DecodeWindow(size, len(rows))
-
-    def _observe_drafts(self, g: Group, req: Request) -> None:
-        """Count the request's drafts verified since it was last looked at (its last decode
-        window's) into its acceptance and its group's."""
-        drafted, accepted = req.drafted - req.observed[0], req.accepted - req.observed[1]
-        req.observed = (req.drafted, req.accepted)
-        req.acceptance.observe(drafted, accepted)
-        g.drafts.acceptance.observe(drafted, accepted)
+        if self._submit(group, rows, offer.rows, owners, propose=offer.propose,
+                        timed=offer.timed, masks=masks):
+            g.last_decode = DecodeWindow(offer.rows, len(rows))
 
     def _submit_chunk(self, group: int, slot: Slot) -> None:
         seq, start = slot.request.seq, slot.read_pos
@@ -373,35 +311,11 @@ class Scheduler:
         # after its first token, the slot decodes beside the group's decoding slots
         decoding = sum(not s.free and not s.reading
                        for s in self.table.in_group(group))
-        propose = self._propose(slot, min(decoding, self.cfg.window_rows)) if last else []
+        propose = (self.speculation.ask(group, [slot], min(decoding, self.cfg.window_rows))
+                   if last else [])
         owner = RowOwner(slot, slot.request, int(last), scores=scores, ends=ends and not last)
         self._submit(group, rows, self.cfg.chunk_rows, [owner], chunk=True, propose=propose,
                      masks=masks)
-
-    def _drafts(self, req: Request, room: int) -> list[int]:
-        """Draft tokens on offer for the request's next window: at most `room`, within the
-        context and the tokens it may still generate (the last row's token is sampled anyway);
-        the window takes a prefix of them (share_rows)."""
-        seq = req.seq
-        k = draft_limit(seq, room, self.cfg.max_draft_tokens)
-        if self.cfg.drafter == "mtp":  # the proposals its last Result carried, used once
-            drafts, req.proposals = req.proposals[:max(k, 0)], []
-            return drafts
-        if k <= 0:
-            return []
-        if req.drafter is None:
-            req.drafter = PromptLookup(seq.prompt)
-        req.drafter.extend(seq.generated[len(req.drafter.tokens) - len(seq.prompt):])
-        return req.drafter.propose(k)
-
-    def _propose(self, slot: Slot, decoding: int) -> list[tuple[int, int]]:
-        """mtp: [(slot, k)] asking for the drafts the slot's next decode window, one of about
-        `decoding` slots, has room for (it holds one more token by then); else []."""
-        if self.cfg.drafter != "mtp" or not self.cfg.draft_tokens:
-            return []
-        room = self.groups[slot.group].drafts.room(self.cfg, decoding)
-        k = draft_limit(slot.request.seq, room, self.cfg.max_draft_tokens, ahead=1)
-        return [(slot.index, k)] if k >= 1 else []
 
     def _submit(self, group: int, rows: list[Row], shape: int, owners: list[RowOwner],
                 chunk: bool = False, propose: list[tuple[int, int]] = (),
@@ -428,8 +342,7 @@ class Scheduler:
             return False
         self.in_flight[w.id] = Flight(group, owners)
         self.groups[group].flights += 1
-        rows_timed, k = timed or (None, 0)
-        self.groups[group].drafts.sent(self.clock(), rows_timed, k)
+        self.speculation.sent(group, self.clock(), timed)
         return True
 
     def _landed(self, group: int) -> None:
@@ -450,7 +363,7 @@ class Scheduler:
             return
         if req.seq.finish_reason is None or reason == "cancelled":
             req.seq.finish_reason = reason
-        req.proposals = []   # for a window that will not come
+        req.drafts.proposals = []   # for a window that will not come
         req.notified = True
         req.on_done(req)
 
@@ -483,8 +396,9 @@ class Scheduler:
         given up, no slot holds a prompt any more, and each request in a slot writes its KV
         again from position 0 before it goes on to exactly the tokens it would have had."""
         self.in_flight.clear()
-        for g in self.groups:   # (a decode window given up is not timed: draft_choice.py)
-            g.flights, g.streaming, g.drafts.in_flight = 0, None, None
+        for g in self.groups:
+            g.flights, g.streaming = 0, None
+        self.speculation.restarted()   # a decode window given up is not timed
         self.commits = [(slot.index, 0) for slot in self.table.slots]
         for slot in self.table.slots:
             slot.held.clear()

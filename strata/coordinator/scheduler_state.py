@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from strata.coordinator.draft_choice import Acceptance, DraftChoice, GroupDrafts
-from strata.coordinator.drafts import PromptLookup
+from strata.coordinator.draft_choice import DraftChoice
+from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.slots import Slot
+from strata.coordinator.speculation import RequestDrafts
 
 
 @dataclass
@@ -22,15 +23,7 @@ class Request:
     reused: int = 0          # prompt tokens the slot already held
     error: str | None = None
     notified: bool = False   # on_done was called (exactly once)
-    drafter: PromptLookup | None = None
-    drafted: int = 0         # draft tokens sent in windows
-    accepted: int = 0        # of them, equal to the token sampled at their position
-    # per draft position j = 1.. (index j - 1): drafts sent there, and kept (drafts.py)
-    drafted_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-    proposals: list[int] = field(default_factory=list)  # mtp: drafts for the next decode window
-    acceptance: Acceptance = field(default_factory=Acceptance)   # of its recent windows
-    observed: tuple[int, int] = (0, 0)   # (drafted, accepted) already in `acceptance`
+    drafts: RequestDrafts = field(default_factory=RequestDrafts)   # speculation.py
 
     @property
     def done(self) -> bool:
@@ -82,7 +75,6 @@ class Group:
     ahead: int = 0                   # chunks sent in a row while slots decode
     cursor: int = -1                 # the slot that ended the last decode window
     last_decode: DecodeWindow | None = None   # the last decode window sent
-    drafts: GroupDrafts = field(default_factory=GroupDrafts)   # acceptance, times, choice
 
 
 @dataclass(frozen=True)
@@ -97,10 +89,7 @@ class SlotState:
     reused: int = 0            # of them, held from an earlier request (the conversation cache)
     generated: int = 0
     held: int = 0              # an idle slot's cached prompt tokens
-    drafted: int = 0           # its request's draft tokens sent in windows
-    accepted: int = 0          # of them, kept (equal to the token sampled at their position)
-    drafted_at: tuple[int, ...] = ()    # per draft position j = 1.. (index j - 1)
-    accepted_at: tuple[int, ...] = ()
+    draft_counts: DraftCounts = field(default_factory=DraftCounts)   # its request's (a copy)
 
 
 @dataclass(frozen=True)
@@ -109,8 +98,6 @@ class SchedulerSnapshot:
     in_flight: tuple[int, ...]   # per group: its windows out
     queued: int
     decode_windows: tuple[DecodeWindow | None, ...] = ()   # per group: its last decode window
-    drafted: int = 0    # draft tokens sent in windows, every request since the start
-    accepted: int = 0   # of them, kept
+    # every request's drafts since the start (a copy)
+    draft_counts: DraftCounts = field(default_factory=DraftCounts)
     draft_choices: tuple[DraftChoice | None, ...] = ()   # per group: what its windows carry
-    drafted_at: tuple[int, ...] = ()    # per draft position j = 1.. (index j - 1)
-    accepted_at: tuple[int, ...] = ()

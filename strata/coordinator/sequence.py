@@ -65,6 +65,18 @@ class Sequence:
         return Row(slot, position, token, self.params, len(self.prompt),
                    self.stops if early else frozenset(), mask=mask)
 
+    def decode_rows(self, slot: int, drafts: list[int], mask: int = -1) -> list[Row]:
+        """A decode window's rows of the sequence: its last token at position L - 1 and its
+        drafts after it, each the sampled_row of its position (masks mask, mask + 1, .. when
+        mask >= 0)."""
+        first = len(self.prompt) + len(self.generated) - 1   # L - 1
+        # rows before this index are early (sampled_row): they may not sample a stop token
+        early = self.params.min_tokens - len(self.generated)
+        stops, prompt_len, params = self.stops, len(self.prompt), self.params
+        return [Row(slot, first + j, t, params, prompt_len,
+                    stops if j < early else frozenset(), mask=-1 if mask < 0 else mask + j)
+                for j, t in enumerate([self.last_token] + drafts)]
+
     def scored_row(self, slot: int, position: int) -> Row:
         """Prompt row `position`; with prompt_logprobs, it reports the next prompt token's
         log-probability (none for the last prompt row, which samples)."""

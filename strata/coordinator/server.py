@@ -34,7 +34,6 @@ from strata.coordinator import openai_api as api
 from strata.coordinator import page, tokenize_routes
 from strata.coordinator.connections import ConnectionPool, Limits, ServerConfig
 from strata.coordinator.choices import Choices
-from strata.coordinator.drafts import draft_counts
 from strata.coordinator.engine import Engine
 from strata.coordinator.grammar import Grammars
 from strata.coordinator.metrics import Metrics
@@ -327,8 +326,7 @@ class Server:
                 view.update(request=s.job, prompt_tokens=s.prompt_tokens, read=s.read,
                             reused=s.reused, generated=s.generated,
                             tok_s=None if s.tok_s is None else round(s.tok_s, 2),
-                            drafts=draft_counts(s.drafted, s.accepted, s.drafted_at,
-                                                s.accepted_at, cfg.max_draft_tokens))
+                            drafts=s.draft_counts.report(cfg.max_draft_tokens))
             slots.append(view)
         groups = [{"group": g, "slots": [s.slot for s in snap.slots if s.group == g],
                    "window_in_flight": busy > 0, "windows_in_flight": busy,
@@ -347,8 +345,7 @@ class Server:
             "draft_sampling": (cfg.draft_sampling if cfg.draft_tokens and cfg.drafter == "mtp"
                                else None),
             # since the start; each slot's "drafts" counts its request's
-            "drafts": draft_counts(snap.drafted, snap.accepted, snap.drafted_at,
-                                   snap.accepted_at, cfg.max_draft_tokens),
+            "drafts": snap.draft_counts.report(cfg.max_draft_tokens),
             "windows": snap.windows, "slots": slots, "groups": groups, "stages": self.engine.stages})
 
     async def prometheus(self, request: web.Request) -> web.Response:

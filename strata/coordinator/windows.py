@@ -7,7 +7,7 @@ the size: scheduler.py). Pad rows have slot -1.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from strata.coordinator.config import WINDOW_ROW_STEP
 from strata.coordinator.sampling_params import SamplingParams, draw_uniform
@@ -17,8 +17,9 @@ DEFAULT_CHUNK_ROWS = 32
 DEFAULT_WINDOW_ROWS = WINDOW_ROW_STEP  # a decode window of one live row (a request alone)
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
+    """A window's row (a named tuple: a decode window makes one per slot and draft, and a
+    tuple is several times quicker to make than a frozen dataclass)."""
     slot: int
     position: int
     token: int

@@ -195,7 +195,8 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
         if req.error:
             raise PipelineError(req.error)
         click.echo(req.seq.final_text())
-        drafts = (f"{req.accepted} of {req.drafted} drafts ({prep.sched.drafter}) accepted, "
+        counts = req.drafts.counts
+        drafts = (f"{counts.accepted} of {counts.drafted} drafts ({prep.sched.drafter}) accepted, "
                   if prep.sched.draft_tokens else "")
         say(f"[{len(ids)} prompt tokens, {len(req.seq.generated)} generated, {drafts}"
             f"finish: {req.seq.finish_reason}, seed {params.seed}]")

@@ -61,7 +61,7 @@ from strata.kernels.proposal_pick import pick_proposals
 from strata.kernels.sampling import SamplingRow, filtered, pick_unfiltered, to_device
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
-from strata.protocol.acceptance import kept_drafts
+from strata.protocol.acceptance import kept_rows
 from strata.protocol.messages import Window
 from strata.stage_worker.graphs import Captured
 from strata.stage_worker.model import KVCache, Layer, RowTensors, StageModel, WindowMeta
@@ -136,48 +136,55 @@ class Drafter:
         NextN rows of what w accepts and returns [slot, d1, ..., dk] for each [slot, k] of
         w.propose it can serve (a slot whose last accepted row was sampled; proposals stop at
         the context's end)."""
-        plan = self._plan(w, dict(zip(w.sample_rows, tokens)))
+        plan = self._plan(w, tokens)
         if not plan.slots:
             return []
+        # one copy to the device: the rows' sources and tokens, each slot's last row counted
+        n, m = len(plan.slots), len(plan.accepted)
+        ints = to_device(plan.sources + plan.tokens + list(plan.accepted)
+                         + list(plan.accepted.values()), self.device)
         source = torch.cat([hidden.to(self.last_h.dtype), self.last_h])
-        h = source[to_device(plan.sources, self.device)]
-        tok = to_device(plan.tokens, self.device)
-        out = self._rows(plan.slots, plan.positions, tok, h)
+        out = self._rows(plan.slots, plan.positions, ints[n:2 * n], source[ints[:n]])
         # after the rows read the previous last_h; one copy for every slot
-        slots = to_device(list(plan.accepted), self.device)
-        rows = to_device(list(plan.accepted.values()), self.device)
-        self.last_h[slots] = hidden[rows].to(self.last_h.dtype)
+        self.last_h[ints[2 * n:2 * n + m]] = hidden[ints[2 * n + m:]].to(self.last_h.dtype)
         return self._propose(w, plan, out)
 
-    def _plan(self, w: Window, sampled: dict[int, int]) -> _Plan:
-        """The window's NextN rows (see the module's docstring); updates last_pos and ready."""
-        by_slot: dict[int, list[int]] = {}
+    def _plan(self, w: Window, tokens: list[int]) -> _Plan:
+        """The window's NextN rows (see the module's docstring), given the tokens of its
+        sampled rows; updates last_pos and ready. One pass of the acceptance rule over the
+        window's rows, then one over its slots."""
+        positions, given = w.positions, w.tokens
+        by_slot: dict[int, list[int]] = {}   # slot -> its rows, in position order
         for r, s in enumerate(w.slots):
             if s >= 0:
                 by_slot.setdefault(s, []).append(r)
+        order, first = [], []   # the rows slot by slot, and where a slot's begin
+        for rows in by_slot.values():
+            if len(rows) > 1:
+                rows.sort(key=positions.__getitem__)
+            order += rows
+            first += [True] + [False] * (len(rows) - 1)
+        sampled = dict(zip(w.sample_rows, tokens))   # row -> its token; -1: not sampled
+        counted = kept_rows([given[r] for r in order], [sampled.get(r, -1) for r in order],
+                            first, [positions[r] for r in order])   # rows 0..a of each slot
         plan, n_rows, zeros = _Plan(), len(w.slots), len(w.slots) + len(self.last_pos)
+        at = 0   # the slot's first row in `order`
         for s, rows in by_slot.items():
-            rows.sort(key=lambda r: w.positions[r])
-            run = 1                                      # the rows at consecutive positions
-            while run < len(rows) and w.positions[rows[run]] == w.positions[rows[run - 1]] + 1:
-                run += 1
-            drafts = [w.tokens[r] for r in rows[1:run]]
-            # a prompt row's successor is given: it passes as sampled
-            samples = [sampled.get(prev, w.tokens[r]) for prev, r in zip(rows, rows[1:run])]
-            accepted = rows[:1 + kept_drafts(drafts, samples)]
-            p0 = w.positions[rows[0]]
-            if p0 > 0 and self.ready[s] != (p0, w.tokens[rows[0]]):
-                plan.add(s, p0, w.tokens[rows[0]],
-                         n_rows + s if self.last_pos[s] == p0 - 1 else zeros)
-            for prev, r in zip(accepted, accepted[1:]):
-                plan.add(s, w.positions[r], w.tokens[r], prev)
-            last = accepted[-1]
+            a = sum(counted[at:at + len(rows)]) - 1   # the rows that count are a prefix
+            at += len(rows)
+            r0 = rows[0]
+            p0, t0 = positions[r0], given[r0]
+            if p0 > 0 and self.ready[s] != (p0, t0):
+                plan.add(s, p0, t0, n_rows + s if self.last_pos[s] == p0 - 1 else zeros)
+            for prev, r in zip(rows, rows[1:a + 1]):   # P_0 + 1 .. P_a: h of the row before
+                plan.add(s, positions[r], given[r], prev)
+            last = rows[a]
             self.ready[s] = None
             if last in sampled:
                 plan.tops[s] = len(plan.slots)
-                plan.add(s, w.positions[last] + 1, sampled[last], last)
-                self.ready[s] = (w.positions[last] + 1, sampled[last])
-            self.last_pos[s] = w.positions[last]
+                plan.add(s, positions[last] + 1, sampled[last], last)
+                self.ready[s] = (positions[last] + 1, sampled[last])
+            self.last_pos[s] = positions[last]
             plan.accepted[s] = last
         return plan
 
@@ -203,8 +210,8 @@ class Drafter:
         every = [r for row in draws for r in row if r is not None]
         mode = ("filtered" if any(filtered(r, vocab) for r in every) else
                 "coupled" if every else "argmax")
-        params = torch.tensor([[_params(r, mode) for r in row] for row in draws],
-                              dtype=torch.float64)
+        params = (torch.tensor([[_params(r, mode) for r in row] for row in draws],
+                               dtype=torch.float64) if mode != "argmax" else None)
         # the rows of step 2: each slot's NextN row at top + 1 (index top), then one further
         # a step; k: the steps a slot takes (past them its rows are pad rows)
         packed = torch.tensor([[s for s, _, _, _ in asks], [top for _, _, top, _ in asks],

@@ -10,13 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from strata.model.gguf_file import ModelFile
-from strata.model.nextn import find_head
 from strata.protocol import transport
 from strata.protocol.keys import COORDINATOR, CurveKeys, stage_name
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Heartbeat, Hello, ProtocolError,
@@ -24,32 +22,19 @@ from strata.protocol.messages import (PROTOCOL_VERSION, Error, Heartbeat, Hello,
 from strata.protocol.peers import PeerWatch
 from strata.stage_worker.checks import RowError, check_window
 from strata.stage_worker.config import WorkerConfig
-from strata.stage_worker.drafter import Drafter
-from strata.stage_worker.head import (HeadOutput, apply_masks, head_logits, head_logprobs,
-                                     head_tokens, penalised)
-from strata.stage_worker.history import SlotTokens
+from strata.stage_worker.last_stage import LastStage
 from strata.stage_worker.link import StageLink
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from strata.stage_worker.runner import WindowRunner
 from strata.trace import Trace
 
-__all__ = ["PendingAnswer", "RowError", "StageWorker", "WorkerConfig"]
+__all__ = ["RowError", "StageWorker", "WorkerConfig"]
 log = logging.getLogger("strata.worker")
 # (rows, chunk): graphs captured before the hello: the 1-client decode window and the prompt
 # chunk of CUDA stages (strata-launch's --chunk-rows auto); other shapes when they first come
 WARM_SHAPES = ((8, False), (128, True))
 WARM_TILES = (32, 64)   # decode windows run eagerly before the hello: the kernels' other row
                         # tiles compile then (16 rows share the 8-row window's tile)
-
-
-@dataclass
-class PendingAnswer:
-    """A last-stage window computed (or queued on the device) and not yet answered."""
-    window: Window
-    t0: float                    # when the window came (time.perf_counter)
-    head: HeadOutput | None      # None: no sampled or scored rows
-    done: torch.cuda.Event | None = None  # recorded after the head: the device is past it
-    hidden: torch.Tensor | None = None    # the window's final hidden states, for the drafter
 
 
 def describe_memory(memory: list[int]) -> str:
@@ -77,20 +62,13 @@ class StageWorker:
         self.cache = KVCache(cfg.layer_end - cfg.layer_start, cfg.slots, file.config, cfg.ctx,
                              self.model.device, self.model.dtype)
         self.runner = WindowRunner(self.model, self.cache, cfg.graph_cache)
-        # the last stage's record of each slot's tokens, for penalties (history.py)
-        self.history = SlotTokens(cfg.slots, cfg.ctx) if self.model.last else None
-        # the last stage drafts with a NextN head: a sidecar, or the model file's own layer
-        source = find_head(file, cfg.mtp_head, shipped=False) if self.model.last else None
-        self.drafter = (Drafter(source, file, self.model, cfg.slots, cfg.ctx,
-                                graphs=self.runner.capacity > 0)
-                        if source is not None else None)
-        if source is not None:
-            log.info("stage %d: drafts with the NextN head of %s", cfg.stage, source.describe())
+        # the last stage's tokens, answers and drafts (last_stage.py)
+        self.last = (LastStage(cfg, file, self.model, self.runner.capacity > 0,
+                               self._send_result) if self.model.last else None)
         # CPU stages compute on the cores a spinning neighbour would take: they block at once
         self.spin_s = transport.SPIN_S if self.model.device.type == "cuda" else 0.0
         warm_s = self.warm_up()
         self.trace = Trace(f"stage{cfg.stage}", cfg.trace or None, self.model.device)
-        self.pending: PendingAnswer | None = None  # a last-stage window not yet answered
         self.link = None
         if cfg.link != "zmq":
             self.link = StageLink(cfg.link, cfg.link_init, cfg.stage, cfg.link_world,
@@ -150,7 +128,7 @@ class StageWorker:
         weights = self.model.weights
         held = (torch.cuda.memory_reserved(self.model.device)
                 if self.model.device.type == "cuda" else 0)
-        drafter = self.drafter.cache.nbytes() if self.drafter is not None else 0
+        drafter = self.last.nbytes() if self.last is not None else 0
         return [weights.report.weight_bytes, self.cache.nbytes() + drafter,
                 weights.scratch.nbytes, held]
 
@@ -242,37 +220,14 @@ class StageWorker:
         hidden, head = self.runner.run(inputs, Rows(w.slots, w.positions), chunk=w.chunk,
                                        sample_rows=w.sample_rows, logprob_rows=w.logprob_rows,
                                        launching=launching)
-        if self.model.last:   # the window's tokens, then what its penalties make of them
-            self.history.write(w)
-            # penalties and biases, then the grammar's masks (the sampler reads both)
-            head = apply_masks(penalised(head, w, self.history), w)
-        # On CUDA, a last stage's tokens are picked on the device behind the window's kernels
-        # (in its GPU span), unless the window wants its logits
-        deferred = (self.model.last and self.model.device.type == "cuda"
-                    and not w.want_logits)
-        if deferred and head is not None:
-            head = head.tokens_to_host(w)
+        if self.last is not None:   # the window's tokens (on CUDA picked on the device)
+            head = self.last.pick(w, head)
         self.trace.gpu_end()
         self.trace.mark(w.id, "queued")
-        if not self.model.last:
+        if self.last is None:
             self._pass_on(w, hidden, t0)
-            return
-        self._answer_pending()  # the previous window: computed before this one, now enqueued
-        answer = PendingAnswer(w, t0, head)
-        if self.drafter is not None:
-            # a graph's output buffer is overwritten by the next replay: the drafter, which
-            # runs when the window is answered, reads a copy queued before that
-            answer.hidden = hidden.clone() if self.runner.capacity else hidden
-        if deferred:
-            # The tokens are in pinned memory once the device is past this point. The answer
-            # waits until the next window is enqueued or this stage is idle, so the GPU does
-            # not idle while this host syncs, answers and takes the next window (a Result says
-            # the window is computed).
-            answer.done = torch.cuda.Event()
-            answer.done.record()
-            self.pending = answer
-            return
-        self._answer(answer)
+        else:
+            self.last.answer(w, t0, hidden, head)
 
     def _refuse_malformed(self, e: ProtocolError) -> bool:
         """An Error for a message that does not decode, naming the window it claims to be when
@@ -314,40 +269,18 @@ class StageWorker:
         self.trace.mark(w.id, "sent")   # marked as it goes: the receiver may be quicker
         transport.send(self.to_next, w, frames)
 
-    def _answer(self, a: PendingAnswer) -> None:
-        """The Result of a last-stage window: the tokens of its sampled rows, the
-        log-probabilities it asks for (and the logits if it wants them)."""
-        if a.done is not None:
-            a.done.synchronize()
-        tokens = head_tokens(a.head, a.window)
-        logprobs = head_logprobs(a.head, a.window, tokens)
-        w = a.window
-        # the drafter's rows for what the window accepts, and the proposals it asks for:
-        # computed here, so drafting costs no window and no round trip of its own
-        proposals = (self.drafter.run(w, a.hidden, tokens) if self.drafter is not None
-                     else [])
-        extra = [head_logits(a.head, self.model.cfg.vocab)] if w.want_logits else []
-        w.stage_ms.append((time.perf_counter() - a.t0) * 1e3)
-        self.trace.mark(w.id, "sent")
-        transport.send(self.to_coordinator, Result(w.id, tokens, w.stage_ms, proposals,
-                                                   *logprobs), extra)
+    def _send_result(self, result: Result, frames: list) -> None:
+        self.trace.mark(result.id, "sent")
+        transport.send(self.to_coordinator, result, frames)
 
     def _await_pending(self) -> None:
-        """Answer the window in hand once the device has computed it, unless another window
-        comes first: that one is enqueued behind it (run_window answers this one then), so a
-        header that comes while the device works is taken at once, not after the answer."""
-        if self.pending is None:
-            return
-        assert self.pending.done is not None  # only a deferred answer waits
-        while not self.inbox.poll(0):
-            if self.pending.done.query():
-                self._answer_pending()
-                return
+        """A last stage's deferred answer, once its device is done (LastStage.await_pending)."""
+        if self.last is not None:
+            self.last.await_pending(self.inbox)
 
     def _answer_pending(self) -> None:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            self._answer(pending)
+        if self.last is not None:
+            self.last.answer_pending()
 
     def _error(self, window: int, message: str) -> None:
         self._answer_pending()  # answers keep the windows' order

@@ -1,0 +1,122 @@
+"""The last stage's work after its layers: the window's tokens (penalties and biases, the
+grammar's masks, the pick: head.py), its answer to the coordinator, deferred on CUDA until the
+device is past the window, and the drafter's proposals (drafter.py), computed as the window is
+answered, so drafting costs no window and no round trip of its own."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from strata.model.gguf_file import ModelFile
+from strata.model.nextn import find_head
+from strata.protocol.messages import Result, Window
+from strata.stage_worker.config import WorkerConfig
+from strata.stage_worker.drafter import Drafter
+from strata.stage_worker.head import (HeadOutput, apply_masks, head_logits, head_logprobs,
+                                     head_tokens, penalised)
+from strata.stage_worker.history import SlotTokens
+from strata.stage_worker.model import StageModel
+
+log = logging.getLogger("strata.worker")
+
+
+@dataclass
+class PendingAnswer:
+    """A last-stage window computed (or queued on the device) and not yet answered."""
+    window: Window
+    t0: float                    # when the window came (time.perf_counter)
+    head: HeadOutput | None      # None: no sampled or scored rows
+    done: torch.cuda.Event | None = None  # recorded after the head: the device is past it
+    hidden: torch.Tensor | None = None    # the window's final hidden states, for the drafter
+
+
+class LastStage:
+    """`pick` each window's tokens behind its kernels, then `answer` it: at once on a CPU; on
+    CUDA once the next window is enqueued or the device is idle (`await_pending`), so the GPU
+    does not idle while this host syncs, answers and takes the next window. `send(result,
+    frames)` hands a Result to the coordinator."""
+
+    def __init__(self, cfg: WorkerConfig, file: ModelFile, model: StageModel, graphs: bool,
+                 send: Callable[[Result, list], None]):
+        self.vocab, self.graphs, self.send = model.cfg.vocab, graphs, send
+        self.cuda = model.device.type == "cuda"
+        self.history = SlotTokens(cfg.slots, cfg.ctx)   # each slot's tokens, for penalties
+        # it drafts with a NextN head: a sidecar, or the model file's own layer
+        source = find_head(file, cfg.mtp_head, shipped=False)
+        self.drafter = (Drafter(source, file, model, cfg.slots, cfg.ctx, graphs=graphs)
+                        if source is not None else None)
+        if source is not None:
+            log.info("stage %d: drafts with the NextN head of %s", cfg.stage, source.describe())
+        self.pending: PendingAnswer | None = None  # a window not yet answered
+
+    def nbytes(self) -> int:
+        """The drafter's cache (the KV cache's neighbour on the device)."""
+        return self.drafter.cache.nbytes() if self.drafter is not None else 0
+
+    def _deferred(self, w: Window) -> bool:
+        """On CUDA a window's tokens are picked on the device behind its kernels (in its GPU
+        span), unless it wants its logits."""
+        return self.cuda and not w.want_logits
+
+    def pick(self, w: Window, head: HeadOutput | None) -> HeadOutput | None:
+        """The window's tokens in the history, then its penalties and biases and the grammar's
+        masks (the sampler reads both); deferred: the tokens picked on the device."""
+        self.history.write(w)
+        head = apply_masks(penalised(head, w, self.history), w)
+        if self._deferred(w) and head is not None:
+            head = head.tokens_to_host(w)
+        return head
+
+    def answer(self, w: Window, t0: float, hidden: torch.Tensor,
+               head: HeadOutput | None) -> None:
+        """Answer the window, or keep it (deferred) until the next one is enqueued."""
+        self.answer_pending()  # the previous window: computed before this one, now enqueued
+        answer = PendingAnswer(w, t0, head)
+        if self.drafter is not None:
+            # a graph's output buffer is overwritten by the next replay: the drafter, which
+            # runs when the window is answered, reads a copy queued before that
+            answer.hidden = hidden.clone() if self.graphs else hidden
+        if self._deferred(w):
+            # the tokens are in pinned memory once the device is past this point (a Result
+            # says the window is computed)
+            answer.done = torch.cuda.Event()
+            answer.done.record()
+            self.pending = answer
+            return
+        self._answer(answer)
+
+    def await_pending(self, inbox) -> None:
+        """Answer the window in hand once the device has computed it, unless another window
+        comes first (`inbox.poll`): that one is enqueued behind it (answer answers this one
+        then), so a header that comes while the device works is taken at once."""
+        if self.pending is None:
+            return
+        assert self.pending.done is not None  # only a deferred answer waits
+        while not inbox.poll(0):
+            if self.pending.done.query():
+                self.answer_pending()
+                return
+
+    def answer_pending(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._answer(pending)
+
+    def _answer(self, a: PendingAnswer) -> None:
+        """The Result of a window: the tokens of its sampled rows, the log-probabilities it
+        asks for (and the logits if it wants them), the proposals it asks for."""
+        if a.done is not None:
+            a.done.synchronize()
+        w = a.window
+        tokens = head_tokens(a.head, w)
+        logprobs = head_logprobs(a.head, w, tokens)
+        # the drafter's rows for what the window accepts, and the proposals it asks for
+        proposals = (self.drafter.run(w, a.hidden, tokens) if self.drafter is not None
+                     else [])
+        extra = [head_logits(a.head, self.vocab)] if w.want_logits else []
+        w.stage_ms.append((time.perf_counter() - a.t0) * 1e3)
+        self.send(Result(w.id, tokens, w.stage_ms, proposals, *logprobs), extra)
