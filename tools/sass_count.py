@@ -89,12 +89,9 @@ def histogram(body: list[str]) -> collections.Counter:
 @click.option("--rows", type=click.Choice(["16", "32", "64"]), default="16", show_default=True,
               help="The row tile (BLOCK_M).")
 @click.option("--warps", type=int, default=4, show_default=True)
-@click.option("--fp32", is_flag=True,
-              help="The fp32 dequantization (the interpreter's) for the 4-bit types too, not "
-                   "the bf16 pairs a CUDA stage runs.")
 @click.option("--sass-out", type=click.Path(dir_okay=False), default=None,
               help="Also write the whole SASS here.")
-def cli(qtype, block_n, block_k, stages, rows, warps, fp32, sass_out):
+def cli(qtype, block_n, block_k, stages, rows, warps, sass_out):
     """Count the SASS of the quantized decode kernel's main loop per weight."""
     types = {"x_ptr": "*bf16", "g_ptr": "*bf16", "p0": "*i32", "p1": "*i32",
              "p2": "*i32" if qtype.endswith("_K") and qtype != "Q6_K" else "*fp16",
@@ -106,7 +103,7 @@ def cli(qtype, block_n, block_k, stages, rows, warps, fp32, sass_out):
         types["p2"] = "*i8"
     constants = dict(QTYPE=TYPE_IDS[qtype], S=BLOCKS[qtype][2], NORM=False, HAS_RES=False,
                      SPLIT=True, BLOCK_M=int(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-                     STAGES=stages, PAIRS=not fp32)
+                     STAGES=stages)
     sass = compile_sass(_quant_mm_kernel, types, constants, warps)
     if sass_out:
         with open(sass_out, "w") as f:

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from strata.kernels.fused_triton import ACTS, gate_act
 from strata.kernels.quant import BLOCKS, QuantWeight
-from strata.kernels.quant_triton import TYPE_IDS, _planes, _weights, bf16_pairs, fits_k
+from strata.kernels.quant_triton import TYPE_IDS, _planes, _weights, fits_k
 
 DENSE = -1   # the QTYPE of a dense (bf16 / fp32) weight
 
@@ -133,15 +133,14 @@ def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, n_blocks_pt
 
 @triton.jit
 def _tile(w0, w1, w2, w3, s0, s1, s2, s3, n, n_ok, k0, QTYPE: tl.constexpr, S: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weight rows n, columns k0 .. k0 + BLOCK_K - 1: loaded (QTYPE -1: dense, w0 the matrix
-    and s0 its row stride) or dequantized from the packed planes (quant_triton._weights)."""
+    and s0 its row stride) or dequantized from the packed planes (fp32)."""
     if QTYPE == -1:                                            # DENSE
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w0 + n[:, None] * s0 + k[None, :], mask=n_ok[:, None], other=0.0)
     else:
-        w = _weights(w0, w1, w2, w3, s0, s1, s2, s3, n, n_ok, k0, QTYPE, S, BLOCK_N, BLOCK_K,
-                     PAIRS)
+        w = _weights(w0, w1, w2, w3, s0, s1, s2, s3, n, n_ok, k0, QTYPE, S, BLOCK_N, BLOCK_K)
     return w
 
 
@@ -162,8 +161,7 @@ def _gate_up_kernel(x_ptr, sorted_ptr, block_expert_ptr, n_blocks_ptr, h_ptr,
                     P, F, K, stride_xm, stride_hm,
                     QG: tl.constexpr, SG: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
                     TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    PAIRS: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """h[slot] = act(x[row] @ gate_e^T) * (x[row] @ up_e^T); expert e's gate rows are
     e * gate_e + gate_off + j, its up rows e * up_e + up_off + j."""
     if tl.program_id(0) < tl.load(n_blocks_ptr):
@@ -181,10 +179,10 @@ def _gate_up_kernel(x_ptr, sorted_ptr, block_expert_ptr, n_blocks_ptr, h_ptr,
                         mask=live[:, None], other=0.0)
             xt = tl.trans(x)
             wg = _tile(g0, g1, g2, g3, gs0, gs1, gs2, gs3, gate_n, j_ok, k0, QG, SG, BLOCK_N,
-                       BLOCK_K, PAIRS)
+                       BLOCK_K)
             acc_g = tl.dot(wg.to(x.dtype), xt, acc_g)
             wu = _tile(u0, u1, u2, u3, us0, us1, us2, us3, up_n, j_ok, k0, QU, SU, BLOCK_N,
-                       BLOCK_K, PAIRS)
+                       BLOCK_K)
             acc_u = tl.dot(wu.to(x.dtype), xt, acc_u)
         dtype = h_ptr.dtype.element_ty
         # rounded as the projection's output would be, then the activation in fp32 (silu_mul)
@@ -199,8 +197,7 @@ def _down_kernel(h_ptr, sorted_ptr, block_expert_ptr, n_blocks_ptr, o_ptr,
                  d0, d1, d2, d3, ds0, ds1, ds2, ds3, down_e,
                  P, N, K, stride_hm, stride_om,
                  QD: tl.constexpr, SD: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 PAIRS: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """o[pair] = h[slot] @ down_e^T (expert e's rows e * down_e + n)."""
     if tl.program_id(0) < tl.load(n_blocks_ptr):
         e, slot, pair, live = _block(sorted_ptr, block_expert_ptr, P, BLOCK_M)
@@ -212,7 +209,7 @@ def _down_kernel(h_ptr, sorted_ptr, block_expert_ptr, n_blocks_ptr, o_ptr,
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             h = tl.load(h_ptr + slot[:, None] * stride_hm + (k0 + kk)[None, :])
             w = _tile(d0, d1, d2, d3, ds0, ds1, ds2, ds3, rows, n_ok, k0, QD, SD, BLOCK_N,
-                      BLOCK_K, PAIRS)
+                      BLOCK_K)
             acc = tl.dot(w.to(h.dtype), tl.trans(h), acc)
         out = tl.trans(acc).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + tl.where(live, pair, 0)[:, None] * stride_om + n[None, :], out,
@@ -335,7 +332,7 @@ def experts(h: torch.Tensor, slots: torch.Tensor, block_expert: torch.Tensor,
         *up[0], *up[1], *up[2], m * k, f, d, h.stride(0), hidden.stride(0),
         QG=gate[3][0], SG=gate[3][1], QU=up[3][0], SU=up[3][1], TOPK=k, ACT=ACTS[act],
         BLOCK_M=block_m, BLOCK_N=g["block_n"], BLOCK_K=bk, STAGES=g["stages"],
-        PAIRS=bf16_pairs(h), num_warps=g["warps"])
+        num_warps=g["warps"])
     src = _source(down, 0, d, 0)
     dn = blocks["down"]
     bk = _block_k(down, f, dn["block_k"])
@@ -344,7 +341,7 @@ def experts(h: torch.Tensor, slots: torch.Tensor, block_expert: torch.Tensor,
         hidden, slots, block_expert, n_blocks, out, *src[0], *src[1], src[2][0],
         m * k, d, f, hidden.stride(0), out.stride(0), QD=src[3][0], SD=src[3][1],
         BLOCK_M=block_m, BLOCK_N=dn["block_n"], BLOCK_K=bk, STAGES=dn["stages"],
-        PAIRS=bf16_pairs(h), num_warps=dn["warps"])
+        num_warps=dn["warps"])
     return out
 
 

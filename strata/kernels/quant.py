@@ -7,15 +7,13 @@ ggml-common.h). The kernels read each row's blocks once and dequantize in regist
 those reads wide and the unpacking a few shifts, the blocks are repacked at load into planes,
 one tensor [N, X] a field, with exactly the file's bytes (`pack`):
 
-    qs   int32 [N, K/8]   the low 4 bits of every quant: word c holds elements 8c .. 8c + 7,
-                          element 8c + 2s + h in the 4-bit field s + 4h (bits 4s + 16h ..), so
-                          that one mask of a word shifted by 4s holds elements 2s and 2s + 1 in
-                          its two 16-bit halves (FIELDS; Q8_0: the low nibble of q + 128)
+    qs   int32 [N, K/8]   the low 4 bits of every quant, in order: word c holds element 8c + j
+                          in bits 4j..4j+3 (Q8_0: the low nibble of q + 128)
     qh   int32            the high bits: Q8_0 the high nibble of q + 128 ([N, K/8], as qs);
                           Q5_K one bit a quant ([N, K/32]), Q6_K two ([N, K/16]), each word
-                          one group's: the high bits of the quant in field j of qs word a of
-                          the group lie in the 4-bit field j of the word, at bit `bits` * a of
-                          the field (so the kernels split qs and qh words alike)
+                          one group's: the high bits of qs word a of the group's element j lie
+                          in the 4-bit field j of the word, at bit `bits` * a of the field (so
+                          the kernels split qs and qh words alike)
     d    fp16 [N, K/32]   Q4_0, Q4_1, Q8_0: each block's scale
     m    fp16 [N, K/32]   Q4_1: each block's offset
     sc   int32 [N, 3K/256] Q4_K, Q5_K: the 12 bytes of 6-bit scales and mins of a super-block
@@ -56,23 +54,6 @@ def random_blocks(qtype: str, rows: int, cols: int, generator: torch.Generator
 def _as_int32(words: torch.Tensor) -> torch.Tensor:
     """Unsigned 32-bit words held in int64 -> the int32 tensor of the same bits."""
     return torch.where(words >= (1 << 31), words - (1 << 32), words).to(torch.int32)
-
-
-# FIELDS[j]: the element of its 8-quant chunk that 4-bit field j of a qs (or qh) word holds
-FIELDS = (0, 2, 4, 6, 1, 3, 5, 7)
-_UNFIELDS = tuple(FIELDS.index(e) for e in range(8))
-
-
-def _fields(u: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] in element order -> in field order (FIELDS) within each 8-quant chunk."""
-    n, k = u.shape
-    return u.view(n, k // 8, 8)[..., list(FIELDS)].reshape(n, k)
-
-
-def _unfields(u: torch.Tensor) -> torch.Tensor:
-    """The inverse of _fields."""
-    n, k = u.shape
-    return u.view(n, k // 8, 8)[..., list(_UNFIELDS)].reshape(n, k)
 
 
 def _bits_to_words(u: torch.Tensor, bits: int) -> torch.Tensor:
@@ -132,33 +113,32 @@ def _pack(qtype: str, raw: torch.Tensor, cols: int) -> dict[str, torch.Tensor]:
     b = raw.view(n, cols // block, size)
     if qtype in ("Q4_0", "Q4_1"):
         off = 2 if qtype == "Q4_0" else 4
-        out = {"qs": _bits_to_words(_fields(_low_high(b[..., off:]).reshape(n, cols)), 4),
+        out = {"qs": _bits_to_words(_low_high(b[..., off:]).reshape(n, cols), 4),
                "d": _f16(b[..., 0:2]).reshape(n, -1)}
         if qtype == "Q4_1":
             out["m"] = _f16(b[..., 2:4]).reshape(n, -1)
         return out
     if qtype == "Q8_0":
-        u = _fields(b[..., 2:].reshape(n, cols) ^ 0x80)      # q + 128: 0..255
+        u = (b[..., 2:].reshape(n, cols) ^ 0x80)              # q + 128: 0..255
         return {"qs": _bits_to_words(u & 15, 4), "qh": _bits_to_words(u >> 4, 4),
                 "d": _f16(b[..., 0:2]).reshape(n, -1)}
     if qtype in ("Q4_K", "Q5_K"):
         qs = b[..., -128:].reshape(n, cols // 256, 4, 32)     # 4 x 32 bytes: 64 quants each
-        out = {"qs": _bits_to_words(_fields(_low_high(qs).reshape(n, cols)), 4),
+        out = {"qs": _bits_to_words(_low_high(qs).reshape(n, cols), 4),
                "sc": b[..., 4:16].contiguous().view(torch.int32).reshape(n, -1),
                "dm": b[..., 0:4].contiguous().view(torch.float16).reshape(n, -1)}
         if qtype == "Q5_K":
             # qh[l] bit i is the 5th bit of quant 32 i + l of the super-block
             qh = b[..., 16:48]                                   # [n, sb, 32]
             bits = (qh[..., None, :] >> torch.arange(8, device=raw.device)[:, None]) & 1
-            out["qh"] = _high_words(_fields(bits.reshape(n, cols)), 1, 32)
+            out["qh"] = _high_words(bits.reshape(n, cols), 1, 32)
         return out
     # Q6_K: ql 128 | qh 64 | scales 16 | d 2; each 128-quant half: ql 64 bytes, qh 32
     ql = b[..., :128].reshape(n, cols // 256, 2, 64)
     lo = torch.cat([ql & 15, ql >> 4], dim=-1).reshape(n, cols)        # quants 0..63, 64..127
     qh = b[..., 128:192].reshape(n, cols // 256, 2, 1, 32)
     hi = (qh >> (2 * torch.arange(4, device=raw.device))[:, None]) & 3  # [n, sb, 2, 4, 32]
-    return {"qs": _bits_to_words(_fields(lo), 4),
-            "qh": _high_words(_fields(hi.reshape(n, cols)), 2, 16),
+    return {"qs": _bits_to_words(lo, 4), "qh": _high_words(hi.reshape(n, cols), 2, 16),
             "sc": b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1),
             "dm": _f16(b[..., 208:210]).reshape(n, -1)}
 
@@ -209,7 +189,7 @@ def codes(qtype: str, planes: dict[str, torch.Tensor]) -> torch.Tensor:
         u = u | (_high_codes(planes["qh"], 1, 32) << 4)
     elif qtype == "Q6_K":
         u = u | (_high_codes(planes["qh"], 2, 16) << 4)
-    return _unfields(u)
+    return u
 
 
 def dequantize_torch(qtype: str, planes: dict[str, torch.Tensor]) -> torch.Tensor:

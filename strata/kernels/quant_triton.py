@@ -43,56 +43,13 @@ TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 
 
 @triton.jit
-def _join8(f0, f1, f2, f3, f4, f5, f6, f7):
-    """The 4-bit fields 0..7 of words [...] (each of the words' shape) -> [..., 2, 2, 2] in
-    element order: field j at the flat index FIELDS[j] of the new dimensions (joins: they stay
-    in the thread that holds the word)."""
-    return tl.join(tl.join(tl.join(f0, f2), tl.join(f1, f3)),
-                   tl.join(tl.join(f4, f6), tl.join(f5, f7)))
-
-
-@triton.jit
 def _split8(w, MASK: tl.constexpr):
-    """int32 words [...] -> [..., 2, 2, 2]: the elements of each word, field j being
-    (w >> 4j) & MASK (kernels/quant.py's FIELDS)."""
-    return _join8(w & MASK, (w >> 4) & MASK, (w >> 8) & MASK, (w >> 12) & MASK,
-                  (w >> 16) & MASK, (w >> 20) & MASK, (w >> 24) & MASK, (w >> 28) & MASK)
-
-
-@triton.jit
-def _nibbles_bf16(words, a, b):
-    """bf16 a * u + b of the eight 4-bit codes u of each int32 word, a and b bf16 of the words'
-    shape -> fields 0..7 (8 tensors). PTX: one mask of the word shifted by 4s makes the bf16
-    pair 128 + u of fields s and s + 4 (elements 2s and 2s + 1: FIELDS), minus 128 (exact),
-    times a plus b in bf16x2: two weights in three instructions and a shift. CUDA only."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t<4>, s, a2, b2, m2;
-        mov.b32 a2, {$9, $9};
-        mov.b32 b2, {$10, $10};
-        mov.b32 m2, 0x43004300;
-        lop3.b32 t0, $8, 0x000F000F, m2, 0xea;
-        shr.b32 s, $8, 4;
-        lop3.b32 t1, s, 0x000F000F, m2, 0xea;
-        shr.b32 s, $8, 8;
-        lop3.b32 t2, s, 0x000F000F, m2, 0xea;
-        shr.b32 s, $8, 12;
-        lop3.b32 t3, s, 0x000F000F, m2, 0xea;
-        sub.bf16x2 t0, t0, m2;
-        sub.bf16x2 t1, t1, m2;
-        sub.bf16x2 t2, t2, m2;
-        sub.bf16x2 t3, t3, m2;
-        fma.rn.bf16x2 t0, t0, a2, b2;
-        fma.rn.bf16x2 t1, t1, a2, b2;
-        fma.rn.bf16x2 t2, t2, a2, b2;
-        fma.rn.bf16x2 t3, t3, a2, b2;
-        mov.b32 {$0, $4}, t0;
-        mov.b32 {$1, $5}, t1;
-        mov.b32 {$2, $6}, t2;
-        mov.b32 {$3, $7}, t3;
-        }""",
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
-        args=[words, a, b], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    """int32 words [...] -> [..., 2, 2, 2]: field j of each word, (w >> 4j) & MASK, at the
+    flat index j of the new dimensions (joins: they stay in the thread that holds the word)."""
+    return tl.join(tl.join(tl.join(w & MASK, (w >> 16) & MASK),
+                           tl.join((w >> 8) & MASK, (w >> 24) & MASK)),
+                   tl.join(tl.join((w >> 4) & MASK, (w >> 20) & MASK),
+                           tl.join((w >> 12) & MASK, (w >> 28) & MASK)))
 
 
 @triton.jit
@@ -152,28 +109,15 @@ def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _weights(p0, p1, p2, p3, s0, s1, s2, s3, n, n_ok, k0, QTYPE: tl.constexpr,
-             S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             BF16_PAIRS: tl.constexpr = False):
-    """[BLOCK_N, BLOCK_K]: rows n, quants k0 .. k0 + BLOCK_K - 1, dequantized: in fp32, the
-    codes made floats by the magic number (u | 0x4B000000 is 2^23 + u as fp32: no
-    int-to-float conversion, which runs at a quarter of the FMA rate); with BF16_PAIRS (CUDA,
-    bf16 activations) the 4-bit types in bf16 pairs (_nibbles_bf16, a and b rounded to bf16)."""
+             S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_K]: rows n, quants k0 .. k0 + BLOCK_K - 1, dequantized. The codes
+    become floats by the magic number (u | 0x4B000000 is 2^23 + u as fp32): no int-to-float
+    conversion, which runs at a quarter of the FMA rate."""
     G: tl.constexpr = BLOCK_K // S
-    if BF16_PAIRS and (QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q4_K):
-        W: tl.constexpr = S // 8
-        at = (n[:, None, None] * s0 + ((k0 // S + tl.arange(0, G)) * W)[None, :, None]
-              + tl.arange(0, W)[None, None, :])
-        words = tl.load(p0 + at, mask=n_ok[:, None, None], other=0)      # [BN, G, W]
-        a, b = _terms(p2, p3, s2, s3, n, n_ok, k0 // S, QTYPE, G)
-        a = tl.broadcast_to(a.to(tl.bfloat16)[:, :, None], (BLOCK_N, G, W))
-        b = tl.broadcast_to(b.to(tl.bfloat16)[:, :, None], (BLOCK_N, G, W))
-        f0, f1, f2, f3, f4, f5, f6, f7 = _nibbles_bf16(words, a, b)
-        return tl.reshape(_join8(f0, f1, f2, f3, f4, f5, f6, f7), (BLOCK_N, BLOCK_K))
-    else:
-        u = _codes(p0, p1, s0, s1, n, n_ok, k0 // S, QTYPE, S, G, BLOCK_N)
-        a, b = _terms(p2, p3, s2, s3, n, n_ok, k0 // S, QTYPE, G)
-        f = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        return tl.reshape(f * a[:, :, None] + b[:, :, None], (BLOCK_N, BLOCK_K))
+    u = _codes(p0, p1, s0, s1, n, n_ok, k0 // S, QTYPE, S, G, BLOCK_N)
+    a, b = _terms(p2, p3, s2, s3, n, n_ok, k0 // S, QTYPE, G)
+    f = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return tl.reshape(f * a[:, :, None] + b[:, :, None], (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -181,8 +125,7 @@ def _quant_mm_kernel(x_ptr, g_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_
                      M, N, K, KS, eps, stride_xm, stride_rm, stride_om,
                      QTYPE: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr,
                      HAS_RES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     PAIRS: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Quants KS * program_id(2) .. + KS of each row; with SPLIT, the fp32 partial sums to
     out [splits, M, N] and the rows' partial sums of squares to sq [splits, M]."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -193,8 +136,7 @@ def _quant_mm_kernel(x_ptr, g_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_
     sq = tl.zeros([BLOCK_M], tl.float32)
     first = tl.program_id(2) * KS
     for k0 in tl.range(first, first + KS, BLOCK_K, num_stages=STAGES):
-        w = _weights(p0, p1, p2, p3, s0, s1, s2, s3, n, n_ok, k0, QTYPE, S, BLOCK_N, BLOCK_K,
-                     PAIRS)
+        w = _weights(p0, p1, p2, p3, s0, s1, s2, s3, n, n_ok, k0, QTYPE, S, BLOCK_N, BLOCK_K)
         x, s = _x_tile(x_ptr, g_ptr, m, k0 + kk, M, stride_xm, NORM, BLOCK_M)
         sq += s
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
@@ -262,8 +204,7 @@ def _quant_gate_up_kernel(x_ptr, g_ptr, p0, p1, p2, p3, s0, s1, s2, s3, out_ptr,
                           M, F, K, KS, eps, stride_xm, stride_om,
                           QTYPE: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr,
                           SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr,
-                          PAIRS: tl.constexpr):
+                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     jn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)   # columns: gate jn, up F + jn
     ok_n = jn < F
@@ -276,11 +217,10 @@ def _quant_gate_up_kernel(x_ptr, g_ptr, p0, p1, p2, p3, s0, s1, s2, s3, out_ptr,
         x, s = _x_tile(x_ptr, g_ptr, m, k0 + kk, M, stride_xm, NORM, BLOCK_M)
         sq += s
         xt = tl.trans(x)
-        wg = _weights(p0, p1, p2, p3, s0, s1, s2, s3, jn, ok_n, k0, QTYPE, S, BLOCK_N, BLOCK_K,
-                      PAIRS)
+        wg = _weights(p0, p1, p2, p3, s0, s1, s2, s3, jn, ok_n, k0, QTYPE, S, BLOCK_N, BLOCK_K)
         acc_g = tl.dot(wg.to(x.dtype), xt, acc_g)
         wu = _weights(p0, p1, p2, p3, s0, s1, s2, s3, F + jn, ok_n, k0, QTYPE, S, BLOCK_N,
-                      BLOCK_K, PAIRS)
+                      BLOCK_K)
         acc_u = tl.dot(wu.to(x.dtype), xt, acc_u)
     ok = (m[:, None] < M) & ok_n[None, :]
     if SPLIT:   # partial sums of gate in columns jn and of up in F + jn of [splits, M, 2F]
@@ -298,12 +238,12 @@ def _quant_gate_up_kernel(x_ptr, g_ptr, p0, p1, p2, p3, s0, s1, s2, s3, out_ptr,
 @triton.jit
 def _dequant_rows_kernel(p0, p1, p2, p3, s0, s1, s2, s3, idx_ptr, out_ptr, R, stride_o,
                          QTYPE: tl.constexpr, S: tl.constexpr, HAS_INDEX: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < R
     n = tl.load(idx_ptr + r, mask=r_ok, other=0) if HAS_INDEX else r
     k0 = tl.program_id(1) * BLOCK_K
-    w = _weights(p0, p1, p2, p3, s0, s1, s2, s3, n, r_ok, k0, QTYPE, S, BLOCK_R, BLOCK_K, PAIRS)
+    w = _weights(p0, p1, p2, p3, s0, s1, s2, s3, n, r_ok, k0, QTYPE, S, BLOCK_R, BLOCK_K)
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + r[:, None] * stride_o + k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=r_ok[:, None])
@@ -319,12 +259,6 @@ def _planes(part: Part) -> tuple[list[torch.Tensor], list[int]]:
         tensors[names[name]] = p[name]
     assert all(t.is_contiguous() for t in tensors)
     return tensors, [t.stride(0) for t in tensors]
-
-
-def bf16_pairs(t: torch.Tensor) -> bool:
-    """Whether the kernels dequantize the 4-bit types in bf16 pairs (_nibbles_bf16's PTX):
-    for bf16 activations on CUDA (the interpreter's CPU tensors take the fp32 path)."""
-    return t.is_cuda and t.dtype == torch.bfloat16
 
 
 def _check(x: torch.Tensor, part: Part, block_m: int, block_k: int, splits: int) -> None:
@@ -393,8 +327,7 @@ def quant_mm(x: torch.Tensor, part: Part, res: torch.Tensor | None = None,
         x.shape[0], part.rows, x.shape[1], x.shape[1] // splits, eps, x.stride(0), r.stride(0),
         dest.stride(-2), QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2],
         NORM=norm is not None, HAS_RES=res is not None, SPLIT=splits > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PAIRS=bf16_pairs(x),
-        num_warps=warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
     if splits > 1:
         _finish(dest, sq, res, out, x.shape[1], eps, splits, norm)
     return out
@@ -418,7 +351,7 @@ def quant_gate_up(x: torch.Tensor, part: Part, norm: torch.Tensor | None = None,
         x.shape[1], x.shape[1] // splits, eps, x.stride(0), out.stride(0),
         QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], NORM=norm is not None,
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=stages, ACT=ACTS[act], PAIRS=bf16_pairs(x), num_warps=warps)
+        STAGES=stages, ACT=ACTS[act], num_warps=warps)
     if splits > 1:
         _finish(dest, sq, None, out, x.shape[1], eps, splits, norm, gate_up=True, act=act)
     return out
@@ -435,4 +368,5 @@ def dequant_rows(part: Part, out: torch.Tensor, index: torch.Tensor | None = Non
     _dequant_rows_kernel[grid](
         *planes, *strides, index if index is not None else out, out, rows, out.stride(0),
         QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], HAS_INDEX=index is not None,
-        BLOCK_R=block_r, BLOCK_K=block_k, PAIRS=bf16_pairs(out), num_warps=4)
+        BLOCK_R=block_r,
+        BLOCK_K=block_k, num_warps=4)
