@@ -13,8 +13,9 @@ from strata.kernels.quant import QuantWeight
 from strata.launch.memory import stage_bytes
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_random_gguf
-from strata.stage_worker.model import KVCache, Rows, StageModel
+from strata.stage_worker.model import KVCache, StageModel
 from conftest import triton_devices
+from test_quant_stage import assert_packed_is_widened
 from test_batch_invariance import (_decode_windows, _prefill, _same, _stage_outputs,
                                    eager_and_graphed_rows_are_invariant)
 
@@ -85,21 +86,8 @@ def test_packed_experts_give_the_widened_files_logits(moe_file, device):
     expert kernels) against the same file widened at load (the expert kernels on dense
     weights)."""
     _interpreter_skips(moe_file, device)
-    models = [_model(moe_file, device, w) for w in (_mode(device), "bf16")]
-    assert models[0].weights.report.quantized and not models[1].weights.report.quantized
-    tol = 1e-4 if device == "cpu" else 5e-2
-    outs = []
-    with torch.inference_mode():
-        for model in models:
-            cache = KVCache(len(model.layers), 8, model.cfg, CTX, model.device, model.dtype)
-            prompt = torch.arange(48, device=device) * 7 % model.cfg.vocab
-            model(prompt, Rows([0] * 48, list(range(48))), cache, chunk=True)
-            cache.filled[0] = 48
-            rows, at = next(_decode_windows(model.cfg.vocab, (16,)))
-            outs.append(_stage_outputs(model, cache, rows, at)[:2])   # hidden, logits
-    for got, want in zip(*outs):
-        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-        assert err < tol
+    assert_packed_is_widened([_model(moe_file, device, w) for w in (_mode(device), "bf16")],
+                             device)
 
 
 @pytest.mark.gpu
