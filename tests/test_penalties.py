@@ -147,6 +147,15 @@ def test_a_draft_row_is_penalised_as_if_the_drafts_before_it_were_kept(temperatu
     assert tokens == [sample_row(got.logits[j], p) for j, p in enumerate(params)]
     assert tokens[3] != 4
     # the device path gives the same tokens and logprobs: the model's own distribution
+    lp = _raw_logprobs_on_both_paths(got, w, tokens, logits)
+    assert [len(t) for t in lp[1]] == [0, 3, 3, 2]
+    assert lp[1][1] == torch.sort(logits[1], descending=True, stable=True).indices[:3].tolist()
+
+
+def _raw_logprobs_on_both_paths(got, w, tokens, logits):
+    """The window's tokens picked on the host equal the device's, their logprobs too, and
+    are the model's own (log_softmax of the raw logits; row 2 scores its token 8): the
+    logprobs."""
     picked = got.tokens_to_host(w)
     assert head_tokens(picked, w) == tokens
     lp = head_logprobs(got, w, tokens)
@@ -154,8 +163,7 @@ def test_a_draft_row_is_penalised_as_if_the_drafts_before_it_were_kept(temperatu
     raw = torch.log_softmax(logits.double(), -1)
     targets = [tokens[0], tokens[1], 8, tokens[3]]
     assert lp[0] == pytest.approx([raw[j, t].item() for j, t in enumerate(targets)], abs=1e-12)
-    assert [len(t) for t in lp[1]] == [0, 3, 3, 2]
-    assert lp[1][1] == torch.sort(logits[1], descending=True, stable=True).indices[:3].tolist()
+    return lp
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -185,13 +193,7 @@ def test_a_mask_comes_after_the_penalties_and_leaves_logprobs_raw(temperature):
     assert tokens == expected
     assert tokens[1] in (2, 3, 8) and tokens[3] in (5, 6)
     assert tokens[0] == head_tokens(pen, w)[0]   # an unmasked row as the penalties left it
-    picked = got.tokens_to_host(w)
-    assert head_tokens(picked, w) == tokens
-    lp = head_logprobs(got, w, tokens)
-    assert head_logprobs(picked, w, tokens) == lp
-    raw = torch.log_softmax(logits.double(), -1)
-    targets = [tokens[0], tokens[1], 8, tokens[3]]
-    assert lp[0] == pytest.approx([raw[j, t].item() for j, t in enumerate(targets)], abs=1e-12)
+    _raw_logprobs_on_both_paths(got, w, tokens, logits)
 
 
 def test_no_penalty_leaves_the_head_as_it_is():

@@ -12,19 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_server import Serving
+from test_server import CTX, Serving, tiny  # noqa: F401 (a fixture: the tiny model served)
 
-CTX = 256
 A, B, EOS = 65, 66, 256   # the tiny model's "A", "B" and end of text
 USER = [{"role": "user", "content": "Hello there"}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model, tmp_path_factory):
-    s = Serving(["--model", str(tiny_model), "--layer-split", "2", "--batch", "4",
-                 "--batch-groups", "2", "--ctx-size", str(CTX)], tmp_path_factory.mktemp("logs"))
-    yield s
-    s.close()
 
 
 def dump(x):
