@@ -139,15 +139,32 @@ class Drafter:
         plan = self._plan(w, tokens)
         if not plan.slots:
             return []
-        # one copy to the device: the rows' sources and tokens, each slot's last row counted
+        asks = self._asks(w, plan)
+        # one copy to the device: the rows' sources and tokens (padded here to the graphs'
+        # row counts: pad rows read the zero row, token 0), each slot's last row, and the rows
+        # the asked slots' proposals start from
         n, m = len(plan.slots), len(plan.accepted)
-        ints = to_device(plan.sources + plan.tokens + list(plan.accepted)
-                         + list(plan.accepted.values()), self.device)
+        pad = self._padded(n) - n
+        zeros = len(w.slots) + len(self.last_pos)
+        tops = [plan.tops[s] for s, _, _, _ in asks]
+        ints = to_device(plan.sources + [zeros] * pad + plan.tokens + [0] * pad
+                         + list(plan.accepted) + list(plan.accepted.values())
+                         + tops + [0] * (self._padded(len(tops)) - len(tops)), self.device)
+        n2 = n + pad
         source = torch.cat([hidden.to(self.last_h.dtype), self.last_h])
-        out = self._rows(plan.slots, plan.positions, ints[n:2 * n], source[ints[:n]])
+        out = self._rows(plan.slots, plan.positions, ints[n2:2 * n2], source[ints[:n2]])
         # after the rows read the previous last_h; one copy for every slot
-        self.last_h[ints[2 * n:2 * n + m]] = hidden[ints[2 * n + m:]].to(self.last_h.dtype)
-        return self._propose(w, plan, out)
+        at = 2 * n2
+        self.last_h[ints[at:at + m]] = hidden[ints[at + m:at + 2 * m]].to(self.last_h.dtype)
+        return self._propose(asks, out[ints[at + 2 * m:]]) if asks else []
+
+    def _padded(self, n: int) -> int:
+        """Rows n as the graphs take them: whole MAX_DECODE_ROWS blocks, the rest padded to a
+        GRAPH_ROWS size (on CUDA; a CPU takes n)."""
+        if self.device.type != "cuda" or n == 0:
+            return n
+        whole, rest = divmod(n, MAX_DECODE_ROWS)
+        return whole * MAX_DECODE_ROWS + (next(r for r in GRAPH_ROWS if r >= rest) if rest else 0)
 
     def _plan(self, w: Window, tokens: list[int]) -> _Plan:
         """The window's NextN rows (see the module's docstring), given the tokens of its
@@ -188,21 +205,26 @@ class Drafter:
             plan.accepted[s] = last
         return plan
 
-    def _propose(self, w: Window, plan: _Plan, out: torch.Tensor) -> list[list[int]]:
-        """Chained proposals from each asked slot's row at P_a + 1: argmax, or coupled (the
-        module's docstring) where the window sends the slot's draws. Every step of every
-        slot in one call (_chain: on CUDA one graph replay per MAX_DECODE_ROWS slots), each
-        with one copy of its proposals to the host."""
-        asks = []   # (slot, k, position of the token its first proposal follows, coupling)
-        couplings = _couplings(w)
+    def _asks(self, w: Window, plan: _Plan) -> list[tuple]:
+        """(slot, k, position of the token its first proposal follows, coupling) of each
+        [slot, k] of w.propose that the window's rows can serve (a slot whose last accepted row
+        was sampled; proposals stop at the context's end)."""
+        asks = []
+        couplings = _couplings(w) if w.propose else {}
         for s, k in w.propose:
             if s in plan.tops:
                 top = plan.positions[plan.tops[s]]
                 k = min(k, self.ctx - 1 - top)   # a proposal for position top + i < ctx
                 if k >= 1:
                     asks.append((s, k, top, couplings.get(s)))
-        if not asks:
-            return []
+        return asks
+
+    def _propose(self, asks: list[tuple], x: torch.Tensor) -> list[list[int]]:
+        """Chained proposals for `asks` from x, the block's outputs of each asked slot's row
+        at P_a + 1 (padded as _padded pads): argmax, or coupled (the module's docstring) where
+        the window sends the slot's draws. Every step of every slot in one call (_chain: on
+        CUDA one graph replay per MAX_DECODE_ROWS slots), each with one copy of its proposals
+        to the host."""
         steps, vocab = max(k for _, k, _, _ in asks), self.head.shape[0]
         # per ask and step: the target's sampling of the proposal's position, or None (argmax)
         draws = [[c.row(top + i) if c and i <= k else None for i in range(1, steps + 1)]
@@ -210,14 +232,17 @@ class Drafter:
         every = [r for row in draws for r in row if r is not None]
         mode = ("filtered" if any(filtered(r, vocab) for r in every) else
                 "coupled" if every else "argmax")
-        params = (torch.tensor([[_params(r, mode) for r in row] for row in draws],
-                               dtype=torch.float64) if mode != "argmax" else None)
+        pad = x.shape[0] - len(asks)   # x's pad rows: pad rows here too (no steps)
+        params = (torch.tensor([[_params(r, mode) for r in row] for row in draws]
+                               + [[_params(None, mode)] * steps] * pad, dtype=torch.float64)
+                  if mode != "argmax" else None)
         # the rows of step 2: each slot's NextN row at top + 1 (index top), then one further
         # a step; k: the steps a slot takes (past them its rows are pad rows)
-        packed = torch.tensor([[s for s, _, _, _ in asks], [top for _, _, top, _ in asks],
-                               [top + 1 for _, _, top, _ in asks], [k for _, k, _, _ in asks]],
-                              dtype=torch.long)
-        x = out[to_device([plan.tops[s] for s, _, _, _ in asks], self.device)]
+        trash = self.cache.trash
+        packed = torch.tensor([[s for s, _, _, _ in asks] + [trash] * pad,
+                               [top for _, _, top, _ in asks] + [0] * pad,
+                               [top + 1 for _, _, top, _ in asks] + [0] * pad,
+                               [k for _, k, _, _ in asks] + [0] * pad], dtype=torch.long)
         fn = lambda *inputs: self._chain(mode, steps, *inputs)  # noqa: E731
         d = []   # [asks][steps]
         for i in range(0, len(asks), MAX_DECODE_ROWS):
@@ -231,13 +256,15 @@ class Drafter:
     def _rows(self, slots: list[int], positions: list[int], tokens: torch.Tensor,
               h: torch.Tensor) -> torch.Tensor:
         """NextN rows at `positions` (each >= 1; a slot's rows in position order): inputs
-        tokens [N] and h [N, D]; writes their KV, returns the block's outputs [N, D]. Taken
-        in decode windows of at most MAX_DECODE_ROWS rows, in order, so a row reads the rows
-        before it."""
-        packed = torch.tensor([slots, [p - 1 for p in positions], positions],
+        tokens [N'] and h [N', D] (N' >= N: pad rows after them, in no slot); writes their
+        KV, returns the block's outputs [N', D]. Taken in decode windows of at most
+        MAX_DECODE_ROWS rows, in order, so a row reads the rows before it."""
+        pad = tokens.shape[0] - len(slots)
+        packed = torch.tensor([slots + [self.cache.trash] * pad,
+                               [p - 1 for p in positions] + [0] * pad, positions + [0] * pad],
                               dtype=torch.long)   # slot, index, length
         outs = []
-        for i in range(0, len(slots), MAX_DECODE_ROWS):
+        for i in range(0, tokens.shape[0], MAX_DECODE_ROWS):
             block = slice(i, i + MAX_DECODE_ROWS)
             x, = self._graphed("rows", self._block_rows, tokens[block], h[block],
                                packed[:, block])

@@ -114,9 +114,13 @@ class LastStage:
         w = a.window
         tokens = head_tokens(a.head, w)
         logprobs = head_logprobs(a.head, w, tokens)
-        # the drafter's rows for what the window accepts, and the proposals it asks for
-        proposals = (self.drafter.run(w, a.hidden, tokens) if self.drafter is not None
-                     else [])
+        # the drafter's rows for what the window accepts, and the proposals it asks for:
+        # before the answer when it asks for some, else after it (off the window's path; the
+        # rows are written before this stage takes its next window)
+        asks = self.drafter is not None and bool(w.propose)
+        proposals = self.drafter.run(w, a.hidden, tokens) if asks else []
         extra = [head_logits(a.head, self.vocab)] if w.want_logits else []
         w.stage_ms.append((time.perf_counter() - a.t0) * 1e3)
         self.send(Result(w.id, tokens, w.stage_ms, proposals, *logprobs), extra)
+        if self.drafter is not None and not asks:
+            self.drafter.run(w, a.hidden, tokens)
