@@ -19,7 +19,7 @@ from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
 from strata.model.nextn import find_head
 from strata.protocol.messages import Result, Window
-from strata.stage_worker.drafter import Drafter, _pad_rows
+from strata.stage_worker.drafter import Drafter, _pad_rows, graph_rows
 from strata.stage_worker.model import KVCache, Rows, StageModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -266,6 +266,22 @@ def test_pad_rows_of_a_graph_are_the_trash_slots_and_take_no_steps():
     assert _pad_rows(packed[:3], 1, 7).tolist() == [[1, 0, 7], [5, 9, 0], [6, 10, 0]]
     x = torch.ones(2, 4, 3)   # rows first: padded with zero rows
     assert _pad_rows(x, 2, 7).shape == (4, 4, 3) and not _pad_rows(x, 2, 7)[2:].any()
+
+
+@pytest.mark.parametrize("t,filters", [(0.0, {}), (0.8, {}), (0.8, {"top_k": 12, "top_p": 0.9})],
+                         ids=["greedy", "coupled", "filtered"])
+def test_pad_rows_as_the_graphs_take_them_change_no_token_or_proposal(models, monkeypatch, t,
+                                                                      filters):
+    """On CUDA the drafter pads its rows and its asked slots to the graphs' row counts (pad
+    rows in the trash slot, reading the zero row): on a CPU made to pad alike, the tokens and
+    proposals of a conversation are those of the unpadded drafter."""
+    assert [graph_rows(n) for n in (1, 8, 9, 33, 64, 65, 130)] == [8, 8, 16, 64, 64, 72, 136]
+    with in_process(models["nextn"]) as stage:
+        plain = [(r.tokens, r.proposals) for r in conversation(stage.ask, t, **filters)]
+    monkeypatch.setattr(Drafter, "_padded", lambda self, n: graph_rows(n))
+    with in_process(models["nextn"]) as stage:
+        padded = [(r.tokens, r.proposals) for r in conversation(stage.ask, t, **filters)]
+    assert padded == plain and plain[0][1] and plain[1][1]
 
 
 def test_a_chunk_of_more_rows_than_a_decode_window(models):

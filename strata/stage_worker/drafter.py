@@ -159,12 +159,8 @@ class Drafter:
         return self._propose(asks, out[ints[at + 2 * m:]]) if asks else []
 
     def _padded(self, n: int) -> int:
-        """Rows n as the graphs take them: whole MAX_DECODE_ROWS blocks, the rest padded to a
-        GRAPH_ROWS size (on CUDA; a CPU takes n)."""
-        if self.device.type != "cuda" or n == 0:
-            return n
-        whole, rest = divmod(n, MAX_DECODE_ROWS)
-        return whole * MAX_DECODE_ROWS + (next(r for r in GRAPH_ROWS if r >= rest) if rest else 0)
+        """Rows n as this device takes them: on CUDA graph_rows(n), on a CPU n."""
+        return graph_rows(n) if self.device.type == "cuda" else n
 
     def _plan(self, w: Window, tokens: list[int]) -> _Plan:
         """The window's NextN rows (see the module's docstring), given the tokens of its
@@ -346,6 +342,13 @@ class Drafter:
         if graph is None:
             graph = self.graphs[(name, size)] = Captured(fn, list(inputs), self.pool)
         return tuple(o[:n] for o in graph(*inputs))
+
+
+def graph_rows(n: int) -> int:
+    """n rows as the graphs take them: whole MAX_DECODE_ROWS blocks, the rest padded to a
+    GRAPH_ROWS size."""
+    whole, rest = divmod(n, MAX_DECODE_ROWS)
+    return whole * MAX_DECODE_ROWS + (next(r for r in GRAPH_ROWS if r >= rest) if rest else 0)
 
 
 def _pad_rows(x: torch.Tensor, pad: int, trash: int) -> torch.Tensor:
