@@ -122,9 +122,9 @@ def _packed(types: tuple[str, str, str], experts: int, d: int, f: int, device: s
     return gate_up, pieces[2], torch.cat(dense[:2], 1), dense[2]
 
 
-# gate, up, down: one type (one part for [gate; up]), and mixes as llama-quantize's Q4_K_M
-# gives (down in Q6_K; gate and up of two types: two parts)
-QUANT_CASES = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_0", "Q4_1"), ("Q5_K", "Q5_K", "Q5_K")]
+# gate, up, down: gate and up of one type (one part for [gate; up]) or of two (two parts),
+# down of another, as llama-quantize's mixes give (Q4_K_M: down in Q6_K; GLM-4.5's down in Q5_0)
+QUANT_CASES = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_0", "Q4_1"), ("Q5_K", "Q5_1", "Q5_0")]
 
 
 @pytest.mark.parametrize("device", triton_devices())

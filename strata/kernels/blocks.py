@@ -3,12 +3,14 @@ geometry and packed planes, as plain data (the launcher plans memory with it wit
 
 # type -> (quants a block, bytes a block, quants a scale group); llama.cpp's ggml-common.h
 BLOCKS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q8_0": (32, 34, 32),
-          "Q4_K": (256, 144, 32), "Q5_K": (256, 176, 32), "Q6_K": (256, 210, 16)}
+          "Q4_K": (256, 144, 32), "Q5_K": (256, 176, 32), "Q6_K": (256, 210, 16),
+          "Q5_0": (32, 22, 32), "Q5_1": (32, 24, 32)}
 KERNEL_TYPES = tuple(BLOCKS)
 # each type's planes (kernels/quant.py's docstring says what each holds)
 PLANES = {"Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "Q8_0": ("qs", "qh", "d"),
           "Q4_K": ("qs", "sc", "dm"), "Q5_K": ("qs", "qh", "sc", "dm"),
-          "Q6_K": ("qs", "qh", "sc", "dm")}
+          "Q6_K": ("qs", "qh", "sc", "dm"), "Q5_0": ("qs", "qh", "d"),
+          "Q5_1": ("qs", "qh", "d", "m")}
 
 
 def stays_packed(types: list[str], mode: str, cuda: bool) -> bool:

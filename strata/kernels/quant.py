@@ -10,12 +10,13 @@ one tensor [N, X] a field, with exactly the file's bytes (`pack`):
     qs   int32 [N, K/8]   the low 4 bits of every quant, in order: word c holds element 8c + j
                           in bits 4j..4j+3 (Q8_0: the low nibble of q + 128)
     qh   int32            the high bits: Q8_0 the high nibble of q + 128 ([N, K/8], as qs);
-                          Q5_K one bit a quant ([N, K/32]), Q6_K two ([N, K/16]), each word
+                          Q5_0, Q5_1, Q5_K one bit a quant ([N, K/32]), Q6_K two ([N, K/16]),
+                          each word
                           one group's: the high bits of qs word a of the group's element j lie
                           in the 4-bit field j of the word, at bit `bits` * a of the field (so
                           the kernels split qs and qh words alike)
-    d    fp16 [N, K/32]   Q4_0, Q4_1, Q8_0: each block's scale
-    m    fp16 [N, K/32]   Q4_1: each block's offset
+    d    fp16 [N, K/32]   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: each block's scale
+    m    fp16 [N, K/32]   Q4_1, Q5_1: each block's offset
     sc   int32 [N, 3K/256] Q4_K, Q5_K: the 12 bytes of 6-bit scales and mins of a super-block
          int8 [N, K/16]   Q6_K: one signed scale per 16 quants
     dm   fp16 [N, K/128]  Q4_K, Q5_K: d and dmin of each super-block; Q6_K: [N, K/256] d
@@ -33,6 +34,7 @@ from strata.kernels.blocks import BLOCKS, KERNEL_TYPES, PLANES  # noqa: F401 (im
 
 # fp16 scale fields of each type's blocks: (byte offset, value) that random_blocks sets
 _SCALES = {"Q4_0": ((0, 2e-3),), "Q4_1": ((0, 2e-3), (2, -1e-2)), "Q8_0": ((0, 1.5e-4),),
+           "Q5_0": ((0, 2e-3),), "Q5_1": ((0, 1.2e-3), (2, -1.9e-2)),
            "Q4_K": ((0, 1.5e-4), (2, 1e-3)), "Q5_K": ((0, 8e-5), (2, 1e-3)),
            "Q6_K": ((208, 1.5e-5),)}
 
@@ -118,6 +120,16 @@ def _pack(qtype: str, raw: torch.Tensor, cols: int) -> dict[str, torch.Tensor]:
         if qtype == "Q4_1":
             out["m"] = _f16(b[..., 2:4]).reshape(n, -1)
         return out
+    if qtype in ("Q5_0", "Q5_1"):   # d (m) | qh: bit j the 5th bit of quant j | qs as Q4_0's
+        off = 2 if qtype == "Q5_0" else 4
+        qh = b[..., off:off + 4]                                 # [n, blocks, 4] bytes
+        bits = (qh[..., None] >> torch.arange(8, device=raw.device)) & 1
+        out = {"qs": _bits_to_words(_low_high(b[..., off + 4:]).reshape(n, cols), 4),
+               "qh": _high_words(bits.reshape(n, cols), 1, 32),
+               "d": _f16(b[..., 0:2]).reshape(n, -1)}
+        if qtype == "Q5_1":
+            out["m"] = _f16(b[..., 2:4]).reshape(n, -1)
+        return out
     if qtype == "Q8_0":
         u = (b[..., 2:].reshape(n, cols) ^ 0x80)              # q + 128: 0..255
         return {"qs": _bits_to_words(u & 15, 4), "qh": _bits_to_words(u >> 4, 4),
@@ -166,10 +178,10 @@ def kquant_scales(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def group_terms(qtype: str, planes: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """(a, b) fp32 [N, K / group]: the weights of a group are a * u + b."""
-    if qtype in ("Q4_0", "Q8_0"):
+    if qtype in ("Q4_0", "Q5_0", "Q8_0"):
         d = planes["d"].float()
-        return d, d * (-8.0 if qtype == "Q4_0" else -128.0)
-    if qtype == "Q4_1":
+        return d, d * {"Q4_0": -8.0, "Q5_0": -16.0, "Q8_0": -128.0}[qtype]
+    if qtype in ("Q4_1", "Q5_1"):
         return planes["d"].float(), planes["m"].float()
     if qtype in ("Q4_K", "Q5_K"):
         sc, mn = kquant_scales(planes["sc"])
@@ -185,7 +197,7 @@ def codes(qtype: str, planes: dict[str, torch.Tensor]) -> torch.Tensor:
     u = _words_to_codes(planes["qs"], 4)
     if qtype == "Q8_0":
         u = u | (_words_to_codes(planes["qh"], 4) << 4)
-    elif qtype == "Q5_K":
+    elif qtype in ("Q5_0", "Q5_1", "Q5_K"):
         u = u | (_high_codes(planes["qh"], 1, 32) << 4)
     elif qtype == "Q6_K":
         u = u | (_high_codes(planes["qh"], 2, 16) << 4)

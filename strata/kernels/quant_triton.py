@@ -39,7 +39,9 @@ from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES, _row_scale, _x_til
 # the QTYPE constexpr of the kernels
 Q4_0, Q4_1, Q8_0 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 Q4_K, Q5_K, Q6_K = tl.constexpr(3), tl.constexpr(4), tl.constexpr(5)
-TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+Q5_0, Q5_1 = tl.constexpr(6), tl.constexpr(7)
+TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q5_0": 6,
+            "Q5_1": 7}
 
 
 @triton.jit
@@ -63,8 +65,8 @@ def _codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE: tl.constexpr, S: tl.constexpr,
     u = _split8(tl.load(p0 + at, mask=ok, other=0), 15)      # [BN, G, W, 2, 2, 2]
     if QTYPE == Q8_0:                                         # the high nibbles alike
         u = u | (_split8(tl.load(p1 + at, mask=ok, other=0), 15) << 4)
-    elif QTYPE == Q5_K or QTYPE == Q6_K:                      # a qh word a group
-        bits: tl.constexpr = 1 if QTYPE == Q5_K else 2
+    elif QTYPE == Q5_0 or QTYPE == Q5_1 or QTYPE == Q5_K or QTYPE == Q6_K:
+        bits: tl.constexpr = 2 if QTYPE == Q6_K else 1        # a qh word a group
         hw = tl.load(p1 + n[:, None] * s1 + (g0 + tl.arange(0, G))[None, :],
                      mask=n_ok[:, None], other=0)
         u = u | (_split8(hw[:, :, None] >> (bits * wi)[None, None, :], (1 << bits) - 1) << 4)
@@ -76,11 +78,13 @@ def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr):
     """a, b fp32 [BLOCK_N, G]: the weights of group g0 + i are a[:, i] * u + b[:, i]."""
     gi = g0 + tl.arange(0, G)
     ok = n_ok[:, None]
-    if QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q8_0:      # d (and m) a group
+    if QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q8_0 or QTYPE == Q5_0 or QTYPE == Q5_1:
         a = tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok, other=0.0).to(tl.float32)
-        if QTYPE == Q4_0:
+        if QTYPE == Q4_0:                                     # d (and m) a group
             b = -8.0 * a
-        elif QTYPE == Q4_1:
+        elif QTYPE == Q5_0:
+            b = -16.0 * a
+        elif QTYPE == Q4_1 or QTYPE == Q5_1:
             b = tl.load(p3 + n[:, None] * s3 + gi[None, :], mask=ok, other=0.0).to(tl.float32)
         else:
             b = -128.0 * a

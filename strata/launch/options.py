@@ -126,9 +126,10 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
         click.option("--weights", type=click.Choice(["auto", "quantized", "bf16"]),
                      default="auto", show_default=True,
                      help="How CUDA stages hold a quantized file's matrices: quantized keeps "
-                          "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K matrices in their blocks (the "
-                          "file's bytes; other types are widened to bf16); bf16 widens every "
-                          "matrix (faster decode today, 2-4x the memory: docs/BENCHMARKS.md); "
+                          "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices in "
+                          "their blocks (the file's bytes; other types are widened to bf16); "
+                          "bf16 widens every matrix (faster decode today, 2-4x the memory: "
+                          "docs/BENCHMARKS.md); "
                           "auto = bf16 where the stages fit their devices so, else quantized. "
                           "CPU stages always widen to fp32."),
         click.option("--stage-link", default="auto", show_default=True,

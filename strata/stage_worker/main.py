@@ -62,8 +62,9 @@ def parse_layers(text: str) -> tuple[int, int]:
                    "Also read from STRATA_GRAPH_CACHE.")
 @click.option("--weights", type=click.Choice(["quantized", "bf16"]), default="bf16",
               show_default=True, envvar="STRATA_WEIGHTS",
-              help="On a CUDA device: quantized keeps the file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K "
-                   "and Q6_K matrices in their blocks (other types are widened to bf16); "
+              help="On a CUDA device: quantized keeps the file's Q4_0, Q4_1, Q5_0, Q5_1, "
+                   "Q8_0, Q4_K, Q5_K and Q6_K matrices in their blocks (other types are "
+                   "widened to bf16); "
                    "bf16 widens every matrix. CPU stages widen to fp32. strata-launch "
                    "chooses for its stages (--weights auto). Also read from STRATA_WEIGHTS.")
 @click.option("--link", type=click.Choice(["zmq", "nccl", "gloo"]), default="zmq",
