@@ -249,6 +249,23 @@ SHARED_LAUNCHES = ("smollm2_stages", "smollm2_alone")
 SHARED_GROUP = "smollm2"
 
 
+# The groups of a minute or more on a 2-core machine, longest first. Under xdist they are
+# handed out first, and the many short groups after them fill in, so that both processes end
+# together (xdist's own order, most cases first, leaves the long one-case groups to the end).
+LONG_GROUPS = (SHARED_GROUP, "test_triton_interpreter", "test_sampling_exact", "test_families",
+               "test_join", "test_ray_cluster", "test_pipelined_mtp_stages", "test_launch_errors",
+               "test_train_mtp")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):   # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
+def _group(item) -> str:
+    return item.get_closest_marker("xdist_group").args[0]
+
+
 @pytest.hookimpl(tryfirst=True)   # before xdist reads the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -256,3 +273,6 @@ def pytest_collection_modifyitems(config, items):
             continue
         shared = any(f in item.fixturenames for f in SHARED_LAUNCHES)
         item.add_marker(pytest.mark.xdist_group(SHARED_GROUP if shared else item.module.__name__))
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # the order xdist hands the groups out in
+        rank = {g: i for i, g in enumerate(LONG_GROUPS)}
+        items.sort(key=lambda item: rank.get(_group(item), len(rank)))
