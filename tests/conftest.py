@@ -75,10 +75,11 @@ def fast_transformers_gguf():
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_model(smollm2):
     """The embedded SmolLM2 in transformers' own modeling code (fp32, CPU): the reference that
-    parity and log-probability tests compare with."""
+    parity and log-probability tests compare with (loaded once: their cases share the
+    session's launches, so they run in one process under xdist)."""
     transformers = pytest.importorskip("transformers")
     with fast_transformers_gguf():
         return transformers.AutoModelForCausalLM.from_pretrained(
@@ -109,6 +110,36 @@ def smollm2_stages(smollm2):
             mp.setattr(tempfile, "tempdir", own)
             run = stack.enter_context(launch_stages(file, plan, slots=SMOLLM2_SLOTS,
                                                     ctx=SMOLLM2_CTX, say=lambda s: None))
+        yield run
+    shutil.rmtree(own, ignore_errors=True)
+
+
+STAGE_TIMEOUT = 6.0   # a stopped stage is taken for hung past this (a busy CI host: not less)
+
+
+@pytest.fixture(scope="session")
+def smollm2_drafting_stages(smollm2):
+    """SmolLM2 on 2 CPU stages (split at layer 15), SMOLLM2_SLOTS slots of SMOLLM2_CTX
+    positions, the shipped NextN head on the last stage (MTP drafts where a case asks for
+    them), and a stage taken for hung after STAGE_TIMEOUT: launched once for the session for
+    test_parity's 2 stages, test_sampling_exact and test_stage_restart. The last kills and
+    stops its stages (they are started again, as they would be for any user); it runs after
+    the other two (module order)."""
+    from strata.launch.plan import plan_stages
+    from strata.launch.session import launch_stages
+    from strata.model.gguf_file import ModelFile
+    from strata.model.nextn import shipped_head
+
+    file = ModelFile(smollm2)
+    plan = plan_stages("15", ["cpu"], file.config.n_layers)
+    own = tempfile.mkdtemp(prefix="std", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    with ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as mp:  # the run directory under `own`, only
+            mp.setattr(tempfile, "tempdir", own)
+            run = stack.enter_context(launch_stages(
+                file, plan, slots=SMOLLM2_SLOTS, ctx=SMOLLM2_CTX,
+                mtp_head=shipped_head(file).path, stage_timeout=STAGE_TIMEOUT,
+                say=lambda s: None))
         yield run
     shutil.rmtree(own, ignore_errors=True)
 
@@ -239,20 +270,20 @@ def shared_stages(_tiny_stages, monkeypatch):
     yield served
 
 
-# The cases that share the session's SmolLM2 launch (smollm2_stages) run in one process when
-# the suite runs in several (pytest-xdist, `-n 2 --dist loadgroup` as the README's command
-# has it), so that the launch and its references are made once; every other module runs whole
-# in one process, so that its module fixtures are made once too. A module that takes the
+# The cases that share the session's SmolLM2 launches (or transformers' SmolLM2) run in one
+# process when the suite runs in several (pytest-xdist, `-n 2 --dist loadgroup` as the
+# README's command has it), so that the launches and their references are made once; every
+# other module runs whole in one process, so that its module fixtures are made once too. A module that takes the
 # launch at run time (request.getfixturevalue) names the group itself: pytestmark =
 # pytest.mark.xdist_group(SHARED_GROUP).
-SHARED_LAUNCHES = ("smollm2_stages", "smollm2_alone")
+SHARED_LAUNCHES = ("smollm2_stages", "smollm2_alone", "smollm2_drafting_stages", "hf_model")
 SHARED_GROUP = "smollm2"
 
 
 # The groups of a minute or more on a 2-core machine, longest first. Under xdist they are
 # handed out first, and the many short groups after them fill in, so that both processes end
 # together (xdist's own order, most cases first, leaves the long one-case groups to the end).
-LONG_GROUPS = (SHARED_GROUP, "test_triton_interpreter", "test_sampling_exact", "test_families",
+LONG_GROUPS = (SHARED_GROUP, "test_triton_interpreter", "test_families",
                "test_join", "test_ray_cluster", "test_pipelined_mtp_stages", "test_launch_errors",
                "test_train_mtp")
 
