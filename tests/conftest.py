@@ -144,6 +144,19 @@ def smollm2_drafting_stages(smollm2):
     shutil.rmtree(own, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2, tmp_path_factory):
+    """`strata-launch` serving SmolLM2 over HTTP (a child process, test_server.Serving): 2
+    stages, 4 slots in 2 pipelined groups, 3 MTP drafts a slot with the shipped head; started
+    once for the session, for the HTTP cases of test_server and test_structured_smollm2."""
+    from test_server import Serving
+    s = Serving(["--model", "smollm2-135m", "--layer-split", "15", "--batch",
+                 str(SMOLLM2_SLOTS), "--batch-groups", "2", "--draft-tokens", "3", "--ctx-size",
+                 str(SMOLLM2_CTX)], tmp_path_factory.mktemp("smollm2-server"))
+    yield s
+    s.close()
+
+
 SMOLLM2_REQUESTS = 8  # harness.prompt_set(8): short and long prompts, code, chat, French
 SMOLLM2_TOKENS = 16
 
@@ -276,7 +289,8 @@ def shared_stages(_tiny_stages, monkeypatch):
 # other module runs whole in one process, so that its module fixtures are made once too. A module that takes the
 # launch at run time (request.getfixturevalue) names the group itself: pytestmark =
 # pytest.mark.xdist_group(SHARED_GROUP).
-SHARED_LAUNCHES = ("smollm2_stages", "smollm2_alone", "smollm2_drafting_stages", "hf_model")
+SHARED_LAUNCHES = ("smollm2_stages", "smollm2_alone", "smollm2_drafting_stages", "hf_model",
+                   "smollm2_server")
 SHARED_GROUP = "smollm2"
 
 

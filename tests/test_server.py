@@ -4,10 +4,11 @@
 The tiny random model checks shapes, usage, seeds, streaming, stop strings, disconnects, the
 status and metrics routes and a short load test; SmolLM2 checks that HTTP answers are exactly
 what `strata-launch --prompt` and the scheduler alone give, also with 8 clients streaming at
-once through 4 slots in 2 groups. The server runs 2 stages; "alone" runs in this process on
-the session's 3-stage launch of SmolLM2 (conftest's smollm2_stages), and so does the command
-of `strata-launch --prompt`, given that launch; the 8 clients' requests alone are the
-session's reference (conftest's smollm2_alone, which test_batching compares with too).
+once through 4 slots in 2 groups. The server (the session's, conftest's smollm2_server) runs
+2 stages, the last drafting 3 tokens a slot with SmolLM2's NextN head; "alone" runs in this
+process on the session's 3-stage launch of SmolLM2 (conftest's smollm2_stages), and so does
+the command of `strata-launch --prompt`, given that launch; the 8 clients' requests alone are
+the session's reference (conftest's smollm2_alone, which test_batching compares with too).
 """
 from __future__ import annotations
 
@@ -383,11 +384,9 @@ SEEDED = SamplingParams(temperature=0.7, top_k=20, seed=1234, max_tokens=N_TOKEN
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2, tmp_path_factory):
-    s = Serving(["--model", "smollm2-135m", "--layer-split", "15", "--batch", "4",
-                 "--batch-groups", "2", "--ctx-size", str(CTX)], tmp_path_factory.mktemp("smol"))
-    yield s
-    s.close()
+def smol(smollm2_server):
+    """The session's SmolLM2 server (conftest: 2 stages, 4 slots in 2 groups, MTP drafts)."""
+    return smollm2_server
 
 
 def _cli_text(args: list[str], stages) -> str:
