@@ -19,7 +19,7 @@ from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from strata.model.tokenizer import Tokenizer
 
-CTX, SLOTS, TOKENS = 512, 4, 16
+CTX, SLOTS, TOKENS = 512, 4, 12
 PARAMS = [
     SamplingParams(max_tokens=TOKENS, repetition_penalty=1.3, logprobs=5),
     SamplingParams(temperature=0.8, top_k=40, seed=11, max_tokens=TOKENS, frequency_penalty=2.0,
