@@ -283,6 +283,33 @@ def shared_stages(_tiny_stages, monkeypatch):
     yield served
 
 
+@pytest.fixture
+def one_launch(monkeypatch):
+    """The commands a test runs in-process (click's CliRunner) share one launch: the first
+    Prepared.launch starts the stages and keeps them until the test ends, and every later one
+    must ask for the same stages (model file, plan, link, NextN head; no more slots or
+    positions) and is given those. Yields the list of the plans asked for."""
+    from contextlib import nullcontext
+
+    from strata.launch.options import Prepared
+
+    own_launch, asked, first = Prepared.launch, [], []
+
+    def launch(self, **kwargs):
+        asked.append(self.plan)
+        if not first:
+            first.append((self, stack.enter_context(own_launch(self, **kwargs))))
+        prep, run = first[0]
+        assert (self.file.path, self.plan, self.link, self.transport, self.mtp_head) == (
+            prep.file.path, prep.plan, prep.link, prep.transport, prep.mtp_head), self.plan
+        assert self.sched.slots <= run.slots and self.sched.ctx <= run.ctx, self.sched
+        return nullcontext(run)
+
+    with ExitStack() as stack:
+        monkeypatch.setattr(Prepared, "launch", launch)
+        yield asked
+
+
 # The cases that share the session's SmolLM2 launches (or transformers' SmolLM2) run in one
 # process when the suite runs in several (pytest-xdist, `-n 2 --dist loadgroup` as the
 # README's command has it), so that the launches and their references are made once; every

@@ -9,7 +9,6 @@ pipelined, greedy and seeded (`strata-bench exact`)."""
 from __future__ import annotations
 
 import dataclasses
-from contextlib import ExitStack, nullcontext
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from click.testing import CliRunner
 import hf_families as hf
 from strata.bench.cli import main as bench
 from strata.kernels.policy import KernelPolicy
-from strata.launch.options import Prepared
 from strata.model.gguf_file import ModelFile
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from conftest import triton_devices
@@ -108,29 +106,19 @@ def test_the_triton_path_gives_the_torch_paths_logits(family, device):
 
 
 @pytest.mark.slow
-def test_a_family_batched_equals_alone_serial_and_pipelined(family, monkeypatch):
+def test_a_family_batched_equals_alone_serial_and_pipelined(family, one_launch):
     """`strata-bench exact` serial, then pipelined, on one launch of the family's 2 stages
     (the group count is the scheduler's: the stages are the same)."""
     arch, _, file = family
-    launched, own_launch = [], Prepared.launch
-
-    def launch(self, **kwargs):
-        if not launched:
-            launched.append((self.plan, stack.enter_context(own_launch(self, **kwargs))))
-        assert self.plan == launched[0][0]
-        return nullcontext(launched[0][1])
-
-    monkeypatch.setattr(Prepared, "launch", launch)
-    with ExitStack() as stack:
-        for groups in ("1", "2"):
-            out = CliRunner().invoke(bench, ["exact", "--model", str(file.path), "--layer-split",
-                                             "3", "--ctx-size", "128", "--batch", "4",
-                                             "--batch-groups", groups, "--requests", "5",
-                                             "--tokens", "12"])
-            assert out.exit_code == 0, (arch, out.output, out.exception)
-            assert out.stdout.splitlines()[-1] == "all requests identical", (arch, out.stdout)
-            assert f"groups {groups}," in out.stdout
-    assert len(launched) == 1
+    for groups in ("1", "2"):
+        out = CliRunner().invoke(bench, ["exact", "--model", str(file.path), "--layer-split",
+                                         "3", "--ctx-size", "128", "--batch", "4",
+                                         "--batch-groups", groups, "--requests", "5",
+                                         "--tokens", "12"])
+        assert out.exit_code == 0, (arch, out.output, out.exception)
+        assert out.stdout.splitlines()[-1] == "all requests identical", (arch, out.stdout)
+        assert f"groups {groups}," in out.stdout
+    assert len(one_launch) == 2
 
 
 @pytest.mark.slow
