@@ -145,6 +145,17 @@ def smollm2_drafting_stages(smollm2):
 
 
 @pytest.fixture(scope="session")
+def tiny_server(tiny_model, tmp_path_factory):
+    """`strata-launch` serving the tiny model over HTTP (test_server.Serving): 2 stages, 4 slots
+    in 2 groups, 512 positions; for the session (test_server's `tiny`)."""
+    from test_server import CTX, Serving
+    s = Serving(["--model", str(tiny_model), "--layer-split", "2", "--batch", "4",
+                 "--batch-groups", "2", "--ctx-size", str(CTX)], tmp_path_factory.mktemp("logs"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
 def smollm2_server(smollm2, tmp_path_factory):
     """`strata-launch` serving SmolLM2 over HTTP (a child process, test_server.Serving): 2
     stages, 4 slots in 2 pipelined groups, 3 MTP drafts a slot with the shipped head; started

@@ -95,11 +95,13 @@ class Serving:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model, tmp_path_factory):
-    s = Serving(["--model", str(tiny_model), "--layer-split", "2", "--batch", "4",
-                 "--batch-groups", "2", "--ctx-size", str(CTX)], tmp_path_factory.mktemp("logs"))
-    yield s
-    s.close()
+def tiny(tiny_server):
+    """The session's tiny server (conftest: 2 stages, 4 slots in 2 groups), which
+    test_server_logprobs' cases share: they run in this module's group under xdist."""
+    return tiny_server
+
+
+TINY_GROUP = "test_server"
 
 
 @pytest.fixture(scope="module")
