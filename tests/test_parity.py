@@ -122,10 +122,12 @@ def test_stage_counts_give_identical_tokens(runs):
 
 
 def test_pipeline_equals_single_process_forward(model, runs):
+    """The chat turn, the longest greedy prompt (the forward is the same code for the others:
+    transformers checks them all, below)."""
     file, tok = model
     whole = StageModel(file, 0, file.config.n_layers, ctx=CTX)
-    for i in GREEDY_AT:  # code, a story, a chat turn: the forward is the same code for all
-        assert single_process_greedy(whole, tok.encode(PROMPTS[i])) == runs[1][0][i], PROMPTS[i]
+    i = max(GREEDY_AT, key=lambda i: len(tok.encode(PROMPTS[i])))
+    assert single_process_greedy(whole, tok.encode(PROMPTS[i])) == runs[1][0][i], PROMPTS[i]
 
 
 @pytest.fixture(scope="module")
