@@ -169,7 +169,7 @@ def smollm2_server(smollm2, tmp_path_factory):
 
 
 SMOLLM2_REQUESTS = 8  # harness.prompt_set(8): short and long prompts, code, chat, French
-SMOLLM2_TOKENS = 16
+SMOLLM2_TOKENS = 12
 
 
 def smollm2_params(i: int):

@@ -23,7 +23,7 @@ from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.protocol import unixsock
 from test_scheduler import FakePipeline, params, prompts
 
-CTX = 512   # as the session's reference launch (conftest.py); its requests take 16 tokens
+CTX = 512   # as the session's reference launch (conftest.py); its requests take 12 tokens
 
 
 @pytest.fixture(scope="module")
