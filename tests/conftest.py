@@ -158,12 +158,14 @@ def tiny_server(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_server(smollm2, tmp_path_factory):
     """`strata-launch` serving SmolLM2 over HTTP (a child process, test_server.Serving): 2
-    stages, 4 slots in 2 pipelined groups, 3 MTP drafts a slot with the shipped head; started
-    once for the session, for the HTTP cases of test_server and test_structured_smollm2."""
+    stages, 4 slots in 2 pipelined groups, 3 MTP drafts a slot with the shipped head, an API
+    key (Serving's clients send it); started once for the session, for the HTTP cases of
+    test_server and test_structured_smollm2 and test_page's browser."""
     from test_server import Serving
     s = Serving(["--model", "smollm2-135m", "--layer-split", "15", "--batch",
                  str(SMOLLM2_SLOTS), "--batch-groups", "2", "--draft-tokens", "3", "--ctx-size",
-                 str(SMOLLM2_CTX)], tmp_path_factory.mktemp("smollm2-server"))
+                 str(SMOLLM2_CTX)], tmp_path_factory.mktemp("smollm2-server"),
+                key="smollm2-test-key")
     yield s
     s.close()
 
@@ -324,9 +326,9 @@ def one_launch(monkeypatch):
 # The cases that share the session's SmolLM2 launches (or transformers' SmolLM2) run in one
 # process when the suite runs in several (pytest-xdist, `-n 2 --dist loadgroup` as the
 # README's command has it), so that the launches and their references are made once; every
-# other module runs whole in one process, so that its module fixtures are made once too. A module that takes the
-# launch at run time (request.getfixturevalue) names the group itself: pytestmark =
-# pytest.mark.xdist_group(SHARED_GROUP).
+# other module runs whole in one process, so that its module fixtures are made once too. A
+# module that takes the launch at run time (request.getfixturevalue) names the group itself:
+# pytestmark = pytest.mark.xdist_group(SHARED_GROUP).
 SHARED_LAUNCHES = ("smollm2_stages", "smollm2_alone", "smollm2_drafting_stages", "hf_model",
                    "smollm2_server")
 SHARED_GROUP = "smollm2"
