@@ -334,12 +334,11 @@ SHARED_LAUNCHES = ("smollm2_stages", "smollm2_alone", "smollm2_drafting_stages",
 SHARED_GROUP = "smollm2"
 
 
-# The groups of a minute or more on a 2-core machine, longest first. Under xdist they are
+# The groups of half a minute or more on a 2-core machine, longest first. Under xdist they are
 # handed out first, and the many short groups after them fill in, so that both processes end
 # together (xdist's own order, most cases first, leaves the long one-case groups to the end).
-LONG_GROUPS = (SHARED_GROUP, "test_triton_interpreter", "test_families",
-               "test_join", "test_ray_cluster", "test_pipelined_mtp_stages", "test_launch_errors",
-               "test_train_mtp")
+LONG_GROUPS = (SHARED_GROUP, "test_triton_interpreter", "test_join", "test_ray_cluster",
+               "test_families", "test_launch_errors", "test_shutdown")
 
 
 def pytest_configure(config):
