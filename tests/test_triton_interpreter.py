@@ -11,7 +11,7 @@ themselves. The kernel test files run in child processes at once, one group each
 machine's cores are otherwise idle while this test waits), of about a minute each on one
 core: the attention, sampling and routed experts' kernels (~35 s of these); the fused,
 skinny and invariance checks with the model families' Triton path (~25 s) and a packed MoE
-stage (~30 s); the quantized-weight kernels (~17 s) with a quantized stage (~40 s)."""
+stage (~18 s); the quantized-weight kernels (~17 s) with a quantized stage (~25 s)."""
 from __future__ import annotations
 
 import os
