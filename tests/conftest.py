@@ -75,10 +75,11 @@ def fast_transformers_gguf():
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_model(smollm2):
     """The embedded SmolLM2 in transformers' own modeling code (fp32, CPU): the reference that
-    parity and log-probability tests compare with."""
+    parity and log-probability tests compare with (loaded once: their cases share the
+    session's launches, so they run in one process under xdist)."""
     transformers = pytest.importorskip("transformers")
     with fast_transformers_gguf():
         return transformers.AutoModelForCausalLM.from_pretrained(
@@ -113,8 +114,64 @@ def smollm2_stages(smollm2):
     shutil.rmtree(own, ignore_errors=True)
 
 
+STAGE_TIMEOUT = 6.0   # a stopped stage is taken for hung past this (a busy CI host: not less)
+
+
+@pytest.fixture(scope="session")
+def smollm2_drafting_stages(smollm2):
+    """SmolLM2 on 2 CPU stages (split at layer 15), SMOLLM2_SLOTS slots of SMOLLM2_CTX
+    positions, the shipped NextN head on the last stage (MTP drafts where a case asks for
+    them), and a stage taken for hung after STAGE_TIMEOUT: launched once for the session for
+    test_parity's 2 stages, test_sampling_exact and test_stage_restart. The last kills and
+    stops its stages (they are started again, as they would be for any user); it runs after
+    the other two (module order)."""
+    from strata.launch.plan import plan_stages
+    from strata.launch.session import launch_stages
+    from strata.model.gguf_file import ModelFile
+    from strata.model.nextn import shipped_head
+
+    file = ModelFile(smollm2)
+    plan = plan_stages("15", ["cpu"], file.config.n_layers)
+    own = tempfile.mkdtemp(prefix="std", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    with ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as mp:  # the run directory under `own`, only
+            mp.setattr(tempfile, "tempdir", own)
+            run = stack.enter_context(launch_stages(
+                file, plan, slots=SMOLLM2_SLOTS, ctx=SMOLLM2_CTX,
+                mtp_head=shipped_head(file).path, stage_timeout=STAGE_TIMEOUT,
+                say=lambda s: None))
+        yield run
+    shutil.rmtree(own, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model, tmp_path_factory):
+    """`strata-launch` serving the tiny model over HTTP (test_server.Serving): 2 stages, 4 slots
+    in 2 groups, 512 positions; for the session (test_server's `tiny`)."""
+    from test_server import CTX, Serving
+    s = Serving(["--model", str(tiny_model), "--layer-split", "2", "--batch", "4",
+                 "--batch-groups", "2", "--ctx-size", str(CTX)], tmp_path_factory.mktemp("logs"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2, tmp_path_factory):
+    """`strata-launch` serving SmolLM2 over HTTP (a child process, test_server.Serving): 2
+    stages, 4 slots in 2 pipelined groups, 3 MTP drafts a slot with the shipped head, an API
+    key (Serving's clients send it); started once for the session, for the HTTP cases of
+    test_server and test_structured_smollm2 and test_page's browser."""
+    from test_server import Serving
+    s = Serving(["--model", "smollm2-135m", "--layer-split", "15", "--batch",
+                 str(SMOLLM2_SLOTS), "--batch-groups", "2", "--draft-tokens", "3", "--ctx-size",
+                 str(SMOLLM2_CTX)], tmp_path_factory.mktemp("smollm2-server"),
+                key="smollm2-test-key")
+    yield s
+    s.close()
+
+
 SMOLLM2_REQUESTS = 8  # harness.prompt_set(8): short and long prompts, code, chat, French
-SMOLLM2_TOKENS = 16
+SMOLLM2_TOKENS = 12
 
 
 def smollm2_params(i: int):
@@ -239,14 +296,58 @@ def shared_stages(_tiny_stages, monkeypatch):
     yield served
 
 
-# The cases that share the session's SmolLM2 launch (smollm2_stages) run in one process when
-# the suite runs in several (pytest-xdist, `-n 2 --dist loadgroup` as the README's command
-# has it), so that the launch and its references are made once; every other module runs whole
-# in one process, so that its module fixtures are made once too. A module that takes the
-# launch at run time (request.getfixturevalue) names the group itself: pytestmark =
-# pytest.mark.xdist_group(SHARED_GROUP).
-SHARED_LAUNCHES = ("smollm2_stages", "smollm2_alone")
+@pytest.fixture
+def one_launch(monkeypatch):
+    """The commands a test runs in-process (click's CliRunner) share one launch: the first
+    Prepared.launch starts the stages and keeps them until the test ends, and every later one
+    must ask for the same stages (model file, plan, link, NextN head; no more slots or
+    positions) and is given those. Yields the list of the plans asked for."""
+    from contextlib import nullcontext
+
+    from strata.launch.options import Prepared
+
+    own_launch, asked, first = Prepared.launch, [], []
+
+    def launch(self, **kwargs):
+        asked.append(self.plan)
+        if not first:
+            first.append((self, stack.enter_context(own_launch(self, **kwargs))))
+        prep, run = first[0]
+        assert (self.file.path, self.plan, self.link, self.transport, self.mtp_head) == (
+            prep.file.path, prep.plan, prep.link, prep.transport, prep.mtp_head), self.plan
+        assert self.sched.slots <= run.slots and self.sched.ctx <= run.ctx, self.sched
+        return nullcontext(run)
+
+    with ExitStack() as stack:
+        monkeypatch.setattr(Prepared, "launch", launch)
+        yield asked
+
+
+# The cases that share the session's SmolLM2 launches (or transformers' SmolLM2) run in one
+# process when the suite runs in several (pytest-xdist, `-n 2 --dist loadgroup` as the
+# README's command has it), so that the launches and their references are made once; every
+# other module runs whole in one process, so that its module fixtures are made once too. A
+# module that takes the launch at run time (request.getfixturevalue) names the group itself:
+# pytestmark = pytest.mark.xdist_group(SHARED_GROUP).
+SHARED_LAUNCHES = ("smollm2_stages", "smollm2_alone", "smollm2_drafting_stages", "hf_model",
+                   "smollm2_server")
 SHARED_GROUP = "smollm2"
+
+
+# The groups of half a minute or more on a 2-core machine, longest first. Under xdist they are
+# handed out first, and the many short groups after them fill in, so that both processes end
+# together (xdist's own order, most cases first, leaves the long one-case groups to the end).
+LONG_GROUPS = (SHARED_GROUP, "test_triton_interpreter", "test_join", "test_ray_cluster",
+               "test_families", "test_launch_errors", "test_shutdown")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):   # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
+def _group(item) -> str:
+    return item.get_closest_marker("xdist_group").args[0]
 
 
 @pytest.hookimpl(tryfirst=True)   # before xdist reads the marks
@@ -256,3 +357,6 @@ def pytest_collection_modifyitems(config, items):
             continue
         shared = any(f in item.fixturenames for f in SHARED_LAUNCHES)
         item.add_marker(pytest.mark.xdist_group(SHARED_GROUP if shared else item.module.__name__))
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # the order xdist hands the groups out in
+        rank = {g: i for i, g in enumerate(LONG_GROUPS)}
+        items.sort(key=lambda item: rank.get(_group(item), len(rank)))

@@ -6,7 +6,7 @@ random model whose tokens depend on the whole context, so a row that reads a wro
 slot or cache entry changes the text), all requests greedy, then all seeded; each property runs
 once more on the real SmolLM2 (marked slow), on the session's 3-stage launch of it (conftest's
 smollm2_stages), with greedy and seeded requests in the same windows ("mixed": even requests
-greedy, odd ones seeded) and 16 tokens a request, against the session's reference alone
+greedy, odd ones seeded) and 12 tokens a request, against the session's reference alone
 (conftest's smollm2_alone, which the HTTP server's cases compare with too). What each case
 proves:
 
@@ -204,7 +204,7 @@ def test_staggered_lifecycle(subject):
     while not long_req.done:
         sched.step()
         # b's first token among the long prompt's chunks (its group reads them): a and c are
-        # still decoding then, even with SmolLM2's 16 tokens
+        # still decoding then, even with SmolLM2's 12 tokens
         if len(b.seq.generated) > b_before and not b.cancelled:
             sched.cancel(b)      # b's slot is freed at its next window...
             early = sched.submit(prompts[4], replace(params[4], max_tokens=3))  # ...reused

@@ -43,7 +43,7 @@ CTX, SLOTS = 64, 2
 VOCAB, D = 320, 64            # the tiny model's vocabulary and hidden size
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]   # each slot holds these 8 positions
 STORM = 20                    # frames per example
-FAST, SLOW = 200, 2000        # examples per stage: 2 x 200 x 20 = 8,000 frames
+FAST, SLOW = 100, 2000        # examples per stage: 2 x 100 x 20 = 4,000 frames
 INBOX_STORM = 40              # frames per example into the coordinator's inbox (each example
 INBOX_FAST, INBOX_SLOW = 50, 500     # runs a request): 50 x 40 = 2,000
 

@@ -9,6 +9,8 @@ accepted, seeded ones partly, and a wrong acceptance or commit would show as a d
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import numpy as np
 import pytest
 from gguf import GGUFReader
@@ -72,10 +74,21 @@ def subject(tiny_model, tmp_path_factory):
     return file, head, tok, prompts
 
 
-def launch(subject, split):
+@pytest.fixture(scope="module")
+def launch(subject):
+    """split -> the tiny model's stages with the repeating head, launched once for the module
+    (each case runs its own schedulers: they hold nothing of another's)."""
     file, head, _, _ = subject
-    plan = plan_stages(split, ["cpu"], file.config.n_layers)
-    return launch_stages(file, plan, slots=N, ctx=CTX, mtp_head=head, say=lambda s: None)
+    with ExitStack() as stack:
+        runs = {}
+
+        def get(split: str):
+            if split not in runs:
+                plan = plan_stages(split, ["cpu"], file.config.n_layers)
+                runs[split] = stack.enter_context(launch_stages(
+                    file, plan, slots=N, ctx=CTX, mtp_head=head, say=lambda s: None))
+            return runs[split]
+        yield get
 
 
 def params(mode: str):
@@ -83,50 +96,50 @@ def params(mode: str):
 
 
 @pytest.mark.parametrize("split", ["2", "1,3"], ids=["2stages", "3stages"])
-def test_mtp_drafts_give_the_tokens_of_plain_decoding(subject, split):
+def test_mtp_drafts_give_the_tokens_of_plain_decoding(subject, launch, split):
     _, _, tok, prompts = subject
-    with launch(subject, split) as run:
-        for mode in ("greedy", "seeded"):
-            plain = [r.seq.generated for r in harness.run_alone(
-                run, SchedulerConfig(slots=1, ctx=CTX), tok, prompts, params(mode))]
-            assert len({tuple(t) for t in plain}) > 1, plain   # the texts differ
-            runs = {
-                "solo K=1": harness.run_alone(run, SchedulerConfig(
-                    slots=1, ctx=CTX, draft_tokens=1, drafter="mtp"), tok, prompts, params(mode)),
-                "solo K=3": harness.run_alone(run, SchedulerConfig(
-                    slots=1, ctx=CTX, draft_tokens=3, drafter="mtp"), tok, prompts, params(mode)),
-                "batch 4 K=3": harness.run_together(run, SchedulerConfig(
-                    slots=N, ctx=CTX, draft_tokens=3, drafter="mtp"), tok, prompts,
-                    params(mode)),
-            }
-            for label, reqs in runs.items():
-                for i, (want, r) in enumerate(zip(plain, reqs)):
-                    assert r.seq.generated == want, (split, mode, label, i)
-                if mode == "greedy":
-                    counts = sum((r.drafts.counts for r in reqs), DraftCounts())
-                    assert counts.accepted >= counts.drafted // 2, \
-                        (label, [r.drafts.counts for r in reqs])
-                assert sum(r.drafts.counts.drafted for r in reqs) > 0, label
+    run = launch(split)
+    for mode in ("greedy", "seeded"):
+        plain = [r.seq.generated for r in harness.run_alone(
+            run, SchedulerConfig(slots=1, ctx=CTX), tok, prompts, params(mode))]
+        assert len({tuple(t) for t in plain}) > 1, plain   # the texts differ
+        runs = {
+            "solo K=1": harness.run_alone(run, SchedulerConfig(
+                slots=1, ctx=CTX, draft_tokens=1, drafter="mtp"), tok, prompts, params(mode)),
+            "solo K=3": harness.run_alone(run, SchedulerConfig(
+                slots=1, ctx=CTX, draft_tokens=3, drafter="mtp"), tok, prompts, params(mode)),
+            "batch 4 K=3": harness.run_together(run, SchedulerConfig(
+                slots=N, ctx=CTX, draft_tokens=3, drafter="mtp"), tok, prompts,
+                params(mode)),
+        }
+        for label, reqs in runs.items():
+            for i, (want, r) in enumerate(zip(plain, reqs)):
+                assert r.seq.generated == want, (split, mode, label, i)
+            if mode == "greedy":
+                counts = sum((r.drafts.counts for r in reqs), DraftCounts())
+                assert counts.accepted >= counts.drafted // 2, \
+                    (label, [r.drafts.counts for r in reqs])
+            assert sum(r.drafts.counts.drafted for r in reqs) > 0, label
 
 
-def test_follow_up_turn_with_mtp_drafts_equals_a_fresh_read(subject):
+def test_follow_up_turn_with_mtp_drafts_equals_a_fresh_read(subject, launch):
     """The conversation cache with drafts on: a follow-up whose prompt begins with the held
     tokens reads only the rest, and gets the tokens of a fresh read without drafts."""
     _, _, tok, prompts = subject
     sp = harness.request_params(0, True, TOKENS)
-    with launch(subject, "2") as run:
-        mtp = Scheduler(run.pipe, SchedulerConfig(slots=1, ctx=CTX, draft_tokens=3,
-                                                  drafter="mtp"), tok.stop_ids, tok.decode)
-        first = mtp.submit(prompts[0], sp)
-        mtp.run()
-        follow_up = prompts[0] + first.seq.generated + prompts[1]
-        again = mtp.submit(follow_up, sp)
-        mtp.run()
-        assert again.reused > 0
-        plain = Scheduler(run.pipe, SchedulerConfig(slots=1, ctx=CTX), tok.stop_ids, tok.decode)
-        fresh = plain.submit(follow_up, sp)   # a new scheduler holds nothing: reads it all
-        plain.run()
-        assert fresh.reused == 0 and again.seq.generated == fresh.seq.generated
+    run = launch("2")
+    mtp = Scheduler(run.pipe, SchedulerConfig(slots=1, ctx=CTX, draft_tokens=3,
+                                              drafter="mtp"), tok.stop_ids, tok.decode)
+    first = mtp.submit(prompts[0], sp)
+    mtp.run()
+    follow_up = prompts[0] + first.seq.generated + prompts[1]
+    again = mtp.submit(follow_up, sp)
+    mtp.run()
+    assert again.reused > 0
+    plain = Scheduler(run.pipe, SchedulerConfig(slots=1, ctx=CTX), tok.stop_ids, tok.decode)
+    fresh = plain.submit(follow_up, sp)   # a new scheduler holds nothing: reads it all
+    plain.run()
+    assert fresh.reused == 0 and again.seq.generated == fresh.seq.generated
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The page at `/`: served without the key while the API stays keyed (in this process, on a fake
 pipeline), and driven in a real headless browser (Debian's chromium, through the DevTools
 protocol over aiohttp's websocket client) against `strata-launch` serving SmolLM2 on 2 CPU
-stages with --api-key: the page asks for the key, shows every stage, and a prompt typed into
+stages with --api-key (the session's server, conftest's smollm2_server, which drafts with
+SmolLM2's NextN head): the page asks for the key, shows every stage, and a prompt typed into
 the box streams the answer the API gives for the same request, with the user's markup shown as
 text."""
 from __future__ import annotations
@@ -131,20 +132,15 @@ TOKENS = 16
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="needs a browser: Debian's chromium package "
                     "(apt-get install -y chromium), which .ci/run installs")
-def test_the_page_in_a_browser_streams_a_chat_and_shows_every_stage(tmp_path):
-    from test_server import Serving   # strata-launch as a child process
-
-    browser = Browser(tmp_path / "profile")   # starts while the stages load
+def test_the_page_in_a_browser_streams_a_chat_and_shows_every_stage(tmp_path, smollm2_server):
+    """The session's SmolLM2 server (conftest: strata-launch as a child process, keyed)."""
+    serving = smollm2_server
+    browser = Browser(tmp_path / "profile")
     try:
-        serving = Serving(["--model", "smollm2-135m", "--layer-split", "15", "--batch", "2",
-                           "--ctx-size", "512"], tmp_path, key=KEY)
-        try:
-            page = asyncio.run(_drive(browser, serving.root))
-            expected = serving.client().chat.completions.create(
-                model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}],
-                max_tokens=TOKENS, temperature=0)
-        finally:
-            serving.close()
+        page = asyncio.run(_drive(browser, serving.root, serving.key))
+        expected = serving.client().chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=TOKENS, temperature=0)
     finally:
         browser.close()
     # the stage table: both stages, their layers and device
@@ -157,14 +153,14 @@ def test_the_page_in_a_browser_streams_a_chat_and_shows_every_stage(tmp_path):
     assert page["decode_timed"], page   # /metrics read: stage 0's decode windows, timed
 
 
-async def _drive(browser: Browser, root: str) -> dict:
+async def _drive(browser: Browser, root: str, key: str) -> dict:
     async with ClientSession() as session:
         await browser.connect(session)
         await browser.call("Page.navigate", url=root + "/")
         await browser.until("document.readyState === 'complete' && "
                             "!document.getElementById('auth-notice').hidden", 20,
                             "the page asks for the API key")
-        await browser.type_into("key", KEY)
+        await browser.type_into("key", key)
         await browser.js("document.getElementById('prompt').focus()")   # the key's change event
         rows = "[...document.querySelectorAll('#stages tbody tr')]"
         await browser.until(f"{rows}.length === 2", 10, "the stage table shows 2 stages")

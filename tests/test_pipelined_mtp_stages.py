@@ -111,7 +111,7 @@ def check(run, tok, n: int, tokens: int, cancel_after: int | None = None) -> Non
 
 def test_pipelined_mtp_equals_solo_without_drafts(stages):
     run, tok = stages
-    check(run, tok, n=10, tokens=64, cancel_after=8)
+    check(run, tok, n=10, tokens=32, cancel_after=8)   # 10 requests through 8 slots: 2 wait
 
 
 @pytest.mark.long

@@ -151,10 +151,10 @@ def test_dequantized_rows_are_gguf_pys(device, qtype):
     assert torch.equal(w.gather(index, like["dtype"], triton=True), dense[index])
 
 
-def _windows(x: torch.Tensor, g: torch.Generator):
-    """(window, index of x's row): x alone, then among 7, 15, 31 and 63 random rows."""
+def _windows(x: torch.Tensor, g: torch.Generator, sizes=(8, 16, 32, 64)):
+    """(window, index of x's row): x alone, then among 7, 15, 31 and 63 random rows (sizes)."""
     yield x, 0
-    for n in (8, 16, 32, 64):
+    for n in sizes:
         w = torch.randn(n, x.shape[1], generator=g).to(x.device, x.dtype)
         at = (5 * n) // 7
         w[at] = x[0]
@@ -169,12 +169,15 @@ def test_a_rows_bits_do_not_depend_on_its_window(device, tiles, splits, qtype,
                                                  rowwise_interpreter_dot):
     """Row tiles that fit the window (one program reads a weight tile for all rows) and
     16-row tiles over row blocks; every projection kind on CUDA. Under the interpreter the
-    fitting tiles, and the two kernels' every variant for Q4_K, the residual projection and
-    gate/up for the other types (the same group code)."""
+    fitting tiles, and the two kernels' every variant for Q4_K at every size, the residual
+    projection and gate/up for the other types (the same group code) alone and among 8 and 64
+    rows (the smallest and the largest row tile)."""
     if device == "cpu" and tiles == "16":
         pytest.skip("16-row tiles over row blocks: on CUDA (the interpreter's time)")
     _skip_whole_on_cpu(device, qtype, splits)
-    kinds = KINDS if device != "cpu" or qtype == "Q4_K" else ("res", "gate_up")
+    every = device != "cpu" or qtype == "Q4_K"
+    kinds = KINDS if every else ("res", "gate_up")
+    sizes = (8, 16, 32, 64) if every else (8, 64)
     like = _like(device)
     g = torch.Generator().manual_seed(6)
     w, _ = _weight(qtype, 64, 256, device, seed=5)
@@ -184,7 +187,7 @@ def test_a_rows_bits_do_not_depend_on_its_window(device, tiles, splits, qtype,
     x = torch.randn(1, 256, generator=g).to(**like)
     for kind in kinds:
         first = None
-        for window, at in _windows(x, g):
+        for window, at in _windows(x, g, sizes):
             res = torch.randn(window.shape[0], 64, generator=g).to(**like)
             res[at] = 0.5
             out = _project(kind, window, w, norm, res if kind == "res" else None, policy)

@@ -1,5 +1,6 @@
 """Penalties, biases and log-probabilities on the real SmolLM2, through 2 CPU stages whose
-last one drafts with the shipped NextN head: each request gets the same tokens and the same
+last one drafts with the shipped NextN head (the session's launch, conftest's
+smollm2_drafting_stages): each request gets the same tokens and the same
 log-probability numbers (bit for bit) alone, 4 together in serial windows, in 2 pipelined
 groups, and in pipelined groups with 2 MTP drafts a slot (a draft row penalised as if the
 drafts before it were kept); the penalties change the text; the log-probabilities agree with
@@ -16,13 +17,9 @@ import torch
 from strata.bench import harness
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
-from strata.launch.plan import plan_stages
-from strata.launch.session import launch_stages
-from strata.model.gguf_file import ModelFile
-from strata.model.nextn import shipped_head
 from strata.model.tokenizer import Tokenizer
 
-CTX, SLOTS, TOKENS = 512, 4, 16
+CTX, SLOTS, TOKENS = 512, 4, 12
 PARAMS = [
     SamplingParams(max_tokens=TOKENS, repetition_penalty=1.3, logprobs=5),
     SamplingParams(temperature=0.8, top_k=40, seed=11, max_tokens=TOKENS, frequency_penalty=2.0,
@@ -39,13 +36,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2):
-    file = ModelFile(smollm2)
-    tok = Tokenizer.from_gguf(file.reader)
-    plan = plan_stages("15", ["cpu"], file.config.n_layers)
-    with launch_stages(file, plan, slots=SLOTS, ctx=CTX, mtp_head=shipped_head(file).path,
-                       say=lambda s: None) as run:
-        yield run, tok, [tok.encode(t) for t in harness.prompt_set(len(PARAMS))]
+def smol(smollm2_drafting_stages):
+    run = smollm2_drafting_stages
+    assert (run.slots, run.ctx) == (SLOTS, CTX) and run.procs.mtp_head is not None
+    tok = Tokenizer.from_gguf(run.file.reader)
+    return run, tok, [tok.encode(t) for t in harness.prompt_set(len(PARAMS))]
 
 
 def answers(reqs) -> list[tuple[list[int], list]]:

@@ -4,10 +4,11 @@
 The tiny random model checks shapes, usage, seeds, streaming, stop strings, disconnects, the
 status and metrics routes and a short load test; SmolLM2 checks that HTTP answers are exactly
 what `strata-launch --prompt` and the scheduler alone give, also with 8 clients streaming at
-once through 4 slots in 2 groups. The server runs 2 stages; "alone" runs in this process on
-the session's 3-stage launch of SmolLM2 (conftest's smollm2_stages); the 8 clients' requests
-alone are the session's reference (conftest's smollm2_alone, which test_batching compares
-with too).
+once through 4 slots in 2 groups. The server (the session's, conftest's smollm2_server) runs
+2 stages, the last drafting 3 tokens a slot with SmolLM2's NextN head; "alone" runs in this
+process on the session's 3-stage launch of SmolLM2 (conftest's smollm2_stages), and so does
+the command of `strata-launch --prompt`, given that launch; the 8 clients' requests alone are
+the session's reference (conftest's smollm2_alone, which test_batching compares with too).
 """
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import openai
 import pytest
 
-from conftest import SMOLLM2_REQUESTS, SMOLLM2_TOKENS, smollm2_params, stage_processes
+from conftest import (SMOLLM2_REQUESTS, SMOLLM2_SPLIT, SMOLLM2_TOKENS, smollm2_params,
+                      stage_processes)
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import SchedulerConfig
 from strata.bench import harness
@@ -92,11 +95,13 @@ class Serving:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model, tmp_path_factory):
-    s = Serving(["--model", str(tiny_model), "--layer-split", "2", "--batch", "4",
-                 "--batch-groups", "2", "--ctx-size", str(CTX)], tmp_path_factory.mktemp("logs"))
-    yield s
-    s.close()
+def tiny(tiny_server):
+    """The session's tiny server (conftest: 2 stages, 4 slots in 2 groups), which
+    test_server_logprobs' cases share: they run in this module's group under xdist."""
+    return tiny_server
+
+
+TINY_GROUP = "test_server"
 
 
 @pytest.fixture(scope="module")
@@ -381,18 +386,29 @@ SEEDED = SamplingParams(temperature=0.7, top_k=20, seed=1234, max_tokens=N_TOKEN
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2, tmp_path_factory):
-    s = Serving(["--model", "smollm2-135m", "--layer-split", "15", "--batch", "4",
-                 "--batch-groups", "2", "--ctx-size", str(CTX)], tmp_path_factory.mktemp("smol"))
-    yield s
-    s.close()
+def smol(smollm2_server):
+    """The session's SmolLM2 server (conftest: 2 stages, 4 slots in 2 groups, MTP drafts)."""
+    return smollm2_server
 
 
-def _cli_text(args: list[str], log_dir: Path) -> str:
-    out = subprocess.run([sys.executable, "-m", "strata.launch.cli", "--model", "smollm2-135m",
-                          "--layer-split", "15", "--ctx-size", str(CTX), "--log-dir",
-                          str(log_dir), *args], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
+def _cli_text(args: list[str], stages) -> str:
+    """`strata-launch --prompt` (its command, in this process) on the session's launch of the
+    same stages."""
+    from click.testing import CliRunner
+
+    from strata.launch.cli import main
+    from strata.launch.options import Prepared
+
+    def launch(self, **kwargs):
+        assert self.plan == stages.plan and self.sched.ctx <= stages.ctx, self.plan
+        return nullcontext(stages)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Prepared, "launch", launch)
+        out = CliRunner().invoke(main, ["--model", "smollm2-135m", "--layer-split",
+                                        SMOLLM2_SPLIT, "--devices", "cpu", "--ctx-size",
+                                        str(CTX), *args])
+    assert out.exit_code == 0, (out.output, out.exception)
     assert out.stdout.endswith("\n")
     return out.stdout[:-1]
 
@@ -402,24 +418,23 @@ COMPLETION_PROMPT = harness.PROMPTS[0]  # greedy: the session reference's reques
 
 
 @pytest.fixture(scope="module")
-def solo(smollm2_stages, smollm2_alone, tmp_path_factory):
+def solo(smollm2_stages, smollm2_alone):
     """Each request alone through the scheduler (one slot of the session's launch), in this
     process: the clients' and the greedy completion's from the session's reference, the chat
-    here; and the seeded chat through `strata-launch --prompt` (run while the chat runs)."""
+    here; and the seeded chat through `strata-launch --prompt` on the same launch."""
     assert smollm2_stages.ctx >= CTX
     tok, prompts, clients, clients_alone = smollm2_alone
     assert clients == [smollm2_params(i) for i in range(N_CLIENTS)]
     assert (prompts[0], clients[0]) == (tok.encode(COMPLETION_PROMPT),
                                         SamplingParams(max_tokens=N_TOKENS))
-    with ThreadPoolExecutor(1) as pool:
-        chat_cli = pool.submit(_cli_text, [
-            "--chat", "--prompt", CHAT_PROMPT, "--max-tokens", str(N_TOKENS), "--temperature",
-            "0.7", "--top-k", "20", "--seed", "1234"], tmp_path_factory.mktemp("cli"))
-        chat = tok.encode(tok.render_chat([{"role": "user", "content": CHAT_PROMPT}]))
-        chat_alone, = harness.run_alone(smollm2_stages, SchedulerConfig(slots=1, ctx=CTX), tok,
-                                        [chat], [SEEDED])
-        return {"clients": clients_alone, "chat": chat_alone, "greedy": clients_alone[0],
-                "chat_cli": chat_cli.result()}
+    chat_cli = _cli_text(["--chat", "--prompt", CHAT_PROMPT, "--max-tokens", str(N_TOKENS),
+                          "--temperature", "0.7", "--top-k", "20", "--seed", "1234"],
+                         smollm2_stages)
+    chat = tok.encode(tok.render_chat([{"role": "user", "content": CHAT_PROMPT}]))
+    chat_alone, = harness.run_alone(smollm2_stages, SchedulerConfig(slots=1, ctx=CTX), tok,
+                                    [chat], [SEEDED])
+    return {"clients": clients_alone, "chat": chat_alone, "greedy": clients_alone[0],
+            "chat_cli": chat_cli}
 
 
 @pytest.mark.slow

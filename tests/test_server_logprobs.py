@@ -12,7 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_server import CTX, Serving, tiny  # noqa: F401 (a fixture: the tiny model served)
+from test_server import (CTX, TINY_GROUP, Serving,
+                         tiny)  # noqa: F401 (a fixture: the tiny model served, for the session)
+
+pytestmark = pytest.mark.xdist_group(TINY_GROUP)   # where test_server's tiny cases run
 
 A, B, EOS = 65, 66, 256   # the tiny model's "A", "B" and end of text
 USER = [{"role": "user", "content": "Hello there"}]

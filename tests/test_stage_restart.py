@@ -12,10 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import signal
-import tempfile
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -26,31 +23,18 @@ from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.protocol import unixsock
 from test_scheduler import FakePipeline, params, prompts
 
-CTX = 512   # as the session's reference launch (conftest.py); its requests take 16 tokens
-STAGE_TIMEOUT = 6.0   # a stopped stage is taken for hung past this (a busy CI host: not less)
+CTX = 512   # as the session's reference launch (conftest.py); its requests take 12 tokens
 
 
 @pytest.fixture(scope="module")
-def stages(smollm2, smollm2_alone):
-    """SmolLM2 on 2 CPU stages, 4 slots, the shipped NextN head on the last one, and the
+def stages(smollm2_drafting_stages, smollm2_alone):
+    """SmolLM2 on 2 CPU stages, 4 slots, the shipped NextN head on the last one (the session's
+    launch, conftest's smollm2_drafting_stages, taken for hung after its STAGE_TIMEOUT), and the
     session's reference: harness.prompt_set(8), each request alone (conftest.py)."""
-    from strata.launch.plan import plan_stages
-    from strata.launch.session import launch_stages
-    from strata.model.gguf_file import ModelFile
-    from strata.model.nextn import find_head
-
+    run = smollm2_drafting_stages
+    assert run.procs.mtp_head is not None and (run.slots, run.ctx) == (4, CTX)
     tok, ids, ps, alone = smollm2_alone
-    file = ModelFile(smollm2)
-    plan = plan_stages("15", ["cpu"], file.config.n_layers)
-    own = tempfile.mkdtemp(prefix="rst", dir="/tmp")   # short: socket paths are limited
-    with ExitStack() as stack:
-        with pytest.MonkeyPatch.context() as mp:   # the run directory under `own`, only
-            mp.setattr(tempfile, "tempdir", own)
-            run = stack.enter_context(launch_stages(
-                file, plan, slots=4, ctx=CTX, mtp_head=find_head(file).path,
-                stage_timeout=STAGE_TIMEOUT, say=lambda s: None))
-        yield run, tok, ids, ps, [r.seq.generated for r in alone]
-    shutil.rmtree(own, ignore_errors=True)
+    return run, tok, ids, ps, [r.seq.generated for r in alone]
 
 
 def _serve(run, tok, cfg: SchedulerConfig, ids, ps, faults: list[tuple[int, int, int]]):

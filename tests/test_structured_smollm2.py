@@ -2,8 +2,9 @@
 a choice, greedy and seeded, on chat and completions. Each request alone (one slot of the
 session's launch) is the reference; together, in pipelined groups and with lookup drafts on
 the same launch, and over HTTP with the official `openai` client on a server whose last stage
-drafts with the shipped MTP head, every request gets exactly its tokens, and every answer that
-ends parses and validates (json + jsonschema, re.fullmatch, the choice list)."""
+drafts with the shipped MTP head (the session's, conftest's smollm2_server), every request gets
+exactly its tokens, and every answer that ends parses and validates (json + jsonschema,
+re.fullmatch, the choice list)."""
 from __future__ import annotations
 
 import json
@@ -20,13 +21,13 @@ from strata.coordinator.grammar_fields import grammar_request
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Scheduler, SchedulerConfig
 from strata.model.tokenizer import Tokenizer
-from test_server import Serving
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                          "city": {"type": "string"}}}
-SHORT_NAME = {**PERSON, "properties": {**PERSON["properties"],
-                                       "name": {"type": "string", "maxLength": 20}}}
+SHORT = {**PERSON, "properties": {**PERSON["properties"],   # the seeded answer: ~35 tokens
+                                  "name": {"type": "string", "maxLength": 8},
+                                  "city": {"type": "string", "maxLength": 8}}}
 MAX_TOKENS = 48
 
 # (chat, prompt, structured output, temperature): the requests, each with seed 100 + index
@@ -36,7 +37,7 @@ CASES = [
                                                                  "schema": PERSON}}}, 0.0),
     (True, "Invent a person and describe them as JSON with name, age and city.",
      {"response_format": {"type": "json_schema", "json_schema": {"name": "person",
-                                                                 "schema": SHORT_NAME}}}, 0.7),
+                                                                 "schema": SHORT}}}, 0.7),
     (True, "Answer in JSON: what is the capital of France?",
      {"response_format": {"type": "json_object"}}, 0.0),
     (True, "Make up an email address for John at example.com.",
@@ -102,12 +103,9 @@ def test_each_answer_follows_its_grammar_alone_together_and_pipelined(
 
 
 @pytest.fixture(scope="module")
-def served(smollm2, tmp_path_factory):
-    s = Serving(["--model", "smollm2-135m", "--layer-split", "15", "--batch", "4",
-                 "--batch-groups", "2", "--draft-tokens", "3", "--ctx-size", str(SMOLLM2_CTX)],
-                tmp_path_factory.mktemp("structured"))
-    yield s
-    s.close()
+def served(smollm2_server):
+    """The session's SmolLM2 server (conftest: 2 stages, 4 slots in 2 groups, MTP drafts)."""
+    return smollm2_server
 
 
 def ask(client: openai.OpenAI, i: int) -> str:
@@ -132,11 +130,13 @@ def ask(client: openai.OpenAI, i: int) -> str:
 def test_http_with_mtp_drafts_gives_each_request_its_tokens_alone(served, structured_alone):
     tok, _, alone = structured_alone
     client = served.client()
+    before = served.wait_idle()["drafts"]   # the server's counts since it started
     with ThreadPoolExecutor(len(CASES)) as pool:
         texts = list(pool.map(lambda i: ask(client, i), range(len(CASES))))
     assert texts == [r.seq.final_text() for r in alone]
     drafts = served.wait_idle()["drafts"]
-    assert drafts["proposed"] > 0 and drafts["accepted"] > 0, drafts
+    assert drafts["proposed"] > before["proposed"] and drafts["accepted"] > before["accepted"], \
+        (before, drafts)
     # a schema or a regex that cannot be used: a 400 naming the field; the server goes on
     for kwargs, param in (
             (dict(response_format={"type": "json_schema", "json_schema": {

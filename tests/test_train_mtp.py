@@ -196,7 +196,8 @@ def test_the_tv_soft_loss_is_the_total_variation_and_trains_toward_the_teacher()
         soft_loss(student, teacher, 0.7, "js")
 
 
-def test_a_whole_run_writes_a_head_that_fits_and_its_figures(varied_model, tmp_path):
+def test_a_whole_run_writes_a_head_that_fits_and_its_figures(varied_model, tmp_path,
+                                                            one_launch):
     prompts = tmp_path / "prompts.jsonl"
     with open(prompts, "w") as f:
         for i in range(24):
@@ -239,6 +240,7 @@ def test_a_whole_run_writes_a_head_that_fits_and_its_figures(varied_model, tmp_p
     assert isinstance(res.exception, SystemExit) and res.exception.code == 2
     assert "narrower than the head it starts from" in res.output
     assert not (tmp_path / "none.jsonl").exists()
+    assert len(one_launch) == 2   # the two runs that generate answers, on one launch
 
 
 def test_kept_answers_stand_for_the_work_they_did():
@@ -257,7 +259,8 @@ def test_kept_answers_stand_for_the_work_they_did():
     assert split_kept(work, [])[1] == work
 
 
-def test_a_run_adds_to_the_kept_answers_only_what_they_lack(varied_model, tmp_path):
+def test_a_run_adds_to_the_kept_answers_only_what_they_lack(varied_model, tmp_path,
+                                                           one_launch):
     """A second run with one more --sampled pass generates that pass alone and leaves the
     answers kept before as they were; --answer-seconds 0 generates none."""
     prompts = tmp_path / "prompts.jsonl"
@@ -291,6 +294,7 @@ def test_a_run_adds_to_the_kept_answers_only_what_they_lack(varied_model, tmp_pa
     assert kept.read_text().splitlines()[:20] == more and len(kept.read_text().splitlines()) == 26
     seeds = [json.loads(s)["seed"] for s in more]
     assert len(set(seeds[8:])) == 12 and None not in seeds[8:]
+    assert len(one_launch) == 3   # --answer-seconds 0 launches nothing; the others share one
 
 
 def test_the_cli_says_what_is_missing(tmp_path):

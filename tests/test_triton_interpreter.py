@@ -8,9 +8,10 @@ attention's 100- and 512-row references (its 1-, 7- and 32-row ones run, across 
 partial blocks) and its row independence with 4-row blocks (the default blocks run). Skipped
 where triton is not installed (the test extra installs it) or where a GPU runs the kernels
 themselves. The kernel test files run in child processes at once, one group each (the
-machine's cores are otherwise idle while this test waits), and the quantized-weight kernels
-(~55 s) with a packed MoE stage (~40 s) in a third; the first runs the routed experts'
-kernels too (~45 s), the second the model families' Triton path (~55 s)."""
+machine's cores are otherwise idle while this test waits), of about a minute each on one
+core: the attention, sampling and routed experts' kernels (~35 s of these); the fused,
+skinny and invariance checks with the model families' Triton path (~25 s) and a packed MoE
+stage (~18 s); the quantized-weight kernels (~17 s) with a quantized stage (~25 s)."""
 from __future__ import annotations
 
 import os
@@ -23,15 +24,14 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# groups of about the same time under the interpreter (~10 s each on a CPU; the quantized
-# kernels' ~55 s)
+# groups of about the same time under the interpreter
 KERNEL_TESTS = [["tests/test_attention_triton.py", "tests/test_attention_chunk.py",
                  "tests/test_sampling_triton.py", "tests/test_sampling_sorted_triton.py",
                  "tests/test_moe_triton.py"],
                 ["tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py",
-                 "tests/test_batch_invariance.py", "tests/test_families.py"],
-                ["tests/test_quant_kernels.py", "tests/test_quant_stage.py",
-                 "tests/test_moe_stage.py"]]
+                 "tests/test_batch_invariance.py", "tests/test_families.py",
+                 "tests/test_moe_stage.py"],
+                ["tests/test_quant_kernels.py", "tests/test_quant_stage.py"]]
 CASES = "cpu and not 512 and not 100 and not bm4"
 
 
