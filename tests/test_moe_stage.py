@@ -67,8 +67,8 @@ def test_the_loader_packs_experts_and_the_report_and_plan_say_so(moe_file, tmp_p
     # in the scratch (bf16 bytes of the largest packed matrix a prompt chunk widens)
     weights, scratch = stage_bytes(moe_file, 0, cfg.n_layers, "cuda:0", "quantized")
     assert weights == packed + vectors // 2 and scratch < 2 * (2 * e * f * d)
-    # widened on a CPU stage, and where the type has no kernel (Q5_0: a Q4_K_M file's choice
-    # for rows of 64 values)
+    # widened on a CPU stage, and where the type has no kernel (IQ4_NL); a Q4_K_M file's
+    # choice for rows of 64 values (Q5_0) stays packed
     dense = _model(moe_file, "cpu", "quantized")
     assert not dense.weights.report.quantized
     assert all(layer.experts.gate_up.shape == (e, 2 * f, d) for layer in dense.layers
@@ -76,8 +76,12 @@ def test_the_loader_packs_experts_and_the_report_and_plan_say_so(moe_file, tmp_p
     mix = ModelFile(write_random_gguf(tmp_path / "mix.gguf", SHAPES["glm4moe-tiny"],
                                       weight_type="Q4_K_M"))
     got = _model(mix, "cpu", "packed").weights.report
-    assert got.widened["Q5_0"] and "Q5_0" not in got.quantized
-    assert "loaded as float32: Q5_0 x" in got.summary(torch.float32)
+    assert got.quantized["Q5_0"] and "Q5_0" not in got.widened
+    iq = ModelFile(write_random_gguf(tmp_path / "iq.gguf", SHAPES["glm4moe-tiny"],
+                                     weight_type="IQ4_NL"))
+    got = _model(iq, "cpu", "packed").weights.report
+    assert got.widened["IQ4_NL"] and "IQ4_NL" not in got.quantized
+    assert "loaded as float32: IQ4_NL x" in got.summary(torch.float32)
 
 
 @pytest.mark.parametrize("device", triton_devices())
