@@ -19,7 +19,7 @@ from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
 from strata.model.nextn import find_head
 from strata.protocol.messages import Result, Window
-from strata.stage_worker.drafter import Drafter, _pad_rows, graph_rows
+from strata.stage_worker.drafter import Drafter, graph_rows
 from strata.stage_worker.model import KVCache, Rows, StageModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -257,15 +257,6 @@ def test_drafter_matches_a_full_recompute(models, monkeypatch, rows_per_call):
                                    rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cache.v[0][s, :, :m].transpose(0, 1).double(), v,
                                    rtol=1e-4, atol=1e-4)
-
-
-def test_pad_rows_of_a_graph_are_the_trash_slots_and_take_no_steps():
-    packed = torch.tensor([[1, 0], [5, 9], [6, 10], [3, 2]])   # slot, index, length, steps
-    assert _pad_rows(packed, 2, 7).tolist() == [[1, 0, 7, 7], [5, 9, 0, 0], [6, 10, 0, 0],
-                                                [3, 2, 0, 0]]
-    assert _pad_rows(packed[:3], 1, 7).tolist() == [[1, 0, 7], [5, 9, 0], [6, 10, 0]]
-    x = torch.ones(2, 4, 3)   # rows first: padded with zero rows
-    assert _pad_rows(x, 2, 7).shape == (4, 4, 3) and not _pad_rows(x, 2, 7)[2:].any()
 
 
 @pytest.mark.parametrize("t,filters", [(0.0, {}), (0.8, {}), (0.8, {"top_k": 12, "top_p": 0.9})],

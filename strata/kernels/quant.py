@@ -11,10 +11,9 @@ one tensor [N, X] a field, with exactly the file's bytes (`pack`):
                           in bits 4j..4j+3 (Q8_0: the low nibble of q + 128)
     qh   int32            the high bits: Q8_0 the high nibble of q + 128 ([N, K/8], as qs);
                           Q5_0, Q5_1, Q5_K one bit a quant ([N, K/32]), Q6_K two ([N, K/16]),
-                          each word
-                          one group's: the high bits of qs word a of the group's element j lie
-                          in the 4-bit field j of the word, at bit `bits` * a of the field (so
-                          the kernels split qs and qh words alike)
+                          each word one group's: the high bits of qs word a of the group's
+                          element j lie in the 4-bit field j of the word, at bit `bits` * a of
+                          the field (so the kernels split qs and qh words alike)
     d    fp16 [N, K/32]   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: each block's scale
     m    fp16 [N, K/32]   Q4_1, Q5_1: each block's offset
     sc   int32 [N, 3K/256] Q4_K, Q5_K: the 12 bytes of 6-bit scales and mins of a super-block

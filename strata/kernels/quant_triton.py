@@ -79,8 +79,9 @@ def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr):
     gi = g0 + tl.arange(0, G)
     ok = n_ok[:, None]
     if QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q8_0 or QTYPE == Q5_0 or QTYPE == Q5_1:
+        # d (and m) a group
         a = tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok, other=0.0).to(tl.float32)
-        if QTYPE == Q4_0:                                     # d (and m) a group
+        if QTYPE == Q4_0:
             b = -8.0 * a
         elif QTYPE == Q5_0:
             b = -16.0 * a

@@ -325,23 +325,19 @@ class Drafter:
         return (torch.stack(picks, 1),)
 
     def _graphed(self, name: str, fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """fn(*inputs) of n <= MAX_DECODE_ROWS rows: on the CPU as given; on CUDA at the
-        smallest GRAPH_ROWS size that holds n (with graphs, the replay of its capture at that
-        size, else eagerly), the inputs padded with pad rows (token 0, h 0, the cache's trash slot at position 0 and length 0: no key read,
-        nothing kept). Returns the first n rows of each output: with graphs, views of the
-        graph's buffers, which its next replay overwrites (callers copy what they keep)."""
-        if self.device.type != "cuda":
+        """fn(*inputs): on the CPU as given; on CUDA the inputs' rows are a GRAPH_ROWS size
+        (the callers pad them, _padded), and with graphs fn is the replay of its capture at
+        that size, else it runs eagerly (the same shapes, so the same bits). With graphs the
+        outputs are views of the graph's buffers, which its next replay overwrites (callers
+        copy what they keep)."""
+        if self.device.type != "cuda" or self.graphs is None:
             return fn(*inputs)
-        n = inputs[0].shape[0]
-        size = next(r for r in GRAPH_ROWS if r >= n)
-        if size > n:
-            inputs = tuple(_pad_rows(x, size - n, self.cache.trash) for x in inputs)
-        if self.graphs is None:   # the same shapes, so the same bits, as the replays
-            return tuple(o[:n] for o in fn(*inputs))
+        size = inputs[0].shape[0]
+        assert size in GRAPH_ROWS, f"{size} rows: pad them to a graph's rows (graph_rows)"
         graph = self.graphs.get((name, size))
         if graph is None:
             graph = self.graphs[(name, size)] = Captured(fn, list(inputs), self.pool)
-        return tuple(o[:n] for o in graph(*inputs))
+        return graph(*inputs)
 
 
 def graph_rows(n: int) -> int:
@@ -349,16 +345,6 @@ def graph_rows(n: int) -> int:
     GRAPH_ROWS size."""
     whole, rest = divmod(n, MAX_DECODE_ROWS)
     return whole * MAX_DECODE_ROWS + (next(r for r in GRAPH_ROWS if r >= rest) if rest else 0)
-
-
-def _pad_rows(x: torch.Tensor, pad: int, trash: int) -> torch.Tensor:
-    """x with `pad` pad rows after its rows: the packed rows [3, N] get (trash, 0, 0), the
-    others zeros."""
-    if x.dim() == 2 and x.dtype == torch.long and x.shape[0] in (3, 4):
-        # packed: slot, index, length (and a chain's steps, 0)
-        fill = torch.tensor([[trash], [0], [0], [0]][:x.shape[0]], dtype=torch.long)
-        return torch.cat([x, fill.expand(-1, pad).to(x.device)], 1)
-    return torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))])
 
 
 def _params(row: SamplingRow | None, mode: str) -> list[float]:
