@@ -253,10 +253,10 @@ def no_stage_left(monkeypatch):
 
 @pytest.fixture(scope="session")
 def _tiny_stages(tiny_model):
-    """One launch of the tiny model: 2 CPU stages, 4 slots, 256 positions, for the session."""
+    """One launch of the tiny model: 2 CPU stages, 16 slots, 256 positions, for the session."""
     from strata.launch.options import prepare
 
-    prep = prepare(model=str(tiny_model), layer_split="2", devices="cpu", ctx_size=256, batch=4,
+    prep = prepare(model=str(tiny_model), layer_split="2", devices="cpu", ctx_size=256, batch=16,
                    batch_groups="1", window_rows=8, chunk_rows=32)
     own = tempfile.mkdtemp(prefix="stb", dir="/tmp")  # short: ipc paths are limited to 107 bytes
     with pytest.MonkeyPatch.context() as mp:

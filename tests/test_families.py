@@ -108,16 +108,21 @@ def test_the_triton_path_gives_the_torch_paths_logits(family, device):
 @pytest.mark.slow
 def test_a_family_batched_equals_alone_serial_and_pipelined(family, one_launch):
     """`strata-bench exact` serial, then pipelined, on one launch of the family's 2 stages
-    (the group count is the scheduler's: the stages are the same)."""
+    (the group count is the scheduler's: the stages are the same). Serial, 10 requests share
+    16-row windows (alone: 8 rows)."""
     arch, _, file = family
     for groups in ("1", "2"):
         out = CliRunner().invoke(bench, ["exact", "--model", str(file.path), "--layer-split",
-                                         "3", "--ctx-size", "128", "--batch", "4",
-                                         "--batch-groups", groups, "--requests", "5",
+                                         "3", "--ctx-size", "128", "--batch", "10",
+                                         "--batch-groups", groups, "--requests", "10",
                                          "--tokens", "12"])
         assert out.exit_code == 0, (arch, out.output, out.exception)
-        assert out.stdout.splitlines()[-1] == "all requests identical", (arch, out.stdout)
+        assert out.stdout.splitlines()[-1].startswith("all requests identical"), (
+            arch, out.stdout)
         assert f"groups {groups}," in out.stdout
+        if groups == "1":
+            assert "# greedy together: decode windows of" in out.stdout
+            assert "no row was compared across window sizes" not in out.stdout
     assert len(one_launch) == 2
 
 

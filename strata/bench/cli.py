@@ -32,7 +32,7 @@ from strata.coordinator.generate import generate_solo
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import auto_groups
 from strata.coordinator.sequence import Sequence
-from strata.bench import harness
+from strata.bench import exactness, harness
 from strata.bench.draftbench import drafts
 from strata.bench.grammarbench import grammar
 from strata.bench.harness import machine
@@ -102,16 +102,19 @@ def decode(model, splits, devices, tokens, repeats, ctx_size, json_out):
             json.dump({"machine": machine(), "tokens": tokens, "results": best}, f, indent=2)
 
 
-@main.command()
+@main.command(context_settings={"default_map": {"batch": 16}})
 @launch_options
-@click.option("--requests", type=int, default=8, show_default=True)
+@click.option("--requests", type=int, default=16, show_default=True)
 @click.option("--tokens", type=int, default=32, show_default=True, help="Max tokens per request.")
 @click.option("--sampling", type=click.Choice(["greedy", "seeded", "both"]), default="both",
               show_default=True, help="seeded: temperature 0.7, top_k 20, a seed per request.")
 @clean_errors("strata-bench exact")
 def exact(requests, tokens, sampling, **launch):
-    """Run the prompts alone (one at a time), then together under the given batch and groups;
-    print each request's first mismatch; exit 1 on any."""
+    """Run the prompts alone (one at a time, the smallest window), together (windows as large
+    as --batch allows) and staggered (half of them first, the rest a quarter of the way
+    through, so windows change size mid-request); print each request's first mismatch and the window sizes each
+    arm ran; exit 1 on any mismatch, on a request that fails, or when fewer than half of
+    --requests x --tokens tokens were compared."""
     prep = prepare(**launch)
     tok = Tokenizer.from_gguf(prep.file.reader)
     prompts = [tok.encode(p) for p in harness.prompt_set(requests)]
@@ -120,23 +123,33 @@ def exact(requests, tokens, sampling, **launch):
     click.echo(f"# {requests} requests x {tokens} tokens, {len(prep.plan)} stage(s), batch "
                f"{prep.sched.slots}, groups {prep.sched.groups}, window rows "
                f"{prep.sched.window_rows}, draft tokens {prep.sched.draft_tokens}")
-    bad = 0
+    failures, compared, stopped = [], 0, 0
     with prep.launch(say=lambda s: None) as run:
         for mode in modes:
             params = [harness.request_params(i, mode == "seeded", tokens)
                       for i in range(requests)]
-            alone = harness.run_alone(run, alone_cfg, tok, prompts, params)
-            together = harness.run_together(run, prep.sched, tok, prompts, params)
-            for i, (a, t) in enumerate(zip(alone, together)):
-                at = harness.first_mismatch(a.seq.generated, t.seq.generated)
-                if at is None:
-                    click.echo(f"{mode:>6} request {i:>3}: same {len(a.seq.generated)} tokens")
-                    continue
-                bad += 1
-                click.echo(f"{mode:>6} request {i:>3}: MISMATCH at token {at}: alone "
-                           f"{a.seq.generated[at:at + 3]} together {t.seq.generated[at:at + 3]}")
-    click.echo(f"{'all requests identical' if not bad else f'{bad} request(s) differ'}")
-    sys.exit(1 if bad else 0)
+            alone = exactness.run_arm("alone", run.pipe, alone_cfg, tok.stop_ids, prompts, params)
+            others = [exactness.run_arm(name, run.pipe, prep.sched, tok.stop_ids, prompts, params)
+                      for name in exactness.ARMS]
+            verdict = exactness.compare(mode, alone, others)
+            for line in verdict.lines:
+                click.echo(line)
+            for arm in [alone, *others]:
+                click.echo(f"# {mode} {arm.name}: decode windows of {arm.sizes_said()}")
+            if all(set(arm.sizes) <= set(alone.sizes) for arm in others) and requests:
+                click.echo(f"# {mode}: every window had the rows of the solo run's, so no row was "
+                           f"compared across window sizes; give --requests and --batch above "
+                           f"{max(alone.sizes, default=8)} for that")
+            failures += verdict.failures
+            compared += verdict.compared
+            stopped += sum(r.seq.finish_reason == "stop" for r in alone.requests)
+    short = exactness.enough(compared, requests * len(modes), tokens, stopped)
+    failures += [short] if short else []
+    if failures:
+        for why in dict.fromkeys(failures):
+            click.echo(f"FAILED: {why}")
+        sys.exit(1)
+    click.echo(f"all requests identical ({compared} tokens compared)")
 
 
 @main.command()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import click
@@ -270,17 +271,23 @@ def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,
 
 
 class CountingPipe:
-    """A launch's Pipeline as a scheduler sees it, counting the decode windows sent."""
+    """A launch's Pipeline as a scheduler sees it, counting the decode windows sent by their
+    rows (sizes: rows -> windows)."""
 
     def __init__(self, pipe):
-        self.pipe, self.decode_windows = pipe, 0
+        self.pipe, self.sizes = pipe, Counter()
+
+    @property
+    def decode_windows(self) -> int:
+        return sum(self.sizes.values())
 
     def new_window_id(self) -> int:
         return self.pipe.new_window_id()
 
     def submit(self, w) -> None:
         self.pipe.submit(w)
-        self.decode_windows += not w.chunk and any(s >= 0 for s in w.slots)
+        if not w.chunk and any(s >= 0 for s in w.slots):
+            self.sizes[len(w.slots)] += 1
 
     def receive(self, timeout: float | None = None):
         return self.pipe.receive(timeout=timeout)

@@ -95,9 +95,10 @@ quantized() {  # quantized TYPE: the llama3-8b shape quantized by llama-quantize
 for part in $PARTS; do
   case $part in
     exact)    # SmolLM2, serial and pipelined groups, greedy and seeded: every request the same
-      run exact_groups1 180 strata-bench exact $GS --layer-split 15 --batch 8 --batch-groups 1
-      run exact_groups2 180 strata-bench exact $GS --layer-split 15 --batch 8 --batch-groups 2
-      run exact_drafts 180 strata-bench exact $GS --layer-split 15 --batch 4 --batch-groups 2 --draft-tokens 3 ;;
+      # (alone in 8-row windows; together in 16-row ones, and staggered from 8 to 16 rows)
+      run exact_groups1 180 strata-bench exact $GS --layer-split 15 --batch 16 --batch-groups 1
+      run exact_groups2 180 strata-bench exact $GS --layer-split 15 --batch 32 --batch-groups 2 --requests 32
+      run exact_drafts 180 strata-bench exact $GS --layer-split 15 --batch 16 --batch-groups 2 --draft-tokens 3 ;;
     window)   # llama3-8b decode window at 1 and 8 clients against the HBM limit
       two_gpus window || continue
       llama
@@ -171,10 +172,10 @@ for part in $PARTS; do
         --prompt-tokens 128 --tokens 128 --clients 1,32 $(beside "$OUT/llamacpp_smollm2.json") \
         --json-out "$OUT/sweep_smollm2_quantized_vs_llamacpp.json"
       for g in 1 2; do
-        run quant_exact_groups$g 300 strata-bench exact $GS --layer-split 15 --batch 8 --batch-groups $g \
-          --weights quantized
+        run quant_exact_groups$g 300 strata-bench exact $GS --layer-split 15 --batch $((16 * g)) \
+          --batch-groups $g --requests $((16 * g)) --weights quantized
       done
-      run quant_exact_drafts 300 strata-bench exact $GS --layer-split 15 --batch 4 --batch-groups 2 \
+      run quant_exact_drafts 300 strata-bench exact $GS --layer-split 15 --batch 16 --batch-groups 2 \
         --draft-tokens 3 --weights quantized ;;
     moe)      # the MoE shapes in Q4_K_M on one GPU beside llama.cpp (docs/BENCHMARKS.md): written
               # by strata-mkmodel with llama-quantize's types tensor by tensor (--fast), since
