@@ -88,12 +88,13 @@ def test_quantized_logits_are_the_widened_files(mixed, device):
     assert_packed_is_widened([_model(mixed, device), widened(mixed, device)], device)
 
 
-def assert_packed_is_widened(models: list[StageModel], device: str) -> None:
+def assert_packed_is_widened(models: list[StageModel], device: str,
+                             tol: float | None = None) -> None:
     """models: a stage loaded packed and the same stage widened: a 48-token prompt chunk,
-    then a decode window of 16 rows, give each the same hidden states and logits (within
-    1e-4 on the CPU, 5e-2 in bf16)."""
+    then a decode window of 16 rows, give each the same hidden states and logits (relative
+    error within `tol`: default 1e-4 on the CPU, 5e-2 in bf16)."""
     assert models[0].weights.report.quantized and not models[1].weights.report.quantized
-    tol = 1e-4 if device == "cpu" else 5e-2
+    tol = tol or (1e-4 if device == "cpu" else 5e-2)
     outs = []
     with torch.inference_mode():
         for model in models:

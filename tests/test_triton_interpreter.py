@@ -13,7 +13,8 @@ machine's cores are otherwise idle while this test waits), of about a minute eac
 core: the attention, sampling and routed experts' kernels (~30 s of these); the fused,
 skinny and invariance checks with the tiny stage (~30 s), the model families' Triton path
 (~20 s) and a packed MoE stage (~10 s); the quantized-weight kernels (~20 s) with a quantized
-stage (~17 s). Each group must pass exactly its count of cases (KERNEL_TESTS)."""
+stage (~17 s) and the int8-activation kernels with their stage (~35 s). Each group must
+pass exactly its count of cases (KERNEL_TESTS)."""
 from __future__ import annotations
 
 import os
@@ -35,7 +36,8 @@ KERNEL_TESTS = [(29, ["tests/test_attention_triton.py", "tests/test_attention_ch
                 (26, ["tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py",
                       "tests/test_batch_invariance.py", "tests/test_families.py",
                       "tests/test_moe_stage.py"]),
-                (28, ["tests/test_quant_kernels.py", "tests/test_quant_stage.py"])]
+                (45, ["tests/test_quant_kernels.py", "tests/test_quant_stage.py",
+                      "tests/test_quant_a8.py"])]
 # the CPU cases, and a whole stage's rows alone and among others through the Triton kernels
 # (the tiny shape; the larger ones take minutes here and run on CUDA)
 CASES = ("(cpu or (test_stage_rows_are_invariant and tiny and not on_gpu)) "

@@ -112,9 +112,9 @@ def decode(model, splits, devices, tokens, repeats, ctx_size, json_out):
 def exact(requests, tokens, sampling, **launch):
     """Run the prompts alone (one at a time, the smallest window), together (windows as large
     as --batch allows) and staggered (half of them first, the rest a quarter of the way
-    through, so windows change size mid-request); print each request's first mismatch and the window sizes each
-    arm ran; exit 1 on any mismatch, on a request that fails, or when fewer than half of
-    --requests x --tokens tokens were compared."""
+    through, so windows change size mid-request); print each request's first mismatch and
+    the window sizes each arm ran; exit 1 on any mismatch, on a request that fails, or when
+    fewer than half of --requests x --tokens tokens were compared."""
     prep = prepare(**launch)
     tok = Tokenizer.from_gguf(prep.file.reader)
     prompts = [tok.encode(p) for p in harness.prompt_set(requests)]

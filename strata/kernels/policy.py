@@ -69,7 +69,10 @@ class KernelPolicy:
     kernel does not take (no Triton, or a shape its blocks do not divide) runs in calls of
     ROW_BLOCK rows, each of the same shape. Prompt chunks (fixed shapes) take cuBLAS / torch
     whole. mm_fp32_out: bf16 head logits come straight from torch.mm(out_dtype=float32) (else
-    the head is upcast)."""
+    the head is upcast). int8_activations: a decode window's projections over quantized
+    weights quantize each row to int8 and sum integer products (kernels/quant_a8.py) instead of
+    dequantizing the weights to the rows' dtype; a different arithmetic, the same for every
+    window size."""
     triton: bool
     fold: frozenset[str] = FOLD_ALL
     blocks: Mapping[str, tuple[tuple[int, int, int], ...]] = field(
@@ -83,6 +86,7 @@ class KernelPolicy:
     moe_blocks_by_kind: Mapping[str, tuple[int, int, int, int]] = field(
         default_factory=lambda: MOE_BLOCKS)
     moe_block_m: int = MOE_BLOCK_M
+    int8_activations: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "KernelPolicy":

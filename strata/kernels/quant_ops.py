@@ -1,8 +1,10 @@
 """Projections over quantized weights (kernels/quant.py's QuantWeight), as kernels/fused.py's
 dispatch calls them: a decode window on the Triton path takes the quantized kernels
-(kernels/quant_triton.py), one launch per part of one block type, each writing its columns of
-one output; anything else (a prompt chunk, the plain-torch path) returns None, and the caller
-runs its dense path on `dense_weight`: the weight dequantized into the stage's scratch buffer.
+(kernels/quant_triton.py; with the policy's int8_activations, the rows quantized once and
+kernels/quant_a8_triton.py), one launch per part of one block type, each writing its columns
+of one output; anything else (a prompt chunk, the plain-torch path) returns None, and the
+caller runs its dense path on `dense_weight`: the weight dequantized into the stage's scratch
+buffer.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ def project(x: torch.Tensor, w: QuantWeight, policy: KernelPolicy, decode: bool,
     do not take the window (see the module)."""
     if not (decode and policy.triton):
         return None
+    if policy.int8_activations:
+        return _project_a8(x, w, policy, kind, res, norm, eps, out_dtype or x.dtype)
     from strata.kernels.quant_triton import fits_k, quant_mm
     blocks = [policy.quant_blocks(p.qtype, p.rows, p.cols, kind) for p in w.parts]
     if not all(fits_k(p, b["block_k"]) for p, b in zip(w.parts, blocks)):
@@ -46,6 +50,10 @@ def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps
     plain-torch path, or gate and up of different types)."""
     if not (decode and policy.triton) or len(w.parts) != 1:
         return None
+    if policy.int8_activations:
+        from strata.kernels.fused_triton import silu_mul
+        # [gate | up] rounded as the projection's output, then act(gate) * up in fp32
+        return silu_mul(_project_a8(x, w, policy, "gate_up", None, norm, eps, x.dtype), act)
     from strata.kernels.quant_triton import fits_k, quant_gate_up
     part = w.parts[0]
     blocks = policy.quant_blocks(part.qtype, part.rows, part.cols, "gate_up")
@@ -53,6 +61,24 @@ def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps
         return None
     return quant_gate_up(x, part, norm, eps, block_m=policy.row_tile(x.shape[0], w.nbytes),
                          act=act, **blocks)
+
+
+def _project_a8(x: torch.Tensor, w: QuantWeight, policy: KernelPolicy, kind: str,
+                res: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """rmsnorm(x) (with norm) or x, each row quantized to int8 once, @ w^T (+ res): one
+    kernel a part (kernels/quant_a8_triton.py)."""
+    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    q, dx = quantize_rows(x, norm, eps)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
+    col = 0
+    for part in w.parts:
+        cols = slice(col, col + part.rows)
+        b = policy.quant_blocks(part.qtype, part.rows, part.cols, kind)
+        a8_mm(q, dx, part, None if res is None else res[:, cols], out=out[:, cols],
+              block_n=b["block_n"], block_k=b["block_k"], warps=b["warps"])
+        col += part.rows
+    return out
 
 
 def embed_rows(tokens: torch.Tensor, w: torch.Tensor | QuantWeight, dtype: torch.dtype,

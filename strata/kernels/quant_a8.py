@@ -1,0 +1,64 @@
+"""Int8 activations against quantized weights by exact integer block sums: the arithmetic, in
+plain torch, that the Triton kernels (kernels/quant_a8_triton.py) are checked against.
+
+A window row x [K] is quantized alone, as llama.cpp's q8_1 is: with `norm`, y = rmsnorm(x) * g
+(rsqrt of the mean of squares + eps), else y = x; each block of 32 values gets the scale
+dx = max|y| / 127 and codes q = round(y / dx) in -127..127. A weight group (32 quants, 16 for
+Q6_K) reads w = a * u + b (kernels/quant.py's group_terms) with an unsigned code u; Q8_0's
+codes are taken signed (u - 128, b = 0) so that every code fits int8. Then
+
+    sum over the group of w * y  ~=  dx * (a * sum(u * q) + b * sum(q))
+
+where both sums are integers, exact in int32 whatever their order. Only the float terms have
+an order: each (row, column) adds its groups' terms one by one, in order along K, in every
+kernel. So a row's result is the same bits in a GEMV over a few rows and in an MMA over many.
+"""
+from __future__ import annotations
+
+import torch
+
+from strata.kernels.quant import BLOCKS, Part, codes, group_terms
+
+QBLOCK = 32   # activation values a scale
+
+
+def quantize_rows_torch(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], dx fp32 [M, K / 32]) as the module says (the Triton
+    quantizer's rounding, up to its division and sum order)."""
+    y = x.float()
+    if norm is not None:
+        r = torch.rsqrt((y * y).sum(1, keepdim=True) / y.shape[1] + eps)
+        y = y * r * norm.float()
+    m, k = y.shape
+    blocks = y.view(m, k // QBLOCK, QBLOCK)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    v = blocks * inv[..., None]
+    q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v)).clamp(-127, 127)
+    return q.to(torch.int8).view(m, k), amax / 127.0
+
+
+def signed_terms(part: Part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes int64 [N, K], a, b fp32 [N, K / group]) with Q8_0's codes signed (b = 0)."""
+    a, b = group_terms(part.qtype, part.planes)
+    u = codes(part.qtype, part.planes)
+    if part.qtype == "Q8_0":
+        u, b = u - 128, torch.zeros_like(b)
+    return u, a, b
+
+
+def a8_mm_reference(q: torch.Tensor, dx: torch.Tensor, part: Part) -> torch.Tensor:
+    """fp64 [M, N]: sum over groups of dx * (a * sum(u * q) + b * sum(q)), the integer sums
+    exact, the rest in float64 (the kernels add the same terms in fp32, group by group)."""
+    u, a, b = signed_terms(part)
+    group = BLOCKS[part.qtype][2]
+    n, k = u.shape
+    m = q.shape[0]
+    ug = u.view(n, k // group, group)
+    qg = q.to(torch.int64).view(m, k // group, group)
+    isum = torch.einsum("ngs,mgs->mng", ug, qg).double()          # exact: integers < 2^53
+    qsum = qg.sum(-1).double()                                     # [M, G]
+    scale = dx.double().repeat_interleave(QBLOCK // group, 1)      # [M, G]
+    terms = (a.double()[None] * isum + b.double()[None] * qsum[:, None, :]) * scale[:, None, :]
+    return terms.sum(-1)

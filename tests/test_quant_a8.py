@@ -1,0 +1,144 @@
+"""Int8 activations against quantized weights (kernels/quant_a8.py, quant_a8_triton.py): the
+row quantizer against its plain-torch twin, the kernels against the exact integer block sums
+in float64 and against gguf-py's weights times the rows, and a row's bits alone, in the GEMV
+tiles (1, 2, 4 rows) and among others in the MMA tiles (16 to 64 rows) with torch.equal.
+Under the interpreter (the "cpu" cases) and on CUDA (marked gpu)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.kernels import quant
+from strata.kernels.quant_a8 import a8_mm_reference, quantize_rows_torch
+from conftest import triton_devices
+from test_quant_kernels import _weight
+from test_quant_stage import mixed  # noqa: F401 (a fixture)
+
+TYPES = quant.KERNEL_TYPES
+K = 256   # one K-quant super-block: a few programs under the interpreter
+
+
+def _x(rows: int, k: int, device: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    x[:, 5] *= 30.0                      # an outlier column, as real activations have
+    return x.to(device, torch.float32 if device == "cpu" else torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("norm", [False, True])
+def test_rows_quantize_as_the_plain_torch_twin(device, norm):
+    from strata.kernels.quant_a8_triton import quantize_rows
+    x = _x(5, 2 * K, device)
+    g = torch.rand(2 * K, generator=torch.Generator().manual_seed(1)).to(x) + 0.5
+    q, dx = quantize_rows(x, g if norm else None, 1e-5)
+    q_ref, dx_ref = quantize_rows_torch(x, g if norm else None, 1e-5)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=0)
+    # codes may differ by one where y / dx lies within rounding of a half
+    assert (q.int() - q_ref.int()).abs().max() <= 1
+    assert (q != q_ref).float().mean() < 0.01
+    assert q.abs().max() == 127                 # each block's largest value takes the end code
+    # a row alone gives the same codes and scales
+    q1, dx1 = quantize_rows(x[3:4].contiguous(), g if norm else None, 1e-5)
+    assert torch.equal(q1, q[3:4]) and torch.equal(dx1, dx[3:4])
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_kernel_is_the_integer_block_sums(device, qtype):
+    """Against a8_mm_reference on the same codes (float64 terms: only the fp32 rounding of
+    the kernel's sums differs), and against gguf-py's weights times the unquantized rows
+    (what int8 activations change: a small relative error)."""
+    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    w, w_ref = _weight(qtype, 48, K, device, seed=3)
+    x = _x(6, K, device, seed=2)
+    q, dx = quantize_rows(x)
+    part = w.parts[0]
+    want = a8_mm_reference(q.cpu(), dx.cpu(), quant.Part(
+        qtype, part.rows, part.cols, {k: v.cpu() for k, v in part.planes.items()}))
+    for tile in (4, 16):                          # the GEMV over row blocks, and the MMA
+        out = a8_mm(q, dx, part, block_m=tile).double().cpu()
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    exact = x.double().cpu() @ w_ref.T
+    err = (want - exact).abs().max() / exact.abs().max()
+    assert err < 0.03, f"{qtype}: int8 activations moved the product by {err:.3%}"
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+def test_a_rows_bits_are_the_same_in_every_tile(device, qtype):
+    """Row 0 alone (GEMV tiles 1, 2 and 4), among 4 and 24 rows, over row blocks of 16 and
+    in one tile of 32 or 64 rows: the same bits, with a residual added."""
+    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    w, _ = _weight(qtype, 32, K, device, seed=5)
+    x = _x(24, K, device, seed=4)
+    res = _x(24, 32, device, seed=6)
+    q, dx = quantize_rows(x)
+    part = w.parts[0]
+    outs = [a8_mm(q[:1], dx[:1], part, res[:1], block_m=t) for t in (1, 2, 4)]
+    outs += [a8_mm(q[:4], dx[:4], part, res[:4], block_m=4)]
+    outs += [a8_mm(q, dx, part, res, block_m=t) for t in (4, 16, 32, 64)]
+    for out in outs[1:]:
+        assert torch.equal(out[0], outs[0][0])
+    for out in outs[5:]:
+        assert torch.equal(out, outs[4]), "rows differ between row tiles"
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_shapes_the_kernel_does_not_take_are_refused(device):
+    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    with pytest.raises(ValueError, match="not whole blocks of 32"):
+        quantize_rows(torch.zeros(2, 48, device=device))
+    w, _ = _weight("Q4_0", 16, 64, device)
+    q, dx = quantize_rows(torch.zeros(2, 128, device=device))
+    with pytest.raises(ValueError, match="do not fit"):
+        a8_mm(q, dx, w.parts[0])                  # K 128 against the weight's 64
+
+
+def _int8_stage(mixed, device: str):
+    import dataclasses
+
+    from strata.stage_worker.model import StageModel
+    from test_quant_stage import CTX, SHAPE, _mode, _policy
+    policy = dataclasses.replace(_policy(device), int8_activations=True)
+    return StageModel(mixed, 0, SHAPE.n_layers, ctx=CTX, device=device, weights=_mode(device),
+                      policy=policy)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_an_int8_stages_rows_are_invariant(mixed, device):
+    """A Q4_K_M stage (q, k in Q4_K beside v in Q6_K, a Q6_K head) with int8 activations: the
+    target rows alone (GEMV tiles) and among 8 and 40 rows (MMA tiles), hidden states, logits,
+    sampled tokens and KV, the same bits."""
+    from strata.stage_worker.model import KVCache
+    from test_batch_invariance import _decode_windows, _prefill, _same, _stage_outputs
+    model = _int8_stage(mixed, device)
+    cache = KVCache(len(model.layers), 8, model.cfg, model.cos.shape[0], model.device,
+                    model.dtype)
+    sizes = (1, 8, 40) if device == "cpu" else (1, 8, 16, 32, 64)
+    with torch.inference_mode():
+        if device != "cpu":
+            _prefill(model, cache)
+        outs = []
+        for rows, at in _decode_windows(model.cfg.vocab, sizes):
+            outs.append(_stage_outputs(model, cache, rows, at))
+            _same(outs, len(rows))
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_an_int8_stages_logits_are_near_the_widened_files(mixed, device, monkeypatch):
+    """Decode rows with int8 activations against the same file widened (a 48-token prompt
+    chunk, then 16 rows): within what quantizing the rows changes (about 1% here), every
+    projection of the decode window through the int8 kernel."""
+    from strata.kernels import quant_a8_triton
+    from test_quant_stage import assert_packed_is_widened, widened
+    parts = []
+    a8_mm = quant_a8_triton.a8_mm
+    monkeypatch.setattr(quant_a8_triton, "a8_mm",
+                        lambda q, dx, part, *a, **k: parts.append(part.qtype) or
+                        a8_mm(q, dx, part, *a, **k))
+    assert_packed_is_widened([_int8_stage(mixed, device), widened(mixed, device)], device,
+                             tol=0.05)
+    # 2 layers: qkv (Q4_K; Q4_K and Q6_K), o, gate_up, down; on CUDA the head too (fp32
+    # hidden states on the CPU take its dense matmul)
+    assert len(parts) == 9 + (device != "cpu") and "Q6_K" in parts, parts
