@@ -110,19 +110,8 @@ def test_an_int8_stages_rows_are_invariant(mixed, device):
     """A Q4_K_M stage (q, k in Q4_K beside v in Q6_K, a Q6_K head) with int8 activations: the
     target rows alone (GEMV tiles) and among 8 and 40 rows (MMA tiles), hidden states, logits,
     sampled tokens and KV, the same bits."""
-    from strata.stage_worker.model import KVCache
-    from test_batch_invariance import _decode_windows, _prefill, _same, _stage_outputs
-    model = _int8_stage(mixed, device)
-    cache = KVCache(len(model.layers), 8, model.cfg, model.cos.shape[0], model.device,
-                    model.dtype)
-    sizes = (1, 8, 40) if device == "cpu" else (1, 8, 16, 32, 64)
-    with torch.inference_mode():
-        if device != "cpu":
-            _prefill(model, cache)
-        outs = []
-        for rows, at in _decode_windows(model.cfg.vocab, sizes):
-            outs.append(_stage_outputs(model, cache, rows, at))
-            _same(outs, len(rows))
+    from test_quant_stage import assert_stage_rows_invariant
+    assert_stage_rows_invariant(_int8_stage(mixed, device), device)
 
 
 @pytest.mark.parametrize("device", triton_devices())

@@ -115,7 +115,11 @@ def test_a_quantized_stages_rows_are_invariant(mixed, device, rowwise_interprete
     sampled tokens and KV, the same bits (under the interpreter, ~1 s a kernel call: alone,
     in 8 rows with pad rows and among 40, over row blocks; the kernels' own tests take every
     size)."""
-    model = _model(mixed, device)
+    assert_stage_rows_invariant(_model(mixed, device), device)
+
+
+def assert_stage_rows_invariant(model: StageModel, device: str) -> None:
+    """The target rows alone and among others (_decode_windows): the same bits."""
     cache = KVCache(len(model.layers), 8, model.cfg, CTX, model.device, model.dtype)
     sizes = (1, 8, 40) if device == "cpu" else (1, 8, 16, 32, 64)
     with torch.inference_mode():
