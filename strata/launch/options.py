@@ -132,6 +132,14 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "docs/BENCHMARKS.md); "
                           "auto = bf16 where the stages fit their devices so, else quantized. "
                           "CPU stages always widen to fp32."),
+        click.option("--activations", type=click.Choice(["float", "int8"]), default="float",
+                     show_default=True,
+                     help="What CUDA stages' decode windows multiply quantized weights with: "
+                          "float, the rows in bf16 against the weights dequantized; int8, each "
+                          "row quantized to int8 (a scale per 32 values) and integer block "
+                          "sums (a different arithmetic, the same for every window size; "
+                          "docs/GPU.md). int8 needs --weights quantized (or auto that keeps "
+                          "blocks) and CUDA stages."),
         click.option("--stage-link", default="auto", show_default=True,
                      type=click.Choice(["auto", "zmq", "nccl", "gloo"]),
                      help="Activations between stages: auto = nccl (GPU to GPU) when each "
@@ -167,6 +175,7 @@ class Prepared:
     sched: SchedulerConfig
     graph_cache: int = 16
     weights: str = "quantized"     # resolved: quantized or bf16
+    activations: str = "float"     # float or int8 (CUDA stages over quantized weights)
     link: str = "zmq"
     transport: str = "unix"
     mtp_head: Path | None = None   # a sidecar head for the last stage's drafter
@@ -177,7 +186,7 @@ class Prepared:
         from strata.launch.session import launch_stages
         return launch_stages(self.file, self.plan, slots=self.sched.slots, ctx=self.sched.ctx,
                              graph_cache=self.graph_cache, weights=self.weights,
-                             link=self.link,
+                             activations=self.activations, link=self.link,
                              transport=self.transport, mtp_head=self.mtp_head,
                              stage_timeout=self.stage_timeout, **kwargs)
 
@@ -186,7 +195,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
             drafter=None, mtp_head=None, draft_rows="auto", draft_sampling="argmax",
             stage_timeout=None, cuda_devices=None, check_memory=True, weights="auto",
-            **_) -> Prepared:
+            activations="float", **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
     the flags. cuda_devices: the CUDA devices the stages may have (None: this host's);
@@ -233,8 +242,25 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
         weights = check_fits(file, plan, batch, ctx_size, weights, head=head)
     elif weights == "auto":
         weights = "bf16"   # where a cluster places the stages, their memory is not seen here
-    return Prepared(file, plan, sched, graph_cache, weights, resolve_link(stage_link, plan),
-                    transport, sidecar, stage_timeout)
+    check_activations(activations, weights, plan)
+    return Prepared(file, plan, sched, graph_cache, weights, activations,
+                    resolve_link(stage_link, plan), transport, sidecar, stage_timeout)
+
+
+def check_activations(activations: str, weights: str, plan: list[StagePlan]) -> None:
+    """int8 activations need quantized weights on at least one CUDA stage."""
+    if activations == "float":
+        return
+    if activations != "int8":
+        raise ConfigError("activations", f"{{activations}} {activations!r} is not float or int8")
+    if all(p.device == "cpu" for p in plan):
+        raise ConfigError("activations", "{activations} int8 runs on CUDA stages, and every "
+                          "stage is on the CPU (which computes in fp32)",
+                          "give CUDA --devices, or leave {activations} out")
+    if weights != "quantized":
+        raise ConfigError("activations", "{activations} int8 multiplies quantized weights, and "
+                          f"the stages widen them to {weights}",
+                          "add --weights quantized, or leave {activations} out")
 
 
 def balance_bytes(file: ModelFile, devices: list[str], weights: str) -> list[int]:
@@ -312,7 +338,7 @@ FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--windo
          "served_model_name": "--served-model-name",
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
          "max_client_connections": "--max-client-connections",
-         "stage_timeout": "--stage-timeout"}
+         "stage_timeout": "--stage-timeout", "activations": "--activations"}
 CHOICES = {"groups": "auto", "window_rows": "auto", "chunk_rows": "auto", "draft_rows": "auto"}
 
 

@@ -71,7 +71,7 @@ class StageProcesses:
                  trace_dir: Path | None = None, transport: str = "unix",
                  mtp_head: Path | None = None, keys: Path | None = None,
                  insecure: bool = False, listen_host: str | None = None,
-                 weights: str | None = None):
+                 weights: str | None = None, activations: str = "float"):
         """mtp_head: a sidecar NextN head for the last stage's drafter (a head in the model
         file needs none). keys: a keys directory (strata-keys) every stage is given;
         insecure: without keys, every stage may bind its tcp endpoint beyond loopback.
@@ -85,6 +85,7 @@ class StageProcesses:
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.graph_cache = graph_cache
         self.weights = weights   # --weights for CUDA stages (None: the worker's default)
+        self.activations = activations   # --activations for CUDA stages
         self.link = resolve_link(link or "auto", plan, across_hosts=listen_host is not None)
         if transport not in ("unix", "zmq"):
             raise ValueError(f"--transport {transport!r} is not unix or zmq")
@@ -135,6 +136,8 @@ class StageProcesses:
             cmd += ["--graph-cache", str(self.graph_cache)]
         if self.weights is not None and p.device != "cpu":
             cmd += ["--weights", self.weights]
+        if self.activations != "float" and p.device != "cpu":
+            cmd += ["--activations", self.activations]
         if self.link != "zmq":
             cmd += ["--link", self.link, "--link-init", self.link_init,
                     "--link-world", str(len(self.plan))]

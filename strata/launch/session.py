@@ -41,7 +41,8 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
                   stage_timeout: float | None = None, keys: Path | None = None,
                   insecure: bool = False, listen: tuple[str, int] | None = None,
                   join_timeout: float | None = None, cluster=None,
-                  weights: str | None = None, say=print) -> Iterator[Launched]:
+                  weights: str | None = None, activations: str = "float",
+                  say=print) -> Iterator[Launched]:
     """Spawn the stages, wait for every hello, yield; always shut everything down after.
     log_dir: where each stage writes stage<K>.log; without it the logs live in the run directory,
     which is removed after a clean run and kept (its path on stderr) after a failure.
@@ -56,14 +57,15 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
     listen: (this host's address, port): the external stages join from other hosts there
     (joins.py), within join_timeout seconds (None: no limit); every endpoint is then tcp.
     cluster: a ray_cluster.RayCluster that places every stage (all external, with listen).
-    weights: --weights of the CUDA stages (quantized or bf16; None: the worker's default)."""
+    weights: --weights of the CUDA stages (quantized or bf16; None: the worker's default);
+    activations: their --activations (float or int8)."""
     coordinator_keys = CurveKeys.load(keys, COORDINATOR) if keys else None
     processes = StageProcesses if cluster is None else cluster.processes
     procs = processes(file.path, plan, slots=slots, ctx=ctx, log_dir=log_dir,
                       external=external, graph_cache=graph_cache, link=link,
                       trace_dir=trace_dir, transport=transport, mtp_head=mtp_head,
                       keys=keys, insecure=insecure, listen_host=listen and listen[0],
-                      weights=weights)
+                      weights=weights, activations=activations)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     pipe = joins = None
     outcome = "failed"

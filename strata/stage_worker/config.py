@@ -22,6 +22,8 @@ class WorkerConfig:
     graph_cache: int = 16  # CUDA graphs kept (one per window shape); 0 = eager
     weights: str = "bf16"  # quantized: block types with a kernel stay packed on CUDA;
                            # bf16: every matrix widened (stage_worker/weights.py)
+    activations: str = "float"  # int8: decode windows quantize rows against quantized weights
+                                # (kernels/quant_a8.py); CUDA stages with weights quantized
     link: str = "zmq"      # activations to/from neighbours: zmq frames, or nccl / gloo
     link_init: str = ""    # torch.distributed init method of the link (e.g. file://...)
     link_world: int = 1    # stages in the link (every stage of the launch)
@@ -38,6 +40,16 @@ class WorkerConfig:
         if self.weights not in ("quantized", "bf16"):
             raise ConfigError("weights", f"{{weights}} {self.weights!r} is not quantized or "
                               f"bf16")
+        if self.activations not in ("float", "int8"):
+            raise ConfigError("activations", f"{{activations}} {self.activations!r} is not "
+                              f"float or int8")
+        if self.activations == "int8" and (self.weights != "quantized"
+                                           or not self.device.startswith("cuda")):
+            raise ConfigError("activations", "{activations} int8 multiplies quantized weights "
+                              f"on a CUDA device, and this stage has {{weights}} "
+                              f"{self.weights} on {self.device}",
+                              "give --device cuda:N and --weights quantized, or leave "
+                              "{activations} out")
         check_tcp(self.listen, bind=True, keyed=self.keys is not None, insecure=self.insecure,
                   warn=False)  # refused before the model loads; the socket warns when bound
         if self.link != "zmq" and not self.link_init:

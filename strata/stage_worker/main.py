@@ -19,7 +19,7 @@ from strata.stage_worker.worker import StageWorker, WorkerConfig
 
 # WorkerConfig's fields as this command's options
 FLAGS = {"slots": "--slots", "ctx": "--ctx-size", "graph_cache": "--graph-cache",
-         "weights": "--weights",
+         "weights": "--weights", "activations": "--activations",
          "link": "--link", "link_init": "--link-init", "mtp_head": "--mtp-head",
          "keys": "--keys", "insecure": "--insecure"}
 
@@ -67,6 +67,12 @@ def parse_layers(text: str) -> tuple[int, int]:
                    "widened to bf16); "
                    "bf16 widens every matrix. CPU stages widen to fp32. strata-launch "
                    "chooses for its stages (--weights auto). Also read from STRATA_WEIGHTS.")
+@click.option("--activations", type=click.Choice(["float", "int8"]), default="float",
+              show_default=True, envvar="STRATA_ACTIVATIONS",
+              help="On a CUDA device with --weights quantized: what decode windows multiply "
+                   "the quantized weights with: float, the rows in bf16; int8, each row "
+                   "quantized to int8 (a scale per 32 values) and integer block sums. Also "
+                   "read from STRATA_ACTIVATIONS.")
 @click.option("--link", type=click.Choice(["zmq", "nccl", "gloo"]), default="zmq",
               show_default=True,
               help="How activations come from / go to the neighbouring stages: ZeroMQ frames, "
@@ -97,8 +103,8 @@ def parse_layers(text: str) -> tuple[int, int]:
                    "coordinator, which cannot see this process.")
 @click.pass_context
 def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, next_, device, slots,
-         ctx_size, graph_cache, weights, link, link_init, link_world, trace, mtp_head, keys,
-         insecure, joined):
+         ctx_size, graph_cache, weights, activations, link, link_init, link_world, trace,
+         mtp_head, keys, insecure, joined):
     """Serve one stage of a layer-split model."""
     if join is not None:
         return run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head, keys,
@@ -122,7 +128,8 @@ def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, nex
         cfg = WorkerConfig(model=str(path), stage=stage, layer_start=start, layer_end=end,
                            listen=listen, coordinator=coordinator, next=next_, device=device,
                            slots=slots, ctx=ctx_size, graph_cache=graph_cache,
-                           weights=weights, link=link, link_init=link_init, link_world=link_world,
+                           weights=weights, activations=activations, link=link,
+                           link_init=link_init, link_world=link_world,
                            trace=trace, mtp_head=mtp_head, keys=keys, insecure=insecure)
         worker = StageWorker(cfg)
     except (ModelError, ValueError) as e:
@@ -164,7 +171,7 @@ def run_joined(ctx, stage, join, join_timeout, model, listen, device, mtp_head, 
     """Join the launch at `join`, then start as a spawned stage does, with its arguments and
     this host's own keys (or --insecure)."""
     given = {"--layers", "--coordinator", "--next", "--slots", "--ctx-size", "--graph-cache",
-             "--weights",
+             "--weights", "--activations",
              "--link", "--link-init", "--link-world", "--trace"}
     clash = sorted(p.opts[0] for p in ctx.command.params if p.opts[0] in given and
                    ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE)

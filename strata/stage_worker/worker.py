@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
 
+from strata.kernels.policy import KernelPolicy
 from strata.model.gguf_file import ModelFile
 from strata.protocol import transport
 from strata.protocol.keys import COORDINATOR, CurveKeys, stage_name
@@ -57,8 +59,10 @@ class StageWorker:
         self.fingerprint = file.fingerprint()
         if torch.device(cfg.device).type == "cuda":
             torch.cuda.set_device(cfg.device)  # Triton launches and graphs go to this device
+        policy = replace(KernelPolicy.for_device(cfg.device),
+                         int8_activations=cfg.activations == "int8")
         self.model = StageModel(file, cfg.layer_start, cfg.layer_end, ctx=cfg.ctx,
-                                device=cfg.device, weights=cfg.weights)
+                                device=cfg.device, weights=cfg.weights, policy=policy)
         self.cache = KVCache(cfg.layer_end - cfg.layer_start, cfg.slots, file.config, cfg.ctx,
                              self.model.device, self.model.dtype)
         self.runner = WindowRunner(self.model, self.cache, cfg.graph_cache)
@@ -82,8 +86,7 @@ class StageWorker:
                  cfg.device, str(self.model.dtype).removeprefix("torch."),
                  self.runner.capacity, time.perf_counter() - t0, warm_s,
                  describe_memory(self.memory))
-        log.info("stage %d: matrices %s", cfg.stage,
-                 self.model.weights.report.summary(self.model.dtype))
+        log.info("stage %d: matrices %s", cfg.stage, self.matrices())
         self.sockets = transport.Sockets(keys, cfg.insecure)   # unix:// or ZeroMQ, by endpoint
         self.inbox = self.sockets.pull(cfg.listen)
         self.to_coordinator = self.sockets.push(cfg.coordinator, peer=COORDINATOR)
@@ -136,7 +139,14 @@ class StageWorker:
         c = self.cfg
         return Hello(PROTOCOL_VERSION, c.stage, c.layer_start, c.layer_end, c.device,
                      self.fingerprint, os.getpid(), c.slots, c.ctx, c.listen,
-                     self.model.weights.report.summary(self.model.dtype), self.memory)
+                     self.matrices(), self.memory)
+
+    def matrices(self) -> str:
+        """What the stage's weights are and, with int8 activations, that decode windows take
+        them (the hello's summary)."""
+        text = self.model.weights.report.summary(self.model.dtype)
+        return text + ("; decode windows multiply them with int8 activations"
+                       if self.model.policy.int8_activations else "")
 
     def serve(self) -> None:
         transport.send(self.to_coordinator, self.hello())
