@@ -105,6 +105,13 @@ def test_text_and_no_format_ask_for_nothing(tok, grammars):
     ({"guided_choice": []}, "guided_choice", "non-empty array of strings"),
     ({"guided_choice": ["a", 1]}, "guided_choice", "non-empty array of strings"),
     ({"guided_grammar": "root ::= missing"}, "guided_grammar", "missing"),
+    # compiles, but llguidance's lexer cannot follow its first token: refused before a window
+    ({"guided_regex": "(a{1000}){1000}"}, "guided_regex", "too many expressions constructed"),
+    # no output satisfies them (Lark, GBNF, a schema that only refers to itself)
+    ({"guided_grammar": 'start: a\na: a "x"'}, "guided_grammar", "accepts no text"),
+    ({"guided_grammar": 'root ::= root "x"'}, "guided_grammar", "accepts no text"),
+    ({"guided_json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}},
+     "guided_json", "accepts no text"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "give one of them"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
      "give one of them"),
@@ -120,6 +127,26 @@ def test_a_bad_structured_request_is_a_400_naming_its_field(tok, grammars, body,
         parse(tok, grammars, **body)
     assert (e.value.status, e.value.param) == (400, param)
     assert words in e.value.message, e.value.message
+    assert "<state>" not in e.value.message and "\n" not in e.value.message   # no internals
+
+
+def test_a_grammar_llguidance_stops_following_is_the_requests_400(tok, grammars, monkeypatch):
+    """A grammar whose limits only show after the probe (here: no probe at all) ends its
+    request with an error that names the field, a 400 (not a window's 500)."""
+    from strata.coordinator import grammar
+    from strata.coordinator.choices import failure
+    from strata.coordinator.engine import Finished
+    from strata.coordinator.sequence import Sequence
+    monkeypatch.setattr(grammar, "PROBE_TOKENS", 0)
+    c = compiled(tok, grammars, guided_regex="(a{1000}){1000}")
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=50), tok.stop_ids, 512, grammar=c)
+    masks = WindowMasks()
+    masks.add(c, [])
+    masks.fill()                              # the window's mask, as the scheduler makes it
+    assert seq.accept(tok.encode("aaaa")[0]) and seq.grammar_failed
+    assert seq.error.startswith("guided_regex cannot be followed past 0 tokens")
+    e = failure(Finished("error", [], "", seq.error, grammar=seq.grammar_failed))
+    assert (e.status, e.code) == (400, "invalid_grammar") and "<state>" not in e.message
 
 
 # --- masks and drafts ---------------------------------------------------------------------

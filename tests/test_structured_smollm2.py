@@ -137,15 +137,23 @@ def test_http_with_mtp_drafts_gives_each_request_its_tokens_alone(served, struct
     drafts = served.wait_idle()["drafts"]
     assert drafts["proposed"] > before["proposed"] and drafts["accepted"] > before["accepted"], \
         (before, drafts)
-    # a schema or a regex that cannot be used: a 400 naming the field; the server goes on
-    for kwargs, param in (
-            (dict(response_format={"type": "json_schema", "json_schema": {
-                "name": "x", "schema": {"type": "objekt"}}}),
-             "response_format.json_schema.schema"),
-            (dict(extra_body={"guided_regex": "a(b"}), "guided_regex")):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="smollm2-135m", max_tokens=4,
-                                           messages=[{"role": "user", "content": "Hi"}],
-                                           **kwargs)
-        assert e.value.body["param"] == param and "cannot be used" in e.value.body["message"]
-    assert ask(client, 3) == alone[3].seq.final_text()
+    # a schema or a regex that cannot be used, one too large for llguidance to follow, one
+    # that accepts no text: a 400 naming the field, no library internals, while a canary
+    # request decodes beside them and keeps its text alone
+    with ThreadPoolExecutor(1) as pool:
+        canary = pool.submit(ask, client, 3)
+        for kwargs, param in (
+                (dict(response_format={"type": "json_schema", "json_schema": {
+                    "name": "x", "schema": {"type": "objekt"}}}),
+                 "response_format.json_schema.schema"),
+                (dict(extra_body={"guided_regex": "a(b"}), "guided_regex"),
+                (dict(extra_body={"guided_regex": "(a{1000}){1000}"}), "guided_regex"),
+                (dict(extra_body={"guided_grammar": 'root ::= root "x"'}), "guided_grammar")):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="smollm2-135m", max_tokens=4,
+                                               messages=[{"role": "user", "content": "Hi"}],
+                                               **kwargs)
+            message = e.value.body["message"]
+            assert e.value.body["param"] == param and "cannot be used" in message
+            assert "<state>" not in message and "\n" not in message
+        assert canary.result() == alone[3].seq.final_text()

@@ -32,6 +32,8 @@ def failure(fin: Finished) -> ApiError:
         why = fin.error or "the server is stopping"
         return ApiError(503, f"{why}; the request was not completed, retry it once the "
                              f"server is back", code="unavailable")
+    if fin.grammar:
+        return ApiError(400, fin.error, code="invalid_grammar")
     return ApiError(500, f"this request's window failed: {fin.error}", code="stage_error")
 
 

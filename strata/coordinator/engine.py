@@ -70,6 +70,7 @@ class Finished:
     text: str                # the generated text, cut before a stop string
     error: str | None = None
     down: bool = False       # the error is the engine's own (stages gone), not one window's
+    grammar: bool = False    # the error is the request's grammar's (a 400, not a window's)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per generated token
     prompt_logprobs: list[TokenLogprob | None] | None = None    # as Token's
 
@@ -375,7 +376,8 @@ class Engine:
         seq = req.seq
         prompt = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
         self._end(job, Finished(seq.finish_reason, list(seq.generated), seq.final_text(),
-                                req.error, logprobs=list(seq.logprobs), prompt_logprobs=prompt))
+                                req.error, grammar=seq.grammar_failed,
+                                logprobs=list(seq.logprobs), prompt_logprobs=prompt))
 
     def _end(self, job: Job, fin: Finished) -> None:
         if job.finished:

@@ -28,8 +28,23 @@ import llguidance.numpy
 import numpy as np
 
 
+# errors as one line, without llguidance's dump of the parser's state
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+PROBE_TOKENS = 8   # tokens a new grammar is followed along before its request is taken
+EMPTY = "NoExtensionBias"   # llguidance's error where no text can satisfy the grammar
+FORBIDDEN = "doesn't satisfy the grammar"   # its error for a token the grammar forbids
+
+
 class GrammarError(ValueError):
-    """A grammar llguidance cannot compile; the message is the library's."""
+    """A grammar that cannot be served: llguidance cannot compile it, it accepts no text, or
+    it meets one of the library's limits in its first masks. The message is a sentence (the
+    library's reason in it, one line)."""
+
+
+def reason(matcher: llguidance.LLMatcher) -> str:
+    """The matcher's error on one line, without a dump of the parser's state."""
+    text = matcher.get_error().split("<state>")[0].replace("<non-verbose/>", "")
+    return " ".join(text.split())[:400]
 
 
 class Grammars:
@@ -57,26 +72,53 @@ class Grammars:
                     eos_token=sorted(self.tok.stop_ids))
             return self._tokenizer
 
-    def compile(self, grammar: str) -> "Constraint":
-        """A fresh matcher of `grammar` (llguidance's grammar text: LLMatcher.grammar_from_*);
-        raises GrammarError with the library's sentence when it cannot be compiled."""
-        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+    def compile(self, grammar: str, field: str = "the grammar") -> "Constraint":
+        """A fresh matcher of `grammar` (llguidance's grammar text: LLMatcher.grammar_from_*),
+        followed along its first tokens (probe); raises GrammarError with a sentence when it
+        cannot be compiled or served."""
+        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
-        return Constraint(matcher, self.words, self.tok.stop_ids)
+            raise GrammarError(f"llguidance cannot compile it ({reason(matcher)})")
+        self.probe(matcher.deep_copy())
+        return Constraint(matcher, self.words, self.tok.stop_ids, field)
+
+    def probe(self, matcher: llguidance.LLMatcher) -> None:
+        """Follow `matcher` (a copy: it is advanced) PROBE_TOKENS tokens along one path, each
+        step's lowest allowed token that is not a stop token: a grammar that accepts no text,
+        or whose first masks meet one of llguidance's limits (a lexer too large to build, a
+        step that needs too much work), fails here, before any window, not at a stage. The
+        limits count work, not time, so the same grammar always gets the same answer."""
+        bits = np.zeros((1, self.words), dtype=np.int32)
+        stops = np.array(sorted(self.tok.stop_ids), dtype=np.int64)
+        for step in range(PROBE_TOKENS):
+            llguidance.numpy.fill_next_token_bitmask(matcher, bits, 0)
+            if matcher.is_error():
+                if step == 0 and reason(matcher) == EMPTY:
+                    raise GrammarError("it accepts no text (no output can satisfy it)")
+                raise GrammarError(f"llguidance cannot follow it ({reason(matcher)})")
+            allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
+            text = allowed[~np.isin(allowed, stops)]
+            if not len(text):
+                if not len(allowed):
+                    raise GrammarError("it accepts no text (no output can satisfy it)")
+                return   # complete: only a stop token may follow
+            if not matcher.consume_token(int(text[0])):
+                raise GrammarError(f"llguidance cannot follow it ({reason(matcher)})")
 
 
 class Constraint:
     """One request's grammar state. Once made (in a parsing thread) only the engine thread
     touches it."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, words: int, stop_ids: frozenset[int]):
-        self.matcher, self.words, self.stop_ids = matcher, words, stop_ids
+    def __init__(self, matcher: llguidance.LLMatcher, words: int, stop_ids: frozenset[int],
+                 field: str = "the grammar"):
+        """field: where the request gave it (its errors name it), e.g. guided_regex."""
+        self.matcher, self.words, self.stop_ids, self.field = matcher, words, stop_ids, field
 
     def copy(self) -> "Constraint":
         """A matcher of the same grammar in the same state, advanced on its own (each choice of
         a request with n > 1 has one): llguidance's deep_copy, no second compilation."""
-        return Constraint(self.matcher.deep_copy(), self.words, self.stop_ids)
+        return Constraint(self.matcher.deep_copy(), self.words, self.stop_ids, self.field)
 
     def accept(self, token: int) -> bool:
         """Advance by a kept token (not a stop token: the request ends on those); False when the
@@ -90,7 +132,13 @@ class Constraint:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error()
+        return reason(self.matcher)
+
+    @property
+    def forbidden(self) -> bool:
+        """The matcher's error is a token its grammar forbids (a mask was not obeyed), not
+        one of llguidance's limits."""
+        return FORBIDDEN in self.matcher.get_error()
 
     def drafts(self, drafts: list[int]) -> list[int]:
         """The drafts worth verifying: the longest prefix the grammar allows, cut before the

@@ -177,11 +177,11 @@ def _only(name: str, v: dict, keys: set[str]) -> None:
 
 
 def refusal(g: GrammarRequest, message: str) -> ApiError:
-    """The 400 for a grammar llguidance could not compile (grammar.GrammarError)."""
+    """The 400 for a grammar that cannot be served (grammar.GrammarError's sentence)."""
     what = {"json": "JSON schema", "regex": "regular expression", "choice": "choice",
             "grammar": "grammar"}[g.kind]
     return bad(g.param, f"the {what} in {g.param} cannot be used: {_first_lines(message)}; "
-                        f"fix it and send the request again")
+                        f"fix or simplify it and send the request again")
 
 
 def _first_lines(message: str, limit: int = 400) -> str:

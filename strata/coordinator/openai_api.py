@@ -214,7 +214,7 @@ def _compile(wanted, grammars: Grammars | None) -> Constraint:
         raise fields.bad(wanted.param, f"this server follows no grammars; remove "
                                        f"'{wanted.param.split('.')[0]}'")
     try:
-        return grammars.compile(wanted.grammar)
+        return grammars.compile(wanted.grammar, wanted.param)
     except GrammarError as e:
         raise refusal(wanted, str(e)) from None
 

@@ -28,6 +28,7 @@ class Sequence:
     text: str = ""
     finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "error"
     error: str | None = None           # why it ended in "error"
+    grammar_failed: bool = False       # the error: llguidance could not follow the grammar
     # with params.logprobs: each generated token's (TokenLogprob); with params.prompt_logprobs:
     # each prompt position's (None at position 0, which nothing predicts), as windows land
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -93,8 +94,15 @@ class Sequence:
             return True
         if self.grammar is not None and not self.grammar.accept(token):
             self.finish_reason = "error"
-            self.error = (f"token {token} was sampled though the grammar forbids it "
-                          f"({self.grammar.error})")
+            if self.grammar.forbidden:   # the mask was not obeyed: the window's failure
+                self.error = (f"token {token} was sampled though the grammar forbids it "
+                              f"({self.grammar.error})")
+            else:                        # one of llguidance's limits: the request's grammar
+                self.grammar_failed = True
+                self.error = (f"{self.grammar.field} cannot be followed past "
+                              f"{len(self.generated)} tokens: llguidance stopped at token "
+                              f"{token} ({self.grammar.error}); simplify it and send the "
+                              f"request again")
             return True
         self.generated.append(token)
         if logprob is not None:
