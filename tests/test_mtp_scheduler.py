@@ -505,7 +505,7 @@ def test_the_launch_summary_counts_the_drafts(tiny_model, shared_stages):
                      "--seed", "1")
     assert out.exit_code == 0, (out.output, out.exception)
     assert shared_stages   # the session's stages served it
-    summary = out.stderr.splitlines()[-1]
+    summary = out.stderr.splitlines()[-2]   # then the rates
     m = re.fullmatch(r"\[\d+ prompt tokens, 24 generated, (\d+) of (\d+) drafts \(lookup\) "
                      r"accepted, finish: length, seed 1\]", summary)
     assert m and int(m[1]) <= int(m[2]), summary

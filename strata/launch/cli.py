@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import replace
 
 import click
 
+from strata.coordinator.openai_api import TextStream
 from strata.coordinator.pipeline import PipelineError
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.scheduler import Scheduler
@@ -190,16 +192,50 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
         for p in prep.plan:
             say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
         sched = Scheduler(run.pipe, prep.sched, tok.stop_ids, tok.decode)
-        req = sched.submit(ids, params)
-        sched.run()
-        if req.error:
-            raise PipelineError(req.error)
-        click.echo(req.seq.final_text())
+        req, stamps = stream_one(sched, ids, params, tok.decode)
         counts = req.drafts.counts
         drafts = (f"{counts.accepted} of {counts.drafted} drafts ({prep.sched.drafter}) accepted, "
                   if prep.sched.draft_tokens else "")
         say(f"[{len(ids)} prompt tokens, {len(req.seq.generated)} generated, {drafts}"
             f"finish: {req.seq.finish_reason}, seed {params.seed}]")
+        say(rates(len(ids), stamps))
+
+
+def stream_one(sched: Scheduler, ids: list[int], params: SamplingParams, decode):
+    """One request through `sched`, its text printed on stdout as its tokens come (held back
+    where a stop string may begin, or a character is unfinished). Returns the request and the
+    times (perf_counter) of its submission and of each token. On Ctrl-C the text so far stays
+    printed, and the line is ended."""
+    stamps = [time.perf_counter()]
+    text = TextStream(decode, params.stop)
+
+    def show(token: int) -> None:
+        stamps.append(time.perf_counter())
+        click.echo(text.push(token), nl=False)
+        sys.stdout.flush()
+
+    req = sched.submit(ids, params, on_token=show)
+    try:
+        sched.run()
+    except KeyboardInterrupt:
+        click.echo()
+        raise
+    if req.error:
+        click.echo()
+        raise PipelineError(req.error)
+    click.echo(text.finish(req.seq.final_text()))
+    return req, stamps
+
+
+def rates(prompt_tokens: int, stamps: list[float]) -> str:
+    """llama-cli's summary: the prompt read (submission to first token) and the decode (first
+    token to last), each as tokens, seconds and tokens per second."""
+    read = stamps[1] - stamps[0] if len(stamps) > 1 else 0.0
+    decoded = max(len(stamps) - 2, 0)
+    decode_s = stamps[-1] - stamps[1] if decoded else 0.0
+    per_s = lambda n, s: f"{n / s:.2f} tok/s" if s > 0 else "- tok/s"   # noqa: E731
+    return (f"[prompt: {prompt_tokens} tokens in {read:.3f} s, {per_s(prompt_tokens, read)}; "
+            f"decode: {decoded} tokens in {decode_s:.3f} s, {per_s(decoded, decode_s)}]")
 
 
 def parse_logit_bias(given: tuple[str, ...]) -> tuple[tuple[int, float], ...]:
