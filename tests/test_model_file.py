@@ -171,7 +171,9 @@ def test_missing_tensor_names_it(tiny_model):
 
 def test_missing_file(tmp_path):
     _error(tmp_path / "nope.gguf", "nope.gguf", "does not exist", "--model")
-    _error(tmp_path, "does not exist")  # a directory is not a model file
+    _error(tmp_path, "is a directory, not a model file", "--model")
+    (tmp_path / "m.gguf").write_bytes(b"")   # the directory's GGUF files are named
+    _error(tmp_path, "is a directory", "(here: m.gguf)")
 
 
 def test_random_bytes(tmp_path):

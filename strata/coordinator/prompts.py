@@ -100,6 +100,10 @@ class Prompts:
         if all(not m["content"] for m in clean):
             raise fields.bad("messages", "every message is empty; give some text to answer")
         self.check("messages", "".join(m["content"] for m in clean))
+        if not self.tok.has_chat_template:
+            raise fields.bad("messages", "this model has no chat template (its GGUF file lacks "
+                                         "tokenizer.chat_template), so messages cannot be "
+                                         "rendered; send a plain prompt to /v1/completions")
         try:
             return self.tok.encode_chat(clean, add_generation_prompt,
                                         control_in_content=self.control_in_content,

@@ -113,6 +113,11 @@ class ModelFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        if self.path.is_dir():
+            ggufs = sorted(p.name for p in self.path.glob("*.gguf"))
+            raise ModelError(f"{self.path} is a directory, not a model file; pass --model with "
+                             f"the path of a .gguf file" + (f" (here: {', '.join(ggufs[:3])})"
+                                                             if ggufs else ""))
         if not self.path.is_file():
             raise ModelError(f"model file {self.path} does not exist; pass --model with the path "
                              f"of a .gguf file, or smollm2-135m for the embedded model")

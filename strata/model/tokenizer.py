@@ -426,6 +426,10 @@ class Tokenizer:
         coordinator/grammar.py)."""
         return self._backend.to_str()
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]) through the
         model's chat template, as transformers' apply_chat_template(tokenize=False) renders it."""
