@@ -157,6 +157,8 @@ for part in $PARTS; do
           --devices cuda:0 --prompt-tokens 128 --tokens 128 --clients $C --json-out "$OUT/llamacpp_l8b_$t.json"
         run quant_strata_$t 900 strata-bench sweep --model "$F" $SAME --modes 1gpu --weights quantized \
           --clients $C $(beside "$OUT/llamacpp_l8b_$t.json") --json-out "$OUT/sweep_l8b_${t}_vs_llamacpp.json"
+        run quant_strata_a8_$t 900 strata-bench sweep --model "$F" $SAME --modes 1gpu --weights quantized \
+          --activations int8 --clients $C --json-out "$OUT/sweep_l8b_${t}_a8.json"
       done
       run quant_strata_bf16 900 strata-bench sweep --model "$L8B" $SAME --modes 1gpu --weights bf16 \
         --clients 32,64 --json-out "$OUT/sweep_l8b_bf16.json"
@@ -176,7 +178,9 @@ for part in $PARTS; do
           --batch-groups $g --requests $((16 * g)) --weights quantized
       done
       run quant_exact_drafts 300 strata-bench exact $GS --layer-split 15 --batch 16 --batch-groups 2 \
-        --draft-tokens 3 --weights quantized ;;
+        --draft-tokens 3 --weights quantized
+      run quant_exact_a8 300 strata-bench exact $GS --layer-split 15 --batch 32 --batch-groups 2 \
+        --requests 32 --weights quantized --activations int8 ;;
     moe)      # the MoE shapes in Q4_K_M on one GPU beside llama.cpp (docs/BENCHMARKS.md): written
               # by strata-mkmodel with llama-quantize's types tensor by tensor (--fast), since
               # the bf16 30B file llama-quantize would read is about 61 GB

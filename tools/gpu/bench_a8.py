@@ -1,0 +1,82 @@
+"""The int8-activation kernels (kernels/quant_a8_triton.py) against today's quantized decode
+kernels (kernels/quant_triton.py, the policy's blocks and splits) at the llama3-8b shapes, by
+block type and window rows: us per call from a CUDA graph with the weights rotating past L2,
+the row quantizer's us apart, the best a8_mm configuration (block_n, block_k, warps) of a few,
+and the HBM time of the weight's bytes. An experiment, not a test: what it prints is the
+ground for choosing a8_mm's blocks per shape and for making int8 activations the default.
+
+    python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64] [--json-out F]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from bench_kernels import timed   # this script's folder is on the path
+from bench_quant import L8B, copy_rate, weights
+from strata.kernels.policy import KernelPolicy
+
+CONFIGS = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 64, 4), (16, 256, 4)]
+
+
+def float_call(kind, x, w, norm, res, policy):
+    from strata.kernels.quant_triton import quant_mm
+    part = w.parts[0]
+    blocks = policy.quant_blocks(part.qtype, part.rows, part.cols, kind)
+    tile = policy.row_tile(x.shape[0], w.nbytes)
+    if kind in ("qkv", "head"):
+        return quant_mm(x, part, norm=norm, eps=1e-5, block_m=tile, **blocks)
+    return quant_mm(x, part, res, block_m=tile, **blocks)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
+    ap.add_argument("--rows", default="1,2,4,8,16,64")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    policy = KernelPolicy.for_device("cuda")
+    rate = copy_rate()
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    shapes = {k: v for k, v in L8B.items() if k != "gate_up"}   # gate_up: qkv's kernel, 7x
+    rows_out = []
+    print(f"# {torch.cuda.get_device_name()}, copy rate {rate / 1e12:.2f} TB/s")
+    print(f"{'type':>5} {'proj':>5} {'rows':>4} {'hbm us':>7} {'float us':>9} {'quantize':>9} "
+          f"{'a8 us':>7} {'a8 config':>14}")
+    for qtype, (name, (n, k)) in itertools.product(args.types.split(","), shapes.items()):
+        kind = "res" if name == "down" else name
+        probe = weights(qtype, n, k, 1)[0]
+        copies = max(2, -(-200_000_000 // probe.nbytes))
+        ws = [probe] + weights(qtype, n, k, copies - 1, seed=1)
+        hbm = probe.nbytes / rate * 1e6
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k, **bf)
+            norm = torch.ones(k, **bf)
+            res = torch.zeros(m, n, **bf)
+            fl = timed(lambda i: float_call(kind, x, ws[i % copies], norm, res, policy))
+            nm = norm if kind in ("qkv", "head") else None
+            qu = timed(lambda i: quantize_rows(x, nm, 1e-5))
+            q, dx = quantize_rows(x, nm, 1e-5)
+            best = None
+            for bn, bk, warps in CONFIGS:
+                out = torch.empty(m, n, **bf)
+                us = timed(lambda i: a8_mm(q, dx, ws[i % copies].parts[0],
+                                           None if kind in ("qkv", "head") else res, out=out,
+                                           block_n=bn, block_k=bk, warps=warps))
+                if best is None or us < best[0]:
+                    best = (us, (bn, bk, warps))
+            print(f"{qtype:>5} {name:>5} {m:>4} {hbm:>7.1f} {fl:>9.1f} {qu:>9.1f} "
+                  f"{best[0]:>7.1f} {str(best[1]):>14}")
+            rows_out.append(dict(type=qtype, proj=name, n=n, k=k, rows=m, hbm_us=hbm,
+                                 float_us=fl, quantize_us=qu, a8_us=best[0], a8_config=best[1]))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
