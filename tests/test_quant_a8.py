@@ -12,6 +12,7 @@ from strata.kernels import quant
 from strata.kernels.quant_a8 import a8_mm_reference, quantize_rows_torch
 from conftest import triton_devices
 from test_quant_kernels import _weight
+from test_moe_stage import moe_file  # noqa: F401 (a fixture)
 from test_quant_stage import mixed  # noqa: F401 (a fixture)
 
 TYPES = quant.KERNEL_TYPES
@@ -131,3 +132,60 @@ def test_an_int8_stages_logits_are_near_the_widened_files(mixed, device, monkeyp
     # 2 layers: qkv (Q4_K; Q4_K and Q6_K), o, gate_up, down; on CUDA the head too (fp32
     # hidden states on the CPU take its dense matmul)
     assert len(parts) == 9 + (device != "cpu") and "Q6_K" in parts, parts
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_an_expert_pair_is_a_gemv_of_its_own(device):
+    """a8_pairs: each (row, expert) pair's output is a8_mm's GEMV of that row against that
+    expert's rows alone, the same bits, whichever pairs share the call."""
+    from strata.kernels.quant_a8_triton import a8_mm, a8_pairs, quantize_rows
+    experts, f = 4, 32
+    w, _ = _weight("Q4_K", experts * f, K, device, seed=7)
+    part = w.parts[0]
+    x = _x(3, K, device, seed=8)
+    q, dx = quantize_rows(x)
+    rows = torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32, device=device)
+    chosen = torch.tensor([3, 1, 1, 0, 3], dtype=torch.int32, device=device)
+    out = torch.empty(5, f, device=device, dtype=x.dtype)
+    a8_pairs(q, dx, part, rows, chosen * f, f, out)
+    for p, (r, e) in enumerate(zip(rows.tolist(), chosen.tolist())):
+        alone = quant.Part("Q4_K", f, K, {k: v[e * f:(e + 1) * f].contiguous()
+                                          for k, v in part.planes.items()})
+        assert torch.equal(out[p], a8_mm(q[r:r + 1], dx[r:r + 1], alone, block_m=1,
+                                         out_dtype=x.dtype)[0])
+    again = torch.empty(1, f, device=device, dtype=x.dtype)   # a pair alone in its call
+    a8_pairs(q, dx, part, rows[3:4], chosen[3:4] * f, f, again)
+    assert torch.equal(again[0], out[3])
+
+
+def _int8_moe_stage(moe_file, device: str):
+    import dataclasses
+
+    from strata.kernels.policy import KernelPolicy
+    from strata.stage_worker.model import StageModel
+    from test_moe_stage import CTX, _mode
+    policy = dataclasses.replace(KernelPolicy.for_device(device), int8_activations=True)
+    return StageModel(moe_file, 0, moe_file.config.n_layers, ctx=CTX, device=device,
+                      weights=_mode(device), policy=policy)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_an_int8_moe_stage(moe_file, device, monkeypatch):
+    """A packed MoE stage with int8 activations (its experts as each pair's GEMVs): its logits
+    near the widened file's (within 8%), every routed layer's experts through a8_pairs, and the target
+    rows alone and among 8 and 40 rows the same bits."""
+    from strata.kernels import quant_a8_triton
+    from test_moe_stage import _interpreter_skips
+    from test_quant_stage import assert_packed_is_widened, assert_stage_rows_invariant, widened
+    _interpreter_skips(moe_file, device)
+    calls = []
+    a8_pairs = quant_a8_triton.a8_pairs
+    monkeypatch.setattr(quant_a8_triton, "a8_pairs",
+                        lambda *a, **k: calls.append(a[2].qtype) or a8_pairs(*a, **k))
+    # (about 5% on these 64-wide random rows: the dense projections' share, the experts'
+    # int8 adds next to nothing to it)
+    assert_packed_is_widened([_int8_moe_stage(moe_file, device), widened(moe_file, device)],
+                             device, tol=0.08)
+    cfg = moe_file.config
+    assert len(calls) == 3 * (cfg.n_layers - cfg.n_dense_first)   # gate, up, down a layer
+    assert_stage_rows_invariant(_int8_moe_stage(moe_file, device), device)

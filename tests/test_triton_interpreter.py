@@ -9,12 +9,12 @@ attention's 100- and 512-row references (its 1-, 7- and 32-row ones run, across 
 partial blocks) and its row independence with 4-row blocks (the default blocks run). Skipped
 where triton is not installed (the test extra installs it) or where a GPU runs the kernels
 themselves. The kernel test files run in child processes at once, one group each (the
-machine's cores are otherwise idle while this test waits), of about a minute each on one
-core: the attention, sampling and routed experts' kernels (~30 s of these); the fused,
+machine's cores are otherwise idle while this test waits), of one to two minutes each on one
+core: the attention, sampling and routed experts' kernels (~30 s of these) with the
+int8-activation kernels and their dense and MoE stages (~65 s); the fused,
 skinny and invariance checks with the tiny stage (~30 s), the model families' Triton path
 (~20 s) and a packed MoE stage (~10 s); the quantized-weight kernels (~20 s) with a quantized
-stage (~17 s) and the int8-activation kernels with their stage (~35 s). Each group must
-pass exactly its count of cases (KERNEL_TESTS)."""
+stage (~17 s). Each group must pass exactly its count of cases (KERNEL_TESTS)."""
 from __future__ import annotations
 
 import os
@@ -30,14 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # groups of about the same time under the interpreter, each with the number of its cases that
 # must pass there: a case that stops running (renamed out of CASES, skipped, deleted) fails this
 # test, and one added must raise its group's count
-KERNEL_TESTS = [(29, ["tests/test_attention_triton.py", "tests/test_attention_chunk.py",
+KERNEL_TESTS = [(48, ["tests/test_attention_triton.py", "tests/test_attention_chunk.py",
                       "tests/test_sampling_triton.py", "tests/test_sampling_sorted_triton.py",
-                      "tests/test_moe_triton.py"]),
+                      "tests/test_moe_triton.py", "tests/test_quant_a8.py"]),
                 (26, ["tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py",
                       "tests/test_batch_invariance.py", "tests/test_families.py",
                       "tests/test_moe_stage.py"]),
-                (45, ["tests/test_quant_kernels.py", "tests/test_quant_stage.py",
-                      "tests/test_quant_a8.py"])]
+                (28, ["tests/test_quant_kernels.py", "tests/test_quant_stage.py"])]
 # the CPU cases, and a whole stage's rows alone and among others through the Triton kernels
 # (the tiny shape; the larger ones take minutes here and run on CUDA)
 CASES = ("(cpu or (test_stage_rows_are_invariant and tiny and not on_gpu)) "

@@ -57,29 +57,33 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, K, eps, stride_xm,
 
 
 @triton.jit
-def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
-                  M, N, K, stride_rm, stride_om,
+def _a8_mm_kernel(q_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr,
+                  out_ptr, M, N, K, stride_rm, stride_om,
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
-                  MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  MMA: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
+    xm, wn = m, n
+    if PAIRS:   # BLOCK_M 1: output row m is activation row xrow[m] against rows wrow[m] + n
+        xm = tl.load(xrow_ptr + m, mask=m_ok, other=0)
+        wn = n + tl.load(wrow_ptr + tl.program_id(0))
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # out^T, as quant_triton's
     for k0 in range(0, K, BLOCK_K):
         for j in tl.static_range(BLOCK_K // S):
             g = k0 // S + j                                   # the weight group
-            u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g, QTYPE, S, 1, BLOCK_N),
+            u = tl.reshape(_codes(p0, p1, s0, s1, wn, n_ok, g, QTYPE, S, 1, BLOCK_N),
                            (BLOCK_N, S))
-            a, b = _terms(p2, p3, s2, s3, n, n_ok, g, QTYPE, 1)
+            a, b = _terms(p2, p3, s2, s3, wn, n_ok, g, QTYPE, 1)
             a = tl.reshape(a, (BLOCK_N,))
             b = tl.reshape(b, (BLOCK_N,))
             if QTYPE == Q8_0:                                 # signed codes: w = a * (u - 128)
                 u = u - 128
                 b = b * 0.0
             kk = g * S + tl.arange(0, S)
-            q = tl.load(q_ptr + m[:, None] * K + kk[None, :], mask=m_ok[:, None], other=0)
-            dx = tl.load(dx_ptr + m * (K // 32) + (g * S) // 32, mask=m_ok, other=0.0)
+            q = tl.load(q_ptr + xm[:, None] * K + kk[None, :], mask=m_ok[:, None], other=0)
+            dx = tl.load(dx_ptr + xm * (K // 32) + (g * S) // 32, mask=m_ok, other=0.0)
             qs = tl.sum(q.to(tl.int32), 1)                    # exact
             if MMA:
                 isum = tl.dot(u.to(tl.int8), tl.trans(q), out_dtype=tl.int32)
@@ -147,8 +151,29 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     r = res if res is not None else out
     planes, strides = _planes(part)
     grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n))
-    _a8_mm_kernel[grid](q, dx, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
+    _a8_mm_kernel[grid](q, dx, q, q, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
-                        HAS_RES=res is not None, MMA=mma, BLOCK_M=block_m, BLOCK_N=block_n,
-                        BLOCK_K=block_k, num_warps=warps)
+                        HAS_RES=res is not None, MMA=mma, PAIRS=False, BLOCK_M=block_m,
+                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return out
+
+
+def a8_pairs(q: torch.Tensor, dx: torch.Tensor, part: Part, xrows: torch.Tensor,
+             wrows: torch.Tensor, n: int, out: torch.Tensor, *, block_n: int = 32,
+             block_k: int = 128, warps: int = 4) -> torch.Tensor:
+    """Routed experts' GEMVs, one a pair: out[p] = codes row xrows[p] @ rows wrows[p] ..
+    wrows[p] + n - 1 of `part`^T (int32 [P] each; out [P, n], which may be a column slice).
+    Each pair is computed alone with a8_mm's arithmetic."""
+    p, k = xrows.shape[0], q.shape[1]
+    group = BLOCKS[part.qtype][2]
+    block_k = min(block_k, _block(k))
+    if part.cols != k or k % block_k or block_k % group:
+        raise ValueError(f"int8-activation expert kernel: rows of {k}, {part.qtype} weight "
+                         f"[{part.rows}, {part.cols}] do not fit {block_k} quants a step")
+    assert out.shape == (p, n) and out.stride(1) == 1 and q.is_contiguous()
+    planes, strides = _planes(part)
+    _a8_mm_kernel[(p, triton.cdiv(n, block_n))](
+        q, dx, xrows, wrows, *planes, *strides, out, out, p, n, k, out.stride(0),
+        out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group, HAS_RES=False, MMA=False,
+        PAIRS=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out
