@@ -128,3 +128,13 @@ def test_peer_arm_prints_its_rate(tiny_model):
     assert out.returncode == 0, out.stderr
     batch, tokens, rate, ms = out.stdout.splitlines()[-1].split()
     assert (batch, tokens) == ("2", "2") and float(rate) > 0 and float(ms) > 0
+
+
+def test_exact_command_compares_1_row_windows_with_16_row_ones(tiny_model, shared_stages):
+    """--min-window-rows 1: alone, each request decodes in 1-row windows."""
+    out = exact(str(tiny_model), "--requests", "12", "--batch", "12", "--tokens", "6",
+                "--sampling", "greedy", "--min-window-rows", "1")
+    assert out.exit_code == 0, (out.output, out.exception)
+    assert "# greedy alone: decode windows of 1 rows x" in out.stdout
+    assert "16 rows x" in out.stdout and "no row was compared" not in out.stdout
+    assert out.stdout.splitlines()[-1].startswith("all requests identical")

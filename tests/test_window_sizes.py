@@ -374,3 +374,40 @@ def test_windows_that_grow_and_shrink_give_solo_tokens(varied_launch, groups, mo
         assert at is None, (f"request {i} differs at token {at}: alone {want[at:at + 4]}, "
                             f"in varying windows {r.seq.generated[at:at + 4]}")
     assert sum(len(t) >= 8 for t in alone) >= 16   # real, long texts were compared
+
+
+@pytest.mark.parametrize("n,rows", [(1, 1), (2, 2), (3, 4), (4, 4), (6, 8), (9, 16)])
+def test_min_window_rows_1_gives_up_to_4_rows_windows_of_1_2_or_4(n, rows):
+    """n slots decoding together: their windows take the smallest of 1, 2 and 4 rows that
+    holds them, else a multiple of 8, as SchedulerConfig.window_shape says."""
+    cfg = SchedulerConfig(slots=n, ctx=64, min_window_rows=1)
+    rec, reqs = run_recorded(cfg, [[3 + i, 4] for i in range(n)],
+                             [SamplingParams(max_tokens=6) for _ in range(n)])
+    assert max(size for size, _ in rec.decodes) == rows
+    assert all(size == cfg.window_shape(len(live)) for size, live in rec.decodes)
+    assert rec.decodes[-1][0] == cfg.window_shape(len(rec.decodes[-1][1]))
+    assert SchedulerConfig(min_window_rows=2).window_shape(1) == 2
+
+
+def test_min_window_rows_is_1_2_4_or_8():
+    from strata.config_error import ConfigError
+    from strata.launch.options import FLAGS
+    with pytest.raises(ConfigError) as e:
+        SchedulerConfig(min_window_rows=3)
+    assert e.value.render(FLAGS) == ("--min-window-rows 3 is not one of 1, 2, 4 or 8; use 8 "
+                                     "(the default) or 1")
+
+
+def test_small_windows_give_the_tokens_of_8_row_windows(varied_launch):
+    """Each request alone in 1-row windows, and 3 at a time in 4-row ones (then 2 and 1 as they
+    end): the tokens of 8-row windows alone, on two CPU stages."""
+    run, tok, prompts, sampling, alone = varied_launch
+    small = SchedulerConfig(slots=3, ctx=CTX, min_window_rows=1)
+    rec = Recorder(run.pipe)
+    sched = Scheduler(rec, small, tok.stop_ids, tok.decode)
+    reqs = [sched.submit(p, sp) for p, sp in zip(prompts[3:9], sampling[3:9])]
+    sched.run()
+    assert {size for size, _ in rec.decodes} >= {4, 2}, rec.decodes
+    one = harness.run_alone(run, small, tok, prompts[:3], sampling[:3])
+    assert [r.seq.generated for r in one] == alone[:3]
+    assert [r.seq.generated for r in reqs] == alone[3:9]

@@ -8,6 +8,7 @@ from strata.config_error import ConfigError
 
 WINDOW_ROW_STEP = 8    # decode windows have a multiple of this many rows
 MAX_WINDOW_ROWS = 64   # the stages' largest decode window
+SMALL_WINDOWS = (1, 2, 4)   # decode windows below WINDOW_ROW_STEP rows (min_window_rows)
 # a slot's row and its drafts fit in the smallest decode window
 MAX_DRAFT_TOKENS = WINDOW_ROW_STEP - 1
 DRAFTERS = ("mtp", "lookup")   # the last stage's NextN head, or prompt lookup (drafts.py)
@@ -40,6 +41,10 @@ class SchedulerConfig:
     # None (auto) is resolved here to auto_window_rows(slots, groups). Each decode window has
     # its live rows rounded up to WINDOW_ROW_STEP, at most this (scheduler.py).
     window_rows: int | None = None
+    # the fewest rows of a decode window: WINDOW_ROW_STEP, or 1, 2 or 4 (SMALL_WINDOWS): then
+    # a window of up to 4 rows (live rows and drafts) has the smallest of those that holds
+    # them and is at least this, so a lone request pays for 1 row, not 8 (window_shape)
+    min_window_rows: int = WINDOW_ROW_STEP
     chunk_rows: int = 32
     ctx: int = 2048
     prompt_depth: int = 1   # prompt chunks of one slot in flight at once (> 1: pipelined)
@@ -71,6 +76,10 @@ class SchedulerConfig:
                               f"{WINDOW_ROW_STEP} from {WINDOW_ROW_STEP} to {MAX_WINDOW_ROWS} "
                               f"(the most rows a stage takes in a decode window)",
                               f"use {near}")
+        if self.min_window_rows not in (*SMALL_WINDOWS, WINDOW_ROW_STEP):
+            raise ConfigError("min_window_rows", f"{{min_window_rows}} {self.min_window_rows} "
+                              f"is not one of {', '.join(map(str, SMALL_WINDOWS))} or "
+                              f"{WINDOW_ROW_STEP}", f"use {WINDOW_ROW_STEP} (the default) or 1")
         if self.draft_tokens != AUTO and not (isinstance(self.draft_tokens, int)
                                               and 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS):
             raise ConfigError("draft_tokens", f"{{draft_tokens}} {self.draft_tokens} is not "
@@ -92,6 +101,16 @@ class SchedulerConfig:
             raise ConfigError("draft_sampling", f"{{draft_sampling}} {self.draft_sampling!r} is "
                               f"not one of {', '.join(DRAFT_SAMPLINGS)}",
                               "use coupled or argmax")
+
+    def window_shape(self, rows: int) -> int:
+        """Rows of a decode window holding `rows` rows (its slots' and their drafts'): with
+        min_window_rows below WINDOW_ROW_STEP, the smallest of SMALL_WINDOWS, at least
+        min_window_rows, that holds them; else (and past 4 rows) round_rows(rows)."""
+        if self.min_window_rows < WINDOW_ROW_STEP:
+            for size in SMALL_WINDOWS:
+                if max(rows, self.min_window_rows) <= size:
+                    return size
+        return round_rows(rows)
 
     @property
     def auto_drafts(self) -> bool:

@@ -16,7 +16,8 @@ decoding slots, at most window_rows of them (more take turns in slot order, from
 after the last one served), and has that many rows rounded up to a multiple of 8 (WINDOW_ROW_STEP):
 1 decoding slot -> 8 rows, 9 -> 16, 40 -> 40, 70 with window_rows 64 -> 64 rows each window.
 So a window reads the weights once for all its rows, and a lone request pays for 8 rows, not
-for window_rows. The rounding's spare rows are pad rows (slot -1). With draft_tokens, a slot
+for window_rows; with min_window_rows 1, for 1 row (windows of up to 4 rows take 1, 2 or 4:
+SchedulerConfig.window_shape). The rounding's spare rows are pad rows (slot -1). With draft_tokens, a slot
 verifies up to K drafts (drafts.py) in rows beyond its own (speculation.py): the pad rows,
 and up to draft_rows more (draft_window_rows: by default up to the window's row tile, 32 or
 64 rows), so 4 decoding slots with K = 7 take a window of 32 rows. The stages compute a row the same whatever the window's size (batch-invariant kernels), so
@@ -152,7 +153,7 @@ class Scheduler:
             # idle with commits pending (a finished or cancelled slot's decoded rows): carry them
             # on a window of pad rows (the smallest decode window), so no stage keeps rows no
             # slot holds
-            self._submit(0, [], WINDOW_ROW_STEP, [])
+            self._submit(0, [], self.cfg.window_shape(1), [])
         try:
             result, _ = self.pipe.receive(timeout=timeout)
         except WindowFailed as e:
@@ -285,9 +286,10 @@ class Scheduler:
             mask = masks.add(seq.grammar, drafts) if seq.grammar is not None else None
             rows += seq.decode_rows(s.index, drafts, -1 if mask is None else mask)
             owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
-        if self._submit(group, rows, offer.rows, owners, propose=offer.propose,
+        shape = self.cfg.window_shape(len(rows))   # offer.rows, or a small window
+        if self._submit(group, rows, shape, owners, propose=offer.propose,
                         timed=offer.timed, masks=masks):
-            g.last_decode = DecodeWindow(offer.rows, len(rows))
+            g.last_decode = DecodeWindow(shape, len(rows))
 
     def _submit_chunk(self, group: int, slot: Slot) -> None:
         seq, start = slot.request.seq, slot.read_pos

@@ -84,6 +84,11 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           f"window has its decoding slots rounded up to 8 rows (1 slot: 8 rows, "
                           f"9: 16), up to this; more slots take turns. Drafts may add "
                           f"--draft-rows more (never past {MAX_WINDOW_ROWS})."),
+        click.option("--min-window-rows", type=int, default=8, show_default=True,
+                     help="The fewest rows of a decode window: 8, or 1, 2 or 4: then windows "
+                          "of up to 4 rows (decoding slots and their drafts) take the smallest "
+                          "of 1, 2 and 4 that holds them, so a lone request pays for 1 row "
+                          "(the int8 GEMV tiles serve those windows)."),
         click.option("--chunk-rows", default="auto", show_default=True,
                      help=f"Rows of a prompt chunk (one slot's prompt tokens), or auto = "
                           f"{GPU_CHUNK_ROWS} when every stage is on a CUDA device (a chunk "
@@ -195,7 +200,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
             drafter=None, mtp_head=None, draft_rows="auto", draft_sampling="argmax",
             stage_timeout=None, cuda_devices=None, check_memory=True, weights="auto",
-            activations="float", **_) -> Prepared:
+            activations="float", min_window_rows=WINDOW_ROW_STEP, **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
     the flags. cuda_devices: the CUDA devices the stages may have (None: this host's);
@@ -223,8 +228,8 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
         chunk_rows = auto_chunk_rows(plan)
     if draft_rows is None:
         draft_rows = auto_draft_rows(plan)
-    sched = SchedulerConfig(slots=batch, groups=groups,
-                            window_rows=window_rows, chunk_rows=chunk_rows, ctx=ctx_size,
+    sched = SchedulerConfig(slots=batch, groups=groups, window_rows=window_rows,
+                            min_window_rows=min_window_rows, chunk_rows=chunk_rows, ctx=ctx_size,
                             draft_tokens=draft_tokens, drafter=drafter or "lookup",
                             draft_rows=draft_rows,
                             draft_sampling=draft_sampling,
@@ -338,7 +343,8 @@ FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--windo
          "served_model_name": "--served-model-name",
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
          "max_client_connections": "--max-client-connections",
-         "stage_timeout": "--stage-timeout", "activations": "--activations"}
+         "stage_timeout": "--stage-timeout", "activations": "--activations",
+         "min_window_rows": "--min-window-rows"}
 CHOICES = {"groups": "auto", "window_rows": "auto", "chunk_rows": "auto", "draft_rows": "auto"}
 
 

@@ -35,8 +35,10 @@ log = logging.getLogger("strata.worker")
 # (rows, chunk): graphs captured before the hello: the 1-client decode window and the prompt
 # chunk of CUDA stages (strata-launch's --chunk-rows auto); other shapes when they first come
 WARM_SHAPES = ((8, False), (128, True))
-WARM_TILES = (32, 64)   # decode windows run eagerly before the hello: the kernels' other row
-                        # tiles compile then (16 rows share the 8-row window's tile)
+WARM_TILES = (1, 32, 64)   # decode windows run eagerly before the hello: the kernels' other
+                           # row tiles compile then (16 rows share the 8-row window's tile; a
+                           # 1-row window, of --min-window-rows 1, is a variant of its own)
+A8_TILES = (2, 4)   # and with int8 activations the GEMV's other row tiles
 
 
 def describe_memory(memory: list[int]) -> str:
@@ -113,7 +115,7 @@ class StageWorker:
         with torch.inference_mode():
             for n, chunk in WARM_SHAPES:
                 self.runner.run(*pads(n), chunk=chunk, sample_rows=[0])
-            for n in WARM_TILES:
+            for n in WARM_TILES + (A8_TILES if m.policy.int8_activations else ()):
                 inputs, rows = pads(n)
                 hidden = m(inputs.to(m.device), rows, self.cache)
                 if m.last:

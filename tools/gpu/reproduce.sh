@@ -158,7 +158,7 @@ for part in $PARTS; do
         run quant_strata_$t 900 strata-bench sweep --model "$F" $SAME --modes 1gpu --weights quantized \
           --clients $C $(beside "$OUT/llamacpp_l8b_$t.json") --json-out "$OUT/sweep_l8b_${t}_vs_llamacpp.json"
         run quant_strata_a8_$t 900 strata-bench sweep --model "$F" $SAME --modes 1gpu --weights quantized \
-          --activations int8 --clients $C --json-out "$OUT/sweep_l8b_${t}_a8.json"
+          --activations int8 --min-window-rows 1 --clients $C --json-out "$OUT/sweep_l8b_${t}_a8.json"
       done
       run quant_strata_bf16 900 strata-bench sweep --model "$L8B" $SAME --modes 1gpu --weights bf16 \
         --clients 32,64 --json-out "$OUT/sweep_l8b_bf16.json"
