@@ -67,7 +67,7 @@ def test_the_loader_packs_experts_and_the_report_and_plan_say_so(moe_file, tmp_p
     # in the scratch (bf16 bytes of the largest packed matrix a prompt chunk widens)
     weights, scratch = stage_bytes(moe_file, 0, cfg.n_layers, "cuda:0", "quantized")
     assert weights == packed + vectors // 2 and scratch < 2 * (2 * e * f * d)
-    # widened on a CPU stage, and where the type has no kernel (IQ4_NL); a Q4_K_M file's
+    # widened on a CPU stage, and where the type has no kernel (MXFP4); a Q4_K_M file's
     # choice for rows of 64 values (Q5_0) stays packed
     dense = _model(moe_file, "cpu", "quantized")
     assert not dense.weights.report.quantized
@@ -77,11 +77,11 @@ def test_the_loader_packs_experts_and_the_report_and_plan_say_so(moe_file, tmp_p
                                       weight_type="Q4_K_M"))
     got = _model(mix, "cpu", "packed").weights.report
     assert got.quantized["Q5_0"] and "Q5_0" not in got.widened
-    iq = ModelFile(write_random_gguf(tmp_path / "iq.gguf", SHAPES["glm4moe-tiny"],
-                                     weight_type="IQ4_NL"))
-    got = _model(iq, "cpu", "packed").weights.report
-    assert got.widened["IQ4_NL"] and "IQ4_NL" not in got.quantized
-    assert "loaded as float32: IQ4_NL x" in got.summary(torch.float32)
+    fp4 = ModelFile(write_random_gguf(tmp_path / "fp4.gguf", SHAPES["glm4moe-tiny"],
+                                      weight_type="MXFP4"))
+    got = _model(fp4, "cpu", "packed").weights.report
+    assert got.widened["MXFP4"] and "MXFP4" not in got.quantized
+    assert "loaded as float32: MXFP4 x" in got.summary(torch.float32)
 
 
 @pytest.mark.parametrize("device", triton_devices())

@@ -28,7 +28,7 @@ def _blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """uint8 [rows, row bytes] of a GGUF tensor of that type: gguf-py's quantization of
     Gaussian weights, or random valid K-quant blocks."""
     rng = np.random.default_rng(seed)
-    if qtype.endswith("_K"):
+    if qtype.endswith("_K") or qtype.startswith("IQ"):   # gguf-py quantizes neither
         return random_kquant_blocks(qtype, rows, cols, rng)
     return quantize(rng.standard_normal((rows, cols), dtype=np.float32) * 0.02, QType[qtype])
 

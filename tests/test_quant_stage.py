@@ -75,10 +75,10 @@ def test_the_loader_keeps_kernel_types_packed_and_counts_bytes(mixed, tmp_path):
     dense = StageModel(mixed, 0, SHAPE.n_layers, ctx=CTX, weights="quantized").weights.report
     assert not dense.quantized and dense.widened["Q4_K"] == report.quantized["Q4_K"]
     # a type without a kernel is widened where the others stay packed
-    iq = ModelFile(write_random_gguf(tmp_path / "iq.gguf", SHAPE, seed=3, weight_type="IQ4_XS"))
+    iq = ModelFile(write_random_gguf(tmp_path / "iq.gguf", SHAPE, seed=3, weight_type="IQ3_S"))
     got = StageModel(iq, 0, 1, ctx=CTX, weights="packed").weights.report
-    assert not got.quantized and got.widened["IQ4_XS"] == 7 + 1   # a layer and the embedding
-    assert "loaded as float32: IQ4_XS x8" in got.summary(torch.float32)
+    assert not got.quantized and got.widened["IQ3_S"] == 7 + 1   # a layer and the embedding
+    assert "loaded as float32: IQ3_S x8" in got.summary(torch.float32)
 
 
 @pytest.mark.parametrize("device", triton_devices())

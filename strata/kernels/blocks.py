@@ -4,13 +4,16 @@ geometry and packed planes, as plain data (the launcher plans memory with it wit
 # type -> (quants a block, bytes a block, quants a scale group); llama.cpp's ggml-common.h
 BLOCKS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q8_0": (32, 34, 32),
           "Q4_K": (256, 144, 32), "Q5_K": (256, 176, 32), "Q6_K": (256, 210, 16),
-          "Q5_0": (32, 22, 32), "Q5_1": (32, 24, 32)}
+          "Q5_0": (32, 22, 32), "Q5_1": (32, 24, 32), "IQ4_NL": (32, 18, 32),
+          "IQ4_XS": (256, 136, 32)}
 KERNEL_TYPES = tuple(BLOCKS)
 # each type's planes (kernels/quant.py's docstring says what each holds)
 PLANES = {"Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "Q8_0": ("qs", "qh", "d"),
           "Q4_K": ("qs", "sc", "dm"), "Q5_K": ("qs", "qh", "sc", "dm"),
           "Q6_K": ("qs", "qh", "sc", "dm"), "Q5_0": ("qs", "qh", "d"),
-          "Q5_1": ("qs", "qh", "d", "m")}
+          "Q5_1": ("qs", "qh", "d", "m"), "IQ4_NL": ("qs", "d"), "IQ4_XS": ("qs", "sc", "dm")}
+# the codebook of IQ4_NL and IQ4_XS (llama.cpp's kvalues_iq4nl): a 4-bit code's value
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def stays_packed(types: list[str], mode: str, cuda: bool) -> bool:

@@ -18,10 +18,13 @@ one tensor [N, X] a field, with exactly the file's bytes (`pack`):
     m    fp16 [N, K/32]   Q4_1, Q5_1: each block's offset
     sc   int32 [N, 3K/256] Q4_K, Q5_K: the 12 bytes of 6-bit scales and mins of a super-block
          int8 [N, K/16]   Q6_K: one signed scale per 16 quants
-    dm   fp16 [N, K/128]  Q4_K, Q5_K: d and dmin of each super-block; Q6_K: [N, K/256] d
+         int16 [N, 3K/256] IQ4_XS: scales_h, then scales_l's 4 bytes, of a super-block
+    dm   fp16 [N, K/128]  Q4_K, Q5_K: d and dmin of each super-block; Q6_K, IQ4_XS: [N, K/256] d
 
 Every type then reads as `w = a * u + b` over a group of quants (32, or 16 for Q6_K), with u
 an unsigned code (0..15, 31, 63 or 255) and a, b per (row, group); `group_terms` gives a and b.
+The codebook types IQ4_NL and IQ4_XS hold 4-bit indices in qs; their u is the index's value
+(IQ4_VALUES) + 128, and b = -128 a.
 """
 from __future__ import annotations
 
@@ -29,13 +32,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata.kernels.blocks import BLOCKS, KERNEL_TYPES, PLANES  # noqa: F401 (importable here)
+from strata.kernels.blocks import (BLOCKS, IQ4_VALUES, KERNEL_TYPES,  # noqa: F401 (importable here)
+                                   PLANES)
 
 # fp16 scale fields of each type's blocks: (byte offset, value) that random_blocks sets
 _SCALES = {"Q4_0": ((0, 2e-3),), "Q4_1": ((0, 2e-3), (2, -1e-2)), "Q8_0": ((0, 1.5e-4),),
            "Q5_0": ((0, 2e-3),), "Q5_1": ((0, 1.2e-3), (2, -1.9e-2)),
            "Q4_K": ((0, 1.5e-4), (2, 1e-3)), "Q5_K": ((0, 8e-5), (2, 1e-3)),
-           "Q6_K": ((208, 1.5e-5),)}
+           "Q6_K": ((208, 1.5e-5),), "IQ4_NL": ((0, 2e-4),), "IQ4_XS": ((0, 1e-5),)}
 
 
 def random_blocks(qtype: str, rows: int, cols: int, generator: torch.Generator
@@ -112,8 +116,13 @@ def _pack(qtype: str, raw: torch.Tensor, cols: int) -> dict[str, torch.Tensor]:
     block, size, _ = BLOCKS[qtype]
     n = raw.shape[0]
     b = raw.view(n, cols // block, size)
-    if qtype in ("Q4_0", "Q4_1"):
-        off = 2 if qtype == "Q4_0" else 4
+    if qtype == "IQ4_XS":   # d | scales_h 2 | scales_l 4 | 8 x 16 bytes: Q4_0's halves
+        qs = b[..., 8:].reshape(n, cols // 256, 8, 16)
+        return {"qs": _bits_to_words(_low_high(qs).reshape(n, cols), 4),
+                "sc": b[..., 2:8].contiguous().view(torch.int16).reshape(n, -1),
+                "dm": _f16(b[..., 0:2]).reshape(n, -1)}
+    if qtype in ("Q4_0", "Q4_1", "IQ4_NL"):
+        off = 4 if qtype == "Q4_1" else 2
         out = {"qs": _bits_to_words(_low_high(b[..., off:]).reshape(n, cols), 4),
                "d": _f16(b[..., 0:2]).reshape(n, -1)}
         if qtype == "Q4_1":
@@ -175,11 +184,24 @@ def kquant_scales(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(scales, -1).reshape(n, -1), torch.stack(mins, -1).reshape(n, -1)
 
 
+def iq4xs_scales(sc: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS: the 6 scale bytes of each super-block as int16 words [N, 3 S] -> the 6-bit
+    scales [N, 8 S] (llama.cpp's dequantize_row_iq4_xs)."""
+    n = sc.shape[0]
+    w = sc.to(torch.int64).reshape(n, -1, 3) & 0xFFFF
+    j = torch.arange(8, device=sc.device)
+    low = (w[..., 1 + j // 4] >> (4 * (j % 4))) & 15
+    return (low | (((w[..., 0:1] >> (2 * j)) & 3) << 4)).reshape(n, -1)
+
+
 def group_terms(qtype: str, planes: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """(a, b) fp32 [N, K / group]: the weights of a group are a * u + b."""
-    if qtype in ("Q4_0", "Q5_0", "Q8_0"):
+    if qtype in ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL"):
         d = planes["d"].float()
-        return d, d * {"Q4_0": -8.0, "Q5_0": -16.0, "Q8_0": -128.0}[qtype]
+        return d, d * {"Q4_0": -8.0, "Q5_0": -16.0, "Q8_0": -128.0, "IQ4_NL": -128.0}[qtype]
+    if qtype == "IQ4_XS":
+        a = planes["dm"].float().repeat_interleave(8, 1) * (iq4xs_scales(planes["sc"]) - 32)
+        return a, -128.0 * a
     if qtype in ("Q4_1", "Q5_1"):
         return planes["d"].float(), planes["m"].float()
     if qtype in ("Q4_K", "Q5_K"):
@@ -194,6 +216,8 @@ def group_terms(qtype: str, planes: dict[str, torch.Tensor]) -> tuple[torch.Tens
 def codes(qtype: str, planes: dict[str, torch.Tensor]) -> torch.Tensor:
     """The unsigned codes u, int64 [N, K]."""
     u = _words_to_codes(planes["qs"], 4)
+    if qtype in ("IQ4_NL", "IQ4_XS"):
+        return torch.tensor(IQ4_VALUES, device=u.device)[u] + 128
     if qtype == "Q8_0":
         u = u | (_words_to_codes(planes["qh"], 4) << 4)
     elif qtype in ("Q5_0", "Q5_1", "Q5_K"):

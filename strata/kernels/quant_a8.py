@@ -4,8 +4,9 @@ plain torch, that the Triton kernels (kernels/quant_a8_triton.py) are checked ag
 A window row x [K] is quantized alone, as llama.cpp's q8_1 is: with `norm`, y = rmsnorm(x) * g
 (rsqrt of the mean of squares + eps), else y = x; each block of 32 values gets the scale
 dx = max|y| / 127 and codes q = round(y / dx) in -127..127. A weight group (32 quants, 16 for
-Q6_K) reads w = a * u + b (kernels/quant.py's group_terms) with an unsigned code u; Q8_0's
-codes are taken signed (u - 128, b = 0) so that every code fits int8. Then
+Q6_K) reads w = a * u + b (kernels/quant.py's group_terms) with an unsigned code u; the codes
+of Q8_0, IQ4_NL and IQ4_XS are taken signed (u - 128, b = 0) so that every code fits int8.
+Then
 
     sum over the group of w * y  ~=  dx * (a * sum(u * q) + b * sum(q))
 
@@ -43,7 +44,7 @@ def signed_terms(part: Part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes int64 [N, K], a, b fp32 [N, K / group]) with Q8_0's codes signed (b = 0)."""
     a, b = group_terms(part.qtype, part.planes)
     u = codes(part.qtype, part.planes)
-    if part.qtype == "Q8_0":
+    if part.qtype in ("Q8_0", "IQ4_NL", "IQ4_XS"):
         u, b = u - 128, torch.zeros_like(b)
     return u, a, b
 

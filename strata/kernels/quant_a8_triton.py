@@ -21,7 +21,7 @@ import triton.language as tl
 
 from strata.kernels.quant import BLOCKS, Part
 from strata.kernels.quant_a8 import QBLOCK
-from strata.kernels.quant_triton import Q8_0, TYPE_IDS, _codes, _planes, _terms
+from strata.kernels.quant_triton import IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes, _terms
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
 GEMV_TILES = (1, 2, 4)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
@@ -78,7 +78,7 @@ def _a8_mm_kernel(q_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, s2,
             a, b = _terms(p2, p3, s2, s3, wn, n_ok, g, QTYPE, 1)
             a = tl.reshape(a, (BLOCK_N,))
             b = tl.reshape(b, (BLOCK_N,))
-            if QTYPE == Q8_0:                                 # signed codes: w = a * (u - 128)
+            if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
                 u = u - 128
                 b = b * 0.0
             kk = g * S + tl.arange(0, S)

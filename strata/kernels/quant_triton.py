@@ -33,15 +33,16 @@ import triton
 import triton.language as tl
 
 from strata.kernels.fused_triton import ACTS, gate_act
-from strata.kernels.quant import BLOCKS, PLANES, Part
+from strata.kernels.quant import BLOCKS, IQ4_VALUES, PLANES, Part
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES, _row_scale, _x_tile
 
 # the QTYPE constexpr of the kernels
 Q4_0, Q4_1, Q8_0 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 Q4_K, Q5_K, Q6_K = tl.constexpr(3), tl.constexpr(4), tl.constexpr(5)
 Q5_0, Q5_1 = tl.constexpr(6), tl.constexpr(7)
+IQ4_NL, IQ4_XS = tl.constexpr(8), tl.constexpr(9)
 TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q5_0": 6,
-            "Q5_1": 7}
+            "Q5_1": 7, "IQ4_NL": 8, "IQ4_XS": 9}
 
 
 @triton.jit
@@ -63,7 +64,9 @@ def _codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE: tl.constexpr, S: tl.constexpr,
     at = n[:, None, None] * s0 + ((g0 + tl.arange(0, G)) * W)[None, :, None] + wi[None, None, :]
     ok = n_ok[:, None, None]
     u = _split8(tl.load(p0 + at, mask=ok, other=0), 15)      # [BN, G, W, 2, 2, 2]
-    if QTYPE == Q8_0:                                         # the high nibbles alike
+    if QTYPE == IQ4_NL or QTYPE == IQ4_XS:                    # p1: the codebook + 128
+        u = tl.load(p1 + u)
+    elif QTYPE == Q8_0:                                         # the high nibbles alike
         u = u | (_split8(tl.load(p1 + at, mask=ok, other=0), 15) << 4)
     elif QTYPE == Q5_0 or QTYPE == Q5_1 or QTYPE == Q5_K or QTYPE == Q6_K:
         bits: tl.constexpr = 2 if QTYPE == Q6_K else 1        # a qh word a group
@@ -78,7 +81,8 @@ def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr):
     """a, b fp32 [BLOCK_N, G]: the weights of group g0 + i are a[:, i] * u + b[:, i]."""
     gi = g0 + tl.arange(0, G)
     ok = n_ok[:, None]
-    if QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q8_0 or QTYPE == Q5_0 or QTYPE == Q5_1:
+    if (QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q8_0 or QTYPE == Q5_0 or QTYPE == Q5_1
+            or QTYPE == IQ4_NL):
         # d (and m) a group
         a = tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok, other=0.0).to(tl.float32)
         if QTYPE == Q4_0:
@@ -87,8 +91,18 @@ def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr):
             b = -16.0 * a
         elif QTYPE == Q4_1 or QTYPE == Q5_1:
             b = tl.load(p3 + n[:, None] * s3 + gi[None, :], mask=ok, other=0.0).to(tl.float32)
-        else:
+        else:                                                 # Q8_0, IQ4_NL
             b = -128.0 * a
+    elif QTYPE == IQ4_XS:                                     # d * (6-bit scale - 32) a group
+        sb = g0 // 8
+        j = (gi % 8)[None, :]
+        base = p2 + n[:, None] * s2 + 3 * sb
+        high = tl.load(base, mask=ok, other=0).to(tl.int32) & 0xFFFF          # scales_h
+        low = tl.load(base + 1 + j // 4, mask=ok, other=0).to(tl.int32) & 0xFFFF
+        ls = ((low >> (4 * (j % 4))) & 15) | (((high >> (2 * j)) & 3) << 4)
+        d = tl.load(p3 + n * s3 + sb, mask=n_ok, other=0.0).to(tl.float32)
+        a = d[:, None] * (ls - 32).to(tl.float32)
+        b = -128.0 * a
     elif QTYPE == Q6_K:                                       # d * an int8 per 16
         d = tl.load(p3 + n * s3 + g0 // 16, mask=n_ok, other=0.0).to(tl.float32)
         a = d[:, None] * tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok,
@@ -262,8 +276,19 @@ def _planes(part: Part) -> tuple[list[torch.Tensor], list[int]]:
     tensors = [p["qs"]] * 4
     for name in PLANES[part.qtype]:
         tensors[names[name]] = p[name]
+    if part.qtype in ("IQ4_NL", "IQ4_XS"):   # p1: the codebook's values + 128, int32 [16]
+        tensors[1] = _codebook(p["qs"].device)
     assert all(t.is_contiguous() for t in tensors)
     return tensors, [t.stride(0) for t in tensors]
+
+
+_CODEBOOKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _codebook(device: torch.device) -> torch.Tensor:
+    if device not in _CODEBOOKS:
+        _CODEBOOKS[device] = torch.tensor(IQ4_VALUES, dtype=torch.int32, device=device) + 128
+    return _CODEBOOKS[device]
 
 
 def _check(x: torch.Tensor, part: Part, block_m: int, block_k: int, splits: int) -> None:

@@ -131,7 +131,8 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
         click.option("--weights", type=click.Choice(["auto", "quantized", "bf16"]),
                      default="auto", show_default=True,
                      help="How CUDA stages hold a quantized file's matrices: quantized keeps "
-                          "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices in "
+                          "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS "
+                          "matrices in "
                           "their blocks (the file's bytes; other types are widened to bf16); "
                           "bf16 widens every matrix (faster decode today, 2-4x the memory: "
                           "docs/BENCHMARKS.md); "

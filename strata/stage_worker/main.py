@@ -63,7 +63,8 @@ def parse_layers(text: str) -> tuple[int, int]:
 @click.option("--weights", type=click.Choice(["quantized", "bf16"]), default="bf16",
               show_default=True, envvar="STRATA_WEIGHTS",
               help="On a CUDA device: quantized keeps the file's Q4_0, Q4_1, Q5_0, Q5_1, "
-                   "Q8_0, Q4_K, Q5_K and Q6_K matrices in their blocks (other types are "
+                   "Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices in their blocks (other "
+                   "types are "
                    "widened to bf16); "
                    "bf16 widens every matrix. CPU stages widen to fp32. strata-launch "
                    "chooses for its stages (--weights auto). Also read from STRATA_WEIGHTS.")
