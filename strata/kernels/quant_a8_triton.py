@@ -10,7 +10,10 @@ a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 t
 row tile of 1, 2 or 4: products summed in int32 lanes) and an MMA (more rows: tile 16, 32 or 64,
 int8 tl.dot into int32; groups of 32 quants). Both add each (row, column)'s float terms in
 the same order, group by group, so a row gets the same bits from either and from any tile
-(tests/test_quant_a8.py). The codes and scales come from kernels/quant_triton.py's `_codes`
+(tests/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled for sm_90, Triton
+fuses `a * isum + b * qs` into one FMA one way for tiles of 1 and 2 rows and the other way
+from 4 rows up (Q4_K, Q5_K, Q4_1, Q5_1: their b is not zero), which changes a row's bits
+between tiles; without fusion every tile rounds each product alone. The codes and scales come from kernels/quant_triton.py's `_codes`
 and `_terms`, a group at a time.
 """
 from __future__ import annotations
@@ -154,7 +157,8 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     _a8_mm_kernel[grid](q, dx, q, q, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
                         HAS_RES=res is not None, MMA=mma, PAIRS=False, BLOCK_M=block_m,
-                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                        enable_fp_fusion=False)   # see the module: no tile-dependent FMAs
     return out
 
 
@@ -175,5 +179,6 @@ def a8_pairs(q: torch.Tensor, dx: torch.Tensor, part: Part, xrows: torch.Tensor,
     _a8_mm_kernel[(p, triton.cdiv(n, block_n))](
         q, dx, xrows, wrows, *planes, *strides, out, out, p, n, k, out.stride(0),
         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group, HAS_RES=False, MMA=False,
-        PAIRS=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        PAIRS=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        enable_fp_fusion=False)
     return out
