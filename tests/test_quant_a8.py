@@ -172,8 +172,8 @@ def _int8_moe_stage(moe_file, device: str):
 @pytest.mark.parametrize("device", triton_devices())
 def test_an_int8_moe_stage(moe_file, device, monkeypatch):
     """A packed MoE stage with int8 activations (its experts as each pair's GEMVs): its logits
-    near the widened file's (within 8%), every routed layer's experts through a8_pairs, and the target
-    rows alone and among 8 and 40 rows the same bits."""
+    near the widened file's (within 8%), every routed layer's experts through a8_pairs, and the
+    target rows alone and among 8 and 40 rows the same bits."""
     from strata.kernels import quant_a8_triton
     from test_moe_stage import _interpreter_skips
     from test_quant_stage import assert_packed_is_widened, assert_stage_rows_invariant, widened

@@ -17,8 +17,8 @@ after the last one served), and has that many rows rounded up to a multiple of 8
 1 decoding slot -> 8 rows, 9 -> 16, 40 -> 40, 70 with window_rows 64 -> 64 rows each window.
 So a window reads the weights once for all its rows, and a lone request pays for 8 rows, not
 for window_rows; with min_window_rows 1, for 1 row (windows of up to 4 rows take 1, 2 or 4:
-SchedulerConfig.window_shape). The rounding's spare rows are pad rows (slot -1). With draft_tokens, a slot
-verifies up to K drafts (drafts.py) in rows beyond its own (speculation.py): the pad rows,
+SchedulerConfig.window_shape). The rounding's spare rows are pad rows (slot -1). With
+draft_tokens, a slot verifies up to K drafts (drafts.py) in rows beyond its own (speculation.py): the pad rows,
 and up to draft_rows more (draft_window_rows: by default up to the window's row tile, 32 or
 64 rows), so 4 decoding slots with K = 7 take a window of 32 rows. The stages compute a row the same whatever the window's size (batch-invariant kernels), so
 neither the size nor which slot gets drafts changes a token.

@@ -13,8 +13,8 @@ the same order, group by group, so a row gets the same bits from either and from
 (tests/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled for sm_90, Triton
 fuses `a * isum + b * qs` into one FMA one way for tiles of 1 and 2 rows and the other way
 from 4 rows up (Q4_K, Q5_K, Q4_1, Q5_1: their b is not zero), which changes a row's bits
-between tiles; without fusion every tile rounds each product alone. The codes and scales come from kernels/quant_triton.py's `_codes`
-and `_terms`, a group at a time.
+between tiles; without fusion every tile rounds each product alone. The codes and scales come
+from kernels/quant_triton.py's `_codes` and `_terms`, a group at a time.
 """
 from __future__ import annotations
 
