@@ -66,7 +66,7 @@ def test_the_kernel_is_the_integer_block_sums(device, qtype):
 
 
 @pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "IQ4_XS"])
 def test_a_rows_bits_are_the_same_in_every_tile(device, qtype):
     """Row 0 alone (GEMV tiles 1, 2 and 4), among 4 and 24 rows, over row blocks of 16 and
     in one tile of 32 or 64 rows: the same bits, with a residual added."""
@@ -83,6 +83,26 @@ def test_a_rows_bits_are_the_same_in_every_tile(device, qtype):
         assert torch.equal(out[0], outs[0][0])
     for out in outs[5:]:
         assert torch.equal(out, outs[4]), "rows differ between row tiles"
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_the_gemv_takes_short_steps_where_k_is_not_whole_256s(device):
+    """K = 96: the dp4a GEMV steps 32 quants at a time (a group a step), and still adds the
+    same terms in the same order as the MMA; a nibble type, two planes, a codebook."""
+    from strata.kernels.quant_a8_gemv import gemv_step
+    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    assert gemv_step(96) == 32 and gemv_step(576) == 64 and gemv_step(4096) == 256
+    x = _x(3, 96, device, seed=7)
+    q, dx = quantize_rows(x)
+    for qtype in ("Q4_1", "Q8_0", "IQ4_NL"):
+        w, _ = _weight(qtype, 24, 96, device, seed=8)
+        part = w.parts[0]
+        gemv = a8_mm(q, dx, part, block_m=4)
+        assert torch.equal(gemv, a8_mm(q, dx, part, block_m=16)), qtype
+        want = a8_mm_reference(q.cpu(), dx.cpu(), quant.Part(
+            qtype, part.rows, part.cols, {k: v.cpu() for k, v in part.planes.items()}))
+        torch.testing.assert_close(gemv.double().cpu(), want, rtol=1e-5,
+                                   atol=1e-6 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("device", triton_devices())

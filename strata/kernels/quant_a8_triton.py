@@ -7,8 +7,9 @@ arithmetic; its plain-torch reference is a8_mm_reference):
                     then dx * (a * sum(u q) + b * sum(q)) added group by group along K
 
 a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 to 4 rows, a
-row tile of 1, 2 or 4: products summed in int32 lanes) and an MMA (more rows: tile 16, 32 or 64,
-int8 tl.dot into int32; groups of 32 quants). Both add each (row, column)'s float terms in
+row tile of 1, 2 or 4: kernels/quant_a8_gemv.py, four products a dp4a) and an MMA (more rows:
+tile 16, 32 or 64, int8 tl.dot into int32 for groups of 32 quants; Q6_K's groups of 16 and
+a8_pairs' expert rows sum products in int32 lanes). Both add each (row, column)'s float terms in
 the same order, group by group, so a row gets the same bits from either and from any tile
 (tests/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled for sm_90, Triton
 fuses `a * isum + b * qs` into one FMA one way for tiles of 1 and 2 rows and the other way
@@ -24,6 +25,7 @@ import triton.language as tl
 
 from strata.kernels.quant import BLOCKS, Part
 from strata.kernels.quant_a8 import QBLOCK
+from strata.kernels.quant_a8_gemv import a8_gemv
 from strata.kernels.quant_triton import IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes, _terms
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
@@ -132,12 +134,13 @@ def a8_row_tile(m: int) -> int:
 def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | None = None, *,
           out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
           block_m: int | None = None, block_n: int = 32, block_k: int = 128,
-          warps: int = 4) -> torch.Tensor:
+          warps: int = 4, gemv_n: int = 32, stages: int = 3) -> torch.Tensor:
     """q, dx: quantize_rows' [M, K] codes and scales; part: a quantized [N, K] weight; res:
     [M, N] or None -> [M, N] (into `out`, which may be a column slice of a wider tensor).
     block_m: a GEMV tile (1, 2, 4) or an MMA tile (16, 32, 64; Q6_K's groups of 16 sum in
     lanes there too); default the smallest that holds the rows. block_k: quants a step,
-    whole groups."""
+    whole groups. The GEMV tiles take kernels/quant_a8_gemv.py's dp4a kernel (gemv_n columns
+    a program, `stages` K steps in flight); the MMA tiles block_n and block_k."""
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
@@ -151,6 +154,9 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     if out is None:
         out = torch.empty(m, part.rows, dtype=out_dtype, device=q.device)
     assert out.shape == (m, part.rows) and out.stride(1) == 1 and q.is_contiguous()
+    if block_m in GEMV_TILES:
+        return a8_gemv(q, dx, part, res, out, block_m, block_n=gemv_n, stages=stages,
+                       warps=warps)
     r = res if res is not None else out
     planes, strides = _planes(part)
     grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n))

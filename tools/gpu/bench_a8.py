@@ -1,8 +1,9 @@
 """The int8-activation kernels (kernels/quant_a8_triton.py) against today's quantized decode
 kernels (kernels/quant_triton.py, the policy's blocks and splits) at the llama3-8b shapes, by
 block type and window rows: us per call from a CUDA graph with the weights rotating past L2,
-the row quantizer's us apart, the best a8_mm configuration (block_n, block_k, warps) of a few,
-and the HBM time of the weight's bytes. An experiment, not a test: what it prints is the
+the row quantizer's us apart, the best a8_mm configuration of a few (the dp4a GEMV's columns,
+stages and warps up to 4 rows; the MMA's block_n, block_k and warps above), whether a row's
+bits equal the 16-row MMA tile's, and the HBM time of the weight's bytes. An experiment, not a test: what it prints is the
 ground for choosing a8_mm's blocks per shape and for making int8 activations the default.
 
     python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64] [--json-out F]
@@ -20,6 +21,8 @@ from bench_quant import L8B, copy_rate, weights
 from strata.kernels.policy import KernelPolicy
 
 CONFIGS = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 64, 4), (16, 256, 4)]
+# the dp4a GEMV's (columns a program, K steps in flight, warps), for windows of 1 to 4 rows
+GEMV_CONFIGS = [(16, 3, 4), (32, 3, 4), (64, 3, 4), (32, 2, 4), (64, 4, 8)]
 
 
 def float_call(kind, x, w, norm, res, policy):
@@ -36,17 +39,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default="1,2,4,8,16,64")
+    ap.add_argument("--projections", default="qkv,res,down,head")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
     policy = KernelPolicy.for_device("cuda")
     rate = copy_rate()
     bf = dict(device="cuda", dtype=torch.bfloat16)
-    shapes = {k: v for k, v in L8B.items() if k != "gate_up"}   # gate_up: qkv's kernel, 7x
+    shapes = {k: L8B[k] for k in args.projections.split(",")}   # gate_up: qkv's kernel, 7x
     rows_out = []
     print(f"# {torch.cuda.get_device_name()}, copy rate {rate / 1e12:.2f} TB/s")
     print(f"{'type':>5} {'proj':>5} {'rows':>4} {'hbm us':>7} {'float us':>9} {'quantize':>9} "
-          f"{'a8 us':>7} {'a8 config':>14}")
+          f"{'a8 us':>7} {'a8 config':>14} {'bits':>5}")
     for qtype, (name, (n, k)) in itertools.product(args.types.split(","), shapes.items()):
         kind = "res" if name == "down" else name
         probe = weights(qtype, n, k, 1)[0]
@@ -62,17 +66,23 @@ def main() -> None:
             qu = timed(lambda i: quantize_rows(x, nm, 1e-5))
             q, dx = quantize_rows(x, nm, 1e-5)
             best = None
-            for bn, bk, warps in CONFIGS:
+            r = None if kind in ("qkv", "head") else res
+            for config in GEMV_CONFIGS if m <= 4 else CONFIGS:
                 out = torch.empty(m, n, **bf)
-                us = timed(lambda i: a8_mm(q, dx, ws[i % copies].parts[0],
-                                           None if kind in ("qkv", "head") else res, out=out,
-                                           block_n=bn, block_k=bk, warps=warps))
+                kw = (dict(gemv_n=config[0], stages=config[1], warps=config[2]) if m <= 4 else
+                      dict(block_n=config[0], block_k=config[1], warps=config[2]))
+                us = timed(lambda i: a8_mm(q, dx, ws[i % copies].parts[0], r, out=out, **kw))
                 if best is None or us < best[0]:
-                    best = (us, (bn, bk, warps))
+                    best = (us, config)
+            # a row's bits in this tile against the 16-row MMA tile's
+            same = torch.equal(a8_mm(q, dx, probe.parts[0], r, out_dtype=torch.bfloat16),
+                               a8_mm(q, dx, probe.parts[0], r, out_dtype=torch.bfloat16,
+                                     block_m=16))
             print(f"{qtype:>5} {name:>5} {m:>4} {hbm:>7.1f} {fl:>9.1f} {qu:>9.1f} "
-                  f"{best[0]:>7.1f} {str(best[1]):>14}")
+                  f"{best[0]:>7.1f} {str(best[1]):>14} {'yes' if same else 'NO':>5}")
             rows_out.append(dict(type=qtype, proj=name, n=n, k=k, rows=m, hbm_us=hbm,
-                                 float_us=fl, quantize_us=qu, a8_us=best[0], a8_config=best[1]))
+                                 float_us=fl, quantize_us=qu, a8_us=best[0], a8_config=best[1],
+                                 same_bits_as_mma=same))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)

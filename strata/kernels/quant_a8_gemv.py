@@ -1,0 +1,141 @@
+"""The GEMV of int8 activations against quantized weights (windows of 1 to 4 rows): a8_mm's
+arithmetic (kernels/quant_a8.py) with the integer sums taken four products an instruction.
+
+Each K step of 256 quants (fewer where K is short) reads a column's codes as 32-bit words of
+four bytes and the rows' int8 codes as words, and sums them with dp4a (PTX `dp4a.u32.s32`:
+four unsigned bytes times four signed bytes, added to an int32). Where a type's codes are
+nibbles (Q4_0, Q4_1, Q4_K) or two nibble planes (Q8_0), a word of eight codes gives its two
+byte words by a mask and a shift, and the rows' words are re-paired once a step to match
+(codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight); the other types' codes come from
+quant_triton's `_codes` and are packed four to a word. Then, per (row, column), the groups'
+float terms dx * (a * isum + b * qs) are added one by one in order along K, exactly as
+a8_mm's MMA adds them, so a row gets the same bits from either kernel (tests/test_quant_a8.py).
+Under the Triton interpreter, dp4a is the same sum of four products written out.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kernels.quant import BLOCKS, Part
+from strata.kernels.quant_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q8_0, TYPE_IDS,
+                                         _codes, _planes, _terms)
+
+STEP = 256   # quants a K step where K allows
+HIGH_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))   # as int32
+TOP_BYTE = tl.constexpr(0xFF000000 - (1 << 32))
+
+
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """c + the sum of a's four unsigned bytes times b's four signed bytes (int32 words)."""
+    a, b = tl.broadcast(a, b)
+    c = a * 0 + c
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        s = c
+        for i in tl.static_range(4):
+            s += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
+        return s
+
+
+@triton.jit
+def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """int32 codes [BLOCK_N, 4 * WORDS] (0..255, in K order) -> [BLOCK_N, WORDS] byte words."""
+    u = tl.reshape(u, (BLOCK_N, WORDS, 2, 2))
+    lo, hi = tl.split(u)                       # the odd bytes of each pair
+    pairs = lo | (hi << 8)                     # [BN, WORDS, 2]
+    p0, p1 = tl.split(pairs)
+    return p0 | (p1 << 16)
+
+
+@triton.jit
+def _a8_gemv_kernel(qw_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
+                    M, N, K, stride_rm, stride_om,
+                    QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
+                    ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    STEP: tl.constexpr, STAGES: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < M, n < N
+    G: tl.constexpr = STEP // S                 # groups a step
+    AW: tl.constexpr = STEP // 4                # the rows' words a step
+    NIBBLES: tl.constexpr = QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q4_K or QTYPE == Q8_0
+    SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
+    gi = tl.arange(0, G)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ones = tl.full([1, 1], 0x01010101, tl.int32)
+    for k0 in tl.range(0, K, STEP, num_stages=STAGES):
+        aw = tl.load(qw_ptr + m[:, None] * (K // 4) + k0 // 4 + tl.arange(0, AW)[None, :],
+                     mask=m_ok[:, None], other=0)                         # [BM, AW]
+        # each group's sum of the rows' codes: dp4a against bytes of one
+        qs = tl.sum(tl.reshape(_dp4a(ones, aw, 0, ASM), (BLOCK_M, G, S // 4)), 2)
+        if NIBBLES:
+            # a word of eight codes (quants 8c .. 8c + 7; code j in bits 4j): the even codes'
+            # bytes w & 0x0F0F0F0F and the odd codes' (w >> 4) & 0x0F0F0F0F, against the
+            # rows' words re-paired as (q0, q2, q4, q6) and (q1, q3, q5, q7)
+            CW: tl.constexpr = STEP // 8
+            at = n[:, None] * s0 + k0 // 8 + tl.arange(0, CW)[None, :]
+            w = tl.load(p0 + at, mask=n_ok[:, None], other=0)           # [BN, CW]
+            lo = w & 0x0F0F0F0F
+            hi = (w >> 4) & 0x0F0F0F0F
+            if QTYPE == Q8_0:                                             # the high nibbles
+                h = tl.load(p1 + at, mask=n_ok[:, None], other=0)
+                lo = lo | ((h << 4) & HIGH_NIBBLES)
+                hi = hi | (h & HIGH_NIBBLES)
+            w0, w1 = tl.split(tl.reshape(aw, (BLOCK_M, CW, 2)))            # q0..3, q4..7
+            even = ((w0 & 0xFF) | ((w0 >> 8) & 0xFF00) | ((w1 << 16) & 0xFF0000)
+                    | ((w1 << 8) & TOP_BYTE))
+            odd = (((w0 >> 8) & 0xFF) | ((w0 >> 16) & 0xFF00) | ((w1 << 8) & 0xFF0000)
+                   | (w1 & TOP_BYTE))
+            prod = _dp4a(lo[None, :, :], even[:, None, :],
+                         _dp4a(hi[None, :, :], odd[:, None, :], 0, ASM), ASM)
+            isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 8)), 3)
+        else:
+            u = _codes(p0, p1, s0, s1, n, n_ok, k0 // S, QTYPE, S, G, BLOCK_N)   # [BN, G, S]
+            cw = _pack4(tl.reshape(u, (BLOCK_N, STEP)), BLOCK_N, AW)            # [BN, AW]
+            prod = _dp4a(cw[None, :, :], aw[:, None, :], 0, ASM)
+            isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 4)), 3)
+        a, b = _terms(p2, p3, s2, s3, n, n_ok, k0 // S, QTYPE, G)                  # [BN, G]
+        if SIGNED:                                       # codes taken signed: u - 128, b = 0
+            isum = isum - 128 * qs[:, None, :]
+            b = b * 0.0
+        dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((k0 // S + gi) * S // 32)[None, :],
+                     mask=m_ok[:, None], other=0.0)                        # [BM, G]
+        t = a[None, :, :] * isum.to(tl.float32) + b[None, :, :] * qs.to(tl.float32)[:, None, :]
+        t = t * dx[:, None, :]
+        for j in tl.static_range(G):                     # group by group, in order
+            acc += tl.sum(tl.where(gi[None, None, :] == j, t, 0.0), 2)
+    ok = m_ok[:, None] & n_ok[None, :]
+    out = acc
+    if HAS_RES:
+        out += tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=ok,
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def gemv_step(k: int) -> int:
+    """The K step: STEP where it divides K, else the largest of 128, 64, 32 that does."""
+    return next(s for s in (STEP, 128, 64, 32) if k % s == 0)
+
+
+def a8_gemv(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | None,
+            out: torch.Tensor, block_m: int, block_n: int = 32, stages: int = 3,
+            warps: int = 4) -> torch.Tensor:
+    """a8_mm's GEMV tiles (kernels/quant_a8_triton.py checks the shapes): out [M, N] =
+    codes q [M, K] (with scales dx) @ part^T (+ res)."""
+    m, k = q.shape
+    r = res if res is not None else out
+    planes, strides = _planes(part)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n))
+    _a8_gemv_kernel[grid](q.view(torch.int32), dx, *planes, *strides, r, out, m, part.rows, k,
+                          r.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
+                          S=BLOCKS[part.qtype][2], HAS_RES=res is not None,
+                          ASM=q.device.type == "cuda", BLOCK_M=block_m, BLOCK_N=block_n,
+                          STEP=gemv_step(k), STAGES=stages, num_warps=warps,
+                          enable_fp_fusion=False)   # as a8_mm: no tile-dependent FMAs
+    return out
