@@ -41,6 +41,15 @@ Q4_0, Q4_1, Q8_0 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 Q4_K, Q5_K, Q6_K = tl.constexpr(3), tl.constexpr(4), tl.constexpr(5)
 Q5_0, Q5_1 = tl.constexpr(6), tl.constexpr(7)
 IQ4_NL, IQ4_XS = tl.constexpr(8), tl.constexpr(9)
+
+
+def _table_word(i: int) -> tl.constexpr:
+    """Codebook entries 4i .. 4i + 3 (value + 128) as the bytes of an int32."""
+    word = sum((IQ4_VALUES[4 * i + j] + 128) << (8 * j) for j in range(4))
+    return tl.constexpr(word - (1 << 32) if word >= 1 << 31 else word)
+
+
+IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3 = (_table_word(i) for i in range(4))
 TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q5_0": 6,
             "Q5_1": 7, "IQ4_NL": 8, "IQ4_XS": 9}
 
@@ -64,8 +73,9 @@ def _codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE: tl.constexpr, S: tl.constexpr,
     at = n[:, None, None] * s0 + ((g0 + tl.arange(0, G)) * W)[None, :, None] + wi[None, None, :]
     ok = n_ok[:, None, None]
     u = _split8(tl.load(p0 + at, mask=ok, other=0), 15)      # [BN, G, W, 2, 2, 2]
-    if QTYPE == IQ4_NL or QTYPE == IQ4_XS:                    # p1: the codebook + 128
-        u = tl.load(p1 + u)
+    if QTYPE == IQ4_NL or QTYPE == IQ4_XS:       # the codebook + 128, from four int32 words
+        word = tl.where(u < 8, tl.where(u < 4, IQ4_W0, IQ4_W1), tl.where(u < 12, IQ4_W2, IQ4_W3))
+        u = (word >> ((u & 3) * 8)) & 0xFF
     elif QTYPE == Q8_0:                                         # the high nibbles alike
         u = u | (_split8(tl.load(p1 + at, mask=ok, other=0), 15) << 4)
     elif QTYPE == Q5_0 or QTYPE == Q5_1 or QTYPE == Q5_K or QTYPE == Q6_K:
@@ -276,19 +286,8 @@ def _planes(part: Part) -> tuple[list[torch.Tensor], list[int]]:
     tensors = [p["qs"]] * 4
     for name in PLANES[part.qtype]:
         tensors[names[name]] = p[name]
-    if part.qtype in ("IQ4_NL", "IQ4_XS"):   # p1: the codebook's values + 128, int32 [16]
-        tensors[1] = _codebook(p["qs"].device)
     assert all(t.is_contiguous() for t in tensors)
     return tensors, [t.stride(0) for t in tensors]
-
-
-_CODEBOOKS: dict[torch.device, torch.Tensor] = {}
-
-
-def _codebook(device: torch.device) -> torch.Tensor:
-    if device not in _CODEBOOKS:
-        _CODEBOOKS[device] = torch.tensor(IQ4_VALUES, dtype=torch.int32, device=device) + 128
-    return _CODEBOOKS[device]
 
 
 def _check(x: torch.Tensor, part: Part, block_m: int, block_k: int, splits: int) -> None:
