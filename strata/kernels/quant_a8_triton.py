@@ -8,8 +8,9 @@ arithmetic; its plain-torch reference is a8_mm_reference):
 
 a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 to 4 rows, a
 row tile of 1, 2 or 4: kernels/quant_a8_gemv.py, four products a dp4a) and an MMA (more rows:
-tile 16, 32 or 64, int8 tl.dot into int32 for groups of 32 quants; Q6_K's groups of 16 and
-a8_pairs' expert rows sum products in int32 lanes). Both add each (row, column)'s float terms in
+tile 16, 32 or 64, int8 tl.dot into int32: a group of 32 quants a K=32 dot, each of Q6_K's
+groups of 16 a K=32 dot with the other's codes zeroed; a8_pairs' expert rows sum products in
+int32 lanes). Both add each (row, column)'s float terms in
 the same order, group by group, so a row gets the same bits from either and from any tile
 (tests/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled for sm_90, Triton
 fuses `a * isum + b * qs` into one FMA one way for tiles of 1 and 2 rows and the other way
@@ -76,7 +77,26 @@ def _a8_mm_kernel(q_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, s2,
         wn = n + tl.load(wrow_ptr + tl.program_id(0))
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # out^T, as quant_triton's
     for k0 in range(0, K, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // S):
+        if MMA and S == 16:   # Q6_K: a K=32 dot a group of 16, the other group's codes zeroed
+            for j in tl.static_range(BLOCK_K // 32):
+                g = k0 // S + 2 * j
+                u = tl.reshape(_codes(p0, p1, s0, s1, wn, n_ok, g, QTYPE, S, 2, BLOCK_N),
+                               (BLOCK_N, 32))
+                a2, b2 = _terms(p2, p3, s2, s3, wn, n_ok, g, QTYPE, 2)    # [BN, 2]
+                kk = g * S + tl.arange(0, 32)
+                q = tl.load(q_ptr + xm[:, None] * K + kk[None, :], mask=m_ok[:, None], other=0)
+                dx = tl.load(dx_ptr + xm * (K // 32) + (g * S) // 32, mask=m_ok, other=0.0)
+                half = tl.arange(0, 32) // 16
+                for h in tl.static_range(2):
+                    isum = tl.dot(tl.where(half[None, :] == h, u, 0).to(tl.int8), tl.trans(q),
+                                  out_dtype=tl.int32)
+                    qs = tl.sum(tl.where(half[None, :] == h, q.to(tl.int32), 0), 1)
+                    pick = tl.arange(0, 2)[None, :] == h                  # group h's terms
+                    a = tl.sum(tl.where(pick, a2, 0.0), 1)
+                    b = tl.sum(tl.where(pick, b2, 0.0), 1)
+                    t = a[:, None] * isum.to(tl.float32) + b[:, None] * qs.to(tl.float32)[None, :]
+                    acc += t * dx[None, :]
+        for j in tl.static_range(0 if MMA and S == 16 else BLOCK_K // S):
             g = k0 // S + j                                   # the weight group
             u = tl.reshape(_codes(p0, p1, s0, s1, wn, n_ok, g, QTYPE, S, 1, BLOCK_N),
                            (BLOCK_N, S))
@@ -137,15 +157,15 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
           warps: int = 4, gemv_n: int = 32, stages: int = 3) -> torch.Tensor:
     """q, dx: quantize_rows' [M, K] codes and scales; part: a quantized [N, K] weight; res:
     [M, N] or None -> [M, N] (into `out`, which may be a column slice of a wider tensor).
-    block_m: a GEMV tile (1, 2, 4) or an MMA tile (16, 32, 64; Q6_K's groups of 16 sum in
-    lanes there too); default the smallest that holds the rows. block_k: quants a step,
+    block_m: a GEMV tile (1, 2, 4) or an MMA tile (16, 32, 64); default the smallest that
+    holds the rows. block_k: quants a step,
     whole groups. The GEMV tiles take kernels/quant_a8_gemv.py's dp4a kernel (gemv_n columns
     a program, `stages` K steps in flight); the MMA tiles block_n and block_k."""
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
     block_k = min(block_k, _block(k))
-    mma = block_m not in GEMV_TILES and group == 32   # Q6_K's groups of 16: lanes at any tile
+    mma = block_m not in GEMV_TILES
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
             or k % block_k or block_k % group):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "
