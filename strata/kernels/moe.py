@@ -103,7 +103,7 @@ def moe_window(x: torch.Tensor, h: torch.Tensor, router: torch.Tensor,
     blocks = policy.moe_blocks()
     if (decode and policy.int8_activations and isinstance(gate_up, QuantWeight)
             and isinstance(down, QuantWeight)):   # a pair's GEMVs with int8 activations
-        outs = moe_triton.experts_a8(h, experts, gate_up, down, router.shape[0], blocks, act)
+        outs = moe_triton.experts_a8(h, experts, gate_up, down, router.shape[0], act)
         return moe_triton.weighted_sum(outs, weights, res=x)
     slots, block_expert, n_blocks = moe_triton.align(experts, counts, blocks["block_m"])
     outs = moe_triton.experts(h, slots, block_expert, n_blocks, k, gate_up, down,

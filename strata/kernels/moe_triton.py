@@ -346,8 +346,7 @@ def experts(h: torch.Tensor, slots: torch.Tensor, block_expert: torch.Tensor,
 
 
 def experts_a8(h: torch.Tensor, experts: torch.Tensor, gate_up: QuantWeight,
-               down: QuantWeight, n_experts: int, blocks: dict, act: str = "silu"
-               ) -> torch.Tensor:
+               down: QuantWeight, n_experts: int, act: str = "silu") -> torch.Tensor:
     """With int8 activations (a decode window): each (row, rank) pair as GEMVs of its own,
     h's rows quantized once (kernels/quant_a8_triton.py): act(gate) * up of the pair's
     expert, its rows quantized, then down -> o [M * k, D] in h's dtype, as experts() returns.
@@ -362,17 +361,14 @@ def experts_a8(h: torch.Tensor, experts: torch.Tensor, gate_up: QuantWeight,
         (gate, g0), (up, u0) = (gate_up.parts[0], 0), (gate_up.parts[0], n_experts * f)
     else:
         (gate, g0), (up, u0) = (gate_up.parts[0], 0), (gate_up.parts[1], 0)
-    g, dn = blocks["gate_up"], blocks["down"]
-    kw = dict(block_n=g["block_n"], block_k=g["block_k"], warps=g["warps"])
     q, dx = quantize_rows(h)
     gu = torch.empty(m * k, 2 * f, dtype=h.dtype, device=h.device)
-    a8_pairs(q, dx, gate, rows, pairs * f + g0, f, gu[:, :f], **kw)
-    a8_pairs(q, dx, up, rows, pairs * f + u0, f, gu[:, f:], **kw)
+    a8_pairs(q, dx, gate, rows, pairs * f + g0, f, gu[:, :f])
+    a8_pairs(q, dx, up, rows, pairs * f + u0, f, gu[:, f:])
     q, dx = quantize_rows(silu_mul(gu, act))
     out = torch.empty(m * k, d, dtype=h.dtype, device=h.device)
     own = torch.arange(m * k, dtype=torch.int32, device=h.device)
-    return a8_pairs(q, dx, down.parts[0], own, pairs * d, d, out, block_n=dn["block_n"],
-                    block_k=dn["block_k"], warps=dn["warps"])
+    return a8_pairs(q, dx, down.parts[0], own, pairs * d, d, out)
 
 
 def weighted_sum(outs: torch.Tensor, weights: torch.Tensor,

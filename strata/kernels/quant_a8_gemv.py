@@ -53,14 +53,18 @@ def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _a8_gemv_kernel(qw_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
-                    M, N, K, stride_rm, stride_om,
+def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, s2, s3,
+                    res_ptr, out_ptr, M, N, K, stride_rm, stride_om,
                     QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
-                    ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    STEP: tl.constexpr, STAGES: tl.constexpr):
+                    ASM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, STEP: tl.constexpr, STAGES: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
+    xm, wn = m, n
+    if PAIRS:   # BLOCK_M 1: output row m is activation row xrow[m] against rows wrow[m] + n
+        xm = tl.load(xrow_ptr + m, mask=m_ok, other=0)
+        wn = n + tl.load(wrow_ptr + tl.program_id(0))
     G: tl.constexpr = STEP // S                 # groups a step
     AW: tl.constexpr = STEP // 4                # the rows' words a step
     NIBBLES: tl.constexpr = QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q4_K or QTYPE == Q8_0
@@ -69,7 +73,7 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ones = tl.full([1, 1], 0x01010101, tl.int32)
     for k0 in tl.range(0, K, STEP, num_stages=STAGES):
-        aw = tl.load(qw_ptr + m[:, None] * (K // 4) + k0 // 4 + tl.arange(0, AW)[None, :],
+        aw = tl.load(qw_ptr + xm[:, None] * (K // 4) + k0 // 4 + tl.arange(0, AW)[None, :],
                      mask=m_ok[:, None], other=0)                         # [BM, AW]
         # each group's sum of the rows' codes: dp4a against bytes of one
         qs = tl.sum(tl.reshape(_dp4a(ones, aw, 0, ASM), (BLOCK_M, G, S // 4)), 2)
@@ -78,7 +82,7 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out
             # bytes w & 0x0F0F0F0F and the odd codes' (w >> 4) & 0x0F0F0F0F, against the
             # rows' words re-paired as (q0, q2, q4, q6) and (q1, q3, q5, q7)
             CW: tl.constexpr = STEP // 8
-            at = n[:, None] * s0 + k0 // 8 + tl.arange(0, CW)[None, :]
+            at = wn[:, None] * s0 + k0 // 8 + tl.arange(0, CW)[None, :]
             w = tl.load(p0 + at, mask=n_ok[:, None], other=0)           # [BN, CW]
             lo = w & 0x0F0F0F0F
             hi = (w >> 4) & 0x0F0F0F0F
@@ -95,15 +99,15 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out
                          _dp4a(hi[None, :, :], odd[:, None, :], 0, ASM), ASM)
             isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 8)), 3)
         else:
-            u = _codes(p0, p1, s0, s1, n, n_ok, k0 // S, QTYPE, S, G, BLOCK_N)   # [BN, G, S]
+            u = _codes(p0, p1, s0, s1, wn, n_ok, k0 // S, QTYPE, S, G, BLOCK_N)   # [BN, G, S]
             cw = _pack4(tl.reshape(u, (BLOCK_N, STEP)), BLOCK_N, AW)            # [BN, AW]
             prod = _dp4a(cw[None, :, :], aw[:, None, :], 0, ASM)
             isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 4)), 3)
-        a, b = _terms(p2, p3, s2, s3, n, n_ok, k0 // S, QTYPE, G)                  # [BN, G]
+        a, b = _terms(p2, p3, s2, s3, wn, n_ok, k0 // S, QTYPE, G)                  # [BN, G]
         if SIGNED:                                       # codes taken signed: u - 128, b = 0
             isum = isum - 128 * qs[:, None, :]
             b = b * 0.0
-        dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((k0 // S + gi) * S // 32)[None, :],
+        dx = tl.load(dx_ptr + xm[:, None] * (K // 32) + ((k0 // S + gi) * S // 32)[None, :],
                      mask=m_ok[:, None], other=0.0)                        # [BM, G]
         t = a[None, :, :] * isum.to(tl.float32) + b[None, :, :] * qs.to(tl.float32)[:, None, :]
         t = t * dx[:, None, :]
@@ -125,17 +129,22 @@ def gemv_step(k: int) -> int:
 
 def a8_gemv(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | None,
             out: torch.Tensor, block_m: int, block_n: int = 32, stages: int = 3,
-            warps: int = 4) -> torch.Tensor:
+            warps: int = 4, pairs: tuple[torch.Tensor, torch.Tensor, int] | None = None
+            ) -> torch.Tensor:
     """a8_mm's GEMV tiles (kernels/quant_a8_triton.py checks the shapes): out [M, N] =
-    codes q [M, K] (with scales dx) @ part^T (+ res)."""
-    m, k = q.shape
+    codes q [M, K] (with scales dx) @ part^T (+ res). pairs (xrows, wrows, n), block_m 1:
+    a8_pairs' out [P, n], row p = codes row xrows[p] @ rows wrows[p] .. + n - 1 of part^T."""
+    k = q.shape[1]
     r = res if res is not None else out
+    xrows, wrows, cols = pairs if pairs is not None else (q, q, part.rows)
+    m = xrows.shape[0] if pairs is not None else q.shape[0]
     planes, strides = _planes(part)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n))
-    _a8_gemv_kernel[grid](q.view(torch.int32), dx, *planes, *strides, r, out, m, part.rows, k,
-                          r.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
+    grid = (triton.cdiv(m, block_m), triton.cdiv(cols, block_n))
+    _a8_gemv_kernel[grid](q.view(torch.int32), dx, xrows, wrows, *planes, *strides, r, out, m,
+                          cols, k, r.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
                           S=BLOCKS[part.qtype][2], HAS_RES=res is not None,
-                          ASM=q.device.type == "cuda", BLOCK_M=block_m, BLOCK_N=block_n,
-                          STEP=gemv_step(k), STAGES=stages, num_warps=warps,
+                          ASM=q.device.type == "cuda", PAIRS=pairs is not None,
+                          BLOCK_M=block_m, BLOCK_N=block_n, STEP=gemv_step(k), STAGES=stages,
+                          num_warps=warps,
                           enable_fp_fusion=False)   # as a8_mm: no tile-dependent FMAs
     return out

@@ -63,21 +63,18 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, K, eps, stride_xm,
 
 
 @triton.jit
-def _a8_mm_kernel(q_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr,
-                  out_ptr, M, N, K, stride_rm, stride_om,
+def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
+                  M, N, K, stride_rm, stride_om,
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
-                  MMA: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The MMA tiles (16 to 64 rows); the GEMV's are kernels/quant_a8_gemv.py's."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
     xm, wn = m, n
-    if PAIRS:   # BLOCK_M 1: output row m is activation row xrow[m] against rows wrow[m] + n
-        xm = tl.load(xrow_ptr + m, mask=m_ok, other=0)
-        wn = n + tl.load(wrow_ptr + tl.program_id(0))
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # out^T, as quant_triton's
     for k0 in range(0, K, BLOCK_K):
-        if MMA and S == 16:   # Q6_K: a K=32 dot a group of 16, the other group's codes zeroed
+        if S == 16:   # Q6_K: a K=32 dot a group of 16, the other group's codes zeroed
             for j in tl.static_range(BLOCK_K // 32):
                 g = k0 // S + 2 * j
                 u = tl.reshape(_codes(p0, p1, s0, s1, wn, n_ok, g, QTYPE, S, 2, BLOCK_N),
@@ -96,7 +93,7 @@ def _a8_mm_kernel(q_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, s2,
                     b = tl.sum(tl.where(pick, b2, 0.0), 1)
                     t = a[:, None] * isum.to(tl.float32) + b[:, None] * qs.to(tl.float32)[None, :]
                     acc += t * dx[None, :]
-        for j in tl.static_range(0 if MMA and S == 16 else BLOCK_K // S):
+        for j in tl.static_range(0 if S == 16 else BLOCK_K // S):
             g = k0 // S + j                                   # the weight group
             u = tl.reshape(_codes(p0, p1, s0, s1, wn, n_ok, g, QTYPE, S, 1, BLOCK_N),
                            (BLOCK_N, S))
@@ -110,10 +107,7 @@ def _a8_mm_kernel(q_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, s2,
             q = tl.load(q_ptr + xm[:, None] * K + kk[None, :], mask=m_ok[:, None], other=0)
             dx = tl.load(dx_ptr + xm * (K // 32) + (g * S) // 32, mask=m_ok, other=0.0)
             qs = tl.sum(q.to(tl.int32), 1)                    # exact
-            if MMA:
-                isum = tl.dot(u.to(tl.int8), tl.trans(q), out_dtype=tl.int32)
-            else:
-                isum = tl.sum(u[:, None, :] * q.to(tl.int32)[None, :, :], 2)
+            isum = tl.dot(u.to(tl.int8), tl.trans(q), out_dtype=tl.int32)
             t = a[:, None] * isum.to(tl.float32) + b[:, None] * qs.to(tl.float32)[None, :]
             acc += t * dx[None, :]
     out = tl.trans(acc)                                       # [BM, BN]
@@ -165,7 +159,6 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
     block_k = min(block_k, _block(k))
-    mma = block_m not in GEMV_TILES
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
             or k % block_k or block_k % group):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "
@@ -180,9 +173,9 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     r = res if res is not None else out
     planes, strides = _planes(part)
     grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n))
-    _a8_mm_kernel[grid](q, dx, q, q, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
+    _a8_mm_kernel[grid](q, dx, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
-                        HAS_RES=res is not None, MMA=mma, PAIRS=False, BLOCK_M=block_m,
+                        HAS_RES=res is not None, BLOCK_M=block_m,
                         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
                         enable_fp_fusion=False)   # see the module: no tile-dependent FMAs
     return out
@@ -190,21 +183,14 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
 
 def a8_pairs(q: torch.Tensor, dx: torch.Tensor, part: Part, xrows: torch.Tensor,
              wrows: torch.Tensor, n: int, out: torch.Tensor, *, block_n: int = 32,
-             block_k: int = 128, warps: int = 4) -> torch.Tensor:
+             warps: int = 4) -> torch.Tensor:
     """Routed experts' GEMVs, one a pair: out[p] = codes row xrows[p] @ rows wrows[p] ..
     wrows[p] + n - 1 of `part`^T (int32 [P] each; out [P, n], which may be a column slice).
-    Each pair is computed alone with a8_mm's arithmetic."""
+    Each pair is computed alone by the dp4a GEMV, with a8_mm's arithmetic."""
     p, k = xrows.shape[0], q.shape[1]
-    group = BLOCKS[part.qtype][2]
-    block_k = min(block_k, _block(k))
-    if part.cols != k or k % block_k or block_k % group:
-        raise ValueError(f"int8-activation expert kernel: rows of {k}, {part.qtype} weight "
-                         f"[{part.rows}, {part.cols}] do not fit {block_k} quants a step")
+    if part.cols != k or k % BLOCKS[part.qtype][2] or k % QBLOCK:
+        raise ValueError(f"int8-activation expert kernel: rows of {k} against a "
+                         f"{part.qtype} weight [{part.rows}, {part.cols}]")
     assert out.shape == (p, n) and out.stride(1) == 1 and q.is_contiguous()
-    planes, strides = _planes(part)
-    _a8_mm_kernel[(p, triton.cdiv(n, block_n))](
-        q, dx, xrows, wrows, *planes, *strides, out, out, p, n, k, out.stride(0),
-        out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group, HAS_RES=False, MMA=False,
-        PAIRS=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        enable_fp_fusion=False)
-    return out
+    return a8_gemv(q, dx, part, None, out, 1, block_n=block_n, warps=warps,
+                   pairs=(xrows, wrows, n))
