@@ -43,6 +43,41 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 
 @triton.jit
+def _add8(acc, t, D0: tl.constexpr, D1: tl.constexpr):
+    """acc + t[..., 0] + t[..., 1] + ... + t[..., 7], one by one: t [D0, D1, 8] is taken
+    apart by splits (g = 4a + 2b + c), which move values, never add them."""
+    c0, c1 = tl.split(tl.reshape(t, (D0, D1, 2, 2, 2)))       # [D0, D1, a, b]
+    c0b0, c0b1 = tl.split(c0)                                 # [D0, D1, a]
+    c1b0, c1b1 = tl.split(c1)
+    t0, t4 = tl.split(c0b0)
+    t2, t6 = tl.split(c0b1)
+    t1, t5 = tl.split(c1b0)
+    t3, t7 = tl.split(c1b1)
+    return acc + t0 + t1 + t2 + t3 + t4 + t5 + t6 + t7
+
+
+@triton.jit
+def add_in_order(acc, t, D0: tl.constexpr, D1: tl.constexpr, G: tl.constexpr):
+    """acc [D0, D1] + the G groups' terms t [D0, D1, G] one by one, group 0 first: the order
+    every int8 kernel adds a row's terms in (G 1, 2, 4, 8 or 16)."""
+    if G == 1:
+        return acc + tl.reshape(t, (D0, D1))
+    elif G == 2:
+        t0, t1 = tl.split(t)
+        return acc + t0 + t1
+    elif G == 4:
+        b0, b1 = tl.split(tl.reshape(t, (D0, D1, 2, 2)))       # g = 2a + b
+        t0, t2 = tl.split(b0)
+        t1, t3 = tl.split(b1)
+        return acc + t0 + t1 + t2 + t3
+    elif G == 8:
+        return _add8(acc, t, D0, D1)
+    else:                                                     # 16: two halves of 8
+        lo, hi = tl.split(tl.permute(tl.reshape(t, (D0, D1, 2, 8)), (0, 1, 3, 2)))
+        return _add8(_add8(acc, lo, D0, D1), hi, D0, D1)
+
+
+@triton.jit
 def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
     """int32 codes [BLOCK_N, 4 * WORDS] (0..255, in K order) -> [BLOCK_N, WORDS] byte words."""
     u = tl.reshape(u, (BLOCK_N, WORDS, 2, 2))
@@ -111,8 +146,7 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
                      mask=m_ok[:, None], other=0.0)                        # [BM, G]
         t = a[None, :, :] * isum.to(tl.float32) + b[None, :, :] * qs.to(tl.float32)[:, None, :]
         t = t * dx[:, None, :]
-        for j in tl.static_range(G):                     # group by group, in order
-            acc += tl.sum(tl.where(gi[None, None, :] == j, t, 0.0), 2)
+        acc = add_in_order(acc, t, BLOCK_M, BLOCK_N, G)
     ok = m_ok[:, None] & n_ok[None, :]
     out = acc
     if HAS_RES:

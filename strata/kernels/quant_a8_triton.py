@@ -8,15 +8,15 @@ arithmetic; its plain-torch reference is a8_mm_reference):
 
 a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 to 4 rows, a
 row tile of 1, 2 or 4: kernels/quant_a8_gemv.py, four products a dp4a) and an MMA (more rows:
-tile 16, 32 or 64, int8 tl.dot into int32: a group of 32 quants a K=32 dot, each of Q6_K's
-groups of 16 a K=32 dot with the other's codes zeroed; a8_pairs' expert rows sum products in
-int32 lanes). Both add each (row, column)'s float terms in
-the same order, group by group, so a row gets the same bits from either and from any tile
-(tests/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled for sm_90, Triton
+tile 16, 32 or 64: a K step's groups in one int8 tl.dot into int32, against the rows' codes
+laid out block-diagonally so that each group's sums come apart). Both add each (row,
+column)'s float terms in the same order, group by group, so a row gets the same bits from
+either and from any tile (tests/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled for sm_90, Triton
 fuses `a * isum + b * qs` into one FMA one way for tiles of 1 and 2 rows and the other way
 from 4 rows up (Q4_K, Q5_K, Q4_1, Q5_1: their b is not zero), which changes a row's bits
 between tiles; without fusion every tile rounds each product alone. The codes and scales come
-from kernels/quant_triton.py's `_codes` and `_terms`, a group at a time.
+from kernels/quant_triton.py's `_codes` and `_terms`, a K step at a time; the terms are
+added by `add_in_order`.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from strata.kernels.quant import BLOCKS, Part
 from strata.kernels.quant_a8 import QBLOCK
-from strata.kernels.quant_a8_gemv import a8_gemv
+from strata.kernels.quant_a8_gemv import a8_gemv, add_in_order
 from strata.kernels.quant_triton import IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes, _terms
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
@@ -66,50 +66,41 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, K, eps, stride_xm,
 def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
                   M, N, K, stride_rm, stride_om,
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The MMA tiles (16 to 64 rows); the GEMV's are kernels/quant_a8_gemv.py's."""
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr):
+    """The MMA tiles (16 to 64 rows); the GEMV's are kernels/quant_a8_gemv.py's. A K step's
+    G groups in one int8 dot: the rows' codes laid out block-diagonally, [STEP, G * BLOCK_M]
+    with group g's quants against columns g * BLOCK_M .. (zeros elsewhere), so the dot's
+    [BLOCK_N, G * BLOCK_M] are each group's exact sums apart."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
-    xm, wn = m, n
+    G: tl.constexpr = STEP // S
+    gi = tl.arange(0, G)
+    kq = tl.arange(0, STEP)[:, None]
+    col = tl.arange(0, G * BLOCK_M)[None, :]
+    cm = tl.program_id(0) * BLOCK_M + col % BLOCK_M
+    diag = (kq // S == col // BLOCK_M) & (cm < M)
+    diag_at = q_ptr + cm * K + kq                              # [STEP, G * BM]
+    kk = tl.arange(0, STEP)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # out^T, as quant_triton's
-    for k0 in range(0, K, BLOCK_K):
-        if S == 16:   # Q6_K: a K=32 dot a group of 16, the other group's codes zeroed
-            for j in tl.static_range(BLOCK_K // 32):
-                g = k0 // S + 2 * j
-                u = tl.reshape(_codes(p0, p1, s0, s1, wn, n_ok, g, QTYPE, S, 2, BLOCK_N),
-                               (BLOCK_N, 32))
-                a2, b2 = _terms(p2, p3, s2, s3, wn, n_ok, g, QTYPE, 2)    # [BN, 2]
-                kk = g * S + tl.arange(0, 32)
-                q = tl.load(q_ptr + xm[:, None] * K + kk[None, :], mask=m_ok[:, None], other=0)
-                dx = tl.load(dx_ptr + xm * (K // 32) + (g * S) // 32, mask=m_ok, other=0.0)
-                half = tl.arange(0, 32) // 16
-                for h in tl.static_range(2):
-                    isum = tl.dot(tl.where(half[None, :] == h, u, 0).to(tl.int8), tl.trans(q),
-                                  out_dtype=tl.int32)
-                    qs = tl.sum(tl.where(half[None, :] == h, q.to(tl.int32), 0), 1)
-                    pick = tl.arange(0, 2)[None, :] == h                  # group h's terms
-                    a = tl.sum(tl.where(pick, a2, 0.0), 1)
-                    b = tl.sum(tl.where(pick, b2, 0.0), 1)
-                    t = a[:, None] * isum.to(tl.float32) + b[:, None] * qs.to(tl.float32)[None, :]
-                    acc += t * dx[None, :]
-        for j in tl.static_range(0 if S == 16 else BLOCK_K // S):
-            g = k0 // S + j                                   # the weight group
-            u = tl.reshape(_codes(p0, p1, s0, s1, wn, n_ok, g, QTYPE, S, 1, BLOCK_N),
-                           (BLOCK_N, S))
-            a, b = _terms(p2, p3, s2, s3, wn, n_ok, g, QTYPE, 1)
-            a = tl.reshape(a, (BLOCK_N,))
-            b = tl.reshape(b, (BLOCK_N,))
-            if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
-                u = u - 128
-                b = b * 0.0
-            kk = g * S + tl.arange(0, S)
-            q = tl.load(q_ptr + xm[:, None] * K + kk[None, :], mask=m_ok[:, None], other=0)
-            dx = tl.load(dx_ptr + xm * (K // 32) + (g * S) // 32, mask=m_ok, other=0.0)
-            qs = tl.sum(q.to(tl.int32), 1)                    # exact
-            isum = tl.dot(u.to(tl.int8), tl.trans(q), out_dtype=tl.int32)
-            t = a[:, None] * isum.to(tl.float32) + b[:, None] * qs.to(tl.float32)[None, :]
-            acc += t * dx[None, :]
+    for k0 in range(0, K, STEP):
+        g0 = k0 // S
+        u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE, S, G, BLOCK_N),
+                       (BLOCK_N, STEP))
+        a, b = _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE, G)   # [BN, G]
+        if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
+            u = u - 128
+            b = b * 0.0
+        qd = tl.load(diag_at + k0, mask=diag, other=0)        # [STEP, G * BM]
+        isum = tl.dot(u.to(tl.int8), qd, out_dtype=tl.int32)  # [BN, G * BM]
+        isum = tl.permute(tl.reshape(isum, (BLOCK_N, G, BLOCK_M)), (0, 2, 1))   # [BN, BM, G]
+        q = tl.load(q_ptr + m[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0)
+        qs = tl.sum(tl.reshape(q.to(tl.int32), (BLOCK_M, G, S)), 2)            # [BM, G]
+        dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((g0 + gi) * S // 32)[None, :],
+                     mask=m_ok[:, None], other=0.0)                             # [BM, G]
+        t = a[:, None, :] * isum.to(tl.float32) + b[:, None, :] * qs.to(tl.float32)[None, :, :]
+        t = t * dx[None, :, :]
+        acc = add_in_order(acc, t, BLOCK_N, BLOCK_M, G)
     out = tl.trans(acc)                                       # [BM, BN]
     ok = m_ok[:, None] & n_ok[None, :]
     if HAS_RES:
@@ -147,18 +138,18 @@ def a8_row_tile(m: int) -> int:
 
 def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | None = None, *,
           out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-          block_m: int | None = None, block_n: int = 32, block_k: int = 128,
+          block_m: int | None = None, block_n: int = 32, block_k: int | None = None,
           warps: int = 4, gemv_n: int = 32, stages: int = 3) -> torch.Tensor:
     """q, dx: quantize_rows' [M, K] codes and scales; part: a quantized [N, K] weight; res:
     [M, N] or None -> [M, N] (into `out`, which may be a column slice of a wider tensor).
     block_m: a GEMV tile (1, 2, 4) or an MMA tile (16, 32, 64); default the smallest that
-    holds the rows. block_k: quants a step,
-    whole groups. The GEMV tiles take kernels/quant_a8_gemv.py's dp4a kernel (gemv_n columns
-    a program, `stages` K steps in flight); the MMA tiles block_n and block_k."""
+    holds the rows. The GEMV tiles take kernels/quant_a8_gemv.py's dp4a kernel (gemv_n
+    columns a program, `stages` K steps in flight); the MMA tiles block_n columns a program
+    and block_k quants a step (default 4096 / block_m, halved until it divides K)."""
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
-    block_k = min(block_k, _block(k))
+    block_k = min(block_k or 4096 // block_m, _block(k))
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
             or k % block_k or block_k % group):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "
@@ -176,7 +167,7 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     _a8_mm_kernel[grid](q, dx, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
                         HAS_RES=res is not None, BLOCK_M=block_m,
-                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                        BLOCK_N=block_n, STEP=block_k, num_warps=warps,
                         enable_fp_fusion=False)   # see the module: no tile-dependent FMAs
     return out
 
