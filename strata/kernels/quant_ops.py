@@ -28,7 +28,7 @@ def project(x: torch.Tensor, w: QuantWeight, policy: KernelPolicy, decode: bool,
     if not (decode and policy.triton):
         return None
     if policy.int8_activations:
-        return _project_a8(x, w, policy, kind, res, norm, eps, out_dtype or x.dtype)
+        return _project_a8(x, w, res, norm, eps, out_dtype or x.dtype)
     from strata.kernels.quant_triton import fits_k, quant_mm
     blocks = [policy.quant_blocks(p.qtype, p.rows, p.cols, kind) for p in w.parts]
     if not all(fits_k(p, b["block_k"]) for p, b in zip(w.parts, blocks)):
@@ -53,7 +53,7 @@ def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps
     if policy.int8_activations:
         from strata.kernels.fused_triton import silu_mul
         # [gate | up] rounded as the projection's output, then act(gate) * up in fp32
-        return silu_mul(_project_a8(x, w, policy, "gate_up", None, norm, eps, x.dtype), act)
+        return silu_mul(_project_a8(x, w, None, norm, eps, x.dtype), act)
     from strata.kernels.quant_triton import fits_k, quant_gate_up
     part = w.parts[0]
     blocks = policy.quant_blocks(part.qtype, part.rows, part.cols, "gate_up")
@@ -63,20 +63,17 @@ def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps
                          act=act, **blocks)
 
 
-def _project_a8(x: torch.Tensor, w: QuantWeight, policy: KernelPolicy, kind: str,
-                res: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
-                out_dtype: torch.dtype) -> torch.Tensor:
+def _project_a8(x: torch.Tensor, w: QuantWeight, res: torch.Tensor | None,
+                norm: torch.Tensor | None, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
     """rmsnorm(x) (with norm) or x, each row quantized to int8 once, @ w^T (+ res): one
-    kernel a part (kernels/quant_a8_triton.py)."""
+    kernel a part (kernels/quant_a8_triton.py, at its own blocks)."""
     from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
     q, dx = quantize_rows(x, norm, eps)
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
     col = 0
     for part in w.parts:
         cols = slice(col, col + part.rows)
-        b = policy.quant_blocks(part.qtype, part.rows, part.cols, kind)
-        a8_mm(q, dx, part, None if res is None else res[:, cols], out=out[:, cols],
-              block_n=b["block_n"], block_k=b["block_k"], warps=b["warps"])
+        a8_mm(q, dx, part, None if res is None else res[:, cols], out=out[:, cols])
         col += part.rows
     return out
 

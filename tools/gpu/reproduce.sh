@@ -40,7 +40,12 @@ run() {  # run NAME SECONDS COMMAND...: the command's output to OUT/NAME.log and
   echo "== $name: $*"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] || echo "== $name exited $rc" | tee -a "$OUT/$name.log"
+  [ "$rc" = 0 ] && return
+  echo "== $name exited $rc" | tee -a "$OUT/$name.log"
+  # the stage logs a failed run kept ("the stage logs are kept in DIR"), beside its log
+  local kept
+  kept=$(grep -o 'stage logs are kept in [^ ]*' "$OUT/$name.log" | tail -1 | awk '{print $NF}')
+  [ -d "$kept" ] && cp -r "$kept" "$OUT/$name.stages" && echo "== $name's stage logs: $OUT/$name.stages"
 }
 
 two_gpus() {  # two_gpus PART: true with 2 GPUs, else says the part is skipped
@@ -150,7 +155,7 @@ for part in $PARTS; do
       llama_cpp || continue
       llama
       SAME="--devices cuda:0 --prompt-tokens 128 --tokens 128 --ctx-size 512"
-      for t in Q4_K_M Q8_0 Q6_K; do
+      for t in Q4_K_M IQ4_XS Q8_0 Q6_K; do
         F=$(quantized $t) || continue
         C=$([ $t = Q4_K_M ] && echo 1,8,16,32,64 || echo 1,32)
         run quant_llamacpp_$t 600 strata-bench peer --engine llama.cpp --bin "$BIN" --model "$F" \
