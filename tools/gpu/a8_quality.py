@@ -1,0 +1,116 @@
+"""What int8 activations change, against transformers: a GGUF model in transformers' own
+modeling code (fp32, the reference) answers each prompt greedily; then strata's whole model as
+one stage reads the prompt as a chunk and the answer through 1-row decode windows (as a lone
+client decodes), once per arm: `float` (--weights quantized: the packed kernels, bf16 rows),
+`int8` (the same with --activations int8) and `bf16` (--weights bf16, the matrices widened).
+Per arm: how often its argmax is the reference's greedy token, and the logits' relative error
+(|strata - reference| / |reference| per position: median and worst).
+
+    python tools/gpu/a8_quality.py [--model smollm2-135m] [--prompts tools/handwritten_prompts.jsonl]
+        [--requests 24] [--tokens 64] [--arms float,int8,bf16] [--device cuda:0] [--json-out F]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from statistics import median
+
+import torch
+
+from strata.kernels.policy import KernelPolicy
+from strata.model.gguf_file import ModelFile
+from strata.model.registry import resolve_model
+from strata.stage_worker.model import KVCache, Rows, StageModel
+
+ARMS = {"float": ("quantized", False), "int8": ("quantized", True), "bf16": ("bf16", False)}
+
+
+def reference(path: Path, prompts: list[str], tokens: int, device: str):
+    """[(prompt ids, answer ids, fp32 logits [len(answer), vocab])] from transformers."""
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).to(device).eval()
+    out = []
+    for text in prompts:
+        if tok.chat_template:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}],
+                                          add_generation_prompt=True, return_tensors="pt")
+            ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+        else:
+            ids = tok(text, return_tensors="pt").input_ids
+        ids = ids.to(device)
+        with torch.inference_mode():
+            gen = hf.generate(ids, max_new_tokens=tokens, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+        answer = gen.sequences[0, ids.shape[1]:]
+        logits = torch.stack(gen.logits, 1)[0, : len(answer)].float()
+        out.append((ids[0].tolist(), answer.tolist(), logits))
+    return out
+
+
+def strata_logits(model: StageModel, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """fp32 logits [len(answer), vocab]: the prompt as one chunk (its last row's logits predict
+    answer[0]), then answer[:-1] one decode window of 1 row each."""
+    n = len(prompt)
+    cache = KVCache(len(model.layers), 1, model.cfg, n + len(answer) + 1, model.device,
+                    model.dtype)
+    rows = []
+    with torch.inference_mode():
+        hidden = model(torch.tensor(prompt, device=model.device), Rows([0] * n, list(range(n))),
+                       cache, chunk=True)
+        cache.filled[0] = n
+        rows.append(model.logits(hidden[-1:]).float())
+        for i, token in enumerate(answer[:-1]):
+            hidden = model(torch.tensor([token], device=model.device), Rows([0], [n + i]), cache)
+            rows.append(model.logits(hidden).float())
+    return torch.cat(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", default=str(Path(__file__).parents[1] / "handwritten_prompts.jsonl"))
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--arms", default="float,int8,bf16")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    path = resolve_model(args.model)
+    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines()
+               if line.strip()][: args.requests]
+    ref = reference(path, prompts, args.tokens, args.device)
+    file = ModelFile(path)
+    base = KernelPolicy.for_device(args.device)
+    print(f"# {path.name}, {len(ref)} prompts of {args.prompts}, up to {args.tokens} greedy "
+          f"tokens by transformers (fp32), on {args.device}")
+    print(f"{'arm':>6} {'positions':>9} {'argmax = greedy':>16} {'rel. error median':>18} "
+          f"{'worst':>8}")
+    results = {}
+    for arm in args.arms.split(","):
+        weights, int8 = ARMS[arm]
+        model = StageModel(file, 0, file.config.n_layers, ctx=4096, device=args.device,
+                           weights=weights,
+                           policy=dataclasses.replace(base, int8_activations=int8))
+        same, errors = 0, []
+        for prompt, answer, want in ref:
+            got = strata_logits(model, prompt, answer)
+            same += int((got.argmax(-1) == torch.tensor(answer, device=got.device)).sum())
+            errors += ((got - want).norm(dim=-1) / want.norm(dim=-1)).tolist()
+        results[arm] = dict(positions=len(errors), argmax_is_greedy=same / len(errors),
+                            rel_error_median=median(errors), rel_error_worst=max(errors))
+        r = results[arm]
+        print(f"{arm:>6} {r['positions']:>9} {r['argmax_is_greedy']:>16.2%} "
+              f"{r['rel_error_median']:>18.4f} {r['rel_error_worst']:>8.4f}")
+        del model
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(
+            {"model": path.name, "device": args.device, "tokens": args.tokens,
+             "requests": len(ref), "arms": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
