@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.coordinator.config import SchedulerConfig, round_rows
-from strata.coordinator.drafts import draft_room
+from strata.coordinator.drafts import DraftCounts, PromptLookup, draft_room
 
 DECAY = 0.9          # weight of the past in the acceptance counts, per window observed
 PRIOR = 0.5          # acceptance before anything is observed, worth PRIOR_WEIGHT windows
@@ -222,3 +222,24 @@ def _tokens(slots: int, drafts: int, a: float) -> float:
     """Expected tokens of a window whose `slots` slots share `drafts` drafts evenly."""
     per, extra = divmod(max(drafts, 0), slots)
     return (slots - extra) * expected_tokens(per, a) + extra * expected_tokens(per + 1, a)
+
+
+@dataclass
+class RequestDrafts:
+    """A request's drafting between two of its windows."""
+    counts: DraftCounts = field(default_factory=DraftCounts)   # its drafts, and kept
+    proposals: list[int] = field(default_factory=list)  # mtp: for its next decode window
+    lookup: PromptLookup | None = None                  # the lookup drafter's index
+    acceptance: Acceptance = field(default_factory=Acceptance)   # of its recent windows
+    observed: tuple[int, int] = (0, 0)   # (drafted, accepted) already in `acceptance`
+
+    def observe(self, group: Acceptance) -> None:
+        """Counts the drafts verified since the last call (its last decode window's) into its
+        acceptance and its group's."""
+        drafted = self.counts.drafted - self.observed[0]
+        if not drafted:   # nothing verified since: nothing to count
+            return
+        accepted = self.counts.accepted - self.observed[1]
+        self.observed = (self.counts.drafted, self.counts.accepted)
+        self.acceptance.observe(drafted, accepted)
+        group.observe(drafted, accepted)

@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from strata.coordinator.draft_choice import DraftChoice
+from strata.coordinator.draft_choice import DraftChoice, RequestDrafts
 from strata.coordinator.drafts import DraftCounts
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.slots import Slot
-from strata.coordinator.speculation import RequestDrafts
 
 
 @dataclass
@@ -23,7 +22,7 @@ class Request:
     reused: int = 0          # prompt tokens the slot already held
     error: str | None = None
     notified: bool = False   # on_done was called (exactly once)
-    drafts: RequestDrafts = field(default_factory=RequestDrafts)   # speculation.py
+    drafts: RequestDrafts = field(default_factory=RequestDrafts)   # draft_choice.py
 
     @property
     def done(self) -> bool:

@@ -24,11 +24,11 @@ changes a token: a draft only decides how many tokens a window yields (drafts.py
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from strata.coordinator.config import SchedulerConfig, round_rows
-from strata.coordinator.draft_choice import Acceptance, DraftChoice, GroupDrafts, share_rows
+from strata.coordinator.draft_choice import DraftChoice, GroupDrafts, share_rows
 from strata.coordinator.drafts import DraftCounts, PromptLookup, draft_limit
 from strata.coordinator.sampling_params import TokenLogprob
 from strata.protocol.acceptance import kept_rows
@@ -36,27 +36,6 @@ from strata.protocol.acceptance import kept_rows
 if TYPE_CHECKING:
     from strata.coordinator.scheduler_state import Request, RowOwner
     from strata.coordinator.slots import Slot
-
-
-@dataclass
-class RequestDrafts:
-    """A request's drafting between two of its windows."""
-    counts: DraftCounts = field(default_factory=DraftCounts)   # its drafts, and kept
-    proposals: list[int] = field(default_factory=list)  # mtp: for its next decode window
-    lookup: PromptLookup | None = None                  # the lookup drafter's index
-    acceptance: Acceptance = field(default_factory=Acceptance)   # of its recent windows
-    observed: tuple[int, int] = (0, 0)   # (drafted, accepted) already in `acceptance`
-
-    def observe(self, group: Acceptance) -> None:
-        """Counts the drafts verified since the last call (its last decode window's) into its
-        acceptance and its group's."""
-        drafted = self.counts.drafted - self.observed[0]
-        if not drafted:   # nothing verified since: nothing to count
-            return
-        accepted = self.counts.accepted - self.observed[1]
-        self.observed = (self.counts.drafted, self.counts.accepted)
-        self.acceptance.observe(drafted, accepted)
-        group.observe(drafted, accepted)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,12 @@
 """The GGUF block types the quantized kernels read (kernels/quant.py, quant_triton.py): their
 geometry and packed planes, as plain data (the launcher plans memory with it without torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # type -> (quants a block, bytes a block, quants a scale group); llama.cpp's ggml-common.h
 BLOCKS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q8_0": (32, 34, 32),
@@ -22,3 +29,17 @@ def stays_packed(types: list[str], mode: str, cuda: bool) -> bool:
     tests under Triton's interpreter) and a kernel for every piece; else it is widened whole."""
     return (mode == "packed" or (mode == "quantized" and cuda)) and all(
         t in KERNEL_TYPES for t in types)
+
+
+@dataclass
+class Part:
+    """Rows of one block type: planes [rows, ...] of PLANES[qtype] (kernels/quant.py packs
+    them)."""
+    qtype: str
+    rows: int
+    cols: int
+    planes: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.planes.values())

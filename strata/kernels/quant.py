@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.kernels.blocks import (BLOCKS, IQ4_VALUES, KERNEL_TYPES,  # noqa: F401 (importable here)
-                                   PLANES)
+                                   PLANES, Part)
 
 # fp16 scale fields of each type's blocks: (byte offset, value) that random_blocks sets
 _SCALES = {"Q4_0": ((0, 2e-3),), "Q4_1": ((0, 2e-3), (2, -1e-2)), "Q8_0": ((0, 1.5e-4),),
@@ -234,19 +234,6 @@ def dequantize_torch(qtype: str, planes: dict[str, torch.Tensor]) -> torch.Tenso
     group = BLOCKS[qtype][2]
     n = u.shape[0]
     return (u.view(n, -1, group) * a[..., None] + b[..., None]).reshape(n, -1)
-
-
-@dataclass
-class Part:
-    """Rows of one block type: planes [rows, ...] of PLANES[qtype]."""
-    qtype: str
-    rows: int
-    cols: int
-    planes: dict[str, torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.planes.values())
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.quant import BLOCKS, Part
+from strata.kernels.blocks import BLOCKS, Part
 from strata.kernels.quant_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q8_0, TYPE_IDS,
                                          _codes, _planes, _terms)
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.quant import BLOCKS, Part
+from strata.kernels.blocks import BLOCKS, Part
 from strata.kernels.quant_a8 import QBLOCK
 from strata.kernels.quant_a8_gemv import a8_gemv, add_in_order
 from strata.kernels.quant_triton import IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes, _terms

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.fused_triton import ACTS, gate_act
-from strata.kernels.quant import BLOCKS, IQ4_VALUES, PLANES, Part
+from strata.kernels.blocks import BLOCKS, IQ4_VALUES, PLANES, Part
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES, _row_scale, _x_tile
 
 # the QTYPE constexpr of the kernels
