@@ -147,8 +147,14 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
         t = a[None, :, :] * isum.to(tl.float32) + b[None, :, :] * qs.to(tl.float32)[:, None, :]
         t = t * dx[:, None, :]
         acc = add_in_order(acc, t, BLOCK_M, BLOCK_N, G)
+    store_rows(acc, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
+
+
+@triton.jit
+def store_rows(out, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om,
+               HAS_RES: tl.constexpr):
+    """out [BM, BN] fp32 (+ res's rows m, columns n) into out's rows m, columns n."""
     ok = m_ok[:, None] & n_ok[None, :]
-    out = acc
     if HAS_RES:
         out += tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=ok,
                        other=0.0).to(tl.float32)

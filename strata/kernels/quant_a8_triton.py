@@ -26,7 +26,7 @@ import triton.language as tl
 
 from strata.kernels.blocks import BLOCKS, Part
 from strata.kernels.quant_a8 import QBLOCK
-from strata.kernels.quant_a8_gemv import a8_gemv, add_in_order
+from strata.kernels.quant_a8_gemv import a8_gemv, add_in_order, store_rows
 from strata.kernels.quant_triton import IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes, _terms
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
@@ -101,13 +101,7 @@ def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_pt
         t = a[:, None, :] * isum.to(tl.float32) + b[:, None, :] * qs.to(tl.float32)[None, :, :]
         t = t * dx[None, :, :]
         acc = add_in_order(acc, t, BLOCK_N, BLOCK_M, G)
-    out = tl.trans(acc)                                       # [BM, BN]
-    ok = m_ok[:, None] & n_ok[None, :]
-    if HAS_RES:
-        out += tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=ok,
-                       other=0.0).to(tl.float32)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=ok)
+    store_rows(tl.trans(acc), res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
 
 
 def _block(k: int) -> int:
