@@ -129,10 +129,35 @@ def _int8_stage(mixed, device: str):
 @pytest.mark.parametrize("device", triton_devices())
 def test_an_int8_stages_rows_are_invariant(mixed, device):
     """A Q4_K_M stage (q, k in Q4_K beside v in Q6_K, a Q6_K head) with int8 activations: the
-    target rows alone (GEMV tiles) and among 8 and 40 rows (MMA tiles), hidden states, logits,
-    sampled tokens and KV, the same bits."""
+    target rows alone (5 rows: a 16-row MMA tile) and among 8 and 40 rows, hidden states,
+    logits, sampled tokens and KV, the same bits (the GEMV's tiles: the test below)."""
     from test_quant_stage import assert_stage_rows_invariant
     assert_stage_rows_invariant(_int8_stage(mixed, device), device)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_a_lone_rows_gemv_windows_give_its_bits_among_others(mixed, device):
+    """Slot 0's row alone in windows of 1, 2 and 4 rows (the dp4a GEMV's tiles) and among 8
+    and 40 rows (the MMA's 16- and 64-row tiles): the same hidden state, logits, sampled
+    token and KV; on CUDA eagerly and replayed from a CUDA graph a window size."""
+    from strata.stage_worker.model import KVCache
+    from strata.stage_worker.runner import WindowRunner
+    from test_batch_invariance import _prefill, _same, _stage_outputs
+    from test_quant_stage import CTX
+    model = _int8_stage(mixed, device)
+    target, pad = (0, 48, 11), (-1, 0, 0)
+    others = [(s, p, (7 * s + p) % model.cfg.vocab) for s in range(1, 8) for p in range(40, 46)]
+    windows = [([target], 0), ([target, pad], 0), ([target] + [pad] * 3, 0),
+               (others[:3] + [target] + others[3:7], 3), (others[:13] + [target] + others[13:39], 13)]
+    for graphed in (False, True) if device != "cpu" else (False,):
+        cache = KVCache(len(model.layers), 8, model.cfg, CTX, model.device, model.dtype)
+        runner = WindowRunner(model, cache, 16) if graphed else None
+        with torch.inference_mode():
+            _prefill(model, cache, runner)
+            outs = []
+            for rows, at in windows:
+                outs.append(_stage_outputs(model, cache, rows, [at], runner))
+                _same(outs, len(rows))
 
 
 @pytest.mark.parametrize("device", triton_devices())

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # groups of about the same time under the interpreter, each with the number of its cases that
 # must pass there: a case that stops running (renamed out of CASES, skipped, deleted) fails this
 # test, and one added must raise its group's count
-KERNEL_TESTS = [(53, ["tests/test_attention_triton.py", "tests/test_attention_chunk.py",
+KERNEL_TESTS = [(54, ["tests/test_attention_triton.py", "tests/test_attention_chunk.py",
                       "tests/test_sampling_triton.py", "tests/test_sampling_sorted_triton.py",
                       "tests/test_moe_triton.py", "tests/test_quant_a8.py"]),
                 (26, ["tests/test_fused_kernels.py", "tests/test_skinny.py", "tests/test_gpu.py",
