@@ -1,55 +1,11 @@
 """The batch scheduler: slots in groups, windows in flight, admissions, completions, cancels.
 
-Policy only: windows are built by windows.py and run by Pipeline; what concerns drafts (which
-drafts a decode window verifies, the proposals it asks for, what the tokens keep) is
-speculation.py's, which the scheduler calls. Every slot belongs to one group; a group has one
-window in flight at a time. `groups == 1` is serial (a window passes
-every stage and returns before the next); `groups == G` keeps up to G windows in flight, one per
-group, each on a different stage. One exception: while a group has no decoding slot, it streams
-the prompt chunks of the slot it reads, up to `prompt_depth` in flight (chunk k+1 on stage 0
-while chunk k is on stage 1; launches use stages + 1, so the next chunk already waits at stage 0
-when a result comes back). Only the last chunk samples, and every stage takes windows in the
-order they were sent, so the chunks compute exactly as one at a time.
-
-Window sizes: a prompt chunk is always chunk_rows rows. A decode window takes the group's
-decoding slots, at most window_rows of them (more take turns in slot order, from the slot
-after the last one served), and has that many rows rounded up to a multiple of 8 (WINDOW_ROW_STEP):
-1 decoding slot -> 8 rows, 9 -> 16, 40 -> 40, 70 with window_rows 64 -> 64 rows each window.
-So a window reads the weights once for all its rows, and a lone request pays for 8 rows, not
-for window_rows; with min_window_rows 1, for 1 row (windows of up to 4 rows take 1, 2 or 4:
-SchedulerConfig.window_shape). The rounding's spare rows are pad rows (slot -1). With
-draft_tokens, a slot verifies up to K drafts (drafts.py) in rows beyond its own (speculation.py): the pad rows,
-and up to draft_rows more (draft_window_rows: by default up to the window's row tile, 32 or
-64 rows), so 4 decoding slots with K = 7 take a window of 32 rows. The stages compute a row the same whatever the window's size (batch-invariant kernels), so
-neither the size nor which slot gets drafts changes a token.
-
-Which window next, in a group: each prompt chunk (oldest request first) delays the decoding
-slots by one window whenever it runs; the order decides who waits when. While the decode
-window can take one more row (fewer decoding slots than window_rows), up to CHUNKS_FIRST (8)
-chunks in a row go first: reading requests get their first token sooner and join the window,
-which costs about the same with a few more rows. Otherwise chunks and decode windows alternate,
-so a long prompt slows the streams by half instead of stopping them; a decoding slot waits at
-most 8 chunks for its next token, whatever window_rows is. A new request takes a slot of the
-group with the fewest busy slots (then the fewest prompt tokens left to read; then the least
-recently used slot of any group), unless a slot holds its prefix, so the groups stay about
-equally full and none runs on alone at the end. Prompt chunks stream (`prompt_depth`) only
-while their group has no decoding slot.
-Because every row's arithmetic is independent of its neighbours and of its window's size, and
-every draw depends only on (seed, position), no schedule can change a request's tokens.
-
-Structured output (grammar.py): a request with a grammar has its sampled rows masked. Its last
-prompt chunk's row and each decode window's rows (its last token, then its drafts, cut first
-where the grammar forbids them) get the masks of its matcher advanced along the drafts, all of
-a window's masks computed in one call when the window is built; the matcher advances by each
-token the request keeps (Sequence.accept), and the request ends once its grammar is complete.
-
-After a stage starts again, every request in a slot writes its KV again in its group's windows,
-as a reading slot, before it goes on (rebuild.py).
-
-Log-probabilities come back with the tokens (Result.logprobs, in row order): a sampled row's
-when its request asks for them, and for a request that scores its prompt (echo), every prompt
-row's but the last, for the prompt token after it. Such a request reads its whole prompt (a
-held prefix was computed without logits), and with max_tokens 0 it ends with its last chunk.
+Policy only: windows are built by windows.py and run by Pipeline; drafts (which a decode window
+verifies, the proposals it asks for, what its tokens keep) are speculation.py's; grammars'
+masks are grammar.py's; a restarted stage's KV is rebuilt by rebuild.py. Every slot belongs to
+one group, and a group has one window in flight at a time (its prompt chunks may stream while
+it has no decoding slot). docs/DESIGN.md says the rest: units of work (window sizes, groups),
+which window goes next, the life of a decode window, and why no schedule can change a token.
 """
 from __future__ import annotations
 
