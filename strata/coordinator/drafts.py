@@ -1,49 +1,14 @@
 """Draft tokens for a decoding slot, verified in its next window (speculative decoding).
 
-A slot with drafts d_1..d_k sends k + 1 rows in one window: its last token at position L - 1
-and the drafts at L..L + k - 1, every row sampled. The last stage answers t_0..t_k, where t_j
-is the token for position L + j given the rows before it. t_0 is always the slot's next token;
-t_j (j >= 1) counts only if d_1..d_j equal t_0..t_{j-1}. So a window yields 1 to k + 1 tokens,
-and they are exactly the tokens of plain decoding (DESIGN.md, exactness 4): each row is
-computed as a decode row (the stages' kernels give a row the same bits in a decode window of
-any size, so it does not matter that drafts fill pad rows or grow the window past its decoding
-slots' rounded size, nor which slots get draft rows), with the same KV before it (the accepted
-drafts wrote the same keys and values a decode row of that token would), and each draw is
-keyed by (seed, position). Drafts only change how many windows a request takes and how large
-they are. The KV rows of rejected drafts are dropped by a commit on the next window.
-
-How many rows drafts may add to a window (SchedulerConfig.draft_rows, draft_room), which slots
-get them and, with draft_tokens auto, how many drafts per slot: draft_choice.py.
-
-Two drafters (SchedulerConfig.drafter):
-- lookup: prompt lookup (n-gram matching) here, the tokens that followed the latest earlier
-  occurrence of the request's last n tokens (n = 3, 2, 1), from its prompt and what it
-  generated. It needs no model and pays on text that repeats what came before (quoting,
-  editing code, summaries, loops of a small model).
-- mtp: the model's NextN head on the last stage. A window asks it for proposals
-  (`Window.propose`: [slot, k] for slots with rows in it); right after sampling, the last
-  stage runs the head on the rows equality accepts and answers them with the tokens
-  (`Result.proposals`: [slot, d1..dk]). The coordinator keeps them on the request
-  (speculation.py) and puts as many as fit in the slot's next decode window: no window of
-  its own is spent on drafting.
-  For a request that samples with a temperature the proposals can be coupled
-  (SchedulerConfig.draft_sampling "coupled"; the default is "argmax"): the token at position q is drawn
-  with u(q) = Philox(seed, q) whatever the window (sampling.py), so the window that asks for
-  proposals sends, with each propose entry, the draws of the positions they can take past its
-  own rows (`Window.propose_u`), and the drafter picks each proposal with the target's own
-  sampler (a Gumbel-max pick keyed by the draw and the token) over its own distribution,
-  filtered and tempered as the target's, with the draw the target will use there. Where head and target agree closely, one u lands both on the same token (a
-  head that computes its target's distribution has nearly every proposal kept, against a
-  third for argmax: tests/test_mtp.py); an argmax proposal ("argmax") is kept only when the
-  target's draw happens to pick the head's most likely token. Coupling pays only as far as the
-  head's distribution is close to its target's (docs/BENCHMARKS.md measures the shipped head's).
-  Each draw is made once (draw_uniform is memoised): the window that samples the position
-  finds it.
-Either way acceptance is the same equality, so the drafter changes the windows, never a token.
-
-Acceptance per draft position: a slot's drafts d_1..d_k in a window count as proposed at
-positions 1..k, and d_j as accepted at position j when d_1..d_j all equal the tokens sampled
-before them (DraftCounts: a request's, the scheduler's totals, /v1/status, /metrics).
+A slot with drafts d_1..d_k sends k + 1 rows in one window, every row sampled; the last stage
+answers t_0..t_k, and t_j (j >= 1) counts only while d_1..d_j equal t_0..t_{j-1}
+(protocol/acceptance.py). The tokens are plain decoding's (docs/DESIGN.md, exactness and Draft
+tokens): drafts change how many windows a request takes, never a token. Here: the
+prompt-lookup drafter (`PromptLookup`: what followed the latest earlier occurrence of
+the request's last 3, 2 or 1 tokens), the room drafts may take (`draft_room`, `draft_limit`)
+and the counts (`DraftCounts`: d_j is accepted at position j when d_1..d_j all matched; a
+request's, the scheduler's totals, /v1/status and /metrics). The MTP drafter runs on the last
+stage (stage_worker/drafter.py); speculation.py asks it for proposals.
 """
 from __future__ import annotations
 
