@@ -81,7 +81,7 @@ def add_in_order(acc, t, D0: tl.constexpr, D1: tl.constexpr, G: tl.constexpr):
 def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
     """int32 codes [BLOCK_N, 4 * WORDS] (0..255, in K order) -> [BLOCK_N, WORDS] byte words."""
     u = tl.reshape(u, (BLOCK_N, WORDS, 2, 2))
-    lo, hi = tl.split(u)                       # the odd bytes of each pair
+    lo, hi = tl.split(u)                       # each pair's even and odd byte
     pairs = lo | (hi << 8)                     # [BN, WORDS, 2]
     p0, p1 = tl.split(pairs)
     return p0 | (p1 << 16)
