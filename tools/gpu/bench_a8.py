@@ -46,7 +46,7 @@ def main() -> None:
     policy = KernelPolicy.for_device("cuda")
     rate = copy_rate()
     bf = dict(device="cuda", dtype=torch.bfloat16)
-    shapes = {k: L8B[k] for k in args.projections.split(",")}   # gate_up: qkv's kernel, 7x
+    shapes = {k: L8B[k] for k in args.projections.split(",")}   # gate_up: as one projection
     rows_out = []
     print(f"# {torch.cuda.get_device_name()}, copy rate {rate / 1e12:.2f} TB/s")
     print(f"{'type':>5} {'proj':>5} {'rows':>4} {'hbm us':>7} {'float us':>9} {'quantize':>9} "
@@ -71,9 +71,16 @@ def main() -> None:
                 out = torch.empty(m, n, **bf)
                 kw = (dict(gemv_n=config[0], stages=config[1], warps=config[2]) if m <= 4 else
                       dict(block_n=config[0], block_k=config[1], warps=config[2]))
-                us = timed(lambda i: a8_mm(q, dx, ws[i % copies].parts[0], r, out=out, **kw))
+                try:
+                    us = timed(lambda i: a8_mm(q, dx, ws[i % copies].parts[0], r, out=out, **kw))
+                except Exception as e:   # a configuration the GPU cannot hold (resources)
+                    print(f"# {qtype} {name} {m} rows, {config}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]}")
+                    continue
                 if best is None or us < best[0]:
                     best = (us, config)
+            if best is None:
+                continue
             # a row's bits in this tile against the 16-row MMA tile's
             same = torch.equal(a8_mm(q, dx, probe.parts[0], r, out_dtype=torch.bfloat16),
                                a8_mm(q, dx, probe.parts[0], r, out_dtype=torch.bfloat16,
