@@ -81,3 +81,38 @@ def test_a_circle_through_a_lazy_import_is_found(tmp_path):
     graph = import_graph(pkg)
     assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.d"] == {"pkg.a"}
     assert circles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+# which of strata's packages each may import (README's and DESIGN's rule: launch -> coordinator
+# -> protocol <- stage_worker -> kernels; the coordinator and the stage worker never import each
+# other; model, trace and config_error are shared; the benchmarks and the trainer import the
+# runtime and nothing of the runtime imports them)
+RUNTIME = {"launch", "coordinator", "stage_worker", "protocol", "kernels", "model", "trace",
+           "config_error"}
+ALLOWED = {
+    "launch": RUNTIME,
+    "coordinator": {"protocol", "model", "trace", "config_error"},
+    "stage_worker": {"protocol", "kernels", "model", "trace", "config_error"},
+    "protocol": {"config_error"},
+    "kernels": {"config_error"},
+    "model": {"kernels", "config_error"},
+    "trace": set(),
+    "config_error": set(),
+    "bench": RUNTIME | {"train"},
+    "train": RUNTIME,
+    "heads": set(),
+}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_each_package_imports_only_what_the_layers_allow():
+    graph = import_graph(ROOT / "strata")
+    crossing = {(_package(a), _package(b)) for a, targets in graph.items() for b in targets
+                if _package(a) != _package(b) and _package(a) != "strata"}
+    assert ("launch", "coordinator") in crossing          # the graph was read across packages
+    wrong = sorted((a, b) for a, b in crossing if b not in ALLOWED.get(a, set()))
+    assert not wrong, f"imports across packages that the layers forbid: {wrong}"
