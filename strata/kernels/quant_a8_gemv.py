@@ -163,7 +163,8 @@ def store_rows(out, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om,
 
 
 def gemv_step(k: int) -> int:
-    """The K step: STEP where it divides K, else the largest of 128, 64, 32 that does."""
+    """The K step of a row of k quants: STEP where it divides k, else the largest of 128, 64,
+    32 that does (the GEMV's step, the MMA's longest, the row quantizer's block)."""
     return next(s for s in (STEP, 128, 64, 32) if k % s == 0)
 
 

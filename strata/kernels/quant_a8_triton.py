@@ -6,17 +6,17 @@ arithmetic; its plain-torch reference is a8_mm_reference):
     a8_mm           out = rows' codes @ w^T (+ res): per weight group an exact int32 sum,
                     then dx * (a * sum(u q) + b * sum(q)) added group by group along K
 
-a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 to 4 rows, a
-row tile of 1, 2 or 4: kernels/quant_a8_gemv.py, four products a dp4a) and an MMA (more rows:
-tile 16, 32 or 64: a K step's groups in one int8 tl.dot into int32, against the rows' codes
-laid out block-diagonally so that each group's sums come apart). Both add each (row,
-column)'s float terms in the same order, group by group, so a row gets the same bits from
-either and from any tile (tests/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled for sm_90, Triton
-fuses `a * isum + b * qs` into one FMA one way for tiles of 1 and 2 rows and the other way
-from 4 rows up (Q4_K, Q5_K, Q4_1, Q5_1: their b is not zero), which changes a row's bits
+a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 to 4 rows, a row
+tile of 1, 2 or 4: kernels/quant_a8_gemv.py, four products a dp4a) and an MMA (more rows: tile
+16, 32 or 64: a K step's groups in one int8 tl.dot into int32, against the rows' codes laid out
+block-diagonally so that each group's sums come apart). Both add each (row, column)'s float
+terms in the same order, group by group, so a row gets the same bits from either and from any
+tile (tests/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled for sm_90,
+Triton fuses `a * isum + b * qs` into one FMA one way for tiles of 1 and 2 rows and the other
+way from 4 rows up (Q4_K, Q5_K, Q4_1, Q5_1: their b is not zero), which changes a row's bits
 between tiles; without fusion every tile rounds each product alone. The codes and scales come
-from kernels/quant_triton.py's `_codes` and `_terms`, a K step at a time; the terms are
-added by `add_in_order`.
+from kernels/quant_triton.py's `_codes` and `_terms`, a K step at a time; the terms are added by
+`add_in_order`.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from strata.kernels.blocks import BLOCKS, Part
 from strata.kernels.quant_a8 import QBLOCK
-from strata.kernels.quant_a8_gemv import a8_gemv, add_in_order, store_rows
+from strata.kernels.quant_a8_gemv import a8_gemv, add_in_order, gemv_step, store_rows
 from strata.kernels.quant_triton import IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes, _terms
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
@@ -104,10 +104,6 @@ def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_pt
     store_rows(tl.trans(acc), res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
 
 
-def _block(k: int) -> int:
-    return next(b for b in (256, 128, 64, 32) if k % b == 0)
-
-
 def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 32, rows contiguous) -> (q int8 [M, K], dx fp32 [M, K/32])."""
@@ -120,7 +116,7 @@ def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float 
     dx = torch.empty(m, k // QBLOCK, dtype=torch.float32, device=x.device)
     if m:
         _quantize_rows_kernel[(m,)](x, norm if norm is not None else x, q, dx, k, eps,
-                                    x.stride(0), NORM=norm is not None, BLOCK=_block(k),
+                                    x.stride(0), NORM=norm is not None, BLOCK=gemv_step(k),
                                     num_warps=4)
     return q, dx
 
@@ -143,7 +139,7 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
-    block_k = min(block_k or 4096 // block_m, _block(k))
+    block_k = min(block_k or 4096 // block_m, gemv_step(k))
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
             or k % block_k or block_k % group):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "
