@@ -6,7 +6,8 @@ A stage killed (SIGKILL) mid-generation, spawned or started by hand (--external-
 request in flight fails within 5 s with a sentence naming the stage (a 503, or an SSE error
 event then the end of the stream), /health says which stage, new requests get a 503, and
 strata-launch exits 1 with the sentence and leaves no process. A stage stopped (SIGSTOP): the
-same, past --stage-timeout. The launcher killed: every stage exits within a few seconds, the
+same, past --stage-timeout. A stage sent SIGUSR1 writes its threads' stacks to its log and
+goes on serving. The launcher killed: every stage exits within a few seconds, the
 one started by hand included (its socket to the coordinator closed). Then the parts: the
 default stage timeout, heartbeats of a busy stage, a lost window, a heartbeat that waits for
 the device, and a socket's peer going.
@@ -133,6 +134,28 @@ def test_a_stopped_stage_is_taken_for_hung_past_the_stage_timeout(tiny_model, tm
     # SIGSTOP: the process lives and holds its sockets; only its silence tells
     _fail_mid_generation(tiny_model, tmp_path, signal.SIGSTOP, ["--stage-timeout", "2"], 2.0 + 3.0,
                          "stage 1 has not answered for", "--stage-timeout")
+
+
+def test_a_stage_sent_sigusr1_writes_its_stacks_to_its_log_and_goes_on(tiny_model, tmp_path,
+                                                                    no_stage_left):
+    server = ServerProcess([*_split(tiny_model), "--batch", "2", "--port", "0", "--log-dir",
+                            str(tmp_path)])
+    try:
+        url = server.wait_ready(START_S)
+        stage1 = json.loads(urllib.request.urlopen(url + "/status").read())["stages"][1]["pid"]
+        os.kill(stage1, signal.SIGUSR1)
+        log = tmp_path / "stage1.log"
+        deadline = time.monotonic() + 30
+        while "in _run_module_as_main" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stacks = log.read_text()
+        assert "Current thread" in stacks and 'worker.py", line' in stacks, stacks
+        status, raw = _post(url + "/completions", {"model": server.model,
+                                                   "prompt": "Once upon a time", "max_tokens": 4})
+        assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4, raw
+    finally:
+        code = server.stop(signal.SIGTERM)
+    assert code == 0, server.stderr()
 
 
 # --- a stage started by hand, and the launcher killed -------------------------------------------

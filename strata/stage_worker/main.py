@@ -2,8 +2,10 @@
 (under a debugger, on another host) with the command `strata-launch --external-stage K` prints,
 or have it join a launch that waits for it with `--join tcp://HOST:PORT --stage K` (join.py:
 the launch sends the arguments it would have spawned the stage with, and they run here)."""
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 import click
@@ -120,6 +122,9 @@ def main(ctx, model, stage, join, join_timeout, layers, listen, coordinator, nex
     device = device or "cpu"
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s stage{stage} %(levelname)s %(message)s")
+    # `kill -USR1 PID` writes where each of the stage's threads is to its log (a stage that
+    # hangs on its device, say), and the stage goes on
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     start, end = parse_layers(layers)
     try:
         # Test hook: STRATA_FAULT=crash-at-start:K makes stage K fail while starting.
