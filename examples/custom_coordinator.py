@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from strata.coordinator.pipeline import Expect, Pipeline
+from strata.coordinator.stages.pipeline import Expect, Pipeline
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.windows import Row, build_window, prompt_chunks
 from strata.launch.plan import parse_devices, plan_stages

@@ -186,7 +186,7 @@ def smollm2_alone(smollm2_stages):
     smollm2_params, each request alone (one slot, one request at a time) on the session's
     launch. Returns (tokenizer, prompts, params, requests)."""
     from strata.bench import harness
-    from strata.coordinator.scheduler import SchedulerConfig
+    from strata.coordinator.engine.scheduler import SchedulerConfig
     from strata.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(smollm2_stages.file.reader)

@@ -8,9 +8,9 @@ from hypothesis import given, settings, strategies as st
 
 from strata.coordinator.config import SchedulerConfig
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler_state import Request, RowOwner
+from strata.coordinator.engine.scheduler_state import Request, RowOwner
 from strata.coordinator.sequence import Sequence
-from strata.coordinator.speculation import Speculation
+from strata.coordinator.speculation.speculation import Speculation
 from strata.protocol.acceptance import kept_drafts, kept_rows
 from strata.protocol.messages import Window
 from strata.stage_worker.drafter import Drafter

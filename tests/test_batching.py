@@ -35,7 +35,7 @@ import pytest
 
 from conftest import SHARED_GROUP, SMOLLM2_CTX, SMOLLM2_REQUESTS, SMOLLM2_SPLIT
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig, auto_groups
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig, auto_groups
 from strata.bench import harness
 from strata.launch.plan import plan_stages
 from strata.launch.session import Launched, launch_stages

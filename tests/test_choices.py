@@ -11,13 +11,13 @@ import asyncio
 import pytest
 
 from strata.bench import harness
-from strata.coordinator import openai_api as api
-from strata.coordinator.choices import Choices
-from strata.coordinator.engine import Engine
-from strata.coordinator.openai_logprobs import Spelling
-from strata.coordinator.prompts import Prompts
+from strata.coordinator.api import openai_api as api
+from strata.coordinator.api.choices import Choices
+from strata.coordinator.engine.engine import Engine
+from strata.coordinator.api.openai_logprobs import Spelling
+from strata.coordinator.api.prompts import Prompts
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import SchedulerConfig
+from strata.coordinator.engine.scheduler import SchedulerConfig
 
 CTX = 128
 SLOTS = 4

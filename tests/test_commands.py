@@ -46,7 +46,7 @@ def test_every_bench_subcommand_is_there():
 
 def test_the_runtime_does_not_import_the_benchmarks():
     modules = ["strata.launch.cli", "strata.launch.session", "strata.stage_worker.main",
-               "strata.coordinator.server"]
+               "strata.coordinator.api.server"]
     code = (f"import sys; import {', '.join(modules)}; "
             f"print(sorted(m for m in sys.modules if m.startswith('strata.bench')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

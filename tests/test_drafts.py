@@ -1,5 +1,5 @@
 """Prompt lookup: drafts are what followed the latest earlier occurrence of the longest tail."""
-from strata.coordinator.drafts import PromptLookup
+from strata.coordinator.speculation.drafts import PromptLookup
 
 
 def test_longest_tail_and_latest_occurrence():
@@ -19,7 +19,7 @@ def test_nothing_to_propose_and_short_continuations():
 
 
 def test_draft_room_is_the_rows_beyond_the_slots_up_to_k():
-    from strata.coordinator.drafts import draft_room
+    from strata.coordinator.speculation.drafts import draft_room
     assert draft_room(1, 7, 8) == 7 and draft_room(1, 3, 8) == 3   # 1 slot in 8 rows
     assert draft_room(3, 7, 8) == 5     # 5 rows beyond 3 slots (the window shares them)
     assert draft_room(8, 7, 8) == 0     # a full window that may not grow

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from strata.coordinator.engine import IDLE_CHECK_S, Engine, EngineDown, Finished, Job
-from strata.coordinator.pipeline import PipelineError
+from strata.coordinator.engine.engine import IDLE_CHECK_S, Engine, EngineDown, Finished, Job
+from strata.coordinator.stages.pipeline import PipelineError
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import SchedulerConfig
+from strata.coordinator.engine.scheduler import SchedulerConfig
 from test_scheduler import STOP, FakePipeline, params, run_alone
 
 
@@ -93,7 +93,7 @@ def test_an_idle_engine_hears_of_a_stage_that_hangs():
 
 
 def test_the_engine_and_server_import_neither_torch_nor_zmq():
-    code = ("import sys, strata.coordinator.engine, strata.coordinator.server; "
+    code = ("import sys, strata.coordinator.engine.engine, strata.coordinator.api.server; "
             "print(sorted({'torch', 'zmq'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

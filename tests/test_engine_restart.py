@@ -11,10 +11,10 @@ import threading
 import time
 from types import SimpleNamespace
 
-from strata.coordinator.engine import RESTARTS_IN_A_ROW, Engine
-from strata.coordinator.metrics import Metrics
-from strata.coordinator.pipeline import PipelineError
-from strata.coordinator.scheduler import SchedulerConfig
+from strata.coordinator.engine.engine import RESTARTS_IN_A_ROW, Engine
+from strata.coordinator.engine.metrics import Metrics
+from strata.coordinator.stages.pipeline import PipelineError
+from strata.coordinator.engine.scheduler import SchedulerConfig
 from strata.protocol.messages import Result
 from test_engine import _finish
 from test_scheduler import params

@@ -31,9 +31,9 @@ from hypothesis import strategies as st
 
 from inprocess import in_process_worker
 
-from strata.coordinator.pipeline import Expect, Pipeline
+from strata.coordinator.stages.pipeline import Expect, Pipeline
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.protocol import transport
 from strata.protocol.messages import (PROTOCOL_VERSION, SCHEMAS, Error, Hello, Result,
                                       Shutdown, Window, encode)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.coordinator.generate import generate_solo
+from strata.coordinator.engine.generate import generate_solo
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.sequence import Sequence
 from strata.kernels.attention import attend_reference, attend_rows
@@ -349,7 +349,7 @@ def test_sampled_rows_picked_on_the_device_give_the_tokens_alone_and_together(va
     filters, with top-p and with min-p."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+    from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
     from strata.launch.plan import plan_stages
     from strata.launch.session import launch_stages
     file = ModelFile(varied_model)

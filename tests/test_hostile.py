@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata.coordinator.openai_api import TextStream, _failure_links, _stop_prefix_at_end
-from strata.coordinator.request_fields import STOP_MAX_CHARS
+from strata.coordinator.api.openai_api import TextStream, _failure_links, _stop_prefix_at_end
+from strata.coordinator.api.request_fields import STOP_MAX_CHARS
 from strata.config_error import ConfigError
-from strata.coordinator.server import ServerConfig
+from strata.coordinator.api.server import ServerConfig
 from strata.launch.options import FLAGS
 from strata.launch.serving import ServeError, bind_socket
 from strata.model.gguf_file import ModelFile

@@ -172,7 +172,7 @@ def test_a_launch_host_that_does_not_resolve_gets_a_sentence():
 
 def test_the_launch_says_what_it_waits_for_then_gives_up(three_stages, monkeypatch):
     import strata.launch.joins as joins_module
-    from strata.coordinator.pipeline import PipelineError
+    from strata.coordinator.stages.pipeline import PipelineError
     monkeypatch.setattr(joins_module, "NOTE_S", 0.5)
     joins = three_stages
     joins.answer(JoinAsk(PROTOCOL_VERSION, 2))

@@ -16,7 +16,7 @@ import torch
 import zmq
 from click.testing import CliRunner
 
-from strata.coordinator.pipeline import Expect, Pipeline, PipelineError
+from strata.coordinator.stages.pipeline import Expect, Pipeline, PipelineError
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.windows import build_window, prompt_chunks
 from strata.protocol import transport

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from strata.coordinator.pipeline import Expect, Pipeline
+from strata.coordinator.stages.pipeline import Expect, Pipeline
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile

@@ -13,10 +13,10 @@ import random
 
 import pytest
 
-from strata.coordinator.drafts import DraftCounts
-from strata.coordinator.engine import Engine, Finished, Job
-from strata.coordinator.metrics import Metrics
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.speculation.drafts import DraftCounts
+from strata.coordinator.engine.engine import Engine, Finished, Job
+from strata.coordinator.engine.metrics import Metrics
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.protocol.messages import Result
 from test_scheduler import STOP, FakePipeline, params, prompts, run_alone
 
@@ -299,8 +299,8 @@ def test_counters_and_status_count_drafts_proposed_and_accepted():
     # /v1/status: the totals since the start
     import json
 
-    from strata.coordinator.connections import ServerConfig
-    from strata.coordinator.server import Server
+    from strata.coordinator.api.connections import ServerConfig
+    from strata.coordinator.api.server import Server
     server = Server(engine, None, 64, ServerConfig(model="fake"), metrics, lambda: None)
     status = json.loads(asyncio.run(server.status(None)).text)
     positions = status["drafts"].pop("positions")
@@ -319,8 +319,8 @@ def test_a_decoding_slot_shows_its_drafts():
     """The slot's view and its /v1/status entry count its request's drafts, mid-request."""
     import json
 
-    from strata.coordinator.connections import ServerConfig
-    from strata.coordinator.server import Server
+    from strata.coordinator.api.connections import ServerConfig
+    from strata.coordinator.api.server import Server
     ps = [list(range(5, 25))]
     alone = run_alone(ps)
     pipe = DraftingPipeline(1, 256, truth_of(ps, alone), lambda slot, wid: "mix", 3)
@@ -354,8 +354,8 @@ def test_acceptance_per_draft_position_in_status_and_metrics():
     before it)."""
     import json
 
-    from strata.coordinator.connections import ServerConfig
-    from strata.coordinator.server import Server
+    from strata.coordinator.api.connections import ServerConfig
+    from strata.coordinator.api.server import Server
     ps, p = [list(range(5, 25))], params(0, 12)
     solo = Scheduler(FakePipeline(1, 256), SchedulerConfig(slots=1, chunk_rows=8),
                      frozenset({STOP}))

@@ -19,11 +19,11 @@ import pytest
 from aiohttp import ClientSession, WSMsgType
 from aiohttp.test_utils import TestClient, TestServer
 
-from strata.coordinator.connections import ServerConfig
-from strata.coordinator.engine import Engine
-from strata.coordinator.metrics import Metrics
-from strata.coordinator.scheduler import SchedulerConfig
-from strata.coordinator.server import Server
+from strata.coordinator.api.connections import ServerConfig
+from strata.coordinator.engine.engine import Engine
+from strata.coordinator.engine.metrics import Metrics
+from strata.coordinator.engine.scheduler import SchedulerConfig
+from strata.coordinator.api.server import Server
 from test_scheduler import FakePipeline
 
 KEY = "page-test-key"

@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from strata.coordinator.generate import generate_solo
+from strata.coordinator.engine.generate import generate_solo
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS

@@ -13,10 +13,11 @@ import random
 import pytest
 
 from strata.coordinator.config import SchedulerConfig
-from strata.coordinator.draft_choice import (EXPLORE_EVERY, Acceptance, GroupDrafts,
-                                             expected_tokens, share_rows)
-from strata.coordinator.drafts import DraftCounts
-from strata.coordinator.scheduler import Scheduler
+from strata.coordinator.speculation.draft_choice import (EXPLORE_EVERY, Acceptance,
+                                                         GroupDrafts, expected_tokens,
+                                                         share_rows)
+from strata.coordinator.speculation.drafts import DraftCounts
+from strata.coordinator.engine.scheduler import Scheduler
 from test_mtp_scheduler import DraftingPipeline, mtp_config, random_policy, truth_of
 from test_scheduler import STOP, params, prompts, run_alone
 
@@ -333,10 +334,10 @@ def test_acceptance_is_kept_over_first_rejections():
 
 
 def test_status_says_each_groups_choice():
-    from strata.coordinator.connections import ServerConfig
-    from strata.coordinator.engine import Engine
-    from strata.coordinator.metrics import Metrics
-    from strata.coordinator.server import Server
+    from strata.coordinator.api.connections import ServerConfig
+    from strata.coordinator.engine.engine import Engine
+    from strata.coordinator.engine.metrics import Metrics
+    from strata.coordinator.api.server import Server
     ps = [list(range(5 + i, 25 + i)) for i in range(4)]
     alone = [_alone(p, 60) for p in ps]
     clock = Clock()

@@ -16,8 +16,8 @@ import pytest
 
 from strata.bench import harness
 from strata.coordinator.config import round_rows
-from strata.coordinator.drafts import DraftCounts
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.speculation.drafts import DraftCounts
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile

@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.protocol import transport, unixsock
 from strata.protocol.messages import Error, ProtocolError, Result, Window
 from strata.stage_worker.worker import StageWorker, WorkerConfig

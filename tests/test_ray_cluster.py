@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from strata.coordinator.pipeline import PipelineError
+from strata.coordinator.stages.pipeline import PipelineError
 from strata.launch.joins import StageJoins
 from strata.launch.plan import PlanError, StagePlan
 from strata.launch.ray_cluster import bundle, import_ray, join_args, parse_cluster

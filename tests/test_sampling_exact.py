@@ -16,7 +16,7 @@ import torch
 
 from strata.bench import harness
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import SchedulerConfig
+from strata.coordinator.engine.scheduler import SchedulerConfig
 from strata.model.tokenizer import Tokenizer
 
 CTX, SLOTS, TOKENS = 512, 4, 12

@@ -12,9 +12,9 @@ from collections import deque
 
 import pytest
 
-from strata.coordinator.pipeline import WindowFailed
+from strata.coordinator.stages.pipeline import WindowFailed
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.protocol.messages import Error, Result
 from strata.protocol.transport import pack, unpack
 

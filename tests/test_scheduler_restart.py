@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from strata.coordinator.drafts import DraftCounts
-from strata.coordinator.pipeline import PipelineError
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.speculation.drafts import DraftCounts
+from strata.coordinator.stages.pipeline import PipelineError
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from test_scheduler import STOP, params
 from two_stages import (Crashing, assert_stages_hold_what_slots_hold, calls_of, random_policy,
                         reference, serve, sweep)

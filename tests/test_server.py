@@ -31,7 +31,7 @@ import pytest
 from conftest import (SMOLLM2_REQUESTS, SMOLLM2_SPLIT, SMOLLM2_TOKENS, smollm2_params,
                       stage_processes)
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import SchedulerConfig
+from strata.coordinator.engine.scheduler import SchedulerConfig
 from strata.bench import harness
 from strata.bench.loadtest import ServerProcess
 from strata.model.gguf_file import ModelFile
@@ -481,7 +481,7 @@ def test_8_concurrent_streams_each_get_their_solo_tokens(smol, solo):
 # --- streamed text, without a server ------------------------------------------------------------
 
 def test_text_stream_holds_back_what_may_still_change():
-    from strata.coordinator.openai_api import TextStream
+    from strata.coordinator.api.openai_api import TextStream
     decode = lambda ids: "".join(chr(i) for i in ids)  # noqa: E731
     s = TextStream(decode, ("END",))
     deltas = [s.push(ord(c)) for c in "abENX"]

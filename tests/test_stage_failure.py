@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from strata.bench.loadtest import ServerProcess
-from strata.coordinator.liveness import FIRST_S, FLOOR_S, HEARTBEAT_S, MARGIN_S, Liveness
+from strata.coordinator.stages.liveness import FIRST_S, FLOOR_S, HEARTBEAT_S, MARGIN_S, Liveness
 from strata.protocol import transport, unixsock
 from strata.protocol.messages import Heartbeat
 from strata.protocol.peers import PeerWatch

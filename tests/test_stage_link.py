@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from strata.coordinator.generate import generate_solo
+from strata.coordinator.engine.generate import generate_solo
 from strata.coordinator.sequence import Sequence
-from strata.coordinator.pipeline import WindowFailed
+from strata.coordinator.stages.pipeline import WindowFailed
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import SchedulerConfig
+from strata.coordinator.engine.scheduler import SchedulerConfig
 from strata.bench import harness
 from strata.launch.joins import host_rendezvous
 from strata.launch.plan import PlanError, StagePlan, plan_stages, resolve_link

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from strata.coordinator.engine import Engine, Finished, Job
-from strata.coordinator.metrics import Metrics
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.engine.engine import Engine, Finished, Job
+from strata.coordinator.engine.metrics import Metrics
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.protocol import unixsock
 from test_scheduler import FakePipeline, params, prompts
 
@@ -181,7 +181,7 @@ def test_a_stage_that_failed_while_another_started_again_is_heard_when_it_says_h
     """Stage 1 was being started again when stage 0 failed: the coordinator then waits for
     stage 0, and stage 1's hello, which comes meanwhile, counts too (it was dropped: stage 1
     then stayed out of the stage table and of the heartbeats)."""
-    from strata.coordinator.pipeline import Expect, Pipeline
+    from strata.coordinator.stages.pipeline import Expect, Pipeline
     from strata.protocol import transport
     from strata.protocol.messages import PROTOCOL_VERSION, Hello
 

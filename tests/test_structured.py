@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from strata.coordinator import openai_api as api
-from strata.coordinator.drafts import DraftCounts
+from strata.coordinator.api import openai_api as api
+from strata.coordinator.speculation.drafts import DraftCounts
 from strata.coordinator.grammar import Grammars, WindowMasks
-from strata.coordinator.prompts import Prompts
+from strata.coordinator.api.prompts import Prompts
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.kernels.sampling import sample_row
 from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer
@@ -134,8 +134,8 @@ def test_a_grammar_llguidance_stops_following_is_the_requests_400(tok, grammars,
     """A grammar whose limits only show after the probe (here: no probe at all) ends its
     request with an error that names the field, a 400 (not a window's 500)."""
     from strata.coordinator import grammar
-    from strata.coordinator.choices import failure
-    from strata.coordinator.engine import Finished
+    from strata.coordinator.api.choices import failure
+    from strata.coordinator.engine.engine import Finished
     from strata.coordinator.sequence import Sequence
     monkeypatch.setattr(grammar, "PROBE_TOKENS", 0)
     c = compiled(tok, grammars, guided_regex="(a{1000}){1000}")

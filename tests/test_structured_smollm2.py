@@ -17,9 +17,9 @@ import pytest
 
 from conftest import SMOLLM2_CTX
 from strata.coordinator.grammar import Grammars
-from strata.coordinator.grammar_fields import grammar_request
+from strata.coordinator.api.grammar_fields import grammar_request
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.model.tokenizer import Tokenizer
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],

@@ -274,8 +274,8 @@ def test_tiny_byte_vocabulary(tmp_path: Path):
     with pytest.raises(ValueError, match="no chat template"):
         tok.render_chat([{"role": "user", "content": "hi"}])
     # over HTTP: a 400 on messages that points to /v1/completions (not to the CLI's --chat)
-    from strata.coordinator.prompts import Prompts
-    from strata.coordinator.request_fields import ApiError
+    from strata.coordinator.api.prompts import Prompts
+    from strata.coordinator.api.request_fields import ApiError
     with pytest.raises(ApiError) as e:
         Prompts(tok, 260, 64).chat({"messages": [{"role": "user", "content": "hi"}]})
     assert (e.value.status, e.value.param) == (400, "messages")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from strata.coordinator.scheduler import SchedulerConfig
+from strata.coordinator.engine.scheduler import SchedulerConfig
 from strata.bench import harness, tracereport
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages

@@ -148,7 +148,7 @@ def test_a_restarted_receiver_binds_the_same_path_and_gets_later_messages(endpoi
 def test_launch_over_either_transport_gives_the_same_tokens_and_logits(tiny_model, no_stage_left):
     """Two CPU stages, a prompt longer than one chunk, logits wanted: the first chunk's Result
     carries an empty logits frame. Unix sockets and ZeroMQ give the same tokens and logits."""
-    from strata.coordinator.generate import generate_solo
+    from strata.coordinator.engine.generate import generate_solo
     from strata.coordinator.sampling_params import SamplingParams
     from strata.coordinator.sequence import Sequence
     from strata.launch.plan import plan_stages

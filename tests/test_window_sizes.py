@@ -19,13 +19,13 @@ from click.testing import CliRunner
 
 from strata.bench import harness
 from strata.coordinator.config import MAX_WINDOW_ROWS
-from strata.coordinator.engine import Engine, Finished, Job
-from strata.coordinator.metrics import Metrics
+from strata.coordinator.engine.engine import Engine, Finished, Job
+from strata.coordinator.engine.metrics import Metrics
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
-from strata.coordinator.server import Server
-from strata.coordinator.connections import ServerConfig
+from strata.coordinator.api.server import Server
+from strata.coordinator.api.connections import ServerConfig
 from test_scheduler import FakePipeline, params
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from strata.coordinator.pipeline import PipelineError, WindowFailed
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.stages.pipeline import PipelineError, WindowFailed
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.protocol.messages import Error, Result
 from strata.protocol.transport import pack, unpack
 from test_scheduler import STOP

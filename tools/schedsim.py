@@ -15,7 +15,7 @@ import click
 import gguf
 
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.bench.harness import prompt_set
 from strata.model.tokenizer import Tokenizer
 from strata.protocol.messages import Result

@@ -28,9 +28,9 @@ from statistics import mean, median
 
 import click
 
-from strata.coordinator.generate import generate_solo
+from strata.coordinator.engine.generate import generate_solo
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import auto_groups
+from strata.coordinator.engine.scheduler import auto_groups
 from strata.coordinator.sequence import Sequence
 from strata.bench import exactness, harness
 from strata.bench.draftbench import drafts

@@ -12,10 +12,10 @@ from dataclasses import replace
 import click
 
 from strata.coordinator.config import DRAFT_SAMPLINGS, MAX_DRAFT_TOKENS
-from strata.coordinator.drafts import DraftCounts
-from strata.coordinator.pipeline import PipelineError
+from strata.coordinator.speculation.drafts import DraftCounts
+from strata.coordinator.stages.pipeline import PipelineError
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Request, Scheduler, SchedulerConfig
 from strata.bench import harness
 from strata.bench.harness import (chat_prompts, filter_options, filters_said, machine,
                                   read_prompts, sampled, split_option)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from strata.bench.harness import CountingPipe, first_mismatch
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Request, Scheduler, SchedulerConfig
 
 ARMS = ("together", "staggered")   # compared against "alone"
 

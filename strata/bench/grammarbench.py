@@ -20,7 +20,7 @@ import torch
 
 from strata.bench.harness import machine
 from strata.coordinator.grammar import Grammars, WindowMasks, executor
-from strata.coordinator.grammar_fields import grammar_request
+from strata.coordinator.api.grammar_fields import grammar_request
 from strata.model.gguf_file import ModelFile
 from strata.model.registry import DEFAULT_MODEL, resolve_model
 from strata.model.tokenizer import Tokenizer

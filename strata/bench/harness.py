@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import click
 
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Request, Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Request, Scheduler, SchedulerConfig
 from strata.launch.options import say
 from strata.launch.session import Launched
 from strata.model.tokenizer import Tokenizer

@@ -21,7 +21,7 @@ from dataclasses import replace
 import click
 
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.launch.options import clean_errors, launch_options, prepare
 from strata.model.gguf_file import ModelConfig
 

@@ -30,7 +30,7 @@ from statistics import mean, median
 import click
 from click.core import ParameterSource
 
-from strata.coordinator.scheduler import SchedulerConfig, auto_groups
+from strata.coordinator.engine.scheduler import SchedulerConfig, auto_groups
 from strata.bench import harness, tracereport
 from strata.bench.harness import (Workload, chat_prompts, filter_options, filters_said,
                                   machine, read_prompts,

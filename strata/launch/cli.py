@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import click
 
-from strata.coordinator.openai_api import TextStream
-from strata.coordinator.pipeline import PipelineError
+from strata.coordinator.api.openai_api import TextStream
+from strata.coordinator.stages.pipeline import PipelineError
 from strata.coordinator.sampling_params import SamplingParams
-from strata.coordinator.scheduler import Scheduler
+from strata.coordinator.engine.scheduler import Scheduler
 from strata.coordinator.sequence import Sequence
 from strata.launch.joins import parse_listen
 from strata.launch.options import clean_errors, launch_options, prepare, say
@@ -313,7 +313,7 @@ def check_security(keys: str | None, insecure: bool, prep, stages: dict) -> None
 def serve(prep, tok, model, served_names, host, port, api_key, log_dir, stages, limits,
           restart_stages):
     # the HTTP stack (aiohttp) is imported only to serve
-    from strata.coordinator.connections import ServerConfig
+    from strata.coordinator.api.connections import ServerConfig
     from strata.launch.serving import bind_socket, run_server
 
     if served_names:   # these names only, as vLLM's --served-model-name

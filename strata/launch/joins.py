@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 
-from strata.coordinator.pipeline import PipelineError
+from strata.coordinator.stages.pipeline import PipelineError
 from strata.launch.plan import PlanError
 from strata.launch.processes import StageProcesses
 from strata.protocol.join import JoinDesk, free_ports, parse_tcp

@@ -12,7 +12,7 @@ from strata.config_error import ConfigError
 from strata.coordinator.config import (AUTO, DRAFT_SAMPLINGS, DRAFT_TILES, DRAFTERS,
                                        MAX_DRAFT_TOKENS, MAX_WINDOW_ROWS, WINDOW_ROW_STEP,
                                        SchedulerConfig, auto_groups)
-from strata.coordinator.liveness import FIRST_S, FLOOR_S, MARGIN_S, Liveness
+from strata.coordinator.stages.liveness import FIRST_S, FLOOR_S, MARGIN_S, Liveness
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
 from strata.launch.memory import check_fits, layer_bytes, tensor_bytes
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
@@ -356,7 +356,7 @@ def clean_errors(command_name: str):
     import sys
 
     from strata.coordinator.sequence import RequestError
-    from strata.coordinator.pipeline import PipelineError, WindowFailed
+    from strata.coordinator.stages.pipeline import PipelineError, WindowFailed
 
     def wrap(f):
         @functools.wraps(f)

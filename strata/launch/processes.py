@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from strata.coordinator.pipeline import PipelineError
+from strata.coordinator.stages.pipeline import PipelineError
 from strata.launch.plan import StagePlan, resolve_link
 from strata.protocol.join import free_ports
 

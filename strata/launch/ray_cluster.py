@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from strata.coordinator.pipeline import PipelineError
+from strata.coordinator.stages.pipeline import PipelineError
 from strata.launch.joins import NOTE_S, parse_listen
 from strata.launch.options import Prepared, prepare
 from strata.launch.plan import PlanError, StagePlan, resolve_link

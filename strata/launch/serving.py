@@ -1,6 +1,6 @@
 """Serving over HTTP as a process: bind the port before the stages start, run the server until
 SIGINT or SIGTERM, and say so on the console. The server itself (routes, limits, the engine
-thread) is strata.coordinator.server; this module holds only the process's concerns."""
+thread) is strata.coordinator.api.server; this module holds only the process's concerns."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +9,9 @@ import signal
 import socket
 from typing import Callable
 
-from strata.coordinator.engine import Engine
-from strata.coordinator.metrics import Metrics
-from strata.coordinator.server import Server, ServerConfig, serve
+from strata.coordinator.engine.engine import Engine
+from strata.coordinator.engine.metrics import Metrics
+from strata.coordinator.api.server import Server, ServerConfig, serve
 
 
 class ServeError(ValueError):

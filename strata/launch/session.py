@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from strata.coordinator.pipeline import Expect, Pipeline
+from strata.coordinator.stages.pipeline import Expect, Pipeline
 from strata.launch.joins import StageJoins
 from strata.launch.plan import StagePlan
 from strata.launch.processes import StageProcesses
@@ -50,7 +50,7 @@ def launch_stages(file: ModelFile, plan: list[StagePlan], *, slots: int = 1, ctx
     transport: unix (Unix sockets, protocol/unixsock.py) or zmq (ZeroMQ ipc) between them.
     mtp_head: a sidecar NextN head the last stage loads for its drafter.
     stage_timeout: seconds after which a stage that does not answer is taken for hung
-    (coordinator/liveness.py; None: its default).
+    (coordinator/stages/liveness.py; None: its default).
     keys: a keys directory (strata-keys) for CURVE on the ZeroMQ sockets (transport zmq, or
     listen); insecure: without keys, the tcp endpoints of a listen launch may be bound beyond
     loopback.

@@ -176,7 +176,7 @@ class Heartbeat:
     """The coordinator asks a stage (stage -1: from the coordinator) whether it still takes
     messages; the stage answers with the same seq and its own index when it takes the
     question from its inbox, after the windows queued before it. A stage that is stopped or
-    stuck never answers (coordinator/liveness.py)."""
+    stuck never answers (coordinator/stages/liveness.py)."""
     seq: int
     stage: int = -1
 

@@ -86,7 +86,7 @@ def generate(prep, tok, work: list[Work], seconds: float | None = None, say=prin
     """The answer of every item of `work`, in its order, through a launch of `prep`
     (strata.launch.options.prepare). Requests are fed as others finish, so the slots stay full;
     after `seconds`, no new one starts (the answers begun are finished and kept)."""
-    from strata.coordinator.scheduler import Scheduler
+    from strata.coordinator.engine.scheduler import Scheduler
     bar = progress(total=len(work), desc="answers", unit="answer") if progress else None
     out: list[Sample] = []
     pending = iter(work)

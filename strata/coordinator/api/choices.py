@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable
 
-from strata.coordinator import openai_api as api
-from strata.coordinator.engine import Engine, EngineDown, Finished, Job, Token
-from strata.coordinator.openai_logprobs import Logprobs, Spelling
-from strata.coordinator.request_fields import ApiError
+from strata.coordinator.api import openai_api as api
+from strata.coordinator.engine.engine import Engine, EngineDown, Finished, Job, Token
+from strata.coordinator.api.openai_logprobs import Logprobs, Spelling
+from strata.coordinator.api.request_fields import ApiError
 
 
 class _Tagged:

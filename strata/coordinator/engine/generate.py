@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from strata.coordinator.pipeline import Pipeline
+from strata.coordinator.stages.pipeline import Pipeline
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.windows import (DEFAULT_CHUNK_ROWS, DEFAULT_WINDOW_ROWS, Row,
                                         build_window, prompt_chunks)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from strata.coordinator import request_fields as fields
-from strata.coordinator.request_fields import ApiError
+from strata.coordinator.api import request_fields as fields
+from strata.coordinator.api.request_fields import ApiError
 
 MAX_PROMPTS = 128   # prompts in one completions request
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -8,7 +8,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from strata.coordinator.drafts import DraftCounts
+from strata.coordinator.speculation.drafts import DraftCounts
 
 # a CPU window of a small model takes milliseconds, a prompt chunk of a big one seconds
 WINDOW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

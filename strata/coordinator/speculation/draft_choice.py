@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.coordinator.config import SchedulerConfig, round_rows
-from strata.coordinator.drafts import DraftCounts, PromptLookup, draft_room
+from strata.coordinator.speculation.drafts import DraftCounts, PromptLookup, draft_room
 
 DECAY = 0.9          # weight of the past in the acceptance counts, per window observed
 PRIOR = 0.5          # acceptance before anything is observed, worth PRIOR_WEIGHT windows

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from strata.coordinator.grammar import Constraint
-from strata.coordinator.metrics import Metrics
-from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
+from strata.coordinator.engine.metrics import Metrics
+from strata.coordinator.stages.pipeline import Pipeline, PipelineError, WindowFailed
 from strata.coordinator.sampling_params import SamplingParams, TokenLogprob
-from strata.coordinator.draft_choice import DraftChoice
-from strata.coordinator.drafts import DraftCounts
-from strata.coordinator.scheduler import (DecodeWindow, Request, Scheduler, SchedulerConfig,
-                                          SlotState)
+from strata.coordinator.speculation.draft_choice import DraftChoice
+from strata.coordinator.speculation.drafts import DraftCounts
+from strata.coordinator.engine.scheduler import (DecodeWindow, Request, Scheduler,
+                                                 SchedulerConfig, SlotState)
 from strata.protocol.messages import Window
 
 log = logging.getLogger("strata.engine")

@@ -13,11 +13,11 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-from strata.coordinator import request_fields as fields
+from strata.coordinator.api import request_fields as fields
 from strata.coordinator.grammar import Constraint, GrammarError, Grammars
-from strata.coordinator.grammar_fields import grammar_request, refusal
-from strata.coordinator.prompts import Prompts
-from strata.coordinator.request_fields import ApiError
+from strata.coordinator.api.grammar_fields import grammar_request, refusal
+from strata.coordinator.api.prompts import Prompts
+from strata.coordinator.api.request_fields import ApiError
 from strata.coordinator.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
                                          SamplingParams)
 

@@ -18,14 +18,14 @@ from typing import Callable
 from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_groups re-exported)
     WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
 from strata.coordinator.grammar import Constraint, WindowMasks
-from strata.coordinator.pipeline import Pipeline, PipelineError, WindowFailed
-from strata.coordinator.rebuild import decoded_rows, start_rebuild
+from strata.coordinator.stages.pipeline import Pipeline, PipelineError, WindowFailed
+from strata.coordinator.engine.rebuild import decoded_rows, start_rebuild
 from strata.coordinator.sampling_params import SamplingParams, TokenLogprob
-from strata.coordinator.scheduler_state import (  # noqa: F401 (the state types re-exported)
+from strata.coordinator.engine.scheduler_state import (  # noqa: F401 (the state types re-exported)
     DecodeWindow, Flight, Group, Request, RowOwner, SchedulerSnapshot, SlotState)
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.slots import Slot, SlotTable
-from strata.coordinator.speculation import Speculation
+from strata.coordinator.speculation.speculation import Speculation
 from strata.coordinator.windows import Row, build_window
 
 log = logging.getLogger("strata.scheduler")

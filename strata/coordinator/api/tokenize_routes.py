@@ -14,9 +14,9 @@ control tokens in the text, as vLLM's does, so that it inverts /tokenize.
 """
 from __future__ import annotations
 
-from strata.coordinator import request_fields as fields
-from strata.coordinator.prompts import Prompts
-from strata.coordinator.request_fields import ApiError
+from strata.coordinator.api import request_fields as fields
+from strata.coordinator.api.prompts import Prompts
+from strata.coordinator.api.request_fields import ApiError
 
 TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
             "return_token_strs"}

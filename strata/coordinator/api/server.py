@@ -30,17 +30,17 @@ from typing import Callable
 
 from aiohttp import web
 
-from strata.coordinator import openai_api as api
-from strata.coordinator import page, tokenize_routes
-from strata.coordinator.connections import ConnectionPool, Limits, ServerConfig
-from strata.coordinator.choices import Choices
-from strata.coordinator.engine import Engine
+from strata.coordinator.api import openai_api as api
+from strata.coordinator.api import page, tokenize_routes
+from strata.coordinator.api.connections import ConnectionPool, Limits, ServerConfig
+from strata.coordinator.api.choices import Choices
+from strata.coordinator.engine.engine import Engine
 from strata.coordinator.grammar import Grammars
-from strata.coordinator.metrics import Metrics
-from strata.coordinator.openai_api import ApiError
-from strata.coordinator.openai_logprobs import Spelling
-from strata.coordinator.prompts import Prompts
-from strata.coordinator.request_fields import shown
+from strata.coordinator.engine.metrics import Metrics
+from strata.coordinator.api.openai_api import ApiError
+from strata.coordinator.api.openai_logprobs import Spelling
+from strata.coordinator.api.prompts import Prompts
+from strata.coordinator.api.request_fields import shown
 
 log = logging.getLogger("strata.server")
 KEYED = ("/tokenize", "/detokenize")   # beside /v1/*: the routes that want the key

@@ -25,17 +25,31 @@ changes a token: a draft only decides how many tokens a window yields (drafts.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from strata.coordinator.config import SchedulerConfig, round_rows
-from strata.coordinator.draft_choice import DraftChoice, GroupDrafts, share_rows
-from strata.coordinator.drafts import DraftCounts, PromptLookup, draft_limit
+from strata.coordinator.speculation.draft_choice import (DraftChoice, GroupDrafts,
+                                                         RequestDrafts, share_rows)
+from strata.coordinator.speculation.drafts import DraftCounts, PromptLookup, draft_limit
 from strata.coordinator.sampling_params import TokenLogprob
 from strata.protocol.acceptance import kept_rows
 
 if TYPE_CHECKING:
-    from strata.coordinator.scheduler_state import Request, RowOwner
+    from strata.coordinator.sequence import Sequence
     from strata.coordinator.slots import Slot
+
+
+class Request(Protocol):
+    """A request as speculation reads it (the engine's Request, engine/scheduler_state.py:
+    speculation never imports the engine)."""
+    seq: Sequence
+    drafts: RequestDrafts
+
+
+class RowOwner(Protocol):
+    """A slot's rows in a window as verify reads them (the engine's RowOwner)."""
+    sampled: int
+    drafts: list[int]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import llguidance
 
-from strata.coordinator.request_fields import ApiError, bad, shown, wrong_type
+from strata.coordinator.api.request_fields import ApiError, bad, shown, wrong_type
 
 FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
           "structured_outputs")

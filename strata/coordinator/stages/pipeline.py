@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from strata.coordinator.liveness import Liveness
+from strata.coordinator.stages.liveness import Liveness
 from strata.protocol import transport
 from strata.protocol.keys import CurveKeys, stage_name
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Heartbeat, Hello, ProtocolError,

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from strata.config_error import ConfigError
-from strata.coordinator.request_fields import ApiError
+from strata.coordinator.api.request_fields import ApiError
 
 log = logging.getLogger("strata.server")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from strata.coordinator.draft_choice import DraftChoice, RequestDrafts
-from strata.coordinator.drafts import DraftCounts
+from strata.coordinator.speculation.draft_choice import DraftChoice, RequestDrafts
+from strata.coordinator.speculation.drafts import DraftCounts
 from strata.coordinator.sequence import Sequence
 from strata.coordinator.slots import Slot
 
