@@ -4,6 +4,8 @@ config's fields, so each front end can name them its own way (a CLI: its flags).
     raise ConfigError("slots", f"{{slots}} {slots} is below 1")
     str(e)                          # 'slots 0 is below 1'
     e.render({"slots": "--batch"})  # '--batch 0 is below 1'
+
+May import: nothing
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ is host time.
 
 Tracing costs two events and a few list appends a window; off (no path), every call returns
 at once. torch is imported only by a trace that times CUDA spans.
+May import: nothing
 """
 from __future__ import annotations
 
