@@ -1,48 +1,8 @@
-"""The MTP drafter of the last stage: a NextN head (DeepSeek-V3's multi-token prediction
-module, in llama.cpp's GGUF layout: strata/model/nextn.py) run after every window on the rows
-the window accepts, and asked by `Window.propose` for a slot's next k tokens.
-
-A NextN row at position p combines the main model's final hidden state at p - 1 (before the
-final norm) with the embedding of the token at p, and predicts the token at p + 1:
-
-    x = eh_proj([enorm(emb(tok_p)); hnorm(h_{p-1})])      # embedding first, as DeepSeek/vLLM
-    x = block(x)            # one llama layer (model.Layer), over the slot's NextN rows
-    d = argmax(head(shared_head_norm(x)))                 # or coupled, below
-
-Position 0 has no row, so the NextN attention starts at position 1: the row of position p is
-kept at index p - 1 of the NextN cache [slots + 1, KVH, ctx, hd] and rotated as position p - 1
-(vLLM's convention; RoPE scores depend only on the distance between two rows). Chained
-proposals reuse the block: the next row takes the block's output x (before shared_head_norm)
-as its h and the proposal just made as its token, one position further.
-
-Which rows a window gives a slot (its rows sorted by position, rows j = 0..n-1 at P_0 + j):
-rows 0..a are accepted, where each row j >= 1 follows its predecessor when that one was not
-sampled (a prompt row: the next token is given) or was sampled as this row's token (a draft
-equal to the target's token: protocol/acceptance.py's rule, the coordinator's too). NextN rows then go at
-P_0 + 1..P_a (h of the window's rows 0..a-1), at P_0 (h from the slot's `last_h`, the hidden
-state of its last accepted position, or zeros when that is not P_0 - 1: a follow-up turn that
-resumes a held prompt) unless the previous window already wrote that row with this token, and,
-when row a was sampled, at P_a + 1 with (h_a, t_a): its output gives the first proposal.
-A slot's rows past what it accepts (rejected ones, chained proposals) are overwritten before
-any row reads them, as in the main KV cache. Commits need nothing more here: every window of
-a slot sets its `last_h` and its `ready` row anew, and a commit (slot, length) is followed by
-rows at P_0 <= length (the stages refuse a gap), where `last_h` counts only if it is the state
-of P_0 - 1 and the `ready` row only if it is the row of P_0 with the same token.
-
-Coupled proposals (a slot that samples with a temperature, when the window sends draws for it
-in `propose_u`): the proposal for position q is the target's own sampler
-(strata/kernels/sampling.py) over the head's logits with the slot's temperature, top-k, top-p
-and min-p and the uniform u(q) = Philox(seed, q) that the target will sample q with: the
-window's own draws (its sampled row at p carries u(p + 1)), then propose_u's k draws for the
-positions after its last row's. It is picked inside the head's graph, no step waits for the
-host: pick_unfiltered for a slot without top-k, top-p or min-p, else pick_proposals, the same
-filters and pick among the head's most likely tokens (kernels/proposal_pick.py). The
-sampler's pick is Gumbel-max with noise keyed by (u, token id): two distributions sampled
-with one u pick the same token about as often as any coupling of them can (1 - their total
-variation, less a little), far more often than the target's draw equals the head's argmax,
-and equality acceptance does not change: the tokens stay those of plain decoding, only more
-proposals are kept. Greedy slots, windows without draws (older coordinators,
-`--draft-sampling argmax`) and a position whose draw is not known take the argmax.
+"""The MTP drafter of the last stage: a NextN head (strata/model/nextn.py) run after every
+window on the rows the window accepts, and asked by `Window.propose` for a slot's next k
+tokens, argmax or coupled to the slot's own draws. How the NextN rows sit in their cache,
+which rows a window gives a slot and what coupled proposals are: docs/DESIGN.md, "Draft
+tokens" (the MTP drafter's rows).
 """
 from __future__ import annotations
 

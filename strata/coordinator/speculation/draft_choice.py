@@ -1,37 +1,8 @@
-"""How many drafts a group's slots verify, and which slots get the rows (speculation.py asks).
-
-Rows: a decode window of n decoding slots has round8(n) rows without drafts; drafts may grow
-it up to SchedulerConfig.draft_window_rows(round8(n)) rows. When the slots want more drafts
-than that leaves room for, the rows go to the drafts most likely to be kept: a draft is kept
-only if every draft before it in its slot was, so with acceptance a (the chance a draft is kept
-given the ones before it were) a slot's j-th draft is kept with probability a^j. share_rows
-gives the rows by a^j, highest first, over every slot's j = 1..want (ties: the slot that comes
-first in the window). It decides which rows a window has, never what a row computes: each row
-computes as it would in a window of any size (drafts.py), so no slot's tokens change.
-
-Acceptance (per request, and per group for draft_tokens auto): a draft is kept with
-probability a given the drafts before it were (a geometric model), estimated as
-kept / (kept + first rejections) over the recent windows, decayed by DECAY a window.
-
-draft_tokens auto (choose): a slot with k drafts at acceptance a yields on average
-(1 - a^(k+1)) / (1 - a) tokens per window (expected_tokens). For each K = 0..7 the group's n
-slots share the rows K implies (at most draft_window_rows), which fixes the window's size (a K
-whose rows hold no more drafts than K - 1's is no option: it would ask the drafter for more
-proposals and verify no more; 16 slots in windows of up to 32 rows choose K = 0 or 1); the
-coordinator's own timing of the group's decode windows of that size and K gives their time:
-from the later of the result before it (of any group) and the moment the coordinator could
-start on it (the group's previous window came back, or, after a prompt chunk of the group
-was sent, its sending) to its result. With groups in flight that is about the time the
-window holds the pipeline's busiest stage (what bounds the tokens per second); alone, its
-whole cycle: the coordinator's work on the result before it and on building it (which grows
-with the drafts: more tokens to accept, more rows), its trip, the last stage's drafting
-included (with mtp, times are kept per size and K: the last stage drafts K proposals a slot).
-The choice is the K with the most expected tokens per second. A size and K never timed (or not
-for STALE windows) is tried at most once every EXPLORE_EVERY windows of the group, and only
-when it could beat the best measured choice: when it would even in the time of the slowest
-timed window with no more rows and proposals (or no such window is timed). A choice holds for
-HOLD windows, so that a window of the size it implies (its drafts were asked for by the window
-before) gets timed.
+"""How many drafts a group's slots verify, and which slots get the rows (speculation.py asks):
+`share_rows` gives a window's rows to the drafts most likely to be kept, `Acceptance` estimates
+how likely that is, and `GroupDrafts.per_slot` chooses K for draft_tokens auto. The model
+behind them (geometric acceptance, expected tokens a second, exploring sizes never timed):
+docs/DESIGN.md, "Draft tokens". None of it changes what a row computes (drafts.py).
 """
 from __future__ import annotations
 
