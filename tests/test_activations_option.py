@@ -1,4 +1,4 @@
-"""--activations int8 (kernels/quant_a8.py) as strata-launch and strata-worker take it: refused
+"""--activations int8 (kernels/quant/a8.py) as strata-launch and strata-worker take it: refused
 with a sentence where it cannot apply (CPU stages, weights widened), passed to the CUDA stages
 that run it, and the stage's policy that the kernels read."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The blocked prompt-chunk attention kernel (strata/kernels/attention_chunk_triton.py) against
+"""The blocked prompt-chunk attention kernel (strata/kernels/attention/chunk_triton.py) against
 the float64 reference, and its row independence bit for bit: on the CPU through Triton's
 interpreter (run with TRITON_INTERPRET=1 set before Python starts; skipped otherwise, and where
 triton is not installed; fp32 only, the interpreter's bf16 tl.dot is wrong), and on CUDA
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from strata.kernels.attention import attend_chunk, attend_reference
+from strata.kernels.attention.window import attend_chunk, attend_reference
 from conftest import triton_devices
 
 try:
@@ -56,7 +56,7 @@ def _chunk(n_rows, start, pads=()):
 
 
 def _attend(q, k, v, slot, length, **kw):
-    from strata.kernels.attention_chunk_triton import attend_chunk_triton
+    from strata.kernels.attention.chunk_triton import attend_chunk_triton
     try:
         return attend_chunk_triton(q, k, v, slot, length, **kw)
     except Exception as e:  # triton's interpreter vs a numpy it does not support yet

@@ -1,4 +1,4 @@
-"""The fixed-order Triton attention kernel (strata/kernels/attention_triton.py) against the
+"""The fixed-order Triton attention kernel (strata/kernels/attention/decode_triton.py) against the
 float64 reference: on the CPU through Triton's interpreter (run with TRITON_INTERPRET=1 set
 before Python starts; skipped otherwise, and where triton is not installed), and on CUDA
 (marked gpu). Row independence is checked bit for bit."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.kernels.attention import attend_reference
+from strata.kernels.attention.window import attend_reference
 
 triton = pytest.importorskip("triton")
-from strata.kernels.attention_triton import BLOCK_N, attend_rows_triton  # noqa: E402
+from strata.kernels.attention.decode_triton import BLOCK_N, attend_rows_triton  # noqa: E402
 from conftest import triton_devices
 
 N_SLOTS, N_HEADS, N_KV, HD, CTX = 5, 6, 2, 24, 4 * BLOCK_N   # group 3, head size not a power of 2

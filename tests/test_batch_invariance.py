@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from strata.kernels import fused
-from strata.kernels.attention import attend_rows
+from strata.kernels.attention.window import attend_rows
 from strata.kernels.policy import KernelPolicy
-from strata.kernels.sampling import SamplingRow, sample_row
+from strata.kernels.sampling.sample import SamplingRow, sample_row
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.stage_worker.model import KVCache, Rows, StageModel

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from inprocess import InProcess, in_process_worker
 
 from strata.kernels.rope import apply_rope, rope_table
-from strata.kernels.sampling import gumbel_noise
+from strata.kernels.sampling.sample import gumbel_noise
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_nextn_sidecar, write_random_gguf
 from strata.model.nextn import find_head

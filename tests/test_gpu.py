@@ -16,7 +16,7 @@ import torch
 from strata.coordinator.engine.generate import generate_solo
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.sequence import Sequence
-from strata.kernels.attention import attend_reference, attend_rows
+from strata.kernels.attention.window import attend_reference, attend_rows
 from strata.model.gguf_file import ModelFile
 from strata.kernels.policy import KernelPolicy
 from strata.model.mkmodel import SHAPES, write_random_gguf

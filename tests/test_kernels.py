@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from strata.coordinator.sampling_params import SamplingParams, draw_uniform
-from strata.kernels.attention import SPAN, attend, attend_reference, span_of
+from strata.kernels.attention.window import SPAN, attend, attend_reference, span_of
 from strata.kernels.norms import rms_norm, swiglu
 from strata.kernels.rope import apply_rope, rope_table
-from strata.kernels.sampling import (SamplingRow, gumbel_noise, sample_row, sample_rows,
-                                     sample_rows_on_device)
+from strata.kernels.sampling.sample import (SamplingRow, gumbel_noise, sample_row, sample_rows,
+                                            sample_rows_on_device)
 from strata.model.gguf_file import ModelFile
 from strata.stage_worker.model import KVCache, Rows, StageModel
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.kernels.quant import QuantWeight
+from strata.kernels.quant.weight import QuantWeight
 from strata.launch.memory import stage_bytes
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_random_gguf
@@ -86,7 +86,7 @@ def test_the_loader_packs_experts_and_the_report_and_plan_say_so(moe_file, tmp_p
 
 @pytest.mark.parametrize("device", triton_devices())
 def test_packed_experts_give_the_widened_files_logits(moe_file, device):
-    """A prompt chunk and a decode window through packed experts (quant_triton's tiles in the
+    """A prompt chunk and a decode window through packed experts (float_triton's tiles in the
     expert kernels) against the same file widened at load (on CUDA the expert kernels on
     dense weights, on the CPU plain torch)."""
     _interpreter_skips(moe_file, device)

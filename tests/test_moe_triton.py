@@ -15,8 +15,9 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize
 
-from strata.kernels import moe, quant
+from strata.kernels import moe
 from strata.kernels.policy import KernelPolicy
+from strata.kernels.quant.weight import QuantWeight, dequantize_torch, random_blocks
 from strata.model.kquant_blocks import random_kquant_blocks
 from conftest import triton_devices
 from test_attention_chunk import rowwise_interpreter_dot  # noqa: F401 (a fixture)
@@ -115,10 +116,10 @@ def _packed(types: tuple[str, str, str], experts: int, d: int, f: int, device: s
     pieces, dense = [], []
     for i, (qtype, rows, cols) in enumerate(zip(types, (f, f, d), (d, d, f))):
         raw = torch.from_numpy(_blocks(qtype, experts * rows, cols, seed=10 + i))
-        w = quant.QuantWeight.from_blocks(qtype, raw, cols, device)
+        w = QuantWeight.from_blocks(qtype, raw, cols, device)
         pieces.append(w)
-        dense.append(quant.dequantize_torch(qtype, w.parts[0].planes).view(experts, rows, cols))
-    gate_up = quant.QuantWeight.cat(pieces[:2])
+        dense.append(dequantize_torch(qtype, w.parts[0].planes).view(experts, rows, cols))
+    gate_up = QuantWeight.cat(pieces[:2])
     return gate_up, pieces[2], torch.cat(dense[:2], 1), dense[2]
 
 
@@ -130,7 +131,7 @@ QUANT_CASES = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_0", "Q4_1"), ("Q5_K", "Q5_
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("types", QUANT_CASES, ids=["+".join(t) for t in QUANT_CASES])
 def test_packed_experts_match_the_dequantized_reference(device, types):
-    """Packed experts through quant_triton's tile dequantization, against moe_rows on the
+    """Packed experts through float_triton's tile dequantization, against moe_rows on the
     dequantized weights (a decode window of 3 rows and a prompt chunk of 6; K = 256, a
     super-block)."""
     experts, d, f = 4, 256, 256
@@ -205,10 +206,10 @@ def test_rows_are_invariant_at_qwen3_30b_shapes_on_gpu(weights):
         router, gate_up, down = _dense("cuda", s["experts"], s["d"], s["f"])
     else:
         gen = torch.Generator(device="cuda").manual_seed(8)
-        pieces = [quant.QuantWeight.from_blocks(
-            "Q4_K", quant.random_blocks("Q4_K", s["experts"] * n, k, gen), k, "cuda")
+        pieces = [QuantWeight.from_blocks(
+            "Q4_K", random_blocks("Q4_K", s["experts"] * n, k, gen), k, "cuda")
             for n, k in ((s["f"], s["d"]), (s["f"], s["d"]), (s["d"], s["f"]))]
-        gate_up, down = quant.QuantWeight.cat(pieces[:2]), pieces[2]
+        gate_up, down = QuantWeight.cat(pieces[:2]), pieces[2]
         router = _dense("cuda", s["experts"], s["d"], s["f"])[0]
     _invariant("cuda", (router, gate_up, down), (1, 8, 16, 32, 64), s["d"],
                {**_gating(QWEN, "cuda"), "k": s["k"]})

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.kernels.logprobs import log_normalizer, row_logprobs
-from strata.kernels.penalties import apply_penalties, history_counts
-from strata.kernels.sampling import SamplingRow, sample_row
+from strata.kernels.sampling.logprobs import log_normalizer, row_logprobs
+from strata.kernels.sampling.penalties import apply_penalties, history_counts
+from strata.kernels.sampling.sample import SamplingRow, sample_row
 from strata.protocol.messages import Window
 from strata.stage_worker.head import (HeadOutput, apply_masks, head_logprobs, head_tokens,
                                      penalised)

@@ -1,5 +1,5 @@
-"""The drafter's pick for proposals with filters (strata/kernels/proposal_pick.py) against
-sample_row, the target's sampler: the same token wherever the filters keep at most WIDTH
+"""The drafter's pick for proposals with filters (strata/kernels/sampling/proposal_pick.py)
+against sample_row, the target's sampler: the same token wherever the filters keep at most WIDTH
 tokens and any top-k is at most WIDTH; otherwise one of the row's WIDTH most likely tokens;
 the argmax at temperature 0; and a row's pick whatever rows share its call; ties, NaN and
 infinities included. On the CPU, and on CUDA (marked gpu)."""
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata.kernels.proposal_pick import pick_proposals
-from strata.kernels.sampling import SamplingRow, kept_columns_torch, sample_row
+from strata.kernels.sampling.proposal_pick import pick_proposals
+from strata.kernels.sampling.sample import SamplingRow, kept_columns_torch, sample_row
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

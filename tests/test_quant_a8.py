@@ -1,4 +1,4 @@
-"""Int8 activations against quantized weights (kernels/quant_a8.py, quant_a8_triton.py): the
+"""Int8 activations against quantized weights (kernels/quant/a8.py, a8_triton.py): the
 row quantizer against its plain-torch twin, the kernels against the exact integer block sums
 in float64 and against gguf-py's weights times the rows, and a row's bits alone, in the GEMV
 tiles (1, 2, 4 rows) and among others in the MMA tiles (16 to 64 rows) with torch.equal.
@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.kernels import quant
-from strata.kernels.quant_a8 import a8_mm_reference, quantize_rows_torch
+from strata.kernels.quant.a8 import a8_mm_reference, quantize_rows_torch
+from strata.kernels.quant.weight import KERNEL_TYPES, Part
 from conftest import triton_devices
 from test_quant_kernels import _weight
 from test_moe_stage import moe_file  # noqa: F401 (a fixture)
 from test_quant_stage import mixed  # noqa: F401 (a fixture)
 
-TYPES = quant.KERNEL_TYPES
+TYPES = KERNEL_TYPES
 K = 256   # one K-quant super-block: a few programs under the interpreter
 
 
@@ -29,7 +29,7 @@ def _x(rows: int, k: int, device: str, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("norm", [False, True])
 def test_rows_quantize_as_the_plain_torch_twin(device, norm):
-    from strata.kernels.quant_a8_triton import quantize_rows
+    from strata.kernels.quant.a8_triton import quantize_rows
     x = _x(5, 2 * K, device)
     g = torch.rand(2 * K, generator=torch.Generator().manual_seed(1)).to(x) + 0.5
     q, dx = quantize_rows(x, g if norm else None, 1e-5)
@@ -50,12 +50,12 @@ def test_the_kernel_is_the_integer_block_sums(device, qtype):
     """Against a8_mm_reference on the same codes (float64 terms: only the fp32 rounding of
     the kernel's sums differs), and against gguf-py's weights times the unquantized rows
     (what int8 activations change: a small relative error)."""
-    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     w, w_ref = _weight(qtype, 48, K, device, seed=3)
     x = _x(6, K, device, seed=2)
     q, dx = quantize_rows(x)
     part = w.parts[0]
-    want = a8_mm_reference(q.cpu(), dx.cpu(), quant.Part(
+    want = a8_mm_reference(q.cpu(), dx.cpu(), Part(
         qtype, part.rows, part.cols, {k: v.cpu() for k, v in part.planes.items()}))
     for tile in (4, 16):                          # the GEMV over row blocks, and the MMA
         out = a8_mm(q, dx, part, block_m=tile).double().cpu()
@@ -70,7 +70,7 @@ def test_the_kernel_is_the_integer_block_sums(device, qtype):
 def test_a_rows_bits_are_the_same_in_every_tile(device, qtype):
     """Row 0 alone (GEMV tiles 1, 2 and 4), among 4 and 24 rows, over row blocks of 16 and
     in one tile of 32 or 64 rows: the same bits, with a residual added."""
-    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     w, _ = _weight(qtype, 32, K, device, seed=5)
     x = _x(24, K, device, seed=4)
     res = _x(24, 32, device, seed=6)
@@ -89,8 +89,8 @@ def test_a_rows_bits_are_the_same_in_every_tile(device, qtype):
 def test_the_gemv_takes_short_steps_where_k_is_not_whole_256s(device):
     """K = 96: the dp4a GEMV steps 32 quants at a time (a group a step), and still adds the
     same terms in the same order as the MMA; a nibble type, two planes, a codebook."""
-    from strata.kernels.quant_a8_gemv import gemv_step
-    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    from strata.kernels.quant.a8_gemv import gemv_step
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     assert gemv_step(96) == 32 and gemv_step(576) == 64 and gemv_step(4096) == 256
     x = _x(3, 96, device, seed=7)
     q, dx = quantize_rows(x)
@@ -99,7 +99,7 @@ def test_the_gemv_takes_short_steps_where_k_is_not_whole_256s(device):
         part = w.parts[0]
         gemv = a8_mm(q, dx, part, block_m=4)
         assert torch.equal(gemv, a8_mm(q, dx, part, block_m=16)), qtype
-        want = a8_mm_reference(q.cpu(), dx.cpu(), quant.Part(
+        want = a8_mm_reference(q.cpu(), dx.cpu(), Part(
             qtype, part.rows, part.cols, {k: v.cpu() for k, v in part.planes.items()}))
         torch.testing.assert_close(gemv.double().cpu(), want, rtol=1e-5,
                                    atol=1e-6 * want.abs().max().item())
@@ -107,7 +107,7 @@ def test_the_gemv_takes_short_steps_where_k_is_not_whole_256s(device):
 
 @pytest.mark.parametrize("device", triton_devices())
 def test_shapes_the_kernel_does_not_take_are_refused(device):
-    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     with pytest.raises(ValueError, match="not whole blocks of 32"):
         quantize_rows(torch.zeros(2, 48, device=device))
     w, _ = _weight("Q4_0", 16, 64, device)
@@ -165,11 +165,11 @@ def test_an_int8_stages_logits_are_near_the_widened_files(mixed, device, monkeyp
     """Decode rows with int8 activations against the same file widened (a 48-token prompt
     chunk, then 16 rows): within what quantizing the rows changes (about 1% here), every
     projection of the decode window through the int8 kernel."""
-    from strata.kernels import quant_a8_triton
+    from strata.kernels.quant import a8_triton
     from test_quant_stage import assert_packed_is_widened, widened
     parts = []
-    a8_mm = quant_a8_triton.a8_mm
-    monkeypatch.setattr(quant_a8_triton, "a8_mm",
+    a8_mm = a8_triton.a8_mm
+    monkeypatch.setattr(a8_triton, "a8_mm",
                         lambda q, dx, part, *a, **k: parts.append(part.qtype) or
                         a8_mm(q, dx, part, *a, **k))
     assert_packed_is_widened([_int8_stage(mixed, device), widened(mixed, device)], device,
@@ -183,7 +183,7 @@ def test_an_int8_stages_logits_are_near_the_widened_files(mixed, device, monkeyp
 def test_an_expert_pair_is_a_gemv_of_its_own(device):
     """a8_pairs: each (row, expert) pair's output is a8_mm's GEMV of that row against that
     expert's rows alone, the same bits, whichever pairs share the call."""
-    from strata.kernels.quant_a8_triton import a8_mm, a8_pairs, quantize_rows
+    from strata.kernels.quant.a8_triton import a8_mm, a8_pairs, quantize_rows
     experts, f = 4, 32
     w, _ = _weight("Q4_K", experts * f, K, device, seed=7)
     part = w.parts[0]
@@ -194,7 +194,7 @@ def test_an_expert_pair_is_a_gemv_of_its_own(device):
     out = torch.empty(5, f, device=device, dtype=x.dtype)
     a8_pairs(q, dx, part, rows, chosen * f, f, out)
     for p, (r, e) in enumerate(zip(rows.tolist(), chosen.tolist())):
-        alone = quant.Part("Q4_K", f, K, {k: v[e * f:(e + 1) * f].contiguous()
+        alone = Part("Q4_K", f, K, {k: v[e * f:(e + 1) * f].contiguous()
                                           for k, v in part.planes.items()})
         assert torch.equal(out[p], a8_mm(q[r:r + 1], dx[r:r + 1], alone, block_m=1,
                                          out_dtype=x.dtype)[0])
@@ -219,13 +219,13 @@ def test_an_int8_moe_stage(moe_file, device, monkeypatch):
     """A packed MoE stage with int8 activations (its experts as each pair's GEMVs): its logits
     near the widened file's (within 8%), every routed layer's experts through a8_pairs, and the
     target rows alone and among 8 and 40 rows the same bits."""
-    from strata.kernels import quant_a8_triton
+    from strata.kernels.quant import a8_triton
     from test_moe_stage import _interpreter_skips
     from test_quant_stage import assert_packed_is_widened, assert_stage_rows_invariant, widened
     _interpreter_skips(moe_file, device)
     calls = []
-    a8_pairs = quant_a8_triton.a8_pairs
-    monkeypatch.setattr(quant_a8_triton, "a8_pairs",
+    a8_pairs = a8_triton.a8_pairs
+    monkeypatch.setattr(a8_triton, "a8_pairs",
                         lambda *a, **k: calls.append(a[2].qtype) or a8_pairs(*a, **k))
     # (about 5% on these 64-wide random rows: the dense projections' share, the experts'
     # int8 adds next to nothing to it)

@@ -1,5 +1,5 @@
-"""The quantized-weight kernels (kernels/quant_triton.py) for every block type with a kernel:
-the repacked planes hold the file's bytes and give gguf-py's values, each kernel matches
+"""The quantized-weight kernels (kernels/quant/float_triton.py) for every block type with a
+kernel: the repacked planes hold the file's bytes and give gguf-py's values, each kernel matches
 gguf-py's dequantization followed by a plain matmul at window sizes 1 to 64, and a row alone
 gives the same bits as among 7, 15, 31 and 63 others (torch.equal). Under the interpreter
 (the "cpu" cases: fp32, whose bf16 is not the GPU's) and on CUDA (bf16, marked gpu)."""
@@ -14,13 +14,14 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize, quantize
 
-from strata.kernels import fused, quant
+from strata.kernels import fused
 from strata.kernels.policy import KernelPolicy
+from strata.kernels.quant.weight import KERNEL_TYPES, QuantWeight, dequantize_torch, random_blocks
 from strata.model.kquant_blocks import random_kquant_blocks
 from conftest import triton_devices
 from test_attention_chunk import rowwise_interpreter_dot  # noqa: F401 (a fixture)
 
-TYPES = quant.KERNEL_TYPES
+TYPES = KERNEL_TYPES
 EPS = 1e-5
 
 
@@ -36,7 +37,7 @@ def _blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 def _weight(qtype: str, rows: int, cols: int, device: str, seed: int = 0):
     raw = _blocks(qtype, rows, cols, seed)
     ref = torch.from_numpy(dequantize(raw, QType[qtype]).reshape(rows, cols)).double()
-    return quant.QuantWeight.from_blocks(qtype, torch.from_numpy(raw), cols, device), ref
+    return QuantWeight.from_blocks(qtype, torch.from_numpy(raw), cols, device), ref
 
 
 def _like(device: str) -> dict:
@@ -52,10 +53,10 @@ def _policy(device: str, **changes) -> KernelPolicy:
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_planes_hold_the_files_bytes_and_values(qtype):
     raw = _blocks(qtype, 6, 512, seed=1)
-    w = quant.QuantWeight.from_blocks(qtype, torch.from_numpy(raw), 512, "cpu")
+    w = QuantWeight.from_blocks(qtype, torch.from_numpy(raw), 512, "cpu")
     assert w.nbytes == raw.nbytes and w.shape == (6, 512) and w.qtype == qtype
     want = torch.from_numpy(dequantize(raw, QType[qtype]).reshape(6, 512))
-    assert torch.equal(quant.dequantize_torch(qtype, w.parts[0].planes), want)
+    assert torch.equal(dequantize_torch(qtype, w.parts[0].planes), want)
     index = torch.tensor([4, 0, 4])
     assert torch.equal(w.gather(index, torch.float32, triton=False), want[index])
 
@@ -64,11 +65,11 @@ def test_fused_parts_of_different_types_stay_apart_and_neighbours_merge():
     a, _ = _weight("Q4_K", 32, 256, "cpu")
     b, _ = _weight("Q4_K", 16, 256, "cpu", seed=1)
     c, _ = _weight("Q6_K", 16, 256, "cpu", seed=2)
-    w = quant.QuantWeight.cat([a, b, c])
+    w = QuantWeight.cat([a, b, c])
     assert [(p.qtype, p.rows) for p in w.parts] == [("Q4_K", 48), ("Q6_K", 16)]
     assert w.shape == (64, 256) and w.qtype == "Q4_K+Q6_K" and w.nbytes == a.nbytes + \
         b.nbytes + c.nbytes
-    dense = torch.cat([quant.dequantize_torch(p.qtype, p.planes) for p in a.parts + b.parts
+    dense = torch.cat([dequantize_torch(p.qtype, p.planes) for p in a.parts + b.parts
                        + c.parts])
     assert torch.equal(w.dense(torch.float32, triton=False), dense)
 
@@ -204,8 +205,8 @@ def test_a_rows_bits_do_not_depend_on_its_window(device, tiles, splits, qtype,
 def test_rows_are_invariant_at_llama3_8b_shapes_on_gpu(qtype, kind, n, k):
     g = torch.Generator().manual_seed(7)
     like = _like("cuda")
-    raw = quant.random_blocks(qtype, n, k, torch.Generator(device="cuda").manual_seed(8))
-    w = quant.QuantWeight.from_blocks(qtype, raw, k, "cuda")
+    raw = random_blocks(qtype, n, k, torch.Generator(device="cuda").manual_seed(8))
+    w = QuantWeight.from_blocks(qtype, raw, k, "cuda")
     norm = (1 + 0.1 * torch.randn(k, generator=g)).to(**like)
     x = torch.randn(1, k, generator=g).to(**like)
     first = None

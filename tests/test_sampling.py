@@ -1,6 +1,6 @@
-"""The batched sampler (strata/kernels/sampling.py) against sample_row, the one-row reference:
-the same tokens for any mix of rows and parameters, and a row's token independent of the
-other rows of its call (DESIGN.md, exactness 1 and 3). sample_rows_on_device is what CUDA
+"""The batched sampler (strata/kernels/sampling/sample.py) against sample_row, the one-row
+reference: the same tokens for any mix of rows and parameters, and a row's token independent of
+the other rows of its call (DESIGN.md, exactness 1 and 3). sample_rows_on_device is what CUDA
 stages run; its torch ops run on the CPU too, so the CPU cases check it here and the cases
 marked gpu check it on CUDA."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata.coordinator.sampling_params import draw_uniform
-from strata.kernels.sampling import (SamplingRow, _pairwise_sum, _prefix_sums, sample_row,
-                                     sample_rows, sample_rows_on_device)
+from strata.kernels.sampling.sample import (SamplingRow, _pairwise_sum, _prefix_sums, sample_row,
+                                            sample_rows, sample_rows_on_device)
 from strata.protocol.messages import Window
 from strata.stage_worker.head import HeadOutput, head_tokens
 
@@ -256,7 +256,7 @@ def test_gumbel_noise_is_finite_at_the_extremes():
     """The noise's uniform never rounds to 0 or 1: a hash of all ones or all zeros in its top
     bits gives a finite value, so no kept token wins whatever its logit (u 0.6838460427654266
     with token 1966 hashed to the largest value and gave +inf while the uniform took 53 bits)."""
-    from strata.kernels.sampling import gumbel_noise
+    from strata.kernels.sampling.sample import gumbel_noise
     u = torch.tensor([[0.6838460427654266], [0.0], [1 - 2**-53]], dtype=torch.float64)
     ids = torch.arange(50000).expand(3, -1)
     noise = gumbel_noise(u, ids)

@@ -1,5 +1,5 @@
 """The Triton kernel of the filters and pick after the sort (strata/kernels/
-sampling_sorted_triton.py) against pick_sorted_torch, its torch reference, and sample_row:
+sampling/sorted_triton.py) against pick_sorted_torch, its torch reference, and sample_row:
 the same tokens for top-k, top-p and min-p alone and together, cuts inside a block and
 several blocks on, ties, NaN and infinities, and each row's token whatever rows share its
 call. On the CPU through Triton's interpreter (see test_triton_interpreter.py) and on CUDA
@@ -13,8 +13,8 @@ import torch
 
 from conftest import triton_devices
 from strata.coordinator.sampling_params import draw_uniform
-from strata.kernels.sampling import (SamplingRow, kept_columns_torch, pick_sorted_torch,
-                                     sample_row, sample_rows)
+from strata.kernels.sampling.sample import (SamplingRow, kept_columns_torch, pick_sorted_torch,
+                                            sample_row, sample_rows)
 
 NAN, INF = float("nan"), float("inf")
 # the interpreter computes inf - inf (a row's first logit +-inf) in numpy, which warns
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 
 
 def _kernel():
-    return pytest.importorskip("strata.kernels.sampling_sorted_triton").pick_sorted_triton
+    return pytest.importorskip("strata.kernels.sampling.sorted_triton").pick_sorted_triton
 
 
 def _sorted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The Triton kernel of the Gumbel-max pick (strata/kernels/sampling_triton.py) against
+"""The Triton kernel of the Gumbel-max pick (strata/kernels/sampling/sample_triton.py) against
 pick_unfiltered_torch, its torch reference: the same picks for rows that keep every token,
 greedy rows, ties, NaN and infinities, and each row's pick whatever rows share its call. On the
 CPU through Triton's interpreter (TRITON_INTERPRET=1 set before Python starts: see
@@ -10,13 +10,13 @@ import torch
 
 from conftest import triton_devices
 from strata.coordinator.sampling_params import draw_uniform
-from strata.kernels.sampling import pick_unfiltered, pick_unfiltered_torch
+from strata.kernels.sampling.sample import pick_unfiltered, pick_unfiltered_torch
 
 NAN, INF = float("nan"), float("inf")
 
 
 def _kernel():
-    return pytest.importorskip("strata.kernels.sampling_triton").pick_unfiltered_triton
+    return pytest.importorskip("strata.kernels.sampling.sample_triton").pick_unfiltered_triton
 
 
 def _rows(device: str, n: int, vocab: int, seed: int, dtype=torch.float32):

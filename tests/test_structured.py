@@ -21,7 +21,7 @@ from strata.coordinator.grammar import Grammars, WindowMasks
 from strata.coordinator.api.prompts import Prompts
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
-from strata.kernels.sampling import sample_row
+from strata.kernels.sampling.sample import sample_row
 from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer
 from strata.protocol.messages import ProtocolError, Result, Window

@@ -23,7 +23,8 @@ import click
 import torch
 
 from strata.coordinator.sampling_params import draw_uniform
-from strata.kernels.sampling import SamplingRow, sample_row, sample_rows, sample_rows_on_device
+from strata.kernels.sampling.sample import (SamplingRow, sample_row, sample_rows,
+                                            sample_rows_on_device)
 
 FILTERS = {"none": dict(top_k=0, top_p=1.0, min_p=0.0),
            "top-k": dict(top_k=20, top_p=1.0, min_p=0.0),

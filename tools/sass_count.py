@@ -1,5 +1,5 @@
 """The SASS instructions a quantized decode kernel spends per weight, without a GPU: compile
-kernels/quant_triton.py's `_quant_mm_kernel` for sm_90 with the Triton installed here (its
+kernels/quant/float_triton.py's `_quant_mm_kernel` for sm_90 with the Triton installed here (its
 bundled ptxas and nvdisasm), find the main loop (the longest body that a branch jumps back
 to), and count its instructions per weight a thread dequantizes (BLOCK_N x BLOCK_K / threads
 per step). Integer arguments and pointers are taken as divisible by 16, as Triton specializes
@@ -26,8 +26,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from strata.kernels.quant import BLOCKS
-from strata.kernels.quant_triton import TYPE_IDS, _quant_mm_kernel
+from strata.kernels.quant.float_triton import TYPE_IDS, _quant_mm_kernel
+from strata.kernels.quant.weight import BLOCKS
 
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                         "nvdisasm")

@@ -75,8 +75,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("strata.bench.attention_chunk: needs a CUDA device", file=sys.stderr)
         return 1
-    from strata.kernels.attention_chunk_triton import attend_chunk_triton, chunk_config
-    from strata.kernels.attention_triton import attend_rows_triton
+    from strata.kernels.attention.chunk_triton import attend_chunk_triton, chunk_config
+    from strata.kernels.attention.decode_triton import attend_rows_triton
 
     n_heads, n_kv, hd = SHAPES[args.shape]
     dtype, dev, cr = DTYPES[args.dtype], "cuda", args.chunk_rows

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import numpy as np
 
-MAX_TOP_LOGPROBS = 20   # the stages' limit (kernels/logprobs.py MAX_TOP)
+MAX_TOP_LOGPROBS = 20   # the stages' limit (kernels/sampling/logprobs.py MAX_TOP)
 
 
 MAX_LOGIT_BIAS = 300     # logit_bias entries a request may give (each rides on its rows)
@@ -27,7 +27,7 @@ class SamplingParams:
     seed: int | None = None    # None: a random seed is chosen (and reported)
     max_tokens: int = 128      # 0: only with prompt_logprobs (the prompt is scored, no more)
     stop: tuple[str, ...] = field(default_factory=tuple)
-    # applied to the logits before temperature and the filters (kernels/penalties.py)
+    # applied to the logits before temperature and the filters (kernels/sampling/penalties.py)
     repetition_penalty: float = 1.0   # 1 = off; tokens of the prompt and the output
     frequency_penalty: float = 0.0    # 0 = off; per occurrence in the output
     presence_penalty: float = 0.0     # 0 = off; once for a token in the output

@@ -24,15 +24,16 @@ decode window's matmul that no skinny kernel takes (the plain-torch path, or a w
 the kernel's blocks do not divide) runs in calls of ROW_BLOCK (8) rows, each the same shape,
 and so do the torch norms of a decode window: a row's bits then do not depend on how many rows
 share its window on the CPU either (a torch matmul's blocking changes with its row count).
+May import: kernels.quant, kernels
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import quant_ops
 from strata.kernels.policy import ROW_BLOCK, KernelPolicy, policy_or_default
-from strata.kernels.quant import QuantWeight
+from strata.kernels.quant import ops as quant_ops
+from strata.kernels.quant.weight import QuantWeight
 
 
 def by_row_blocks(fn, x: torch.Tensor, *row_args: torch.Tensor) -> torch.Tensor:

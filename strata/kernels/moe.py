@@ -14,6 +14,7 @@ which experts they chose.
 `moe_window` is the dispatch a layer calls: with the Triton kernels on (CUDA, or the
 interpreter) the routed experts of kernels/moe_triton.py (fixed shapes, no host sync: inside a
 decode window's CUDA graph), else `moe_rows`, the reference.
+May import: kernels.moe_triton, kernels.fused, kernels.quant, kernels
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from strata.kernels.fused import by_row_blocks, silu_mul_torch
 from strata.kernels.policy import KernelPolicy
-from strata.kernels.quant import QuantWeight
+from strata.kernels.quant.weight import QuantWeight
 
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int, bias: torch.Tensor | None = None,

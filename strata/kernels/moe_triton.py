@@ -32,8 +32,9 @@ slot, block or neighbours it has: a row's routing and result do not depend on wh
 its window, which experts they chose, nor on its position (DESIGN.md, exactness 1 and 2).
 
 Quantized experts: a GGUF expert tensor [E, N, K] in a block type is a 2-D packed weight of
-E * N rows (kernels/quant.py), expert e's rows e * N .. e * N + N - 1, dequantized tile by
-tile in registers by quant_triton's `_weights`, as the dense quantized kernels do.
+E * N rows (kernels/quant/weight.py), expert e's rows e * N .. e * N + N - 1, dequantized tile by
+tile in registers by float_triton's `_weights`, as the dense quantized kernels do.
+May import: kernels.quant, kernels
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ import triton
 import triton.language as tl
 
 from strata.kernels.fused_triton import ACTS, gate_act
-from strata.kernels.quant import BLOCKS, QuantWeight
-from strata.kernels.quant_triton import TYPE_IDS, _planes, _weights, fits_k
+from strata.kernels.quant.float_triton import TYPE_IDS, _planes, _weights, fits_k
+from strata.kernels.quant.weight import BLOCKS, QuantWeight
 
 DENSE = -1   # the QTYPE of a dense (bf16 / fp32) weight
 
@@ -300,7 +301,7 @@ def _gate_up_sources(w: torch.Tensor | QuantWeight, n_experts: int, f: int) -> t
 
 def _block_k(w: torch.Tensor | QuantWeight, k: int, block_k: int) -> int:
     """block_k halved until it divides K and, for a packed weight, holds whole scale groups of
-    each part (quant_triton.fits_k)."""
+    each part (float_triton.fits_k)."""
     parts = w.parts if isinstance(w, QuantWeight) else ()
     floor = 32 if parts else 16
     while block_k > floor and not (k % block_k == 0 and all(fits_k(p, block_k) for p in parts)):
@@ -348,11 +349,11 @@ def experts(h: torch.Tensor, slots: torch.Tensor, block_expert: torch.Tensor,
 def experts_a8(h: torch.Tensor, experts: torch.Tensor, gate_up: QuantWeight,
                down: QuantWeight, n_experts: int, act: str = "silu") -> torch.Tensor:
     """With int8 activations (a decode window): each (row, rank) pair as GEMVs of its own,
-    h's rows quantized once (kernels/quant_a8_triton.py): act(gate) * up of the pair's
+    h's rows quantized once (kernels/quant/a8_triton.py): act(gate) * up of the pair's
     expert, its rows quantized, then down -> o [M * k, D] in h's dtype, as experts() returns.
     experts: int32 [M, k] (route); gate_up and down packed as experts() takes them."""
     from strata.kernels.fused_triton import silu_mul
-    from strata.kernels.quant_a8_triton import a8_pairs, quantize_rows
+    from strata.kernels.quant.a8_triton import a8_pairs, quantize_rows
     m, d = h.shape
     k, f = experts.shape[1], down.shape[1]
     pairs = experts.reshape(-1)                               # pair p: row p // k, rank p % k

@@ -70,7 +70,7 @@ class KernelPolicy:
     ROW_BLOCK rows, each of the same shape. Prompt chunks (fixed shapes) take cuBLAS / torch
     whole. mm_fp32_out: bf16 head logits come straight from torch.mm(out_dtype=float32) (else
     the head is upcast). int8_activations: a decode window's projections over quantized
-    weights quantize each row to int8 and sum integer products (kernels/quant_a8.py) instead of
+    weights quantize each row to int8 and sum integer products (kernels/quant/a8.py) instead of
     dequantizing the weights to the rows' dtype; a different arithmetic, the same for every
     window size."""
     triton: bool

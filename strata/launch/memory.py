@@ -4,7 +4,7 @@ gets a sentence with the numbers instead of a stage dying out of memory."""
 from __future__ import annotations
 
 from strata.launch.plan import PlanError, StagePlan
-from strata.kernels.blocks import stays_packed
+from strata.kernels.quant.blocks import stays_packed
 from strata.model.gguf_file import FUSED_MATRICES, ModelConfig, ModelFile
 
 HEADROOM = 0.85  # of the memory available, what strata may plan to use

@@ -75,7 +75,7 @@ class Window:
     # asks for argmax proposals (see strata/stage_worker/drafter.py)
     propose_u: list[list[float]] = field(default_factory=list)
     # Per sampled row (parallel to `sample_rows`, or empty: none for any row), applied to its
-    # logits before temperature and the filters (strata/kernels/penalties.py):
+    # logits before temperature and the filters (strata/kernels/sampling/penalties.py):
     # [repetition, frequency, presence] or [] (none for this row); output_start: the position
     # where the slot's output begins (frequency and presence count the tokens at positions
     # [output_start, row's position], repetition those at [0, row's position]); bias_ids and

@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from strata.kernels.logprobs import MAX_TOP
 from strata.kernels.policy import MAX_DECODE_ROWS
+from strata.kernels.sampling.logprobs import MAX_TOP
 from strata.model.gguf_file import ModelConfig
 from strata.protocol.messages import Window
 from strata.stage_worker.config import WorkerConfig

@@ -23,7 +23,7 @@ class WorkerConfig:
     weights: str = "bf16"  # quantized: block types with a kernel stay packed on CUDA;
                            # bf16: every matrix widened (stage_worker/weights.py)
     activations: str = "float"  # int8: decode windows quantize rows against quantized weights
-                                # (kernels/quant_a8.py); CUDA stages with weights quantized
+                                # (kernels/quant/a8.py); CUDA stages with weights quantized
     link: str = "zmq"      # activations to/from neighbours: zmq frames, or nccl / gloo
     link_init: str = ""    # torch.distributed init method of the link (e.g. file://...)
     link_world: int = 1    # stages in the link (every stage of the launch)

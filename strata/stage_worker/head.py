@@ -2,15 +2,15 @@
 it gives: a token per sampled row, and log-probabilities where the window asks for them.
 
 For a window, in this order (each step per row: a row's answer never depends on the others):
-1. `penalised`: penalties and biases (kernels/penalties.py) on the logits of the sampled rows
-   that have any, from their slots' tokens (history.py); such a greedy row takes the argmax of
-   its penalised logits;
+1. `penalised`: penalties and biases (kernels/sampling/penalties.py) on the logits of the sampled
+   rows that have any, from their slots' tokens (history.py); such a greedy row takes the argmax
+   of its penalised logits;
 2. `apply_masks`: a structured output's token masks (Window.mask): a masked row's forbidden
    tokens get -inf, and its argmax is taken again;
-3. the pick: greedy rows the argmax, rows with a temperature kernels/sampling.py's sampler
+3. the pick: greedy rows the argmax, rows with a temperature kernels/sampling/sample.py's sampler
    (its own temperature, filters and draw, over the penalised and masked logits);
-4. the log-probabilities of Window.logprob_rows (kernels/logprobs.py), from the model's own
-   logits (before steps 1 to 3): of the token a row picked, or of a given one (the next
+4. the log-probabilities of Window.logprob_rows (kernels/sampling/logprobs.py), from the model's
+   own logits (before steps 1 to 3): of the token a row picked, or of a given one (the next
    token of a prompt row, for a request that scores its prompt).
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from strata.kernels.logprobs import row_logprobs
-from strata.kernels.penalties import apply_penalties
-from strata.kernels.sampling import (SamplingRow, filtered, pick_unfiltered, sample_rows,
-                                     sample_rows_on_device, to_device)
+from strata.kernels.sampling.logprobs import row_logprobs
+from strata.kernels.sampling.penalties import apply_penalties
+from strata.kernels.sampling.sample import (SamplingRow, filtered, pick_unfiltered, sample_rows,
+                                            sample_rows_on_device, to_device)
 from strata.protocol.messages import Window
 from strata.stage_worker.history import SlotTokens
 

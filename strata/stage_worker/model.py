@@ -20,15 +20,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.attention import attend_chunk, attend_rows
+from strata.kernels.attention.window import attend_chunk, attend_rows
 from strata.kernels.fused import (by_row_blocks, linear_rows, norm_gate_up_silu,
                                   norm_head_rows, norm_linear_rows, rms_norm_rows,
                                   rope_write_kv)
 from strata.kernels.moe import moe_window
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS, KernelPolicy
-from strata.kernels.quant import QuantWeight
-from strata.kernels.quant_ops import dense_weight, embed_rows
+from strata.kernels.quant.ops import dense_weight, embed_rows
+from strata.kernels.quant.weight import QuantWeight
 from strata.kernels.rope import rope_table
 from strata.model.families import tensor_name
 from strata.model.gguf_file import ATTENTION_MATRICES, FUSED_MATRICES, ModelConfig, ModelFile

@@ -1,7 +1,7 @@
 """How a stage holds its weights: quantized blocks where a kernel reads them, dense (bf16 on
 CUDA, fp32 on the CPU) everywhere else, and an account of what was loaded.
 
-`--weights quantized` keeps every matrix of a block type with a kernel (kernels/quant.py's
+`--weights quantized` keeps every matrix of a block type with a kernel (kernels/quant/weight.py's
 KERNEL_TYPES: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) packed on a CUDA
 stage; other types (IQ3_S, IQ2_*, Q2_K, Q3_K, MXFP4, ...) are widened at load, and so is
 everything on CPU stages and with `--weights bf16`. Norm vectors are always dense. An MoE layer's expert tensors ([E, N, K] in
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata.kernels.blocks import stays_packed
-from strata.kernels.quant import QuantWeight, Scratch
+from strata.kernels.quant.blocks import stays_packed
+from strata.kernels.quant.weight import QuantWeight, Scratch
 from strata.model.gguf_file import ModelFile
 
 

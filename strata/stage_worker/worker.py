@@ -121,7 +121,7 @@ class StageWorker:
                 if m.last:
                     m.logits(hidden)
             if m.last:   # the Triton pick of sampled rows: the head's logits, the drafter's
-                from strata.kernels.sampling_triton import compile_picks
+                from strata.kernels.sampling.sample_triton import compile_picks
                 dtypes = (torch.float32,) if m.dtype == torch.float32 else (torch.float32, m.dtype)
                 compile_picks(m.cfg.vocab, m.device, dtypes)
         torch.cuda.synchronize()

@@ -1,6 +1,6 @@
-"""The int8-activation kernels (kernels/quant_a8_triton.py) against today's quantized decode
-kernels (kernels/quant_triton.py, the policy's blocks and splits) at the llama3-8b shapes, by
-block type and window rows: us per call from a CUDA graph with the weights rotating past L2,
+"""The int8-activation kernels (kernels/quant/a8_triton.py) against today's quantized decode
+kernels (kernels/quant/float_triton.py, the policy's blocks and splits) at the llama3-8b shapes,
+by block type and window rows: us per call from a CUDA graph with the weights rotating past L2,
 the row quantizer's us apart, the best a8_mm configuration of a few (the dp4a GEMV's columns,
 stages and warps up to 4 rows; the MMA's block_n, block_k and warps above), whether a row's
 bits equal the 16-row MMA tile's, and the HBM time of the weight's bytes. An experiment, not a test: what it prints is the
@@ -26,7 +26,7 @@ GEMV_CONFIGS = [(16, 3, 4), (32, 3, 4), (64, 3, 4), (32, 2, 4), (64, 4, 8)]
 
 
 def float_call(kind, x, w, norm, res, policy):
-    from strata.kernels.quant_triton import quant_mm
+    from strata.kernels.quant.float_triton import quant_mm
     part = w.parts[0]
     blocks = policy.quant_blocks(part.qtype, part.rows, part.cols, kind)
     tile = policy.row_tile(x.shape[0], w.nbytes)
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--projections", default="qkv,res,down,head")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
-    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     policy = KernelPolicy.for_device("cuda")
     rate = copy_rate()
     bf = dict(device="cuda", dtype=torch.bfloat16)

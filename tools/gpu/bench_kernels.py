@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import attention_triton as at
+from strata.kernels.attention import decode_triton as at
 from strata.kernels.fused import skinny_mm_torch
 from strata.kernels.skinny_triton import skinny_mm
 

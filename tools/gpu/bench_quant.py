@@ -1,4 +1,4 @@
-"""The quantized decode kernels (kernels/quant_triton.py) in several block configurations
+"""The quantized decode kernels (kernels/quant/float_triton.py) in several block configurations
 against the bf16 skinny kernel and the HBM time of each weight's bytes, at the llama3-8b
 shapes (and SmolLM2's), for every block type: us per call from a CUDA graph with the weights
 rotating past L2, the best configuration (blocks, splits of K) per (type, projection, window rows), and the
@@ -18,7 +18,7 @@ import time
 import torch
 
 from bench_kernels import timed   # this script's folder is on the path
-from strata.kernels.quant import KERNEL_TYPES, QuantWeight, random_blocks
+from strata.kernels.quant.weight import KERNEL_TYPES, QuantWeight, random_blocks
 
 L8B = {"qkv": (6144, 4096), "res": (4096, 4096), "down": (4096, 14336),
        "gate_up": (28672, 4096), "head": (128256, 4096)}
@@ -36,7 +36,7 @@ def weights(qtype: str, n: int, k: int, copies: int, seed: int = 0) -> list[Quan
 
 
 def call(kind: str, x, w: QuantWeight, norm, res, config, tile, splits=1):
-    from strata.kernels.quant_triton import quant_gate_up, quant_mm
+    from strata.kernels.quant.float_triton import quant_gate_up, quant_mm
     bn, block_k, warps, stages = config
     part = w.parts[0]
     while part.cols % block_k:
@@ -148,7 +148,7 @@ def bench(types, shapes, label, rate, out):
 
 
 def bench_dequant(types, rate, out):
-    from strata.kernels.quant_triton import dequant_rows
+    from strata.kernels.quant.float_triton import dequant_rows
     n, k = L8B["gate_up"]
     for qtype in types:
         w = weights(qtype, n, k, 1)[0]

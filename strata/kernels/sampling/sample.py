@@ -15,8 +15,8 @@ interval when one token's probability differs.
 samples a window's rows: on the CPU it is sample_row row by row (the same tokens, bit for
 bit); on CUDA `sample_rows_on_device` keeps the logits on the device and copies only the
 picks to the host: a row that keeps every token is picked by one Triton kernel
-(`pick_unfiltered`, kernels/sampling_triton.py), the others by a sort and one more
-(`_sample_sorted`, kernels/sampling_sorted_triton.py).
+(`pick_unfiltered`, sample_triton.py), the others by a sort and one more
+(`_sample_sorted`, sorted_triton.py).
 """
 from dataclasses import dataclass
 
@@ -161,10 +161,10 @@ def pick_unfiltered(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
     never wins, a +inf one does (the lowest id among several: the first in the stable sort's
     order too), and a row with no score above -inf takes the first index of its maximum (the
     sort's first column; NaN ranks first in both). On CUDA one Triton kernel computes it
-    (kernels/sampling_triton.py: the same arithmetic, in one launch instead of some twenty);
+    (sample_triton.py: the same arithmetic, in one launch instead of some twenty);
     elsewhere pick_unfiltered_torch."""
     if x.is_cuda:
-        from strata.kernels.sampling_triton import pick_unfiltered_triton
+        from strata.kernels.sampling.sample_triton import pick_unfiltered_triton
         return pick_unfiltered_triton(x, temperature, u, rows)
     if rows is not None:
         x = x[rows.long().reshape(-1)]
@@ -186,7 +186,7 @@ def pick_unfiltered_torch(x: torch.Tensor, temperature: torch.Tensor,
 def _sample_sorted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """sample_rows_on_device through a sort of each row, for sampled rows (temperature > 0):
     the filters rank the tokens. On CUDA the filters and the pick after the sort are one
-    Triton kernel (kernels/sampling_sorted_triton.py: the same arithmetic); elsewhere
+    Triton kernel (sorted_triton.py: the same arithmetic); elsewhere
     pick_sorted_torch."""
     n = len(rows)
     params = to_device(torch.tensor([[r.temperature, r.top_k, r.top_p, r.min_p, r.u]
@@ -195,7 +195,7 @@ def _sample_sorted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     # ties by token id; + 0.0 makes -0.0 a +0.0, so a radix sort ties them as the CPU's does
     values, order = torch.sort(logits[:n] + 0.0, dim=-1, descending=True, stable=True)
     if logits.is_cuda:
-        from strata.kernels.sampling_sorted_triton import pick_sorted_triton
+        from strata.kernels.sampling.sorted_triton import pick_sorted_triton
         return pick_sorted_triton(values, order, params)
     return pick_sorted_torch(values, order, params)
 

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.attention_triton import NO_WINDOW
+from strata.kernels.attention.decode_triton import NO_WINDOW
 
 BLOCK_N = 64     # key positions per step (the same chunking as attention.SPAN)
 TILE_ROWS = 128  # default query rows per tile (64 for head size <= 64): BLOCK_M = that // GROUP_PAD

@@ -1,4 +1,4 @@
-"""The filters and the Gumbel-max pick of sorted rows (kernels/sampling.py `_sample_sorted`)
+"""The filters and the Gumbel-max pick of sorted rows (sample.py `_sample_sorted`)
 in Triton: the rows that keep a top-k, a top-p or a min-p share of their tokens.
 
 After the sort, `_sample_sorted` in torch is some hundred kernels over [rows, V] in float64
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gumbel_triton import GOLDEN, MIX1, MIX2, gumbel_noise
+from strata.kernels.sampling.gumbel_triton import GOLDEN, MIX1, MIX2, gumbel_noise
 
 BLOCK = 1024   # the columns a program takes at once
 

@@ -1,4 +1,4 @@
-"""Triton kernels of int8 activations against quantized weights (kernels/quant_a8.py says the
+"""Triton kernels of int8 activations against quantized weights (a8.py says the
 arithmetic; its plain-torch reference is a8_mm_reference):
 
     quantize_rows   each window row alone, one program a row: (rmsnorm and) int8 codes with a
@@ -7,7 +7,7 @@ arithmetic; its plain-torch reference is a8_mm_reference):
                     then dx * (a * sum(u q) + b * sum(q)) added group by group along K
 
 a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 to 4 rows, a row
-tile of 1, 2 or 4: kernels/quant_a8_gemv.py, four products a dp4a) and an MMA (more rows: tile
+tile of 1, 2 or 4: a8_gemv.py, four products a dp4a) and an MMA (more rows: tile
 16, 32 or 64: a K step's groups in one int8 tl.dot into int32, against the rows' codes laid out
 block-diagonally so that each group's sums come apart). Both add each (row, column)'s float
 terms in the same order, group by group, so a row gets the same bits from either and from any
@@ -15,7 +15,7 @@ tile (tests/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled
 Triton fuses `a * isum + b * qs` into one FMA one way for tiles of 1 and 2 rows and the other
 way from 4 rows up (Q4_K, Q5_K, Q4_1, Q5_1: their b is not zero), which changes a row's bits
 between tiles; without fusion every tile rounds each product alone. The codes and scales come
-from kernels/quant_triton.py's `_codes` and `_terms`, a K step at a time; the terms are added by
+from float_triton.py's `_codes` and `_terms`, a K step at a time; the terms are added by
 `add_in_order`.
 """
 from __future__ import annotations
@@ -24,10 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.blocks import BLOCKS, Part
-from strata.kernels.quant_a8 import QBLOCK
-from strata.kernels.quant_a8_gemv import a8_gemv, add_in_order, gemv_step, store_rows
-from strata.kernels.quant_triton import IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes, _terms
+from strata.kernels.quant.a8 import QBLOCK
+from strata.kernels.quant.a8_gemv import a8_gemv, add_in_order, gemv_step, store_rows
+from strata.kernels.quant.blocks import BLOCKS, Part
+from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
+                                               _terms)
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
 GEMV_TILES = (1, 2, 4)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
@@ -36,7 +37,7 @@ GEMV_TILES = (1, 2, 4)   # row tiles of the GEMV; more rows take the MMA's ROW_T
 @triton.jit
 def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, K, eps, stride_xm,
                           NORM: tl.constexpr, BLOCK: tl.constexpr):
-    """Row program_id(0): q [M, K] int8 and dx [M, K / 32] (kernels/quant_a8.py)."""
+    """Row program_id(0): q [M, K] int8 and dx [M, K / 32] (a8.py)."""
     m = tl.program_id(0)
     row = x_ptr + m * stride_xm
     r = 1.0
@@ -67,7 +68,7 @@ def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_pt
                   M, N, K, stride_rm, stride_om,
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr):
-    """The MMA tiles (16 to 64 rows); the GEMV's are kernels/quant_a8_gemv.py's. A K step's
+    """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. A K step's
     G groups in one int8 dot: the rows' codes laid out block-diagonally, [STEP, G * BLOCK_M]
     with group g's quants against columns g * BLOCK_M .. (zeros elsewhere), so the dot's
     [BLOCK_N, G * BLOCK_M] are each group's exact sums apart."""
@@ -82,7 +83,7 @@ def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_pt
     diag = (kq // S == col // BLOCK_M) & (cm < M)
     diag_at = q_ptr + cm * K + kq                              # [STEP, G * BM]
     kk = tl.arange(0, STEP)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # out^T, as quant_triton's
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # out^T, as float_triton's
     for k0 in range(0, K, STEP):
         g0 = k0 // S
         u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE, S, G, BLOCK_N),
@@ -133,7 +134,7 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     """q, dx: quantize_rows' [M, K] codes and scales; part: a quantized [N, K] weight; res:
     [M, N] or None -> [M, N] (into `out`, which may be a column slice of a wider tensor).
     block_m: a GEMV tile (1, 2, 4) or an MMA tile (16, 32, 64); default the smallest that
-    holds the rows. The GEMV tiles take kernels/quant_a8_gemv.py's dp4a kernel (gemv_n
+    holds the rows. The GEMV tiles take a8_gemv.py's dp4a kernel (gemv_n
     columns a program, `stages` K steps in flight); the MMA tiles block_n columns a program
     and block_k quants a step (default 4096 / block_m, halved until it divides K)."""
     m, k = q.shape

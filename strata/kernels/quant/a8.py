@@ -1,10 +1,10 @@
 """Int8 activations against quantized weights by exact integer block sums: the arithmetic, in
-plain torch, that the Triton kernels (kernels/quant_a8_triton.py) are checked against.
+plain torch, that the Triton kernels (a8_triton.py) are checked against.
 
 A window row x [K] is quantized alone, as llama.cpp's q8_1 is: with `norm`, y = rmsnorm(x) * g
 (rsqrt of the mean of squares + eps), else y = x; each block of 32 values gets the scale
 dx = max|y| / 127 and codes q = round(y / dx) in -127..127. A weight group (32 quants, 16 for
-Q6_K) reads w = a * u + b (kernels/quant.py's group_terms) with an unsigned code u; the codes
+Q6_K) reads w = a * u + b (weight.py's group_terms) with an unsigned code u; the codes
 of Q8_0, IQ4_NL and IQ4_XS are taken signed (u - 128, b = 0) so that every code fits int8.
 Then
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.quant import BLOCKS, Part, codes, group_terms
+from strata.kernels.quant.weight import BLOCKS, Part, codes, group_terms
 
 QBLOCK = 32   # activation values a scale
 

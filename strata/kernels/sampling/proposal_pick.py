@@ -1,5 +1,5 @@
 """The MTP drafter's pick for a proposal of a request with top-k, top-p or min-p: the
-sampler's filters and Gumbel-max pick (sampling.py) over only the row's WIDTH most likely
+sampler's filters and Gumbel-max pick (sample.py) over only the row's WIDTH most likely
 tokens, in torch operations that never wait for the host, so the head's CUDA graph holds them.
 
 A proposal need not be the target's sampler bit for bit: the target samples the position
@@ -16,7 +16,7 @@ of every row at each proposal step.
 """
 import torch
 
-from strata.kernels.sampling import _gumbel_pick
+from strata.kernels.sampling.sample import _gumbel_pick
 
 WIDTH = 128
 

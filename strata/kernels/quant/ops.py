@@ -1,7 +1,7 @@
-"""Projections over quantized weights (kernels/quant.py's QuantWeight), as kernels/fused.py's
+"""Projections over quantized weights (weight.py's QuantWeight), as kernels/fused.py's
 dispatch calls them: a decode window on the Triton path takes the quantized kernels
-(kernels/quant_triton.py; with the policy's int8_activations, the rows quantized once and
-kernels/quant_a8_triton.py), one launch per part of one block type, each writing its columns
+(float_triton.py; with the policy's int8_activations, the rows quantized once and
+a8_triton.py), one launch per part of one block type, each writing its columns
 of one output; anything else (a prompt chunk, the plain-torch path) returns None, and the
 caller runs its dense path on `dense_weight`: the weight dequantized into the stage's scratch
 buffer.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from strata.kernels.policy import KernelPolicy
-from strata.kernels.quant import QuantWeight
+from strata.kernels.quant.weight import QuantWeight
 
 
 def dense_weight(w: torch.Tensor | QuantWeight, dtype: torch.dtype,
@@ -29,7 +29,7 @@ def project(x: torch.Tensor, w: QuantWeight, policy: KernelPolicy, decode: bool,
         return None
     if policy.int8_activations:
         return _project_a8(x, w, res, norm, eps, out_dtype or x.dtype)
-    from strata.kernels.quant_triton import fits_k, quant_mm
+    from strata.kernels.quant.float_triton import fits_k, quant_mm
     blocks = [policy.quant_blocks(p.qtype, p.rows, p.cols, kind) for p in w.parts]
     if not all(fits_k(p, b["block_k"]) for p, b in zip(w.parts, blocks)):
         return None
@@ -54,7 +54,7 @@ def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps
         from strata.kernels.fused_triton import silu_mul
         # [gate | up] rounded as the projection's output, then act(gate) * up in fp32
         return silu_mul(_project_a8(x, w, None, norm, eps, x.dtype), act)
-    from strata.kernels.quant_triton import fits_k, quant_gate_up
+    from strata.kernels.quant.float_triton import fits_k, quant_gate_up
     part = w.parts[0]
     blocks = policy.quant_blocks(part.qtype, part.rows, part.cols, "gate_up")
     if not fits_k(part, blocks["block_k"]):
@@ -66,8 +66,8 @@ def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps
 def _project_a8(x: torch.Tensor, w: QuantWeight, res: torch.Tensor | None,
                 norm: torch.Tensor | None, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
     """rmsnorm(x) (with norm) or x, each row quantized to int8 once, @ w^T (+ res): one
-    kernel a part (kernels/quant_a8_triton.py, at its own blocks)."""
-    from strata.kernels.quant_a8_triton import a8_mm, quantize_rows
+    kernel a part (a8_triton.py, at its own blocks)."""
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     q, dx = quantize_rows(x, norm, eps)
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
     col = 0

@@ -1,4 +1,4 @@
-"""Triton kernels over quantized weights in their packed GGUF blocks (kernels/quant.py says
+"""Triton kernels over quantized weights in their packed GGUF blocks (weight.py says
 the layout; the plain-torch references are quant.dequantize_torch and fused's):
 
     quant_mm        out = x @ w^T (+ res), or rmsnorm(x) @ w^T, for a decode window (up to 64
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.fused_triton import ACTS, gate_act
-from strata.kernels.blocks import BLOCKS, IQ4_VALUES, PLANES, Part
+from strata.kernels.quant.blocks import BLOCKS, IQ4_VALUES, PLANES, Part
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES, _row_scale, _x_tile
 
 # the QTYPE constexpr of the kernels

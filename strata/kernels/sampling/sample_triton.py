@@ -1,4 +1,4 @@
-"""The Gumbel-max pick of rows that keep every token (kernels/sampling.py `pick_unfiltered`)
+"""The Gumbel-max pick of rows that keep every token (sample.py `pick_unfiltered`)
 in Triton.
 
 pick_unfiltered in torch is some twenty kernels over [rows, V] in float64 (the hash of each
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gumbel_triton import GOLDEN, MIX1, MIX2, gumbel_noise
-from strata.kernels.sampling_sorted_triton import pick_sorted_triton
+from strata.kernels.sampling.gumbel_triton import GOLDEN, MIX1, MIX2, gumbel_noise
+from strata.kernels.sampling.sorted_triton import pick_sorted_triton
 
 CHUNK = 4096   # a program's share of a row: SmolLM2's 49,152 tokens make 12 programs a row
 BLOCK = 1024   # the columns a program takes at once
@@ -134,7 +134,7 @@ def pick_unfiltered_triton(x: torch.Tensor, temperature: torch.Tensor, u: torch.
 
 def compile_picks(vocab: int, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
     """Compile the kernels for logits of each dtype (these, with and without rows, and the
-    pick of sorted rows: kernels/sampling_sorted_triton.py), so that no request waits for a
+    pick of sorted rows: sorted_triton.py), so that no request waits for a
     compilation (a last stage's warm-up: fp32 head logits, the drafter's in the model's
     dtype)."""
     t = torch.full((1,), 0.7, dtype=torch.float64, device=device)

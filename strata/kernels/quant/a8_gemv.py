@@ -1,5 +1,5 @@
 """The GEMV of int8 activations against quantized weights (windows of 1 to 4 rows): a8_mm's
-arithmetic (kernels/quant_a8.py) with the integer sums taken four products an instruction.
+arithmetic (a8.py) with the integer sums taken four products an instruction.
 
 Each K step of 256 quants (fewer where K is short) reads a column's codes as 32-bit words of
 four bytes and the rows' int8 codes as words, and sums them with dp4a (PTX `dp4a.u32.s32`:
@@ -7,7 +7,7 @@ four unsigned bytes times four signed bytes, added to an int32). Where a type's 
 nibbles (Q4_0, Q4_1, Q4_K) or two nibble planes (Q8_0), a word of eight codes gives its two
 byte words by a mask and a shift, and the rows' words are re-paired once a step to match
 (codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight); the other types' codes come from
-quant_triton's `_codes` and are packed four to a word. Then, per (row, column), the groups'
+float_triton's `_codes` and are packed four to a word. Then, per (row, column), the groups'
 float terms dx * (a * isum + b * qs) are added one by one in order along K, exactly as
 a8_mm's MMA adds them, so a row gets the same bits from either kernel (tests/test_quant_a8.py).
 Under the Triton interpreter, dp4a is the same sum of four products written out.
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.blocks import BLOCKS, Part
-from strata.kernels.quant_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q8_0, TYPE_IDS,
-                                         _codes, _planes, _terms)
+from strata.kernels.quant.blocks import BLOCKS, Part
+from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q8_0,
+                                               TYPE_IDS, _codes, _planes, _terms)
 
 STEP = 256   # quants a K step where K allows
 HIGH_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))   # as int32
@@ -172,7 +172,7 @@ def a8_gemv(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | N
             out: torch.Tensor, block_m: int, block_n: int = 32, stages: int = 3,
             warps: int = 4, pairs: tuple[torch.Tensor, torch.Tensor, int] | None = None
             ) -> torch.Tensor:
-    """a8_mm's GEMV tiles (kernels/quant_a8_triton.py checks the shapes): out [M, N] =
+    """a8_mm's GEMV tiles (a8_triton.py checks the shapes): out [M, N] =
     codes q [M, K] (with scales dx) @ part^T (+ res). pairs (xrows, wrows, n), block_m 1:
     a8_pairs' out [P, n], row p = codes row xrows[p] @ rows wrows[p] .. + n - 1 of part^T."""
     k = q.shape[1]

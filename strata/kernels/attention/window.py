@@ -60,11 +60,11 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 window: int = 0) -> torch.Tensor:
     """The same attention with the rows given as tensors (no host sync, graph-capturable):
     slot [R] int64, length [R] int64 = position + 1 (0 for a pad row, whose output is zero).
-    With the policy's Triton kernels, the fixed-order kernel of attention_triton.py;
+    With the policy's Triton kernels, the fixed-order kernel of decode_triton.py;
     otherwise `attend` (plain torch, key spans of the rows' own positions). scale, window:
     as `attend`'s."""
     if policy_or_default(policy, q).triton:
-        from strata.kernels.attention_triton import attend_rows_triton
+        from strata.kernels.attention.decode_triton import attend_rows_triton
         return attend_rows_triton(q, k_cache, v_cache, slot, length, scale, window)
     return attend_row_tensors(q, k_cache, v_cache, slot, length, scale, window)
 
@@ -75,11 +75,11 @@ def attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  window: int = 0) -> torch.Tensor:
     """attend_rows for the rows of a prompt chunk: every live row (length > 0) belongs to the
     same slot; pad rows (length 0) may carry any slot and give zeros. With the policy's Triton
-    kernels, the blocked kernel of attention_chunk_triton.py, which reads each key tile once
+    kernels, the blocked kernel of chunk_triton.py, which reads each key tile once
     for a block of rows and keeps every row's bits independent of the others; otherwise
     `attend` (plain torch), as for any window."""
     if policy_or_default(policy, q).triton:
-        from strata.kernels.attention_chunk_triton import attend_chunk_triton
+        from strata.kernels.attention.chunk_triton import attend_chunk_triton
         return attend_chunk_triton(q, k_cache, v_cache, slot, length, scale=scale,
                                    window=window)
     return attend_row_tensors(q, k_cache, v_cache, slot, length, scale, window)

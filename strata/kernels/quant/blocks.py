@@ -1,5 +1,5 @@
-"""The GGUF block types the quantized kernels read (kernels/quant.py, quant_triton.py): their
-geometry and packed planes, as plain data (the launcher plans memory with it without torch)."""
+"""The GGUF block types the quantized kernels read (weight.py, float_triton.py): their geometry
+and packed planes, as plain data (the launcher plans memory with it without torch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ BLOCKS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q8_0": (32, 34, 32),
           "Q5_0": (32, 22, 32), "Q5_1": (32, 24, 32), "IQ4_NL": (32, 18, 32),
           "IQ4_XS": (256, 136, 32)}
 KERNEL_TYPES = tuple(BLOCKS)
-# each type's planes (kernels/quant.py's docstring says what each holds)
+# each type's planes (weight.py's docstring says what each holds)
 PLANES = {"Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "Q8_0": ("qs", "qh", "d"),
           "Q4_K": ("qs", "sc", "dm"), "Q5_K": ("qs", "qh", "sc", "dm"),
           "Q6_K": ("qs", "qh", "sc", "dm"), "Q5_0": ("qs", "qh", "d"),
@@ -33,7 +33,7 @@ def stays_packed(types: list[str], mode: str, cuda: bool) -> bool:
 
 @dataclass
 class Part:
-    """Rows of one block type: planes [rows, ...] of PLANES[qtype] (kernels/quant.py packs
+    """Rows of one block type: planes [rows, ...] of PLANES[qtype] (weight.py packs
     them)."""
     qtype: str
     rows: int

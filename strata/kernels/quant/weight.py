@@ -1,6 +1,6 @@
 """Quantized weights kept in GGUF's block types on the device: their packed layout, the
 `QuantWeight` a stage's layers hold, and the plain-torch dequantization the Triton kernels
-(kernels/quant_triton.py) are checked against.
+(float_triton.py) are checked against.
 
 A GGUF row of a quantized [N, K] matrix is K / block blocks of `type_size` bytes (llama.cpp's
 ggml-common.h). The kernels read each row's blocks once and dequantize in registers; to make
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata.kernels.blocks import (BLOCKS, IQ4_VALUES, KERNEL_TYPES,  # noqa: F401 (importable here)
-                                   PLANES, Part)
+from strata.kernels.quant.blocks import (BLOCKS, IQ4_VALUES,  # noqa: F401 (importable here)
+                                          KERNEL_TYPES, PLANES, Part)
 
 # fp16 scale fields of each type's blocks: (byte offset, value) that random_blocks sets
 _SCALES = {"Q4_0": ((0, 2e-3),), "Q4_1": ((0, 2e-3), (2, -1e-2)), "Q8_0": ((0, 1.5e-4),),
@@ -333,7 +333,7 @@ def dequantize_into(part: Part, out: torch.Tensor, index: torch.Tensor | None,
                     triton: bool) -> None:
     """out [R, K] = rows `index` of the part (all rows when None), dequantized."""
     if triton:
-        from strata.kernels.quant_triton import dequant_rows
+        from strata.kernels.quant.float_triton import dequant_rows
         dequant_rows(part, out, index)
         return
     planes = part.planes if index is None else {k: v[index] for k, v in part.planes.items()}

@@ -3,7 +3,7 @@ head's fp32 logits, before temperature, penalties and filters (what vLLM reports
 its "raw_logprobs" mode).
 
 logprob(t) = x[t] - (m + log(sum_j exp(x[j] - m))), m the row's largest logit, in float64.
-The sum adds in an order fixed by V alone (sampling.py's _pairwise_sum: whole-column adds), so
+The sum adds in an order fixed by V alone (sample.py's _pairwise_sum: whole-column adds), so
 a row's numbers never depend on the other rows of the call nor on their number. On a CPU each
 row goes alone (torch's vectorised exp and log may round an element differently by where it
 falls in the call's buffer); on CUDA every element is computed alike, so rows go together.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.sampling import _pairwise_sum
+from strata.kernels.sampling.sample import _pairwise_sum
 
 MAX_TOP = 20   # the most top tokens a row may ask for (OpenAI's top_logprobs limit)
 
@@ -36,6 +36,6 @@ def row_logprobs(x: torch.Tensor, targets: torch.Tensor, top: int
     if not top:
         empty = torch.empty(x.shape[0], 0, device=x.device)
         return chosen, empty.long(), empty.double()
-    # + 0.0 makes -0.0 a +0.0: a radix sort ties them as the CPU's does (sampling.py)
+    # + 0.0 makes -0.0 a +0.0: a radix sort ties them as the CPU's does (sample.py)
     values, ids = torch.sort(x + 0.0, dim=-1, descending=True, stable=True)
     return chosen, ids[:, :top], values[:, :top].double() - lse[:, None]
