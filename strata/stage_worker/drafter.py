@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.device import to_device
 from strata.kernels.fused import linear_rows, norm_head_rows
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS
 from strata.kernels.quant.ops import dense_weight, embed_rows
 from strata.kernels.quant.weight import QuantWeight
 from strata.kernels.sampling.proposal_pick import pick_proposals
-from strata.kernels.sampling.sample import SamplingRow, filtered, pick_unfiltered, to_device
+from strata.kernels.sampling.sample import SamplingRow, filtered, pick_unfiltered
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.acceptance import kept_rows

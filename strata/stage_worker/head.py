@@ -20,10 +20,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from strata.kernels.device import to_device
 from strata.kernels.sampling.logprobs import row_logprobs
 from strata.kernels.sampling.penalties import apply_penalties
 from strata.kernels.sampling.sample import (SamplingRow, filtered, pick_unfiltered, sample_rows,
-                                            sample_rows_on_device, to_device)
+                                            sample_rows_on_device)
 from strata.protocol.messages import Window
 from strata.stage_worker.history import SlotTokens
 

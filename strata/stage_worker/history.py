@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from strata.kernels.device import to_device
 from strata.kernels.sampling.penalties import history_counts
-from strata.kernels.sampling.sample import to_device
 from strata.protocol.messages import Window
 
 

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from strata.kernels.sampling.sample import to_device
+from strata.kernels.device import to_device
 from strata.stage_worker.graphs import Captured
 from strata.stage_worker.head import HeadOutput
 from strata.stage_worker.model import KVCache, Rows, RowTensors, StageModel

@@ -1,4 +1,4 @@
 """Tokens from a window's logits: the penalties and biases, the filters and the Gumbel-max pick
 (sample, in torch; sample_triton, sorted_triton, gumbel_triton on CUDA), the drafter's pick for
 filtered proposals (proposal_pick), and log-probabilities (logprobs).
-May import: nothing"""
+May import: kernels"""

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.device import to_device
+
 
 @dataclass(frozen=True)
 class SamplingRow:
@@ -125,15 +127,6 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
         at = to_device(index, logits.device)
         out[at] = sample(logits[at], [rows[i] for i in index])
     return out
-
-
-def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A host tensor (or a list for one) on `device`; on CUDA through pinned memory without
-    waiting (a pageable copy would wait for every kernel queued before it)."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda" or t.is_cuda:
-        return t.to(device)
-    return t.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 def filtered(row: SamplingRow, vocab: int) -> bool:
