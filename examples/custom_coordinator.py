@@ -4,8 +4,8 @@ greedy loop of a few lines, print the text.
     python examples/custom_coordinator.py --layer-split 15 --prompt "The three primary colours are"
 
 It prints what `strata-launch --layer-split 15 --prompt "..."` prints (greedy is the default of
-both); tests/test_custom_coordinator.py checks that token for token. The policy (which rows go
-into which window) is all here; the mechanism (the worker processes, the sockets, the hellos,
+both); tests/system/test_custom_coordinator.py checks that token for token. The policy (which rows
+go into which window) is all here; the mechanism (the worker processes, the sockets, the hellos,
 the windows' encoding) is strata's.
 """
 from __future__ import annotations

@@ -65,7 +65,7 @@ class KernelPolicy:
     leave most SMs idle, and its re-reads hit L2 (an H200, 64 rows, 16-row tiles against one
     64-row tile: SmolLM2's qkv 5 us against 8, llama3-8b's 40 against 29;
     tools/gpu/bench_tiles.py). Every tile gives a row the same bits
-    (tests/test_batch_invariance.py). A decode window's matmul the skinny
+    (tests/kernels/test_batch_invariance.py). A decode window's matmul the skinny
     kernel does not take (no Triton, or a shape its blocks do not divide) runs in calls of
     ROW_BLOCK rows, each of the same shape. Prompt chunks (fixed shapes) take cuBLAS / torch
     whole. mm_fp32_out: bf16 head logits come straight from torch.mm(out_dtype=float32) (else

@@ -16,8 +16,8 @@ read of the weight tile. The blocks along K (and N) come from the weight's shape
 (one row block, so decode reads each weight once whatever M is), or a fixed tile with a grid
 over row blocks. Every row is computed alone (rows past M are zeros that are never stored), with
 the same K blocks and order whatever M and BLOCK_M are, so a row's bits do not depend on the
-window's other rows (DESIGN.md, exactness 1 and 2; tests/test_batch_invariance.py checks every
-tile against the others on CUDA). Row blocks are the grid's first axis: the programs that read
+window's other rows (DESIGN.md, exactness 1 and 2; tests/kernels/test_batch_invariance.py checks
+every tile against the others on CUDA). Row blocks are the grid's first axis: the programs that read
 one weight tile run side by side and share it through L2.
 
 The norm is folded into the product: a program reads x's tiles anyway, so it also sums each

@@ -4,7 +4,8 @@ Inside a graph every shape and address is static: a window's rows (slot, positio
 and its input (tokens or hidden states) are copied into static buffers; host inputs go through
 page-locked staging buffers so that the copy does not wait for the previous replay. Each
 capture follows one eager warm-up run of the same inputs. A replay launches the same kernels on
-the same shapes as the eager path, so it gives the same bits (tests/test_gpu.py checks).
+the same shapes as the eager path, so it gives the same bits (tests/stage_worker/test_gpu.py
+checks).
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ makes no host sync on a CUDA device and has static shapes, so it can be captured
 graph (graphs.py). Pad rows write their KV into the cache's spare (trash) slot. Which kernel
 computes what (Triton or its torch fallback, cuBLAS or the skinny matmul) is the model's
 `KernelPolicy`. CPU stages compute in fp32, CUDA stages in bf16. A decode window (up to 64
-rows) gives each row the same bits whatever its row count (tests/test_batch_invariance.py); a
-prompt chunk, of a fixed shape, takes cuBLAS / torch whole.
+rows) gives each row the same bits whatever its row count (tests/kernels/test_batch_invariance.py);
+a prompt chunk, of a fixed shape, takes cuBLAS / torch whole.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """A differentiable llama forward in plain torch, batched over padded sequences, for training:
 the frozen target (its final hidden states, its next-token distributions) and the NextN head
 being trained. It computes what strata's stages and drafter compute (strata/stage_worker/
-model.py and drafter.py: the same norms, RoPE on adjacent pairs, attention and SwiGLU; tests/
-test_train_mtp.py checks both agree), in whole sequences instead of windows.
+model.py and drafter.py: the same norms, RoPE on adjacent pairs, attention and SwiGLU;
+tests/train/test_train_mtp.py checks both agree), in whole sequences instead of windows.
 
 Sequences are right-padded, so causal attention never lets a real position see a pad.
 """

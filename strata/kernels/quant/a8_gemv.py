@@ -9,8 +9,9 @@ byte words by a mask and a shift, and the rows' words are re-paired once a step 
 (codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight); the other types' codes come from
 float_triton's `_codes` and are packed four to a word. Then, per (row, column), the groups'
 float terms dx * (a * isum + b * qs) are added one by one in order along K, exactly as
-a8_mm's MMA adds them, so a row gets the same bits from either kernel (tests/test_quant_a8.py).
-Under the Triton interpreter, dp4a is the same sum of four products written out.
+a8_mm's MMA adds them, so a row gets the same bits from either kernel
+(tests/kernels/test_quant_a8.py). Under the Triton interpreter, dp4a is the same sum of four
+products written out.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ tile of 1, 2 or 4: a8_gemv.py, four products a dp4a) and an MMA (more rows: tile
 16, 32 or 64: a K step's groups in one int8 tl.dot into int32, against the rows' codes laid out
 block-diagonally so that each group's sums come apart). Both add each (row, column)'s float
 terms in the same order, group by group, so a row gets the same bits from either and from any
-tile (tests/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled for sm_90,
+tile (tests/kernels/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled for sm_90,
 Triton fuses `a * isum + b * qs` into one FMA one way for tiles of 1 and 2 rows and the other
 way from 4 rows up (Q4_K, Q5_K, Q4_1, Q5_1: their b is not zero), which changes a row's bits
 between tiles; without fusion every tile rounds each product alone. The codes and scales come

@@ -105,7 +105,7 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     differently (sample_row sums sequentially), so the float64 probabilities may differ in
     the last bits. A token differs only where a top-p or min-p threshold falls within those
     few ulps of a cumulative or single probability: the kept set then differs by its last
-    token, and the pick only if that token wins. tests/test_sampling.py compares the tokens
+    token, and the pick only if that token wins. tests/kernels/test_sampling.py compares the tokens
     over many random rows. NaN and +-inf logits give what sample_row gives: where the
     probabilities are NaN (a NaN logit, a +inf one, or all -inf) every comparison fails, so
     top-p keeps the top-k and min-p keeps one token; a NaN scaled logit never wins, a +inf

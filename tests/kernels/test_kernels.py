@@ -383,7 +383,7 @@ def test_min_p_filters_tokens_below_a_fraction_of_the_top():
 
 def _empirical(logits, row: SamplingRow, n: int = 40000) -> np.ndarray:
     """The share of each token over n draws spread over [0, 1) (the window's sampler, whose
-    tokens are sample_row's: tests/test_sampling.py)."""
+    tokens are sample_row's: tests/kernels/test_sampling.py)."""
     rows = [SamplingRow(row.temperature, row.top_k, row.top_p, row.min_p, u=(i + 0.5) / n)
             for i in range(n)]
     picks = sample_rows_on_device(logits.expand(n, -1), rows)

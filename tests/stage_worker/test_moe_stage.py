@@ -99,7 +99,7 @@ def test_packed_experts_give_the_widened_files_logits(moe_file, device):
 def test_an_moe_stages_rows_are_invariant(moe_file):
     """The target rows alone and among 8, 16, 32 and 64 rows: hidden states, logits, sampled
     tokens and KV, the same bits (under the interpreter the expert kernels' own test takes a
-    row alone and among others: tests/test_moe_triton.py)."""
+    row alone and among others: tests/kernels/test_moe_triton.py)."""
     model = _model(moe_file, "cuda:0", "quantized")
     cache = KVCache(len(model.layers), 8, model.cfg, CTX, model.device, model.dtype)
     with torch.inference_mode():

@@ -3,7 +3,7 @@ the drafts the grammar allows (grammar.py), the last stage's masked sampling (he
 masks on the wire, and the scheduler's exactness with grammars: against a fake pipeline whose
 "model" gives every history its own random logits and whose last stage masks them as the real
 one does, each request gets the same tokens alone, together, in pipelined groups, with MTP and
-lookup drafts. The real SmolLM2 cases: tests/test_structured_smollm2.py."""
+lookup drafts. The real SmolLM2 cases: tests/system/test_structured_smollm2.py."""
 from __future__ import annotations
 
 import json

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "custom_coordinator.py"
 # more than one prompt window of 32 rows (97 tokens), on which varied_model's greedy text runs
 # past N_TOKENS without its end-of-text token

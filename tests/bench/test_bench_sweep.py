@@ -148,8 +148,8 @@ def test_sweep_prompt_tokens_counts_as_llamacpp_does(tiny_model, no_stage_left, 
 
 
 def peer_report(path, prompt_tokens=40, tokens=5):
-    """A report as strata-bench peer --engine llama.cpp --json-out writes it (tests/
-    test_bench_peer.py checks that command's file against load_peer)."""
+    """A report as strata-bench peer --engine llama.cpp --json-out writes it
+    (tests/bench/test_bench_peer.py checks that command's file against load_peer)."""
     rows = [{"clients": c, "prompt_tokens": prompt_tokens, "tokens": tokens,
              "decode_tok_s": 100.0 * c, "prompt_and_generated_tok_s": 300.0 * c}
             for c in (1, 8)]

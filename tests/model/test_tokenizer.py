@@ -329,7 +329,7 @@ def _write_spm(path: Path, prefix: bool | None, template: str | None = None
 
 
 def test_sentencepiece_merges_by_score_and_falls_back_to_bytes(tmp_path: Path):
-    """(Gemma's real vocabulary: tests/test_gemma3_file.py.) A space prefix unless the file
+    """(Gemma's real vocabulary: tests/model/test_gemma3_file.py.) A space prefix unless the file
     says not; the best-scored join first; a character the pieces cannot spell as its UTF-8
     bytes; BOS by default, as llama.cpp adds it to SentencePiece vocabularies."""
     tok = Tokenizer.from_gguf(_write_spm(tmp_path / "spm.gguf", prefix=None))
