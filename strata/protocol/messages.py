@@ -7,7 +7,10 @@ Never pickle: a message from another version or another program is checked field
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Callable
+from functools import cached_property
+from typing import Callable, Sequence
+
+from strata.protocol.rows import LogprobRow, SamplingRow
 
 PROTOCOL_VERSION = 3   # 2: Heartbeat, and Hello.listen; 3: penalties, biases, logprobs and
                        # token masks
@@ -47,17 +50,24 @@ class Window:
     """One forward pass over a set of rows; travels stage 0 -> 1 -> ... -> last.
 
     rows: slots/positions/tokens are [W]; a pad row has slot -1. Before computing, each stage
-    applies `commits`: (slot, length) keeps positions [0, length) of that slot's KV.
-    `sample` names the rows whose output the last stage samples, with each row's parameters
-    and the uniform draw u the coordinator made for it. `chunk` marks a prompt chunk: every
-    live row belongs to one slot (CUDA stages read such rows with the blocked chunk kernel, so
-    a coordinator must mark every prompt row alike to get the same bits each time).
+    applies `commits`: (slot, length) keeps positions [0, length) of that slot's KV. `chunk`
+    marks a prompt chunk: every live row belongs to one slot (CUDA stages read such rows with
+    the blocked chunk kernel, so a coordinator must mark every prompt row alike to get the
+    same bits each time).
+
+    The rows the last stage samples, and those whose log-probabilities it reports, are
+    records (rows.py: SamplingRow, LogprobRow, which say what each field means): the
+    coordinator builds a window from them (`from_rows`) and the last stage reads them back
+    (`sampled`, `scored`). On the wire they travel as columns, one list per field, which
+    __post_init__ checks: msgpack packs and reads them some 3x quicker than a map per row,
+    in half the bytes.
     """
     id: int
     slots: list[int]
     positions: list[int]
     tokens: list[int]
     commits: list[list[int]] = field(default_factory=list)
+    # the sampled rows (SamplingRow's fields, a column each; sample_rows holds their `row`)
     sample_rows: list[int] = field(default_factory=list)
     temperature: list[float] = field(default_factory=list)
     top_k: list[int] = field(default_factory=list)
@@ -74,27 +84,22 @@ class Window:
     # positions after the one the slot's last row samples, for coupled proposals; an entry []
     # asks for argmax proposals (see strata/stage_worker/drafter.py)
     propose_u: list[list[float]] = field(default_factory=list)
-    # Per sampled row (parallel to `sample_rows`, or empty: none for any row), applied to its
-    # logits before temperature and the filters (strata/kernels/sampling/penalties.py):
-    # [repetition, frequency, presence] or [] (none for this row); output_start: the position
-    # where the slot's output begins (frequency and presence count the tokens at positions
-    # [output_start, row's position], repetition those at [0, row's position]); bias_ids and
-    # bias: added to those tokens' logits (-inf: the row may not sample them)
+    # the sampled rows' optional fields, each a column parallel to `sample_rows` or empty
+    # (SamplingRow's default for every row): penalty and output_start travel together, as do
+    # bias_ids and bias ([] in a column: none for that row)
     penalty: list[list[float]] = field(default_factory=list)
     output_start: list[int] = field(default_factory=list)
     bias_ids: list[list[int]] = field(default_factory=list)
     bias: list[list[float]] = field(default_factory=list)
-    # rows whose log-probabilities the last stage reports (Result.logprobs), any live rows:
-    # of the token logprob_tokens names (-1: the token the row samples) and of the row's
-    # logprob_top most likely tokens, in the model's own distribution (before any of the above)
+    # the rows whose log-probabilities the last stage reports (LogprobRow's fields)
     logprob_rows: list[int] = field(default_factory=list)
     logprob_tokens: list[int] = field(default_factory=list)
     logprob_top: list[int] = field(default_factory=list)
-    # token masks (structured output): parallel to `sample_rows` (or empty: no row masked),
-    # the index of the row's mask in `masks`, or -1 for none. `masks`: the masks, each
-    # ceil(V / 32) little-endian int32 words (V: the model's vocabulary), bit j of word i
-    # set where token 32 i + j may be sampled; the last stage samples a masked row as if the
-    # others' logits were -inf, after its penalties and biases (stage_worker/head.py)
+    # token masks (structured output): `mask`, the sampled rows' optional column of mask
+    # indices into `masks`, -1 for none. `masks`: each ceil(V / 32) little-endian int32
+    # words (V: the model's vocabulary), bit j of word i set where token 32 i + j may be
+    # sampled; the last stage samples a masked row as if the others' logits were -inf, after
+    # its penalties and biases (stage_worker/head.py)
     mask: list[int] = field(default_factory=list)
     masks: bytes = b""
 
@@ -141,6 +146,47 @@ class Window:
                 count and len(self.masks) % (4 * count)):
             raise ProtocolError(f"window {self.id}: mask names {count} masks but masks holds "
                                 f"{len(self.masks)} bytes; send whole int32 words for each")
+
+    @classmethod
+    def from_rows(cls, id: int, slots: list[int], positions: list[int], tokens: list[int],
+                  sampled: Sequence[SamplingRow] = (), scored: Sequence[LogprobRow] = (),
+                  **fields) -> Window:
+        """A window whose sampled and scored rows are given as records (the coordinator's
+        builder), laid out as the wire's columns: penalty and output_start only where a row
+        has a penalty, bias_ids and bias where one has a bias, mask where one has a mask.
+        fields: the Window's others (commits, masks, ...)."""
+        columns: dict[str, list] = {}
+        if sampled:
+            (temperature, top_k, top_p, min_p, u, rows, penalty, output_start, bias_ids, bias,
+             mask) = map(list, zip(*sampled))
+            columns = dict(sample_rows=rows, temperature=temperature, top_k=top_k, top_p=top_p,
+                           min_p=min_p, u=u)
+            if any(penalty):
+                columns.update(penalty=penalty, output_start=output_start)
+            if any(bias_ids):
+                columns.update(bias_ids=bias_ids, bias=bias)
+            if any(i >= 0 for i in mask):
+                columns.update(mask=mask)
+        if scored:
+            rows, token, top = map(list, zip(*scored))
+            columns.update(logprob_rows=rows, logprob_tokens=token, logprob_top=top)
+        return cls(id, slots, positions, tokens, **columns, **fields)
+
+    @cached_property
+    def sampled(self) -> list[SamplingRow]:
+        """The sampled rows as records, in sample_rows' order (made once: a window's columns
+        do not change after it is built)."""
+        m = len(self.sample_rows)
+        return list(map(SamplingRow._make, zip(
+            self.temperature, self.top_k, self.top_p, self.min_p, self.u, self.sample_rows,
+            self.penalty or [()] * m, self.output_start or [0] * m, self.bias_ids or [()] * m,
+            self.bias or [()] * m, self.mask or [-1] * m)))
+
+    @cached_property
+    def scored(self) -> list[LogprobRow]:
+        """The rows whose log-probabilities the last stage reports, as records."""
+        return list(map(LogprobRow._make, zip(self.logprob_rows, self.logprob_tokens,
+                                              self.logprob_top)))
 
     def mask_words(self) -> int:
         """The int32 words of each mask in `masks` (0 without masks)."""
@@ -259,9 +305,10 @@ FLOAT_LISTS = Kind("list[list[float]]", lambda v: type(v) is list and all(
 # Decoders ignore keys they do not know, so a later version adds a field without breaking an
 # older reader. Per-row extras of a Window (logprobs wanted, penalties, a grammar state, a
 # draft's origin) go that way: each is a new optional list, parallel to `sample_rows` (extras
-# of sampled rows) or to `slots` (extras of every row), whose empty default means "none for any
-# row", so a window without them encodes as today. An extra a stage must not ignore comes with
-# a PROTOCOL_VERSION bump, which the hello handshake checks.
+# of sampled rows: a field of rows.SamplingRow with its default, laid out by Window.from_rows
+# and read back by Window.sampled) or to `slots` (extras of every row), whose empty default
+# means "none for any row", so a window without them encodes as today. An extra a stage must
+# not ignore comes with a PROTOCOL_VERSION bump, which the hello handshake checks.
 SCHEMAS: dict[type, dict[str, Kind]] = {
     Hello: {"version": INT, "stage": INT, "layer_start": INT, "layer_end": INT, "device": STR,
             "fingerprint": STR, "pid": INT, "slots": INT, "ctx": INT, "listen": STR,

@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 import zmq
 
+from strata.coordinator.sampling_params import SamplingParams, draw_uniform
+from strata.coordinator.windows import Row, build_window
 from strata.protocol import transport
 from strata.protocol.messages import (PROTOCOL_VERSION, Error, Heartbeat, Hello, JoinAsk,
                                       JoinConfirm, JoinModel, JoinPlan, JoinRefused, JoinWait,
                                       ProtocolError, Result, Shutdown, Window, decode, encode)
+from strata.protocol.rows import LogprobRow, SamplingRow
 from strata.protocol.transport import pack, unpack
 
 D = 64  # hidden size of the activations in these tests
@@ -117,6 +120,47 @@ def test_window_round_trip_keeps_values_and_types():
     assert back.commits == [[0, 10], [2, 99]]
     assert back.want_logits is True
     assert all(type(x) is int for x in back.slots + back.positions + back.tokens + back.top_k)
+
+
+def test_a_windows_rows_are_records_laid_out_as_columns_and_read_back():
+    """Window.from_rows lays the records out as the wire's columns, an optional one only where
+    a row has it; sampled and scored read them back, on either side of the wire."""
+    sampled = [SamplingRow(0.0, 0, 1.0, 0.0, 0.0, row=0, penalty=[1.1, 0.5, -0.25],
+                           output_start=8, bias_ids=[3, 17], bias=[-100.0, float("-inf")]),
+               SamplingRow(0.7, 40, 0.95, 0.05, 0.123456789012345, row=2, penalty=[],
+                           output_start=0, bias_ids=[], bias=[])]
+    scored = [LogprobRow(1, 250, 0), LogprobRow(2, -1, 20)]
+    w = Window.from_rows(17, [0, 2, 5] + [-1] * 5, [10, 99, 3] + [0] * 5, [1, 250, 7] + [0] * 5,
+                         sampled=sampled, scored=scored, commits=[[0, 10], [2, 99]],
+                         want_logits=True, stage_ms=[1.5, 2], propose=[[0, 3], [5, 1]],
+                         propose_u=[[0.25, 0.5, 0.999], []])
+    assert w == MESSAGES["window-penalties-logprobs"] and w.sampled == sampled
+    back, _ = unpack(_frames_bytes(pack(w)))
+    assert back.sampled == sampled and back.scored == scored
+    # no row with a penalty, a bias or a mask: those columns stay empty, each row's default
+    plain = [SamplingRow(0.7, u=0.5, row=0), SamplingRow(row=2)]
+    w = Window.from_rows(3, [0, 2, 5], [10, 99, 3], [1, 250, 7], sampled=plain)
+    assert w.penalty == w.output_start == w.bias_ids == w.bias == w.mask == w.logprob_rows == []
+    assert unpack(pack(w))[0].sampled == plain and w.scored == []
+    masked = [SamplingRow(row=0), SamplingRow(row=2, mask=0)]
+    w = Window.from_rows(3, [0, 2, 5], [10, 99, 3], [1, 250, 7], sampled=masked, masks=bytes(8))
+    assert w.mask == [-1, 0] and unpack(pack(w))[0].sampled == masked
+
+
+def test_build_window_lays_the_coordinators_rows_out_as_these_columns():
+    hot = SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.2,
+                         logit_bias=((9, -100.0),), logprobs=2)
+    rows = [Row(0, 5, 11, score=(12, 0)),                        # a prompt row that scores
+            Row(0, 6, 12, SamplingParams(), prompt_len=6, held_back=frozenset({4})),
+            Row(1, 3, 8, hot, prompt_len=2, mask=0)]
+    w = build_window(1, rows, 8, masks=np.zeros((1, 2), dtype=np.int32))
+    assert (w.sample_rows, w.temperature, w.top_k, w.top_p, w.min_p, w.u) == (
+        [1, 2], [0.0, 0.7], [0, 0], [1.0, 1.0], [0.0, 0.0], [0.0, draw_uniform(3, 4)])
+    assert (w.penalty, w.output_start) == ([[], [1.2, 0.0, 0.0]], [6, 2])
+    assert (w.bias_ids, w.bias) == ([[4], [9]], [[float("-inf")], [-100.0]])
+    assert (w.logprob_rows, w.logprob_tokens, w.logprob_top) == ([0, 2], [12, -1], [0, 2])
+    assert (w.mask, w.masks, w.slots[3:]) == ([-1, 0], bytes(8), [-1] * 5)
+    assert unpack(pack(w))[0] == w
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -18,21 +18,11 @@ picks to the host: a row that keeps every token is picked by one Triton kernel
 (`pick_unfiltered`, sample_triton.py), the others by a sort and one more
 (`_sample_sorted`, sorted_triton.py).
 """
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from strata.kernels.device import to_device
-
-
-@dataclass(frozen=True)
-class SamplingRow:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0            # 0 = off
-    top_p: float = 1.0        # 1 = off
-    min_p: float = 0.0        # 0 = off
-    u: float = 0.0            # uniform in [0, 1), drawn by the coordinator
+from strata.protocol.rows import SamplingRow   # reads temperature, top_k, top_p, min_p, u
 
 
 def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
