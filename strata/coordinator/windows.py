@@ -12,6 +12,7 @@ from typing import NamedTuple
 from strata.coordinator.config import WINDOW_ROW_STEP
 from strata.coordinator.sampling_params import SamplingParams, draw_uniform
 from strata.protocol.messages import Window
+from strata.protocol.rows import LogprobRow, SamplingRow
 
 DEFAULT_CHUNK_ROWS = 32
 DEFAULT_WINDOW_ROWS = WINDOW_ROW_STEP  # a decode window of one live row (a request alone)
@@ -42,53 +43,36 @@ def build_window(window_id: int, rows: list[Row], shape: int,
     token masks the rows' `mask` index, [n, words] int32 (grammar.WindowMasks), or None."""
     assert len(rows) <= shape, (len(rows), shape)
     pad = shape - len(rows)
-    w = Window(id=window_id,
-               slots=[r.slot for r in rows] + [-1] * pad,
-               positions=[r.position for r in rows] + [0] * pad,
-               tokens=[r.token for r in rows] + [0] * pad,
-               commits=[list(c) for c in commits],
-               want_logits=want_logits, chunk=chunk, propose=[list(p) for p in propose])
-    sampled = [r.sample for r in rows if r.sample is not None]
-    penalties = any(p.penalised for p in sampled)
-    biases = any(p.logit_bias or r.held_back for r in rows if (p := r.sample) is not None)
+    sampled, scored = [], []
     for i, r in enumerate(rows):
         if r.score is not None:
-            _ask_logprobs(w, i, *r.score)
+            scored.append(LogprobRow(i, *r.score))
         if r.sample is None:
             continue
         p = r.sample
-        w.sample_rows.append(i)
-        w.temperature.append(float(p.temperature))
-        w.top_k.append(int(p.top_k))
-        w.top_p.append(float(p.top_p))
-        w.min_p.append(float(p.min_p))
         # the sampled token goes to position + 1: its draw is keyed by that position
-        w.u.append(draw_uniform(p.seed, r.position + 1) if p.temperature > 0 else 0.0)
-        if penalties:
-            w.penalty.append([float(p.repetition_penalty), float(p.frequency_penalty),
-                              float(p.presence_penalty)] if p.penalised else [])
-            w.output_start.append(r.prompt_len)
-        if biases:
-            bias = dict(p.logit_bias) | dict.fromkeys(r.held_back, -math.inf)
-            w.bias_ids.append(sorted(bias))
-            w.bias.append([float(bias[t]) for t in sorted(bias)])
+        u = draw_uniform(p.seed, r.position + 1) if p.temperature > 0 else 0.0
+        penalty = [float(p.repetition_penalty), float(p.frequency_penalty),
+                   float(p.presence_penalty)] if p.penalised else []
+        bias_ids, bias = [], []
+        if p.logit_bias or r.held_back:
+            given = dict(p.logit_bias) | dict.fromkeys(r.held_back, -math.inf)
+            bias_ids = sorted(given)
+            bias = [float(given[t]) for t in bias_ids]
+        sampled.append(SamplingRow(float(p.temperature), int(p.top_k), float(p.top_p),
+                                   float(p.min_p), u, i, penalty, r.prompt_len, bias_ids, bias,
+                                   r.mask))
         if p.logprobs is not None:
             assert r.score is None, "a row reports one log-probability"
-            _ask_logprobs(w, i, -1, p.logprobs)
-    if masks is not None:
-        w.mask = [r.mask for r in rows if r.sample is not None]
-        w.masks = masks.astype("<i4", copy=False).tobytes()
-    if coupled and propose:
-        w.propose_u = proposal_draws(rows, propose)
-    return w
-
-
-def _ask_logprobs(w: Window, row: int, token: int, top: int) -> None:
-    """Window.logprob_rows: row i reports the log-probability of `token` (-1: the one it
-    samples) and of its `top` most likely tokens."""
-    w.logprob_rows.append(row)
-    w.logprob_tokens.append(token)
-    w.logprob_top.append(top)
+            scored.append(LogprobRow(i, -1, p.logprobs))
+    return Window.from_rows(
+        window_id, slots=[r.slot for r in rows] + [-1] * pad,
+        positions=[r.position for r in rows] + [0] * pad,
+        tokens=[r.token for r in rows] + [0] * pad, sampled=sampled, scored=scored,
+        commits=[list(c) for c in commits], want_logits=want_logits, chunk=chunk,
+        propose=[list(p) for p in propose],
+        propose_u=proposal_draws(rows, propose) if coupled and propose else [],
+        masks=masks.astype("<i4", copy=False).tobytes() if masks is not None else b"")
 
 
 def proposal_draws(rows: list[Row], propose: list[tuple[int, int]]) -> list[list[float]]:
