@@ -25,6 +25,7 @@ from strata.model.gguf_file import ModelFile
 from strata.model.registry import DEFAULT_MODEL, resolve_model
 from strata.model.tokenizer import Tokenizer
 from strata.protocol.messages import Window
+from strata.protocol.rows import SamplingRow
 from strata.stage_worker.head import HeadOutput, apply_masks
 
 SCHEMA = {"type": "object", "additionalProperties": False,
@@ -118,10 +119,9 @@ def grammar(model, slots, drafts, windows, device, json_out):
                 at[i] += 1
             t3 = time.perf_counter()
             rows = len(mask_of)
-            w = Window(n, list(range(rows)), [0] * rows, [0] * rows,
-                       sample_rows=list(range(rows)), temperature=[0.0] * rows,
-                       top_k=[0] * rows, top_p=[1.0] * rows, min_p=[0.0] * rows, u=[0.0] * rows,
-                       mask=mask_of, masks=packed)
+            sampled = [SamplingRow(row=j, mask=m) for j, m in enumerate(mask_of)]   # greedy
+            w = Window.from_rows(n, list(range(rows)), [0] * rows, [0] * rows, sampled=sampled,
+                                 masks=packed)
             head = HeadOutput(logits[:rows], logits[:rows].argmax(-1), list(range(rows)))
             _sync(device)
             t4 = time.perf_counter()

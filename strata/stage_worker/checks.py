@@ -91,27 +91,27 @@ def _check_sampling(w: Window, vocab: int) -> None:
     if w.penalty and not w.output_start:
         raise RowError(f"window {w.id} has penalties but no output_start; send one per "
                        f"sampled row")
-    for j, r in enumerate(w.sample_rows):
-        penalty = w.penalty[j] if w.penalty else []
-        if penalty and not (all(math.isfinite(v) for v in penalty) and penalty[0] > 0):
-            raise RowError(f"window {w.id}: penalty {penalty} of row {r} is not finite "
+    for p in w.sampled:
+        r = p.row
+        if p.penalty and not (all(math.isfinite(v) for v in p.penalty) and p.penalty[0] > 0):
+            raise RowError(f"window {w.id}: penalty {p.penalty} of row {r} is not finite "
                            f"numbers with a repetition penalty above 0")
-        if w.output_start and not 0 <= w.output_start[j] <= w.positions[r] + 1:
-            raise RowError(f"window {w.id}: output_start {w.output_start[j]} of row {r} is "
+        if not 0 <= p.output_start <= w.positions[r] + 1:
+            raise RowError(f"window {w.id}: output_start {p.output_start} of row {r} is "
                            f"not within [0, its position + 1]")
-        ids = w.bias_ids[j] if w.bias_ids else []
+        ids = p.bias_ids
         if any(not 0 <= t < vocab for t in ids) or len(set(ids)) != len(ids):
             raise RowError(f"window {w.id}: row {r}'s bias_ids are not distinct tokens of "
                            f"the vocabulary")
-        if any(not (math.isfinite(b) or b == -math.inf) for b in (w.bias[j] if ids else [])):
+        if any(not (math.isfinite(b) or b == -math.inf) for b in p.bias):
             raise RowError(f"window {w.id}: row {r}'s biases are not finite numbers or -inf")
-    sampled = set(w.sample_rows)
-    for r, t, top in zip(w.logprob_rows, w.logprob_tokens, w.logprob_top):
-        if not (0 <= t < vocab or (t == -1 and r in sampled)):
-            raise RowError(f"window {w.id}: logprob row {r} asks for token {t}; give a token "
-                           f"of the vocabulary, or -1 for a sampled row's own")
-        if not 0 <= top <= MAX_TOP:
-            raise RowError(f"window {w.id}: logprob row {r} asks for {top} top tokens; give "
-                           f"0 to {MAX_TOP}")
-    if len(set(w.logprob_rows)) != len(w.logprob_rows):
+    sampled = {p.row for p in w.sampled}
+    for s in w.scored:
+        if not (0 <= s.token < vocab or (s.token == -1 and s.row in sampled)):
+            raise RowError(f"window {w.id}: logprob row {s.row} asks for token {s.token}; give "
+                           f"a token of the vocabulary, or -1 for a sampled row's own")
+        if not 0 <= s.top <= MAX_TOP:
+            raise RowError(f"window {w.id}: logprob row {s.row} asks for {s.top} top tokens; "
+                           f"give 0 to {MAX_TOP}")
+    if len({s.row for s in w.scored}) != len(w.scored):
         raise RowError(f"window {w.id} names a logprob row twice")

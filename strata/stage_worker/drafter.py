@@ -19,11 +19,12 @@ from strata.kernels.policy import MAX_DECODE_ROWS
 from strata.kernels.quant.ops import dense_weight, embed_rows
 from strata.kernels.quant.weight import QuantWeight
 from strata.kernels.sampling.proposal_pick import pick_proposals
-from strata.kernels.sampling.sample import SamplingRow, filtered, pick_unfiltered
+from strata.kernels.sampling.sample import filtered, pick_unfiltered
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.acceptance import kept_rows
 from strata.protocol.messages import Window
+from strata.protocol.rows import SamplingRow
 from strata.stage_worker.graphs import Captured
 from strata.stage_worker.model import KVCache, Layer, RowTensors, StageModel, WindowMeta
 
@@ -138,7 +139,7 @@ class Drafter:
                 rows.sort(key=positions.__getitem__)
             order += rows
             first += [True] + [False] * (len(rows) - 1)
-        sampled = dict(zip(w.sample_rows, tokens))   # row -> its token; -1: not sampled
+        sampled = {p.row: t for p, t in zip(w.sampled, tokens)}  # row -> its token
         counted = kept_rows([given[r] for r in order], [sampled.get(r, -1) for r in order],
                             first, [positions[r] for r in order])   # rows 0..a of each slot
         plan, n_rows, zeros = _Plan(), len(w.slots), len(w.slots) + len(self.last_pos)
@@ -335,10 +336,10 @@ def _couplings(w: Window) -> dict[int, _Coupling]:
         return {}
     params: dict[int, tuple[float, int, float, float]] = {}
     draws: dict[int, dict[int, float]] = {}
-    for j, r in enumerate(w.sample_rows):
-        s = w.slots[r]
-        params[s] = (w.temperature[j], w.top_k[j], w.top_p[j], w.min_p[j])
-        draws.setdefault(s, {})[w.positions[r] + 1] = w.u[j]
+    for p in w.sampled:
+        s = w.slots[p.row]
+        params[s] = (p.temperature, p.top_k, p.top_p, p.min_p)
+        draws.setdefault(s, {})[w.positions[p.row] + 1] = p.u
     end: dict[int, int] = {}   # slot -> the position its last row samples
     for s, p in zip(w.slots, w.positions):
         end[s] = max(end.get(s, 0), p + 1)

@@ -5,11 +5,11 @@ For a window, in this order (each step per row: a row's answer never depends on 
 1. `penalised`: penalties and biases (kernels/sampling/penalties.py) on the logits of the sampled
    rows that have any, from their slots' tokens (history.py); such a greedy row takes the argmax
    of its penalised logits;
-2. `apply_masks`: a structured output's token masks (Window.mask): a masked row's forbidden
+2. `apply_masks`: a structured output's token masks (SamplingRow.mask): a masked row's forbidden
    tokens get -inf, and its argmax is taken again;
 3. the pick: greedy rows the argmax, rows with a temperature kernels/sampling/sample.py's sampler
    (its own temperature, filters and draw, over the penalised and masked logits);
-4. the log-probabilities of Window.logprob_rows (kernels/sampling/logprobs.py), from the model's
+4. the log-probabilities of Window.scored's rows (kernels/sampling/logprobs.py), from the model's
    own logits (before steps 1 to 3): of the token a row picked, or of a given one (the next
    token of a prompt row, for a request that scores its prompt).
 """
@@ -23,7 +23,7 @@ import torch
 from strata.kernels.device import to_device
 from strata.kernels.sampling.logprobs import row_logprobs
 from strata.kernels.sampling.penalties import apply_penalties
-from strata.kernels.sampling.sample import (SamplingRow, filtered, pick_unfiltered, sample_rows,
+from strata.kernels.sampling.sample import (filtered, pick_unfiltered, sample_rows,
                                             sample_rows_on_device)
 from strata.protocol.messages import Window
 from strata.stage_worker.history import SlotTokens
@@ -38,7 +38,7 @@ class HeadOutput:
     argmax: torch.Tensor         # [N] int64: the first index of each row's maximum in
                                  # `logits`; without logits, each sampled row's token
     rows: list[int]              # the index into logits / argmax of each sampled row, in order
-    scored: list[int] = field(default_factory=list)   # the index of each Window.logprob_rows
+    scored: list[int] = field(default_factory=list)   # the index of each of Window.scored
     raw: torch.Tensor | None = None   # the model's logits where `logits` were penalised or masked
     # once picked on the device (tokens_to_host): per logprob row, on the host, (logprob [k]
     # float64, top ids [k, T], top logprobs [k, T] float64), T the window's largest top
@@ -66,38 +66,38 @@ class HeadOutput:
 
     def _picks_on_device(self, w: Window) -> tuple[torch.Tensor, list[int]]:
         """(tokens, rows) on the logits' device: sampled row j's token is tokens[rows[j]]."""
-        params = row_params(w)
-        tempered = [j for j, p in enumerate(params) if p.temperature > 0.0]   # into self.rows
+        sampled = w.sampled
+        tempered = [j for j, p in enumerate(sampled) if p.temperature > 0.0]  # into self.rows
         if not tempered:   # the argmax of every row, as it is: no copy of indices
             return self.argmax, self.rows
         device, n = self.argmax.device, len(self.rows)
-        if not any(filtered(params[j], self.logits.shape[-1]) for j in tempered):
+        if not any(filtered(sampled[j], self.logits.shape[-1]) for j in tempered):
             # every row at once (greedy ones too: temperature 0 takes the argmax), with one
             # copy to the device of each row's (index, temperature, draw)
             given = to_device(torch.tensor([[r, p.temperature, p.u]
-                                            for r, p in zip(self.rows, params)],
+                                            for r, p in zip(self.rows, sampled)],
                                            dtype=torch.float64), device)
             return (pick_unfiltered(self.logits, given[:, 1], given[:, 2], rows=given[:, 0]),
                     list(range(n)))
         # one copy of the indices: the sampled rows, the tempered ones, their places
         m = len(tempered)
         index = to_device(self.rows + [self.rows[j] for j in tempered] + tempered, device)
-        picks = sample_rows_on_device(self.logits[index[n:n + m]], [params[j] for j in tempered])
+        picks = sample_rows_on_device(self.logits[index[n:n + m]], [sampled[j] for j in tempered])
         return self.argmax[index[:n]].index_copy(0, index[n + m:], picks), list(range(n))
 
     def _logprobs(self, w: Window, tokens: torch.Tensor, rows: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """row_logprobs of the window's logprob rows (on the logits' device), given the
         sampled rows' tokens on that device (sampled row j's is tokens[rows[j]]): a row that
-        asks for the token it samples (logprob_tokens -1) is one of them (checks.py)."""
+        asks for the token it samples (token -1) is one of them (checks.py)."""
         device = tokens.device
-        sample_at = {r: rows[j] for j, r in enumerate(w.sample_rows)}
-        given = [[t, sample_at.get(r, 0)] for r, t in zip(w.logprob_rows, w.logprob_tokens)]
+        sample_at = {p.row: rows[j] for j, p in enumerate(w.sampled)}
+        given = [[s.token, sample_at.get(s.row, 0)] for s in w.scored]
         given = to_device(torch.tensor(given, dtype=torch.long).reshape(-1, 2).T, device)
         targets = torch.where(given[0] >= 0, given[0], tokens[given[1]] if len(tokens)
                               else given[0])
         x = self.model_logits[to_device(self.scored, device)]
-        return row_logprobs(x, targets, max(w.logprob_top))
+        return row_logprobs(x, targets, max(s.top for s in w.scored))
 
 
 def _to_host(t: torch.Tensor, pinned: bool) -> torch.Tensor:
@@ -108,19 +108,20 @@ def _to_host(t: torch.Tensor, pinned: bool) -> torch.Tensor:
 
 
 def apply_masks(head: HeadOutput | None, w: Window) -> HeadOutput | None:
-    """The head's output with the window's token masks applied (Window.mask), after the
+    """The head's output with the window's token masks applied (SamplingRow.mask), after the
     penalties: a masked row's forbidden tokens get logit -inf and its argmax is taken again
     (the first index of the maximum, as sample_row's); rows without a mask keep theirs. The
     logits are copied, not written (a graph's output buffers stay as they are), and the
     model's own stay beside them for the log-probabilities. Every step is per row (a gather,
     shifts, a fill, an argmax), so a row's token depends on its own logits and mask alone."""
-    if head is None or not any(i >= 0 for i in w.mask):
+    masked = [j for j, p in enumerate(w.sampled) if p.mask >= 0]     # into the sampled rows
+    if head is None or not masked:
         return head
     device, vocab = head.logits.device, head.logits.shape[-1]
-    masked = [j for j, i in enumerate(w.mask) if i >= 0]            # into the sampled rows
     words = np.frombuffer(w.masks, dtype="<i4").reshape(-1, w.mask_words())
     at = to_device([head.rows[j] for j in masked], device)           # [M]
-    bits = to_device(torch.from_numpy(words[[w.mask[j] for j in masked]]), device)  # [M, W]
+    bits = to_device(torch.from_numpy(words[[w.sampled[j].mask for j in masked]]),
+                     device)                                         # [M, W]
     x = head.logits[at].masked_fill_(forbidden_tokens(bits, vocab), float("-inf"))
     return replace(head, logits=head.logits.index_copy(0, at, x),
                    argmax=head.argmax.index_copy(0, at, x.argmax(-1)), raw=head.model_logits)
@@ -135,30 +136,24 @@ def forbidden_tokens(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((octets[:, :, None] >> shifts) & 1 == 0).reshape(len(bits), -1)[:, :vocab]
 
 
-def row_params(w: Window) -> list[SamplingRow]:
-    return [SamplingRow(*p) for p in zip(w.temperature, w.top_k, w.top_p, w.min_p, w.u)]
-
-
 def penalised(head: HeadOutput | None, w: Window, history: SlotTokens) -> HeadOutput | None:
     """The head's output with the window's penalties and biases applied to the logits of the
     sampled rows that have any (and their argmax taken again); as it is when none has. The
     window's rows must be in `history` already."""
-    js = [j for j in range(len(w.sample_rows))
-          if (w.penalty and w.penalty[j]) or (w.bias_ids and w.bias_ids[j])]
+    js = [j for j, p in enumerate(w.sampled) if p.penalty or p.bias_ids]   # into head.rows
     if head is None or not js:
         return head
     device, vocab = head.logits.device, head.logits.shape[-1]
     at = to_device([head.rows[j] for j in js], device)
-    penalty = torch.tensor([(w.penalty[j] if w.penalty and w.penalty[j] else [1.0, 0.0, 0.0])
-                            for j in js], dtype=torch.float32)
-    counted = [j for j in js if w.penalty and w.penalty[j]]
+    given = [w.sampled[j] for j in js]
+    penalty = torch.tensor([p.penalty or [1.0, 0.0, 0.0] for p in given], dtype=torch.float32)
     # rows with a bias only: a neutral penalty over an empty history (history_counts' zeros)
-    seen, counts = (history.counts(w, js, vocab, device) if counted else
-                    (torch.zeros(len(js), vocab, dtype=torch.bool, device=device),
-                     torch.zeros(len(js), vocab, dtype=torch.int32, device=device)))
+    seen, counts = (history.counts(w, given, vocab, device) if any(p.penalty for p in given)
+                    else (torch.zeros(len(js), vocab, dtype=torch.bool, device=device),
+                          torch.zeros(len(js), vocab, dtype=torch.int32, device=device)))
     bias = None
-    if w.bias_ids and any(w.bias_ids[j] for j in js):
-        places = [(i, t, b) for i, j in enumerate(js) for t, b in zip(w.bias_ids[j], w.bias[j])]
+    if any(p.bias_ids for p in given):
+        places = [(i, t, b) for i, p in enumerate(given) for t, b in zip(p.bias_ids, p.bias)]
         rows, ids, values = zip(*places)
         bias = (to_device(list(rows), device), to_device(list(ids), device),
                 to_device(list(values), device, torch.float32))
@@ -175,13 +170,13 @@ def head_tokens(head: HeadOutput | None, w: Window) -> list[int]:
     them already (tokens_to_host)."""
     if head is None:
         return []
-    params = row_params(w)
+    sampled = w.sampled
     greedy = head.argmax.tolist()
     tokens = [greedy[r] for r in head.rows]
-    tempered = [j for j, p in enumerate(params) if p.temperature > 0.0]   # into head.rows
+    tempered = [j for j, p in enumerate(sampled) if p.temperature > 0.0]  # into head.rows
     if tempered and head.logits is not None:
         index = to_device([head.rows[j] for j in tempered], head.logits.device)
-        picks = sample_rows(head.logits[index], [params[j] for j in tempered])
+        picks = sample_rows(head.logits[index], [sampled[j] for j in tempered])
         for j, token in zip(tempered, picks):
             tokens[j] = token
     return tokens
@@ -190,17 +185,17 @@ def head_tokens(head: HeadOutput | None, w: Window) -> list[int]:
 def head_logprobs(head: HeadOutput | None, w: Window, tokens: list[int]
                   ) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """Result.logprobs, top_ids and top_logprobs of the window's logprob rows (each row's top
-    cut to its own logprob_top), given the sampled rows' tokens; ([], [], []) when it asks
+    cut to its own `top`), given the sampled rows' tokens; ([], [], []) when it asks
     for none."""
-    if head is None or not w.logprob_rows:
+    if head is None or not w.scored:
         return [], [], []
     if head.logprobs is None:
         on = to_device(tokens, head.argmax.device)
         head = replace(head, logprobs=tuple(t.cpu() for t in head._logprobs(
             w, on, list(range(len(tokens))))))
     chosen, ids, values = (t.tolist() for t in head.logprobs)
-    return (chosen, [row[:k] for row, k in zip(ids, w.logprob_top)],
-            [row[:k] for row, k in zip(values, w.logprob_top)])
+    return (chosen, [row[:s.top] for row, s in zip(ids, w.scored)],
+            [row[:s.top] for row, s in zip(values, w.scored)])
 
 
 def head_logits(head: HeadOutput | None, vocab: int) -> np.ndarray:

@@ -17,6 +17,7 @@ import torch
 from strata.kernels.device import to_device
 from strata.kernels.sampling.penalties import history_counts
 from strata.protocol.messages import Window
+from strata.protocol.rows import SamplingRow
 
 
 class SlotTokens:
@@ -28,18 +29,17 @@ class SlotTokens:
         live = slots >= 0
         self.tokens[slots[live], positions[live]] = np.asarray(w.tokens)[live]
 
-    def counts(self, w: Window, sampled: list[int], vocab: int, device: torch.device
+    def counts(self, w: Window, sampled: list[SamplingRow], vocab: int, device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """history_counts of the sampled rows w.sample_rows[j] for j in `sampled`: the tokens
-        at positions [0, p] of the row's slot (p its position), those from its output_start on
-        counted as output. On `device`, one copy of [2, m, L] there."""
-        rows = [w.sample_rows[j] for j in sampled]
-        ends = [w.positions[r] + 1 for r in rows]
+        """history_counts of these sampled rows of w: the tokens at positions [0, p] of the
+        row's slot (p its position), those from its output_start on counted as output. On
+        `device`, one copy of [2, m, L] there."""
+        ends = [w.positions[p.row] + 1 for p in sampled]
         width = max(ends)
-        packed = np.full((2, len(rows), width), vocab, dtype=np.int64)
+        packed = np.full((2, len(sampled), width), vocab, dtype=np.int64)
         packed[1] = 0
-        for i, (r, end, j) in enumerate(zip(rows, ends, sampled)):
-            packed[0, i, :end] = self.tokens[w.slots[r], :end]
-            packed[1, i, w.output_start[j]:end] = 1
+        for i, (p, end) in enumerate(zip(sampled, ends)):
+            packed[0, i, :end] = self.tokens[w.slots[p.row], :end]
+            packed[1, i, p.output_start:end] = 1
         on = to_device(torch.from_numpy(packed), device)
         return history_counts(on[0], on[1].bool(), vocab)

@@ -26,7 +26,7 @@ from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer
 from strata.protocol.messages import ProtocolError, Result, Window
 from strata.protocol.transport import pack, unpack
-from strata.stage_worker.head import HeadOutput, apply_masks, head_tokens, row_params
+from strata.stage_worker.head import HeadOutput, apply_masks, head_tokens
 from test_mtp_scheduler import WRONG, DraftingPipeline, random_policy
 from test_scheduler import FakePipeline, prompts
 
@@ -260,7 +260,7 @@ def test_a_masked_row_samples_as_if_forbidden_logits_were_minus_inf(graphed, dev
         torch.cuda.synchronize()
     tokens = head_tokens(out, w)
     expected = []
-    for j, (r, p) in enumerate(zip(rows, row_params(w))):
+    for j, (r, p) in enumerate(zip(rows, w.sampled)):
         x = logits[r].clone()
         if j in masked:
             x[~torch.from_numpy(allowed[masked.index(j)])] = float("-inf")
