@@ -75,6 +75,7 @@ def main(repeats: int) -> None:
         t4 = time.perf_counter_ns()
         for name, t in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t3 - t1, t4 - t3)):
             steps[name].append(t)
+        del built, sent, got   # freed here, not in the next repeat's steps
     digest = hashlib.sha256(frames[0]).hexdigest()[:12]
     print(f"{ROWS} rows, header {len(frames[0])} bytes, sha256 {digest}; median of {repeats} "
           f"(us): " + ", ".join(f"{name} {median_us(t):.1f}" for name, t in steps.items()))
