@@ -1,6 +1,6 @@
 """Time the prompt-chunk attention kernel against the per-row one, on CUDA.
 
-    python -m strata.bench.attention_chunk [--chunk-rows 512] [--prompt 4096]
+    python tools/gpu/bench_attention_chunk.py [--chunk-rows 512] [--prompt 4096]
         [--shape llama3-8b|smollm2] [--block-m 16,32,64] [--num-warps N] [--num-stages N]
 
 A prompt of --prompt tokens in one slot is read in chunks of --chunk-rows rows (the last chunk
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=1, help="time every N-th chunk (and the last)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("strata.bench.attention_chunk: needs a CUDA device", file=sys.stderr)
+        print("bench_attention_chunk.py: needs a CUDA device", file=sys.stderr)
         return 1
     from strata.kernels.attention.chunk_triton import attend_chunk_triton, chunk_config
     from strata.kernels.attention.decode_triton import attend_rows_triton
