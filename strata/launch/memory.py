@@ -124,7 +124,8 @@ def check_fits(file: ModelFile, plan: list[StagePlan], slots: int, ctx: int,
     """Raise PlanError when the stages on some device would not fit with `slots` slots; else
     return --weights resolved: auto is bf16 where every CUDA stage's widened matrices fit
     (the faster decode today: docs/BENCHMARKS.md), else quantized. head: (file, block) of
-    the last stage's NextN drafter, counted with its KV cache (one layer)."""
+    the last stage's NextN drafter, counted with its KV cache (one layer) and each slot's
+    hidden states and tokens, which it keeps."""
     if weights == "auto":
         weights = "quantized"
         if any(p.device != "cpu" for p in plan):
@@ -152,6 +153,8 @@ def _check(file: ModelFile, plan: list[StagePlan], slots: int, ctx: int, weights
             weight += head_bytes(file, *head, plan[-1], weights)
             layers += 1
         per_slot = kv_bytes_per_slot(cfg, layers, ctx, elem)
+        if head is not None and plan[-1] in stages:   # the drafter's hidden states and tokens
+            per_slot += ctx * (cfg.d_model * elem + 8)
         free = available(device)
         budget = int(free * HEADROOM) - weight
         fit = max(0, budget // per_slot)

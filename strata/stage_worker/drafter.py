@@ -1,14 +1,16 @@
-"""The MTP drafter of the last stage: a NextN head (strata/model/nextn.py) run after every
-window on the rows the window accepts, and asked by `Window.propose` for a slot's next k
-tokens, argmax or coupled to the slot's own draws. How the NextN rows sit in their cache,
-which rows a window gives a slot and what coupled proposals are: docs/DESIGN.md, "Draft
-tokens" (the MTP drafter's rows).
+"""The MTP drafter of the last stage: a NextN head (strata/model/nextn.py) asked by
+`Window.propose` for a slot's next k tokens, argmax or coupled to the slot's own draws. Every
+window's hidden states and tokens are kept; a slot's NextN rows are written only when it is
+asked, so a window that asks nothing runs no NextN row. How the rows sit in their cache,
+when they are caught up and what coupled proposals are: docs/DESIGN.md, "Draft tokens" (the
+MTP drafter's rows).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -33,19 +35,12 @@ GRAPH_ROWS = (8, 16, 32, MAX_DECODE_ROWS)   # the row counts the drafter's steps
 
 @dataclass
 class _Plan:
-    """The NextN rows a window computes: parallel lists, one entry a row."""
-    slots: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)   # the token's position p
-    tokens: list[int] = field(default_factory=list)
-    sources: list[int] = field(default_factory=list)     # row of [hidden; last_h; zeros] = h_{p-1}
-    tops: dict[int, int] = field(default_factory=dict)   # slot -> its row at P_a + 1
-    accepted: dict[int, int] = field(default_factory=dict)  # slot -> its window row a
-
-    def add(self, slot: int, position: int, token: int, source: int) -> None:
-        self.slots.append(slot)
-        self.positions.append(position)
-        self.tokens.append(token)
-        self.sources.append(source)
+    """A window's rows as the drafter keeps them: the store index (slot * ctx + position) and
+    window row of each live row, and each slot's next token where its last accepted row was
+    sampled (slot -> (position, token))."""
+    at: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    tops: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 class Drafter:
@@ -78,9 +73,13 @@ class Drafter:
         self.block = Layer(mine, source.block, model.policy, chunks=False)  # decode rows only
         self.cache = KVCache(1, slots, cfg, ctx, device, dtype)
         self.cos, self.sin = model.cos, model.sin
-        self.last_h = torch.zeros(slots + 1, cfg.d_model, dtype=dtype, device=device)  # + zeros
-        self.last_pos = [-1] * slots     # the position whose hidden state last_h[s] holds
-        self.ready: list[tuple[int, int] | None] = [None] * slots  # (p, token) of a row written
+        # every slot's main hidden states and tokens by position (+ a zero row and token 0,
+        # read by pad rows), and on the host the tokens and the NextN rows written: rows
+        # 1..filled[s] of slot s are in the cache for the sequence the slot holds
+        self.hidden = torch.zeros(slots * ctx + 1, cfg.d_model, dtype=dtype, device=device)
+        self.tokens = torch.zeros(slots * ctx + 1, dtype=torch.long, device=device)
+        self.known = np.full((slots, ctx), -1, dtype=np.int64)
+        self.filled = [0] * slots
         # a pad row (slot, index, length) and a step's move of a chained row, on the device
         self._constants = (torch.tensor([[self.cache.trash], [0], [0]], device=device),
                            torch.tensor([[0], [1], [1]], device=device))
@@ -93,41 +92,59 @@ class Drafter:
         self.pool = torch.cuda.graph_pool_handle() if self.graphs is not None else None
 
     def run(self, w: Window, hidden: torch.Tensor, tokens: list[int]) -> list[list[int]]:
-        """After window w (its rows, `hidden` [R, D] the main model's final hidden
-        states before the norm, `tokens` the sampled tokens of w.sample_rows): writes the
-        NextN rows of what w accepts and returns [slot, d1, ..., dk] for each [slot, k] of
-        w.propose it can serve (a slot whose last accepted row was sampled; proposals stop at
-        the context's end)."""
+        """After window w (its rows, `hidden` [R, D] the main model's final hidden states
+        before the norm, `tokens` the sampled tokens of w.sample_rows): keeps the rows' hidden
+        states and tokens, and returns [slot, d1, ..., dk] for each [slot, k] of w.propose it
+        can serve (a slot whose last accepted row was sampled; proposals stop at the
+        context's end), writing first the NextN rows the asked slots lack."""
         plan = self._plan(w, tokens)
-        if not plan.slots:
-            return []
         asks = self._asks(w, plan)
-        # one copy to the device: the rows' sources and tokens (padded here to the graphs'
-        # row counts: pad rows read the zero row, token 0), each slot's last row, and the rows
-        # the asked slots' proposals start from
-        n, m = len(plan.slots), len(plan.accepted)
-        pad = self._padded(n) - n
-        zeros = len(w.slots) + len(self.last_pos)
-        tops = [plan.tops[s] for s, _, _, _ in asks]
-        ints = to_device(plan.sources + [zeros] * pad + plan.tokens + [0] * pad
-                         + list(plan.accepted) + list(plan.accepted.values())
-                         + tops + [0] * (self._padded(len(tops)) - len(tops)), self.device)
-        n2 = n + pad
-        source = torch.cat([hidden.to(self.last_h.dtype), self.last_h])
-        out = self._rows(plan.slots, plan.positions, ints[n2:2 * n2], source[ints[:n2]])
-        # after the rows read the previous last_h; one copy for every slot
-        at = 2 * n2
-        self.last_h[ints[at:at + m]] = hidden[ints[at + m:at + 2 * m]].to(self.last_h.dtype)
-        return self._propose(asks, out[ints[at + 2 * m:]]) if asks else []
+        ctx, zero = self.ctx, len(self.tokens) - 1
+        # the rows each asked slot lacks: from the one after its last written to the row of
+        # its next token (the last of them, `ends`, starts its proposals)
+        catch_up, ends = [], []
+        for s, _, top, _ in asks:
+            catch_up += [(s, p) for p in range(max(self.filled[s], 0) + 1, top + 1)]
+            ends.append(len(catch_up) - 1)
+        # the tokens kept: the live rows', then the asked slots' next tokens
+        written = dict(zip(plan.at, (w.tokens[r] for r in plan.rows)))
+        for s, _, top, _ in asks:
+            written[s * ctx + top] = self.known[s, top] = plan.tops[s][1]
+            self.filled[s] = top
+        k, m, n = len(plan.at), len(written), len(catch_up)
+        n2 = n + (self._padded(n) - n if n else 0)
+        # one copy to the device: where the rows' hidden states go and from which rows, where
+        # tokens go and which, the rows' sources (h at p - 1) and tokens (pad rows: the zero
+        # row and token 0), and each asked slot's last row (padded as the chains take them)
+        ints = to_device(plan.at + plan.rows + list(written) + list(written.values())
+                         + [s * ctx + p - 1 for s, p in catch_up] + [zero] * (n2 - n)
+                         + [s * ctx + p for s, p in catch_up] + [zero] * (n2 - n)
+                         + ends + [0] * (self._padded(len(ends)) - len(ends) if ends else 0),
+                         self.device)
+        self.hidden.index_copy_(0, ints[:k], hidden[ints[k:2 * k]].to(self.hidden.dtype))
+        self.tokens.index_copy_(0, ints[2 * k:2 * k + m], ints[2 * k + m:2 * k + 2 * m])
+        if not asks:
+            return []
+        at = 2 * k + 2 * m
+        out = self._rows([s for s, _ in catch_up], [p for _, p in catch_up],
+                         self.tokens[ints[at + n2:at + 2 * n2]], self.hidden[ints[at:at + n2]])
+        return self._propose(asks, out[ints[at + 2 * n2:]])
+
+    def nbytes(self) -> int:
+        """Its KV cache and the slots' hidden states and tokens."""
+        return (self.cache.nbytes() + self.hidden.numel() * self.hidden.element_size()
+                + self.tokens.numel() * self.tokens.element_size())
 
     def _padded(self, n: int) -> int:
         """Rows n as this device takes them: on CUDA graph_rows(n), on a CPU n."""
         return graph_rows(n) if self.device.type == "cuda" else n
 
     def _plan(self, w: Window, tokens: list[int]) -> _Plan:
-        """The window's NextN rows (see the module's docstring), given the tokens of its
-        sampled rows; updates last_pos and ready. One pass of the acceptance rule over the
-        window's rows, then one over its slots."""
+        """The window's live rows and each slot's next token (see _Plan), given the tokens of
+        its sampled rows (one pass of the acceptance rule over the rows, then one over the
+        slots); forgets the NextN rows the window's rows change: a row at p reads h at p - 1
+        and the token at p, so a slot's first row at p0 leaves rows up to p0 (its token as
+        before) or p0 - 1."""
         positions, given = w.positions, w.tokens
         by_slot: dict[int, list[int]] = {}   # slot -> its rows, in position order
         for r, s in enumerate(w.slots):
@@ -142,25 +159,20 @@ class Drafter:
         sampled = {p.row: t for p, t in zip(w.sampled, tokens)}  # row -> its token
         counted = kept_rows([given[r] for r in order], [sampled.get(r, -1) for r in order],
                             first, [positions[r] for r in order])   # rows 0..a of each slot
-        plan, n_rows, zeros = _Plan(), len(w.slots), len(w.slots) + len(self.last_pos)
-        at = 0   # the slot's first row in `order`
+        plan, at = _Plan(), 0   # at: the slot's first row in `order`
         for s, rows in by_slot.items():
             a = sum(counted[at:at + len(rows)]) - 1   # the rows that count are a prefix
             at += len(rows)
-            r0 = rows[0]
-            p0, t0 = positions[r0], given[r0]
-            if p0 > 0 and self.ready[s] != (p0, t0):
-                plan.add(s, p0, t0, n_rows + s if self.last_pos[s] == p0 - 1 else zeros)
-            for prev, r in zip(rows, rows[1:a + 1]):   # P_0 + 1 .. P_a: h of the row before
-                plan.add(s, positions[r], given[r], prev)
+            p0 = positions[rows[0]]
+            if self.filled[s] >= p0:
+                self.filled[s] = p0 if self.known[s, p0] == given[rows[0]] else p0 - 1
+            for r in rows:
+                plan.at.append(s * self.ctx + positions[r])
+                plan.rows.append(r)
+                self.known[s, positions[r]] = given[r]
             last = rows[a]
-            self.ready[s] = None
             if last in sampled:
-                plan.tops[s] = len(plan.slots)
-                plan.add(s, positions[last] + 1, sampled[last], last)
-                self.ready[s] = (positions[last] + 1, sampled[last])
-            self.last_pos[s] = positions[last]
-            plan.accepted[s] = last
+                plan.tops[s] = (positions[last] + 1, sampled[last])
         return plan
 
     def _asks(self, w: Window, plan: _Plan) -> list[tuple]:
@@ -171,7 +183,7 @@ class Drafter:
         couplings = _couplings(w) if w.propose else {}
         for s, k in w.propose:
             if s in plan.tops:
-                top = plan.positions[plan.tops[s]]
+                top = plan.tops[s][0]
                 k = min(k, self.ctx - 1 - top)   # a proposal for position top + i < ctx
                 if k >= 1:
                     asks.append((s, k, top, couplings.get(s)))

@@ -54,8 +54,8 @@ class LastStage:
         self.pending: PendingAnswer | None = None  # a window not yet answered
 
     def nbytes(self) -> int:
-        """The drafter's cache (the KV cache's neighbour on the device)."""
-        return self.drafter.cache.nbytes() if self.drafter is not None else 0
+        """The drafter's cache and store (the KV cache's neighbours on the device)."""
+        return self.drafter.nbytes() if self.drafter is not None else 0
 
     def _deferred(self, w: Window) -> bool:
         """On CUDA a window's tokens are picked on the device behind its kernels (in its GPU
@@ -114,9 +114,9 @@ class LastStage:
         w = a.window
         tokens = head_tokens(a.head, w)
         logprobs = head_logprobs(a.head, w, tokens)
-        # the drafter's rows for what the window accepts, and the proposals it asks for:
-        # before the answer when it asks for some, else after it (off the window's path; the
-        # rows are written before this stage takes its next window)
+        # the drafter keeps the window's rows and writes the NextN rows of the proposals it
+        # asks for: before the answer when it asks for some, else after it (off the window's
+        # path, before this stage takes its next window)
         asks = self.drafter is not None and bool(w.propose)
         proposals = self.drafter.run(w, a.hidden, tokens) if asks else []
         extra = [head_logits(a.head, self.vocab)] if w.want_logits else []

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from strata.launch.memory import (check_fits, head_bytes, layer_bytes, stage_bytes,
-                                  tensor_bytes)
+from strata.launch.memory import (HEADROOM, check_fits, head_bytes, kv_bytes_per_slot,
+                                  layer_bytes, stage_bytes, tensor_bytes)
 from strata.launch.plan import PlanError, StagePlan, balanced_bounds, plan_stages
 from strata.model.gguf_file import ModelFile
 from strata.model.mkmodel import SHAPES, write_random_gguf
@@ -112,3 +112,20 @@ def test_a_nextn_drafter_is_counted_on_the_last_stages_device(tmp_path):
     assert check_fits(file, last, 0, 64, "quantized", budget) == "quantized"
     with pytest.raises(PlanError, match="on cuda:1 need"):
         check_fits(file, last, 0, 64, "quantized", budget, head=(file, SHAPE.n_layers))
+
+
+def test_a_drafter_keeps_each_slots_hidden_states_beside_its_kv(tmp_path):
+    """The drafter keeps a hidden state and a token a position for every slot: with a head,
+    a slot needs that beside the KV of the stage's layers and the head's."""
+    file = ModelFile(write_random_gguf(tmp_path / "n.gguf", SHAPE, seed=2, weight_type="Q4_K_M",
+                                       nextn=True))
+    last = plan_stages("2", ["cuda:0", "cuda:1"], SHAPE.n_layers)[1:]
+    head = (file, SHAPE.n_layers)
+    weights = (sum(stage_bytes(file, 2, 4, "cuda:1", "quantized"))
+               + head_bytes(file, *head, last[0], "quantized"))
+    kv = kv_bytes_per_slot(file.config, 3, 64, 2)      # its 2 layers and the head's
+    store = 64 * (SHAPE.d_model * 2 + 8)
+    budget = lambda device: int((weights + 4 * kv + 2 * store + 1) / HEADROOM) + 1  # noqa: E731
+    assert check_fits(file, last, 3, 64, "quantized", budget, head=head) == "quantized"
+    with pytest.raises(PlanError, match="--batch 4 needs"):
+        check_fits(file, last, 4, 64, "quantized", budget, head=head)

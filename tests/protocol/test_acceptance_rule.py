@@ -4,6 +4,7 @@ builds its own way. Random slots, drafts and sampled tokens; the test fails if t
 ever count differently."""
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from strata.coordinator.config import SchedulerConfig
@@ -51,12 +52,11 @@ def _drafter_keeps(slot_rows: dict[int, tuple[int, list[int], list[int]]], order
                u=[0.5] * n)
     sampled = {r: samples[perm[r]] for r in range(len(perm))}
     drafter = Drafter.__new__(Drafter)
-    drafter.last_pos = [-1] * len(slot_rows)
-    drafter.ready = [None] * len(slot_rows)
+    drafter.ctx, drafter.filled = 64, [0] * len(slot_rows)
+    drafter.known = np.full((len(slot_rows), drafter.ctx), -1)
     plan = drafter._plan(w, [sampled[r] for r in range(n)])
-    rows_of = {s: sorted((r for r in range(len(perm)) if w.slots[r] == s),
-                         key=lambda r: w.positions[r]) for s in slot_rows}
-    return {s: rows_of[s].index(plan.accepted[s]) for s in slot_rows}
+    # every row is sampled: the next token follows the last row kept, at P + 1 + kept
+    return {s: plan.tops[s][0] - 1 - p for s, (p, _, _) in slot_rows.items()}
 
 
 @settings(max_examples=200, deadline=None)

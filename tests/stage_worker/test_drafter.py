@@ -123,7 +123,6 @@ class Run:
         self.drafter = Drafter(find_head(file, sidecar), file, self.model, 2, ctx)
         self.tokens = [{}, {}]    # slot -> {position: token} (accepted, and the next sampled)
         self.hidden = [{}, {}]    # slot -> {position: main hidden state} (accepted rows)
-        self.zeros = [set(), set()]   # positions whose NextN row takes zeros for h_{p-1}
         self.top = [0, 0]         # the position of each slot's sampled next token
         self.accepted = self.rejected = 0
         self.ids = iter(range(1, 1000))
@@ -168,13 +167,12 @@ class Run:
 
     def inputs(self, s: int) -> list:
         """The reference's NextN inputs of slot s: positions 1..top."""
-        return [(None if p in self.zeros[s] else self.hidden[s][p - 1], self.tokens[s][p])
-                for p in range(1, self.top[s] + 1)]
+        return [(self.hidden[s][p - 1], self.tokens[s][p]) for p in range(1, self.top[s] + 1)]
 
     def decode(self, check, k: int | dict[int, int],
                drafts: dict[int, list[int]]) -> dict[int, list[int]]:
         """One decode window: slot s's rows are its next token then drafts[s]; all sampled;
-        each slot asks for k proposals (or k[s]). Commits drop the rows a slot rejected last
+        each slot asks for k proposals (or k[s]; none for 0). Commits drop the rows a slot rejected last
         time."""
         ks = k if isinstance(k, dict) else dict.fromkeys(drafts, k)
         rows, commits = [], []
@@ -183,7 +181,7 @@ class Run:
             commits.append((s, length))
             rows += [(s, length + j, t) for j, t in enumerate([self.tokens[s][length]] + d)]
         _, proposals = self.step(rows, sample=range(len(rows)), commits=commits,
-                                 propose=[(s, ks[s]) for s in drafts], check=check)
+                                 propose=[(s, ks[s]) for s in drafts if ks[s]], check=check)
         return {p[0]: p[1:] for p in proposals}
 
 
@@ -236,9 +234,8 @@ def test_drafter_matches_a_full_recompute(models, monkeypatch, rows_per_call):
     assert run.accepted >= 6 and run.rejected >= 6, (run.accepted, run.rejected)
 
     # slot 1's request ends; a follow-up keeps its 7 prompt tokens and reads 4 more: the
-    # first NextN row of the follow-up has no hidden state of position 6 left (zeros)
+    # first NextN row of the follow-up reads the kept hidden state of position 6
     follow = [9, 260, 31, 77]
-    run.zeros[1].add(7)
     run.step([(1, 7 + j, t) for j, t in enumerate(follow)], sample=[3], propose=[(1, 3)],
              commits=[(1, 7)], chunk=True, check=ref)
     run.decode(ref, 2, {0: [1, 2], 1: [5]})
@@ -257,6 +254,34 @@ def test_drafter_matches_a_full_recompute(models, monkeypatch, rows_per_call):
                                    rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cache.v[0][s, :, :m].transpose(0, 1).double(), v,
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_nextn_rows_are_written_only_for_the_slots_asked_to_propose(models, monkeypatch):
+    """Windows that ask for no proposals run no NextN block (what a server that drafts
+    nothing pays is the copy of the rows' hidden states); a slot asked afterwards first writes
+    every row it lacks, and proposes what the full recompute does."""
+    written = []   # the NextN rows of each call of the block, by slot
+    rows = Drafter._rows
+    monkeypatch.setattr(Drafter, "_rows", lambda self, slots, *rest: written.append(
+        [slots.count(s) for s in (0, 1)]) or rows(self, slots, *rest))
+    file = ModelFile(models["nextn"])
+    ref, run = Reference(file), Run(models["nextn"])
+    p0, p1 = [5, 77, 120, 33, 250, 8, 91, 64, 200, 17], [40, 41, 300, 12, 99]
+    true0, true1 = greedy(models["nextn"], p0, 16), greedy(models["nextn"], p1, 16)
+    run.step([(0, p, t) for p, t in enumerate(p0)], sample=[len(p0) - 1], chunk=True)
+    run.step([(1, p, t) for p, t in enumerate(p1)], sample=[len(p1) - 1], chunk=True)
+
+    def drafts(s: int, true: list[int], accept: int, wrong: int) -> list[int]:
+        have = run.top[s] - (len(p0) if s == 0 else len(p1))
+        return true[have + 1:have + 1 + accept] + [(true[have + 1 + accept] + 1) % 320] * wrong
+    for accept, wrong in ((2, 1), (0, 1), (1, 0)):
+        run.decode(None, 0, {0: drafts(0, true0, accept, wrong), 1: drafts(1, true1, 1, 1)})
+    assert written == [] and run.accepted >= 4 and run.rejected >= 3
+    run.decode(ref, {0: 3, 1: 0}, {0: drafts(0, true0, 1, 1), 1: drafts(1, true1, 0, 1)})
+    assert written == [[run.top[0], 0]]       # slot 0's rows at positions 1..top
+    top0 = run.top[0]
+    run.decode(ref, 2, {0: drafts(0, true0, 2, 0), 1: drafts(1, true1, 1, 0)})
+    assert written[1] == [run.top[0] - top0, run.top[1]]   # slot 0 keeps its row at top0
 
 
 @pytest.mark.parametrize("t,filters", [(0.0, {}), (0.8, {}), (0.8, {"top_k": 12, "top_p": 0.9})],
