@@ -13,7 +13,7 @@ import random
 import pytest
 
 from strata.coordinator.config import SchedulerConfig
-from strata.coordinator.speculation.draft_choice import (EXPLORE_EVERY, Acceptance,
+from strata.coordinator.speculation.draft_choice import (EXPLORE_EVERY, HOLD, Acceptance,
                                                          GroupDrafts, expected_tokens,
                                                          share_rows)
 from strata.coordinator.speculation.drafts import DraftCounts
@@ -303,6 +303,42 @@ def test_auto_asks_no_proposals_the_rows_cannot_hold():
     choice is K = 0 or 1. With 4 slots each K up to 7 adds drafts (28 at most), and is tried."""
     assert _ks_chosen(16, 6 * EXPLORE_EVERY) == {0, 1}
     assert 7 in _ks_chosen(4, 40 * EXPLORE_EVERY)
+
+
+def test_auto_times_the_plain_window_first_then_tries_drafts_at_once():
+    """With mtp each proposal asked costs the drafter: a group's first choice is the plain
+    window (K = 0, the one every later choice is measured against), and as soon as that is
+    timed, the most hopeful drafts (here all 7 the pad rows of one slot hold)."""
+    g, now, ks = GroupDrafts(), 0.0, []
+    for _ in range(HOLD + 1):
+        c = g.choose(slots=1, limit=8, max_k=7, mtp=True)
+        ks.append((c.k, c.explored))
+        g.sent(now, c.rows, c.k)
+        now += 0.003
+        g.landed(now, 0)
+    assert ks == [(0, True)] * HOLD + [(7, True)]
+
+
+def test_auto_tries_no_drafts_that_the_timed_windows_show_cannot_win():
+    """One slot (8 rows whatever K), K = 0 and 7 timed, each proposal 2 ms of the drafter's:
+    at acceptance 0.05 no K between pays for its proposals (their time taken in proportion),
+    so none is tried; at 0.67 some could, and are."""
+    def tried(kept_of_3: int) -> set[int]:
+        g = GroupDrafts()
+        for _ in range(20):
+            g.acceptance.observe(3, kept_of_3)
+        g.ms, g.timed_at = {(8, 0): 4.0, (8, 7): 18.0}, {(8, 0): 0, (8, 7): 0}
+        ks, now = set(), 0.0
+        for _ in range(4 * EXPLORE_EVERY):
+            c = g.choose(slots=1, limit=8, max_k=7, mtp=True)
+            if c.explored:
+                ks.add(c.k)
+            g.sent(now, c.rows, c.k)
+            now += (4.0 + 2.0 * c.k) / 1000
+            g.landed(now, 0)
+        return ks
+    assert tried(0) == set()
+    assert tried(2) & set(range(1, 7))
 
 
 def test_auto_choice_explores_sparingly():

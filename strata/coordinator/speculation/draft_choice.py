@@ -120,7 +120,7 @@ class GroupDrafts:
     def per_slot(self, cfg: SchedulerConfig, decoding: int) -> int:
         """Drafts per slot for the group's windows of `decoding` slots: cfg.draft_tokens, or
         with draft_tokens auto the group's choice (before any of its decode windows is timed,
-        as many as the pad rows hold)."""
+        the plain window's: see choose)."""
         if not cfg.auto_drafts:
             return cfg.draft_tokens
         decoding = max(decoding, 1)
@@ -158,8 +158,12 @@ class GroupDrafts:
                  for k, rows, tokens, key in options if self.time(key) is not None]
         best = max(timed, key=lambda t: (t[0], -t[1])) if timed else None
         explored = False
-        if best is None:   # nothing timed yet: the drafts that fit the pad rows
-            pick = max((o for o in options if o[1] == round_rows(slots)), key=lambda o: o[0])
+        if best is None:
+            # nothing timed yet: the plain window's key first, every later choice is measured
+            # against it; of its drafts the most (the pad rows' without mtp, none with: there
+            # each proposal asked costs the drafter). Not an exploration: the most hopeful
+            # drafts are tried as soon as it is timed.
+            pick = max((o for o in options if o[3] == options[0][3]), key=lambda o: o[0])
             explored = True
         else:
             pick = best[1:]
@@ -171,18 +175,27 @@ class GroupDrafts:
                 if hopeful is not None and hopeful[0] > best[0]:
                     pick, explored = hopeful[-1], True
         k, rows, tokens, key = pick
-        if explored:
+        if explored and best is not None:
             self.explored_at = self.windows
         self.chosen_at = self.windows
         self.choice = DraftChoice(k, rows, a, self.time(key), tokens, explored, self.timed())
         return self.choice
 
     def _at_least(self, key: tuple[int, int]) -> float:
-        """A lower bound on an untimed window's ms: the slowest timed window with no more
-        rows and proposals (times grow with both), else 0 (nothing known: worth a try)."""
-        below = [t for (rows, k), t in self.ms.items()
-                 if rows <= key[0] and k <= key[1] and self.time((rows, k)) is not None]
-        return max(below, default=0.0)
+        """An untimed window's ms as far as the timed ones tell: times grow with rows and
+        proposals, so at least the slowest timed window with no more of either (0 if none:
+        worth a try); between two timed windows of its rows, in proportion to the proposals
+        (each is one step of the drafter's chain)."""
+        timed = {k: ms for k, ms in self.ms.items() if self.time(k) is not None}
+        low = max((t for (rows, k), t in timed.items() if rows <= key[0] and k <= key[1]),
+                  default=0.0)
+        ks = [k for rows, k in timed if rows == key[0]]
+        lo = max((k for k in ks if k < key[1]), default=None)
+        hi = min((k for k in ks if k > key[1]), default=None)
+        if lo is not None and hi is not None:
+            t0, t1 = timed[(key[0], lo)], timed[(key[0], hi)]
+            low = max(low, t0 + (t1 - t0) * (key[1] - lo) / (hi - lo))
+        return low
 
 
 def _rate(tokens: float, ms: float) -> float:
