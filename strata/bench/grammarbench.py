@@ -4,7 +4,7 @@ S slots each follow a JSON schema (a person: name, age, city, email, tags) throu
 their own, at different places; each window computes every slot's masks (its last token's row
 and one per draft: coordinator/grammar.py's WindowMasks, one bitmask per window on llguidance's
 threads), packs them for the header, advances each matcher by one kept token, and the last
-stage's masking (stage_worker/head.py's apply_masks) runs over logits of the window's rows on
+stage's masking (stage_worker/head.py's picked) runs over logits of the window's rows on
 --device. Prints the median and 90th percentile per window of each step.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ from strata.model.registry import DEFAULT_MODEL, resolve_model
 from strata.model.tokenizer import Tokenizer
 from strata.protocol.messages import Window
 from strata.protocol.rows import SamplingRow
-from strata.stage_worker.head import HeadOutput, apply_masks
+from strata.stage_worker.head import HeadOutput, picked
+from strata.stage_worker.history import SlotTokens
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "city", "email", "tags"],
@@ -100,6 +101,7 @@ def grammar(model, slots, drafts, windows, device, json_out):
             assert c.matcher.consume_tokens(d[:a]), c.error
         steps: dict[str, list[float]] = {"masks": [], "pack": [], "accept": [], "apply": []}
         logits = torch.randn(slots * (1 + k), vocab, device=device)
+        history = SlotTokens(1, 1)   # read only for penalties: none here
         for n in range(20 + windows):
             masks, mask_of = WindowMasks(), []
             t0 = time.perf_counter()
@@ -125,7 +127,7 @@ def grammar(model, slots, drafts, windows, device, json_out):
             head = HeadOutput(logits[:rows], logits[:rows].argmax(-1), list(range(rows)))
             _sync(device)
             t4 = time.perf_counter()
-            apply_masks(head, w)
+            picked(head, w, history, False)
             _sync(device)
             t5 = time.perf_counter()
             if n >= 20:

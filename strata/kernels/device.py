@@ -1,5 +1,7 @@
-"""Host values onto the device without stalling the queue: the index and parameter tensors a
-window's kernels read (sampling, the head, the drafter, the history)."""
+"""Host values onto the device, and results back, without stalling the queue: the index and
+parameter tensors a window's kernels read (sampling, the head, the drafter), the tokens and
+log-probabilities the head gives."""
+import numpy as np
 import torch
 
 
@@ -10,3 +12,30 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> 
     if torch.device(device).type != "cuda" or t.is_cuda:
         return t.to(device)
     return t.contiguous().pin_memory().to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t on the host, made without waiting (into pinned memory) when t is on CUDA:
+    read it once the device is past this point."""
+    pinned = t.is_cuda
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+    host.copy_(t, non_blocking=pinned)
+    return host
+
+
+def to_device_many(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Host arrays on `device` in one copy (to_device of their values as float64, in which
+    every integer below 2^53 and every fp32 value is exact), each back in its shape and dtype
+    there."""
+    flat = np.concatenate([np.asarray(a, dtype=np.float64).ravel() for a in arrays.values()]
+                          or [np.zeros(0)])
+    on, out, at = to_device(torch.from_numpy(flat), device, torch.float64), {}, 0
+    for name, a in arrays.items():
+        a = np.asarray(a)
+        out[name] = on[at:at + a.size].to(_DTYPES[a.dtype.kind, a.dtype.itemsize]).view(a.shape)
+        at += a.size
+    return out
+
+
+_DTYPES = {("i", 8): torch.long, ("i", 4): torch.int32, ("f", 4): torch.float32,
+           ("f", 8): torch.float64, ("b", 1): torch.bool}

@@ -28,6 +28,11 @@ class SamplingRow(NamedTuple):
     bias: Sequence[float] = ()      # not sample them)
     mask: int = -1            # the index of the row's token mask in Window.masks; -1: none
 
+    def filtered(self, vocab: int) -> bool:
+        """Whether top-k, top-p or min-p may cut the row's distribution (a sampled row without
+        them is picked without a sort: kernels/sampling/sample.py's pick_unfiltered)."""
+        return 0 < self.top_k < vocab or self.top_p < 1.0 or self.min_p > 0.0
+
 
 class LogprobRow(NamedTuple):
     """A row whose log-probabilities the last stage reports (Result.logprobs), any live row:

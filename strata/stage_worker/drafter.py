@@ -21,7 +21,7 @@ from strata.kernels.policy import MAX_DECODE_ROWS
 from strata.kernels.quant.ops import dense_weight, embed_rows
 from strata.kernels.quant.weight import QuantWeight
 from strata.kernels.sampling.proposal_pick import pick_proposals
-from strata.kernels.sampling.sample import filtered, pick_unfiltered
+from strata.kernels.sampling.sample import pick_unfiltered
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import HeadSource, open_head
 from strata.protocol.acceptance import kept_rows
@@ -200,7 +200,7 @@ class Drafter:
         draws = [[c.row(top + i) if c and i <= k else None for i in range(1, steps + 1)]
                  for _, k, top, c in asks]
         every = [r for row in draws for r in row if r is not None]
-        mode = ("filtered" if any(filtered(r, vocab) for r in every) else
+        mode = ("filtered" if any(r.filtered(vocab) for r in every) else
                 "coupled" if every else "argmax")
         pad = x.shape[0] - len(asks)   # x's pad rows: pad rows here too (no steps)
         params = (torch.tensor([[_params(r, mode) for r in row] for row in draws]

@@ -1,4 +1,5 @@
-"""The last stage's record of each slot's tokens, for the penalties of its sampled rows.
+"""The last stage's record of each slot's tokens, for the penalties of its sampled rows (on the
+host: head.py takes what a window reads of them to the device).
 
 Every window's live rows write their token at their position, before the window samples, so
 when a row at position p samples, positions [0, p] of its slot hold the slot's sequence: its
@@ -12,12 +13,8 @@ past p are never read. A held prompt's positions hold the same tokens the new re
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from strata.kernels.device import to_device
-from strata.kernels.sampling.penalties import history_counts
 from strata.protocol.messages import Window
-from strata.protocol.rows import SamplingRow
 
 
 class SlotTokens:
@@ -28,18 +25,3 @@ class SlotTokens:
         slots, positions = np.asarray(w.slots), np.asarray(w.positions)
         live = slots >= 0
         self.tokens[slots[live], positions[live]] = np.asarray(w.tokens)[live]
-
-    def counts(self, w: Window, sampled: list[SamplingRow], vocab: int, device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """history_counts of these sampled rows of w: the tokens at positions [0, p] of the
-        row's slot (p its position), those from its output_start on counted as output. On
-        `device`, one copy of [2, m, L] there."""
-        ends = [w.positions[p.row] + 1 for p in sampled]
-        width = max(ends)
-        packed = np.full((2, len(sampled), width), vocab, dtype=np.int64)
-        packed[1] = 0
-        for i, (p, end) in enumerate(zip(sampled, ends)):
-            packed[0, i, :end] = self.tokens[w.slots[p.row], :end]
-            packed[1, i, p.output_start:end] = 1
-        on = to_device(torch.from_numpy(packed), device)
-        return history_counts(on[0], on[1].bool(), vocab)

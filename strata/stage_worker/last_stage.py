@@ -16,8 +16,8 @@ from strata.model.nextn import find_head
 from strata.protocol.messages import Result, Window
 from strata.stage_worker.config import WorkerConfig
 from strata.stage_worker.drafter import Drafter
-from strata.stage_worker.head import (HeadOutput, apply_masks, head_logits, head_logprobs,
-                                     head_tokens, penalised)
+from strata.stage_worker.head import (HeadOutput, head_logits, head_logprobs, head_tokens,
+                                     picked)
 from strata.stage_worker.history import SlotTokens
 from strata.stage_worker.model import StageModel
 
@@ -65,11 +65,9 @@ class LastStage:
     def pick(self, w: Window, head: HeadOutput | None) -> HeadOutput | None:
         """The window's tokens in the history, then its penalties and biases and the grammar's
         masks (the sampler reads both); deferred: the tokens picked on the device."""
+        deferred = self._deferred(w)
         self.history.write(w)
-        head = apply_masks(penalised(head, w, self.history), w)
-        if self._deferred(w) and head is not None:
-            head = head.tokens_to_host(w)
-        return head
+        return picked(head, w, self.history, deferred)
 
     def answer(self, w: Window, t0: float, hidden: torch.Tensor,
                head: HeadOutput | None) -> None:

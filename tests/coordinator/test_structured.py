@@ -26,7 +26,8 @@ from strata.model.gguf_file import ModelFile
 from strata.model.tokenizer import Tokenizer
 from strata.protocol.messages import ProtocolError, Result, Window
 from strata.protocol.transport import pack, unpack
-from strata.stage_worker.head import HeadOutput, apply_masks, head_tokens
+from strata.stage_worker.head import HeadOutput, head_tokens, picked
+from strata.stage_worker.history import SlotTokens
 from test_mtp_scheduler import WRONG, DraftingPipeline, random_policy
 from test_scheduler import FakePipeline, prompts
 
@@ -243,7 +244,7 @@ def test_a_masked_row_samples_as_if_forbidden_logits_were_minus_inf(graphed, dev
     """Greedy, unfiltered and filtered rows, masked or not, against sample_row over the row's
     logits with the forbidden ones at -inf; a head whose logits are every row's (a decode
     window's graph) or the sampled rows' only. On CUDA the tokens are picked on the device
-    (tokens_to_host), as a CUDA last stage does."""
+    (picked), as a CUDA last stage does."""
     rng = random.Random(graphed)
     torch.manual_seed(int(graphed))
     params = [SamplingParams(), SamplingParams(temperature=0.8, seed=1),
@@ -254,9 +255,8 @@ def test_a_masked_row_samples_as_if_forbidden_logits_were_minus_inf(graphed, dev
     logits = torch.randn(8 if graphed else len(sampled), VOCAB) * 3
     rows = sampled if graphed else list(range(len(sampled)))
     head = HeadOutput(logits.to(device), logits.argmax(-1).to(device), rows)
-    out = apply_masks(head, w)
+    out = picked(head, w, SlotTokens(8, 8), device == "cuda")
     if device == "cuda":
-        out = out.tokens_to_host(w)
         torch.cuda.synchronize()
     tokens = head_tokens(out, w)
     expected = []
@@ -314,6 +314,7 @@ class MaskedPipeline(FakePipeline):
 
     def __init__(self, slots: int, ctx: int):
         super().__init__(slots, ctx)
+        self.history = SlotTokens(slots, ctx)   # the last stage's, for the penalties
 
     def logits(self, history: list[int]) -> torch.Tensor:
         seed = zlib.crc32(np.asarray(history, dtype=np.int64).tobytes())
@@ -328,7 +329,8 @@ class MaskedPipeline(FakePipeline):
         logits = torch.stack([self.logits(self.kv[w.slots[r]][:w.positions[r] + 1])
                               for r in w.sample_rows])
         head = HeadOutput(logits, logits.argmax(-1), list(range(len(w.sample_rows))))
-        masked = apply_masks(head, w)
+        self.history.write(w)
+        masked = picked(head, w, self.history, False)
         for j, r in enumerate(w.sample_rows[:-1]):   # a draft follows its row's mask
             if w.slots[r + 1] == w.slots[r] and w.sample_rows[j + 1] == r + 1:
                 assert masked.logits[j, w.tokens[r + 1]] > float("-inf"), "a forbidden draft"

@@ -2,7 +2,7 @@
 against transformers' RepetitionPenaltyLogitsProcessor and a hand computation, the
 log-probabilities against torch's log_softmax, each row's numbers alone and among others, and
 the head's answer for a window with drafts (a draft row penalised as if the drafts before it
-were kept), the same through the device path (tokens_to_host) as through the host one; a
+were kept), the same through the device path (picked on the device) as through the host one; a
 grammar's mask applied after the penalties, the log-probabilities still the model's own."""
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from strata.kernels.sampling.logprobs import log_normalizer, row_logprobs
 from strata.kernels.sampling.penalties import apply_penalties, history_counts
 from strata.kernels.sampling.sample import SamplingRow, sample_row
 from strata.protocol.messages import Window
-from strata.stage_worker.head import (HeadOutput, apply_masks, head_logprobs, head_tokens,
-                                     penalised)
+from strata.stage_worker.head import HeadOutput, head_logprobs, head_tokens, picked
 from strata.stage_worker.history import SlotTokens
 
 V = 50
@@ -128,7 +127,7 @@ def test_a_draft_row_is_penalised_as_if_the_drafts_before_it_were_kept(temperatu
     logits = torch.randn(4, V, generator=g) + torch.arange(V) / 10   # 9, 8 likely
     head = HeadOutput(logits, logits.argmax(-1), rows=[0, 1, 2, 3], scored=[0, 1, 2, 3])
     w = drafted_window(temperature)
-    got = penalised(head, w, history_for(w))
+    got = picked(head, w, history_for(w), False)
     # by hand: row j of slot 1 has history 5 5 7 7 9 (9 ...) and output 7 9 (9 ...)
     for j, output in enumerate([[7, 9], [7, 9, 9], [7, 9, 9, 9]]):
         x = logits[j].clone()
@@ -147,19 +146,19 @@ def test_a_draft_row_is_penalised_as_if_the_drafts_before_it_were_kept(temperatu
     assert tokens == [sample_row(got.logits[j], p) for j, p in enumerate(params)]
     assert tokens[3] != 4
     # the device path gives the same tokens and logprobs: the model's own distribution
-    lp = _raw_logprobs_on_both_paths(got, w, tokens, logits)
+    lp = _raw_logprobs_on_both_paths(head, got, w, tokens, logits)
     assert [len(t) for t in lp[1]] == [0, 3, 3, 2]
     assert lp[1][1] == torch.sort(logits[1], descending=True, stable=True).indices[:3].tolist()
 
 
-def _raw_logprobs_on_both_paths(got, w, tokens, logits):
-    """The window's tokens picked on the host equal the device's, their logprobs too, and
-    are the model's own (log_softmax of the raw logits; row 2 scores its token 8): the
-    logprobs."""
-    picked = got.tokens_to_host(w)
-    assert head_tokens(picked, w) == tokens
+def _raw_logprobs_on_both_paths(head, got, w, tokens, logits):
+    """The window's tokens picked on the host (from `got`, steps 1 and 2 taken) equal those
+    picked on the device (from `head`), their logprobs too, and are the model's own
+    (log_softmax of the raw logits; row 2 scores its token 8): the logprobs."""
+    on_device = picked(head, w, history_for(w), True)
+    assert on_device.logits is None and head_tokens(on_device, w) == tokens
     lp = head_logprobs(got, w, tokens)
-    assert head_logprobs(picked, w, tokens) == lp
+    assert head_logprobs(on_device, w, tokens) == lp
     raw = torch.log_softmax(logits.double(), -1)
     targets = [tokens[0], tokens[1], 8, tokens[3]]
     assert lp[0] == pytest.approx([raw[j, t].item() for j, t in enumerate(targets)], abs=1e-12)
@@ -180,8 +179,8 @@ def test_a_mask_comes_after_the_penalties_and_leaves_logprobs_raw(temperature):
     bits[:, :V] = allowed
     w = replace(drafted_window(temperature), mask=[-1, 0, -1, 1],
                 masks=np.packbits(bits, axis=1, bitorder="little").view("<i4").tobytes())
-    pen = penalised(head, w, history_for(w))
-    got = apply_masks(pen, w)
+    pen = picked(head, drafted_window(temperature), history_for(w), False)   # no masks
+    got = picked(head, w, history_for(w), False)
     tokens = head_tokens(got, w)
     params = [SamplingRow(temperature, k, 1.0, 0.0, u) for k, u in zip([0, 0, 0, 5], w.u)]
     expected = []
@@ -193,7 +192,7 @@ def test_a_mask_comes_after_the_penalties_and_leaves_logprobs_raw(temperature):
     assert tokens == expected
     assert tokens[1] in (2, 3, 8) and tokens[3] in (5, 6)
     assert tokens[0] == head_tokens(pen, w)[0]   # an unmasked row as the penalties left it
-    _raw_logprobs_on_both_paths(got, w, tokens, logits)
+    _raw_logprobs_on_both_paths(head, got, w, tokens, logits)
 
 
 def test_no_penalty_leaves_the_head_as_it_is():
@@ -201,7 +200,7 @@ def test_no_penalty_leaves_the_head_as_it_is():
     head = HeadOutput(logits, logits.argmax(-1), rows=[0, 1])
     w = Window(1, [0, 1], [3, 3], [1, 2], sample_rows=[0, 1], temperature=[0.0] * 2,
                top_k=[0] * 2, top_p=[1.0] * 2, min_p=[0.0] * 2, u=[0.0] * 2)
-    assert penalised(head, w, SlotTokens(2, 8)) is head
+    assert picked(head, w, SlotTokens(2, 8), False) is head
 
 
 @pytest.mark.parametrize("extra, words", [

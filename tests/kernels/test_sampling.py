@@ -16,7 +16,8 @@ from strata.coordinator.sampling_params import draw_uniform
 from strata.kernels.sampling.sample import (SamplingRow, _pairwise_sum, _prefix_sums, sample_row,
                                             sample_rows, sample_rows_on_device)
 from strata.protocol.messages import Window
-from strata.stage_worker.head import HeadOutput, head_tokens
+from strata.stage_worker.head import HeadOutput, head_tokens, picked
+from strata.stage_worker.history import SlotTokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -231,7 +232,7 @@ def test_head_tokens_samples_the_tempered_rows_and_takes_the_argmax_of_the_other
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_tokens_picked_on_the_device_are_sample_rows_tokens(device):
     """A last stage on CUDA picks a window's tokens on the device behind its kernels
-    (tokens_to_host): the tokens head_tokens gives from the logits, greedy rows and sampled
+    (picked): the tokens head_tokens gives from the logits, greedy rows and sampled
     ones with and without filters."""
     g = torch.Generator().manual_seed(6)
     logits = (random_logits(g, 7, VOCAB) / 10).to(device)
@@ -241,15 +242,15 @@ def test_tokens_picked_on_the_device_are_sample_rows_tokens(device):
               SamplingRow(0.7, 0, 1.0, 0.0, 0.6), SamplingRow(0.7, 20, 1.0, 0.0, 0.1)]
     w = window_of(params)
     want = [sample_row(logits[r].cpu(), p) for r, p in zip(head.rows, params)]
-    picked = head.tokens_to_host(w)
-    assert picked.logits is None and head_tokens(picked, w) == want == head_tokens(head, w)
+    on_device = picked(head, w, SlotTokens(8, 8), True)
+    assert on_device.logits is None and head_tokens(on_device, w) == want == head_tokens(head, w)
     assert want[0] != int(logits[6].argmax()) and want[4] != int(logits[3].argmax())
     # no row with a filter: every row in one pick_unfiltered call, the greedy ones too
     plain = [params[1], params[3], params[4], SamplingRow(1.1, 0, 1.0, 0.0, 0.2)]
     head = HeadOutput(logits, logits.argmax(-1), rows=[5, 0, 3, 5])
     w = window_of(plain)
     want = [sample_row(logits[r].cpu(), p) for r, p in zip(head.rows, plain)]
-    assert head_tokens(head.tokens_to_host(w), w) == want == head_tokens(head, w)
+    assert head_tokens(picked(head, w, SlotTokens(8, 8), True), w) == want == head_tokens(head, w)
 
 
 def test_gumbel_noise_is_finite_at_the_extremes():

@@ -100,8 +100,8 @@ def check(run, tok, n: int, tokens: int, cancel_after: int | None = None) -> Non
             counts = sum((r.drafts.counts for r in reqs), DraftCounts())
             drafted, accepted = counts.drafted, counts.accepted
             assert 0 < accepted < drafted, (mode, label, drafted, accepted)
-            if mode == "greedy":
-                # many kept, many not
+            if mode == "greedy" and not cfg.auto_drafts:
+                # many kept, many not (auto drafts only as much as its timings say pays)
                 assert min(accepted, drafted - accepted) >= 50, (label, drafted, accepted)
                 # drafts took rows past the pad: more live rows than the slots rounded up
                 assert any(live > round_rows(slots) for _, live, slots in decodes), label

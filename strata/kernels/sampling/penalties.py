@@ -1,5 +1,6 @@
-"""Penalties and biases on a sampled row's logits, before temperature and the filters: what a
-request's own tokens and its logit_bias do to the distribution it samples.
+"""Penalties, biases and token masks on a sampled row's logits, before temperature and the
+filters: what a request's own tokens, its logit_bias and its grammar do to the distribution it
+samples.
 
 In vLLM's order (its v1 sampler: logit bias and min-tokens, then penalties), in fp32:
 
@@ -50,3 +51,13 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tens
     x -= frequency * counts
     x -= presence * (counts > 0)
     return x
+
+
+def forbidden_tokens(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A grammar's token masks: [M, W] int32 bitmasks (bit j of word i set: token 32 i + j
+    allowed) -> [M, vocab] bool, True where a token is not allowed (its logit becomes -inf,
+    after the steps above). The words' bytes in memory order (little-endian), 8 bits each:
+    byte k's bit j is token 8 k + j."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    octets = bits.contiguous().view(torch.uint8)                      # [M, 4 W]
+    return ((octets[:, :, None] >> shifts) & 1 == 0).reshape(len(bits), -1)[:, :vocab]

@@ -102,35 +102,35 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     one does, and a row with none above -inf takes its first kept token.
 
     Rows that are greedy or keep every token (no top-k, top-p or min-p) skip the sort and the
-    sums: pick_unfiltered gives them the same token."""
+    sums: pick_unfiltered gives them the same token. One copy to the device: the rows'
+    parameters and which rows take which path (pick_rows)."""
     n, vocab = len(rows), logits.shape[-1]
-    sorted_rows = [i for i, r in enumerate(rows) if r.temperature > 0.0 and filtered(r, vocab)]
-    if len(sorted_rows) == n:
-        return _sample_sorted(logits[:n], rows)
-    if not sorted_rows:
-        return _sample_unfiltered(logits[:n], rows)
-    # each row takes its own path, whatever the others take: the token stays the row's own
-    sorts = set(sorted_rows)
-    others = [i for i in range(n) if i not in sorts]
-    out = torch.empty(n, dtype=torch.long, device=logits.device)
-    for index, sample in ((sorted_rows, _sample_sorted), (others, _sample_unfiltered)):
-        at = to_device(index, logits.device)
-        out[at] = sample(logits[at], [rows[i] for i in index])
+    sorts = [i for i, r in enumerate(rows) if r.temperature > 0.0 and r.filtered(vocab)]
+    others = [i for i in range(n) if i not in set(sorts)]
+    on = to_device(torch.tensor([v for r in rows for v in (r.temperature, r.top_k, r.top_p,
+                                                           r.min_p, r.u)] + sorts + others,
+                                dtype=torch.float64), logits.device)
+    params = on[:5 * n].view(n, 5).T
+    order = on[5 * n:].long()
+    return pick_rows(logits[:n], params, order[:len(sorts)] if sorts else None,
+                     order[len(sorts):] if others else None)
+
+
+def pick_rows(x: torch.Tensor, params: torch.Tensor, sorts: torch.Tensor | None,
+              others: torch.Tensor | None) -> torch.Tensor:
+    """sample_rows_on_device's picks [n] for rows x [n, V], given on x's device their params
+    [5, n] float64 (temperature, top_k, top_p, min_p, u) and which rows go through a sort
+    (`sorts`: sampled rows with top-k, top-p or min-p) and which do not (`others`), None for
+    none: each row takes its own path, whatever the others take, so its token stays its own.
+    No step waits for the host."""
+    if sorts is None:
+        return pick_unfiltered(x, params[0, :, None], params[4, :, None])
+    if others is None:
+        return _sample_sorted(x, params)
+    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    out[others] = pick_unfiltered(x[others], params[0, others, None], params[4, others, None])
+    out[sorts] = _sample_sorted(x[sorts], params[:, sorts])
     return out
-
-
-def filtered(row: SamplingRow, vocab: int) -> bool:
-    """Whether top-k, top-p or min-p may cut the row's distribution (a sampled row without
-    them is picked without a sort: pick_unfiltered)."""
-    return 0 < row.top_k < vocab or row.top_p < 1.0 or row.min_p > 0.0
-
-
-def _sample_unfiltered(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    n = x.shape[0]
-    params = to_device(torch.tensor([[r.temperature, r.u] for r in rows],
-                                    dtype=torch.float64).reshape(n, 2).T, x.device)   # [2, n]
-    temperature, u = params[:, :, None]                               # each [n, 1]
-    return pick_unfiltered(x, temperature, u)
 
 
 def pick_unfiltered(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
@@ -146,12 +146,12 @@ def pick_unfiltered(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
     sort's first column; NaN ranks first in both). On CUDA one Triton kernel computes it
     (sample_triton.py: the same arithmetic, in one launch instead of some twenty);
     elsewhere pick_unfiltered_torch."""
-    if x.is_cuda:
-        from strata.kernels.sampling.sample_triton import pick_unfiltered_triton
-        return pick_unfiltered_triton(x, temperature, u, rows)
-    if rows is not None:
-        x = x[rows.long().reshape(-1)]
-    return pick_unfiltered_torch(x, temperature.reshape(-1, 1), u.reshape(-1, 1))
+    if not x.is_cuda:
+        if rows is not None:
+            x = x[rows.long().reshape(-1)]
+        return pick_unfiltered_torch(x, temperature.reshape(-1, 1), u.reshape(-1, 1))
+    from strata.kernels.sampling.sample_triton import pick_unfiltered_triton
+    return pick_unfiltered_triton(x, temperature, u, rows)
 
 
 def pick_unfiltered_torch(x: torch.Tensor, temperature: torch.Tensor,
@@ -166,21 +166,17 @@ def pick_unfiltered_torch(x: torch.Tensor, temperature: torch.Tensor,
     return torch.where(temperature.squeeze(1) > 0, pick, greedy)
 
 
-def _sample_sorted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """sample_rows_on_device through a sort of each row, for sampled rows (temperature > 0):
-    the filters rank the tokens. On CUDA the filters and the pick after the sort are one
-    Triton kernel (sorted_triton.py: the same arithmetic); elsewhere
+def _sample_sorted(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """pick_rows through a sort of each row, for sampled rows (temperature > 0) whose filters
+    rank the tokens (params [5, n] on the logits' device). On CUDA the filters and the pick
+    after the sort are one Triton kernel (sorted_triton.py: the same arithmetic); elsewhere
     pick_sorted_torch."""
-    n = len(rows)
-    params = to_device(torch.tensor([[r.temperature, r.top_k, r.top_p, r.min_p, r.u]
-                                     for r in rows], dtype=torch.float64).reshape(n, 5).T,
-                       logits.device)                                 # [5, n]: one copy
     # ties by token id; + 0.0 makes -0.0 a +0.0, so a radix sort ties them as the CPU's does
-    values, order = torch.sort(logits[:n] + 0.0, dim=-1, descending=True, stable=True)
-    if logits.is_cuda:
-        from strata.kernels.sampling.sorted_triton import pick_sorted_triton
-        return pick_sorted_triton(values, order, params)
-    return pick_sorted_torch(values, order, params)
+    values, order = torch.sort(logits + 0.0, dim=-1, descending=True, stable=True)
+    if not logits.is_cuda:
+        return pick_sorted_torch(values, order, params)
+    from strata.kernels.sampling.sorted_triton import pick_sorted_triton
+    return pick_sorted_triton(values, order, params)
 
 
 def pick_sorted_torch(values: torch.Tensor, order: torch.Tensor,
