@@ -28,10 +28,11 @@ def _x(rows: int, k: int, device: str, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("norm", [False, True])
-def test_rows_quantize_as_the_plain_torch_twin(device, norm):
+@pytest.mark.parametrize("k", [2 * K, 3 * K])   # a row of chunks, a power of two or not
+def test_rows_quantize_as_the_plain_torch_twin(device, norm, k):
     from strata.kernels.quant.a8_triton import quantize_rows
-    x = _x(5, 2 * K, device)
-    g = torch.rand(2 * K, generator=torch.Generator().manual_seed(1)).to(x) + 0.5
+    x = _x(5, k, device)
+    g = torch.rand(k, generator=torch.Generator().manual_seed(1)).to(x) + 0.5
     q, dx = quantize_rows(x, g if norm else None, 1e-5)
     q_ref, dx_ref = quantize_rows_torch(x, g if norm else None, 1e-5)
     torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=0)

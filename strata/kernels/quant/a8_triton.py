@@ -1,8 +1,8 @@
 """Triton kernels of int8 activations against quantized weights (a8.py says the
 arithmetic; its plain-torch reference is a8_mm_reference):
 
-    quantize_rows   each window row alone, one program a row: (rmsnorm and) int8 codes with a
-                    scale per 32 values
+    quantize_rows   each window row alone, a program a chunk of a row: (rmsnorm and) int8
+                    codes with a scale per 32 values
     a8_mm           out = rows' codes @ w^T (+ res): per weight group an exact int32 sum,
                     then dx * (a * sum(u q) + b * sum(q)) added group by group along K
 
@@ -36,31 +36,32 @@ GEMV_TILES = (1, 2, 4)   # row tiles of the GEMV; more rows take the MMA's ROW_T
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, K, eps, stride_xm,
-                          NORM: tl.constexpr, BLOCK: tl.constexpr):
-    """Row program_id(0): q [M, K] int8 and dx [M, K / 32] (a8.py)."""
+                          NORM: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr):
+    """Program (row m, chunk c): the codes q [M, K] int8 and scales dx [M, K / 32] (a8.py)
+    of the row's values [c BLOCK, (c + 1) BLOCK). With NORM each program reads the whole row
+    (KP: K up to a power of two) in one load for its rmsnorm: every program of a row adds the
+    same squares in the same order, so they share its scale r bit for bit."""
     m = tl.program_id(0)
+    c = tl.program_id(1)
     row = x_ptr + m * stride_xm
     r = 1.0
     if NORM:
-        sq = tl.zeros([BLOCK], tl.float32)
-        for k0 in range(0, K, BLOCK):
-            xf = tl.load(row + k0 + tl.arange(0, BLOCK)).to(tl.float32)
-            sq += xf * xf
-        r = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+        ka = tl.arange(0, KP)
+        xa = tl.load(row + ka, mask=ka < K, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(xa * xa, 0) / K + eps)
     NB: tl.constexpr = BLOCK // 32
-    for k0 in range(0, K, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        y = tl.load(row + k).to(tl.float32)
-        if NORM:
-            y = y * r * tl.load(g_ptr + k).to(tl.float32)
-        yb = tl.reshape(y, (NB, 32))
-        amax = tl.max(tl.abs(yb), 1)
-        inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
-        v = yb * inv[:, None]
-        q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        tl.store(q_ptr + m * K + k, tl.reshape(q, (BLOCK,)).to(tl.int8))
-        tl.store(dx_ptr + m * (K // 32) + k0 // 32 + tl.arange(0, NB), amax / 127.0)
+    k = c * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(row + k).to(tl.float32)
+    if NORM:
+        y = y * r * tl.load(g_ptr + k).to(tl.float32)
+    yb = tl.reshape(y, (NB, 32))
+    amax = tl.max(tl.abs(yb), 1)
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    v = yb * inv[:, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    tl.store(q_ptr + m * K + k, tl.reshape(q, (BLOCK,)).to(tl.int8))
+    tl.store(dx_ptr + m * (K // 32) + c * NB + tl.arange(0, NB), amax / 127.0)
 
 
 @triton.jit
@@ -116,9 +117,12 @@ def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float 
     q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     dx = torch.empty(m, k // QBLOCK, dtype=torch.float32, device=x.device)
     if m:
-        _quantize_rows_kernel[(m,)](x, norm if norm is not None else x, q, dx, k, eps,
-                                    x.stride(0), NORM=norm is not None, BLOCK=gemv_step(k),
-                                    num_warps=4)
+        block = gemv_step(k)
+        kp = triton.next_power_of_2(k)
+        _quantize_rows_kernel[(m, k // block)](
+            x, norm if norm is not None else x, q, dx, k, eps, x.stride(0),
+            NORM=norm is not None, BLOCK=block, KP=kp,
+            num_warps=8 if norm is not None and kp > 4096 else 4)
     return q, dx
 
 
