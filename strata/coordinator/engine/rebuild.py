@@ -15,7 +15,7 @@ windows, as a slot reading its prompt does (Slot.reading until read_pos reaches 
 
 Every row computes as it did and every draw depends only on (seed, position), so each stage's
 KV is what it was and the request goes on to exactly the tokens it would have had. Proposals in
-hand are dropped; the drafter's NextN rows are written again by the same windows.
+hand are dropped; the same windows give the last stage's drafter its kept states again.
 """
 from __future__ import annotations
 
