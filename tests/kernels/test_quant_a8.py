@@ -67,6 +67,20 @@ def test_the_kernel_is_the_integer_block_sums(device, qtype):
 
 
 @pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_batched_dot_gives_the_block_diagonal_dots_bits(device, qtype):
+    """The MMA tiles' two ways to the groups' integer sums (a8_mm's `batched`): the same
+    bits, with a residual, in tiles of 16 and 32 rows."""
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
+    w, _ = _weight(qtype, 32, K, device, seed=7)
+    x, res = _x(20, K, device, seed=8), _x(20, 32, device, seed=9)
+    q, dx = quantize_rows(x)
+    for tile in (16, 32):
+        want = a8_mm(q, dx, w.parts[0], res, block_m=tile)
+        assert torch.equal(a8_mm(q, dx, w.parts[0], res, block_m=tile, batched=True), want)
+
+
+@pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "IQ4_XS"])
 def test_a_rows_bits_are_the_same_in_every_tile(device, qtype):
     """Row 0 alone (GEMV tiles 1, 2 and 4), among 4 and 24 rows, over row blocks of 16 and

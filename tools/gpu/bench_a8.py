@@ -2,11 +2,13 @@
 kernels (kernels/quant/float_triton.py, the policy's blocks and splits) at the llama3-8b shapes,
 by block type and window rows: us per call from a CUDA graph with the weights rotating past L2,
 the row quantizer's us apart, the best a8_mm configuration of a few (the dp4a GEMV's columns,
-stages and warps up to 4 rows; the MMA's block_n, block_k and warps above), whether a row's
-bits equal the 16-row MMA tile's, and the HBM time of the weight's bytes. An experiment, not a test: what it prints is the
-ground for choosing a8_mm's blocks per shape and for making int8 activations the default.
+stages and warps up to 4 rows; the MMA's block_n, block_k, warps and dot, --mma, above),
+whether a row's bits equal the 16-row MMA tile's, and the HBM time of the weight's bytes. An
+experiment, not a test: what it prints is the ground for choosing a8_mm's blocks per shape and
+for making int8 activations the default.
 
-    python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64] [--json-out F]
+    python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64]
+        [--mma diagonal,batched] [--json-out F]
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default="1,2,4,8,16,64")
     ap.add_argument("--projections", default="qkv,res,down,head")
+    ap.add_argument("--mma", default="diagonal,batched",
+                    help="the MMA tiles' dots to time: diagonal, batched (a8_mm's batched)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
@@ -67,10 +71,13 @@ def main() -> None:
             q, dx = quantize_rows(x, nm, 1e-5)
             best = None
             r = None if kind in ("qkv", "head") else res
-            for config in GEMV_CONFIGS if m <= 4 else CONFIGS:
+            dots = [d == "batched" for d in args.mma.split(",")]
+            for config in (GEMV_CONFIGS if m <= 4 else
+                           [(*c, "batched" if b else "diagonal") for c in CONFIGS for b in dots]):
                 out = torch.empty(m, n, **bf)
                 kw = (dict(gemv_n=config[0], stages=config[1], warps=config[2]) if m <= 4 else
-                      dict(block_n=config[0], block_k=config[1], warps=config[2]))
+                      dict(block_n=config[0], block_k=config[1], warps=config[2],
+                           batched=config[3] == "batched"))
                 try:
                     us = timed(lambda i: a8_mm(q, dx, ws[i % copies].parts[0], r, out=out, **kw))
                 except Exception as e:   # a configuration the GPU cannot hold (resources)

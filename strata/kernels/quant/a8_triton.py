@@ -68,11 +68,14 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, K, eps, stride_xm,
 def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
                   M, N, K, stride_rm, stride_om,
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr):
-    """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. A K step's
-    G groups in one int8 dot: the rows' codes laid out block-diagonally, [STEP, G * BLOCK_M]
-    with group g's quants against columns g * BLOCK_M .. (zeros elsewhere), so the dot's
-    [BLOCK_N, G * BLOCK_M] are each group's exact sums apart."""
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
+                  BATCHED: tl.constexpr):
+    """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. A K step's G groups'
+    exact sums [BLOCK_N, BLOCK_M, G]: in one int8 dot against the rows' codes laid out
+    block-diagonally, [STEP, G * BLOCK_M] with group g's quants against columns
+    g * BLOCK_M .. (zeros elsewhere: G times the products the sums need), or (BATCHED) in
+    one batched dot of the G groups, [G, BLOCK_N, S] x [G, S, BLOCK_M]. The same integers
+    either way, so the same bits."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
@@ -93,10 +96,15 @@ def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_pt
         if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
             u = u - 128
             b = b * 0.0
-        qd = tl.load(diag_at + k0, mask=diag, other=0)        # [STEP, G * BM]
-        isum = tl.dot(u.to(tl.int8), qd, out_dtype=tl.int32)  # [BN, G * BM]
-        isum = tl.permute(tl.reshape(isum, (BLOCK_N, G, BLOCK_M)), (0, 2, 1))   # [BN, BM, G]
         q = tl.load(q_ptr + m[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0)
+        if BATCHED:
+            u3 = tl.permute(tl.reshape(u.to(tl.int8), (BLOCK_N, G, S)), (1, 0, 2))   # [G, BN, S]
+            q3 = tl.permute(tl.reshape(q, (BLOCK_M, G, S)), (1, 2, 0))               # [G, S, BM]
+            isum = tl.permute(tl.dot(u3, q3, out_dtype=tl.int32), (1, 2, 0))         # [BN, BM, G]
+        else:
+            qd = tl.load(diag_at + k0, mask=diag, other=0)                           # [STEP, G BM]
+            isum = tl.dot(u.to(tl.int8), qd, out_dtype=tl.int32)                     # [BN, G BM]
+            isum = tl.permute(tl.reshape(isum, (BLOCK_N, G, BLOCK_M)), (0, 2, 1))   # [BN, BM, G]
         qs = tl.sum(tl.reshape(q.to(tl.int32), (BLOCK_M, G, S)), 2)            # [BM, G]
         dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((g0 + gi) * S // 32)[None, :],
                      mask=m_ok[:, None], other=0.0)                             # [BM, G]
@@ -134,13 +142,16 @@ def a8_row_tile(m: int) -> int:
 def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | None = None, *,
           out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
           block_m: int | None = None, block_n: int = 32, block_k: int | None = None,
-          warps: int = 4, gemv_n: int = 32, stages: int = 3) -> torch.Tensor:
+          warps: int = 4, gemv_n: int = 32, stages: int = 3, batched: bool = False
+          ) -> torch.Tensor:
     """q, dx: quantize_rows' [M, K] codes and scales; part: a quantized [N, K] weight; res:
     [M, N] or None -> [M, N] (into `out`, which may be a column slice of a wider tensor).
     block_m: a GEMV tile (1, 2, 4) or an MMA tile (16, 32, 64); default the smallest that
     holds the rows. The GEMV tiles take a8_gemv.py's dp4a kernel (gemv_n
     columns a program, `stages` K steps in flight); the MMA tiles block_n columns a program
-    and block_k quants a step (default 4096 / block_m, halved until it divides K)."""
+    and block_k quants a step (default 4096 / block_m, halved until it divides K), their
+    groups' sums by a block-diagonal dot, or with `batched` a batched one (the same bits;
+    tools/gpu/bench_a8.py --mma times both)."""
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
@@ -162,7 +173,7 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     _a8_mm_kernel[grid](q, dx, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
                         HAS_RES=res is not None, BLOCK_M=block_m,
-                        BLOCK_N=block_n, STEP=block_k, num_warps=warps,
+                        BLOCK_N=block_n, STEP=block_k, BATCHED=batched, num_warps=warps,
                         enable_fp_fusion=False)   # see the module: no tile-dependent FMAs
     return out
 
