@@ -83,8 +83,9 @@ def test_the_batched_dot_gives_the_block_diagonal_dots_bits(device, qtype):
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "IQ4_XS"])
 def test_a_rows_bits_are_the_same_in_every_tile(device, qtype):
-    """Row 0 alone (GEMV tiles 1, 2 and 4), among 4 and 24 rows, over row blocks of 16 and
-    in one tile of 32 or 64 rows: the same bits, with a residual added."""
+    """Row 0 alone (GEMV tiles 1, 2 and 4), among 4 and 24 rows, over GEMV blocks of 4 and 8
+    rows, MMA blocks of 16 and in one tile of 32 or 64 rows: the same bits, with a residual
+    added."""
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     w, _ = _weight(qtype, 32, K, device, seed=5)
     x = _x(24, K, device, seed=4)
@@ -93,7 +94,7 @@ def test_a_rows_bits_are_the_same_in_every_tile(device, qtype):
     part = w.parts[0]
     outs = [a8_mm(q[:1], dx[:1], part, res[:1], block_m=t) for t in (1, 2, 4)]
     outs += [a8_mm(q[:4], dx[:4], part, res[:4], block_m=4)]
-    outs += [a8_mm(q, dx, part, res, block_m=t) for t in (4, 16, 32, 64)]
+    outs += [a8_mm(q, dx, part, res, block_m=t) for t in (4, 8, 16, 32, 64)]
     for out in outs[1:]:
         assert torch.equal(out[0], outs[0][0])
     for out in outs[5:]:

@@ -2,10 +2,10 @@
 kernels (kernels/quant/float_triton.py, the policy's blocks and splits) at the llama3-8b shapes,
 by block type and window rows: us per call from a CUDA graph with the weights rotating past L2,
 the row quantizer's us apart, the best a8_mm configuration of a few (the dp4a GEMV's columns,
-stages and warps up to 4 rows; the MMA's block_n, block_k, warps and dot, --mma, above),
-whether a row's bits equal the 16-row MMA tile's, and the HBM time of the weight's bytes. An
-experiment, not a test: what it prints is the ground for choosing a8_mm's blocks per shape and
-for making int8 activations the default.
+stages and warps up to 8 rows, an 8-row tile past 4; the MMA's block_n, block_k, warps and
+dot, --mma, past 4), whether a row's bits equal the 16-row MMA tile's, and the HBM time of the
+weight's bytes. An experiment, not a test: what it prints is the ground for choosing a8_mm's
+blocks per shape and for making int8 activations the default.
 
     python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64]
         [--mma diagonal,batched] [--json-out F]
@@ -71,11 +71,13 @@ def main() -> None:
             q, dx = quantize_rows(x, nm, 1e-5)
             best = None
             r = None if kind in ("qkv", "head") else res
-            dots = [d == "batched" for d in args.mma.split(",")]
-            for config in (GEMV_CONFIGS if m <= 4 else
-                           [(*c, "batched" if b else "diagonal") for c in CONFIGS for b in dots]):
+            # the GEMV up to 4 rows, and as an 8-row tile (block_m 8) beside the MMA's
+            gemv = [(*c, "gemv") for c in GEMV_CONFIGS] if m <= 8 else []
+            mma = [(*c, d) for c in CONFIGS for d in args.mma.split(",")] if m > 4 else []
+            for config in gemv + mma:
                 out = torch.empty(m, n, **bf)
-                kw = (dict(gemv_n=config[0], stages=config[1], warps=config[2]) if m <= 4 else
+                kw = (dict(gemv_n=config[0], stages=config[1], warps=config[2],
+                           block_m=8 if m > 4 else None) if config[3] == "gemv" else
                       dict(block_n=config[0], block_k=config[1], warps=config[2],
                            batched=config[3] == "batched"))
                 try:

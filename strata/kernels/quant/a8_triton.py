@@ -32,6 +32,7 @@ from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
 GEMV_TILES = (1, 2, 4)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
+GEMV_8 = 8               # a GEMV tile of 8 rows, asked for by block_m (the same bits)
 
 
 @triton.jit
@@ -146,8 +147,8 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
           ) -> torch.Tensor:
     """q, dx: quantize_rows' [M, K] codes and scales; part: a quantized [N, K] weight; res:
     [M, N] or None -> [M, N] (into `out`, which may be a column slice of a wider tensor).
-    block_m: a GEMV tile (1, 2, 4) or an MMA tile (16, 32, 64); default the smallest that
-    holds the rows. The GEMV tiles take a8_gemv.py's dp4a kernel (gemv_n
+    block_m: a GEMV tile (1, 2, 4, or 8 when asked for) or an MMA tile (16, 32, 64);
+    default the smallest that holds the rows, 8 rows an MMA tile of 16. The GEMV tiles take a8_gemv.py's dp4a kernel (gemv_n
     columns a program, `stages` K steps in flight); the MMA tiles block_n columns a program
     and block_k quants a step (default 4096 / block_m, halved until it divides K), their
     groups' sums by a block-diagonal dot, or with `batched` a batched one (the same bits;
@@ -156,7 +157,7 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
     block_k = min(block_k or 4096 // block_m, gemv_step(k))
-    if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
+    if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, GEMV_8, *ROW_TILES)
             or k % block_k or block_k % group):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "
                          f"[{part.rows}, {part.cols}] do not fit blocks ({block_m} rows, "
@@ -164,7 +165,7 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     if out is None:
         out = torch.empty(m, part.rows, dtype=out_dtype, device=q.device)
     assert out.shape == (m, part.rows) and out.stride(1) == 1 and q.is_contiguous()
-    if block_m in GEMV_TILES:
+    if block_m in (*GEMV_TILES, GEMV_8):
         return a8_gemv(q, dx, part, res, out, block_m, block_n=gemv_n, stages=stages,
                        warps=warps)
     r = res if res is not None else out
