@@ -31,6 +31,9 @@ from strata.stage_worker.graphs import Captured
 from strata.stage_worker.model import KVCache, Layer, RowTensors, StageModel, WindowMeta
 
 GRAPH_ROWS = (8, 16, 32, MAX_DECODE_ROWS)   # the row counts the drafter's steps are captured at
+# the NextN rows a window writes at most: a slot that lacks more (it went long without drafting)
+# catches up over several windows and proposes once it has them all
+CATCH_UP = 4 * MAX_DECODE_ROWS
 
 
 @dataclass
@@ -98,14 +101,21 @@ class Drafter:
         can serve (a slot whose last accepted row was sampled; proposals stop at the
         context's end), writing first the NextN rows the asked slots lack."""
         plan = self._plan(w, tokens)
-        asks = self._asks(w, plan)
         ctx, zero = self.ctx, len(self.tokens) - 1
         # the rows each asked slot lacks: from the one after its last written to the row of
-        # its next token (the last of them, `ends`, starts its proposals)
-        catch_up, ends = [], []
-        for s, _, top, _ in asks:
-            catch_up += [(s, p) for p in range(max(self.filled[s], 0) + 1, top + 1)]
-            ends.append(len(catch_up) - 1)
+        # its next token (the last of them, `ends`, starts its proposals), CATCH_UP at most:
+        # a slot that gets only some of them proposes nothing this window
+        catch_up, ends, asks = [], [], []
+        for ask in self._asks(w, plan):
+            s, top = ask[0], ask[2]
+            lack = range(max(self.filled[s], 0) + 1, top + 1)
+            take = lack[:CATCH_UP - len(catch_up)]
+            catch_up += [(s, p) for p in take]
+            if len(take) == len(lack):
+                asks.append(ask)
+                ends.append(len(catch_up) - 1)
+            elif take:
+                self.filled[s] = take[-1]
         # the tokens kept: the live rows', then the asked slots' next tokens
         written = dict(zip(plan.at, (w.tokens[r] for r in plan.rows)))
         for s, _, top, _ in asks:
@@ -123,12 +133,12 @@ class Drafter:
                          self.device)
         self.hidden.index_copy_(0, ints[:k], hidden[ints[k:2 * k]].to(self.hidden.dtype))
         self.tokens.index_copy_(0, ints[2 * k:2 * k + m], ints[2 * k + m:2 * k + 2 * m])
-        if not asks:
+        if not catch_up:
             return []
         at = 2 * k + 2 * m
         out = self._rows([s for s, _ in catch_up], [p for _, p in catch_up],
                          self.tokens[ints[at + n2:at + 2 * n2]], self.hidden[ints[at:at + n2]])
-        return self._propose(asks, out[ints[at + 2 * n2:]])
+        return self._propose(asks, out[ints[at + 2 * n2:]]) if asks else []
 
     def nbytes(self) -> int:
         """Its KV cache and the slots' hidden states and tokens."""

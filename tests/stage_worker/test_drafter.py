@@ -284,6 +284,30 @@ def test_nextn_rows_are_written_only_for_the_slots_asked_to_propose(models, monk
     assert written[1] == [run.top[0] - top0, run.top[1]]   # slot 0 keeps its row at top0
 
 
+def test_a_slot_far_behind_catches_up_over_several_windows(models, monkeypatch):
+    """A window writes CATCH_UP NextN rows at most (here 6), asked slots in turn: a slot asked
+    after its prompt and a window without proposals gets none until it has every row, then
+    proposes what the full recompute does; a slot asked beside it waits its turn."""
+    monkeypatch.setattr("strata.stage_worker.drafter.CATCH_UP", 6)
+    written = []
+    rows = Drafter._rows
+    monkeypatch.setattr(Drafter, "_rows", lambda self, slots, *rest: written.append(
+        [slots.count(s) for s in (0, 1)]) or rows(self, slots, *rest))
+    file = ModelFile(models["nextn"])
+    ref, run = Reference(file), Run(models["nextn"])
+    p0, p1 = [5, 77, 120, 33, 250, 8, 91, 64, 200, 17], [40, 41, 300]
+    run.step([(0, p, t) for p, t in enumerate(p0)], sample=[len(p0) - 1], chunk=True)
+    run.step([(1, p, t) for p, t in enumerate(p1)], sample=[len(p1) - 1], chunk=True)
+    run.decode(None, 0, {0: [], 1: []})          # no proposals asked: no rows
+    for _ in range(2):                           # slot 0 lacks 12 rows, then 7: 6 a window
+        assert run.decode(None, 2, {0: [], 1: []}) == {}
+    assert written == [[6, 0], [6, 0]]
+    got = run.decode(None, 2, {0: [], 1: []})    # slot 0's last 2; slot 1 4 of its 7
+    assert written[2] == [2, 4] and got == {0: ref.propose(run.inputs(0), 2)}
+    run.decode(ref, 2, {0: [], 1: []})            # both, every proposal the reference's
+    assert written[3] == [1, 4]
+
+
 @pytest.mark.parametrize("t,filters", [(0.0, {}), (0.8, {}), (0.8, {"top_k": 12, "top_p": 0.9})],
                          ids=["greedy", "coupled", "filtered"])
 def test_pad_rows_as_the_graphs_take_them_change_no_token_or_proposal(models, monkeypatch, t,
