@@ -26,14 +26,21 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 def to_device_many(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """Host arrays on `device` in one copy (to_device of their values as float64, in which
     every integer below 2^53 and every fp32 value is exact), each back in its shape and dtype
-    there."""
-    flat = np.concatenate([np.asarray(a, dtype=np.float64).ravel() for a in arrays.values()]
-                          or [np.zeros(0)])
-    on, out, at = to_device(torch.from_numpy(flat), device, torch.float64), {}, 0
+    there: the arrays of one dtype lie together and are cast in one kernel."""
+    arrays = {name: np.asarray(a) for name, a in arrays.items()}
+    kinds: dict[torch.dtype, list[str]] = {}
     for name, a in arrays.items():
-        a = np.asarray(a)
-        out[name] = on[at:at + a.size].to(_DTYPES[a.dtype.kind, a.dtype.itemsize]).view(a.shape)
-        at += a.size
+        kinds.setdefault(_DTYPES[a.dtype.kind, a.dtype.itemsize], []).append(name)
+    order = [name for names in kinds.values() for name in names]
+    flat = np.concatenate([arrays[n].astype(np.float64).ravel() for n in order] or [np.zeros(0)])
+    on, out, at = to_device(torch.from_numpy(flat), device, torch.float64), {}, 0
+    for dtype, names in kinds.items():
+        size = sum(arrays[n].size for n in names)
+        part, start = on[at:at + size].to(dtype), 0
+        for n in names:
+            out[n] = part[start:start + arrays[n].size].view(arrays[n].shape)
+            start += arrays[n].size
+        at += size
     return out
 
 
