@@ -4,10 +4,11 @@ arithmetic (a8.py) with the integer sums taken four products an instruction.
 Each K step of 256 quants (fewer where K is short) reads a column's codes as 32-bit words of
 four bytes and the rows' int8 codes as words, and sums them with dp4a (PTX `dp4a.u32.s32`:
 four unsigned bytes times four signed bytes, added to an int32). Where a type's codes are
-nibbles (Q4_0, Q4_1, Q4_K) or two nibble planes (Q8_0), a word of eight codes gives its two
-byte words by a mask and a shift, and the rows' words are re-paired once a step to match
-(codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight); the other types' codes come from
-float_triton's `_codes` and are packed four to a word. Then, per (row, column), the groups'
+nibbles (Q4_0, Q4_1, Q4_K), two nibble planes (Q8_0) or nibbles with high bits beside them
+(Q5_0, Q5_1, Q5_K, Q6_K: a word of the group's high bits, nibble-aligned), a word of eight
+codes gives its two byte words by masks and shifts, and the rows' words are re-paired once a
+step to match (codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight); the codebook types' codes
+(IQ4_NL, IQ4_XS) come from float_triton's `_codes` and are packed four to a word. Then, per (row, column), the groups'
 float terms dx * (a * isum + b * qs) are added one by one in order along K, exactly as
 a8_mm's MMA adds them, so a row gets the same bits from either kernel
 (tests/kernels/test_quant_a8.py). Under the Triton interpreter, dp4a is the same sum of four
@@ -20,8 +21,9 @@ import triton
 import triton.language as tl
 
 from strata.kernels.quant.blocks import BLOCKS, Part
-from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q8_0,
-                                               TYPE_IDS, _codes, _planes, _terms)
+from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+                                               Q5_K, Q6_K, Q8_0, TYPE_IDS, _codes, _planes,
+                                               _terms)
 
 STEP = 256   # quants a K step where K allows
 HIGH_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))   # as int32
@@ -103,7 +105,12 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
         wn = n + tl.load(wrow_ptr + tl.program_id(0))
     G: tl.constexpr = STEP // S                 # groups a step
     AW: tl.constexpr = STEP // 4                # the rows' words a step
-    NIBBLES: tl.constexpr = QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q4_K or QTYPE == Q8_0
+    # the high bits a code of the 5- and 6-bit types (a qh word a group, code j of the group's
+    # qs word i at bits HIGH * i + 4 j: float_triton's _codes)
+    HIGH: tl.constexpr = (2 if QTYPE == Q6_K else
+                          1 if QTYPE == Q5_0 or QTYPE == Q5_1 or QTYPE == Q5_K else 0)
+    NIBBLES: tl.constexpr = (QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q4_K or QTYPE == Q8_0
+                             or HIGH > 0)
     SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
     gi = tl.arange(0, G)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -126,6 +133,14 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
                 h = tl.load(p1 + at, mask=n_ok[:, None], other=0)
                 lo = lo | ((h << 4) & HIGH_NIBBLES)
                 hi = hi | (h & HIGH_NIBBLES)
+            elif HIGH > 0:   # each qs word's high bits, nibble-aligned: above the low nibbles
+                hw = tl.load(p1 + wn[:, None] * s1 + (k0 // S + gi)[None, :],
+                             mask=n_ok[:, None], other=0)                  # [BN, G]
+                x = tl.reshape(hw[:, :, None] >> (HIGH * tl.arange(0, S // 8))[None, None, :],
+                               (BLOCK_N, CW))
+                MB: tl.constexpr = ((1 << HIGH) - 1) * 0x01010101
+                lo = lo | ((x & MB) << 4)
+                hi = hi | (((x >> 4) & MB) << 4)
             w0, w1 = tl.split(tl.reshape(aw, (BLOCK_M, CW, 2)))            # q0..3, q4..7
             even = ((w0 & 0xFF) | ((w0 >> 8) & 0xFF00) | ((w1 << 16) & 0xFF0000)
                     | ((w1 << 8) & TOP_BYTE))
