@@ -164,8 +164,7 @@ def _picking(head: HeadOutput, sampled: list[SamplingRow], tempered: list[int], 
             "params": np.asarray([[p.temperature, p.top_k, p.top_p, p.min_p, p.u]
                                   for p in given], dtype=np.float64).T,
             "sorts": np.asarray(sorts, dtype=np.int64),
-            "others": np.asarray([i for i in range(len(given)) if i not in set(sorts)],
-                                 dtype=np.int64)}
+            "others": np.asarray(sorted(set(range(len(given))) - set(sorts)), dtype=np.int64)}
 
 
 def _scoring(w: Window, scored: list[int], rows: list[int]) -> dict[str, np.ndarray]:

@@ -106,7 +106,7 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     parameters and which rows take which path (pick_rows)."""
     n, vocab = len(rows), logits.shape[-1]
     sorts = [i for i, r in enumerate(rows) if r.temperature > 0.0 and r.filtered(vocab)]
-    others = [i for i in range(n) if i not in set(sorts)]
+    others = sorted(set(range(n)) - set(sorts))
     on = to_device(torch.tensor([v for r in rows for v in (r.temperature, r.top_k, r.top_p,
                                                            r.min_p, r.u)] + sorts + others,
                                 dtype=torch.float64), logits.device)
