@@ -69,16 +69,18 @@ def test_the_kernel_is_the_integer_block_sums(device, qtype):
 
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype", TYPES)
-def test_the_batched_dot_gives_the_block_diagonal_dots_bits(device, qtype):
-    """The MMA tiles' two ways to the groups' integer sums (a8_mm's `batched`): the same
-    bits, with a residual, in tiles of 16 and 32 rows."""
+def test_the_mma_dots_give_the_same_bits(device, qtype):
+    """The MMA tiles' three ways to the groups' integer sums (a8_mm's `dot`: block-diagonal,
+    batched, a dot a group): the same bits, with a residual, in tiles of 16 and 32 rows."""
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     w, _ = _weight(qtype, 32, K, device, seed=7)
     x, res = _x(20, K, device, seed=8), _x(20, 32, device, seed=9)
     q, dx = quantize_rows(x)
     for tile in (16, 32):
         want = a8_mm(q, dx, w.parts[0], res, block_m=tile)
-        assert torch.equal(a8_mm(q, dx, w.parts[0], res, block_m=tile, batched=True), want)
+        for dot in ("batched", "group"):
+            got = a8_mm(q, dx, w.parts[0], res, block_m=tile, dot=dot)
+            assert torch.equal(got, want), f"{dot}, {tile} rows"
 
 
 @pytest.mark.parametrize("device", triton_devices())
@@ -100,6 +102,37 @@ def test_a_rows_bits_are_the_same_in_every_tile(device, qtype):
         assert torch.equal(out[0], outs[0][0])
     for out in outs[5:]:
         assert torch.equal(out, outs[4]), "rows differ between row tiles"
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_1", "Q8_0", "IQ4_XS"])
+def test_a_rows_bits_are_the_same_in_every_tile_when_k_has_parts(device, qtype):
+    """K = 1024: four parts of K, each summed alone, then in order. Row 0 alone in the GEMV,
+    among 20 rows in the 8-row GEMV and in the MMA tiles (every dot): the same bits, near
+    the exact block sums; and the parts are the weight's (one part gives other sums)."""
+    from strata.kernels.quant.a8_gemv import k_parts
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
+    assert [k_parts(k) for k in (1024, 4096, 14336, 3584, 576)] == [4, 8, 8, 2, 1]
+    k = 4 * K
+    w, _ = _weight(qtype, 16, k, device, seed=11)
+    x, res = _x(20, k, device, seed=12), _x(20, 16, device, seed=13)
+    q, dx = quantize_rows(x)
+    part = w.parts[0]
+    alone = a8_mm(q[:1], dx[:1], part, res[:1], block_m=1)
+    outs = [a8_mm(q, dx, part, res, block_m=8), a8_mm(q, dx, part, res, block_m=16),
+            a8_mm(q, dx, part, res, block_m=16, dot="batched"),
+            a8_mm(q, dx, part, res, block_m=16, dot="group")]
+    for out in outs:
+        assert torch.equal(out[0], alone[0])
+        assert torch.equal(out, outs[0]), "rows differ between row tiles"
+    want = a8_mm_reference(q.cpu(), dx.cpu(), Part(
+        qtype, part.rows, part.cols, {n: v.cpu() for n, v in part.planes.items()}))
+    got = outs[0] - res.float()
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5,
+                               atol=2e-2 * want.abs().max().item() if device != "cpu" else
+                               1e-6 * want.abs().max().item())
+    one = a8_mm(q[:1], dx[:1], part, res[:1], block_m=1, parts=1)
+    assert not torch.equal(one, alone), "the parts changed nothing: are they summed?"
 
 
 @pytest.mark.parametrize("device", triton_devices())

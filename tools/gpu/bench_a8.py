@@ -8,7 +8,7 @@ weight's bytes. An experiment, not a test: what it prints is the ground for choo
 blocks per shape and for making int8 activations the default.
 
     python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64]
-        [--mma diagonal,batched] [--json-out F]
+        [--mma diagonal,batched,group] [--parts 8] [--every] [--json-out F]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from strata.kernels.policy import KernelPolicy
 
 CONFIGS = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 64, 4), (16, 256, 4)]
 # the dp4a GEMV's (columns a program, K steps in flight, warps), for windows of 1 to 4 rows
-GEMV_CONFIGS = [(16, 3, 4), (32, 3, 4), (64, 3, 4), (32, 2, 4), (64, 4, 8)]
+GEMV_CONFIGS = [(8, 3, 4), (16, 3, 4), (32, 3, 4), (16, 2, 4), (32, 2, 4), (16, 4, 8)]
 
 
 def float_call(kind, x, w, norm, res, policy):
@@ -42,8 +42,12 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default="1,2,4,8,16,64")
     ap.add_argument("--projections", default="qkv,res,down,head")
-    ap.add_argument("--mma", default="diagonal,batched",
-                    help="the MMA tiles' dots to time: diagonal, batched (a8_mm's batched)")
+    ap.add_argument("--mma", default="diagonal,batched,group",
+                    help="the MMA tiles' dots to time (a8_mm's dot)")
+    ap.add_argument("--parts", default="8",
+                    help="the most parts of K to time (a8_mm's parts; each gives other bits)")
+    ap.add_argument("--every", action="store_true",
+                    help="print every configuration's time, not only the best")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
@@ -74,18 +78,22 @@ def main() -> None:
             # the GEMV up to 4 rows, and as an 8-row tile (block_m 8) beside the MMA's
             gemv = [(*c, "gemv") for c in GEMV_CONFIGS] if m <= 8 else []
             mma = [(*c, d) for c in CONFIGS for d in args.mma.split(",")] if m > 4 else []
-            for config in gemv + mma:
+            parts = [int(p) for p in args.parts.split(",")]
+            for config in ((*c, p) for c in gemv + mma for p in parts):
                 out = torch.empty(m, n, **bf)
                 kw = (dict(gemv_n=config[0], stages=config[1], warps=config[2],
                            block_m=8 if m > 4 else None) if config[3] == "gemv" else
                       dict(block_n=config[0], block_k=config[1], warps=config[2],
-                           batched=config[3] == "batched"))
+                           dot=config[3]))
+                kw["parts"] = config[4]
                 try:
                     us = timed(lambda i: a8_mm(q, dx, ws[i % copies].parts[0], r, out=out, **kw))
                 except Exception as e:   # a configuration the GPU cannot hold (resources)
                     print(f"# {qtype} {name} {m} rows, {config}: {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120]}")
                     continue
+                if args.every:
+                    print(f"#   {qtype} {name} {m} rows {config}: {us:.1f} us")
                 if best is None or us < best[0]:
                     best = (us, config)
             if best is None:

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from strata.kernels.quant.a8 import QBLOCK
-from strata.kernels.quant.a8_gemv import a8_gemv, add_in_order, gemv_step, store_rows
+from strata.kernels.quant.a8_gemv import (PARTS, a8_gemv, add_in_order, gemv_step, k_parts,
+                                          store_rows)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
                                                _terms)
@@ -33,6 +34,7 @@ from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
 GEMV_TILES = (1, 2, 4)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
 GEMV_8 = 8               # a GEMV tile of 8 rows, asked for by block_m (the same bits)
+DOTS = ("diagonal", "batched", "group")   # the MMA's ways to the groups' integer sums
 
 
 @triton.jit
@@ -66,53 +68,103 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, K, eps, stride_xm,
 
 
 @triton.jit
+def _group_dots(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_ok, K, k0,
+                QTYPE: tl.constexpr, S: tl.constexpr, STEP: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [BN, BM] + a K step's groups' terms, group by group, each group's integer sums
+    from a dot of its own: 32 quants of codes [BN, 32] against the rows' [32, BM], for Q6_K's
+    16-quant groups the other group's rows masked to zero."""
+    KD: tl.constexpr = 32 if S < 32 else S            # quants a dot
+    D: tl.constexpr = KD // S                         # groups a dot's codes hold
+    kd = tl.arange(0, KD)
+    for c in tl.static_range(STEP // KD):
+        g = k0 // S + c * D
+        u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g, QTYPE, S, D, BLOCK_N), (BLOCK_N, KD))
+        a2, b2 = _terms(p2, p3, s2, s3, n, n_ok, g, QTYPE, D)             # [BN, D]
+        if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
+            u = u - 128
+            b2 = b2 * 0.0
+        u = u.to(tl.int8)
+        for j in tl.static_range(D):
+            if D == 1:
+                a, b = tl.reshape(a2, (BLOCK_N,)), tl.reshape(b2, (BLOCK_N,))
+            else:                                    # D == 2: the pair's group j
+                a0, a1 = tl.split(a2)
+                b0, b1 = tl.split(b2)
+                a, b = (a0, b0) if j == 0 else (a1, b1)
+            q = tl.load(q_ptr + m[:, None] * K + k0 + c * KD + kd[None, :],
+                        mask=m_ok[:, None] & (kd // S == j)[None, :], other=0)   # [BM, KD]
+            isum = tl.dot(u, tl.trans(q), out_dtype=tl.int32)                 # [BN, BM]
+            qs = tl.sum(q.to(tl.int32), 1)                                     # [BM]
+            dx = tl.load(dx_ptr + m * (K // 32) + (g + j) * S // 32, mask=m_ok, other=0.0)
+            t = a[:, None] * isum.to(tl.float32) + b[:, None] * qs.to(tl.float32)[None, :]
+            acc = acc + t * dx[None, :]
+    return acc
+
+
+@triton.jit
 def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
                   M, N, K, stride_rm, stride_om,
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
-                  BATCHED: tl.constexpr):
-    """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. A K step's G groups'
-    exact sums [BLOCK_N, BLOCK_M, G]: in one int8 dot against the rows' codes laid out
-    block-diagonally, [STEP, G * BLOCK_M] with group g's quants against columns
-    g * BLOCK_M .. (zeros elsewhere: G times the products the sums need), or (BATCHED) in
-    one batched dot of the G groups, [G, BLOCK_N, S] x [G, S, BLOCK_M]. The same integers
-    either way, so the same bits."""
+                  DOT: tl.constexpr, P: tl.constexpr):
+    """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. Each K step's groups' exact
+    sums come from int8 dots (_step_dot's one dot a step, DOT 0 or 1, or _group_dots' one
+    a group, DOT 2: the same integers, so the same bits); each part of K (P of them) adds its
+    terms in order from zero, and the parts are added in order, as the GEMV does."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
-    G: tl.constexpr = STEP // S
-    gi = tl.arange(0, G)
-    kq = tl.arange(0, STEP)[:, None]
-    col = tl.arange(0, G * BLOCK_M)[None, :]
-    cm = tl.program_id(0) * BLOCK_M + col % BLOCK_M
-    diag = (kq // S == col // BLOCK_M) & (cm < M)
-    diag_at = q_ptr + cm * K + kq                              # [STEP, G * BM]
-    kk = tl.arange(0, STEP)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # out^T, as float_triton's
+    L = K // P                                                # quants a part of K
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # this part's sum, out^T
+    total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)          # the parts', in order
     for k0 in range(0, K, STEP):
-        g0 = k0 // S
-        u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE, S, G, BLOCK_N),
-                       (BLOCK_N, STEP))
-        a, b = _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE, G)   # [BN, G]
-        if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
-            u = u - 128
-            b = b * 0.0
-        q = tl.load(q_ptr + m[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0)
-        if BATCHED:
-            u3 = tl.permute(tl.reshape(u.to(tl.int8), (BLOCK_N, G, S)), (1, 0, 2))   # [G, BN, S]
-            q3 = tl.permute(tl.reshape(q, (BLOCK_M, G, S)), (1, 2, 0))               # [G, S, BM]
-            isum = tl.permute(tl.dot(u3, q3, out_dtype=tl.int32), (1, 2, 0))         # [BN, BM, G]
+        if DOT == 2:
+            acc = _group_dots(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n,
+                              n_ok, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N)
         else:
-            qd = tl.load(diag_at + k0, mask=diag, other=0)                           # [STEP, G BM]
-            isum = tl.dot(u.to(tl.int8), qd, out_dtype=tl.int32)                     # [BN, G BM]
-            isum = tl.permute(tl.reshape(isum, (BLOCK_N, G, BLOCK_M)), (0, 2, 1))   # [BN, BM, G]
-        qs = tl.sum(tl.reshape(q.to(tl.int32), (BLOCK_M, G, S)), 2)            # [BM, G]
-        dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((g0 + gi) * S // 32)[None, :],
-                     mask=m_ok[:, None], other=0.0)                             # [BM, G]
-        t = a[:, None, :] * isum.to(tl.float32) + b[:, None, :] * qs.to(tl.float32)[None, :, :]
-        t = t * dx[None, :, :]
-        acc = add_in_order(acc, t, BLOCK_N, BLOCK_M, G)
-    store_rows(tl.trans(acc), res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
+            acc = _step_dot(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n,
+                            n_ok, M, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N, DOT)
+        end = (k0 + STEP) % L == 0                            # a part ends: add it on
+        total = tl.where(end, total + acc, total)
+        acc = tl.where(end, 0.0, acc)
+    store_rows(tl.trans(total), res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
+
+
+@triton.jit
+def _step_dot(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_ok, M, K, k0,
+              QTYPE: tl.constexpr, S: tl.constexpr, STEP: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    """acc [BN, BM] + a K step's G groups' terms in order, their integer sums [BN, BM, G]
+    from one dot: against the rows' codes laid out block-diagonally (DOT 0), [STEP, G BM] with
+    group g's quants against columns g BM .. (zeros elsewhere: G times the products the sums
+    need), or batched over the groups (DOT 1), [G, BN, S] x [G, S, BM]."""
+    G: tl.constexpr = STEP // S
+    g0 = k0 // S
+    kk = tl.arange(0, STEP)
+    u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE, S, G, BLOCK_N), (BLOCK_N, STEP))
+    a, b = _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE, G)                   # [BN, G]
+    if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
+        u = u - 128
+        b = b * 0.0
+    q = tl.load(q_ptr + m[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0)
+    if DOT == 1:
+        u3 = tl.permute(tl.reshape(u.to(tl.int8), (BLOCK_N, G, S)), (1, 0, 2))   # [G, BN, S]
+        q3 = tl.permute(tl.reshape(q, (BLOCK_M, G, S)), (1, 2, 0))               # [G, S, BM]
+        isum = tl.permute(tl.dot(u3, q3, out_dtype=tl.int32), (1, 2, 0))         # [BN, BM, G]
+    else:
+        kq = kk[:, None]
+        col = tl.arange(0, G * BLOCK_M)[None, :]
+        cm = tl.program_id(0) * BLOCK_M + col % BLOCK_M
+        qd = tl.load(q_ptr + cm * K + k0 + kq, mask=(kq // S == col // BLOCK_M) & (cm < M),
+                     other=0)                                                    # [STEP, G BM]
+        isum = tl.dot(u.to(tl.int8), qd, out_dtype=tl.int32)                     # [BN, G BM]
+        isum = tl.permute(tl.reshape(isum, (BLOCK_N, G, BLOCK_M)), (0, 2, 1))   # [BN, BM, G]
+    qs = tl.sum(tl.reshape(q.to(tl.int32), (BLOCK_M, G, S)), 2)                # [BM, G]
+    dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((g0 + tl.arange(0, G)) * S // 32)[None, :],
+                 mask=m_ok[:, None], other=0.0)                                 # [BM, G]
+    t = a[:, None, :] * isum.to(tl.float32) + b[:, None, :] * qs.to(tl.float32)[None, :, :]
+    return add_in_order(acc, t * dx[None, :, :], BLOCK_N, BLOCK_M, G)
 
 
 def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
@@ -143,22 +195,24 @@ def a8_row_tile(m: int) -> int:
 def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | None = None, *,
           out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
           block_m: int | None = None, block_n: int = 32, block_k: int | None = None,
-          warps: int = 4, gemv_n: int = 32, stages: int = 3, batched: bool = False
-          ) -> torch.Tensor:
+          warps: int = 4, gemv_n: int = 32, stages: int = 3, dot: str = "diagonal",
+          parts: int = PARTS) -> torch.Tensor:
     """q, dx: quantize_rows' [M, K] codes and scales; part: a quantized [N, K] weight; res:
     [M, N] or None -> [M, N] (into `out`, which may be a column slice of a wider tensor).
     block_m: a GEMV tile (1, 2, 4, or 8 when asked for) or an MMA tile (16, 32, 64);
     default the smallest that holds the rows, 8 rows an MMA tile of 16. The GEMV tiles take a8_gemv.py's dp4a kernel (gemv_n
     columns a program, `stages` K steps in flight); the MMA tiles block_n columns a program
     and block_k quants a step (default 4096 / block_m, halved until it divides K), their
-    groups' sums by a block-diagonal dot, or with `batched` a batched one (the same bits;
-    tools/gpu/bench_a8.py --mma times both)."""
+    groups' sums by `dot`: "diagonal" (block-diagonal), "batched" or "group" (a dot a group;
+    the same bits; tools/gpu/bench_a8.py --mma times them). parts: the most parts of K (k_parts; a row's
+    bits depend on it, so every call on a weight must pass the same: leave it be outside
+    experiments)."""
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
     block_k = min(block_k or 4096 // block_m, gemv_step(k))
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, GEMV_8, *ROW_TILES)
-            or k % block_k or block_k % group):
+            or (k // k_parts(k, parts)) % block_k or block_k % group or dot not in DOTS):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "
                          f"[{part.rows}, {part.cols}] do not fit blocks ({block_m} rows, "
                          f"{block_k} quants a step)")
@@ -167,14 +221,16 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     assert out.shape == (m, part.rows) and out.stride(1) == 1 and q.is_contiguous()
     if block_m in (*GEMV_TILES, GEMV_8):
         return a8_gemv(q, dx, part, res, out, block_m, block_n=gemv_n, stages=stages,
-                       warps=warps)
+                       warps=warps, parts=parts)
+    p = k_parts(k, parts)
     r = res if res is not None else out
     planes, strides = _planes(part)
     grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n))
     _a8_mm_kernel[grid](q, dx, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
                         HAS_RES=res is not None, BLOCK_M=block_m,
-                        BLOCK_N=block_n, STEP=block_k, BATCHED=batched, num_warps=warps,
+                        BLOCK_N=block_n, STEP=block_k, DOT=DOTS.index(dot), P=p,
+                        num_warps=warps,
                         enable_fp_fusion=False)   # see the module: no tile-dependent FMAs
     return out
 
