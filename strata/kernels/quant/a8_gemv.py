@@ -1,18 +1,16 @@
-"""The GEMV of int8 activations against quantized weights (windows of 1 to 8 rows): a8_mm's
+"""The GEMV of int8 activations against quantized weights (windows of 1 to 4 rows): a8_mm's
 arithmetic (a8.py) with the integer sums taken four products an instruction.
 
-K is cut into P parts (k_parts: up to 8, from K alone). Each step reads 256 quants (fewer
-where K is short) of every part at once, so a program keeps P loads in flight where one part
-would keep one. It reads a column's codes as 32-bit words of four bytes and the rows' int8
-codes as words, and sums them with dp4a (PTX `dp4a.u32.s32`: four unsigned bytes times four
-signed bytes, added to an int32). Where a type's codes are nibbles (Q4_0, Q4_1, Q4_K), two
-nibble planes (Q8_0) or nibbles with high bits beside them (Q5_0, Q5_1, Q5_K, Q6_K: a word of
-the group's high bits, nibble-aligned), a word of eight codes gives its two byte words by
-masks and shifts, and the rows' words are re-paired once a step to match (codes 0, 2, 4, 6 and
-1, 3, 5, 7 of each eight); the codebook types' codes (IQ4_NL, IQ4_XS) come from float_triton's
-`_codes` and are packed four to a word. Then, per (row, column), each part adds its groups'
-float terms dx * (a * isum + b * qs) one by one from zero, and the parts are added in order,
-exactly as a8_mm's MMA adds them, so a row gets the same bits from either kernel
+Each K step of 256 quants (fewer where K is short) reads a column's codes as 32-bit words of
+four bytes and the rows' int8 codes as words, and sums them with dp4a (PTX `dp4a.u32.s32`:
+four unsigned bytes times four signed bytes, added to an int32). Where a type's codes are
+nibbles (Q4_0, Q4_1, Q4_K), two nibble planes (Q8_0) or nibbles with high bits beside them
+(Q5_0, Q5_1, Q5_K, Q6_K: a word of the group's high bits, nibble-aligned), a word of eight
+codes gives its two byte words by masks and shifts, and the rows' words are re-paired once a
+step to match (codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight); the codebook types' codes
+(IQ4_NL, IQ4_XS) come from float_triton's `_codes` and are packed four to a word. Then, per (row, column), the groups'
+float terms dx * (a * isum + b * qs) are added one by one in order along K, exactly as
+a8_mm's MMA adds them, so a row gets the same bits from either kernel
 (tests/kernels/test_quant_a8.py). Under the Triton interpreter, dp4a is the same sum of four
 products written out.
 """
@@ -24,11 +22,12 @@ import triton.language as tl
 
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
-                                               Q5_K, Q6_K, Q8_0, TYPE_IDS, _codes,
-                                               _group_ids, _planes, _terms)
+                                               Q5_K, Q6_K, Q8_0, TYPE_IDS, _codes, _planes,
+                                               _terms)
 
 STEP = 256   # quants a K step where K allows
 PARTS = 8    # the most parts of K a row's float terms are summed in (k_parts)
+COLUMN_BLOCKS = 768   # k_parts splits K until a weight has this many 32-column blocks a part
 HIGH_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))   # as int32
 TOP_BYTE = tl.constexpr(0xFF000000 - (1 << 32))
 
@@ -99,7 +98,9 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
                     QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                     ASM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, STEP: tl.constexpr, STAGES: tl.constexpr,
-                    P: tl.constexpr):
+                    P: tl.constexpr, L, L4, L8, L32):
+    """Program (row block, column block, part of K): the part's L quants (L4, L8, L32: L / 4,
+    / 8, / 32), its sum into out, or with P > 1 into out's rows of that part (a8_gemv)."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
@@ -107,12 +108,8 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
     if PAIRS:   # BLOCK_M 1: output row m is activation row xrow[m] against rows wrow[m] + n
         xm = tl.load(xrow_ptr + m, mask=m_ok, other=0)
         wn = n + tl.load(wrow_ptr + tl.program_id(0))
-    # each step reads STEP quants of each of the P parts of K (L quants apart)
-    L = K // P
-    GS: tl.constexpr = STEP // S                # groups a part's step
-    G: tl.constexpr = P * GS                    # groups a step, part by part
-    AW: tl.constexpr = STEP // 4                # the rows' words a part's step
-    pi = tl.arange(0, P)
+    G: tl.constexpr = STEP // S                 # groups a step
+    AW: tl.constexpr = STEP // 4                # the rows' words a step
     # the high bits a code of the 5- and 6-bit types (a qh word a group, code j of the group's
     # qs word i at bits HIGH * i + 4 j: float_triton's _codes)
     HIGH: tl.constexpr = (2 if QTYPE == Q6_K else
@@ -120,14 +117,17 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
     NIBBLES: tl.constexpr = (QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q4_K or QTYPE == Q8_0
                              or HIGH > 0)
     SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
-    acc = tl.zeros([BLOCK_M, BLOCK_N * P], tl.float32)      # a sum a (row, column, part)
+    gi = tl.arange(0, G)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ones = tl.full([1, 1], 0x01010101, tl.int32)
+    part = tl.program_id(2)
+    qw_ptr += part * L4                         # the part's first quants, words and groups
+    dx_ptr += part * L32
+    p0 += part * L8
+    g_part = part * (L // S)
     for k0 in tl.range(0, L, STEP, num_stages=STAGES):
-        kp = pi * L + k0                                                   # [P]
-        gi = _group_ids(k0 // S, G, P, L // S)                             # [G]
-        aw = tl.load(qw_ptr + xm[:, None, None] * (K // 4) + (kp // 4)[None, :, None]
-                     + tl.arange(0, AW)[None, None, :], mask=m_ok[:, None, None], other=0)
-        aw = tl.reshape(aw, (BLOCK_M, P * AW))
+        aw = tl.load(qw_ptr + xm[:, None] * (K // 4) + k0 // 4 + tl.arange(0, AW)[None, :],
+                     mask=m_ok[:, None], other=0)                         # [BM, AW]
         # each group's sum of the rows' codes: dp4a against bytes of one
         qs = tl.sum(tl.reshape(_dp4a(ones, aw, 0, ASM), (BLOCK_M, G, S // 4)), 2)
         if NIBBLES:
@@ -135,25 +135,23 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
             # bytes w & 0x0F0F0F0F and the odd codes' (w >> 4) & 0x0F0F0F0F, against the
             # rows' words re-paired as (q0, q2, q4, q6) and (q1, q3, q5, q7)
             CW: tl.constexpr = STEP // 8
-            at = (wn[:, None, None] * s0 + (kp // 8)[None, :, None]
-                  + tl.arange(0, CW)[None, None, :])
-            at = tl.reshape(at, (BLOCK_N, P * CW))
-            w = tl.load(p0 + at, mask=n_ok[:, None], other=0)           # [BN, P CW]
+            at = wn[:, None] * s0 + k0 // 8 + tl.arange(0, CW)[None, :]
+            w = tl.load(p0 + at, mask=n_ok[:, None], other=0)           # [BN, CW]
             lo = w & 0x0F0F0F0F
             hi = (w >> 4) & 0x0F0F0F0F
             if QTYPE == Q8_0:                                             # the high nibbles
-                h = tl.load(p1 + at, mask=n_ok[:, None], other=0)
+                h = tl.load(p1 + part * L8 + at, mask=n_ok[:, None], other=0)
                 lo = lo | ((h << 4) & HIGH_NIBBLES)
                 hi = hi | (h & HIGH_NIBBLES)
             elif HIGH > 0:   # each qs word's high bits, nibble-aligned: above the low nibbles
-                hw = tl.load(p1 + wn[:, None] * s1 + gi[None, :],
+                hw = tl.load(p1 + wn[:, None] * s1 + (g_part + k0 // S + gi)[None, :],
                              mask=n_ok[:, None], other=0)                  # [BN, G]
                 x = tl.reshape(hw[:, :, None] >> (HIGH * tl.arange(0, S // 8))[None, None, :],
-                               (BLOCK_N, P * CW))
+                               (BLOCK_N, CW))
                 MB: tl.constexpr = ((1 << HIGH) - 1) * 0x01010101
                 lo = lo | ((x & MB) << 4)
                 hi = hi | (((x >> 4) & MB) << 4)
-            w0, w1 = tl.split(tl.reshape(aw, (BLOCK_M, P * CW, 2)))        # q0..3, q4..7
+            w0, w1 = tl.split(tl.reshape(aw, (BLOCK_M, CW, 2)))            # q0..3, q4..7
             even = ((w0 & 0xFF) | ((w0 >> 8) & 0xFF00) | ((w1 << 16) & 0xFF0000)
                     | ((w1 << 8) & TOP_BYTE))
             odd = (((w0 >> 8) & 0xFF) | ((w0 >> 16) & 0xFF00) | ((w1 << 8) & 0xFF0000)
@@ -162,24 +160,39 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
                          _dp4a(hi[None, :, :], odd[:, None, :], 0, ASM), ASM)
             isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 8)), 3)
         else:
-            u = _codes(p0, p1, s0, s1, wn, n_ok, k0 // S, QTYPE, S, G, BLOCK_N, P, L // S)
-            cw = _pack4(tl.reshape(u, (BLOCK_N, P * STEP)), BLOCK_N, P * AW)   # [BN, P AW]
+            u = _codes(p0 - part * L8, p1, s0, s1, wn, n_ok, g_part + k0 // S, QTYPE, S, G,
+                       BLOCK_N)                                            # [BN, G, S]
+            cw = _pack4(tl.reshape(u, (BLOCK_N, STEP)), BLOCK_N, AW)            # [BN, AW]
             prod = _dp4a(cw[None, :, :], aw[:, None, :], 0, ASM)
             isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 4)), 3)
-        a, b = _terms(p2, p3, s2, s3, wn, n_ok, k0 // S, QTYPE, G, P, L // S)      # [BN, G]
+        a, b = _terms(p2, p3, s2, s3, wn, n_ok, g_part + k0 // S, QTYPE, G)         # [BN, G]
         if SIGNED:                                       # codes taken signed: u - 128, b = 0
             isum = isum - 128 * qs[:, None, :]
             b = b * 0.0
-        dx = tl.load(dx_ptr + xm[:, None] * (K // 32) + (gi * S // 32)[None, :],
+        dx = tl.load(dx_ptr + xm[:, None] * (K // 32) + ((k0 // S + gi) * S // 32)[None, :],
                      mask=m_ok[:, None], other=0.0)                        # [BM, G]
         t = a[None, :, :] * isum.to(tl.float32) + b[None, :, :] * qs.to(tl.float32)[:, None, :]
         t = t * dx[:, None, :]
-        acc = add_in_order(acc, tl.reshape(t, (BLOCK_M, BLOCK_N * P, GS)), BLOCK_M,
-                           BLOCK_N * P, GS)
-    # then the parts, in order (as the MMA adds its parts)
-    acc = add_in_order(tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
-                       tl.reshape(acc, (BLOCK_M, BLOCK_N, P)), BLOCK_M, BLOCK_N, P)
-    store_rows(acc, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
+        acc = add_in_order(acc, t, BLOCK_M, BLOCK_N, G)
+    if P == 1:   # the parts' sum from zero, as every kernel adds them (_add_parts_kernel)
+        store_rows(0.0 + acc, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
+    else:
+        store_rows(acc, res_ptr, out_ptr + part * M * N, m, n, m_ok, n_ok, 0, N, False)
+
+
+@triton.jit
+def _add_parts_kernel(part_ptr, res_ptr, out_ptr, M, N, stride_rm, stride_om,
+                      P: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """out row m = the P parts' sums [P, M, N] added in order from zero (+ res)."""
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    s = tl.zeros([BLOCK], tl.float32)
+    for p in tl.static_range(P):
+        s = s + tl.load(part_ptr + (p * M + m) * N + n, mask=ok, other=0.0)
+    if HAS_RES:
+        s += tl.load(res_ptr + m * stride_rm + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n, s.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -200,14 +213,17 @@ def gemv_step(k: int) -> int:
     return next(s for s in (STEP, 128, 64, 32) if k % s == 0)
 
 
-def k_parts(k: int, most: int = PARTS) -> int:
-    """The parts of K a row of k quants is summed in: the most, up to `most`, that cut its
-    gemv_step steps evenly (a power of two). Every int8 kernel adds a (row, column)'s float
-    terms group by group from zero within each part, then the parts in order, so the parts are
-    a property of the weight's shape, never of a kernel or a window."""
-    steps, p = k // gemv_step(k), most
-    while steps % p:
-        p //= 2
+def k_parts(n: int, k: int, most: int = PARTS) -> int:
+    """The parts of K the int8 kernels sum an [n, k] weight's rows in: 1, doubled while the
+    weight has fewer than COLUMN_BLOCKS blocks of 32 columns a part (a wide weight keeps the
+    GPU busy without parts; a narrow one with long rows, as a down projection, needs them)
+    and while the parts still cut its gemv_step steps evenly, up to `most`. Every int8 kernel
+    adds a (row, column)'s float terms group by group from zero within each part, then the
+    parts in order from zero, so the parts are a property of the weight's shape, never of a
+    kernel, a tile or a window."""
+    steps, p = k // gemv_step(k), 1
+    while 2 * p <= most and steps % (2 * p) == 0 and -(-n // 32) * p < COLUMN_BLOCKS:
+        p *= 2
     return p
 
 
@@ -218,18 +234,27 @@ def a8_gemv(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | N
     """a8_mm's GEMV tiles (a8_triton.py checks the shapes): out [M, N] =
     codes q [M, K] (with scales dx) @ part^T (+ res). pairs (xrows, wrows, n), block_m 1:
     a8_pairs' out [P, n], row p = codes row xrows[p] @ rows wrows[p] .. + n - 1 of part^T.
-    parts: k_parts' most (a8_mm's)."""
+    parts: k_parts' most (a8_mm's). With more than one part, a program a part writes its sums
+    to a scratch [parts, M, N] and _add_parts_kernel adds them in order."""
     k = q.shape[1]
     r = res if res is not None else out
     xrows, wrows, cols = pairs if pairs is not None else (q, q, part.rows)
     m = xrows.shape[0] if pairs is not None else q.shape[0]
     planes, strides = _planes(part)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(cols, block_n))
-    _a8_gemv_kernel[grid](q.view(torch.int32), dx, xrows, wrows, *planes, *strides, r, out, m,
+    p = k_parts(cols, k, parts)
+    dst = out if p == 1 else torch.empty(p, m, cols, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(cols, block_n), p)
+    _a8_gemv_kernel[grid](q.view(torch.int32), dx, xrows, wrows, *planes, *strides, r, dst, m,
                           cols, k, r.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
                           S=BLOCKS[part.qtype][2], HAS_RES=res is not None,
                           ASM=q.device.type == "cuda", PAIRS=pairs is not None,
                           BLOCK_M=block_m, BLOCK_N=block_n, STEP=gemv_step(k), STAGES=stages,
-                          P=k_parts(k, parts), num_warps=warps,
+                          P=p, L=k // p, L4=k // p // 4, L8=k // p // 8, L32=k // p // 32,
+                          num_warps=warps,
                           enable_fp_fusion=False)   # as a8_mm: no tile-dependent FMAs
+    if p > 1:
+        block = 256
+        _add_parts_kernel[(m, triton.cdiv(cols, block))](
+            dst, r, out, m, cols, r.stride(0), out.stride(0), P=p, HAS_RES=res is not None,
+            BLOCK=block)
     return out

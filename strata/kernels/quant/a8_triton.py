@@ -6,12 +6,15 @@ arithmetic; its plain-torch reference is a8_mm_reference):
     a8_mm           out = rows' codes @ w^T (+ res): per weight group an exact int32 sum,
                     then dx * (a * sum(u q) + b * sum(q)) added group by group along K
 
-a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 to 4 rows, a row
-tile of 1, 2 or 4: a8_gemv.py, four products a dp4a) and an MMA (more rows: tile
-16, 32 or 64: a K step's groups in one int8 tl.dot into int32, against the rows' codes laid out
-block-diagonally so that each group's sums come apart). Both add each (row, column)'s float
-terms in the same order, group by group, so a row gets the same bits from either and from any
-tile (tests/kernels/test_quant_a8.py). Both launch with enable_fp_fusion=False: compiled for sm_90,
+a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 to 8 rows, a row
+tile of 1, 2, 4 or 8: a8_gemv.py, four products a dp4a) and an MMA (more rows: tile 16, 32 or
+64: int8 tl.dots into int32, batched over a K step's groups, or one dot against the rows' codes
+laid out block-diagonally so that each group's sums come apart). K is cut into parts that
+depend on the weight's shape alone (a8_gemv.k_parts): every kernel adds each (row, column)'s
+float terms group by group from zero within a part, then the parts in order, so a row gets the
+same bits from either and from any tile (tests/kernels/test_quant_a8.py). The GEMV takes a
+program a part (more programs for a narrow weight with long rows), the MMA walks the parts in
+turn. Both launch with enable_fp_fusion=False: compiled for sm_90,
 Triton fuses `a * isum + b * qs` into one FMA one way for tiles of 1 and 2 rows and the other
 way from 4 rows up (Q4_K, Q5_K, Q4_1, Q5_1: their b is not zero), which changes a row's bits
 between tiles; without fusion every tile rounds each product alone. The codes and scales come
@@ -32,8 +35,7 @@ from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _
                                                _terms)
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
-GEMV_TILES = (1, 2, 4)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
-GEMV_8 = 8               # a GEMV tile of 8 rows, asked for by block_m (the same bits)
+GEMV_TILES = (1, 2, 4, 8)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
 DOTS = ("diagonal", "batched", "group")   # the MMA's ways to the groups' integer sums
 
 
@@ -72,33 +74,22 @@ def _group_dots(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, 
                 QTYPE: tl.constexpr, S: tl.constexpr, STEP: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc [BN, BM] + a K step's groups' terms, group by group, each group's integer sums
-    from a dot of its own: 32 quants of codes [BN, 32] against the rows' [32, BM], for Q6_K's
-    16-quant groups the other group's rows masked to zero."""
-    KD: tl.constexpr = 32 if S < 32 else S            # quants a dot
-    D: tl.constexpr = KD // S                         # groups a dot's codes hold
-    kd = tl.arange(0, KD)
-    for c in tl.static_range(STEP // KD):
-        g = k0 // S + c * D
-        u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g, QTYPE, S, D, BLOCK_N), (BLOCK_N, KD))
-        a2, b2 = _terms(p2, p3, s2, s3, n, n_ok, g, QTYPE, D)             # [BN, D]
+    from a dot of its own: the group's codes [BN, 32] against the rows' [32, BM] (S 32)."""
+    ks = tl.arange(0, S)
+    for c in tl.static_range(STEP // S):
+        g = k0 // S + c
+        u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g, QTYPE, S, 1, BLOCK_N), (BLOCK_N, S))
+        a, b = _terms(p2, p3, s2, s3, n, n_ok, g, QTYPE, 1)               # [BN, 1]
         if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
             u = u - 128
-            b2 = b2 * 0.0
-        u = u.to(tl.int8)
-        for j in tl.static_range(D):
-            if D == 1:
-                a, b = tl.reshape(a2, (BLOCK_N,)), tl.reshape(b2, (BLOCK_N,))
-            else:                                    # D == 2: the pair's group j
-                a0, a1 = tl.split(a2)
-                b0, b1 = tl.split(b2)
-                a, b = (a0, b0) if j == 0 else (a1, b1)
-            q = tl.load(q_ptr + m[:, None] * K + k0 + c * KD + kd[None, :],
-                        mask=m_ok[:, None] & (kd // S == j)[None, :], other=0)   # [BM, KD]
-            isum = tl.dot(u, tl.trans(q), out_dtype=tl.int32)                 # [BN, BM]
-            qs = tl.sum(q.to(tl.int32), 1)                                     # [BM]
-            dx = tl.load(dx_ptr + m * (K // 32) + (g + j) * S // 32, mask=m_ok, other=0.0)
-            t = a[:, None] * isum.to(tl.float32) + b[:, None] * qs.to(tl.float32)[None, :]
-            acc = acc + t * dx[None, :]
+            b = b * 0.0
+        q = tl.load(q_ptr + m[:, None] * K + k0 + c * S + ks[None, :], mask=m_ok[:, None],
+                    other=0)                                                # [BM, S]
+        isum = tl.dot(u.to(tl.int8), tl.trans(q), out_dtype=tl.int32)       # [BN, BM]
+        qs = tl.sum(q.to(tl.int32), 1)                                      # [BM]
+        dx = tl.load(dx_ptr + m * (K // 32) + g * S // 32, mask=m_ok, other=0.0)
+        t = a * isum.to(tl.float32) + b * qs.to(tl.float32)[None, :]
+        acc = acc + t * dx[None, :]
     return acc
 
 
@@ -188,43 +179,51 @@ def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float 
 
 
 def a8_row_tile(m: int) -> int:
-    """The row tile of a window of m rows: the GEMV's up to 4 rows, then the MMA's."""
+    """The row tile of a window of m rows: the GEMV's up to 8 rows, then the MMA's."""
     return next(t for t in (*GEMV_TILES, *ROW_TILES) if m <= t or t == ROW_TILES[-1])
 
 
 def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | None = None, *,
           out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-          block_m: int | None = None, block_n: int = 32, block_k: int | None = None,
-          warps: int = 4, gemv_n: int = 32, stages: int = 3, dot: str = "diagonal",
-          parts: int = PARTS) -> torch.Tensor:
+          block_m: int | None = None, block_n: int | None = None,
+          block_k: int | None = None, warps: int = 4, gemv_n: int | None = None,
+          stages: int | None = None, dot: str = "batched", parts: int = PARTS
+          ) -> torch.Tensor:
     """q, dx: quantize_rows' [M, K] codes and scales; part: a quantized [N, K] weight; res:
     [M, N] or None -> [M, N] (into `out`, which may be a column slice of a wider tensor).
-    block_m: a GEMV tile (1, 2, 4, or 8 when asked for) or an MMA tile (16, 32, 64);
-    default the smallest that holds the rows, 8 rows an MMA tile of 16. The GEMV tiles take a8_gemv.py's dp4a kernel (gemv_n
-    columns a program, `stages` K steps in flight); the MMA tiles block_n columns a program
-    and block_k quants a step (default 4096 / block_m, halved until it divides K), their
-    groups' sums by `dot`: "diagonal" (block-diagonal), "batched" or "group" (a dot a group;
-    the same bits; tools/gpu/bench_a8.py --mma times them). parts: the most parts of K (k_parts; a row's
+    block_m: a GEMV tile (1, 2, 4, 8) or an MMA tile (16, 32, 64); default the smallest that
+    holds the rows. The GEMV tiles take a8_gemv.py's dp4a kernel (gemv_n columns a program,
+    default 16 for Q6_K and 32 for the rest; `stages` K steps in flight, default 2 for 8 rows
+    and 3 for fewer); the MMA tiles block_n columns a program (default 16 for 16 rows, else
+    32) and block_k quants a step (default 4096 / block_m, halved until it divides K), their
+    groups' sums by `dot`: "batched" (default), "diagonal" (block-diagonal) or "group" (a
+    dot a group); Q6_K's groups of 16 always take the block-diagonal; the same bits either
+    way (tools/gpu/bench_a8.py --mma times them). parts: the most parts of K (k_parts; a row's
     bits depend on it, so every call on a weight must pass the same: leave it be outside
     experiments)."""
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
     block_k = min(block_k or 4096 // block_m, gemv_step(k))
-    if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, GEMV_8, *ROW_TILES)
-            or (k // k_parts(k, parts)) % block_k or block_k % group or dot not in DOTS):
+    if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
+            or (k // k_parts(part.rows, k, parts)) % block_k or block_k % group or dot not in DOTS):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "
                          f"[{part.rows}, {part.cols}] do not fit blocks ({block_m} rows, "
                          f"{block_k} quants a step)")
     if out is None:
         out = torch.empty(m, part.rows, dtype=out_dtype, device=q.device)
     assert out.shape == (m, part.rows) and out.stride(1) == 1 and q.is_contiguous()
-    if block_m in (*GEMV_TILES, GEMV_8):
-        return a8_gemv(q, dx, part, res, out, block_m, block_n=gemv_n, stages=stages,
-                       warps=warps, parts=parts)
-    p = k_parts(k, parts)
+    if block_m in GEMV_TILES:   # blocks from tools/gpu/bench_a8.py on an H100
+        return a8_gemv(q, dx, part, res, out, block_m,
+                       block_n=gemv_n or (16 if part.qtype == "Q6_K" else 32),
+                       stages=stages or (2 if block_m == 8 else 3), warps=warps,
+                       parts=parts)
+    block_n = block_n or (16 if block_m == 16 else 32)
+    p = k_parts(part.rows, k, parts)
     r = res if res is not None else out
     planes, strides = _planes(part)
+    if dot != "diagonal" and group < 32:   # Q6_K's groups of 16: int8 dots need K of 32
+        dot = "diagonal"
     grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n))
     _a8_mm_kernel[grid](q, dx, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,

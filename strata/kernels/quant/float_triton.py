@@ -65,26 +65,12 @@ def _split8(w, MASK: tl.constexpr):
 
 
 @triton.jit
-def _group_ids(g0, G: tl.constexpr, PARTS: tl.constexpr, LG):
-    """The G groups a step reads: groups g0 .., or with PARTS > 1, PARTS runs of G / PARTS
-    groups from g0, g0 + LG, g0 + 2 LG, .. (the int8 GEMV's parts of K)."""
-    i = tl.arange(0, G)
-    if PARTS == 1:
-        return g0 + i
-    else:
-        GP: tl.constexpr = G // PARTS
-        return g0 + (i // GP) * LG + i % GP
-
-
-@triton.jit
 def _codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE: tl.constexpr, S: tl.constexpr,
-           G: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr = 1, LG=0):
-    """int32 [BLOCK_N, G, S]: the unsigned codes of groups g0 .. g0 + G - 1 of rows n (with
-    PARTS, _group_ids')."""
+           G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int32 [BLOCK_N, G, S]: the unsigned codes of groups g0 .. g0 + G - 1 of rows n."""
     W: tl.constexpr = S // 8                                  # qs words a group
     wi = tl.arange(0, W)
-    gi = _group_ids(g0, G, PARTS, LG)
-    at = n[:, None, None] * s0 + (gi * W)[None, :, None] + wi[None, None, :]
+    at = n[:, None, None] * s0 + ((g0 + tl.arange(0, G)) * W)[None, :, None] + wi[None, None, :]
     ok = n_ok[:, None, None]
     u = _split8(tl.load(p0 + at, mask=ok, other=0), 15)      # [BN, G, W, 2, 2, 2]
     if QTYPE == IQ4_NL or QTYPE == IQ4_XS:       # the codebook + 128, from four int32 words
@@ -94,22 +80,17 @@ def _codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE: tl.constexpr, S: tl.constexpr,
         u = u | (_split8(tl.load(p1 + at, mask=ok, other=0), 15) << 4)
     elif QTYPE == Q5_0 or QTYPE == Q5_1 or QTYPE == Q5_K or QTYPE == Q6_K:
         bits: tl.constexpr = 2 if QTYPE == Q6_K else 1        # a qh word a group
-        hw = tl.load(p1 + n[:, None] * s1 + gi[None, :], mask=n_ok[:, None], other=0)
+        hw = tl.load(p1 + n[:, None] * s1 + (g0 + tl.arange(0, G))[None, :],
+                     mask=n_ok[:, None], other=0)
         u = u | (_split8(hw[:, :, None] >> (bits * wi)[None, None, :], (1 << bits) - 1) << 4)
     return tl.reshape(u, (BLOCK_N, G, S))
 
 
 @triton.jit
-def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr,
-           PARTS: tl.constexpr = 1, LG=0):
-    """a, b fp32 [BLOCK_N, G]: the weights of group g0 + i are a[:, i] * u + b[:, i] (with
-    PARTS, of _group_ids' groups, which may lie in several super-blocks)."""
-    gi = _group_ids(g0, G, PARTS, LG)
+def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr):
+    """a, b fp32 [BLOCK_N, G]: the weights of group g0 + i are a[:, i] * u + b[:, i]."""
+    gi = g0 + tl.arange(0, G)
     ok = n_ok[:, None]
-    if PARTS == 1:   # a step's groups lie in one super-block (of 256 quants)
-        sb = g0 // (256 // (16 if QTYPE == Q6_K else 32))
-    else:
-        sb = (gi // (256 // (16 if QTYPE == Q6_K else 32)))[None, :]
     if (QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q8_0 or QTYPE == Q5_0 or QTYPE == Q5_1
             or QTYPE == IQ4_NL):
         # d (and m) a group
@@ -123,19 +104,22 @@ def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr,
         else:                                                 # Q8_0, IQ4_NL
             b = -128.0 * a
     elif QTYPE == IQ4_XS:                                     # d * (6-bit scale - 32) a group
+        sb = g0 // 8
         j = (gi % 8)[None, :]
         base = p2 + n[:, None] * s2 + 3 * sb
         high = tl.load(base, mask=ok, other=0).to(tl.int32) & 0xFFFF          # scales_h
         low = tl.load(base + 1 + j // 4, mask=ok, other=0).to(tl.int32) & 0xFFFF
         ls = ((low >> (4 * (j % 4))) & 15) | (((high >> (2 * j)) & 3) << 4)
-        d = tl.load(p3 + n[:, None] * s3 + sb, mask=ok, other=0.0).to(tl.float32)
-        a = d * (ls - 32).to(tl.float32)
+        d = tl.load(p3 + n * s3 + sb, mask=n_ok, other=0.0).to(tl.float32)
+        a = d[:, None] * (ls - 32).to(tl.float32)
         b = -128.0 * a
     elif QTYPE == Q6_K:                                       # d * an int8 per 16
-        d = tl.load(p3 + n[:, None] * s3 + sb, mask=ok, other=0.0).to(tl.float32)
-        a = d * tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok, other=0).to(tl.float32)
+        d = tl.load(p3 + n * s3 + g0 // 16, mask=n_ok, other=0.0).to(tl.float32)
+        a = d[:, None] * tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok,
+                                 other=0).to(tl.float32)
         b = -32.0 * a
     else:                                                     # Q4_K, Q5_K: 6-bit scales, mins
+        sb = g0 // 8
         base = p2 + n[:, None] * s2 + 3 * sb
         w0 = tl.load(base, mask=ok, other=0)
         w1 = tl.load(base + 1, mask=ok, other=0)
@@ -145,10 +129,10 @@ def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr,
         low = j < 4                                           # llama.cpp's get_scale_min_k4
         sc = tl.where(low, (w0 >> sh) & 63, ((w2 >> sh) & 15) | (((w0 >> (sh + 6)) & 3) << 4))
         mn = tl.where(low, (w1 >> sh) & 63, ((w2 >> (sh + 4)) & 15) | (((w1 >> (sh + 6)) & 3) << 4))
-        d = tl.load(p3 + n[:, None] * s3 + 2 * sb, mask=ok, other=0.0).to(tl.float32)
-        dmin = tl.load(p3 + n[:, None] * s3 + 2 * sb + 1, mask=ok, other=0.0).to(tl.float32)
-        a = d * sc.to(tl.float32)
-        b = -(dmin * mn.to(tl.float32))
+        d = tl.load(p3 + n * s3 + 2 * sb, mask=n_ok, other=0.0).to(tl.float32)
+        dmin = tl.load(p3 + n * s3 + 2 * sb + 1, mask=n_ok, other=0.0).to(tl.float32)
+        a = d[:, None] * sc.to(tl.float32)
+        b = -(dmin[:, None] * mn.to(tl.float32))
     return a, b
 
 
