@@ -38,7 +38,8 @@ WARM_SHAPES = ((8, False), (128, True))
 WARM_TILES = (1, 32, 64)   # decode windows run eagerly before the hello: the kernels' other
                            # row tiles compile then (16 rows share the 8-row window's tile; a
                            # 1-row window, of --min-window-rows 1, is a variant of its own)
-A8_TILES = (2, 4)   # and with int8 activations the GEMV's other row tiles
+A8_TILES = (2, 4, 16)   # and with int8 activations the GEMV's other row tiles, and the
+                        # MMA's 16 (there 8 rows take a GEMV tile of their own)
 
 
 def describe_memory(memory: list[int]) -> str:
