@@ -167,10 +167,15 @@ class GroupDrafts:
             explored = True
         else:
             pick = best[1:]
-            if self.windows - self.explored_at >= EXPLORE_EVERY:
+            # with mtp, K climbs: one proposal beyond the most timed, never a jump to K = 7
+            # whose drafter chain a useless head would pay for in full; while the most timed
+            # is the best, the next is tried at once
+            most = max((key[1] for key in self.ms if self.time(key) is not None), default=0)
+            if self.windows - self.explored_at >= EXPLORE_EVERY or (mtp and best[1] >= most):
                 # the most hopeful; on a tie (nothing known below either) the smaller window
                 untimed = [(_rate(tokens, self._at_least(key)), -rows, k, (k, rows, tokens, key))
-                           for k, rows, tokens, key in options if self.time(key) is None]
+                           for k, rows, tokens, key in options
+                           if self.time(key) is None and (not mtp or k <= most + 1)]
                 hopeful = max(untimed, default=None)
                 if hopeful is not None and hopeful[0] > best[0]:
                     pick, explored = hopeful[-1], True
@@ -185,7 +190,8 @@ class GroupDrafts:
         """An untimed window's ms as far as the timed ones tell: times grow with rows and
         proposals, so at least the slowest timed window with no more of either (0 if none:
         worth a try); between two timed windows of its rows, in proportion to the proposals
-        (each is one step of the drafter's chain)."""
+        (each is one step of the drafter's chain), and past the most proposals timed at its
+        rows, growing as the two largest timed grow a proposal."""
         timed = {k: ms for k, ms in self.ms.items() if self.time(k) is not None}
         low = max((t for (rows, k), t in timed.items() if rows <= key[0] and k <= key[1]),
                   default=0.0)
@@ -195,6 +201,11 @@ class GroupDrafts:
         if lo is not None and hi is not None:
             t0, t1 = timed[(key[0], lo)], timed[(key[0], hi)]
             low = max(low, t0 + (t1 - t0) * (key[1] - lo) / (hi - lo))
+        elif lo is not None and hi is None:
+            below = max((k for k in ks if k < lo), default=None)
+            if below is not None:
+                t0, t1 = timed[(key[0], below)], timed[(key[0], lo)]
+                low = max(low, t1 + max(t1 - t0, 0.0) * (key[1] - lo) / (lo - below))
         return low
 
 
