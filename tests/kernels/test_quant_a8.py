@@ -106,6 +106,24 @@ def test_a_rows_bits_are_the_same_in_every_tile(device, qtype):
 
 
 @pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_rows_bits_are_the_same_alone_and_among_1_to_63_others(device, qtype):
+    """Row 0 alone and in windows of 2 to 64 rows at a8_mm's own choice of kernel and tile
+    (a8_row_tile: every switch point of GEMV tiles 1, 2, 4, 8 and MMA tiles 16, 32, 64, and a
+    size on either side of it): the same bits, with a residual added."""
+    from strata.kernels.quant.a8_triton import a8_mm, a8_row_tile, quantize_rows
+    w, _ = _weight(qtype, 32, K, device, seed=21)
+    x, res = _x(64, K, device, seed=22), _x(64, 32, device, seed=23)
+    q, dx = quantize_rows(x)
+    alone = a8_mm(q[:1], dx[:1], w.parts[0], res[:1])
+    sizes = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)
+    assert {a8_row_tile(m) for m in (1, *sizes)} == {1, 2, 4, 8, 16, 32, 64}
+    for m in sizes:
+        got = a8_mm(q[:m], dx[:m], w.parts[0], res[:m])
+        assert torch.equal(got[0], alone[0]), f"{qtype}: row 0 among {m} rows"
+
+
+@pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_1", "Q8_0", "IQ4_XS"])
 def test_a_rows_bits_are_the_same_in_every_tile_when_k_has_parts(device, qtype):
     """K = 1024: four parts of K, each summed alone, then in order. Row 0 alone in the GEMV,
