@@ -8,7 +8,7 @@ weight's bytes. An experiment, not a test: what it prints is the ground for choo
 blocks per shape and for making int8 activations the default.
 
     python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64]
-        [--mma diagonal,batched,group] [--parts 8] [--every] [--json-out F]
+        [--mma diagonal,batched] [--parts 8] [--every] [--json-out F]
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default="1,2,4,8,16,64")
     ap.add_argument("--projections", default="qkv,res,down,head")
-    ap.add_argument("--mma", default="diagonal,batched,group",
+    ap.add_argument("--mma", default="diagonal,batched",
                     help="the MMA tiles' dots to time (a8_mm's dot)")
     ap.add_argument("--parts", default="8",
                     help="the most parts of K to time (a8_mm's parts; each gives other bits)")

@@ -36,7 +36,7 @@ from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
 GEMV_TILES = (1, 2, 4, 8)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
-DOTS = ("diagonal", "batched", "group")   # the MMA's ways to the groups' integer sums
+DOTS = ("diagonal", "batched")   # the MMA's ways to the groups' integer sums
 
 
 @triton.jit
@@ -70,39 +70,15 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, K, eps, stride_xm,
 
 
 @triton.jit
-def _group_dots(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_ok, K, k0,
-                QTYPE: tl.constexpr, S: tl.constexpr, STEP: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc [BN, BM] + a K step's groups' terms, group by group, each group's integer sums
-    from a dot of its own: the group's codes [BN, 32] against the rows' [32, BM] (S 32)."""
-    ks = tl.arange(0, S)
-    for c in tl.static_range(STEP // S):
-        g = k0 // S + c
-        u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g, QTYPE, S, 1, BLOCK_N), (BLOCK_N, S))
-        a, b = _terms(p2, p3, s2, s3, n, n_ok, g, QTYPE, 1)               # [BN, 1]
-        if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
-            u = u - 128
-            b = b * 0.0
-        q = tl.load(q_ptr + m[:, None] * K + k0 + c * S + ks[None, :], mask=m_ok[:, None],
-                    other=0)                                                # [BM, S]
-        isum = tl.dot(u.to(tl.int8), tl.trans(q), out_dtype=tl.int32)       # [BN, BM]
-        qs = tl.sum(q.to(tl.int32), 1)                                      # [BM]
-        dx = tl.load(dx_ptr + m * (K // 32) + g * S // 32, mask=m_ok, other=0.0)
-        t = a * isum.to(tl.float32) + b * qs.to(tl.float32)[None, :]
-        acc = acc + t * dx[None, :]
-    return acc
-
-
-@triton.jit
 def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
                   M, N, K, stride_rm, stride_om,
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
                   DOT: tl.constexpr, P: tl.constexpr):
     """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. Each K step's groups' exact
-    sums come from int8 dots (_step_dot's one dot a step, DOT 0 or 1, or _group_dots' one
-    a group, DOT 2: the same integers, so the same bits); each part of K (P of them) adds its
-    terms in order from zero, and the parts are added in order, as the GEMV does."""
+    sums come from int8 dots (_step_dot: block-diagonal, DOT 0, or batched, DOT 1: the same
+    integers, so the same bits); each part of K (P of them) adds its terms in order from
+    zero, and the parts are added in order, as the GEMV does."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
@@ -110,12 +86,8 @@ def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_pt
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # this part's sum, out^T
     total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)          # the parts', in order
     for k0 in range(0, K, STEP):
-        if DOT == 2:
-            acc = _group_dots(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n,
-                              n_ok, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N)
-        else:
-            acc = _step_dot(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n,
-                            n_ok, M, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N, DOT)
+        acc = _step_dot(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_ok,
+                        M, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N, DOT)
         end = (k0 + STEP) % L == 0                            # a part ends: add it on
         total = tl.where(end, total + acc, total)
         acc = tl.where(end, 0.0, acc)
@@ -196,9 +168,9 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     default 16 for Q6_K and 32 for the rest; `stages` K steps in flight, default 2 for 8 rows
     and 3 for fewer); the MMA tiles block_n columns a program (default 16 for 16 rows, else
     32) and block_k quants a step (default 4096 / block_m, halved until it divides K), their
-    groups' sums by `dot`: "batched" (default), "diagonal" (block-diagonal) or "group" (a
-    dot a group); Q6_K's groups of 16 always take the block-diagonal; the same bits either
-    way (tools/gpu/bench_a8.py --mma times them). parts: the most parts of K (k_parts; a row's
+    groups' sums by `dot`: "batched" (default) or "diagonal" (block-diagonal); Q6_K's groups
+    of 16 always take the block-diagonal (int8 dots need K of 32); the same bits either way
+    (tools/gpu/bench_a8.py --mma times both). parts: the most parts of K (k_parts; a row's
     bits depend on it, so every call on a weight must pass the same: leave it be outside
     experiments)."""
     m, k = q.shape
@@ -222,7 +194,7 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     p = k_parts(part.rows, k, parts)
     r = res if res is not None else out
     planes, strides = _planes(part)
-    if dot != "diagonal" and group < 32:   # Q6_K's groups of 16: int8 dots need K of 32
+    if group < 32:   # Q6_K
         dot = "diagonal"
     grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n))
     _a8_mm_kernel[grid](q, dx, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
