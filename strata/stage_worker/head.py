@@ -25,7 +25,7 @@ import torch
 from strata.kernels.device import to_device, to_device_many, to_host
 from strata.kernels.sampling.logprobs import row_logprobs
 from strata.kernels.sampling.penalties import apply_penalties, forbidden_tokens, history_counts
-from strata.kernels.sampling.sample import pick_rows, pick_unfiltered, sample_rows
+from strata.kernels.sampling.sample import pick_arrays, pick_rows, pick_unfiltered, sample_rows
 from strata.protocol.messages import Window
 from strata.protocol.rows import SamplingRow
 from strata.stage_worker.history import SlotTokens
@@ -107,17 +107,21 @@ def picked(head: HeadOutput | None, w: Window, history: SlotTokens, on_device: b
     elif mode == "unfiltered":
         tokens = pick_unfiltered(head.logits, on["temperature"], on["u"], rows=on["rows"])
     else:
-        sorts, others = on["sorts"], on["others"]
-        picks = pick_rows(head.logits[on["tempered"]], on["params"],
-                          sorts if sorts.numel() else None, others if others.numel() else None)
+        picks = pick_rows(head.logits[on["tempered"]], on["params"], on["sorts"], on["others"])
         tokens = head.argmax[on["rows"]].index_copy(0, on["places"], picks)
     logprobs = None
     if head.scored:        # step 4
-        targets = torch.where(on["given"] >= 0, on["given"],
-                              tokens[on["sample_at"]] if len(tokens) else on["given"])
-        logprobs = tuple(to_host(t) for t in row_logprobs(
-            head.model_logits[on["scored"]], targets, max(s.top for s in w.scored)))
+        logprobs = tuple(to_host(t) for t in _logprobs(head, w, on, tokens))
     return HeadOutput(None, to_host(tokens), rows, logprobs=logprobs)
+
+
+def _logprobs(head: HeadOutput, w: Window, on: dict[str, torch.Tensor], tokens: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 4: row_logprobs of the window's logprob rows, from _scoring's arrays on the
+    device and the sampled rows' tokens there."""
+    targets = torch.where(on["given"] >= 0, on["given"],
+                          tokens[on["sample_at"]] if len(tokens) else on["given"])
+    return row_logprobs(head.model_logits[on["scored"]], targets, max(s.top for s in w.scored))
 
 
 def _processing(head: HeadOutput, w: Window, history: SlotTokens, js: list[int]
@@ -156,15 +160,10 @@ def _picking(head: HeadOutput, sampled: list[SamplingRow], tempered: list[int], 
         return {"rows": np.asarray(head.rows, dtype=np.int64),
                 "temperature": np.asarray([[p.temperature] for p in sampled]),
                 "u": np.asarray([[p.u] for p in sampled])}
-    given = [sampled[j] for j in tempered]
-    sorts = [i for i, p in enumerate(given) if p.filtered(head.logits.shape[-1])]
     return {"rows": np.asarray(head.rows, dtype=np.int64),
             "tempered": np.asarray([head.rows[j] for j in tempered], dtype=np.int64),
             "places": np.asarray(tempered, dtype=np.int64),
-            "params": np.asarray([[p.temperature, p.top_k, p.top_p, p.min_p, p.u]
-                                  for p in given], dtype=np.float64).T,
-            "sorts": np.asarray(sorts, dtype=np.int64),
-            "others": np.asarray(sorted(set(range(len(given))) - set(sorts)), dtype=np.int64)}
+            **pick_arrays([sampled[j] for j in tempered], head.logits.shape[-1])}
 
 
 def _scoring(w: Window, scored: list[int], rows: list[int]) -> dict[str, np.ndarray]:
@@ -225,10 +224,8 @@ def head_logprobs(head: HeadOutput | None, w: Window, tokens: list[int]
         on = to_device_many(_scoring(w, head.scored, list(range(len(tokens))))
                             | {"tokens": np.asarray(tokens, dtype=np.int64)},
                             head.argmax.device)
-        targets = torch.where(on["given"] >= 0, on["given"],
-                              on["tokens"][on["sample_at"]] if tokens else on["given"])
-        head = replace(head, logprobs=tuple(t.cpu() for t in row_logprobs(
-            head.model_logits[on["scored"]], targets, max(s.top for s in w.scored))))
+        head = replace(head, logprobs=tuple(t.cpu() for t in _logprobs(head, w, on,
+                                                                      on["tokens"])))
     chosen, ids, values = (t.tolist() for t in head.logprobs)
     return (chosen, [row[:s.top] for row, s in zip(ids, w.scored)],
             [row[:s.top] for row, s in zip(values, w.scored)])

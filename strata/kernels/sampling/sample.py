@@ -21,7 +21,9 @@ picks to the host: a row that keeps every token is picked by one Triton kernel
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.device import to_device
+import numpy as np
+
+from strata.kernels.device import to_device_many
 from strata.protocol.rows import SamplingRow   # reads temperature, top_k, top_p, min_p, u
 
 
@@ -104,28 +106,29 @@ def sample_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     Rows that are greedy or keep every token (no top-k, top-p or min-p) skip the sort and the
     sums: pick_unfiltered gives them the same token. One copy to the device: the rows'
     parameters and which rows take which path (pick_rows)."""
-    n, vocab = len(rows), logits.shape[-1]
+    on = to_device_many(pick_arrays(rows, logits.shape[-1]), logits.device)
+    return pick_rows(logits[:len(rows)], on["params"], on["sorts"], on["others"])
+
+
+def pick_arrays(rows: list[SamplingRow], vocab: int) -> dict[str, np.ndarray]:
+    """What pick_rows reads of these rows, on the host: their params [5, n] float64
+    (temperature, top_k, top_p, min_p, u) and which rows go through a sort (`sorts`: sampled
+    rows with top-k, top-p or min-p) and which do not (`others`)."""
     sorts = [i for i, r in enumerate(rows) if r.temperature > 0.0 and r.filtered(vocab)]
-    others = sorted(set(range(n)) - set(sorts))
-    on = to_device(torch.tensor([v for r in rows for v in (r.temperature, r.top_k, r.top_p,
-                                                           r.min_p, r.u)] + sorts + others,
-                                dtype=torch.float64), logits.device)
-    params = on[:5 * n].view(n, 5).T
-    order = on[5 * n:].long()
-    return pick_rows(logits[:n], params, order[:len(sorts)] if sorts else None,
-                     order[len(sorts):] if others else None)
+    return {"params": np.asarray([[r.temperature, r.top_k, r.top_p, r.min_p, r.u]
+                                  for r in rows], dtype=np.float64).reshape(len(rows), 5).T,
+            "sorts": np.asarray(sorts, dtype=np.int64),
+            "others": np.asarray(sorted(set(range(len(rows))) - set(sorts)), dtype=np.int64)}
 
 
-def pick_rows(x: torch.Tensor, params: torch.Tensor, sorts: torch.Tensor | None,
-              others: torch.Tensor | None) -> torch.Tensor:
-    """sample_rows_on_device's picks [n] for rows x [n, V], given on x's device their params
-    [5, n] float64 (temperature, top_k, top_p, min_p, u) and which rows go through a sort
-    (`sorts`: sampled rows with top-k, top-p or min-p) and which do not (`others`), None for
-    none: each row takes its own path, whatever the others take, so its token stays its own.
-    No step waits for the host."""
-    if sorts is None:
+def pick_rows(x: torch.Tensor, params: torch.Tensor, sorts: torch.Tensor,
+              others: torch.Tensor) -> torch.Tensor:
+    """sample_rows_on_device's picks [n] for rows x [n, V], given pick_arrays' on x's device:
+    each row takes its own path, whatever the others take, so its token stays its own. No
+    step waits for the host."""
+    if not sorts.numel():
         return pick_unfiltered(x, params[0, :, None], params[4, :, None])
-    if others is None:
+    if not others.numel():
         return _sample_sorted(x, params)
     out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     out[others] = pick_unfiltered(x[others], params[0, others, None], params[4, others, None])
