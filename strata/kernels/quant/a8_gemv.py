@@ -123,7 +123,6 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
     part = tl.program_id(2)
     qw_ptr += part * L4                         # the part's first quants, words and groups
     dx_ptr += part * L32
-    p0 += part * L8
     g_part = part * (L // S)
     for k0 in tl.range(0, L, STEP, num_stages=STAGES):
         aw = tl.load(qw_ptr + xm[:, None] * (K // 4) + k0 // 4 + tl.arange(0, AW)[None, :],
@@ -135,12 +134,12 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
             # bytes w & 0x0F0F0F0F and the odd codes' (w >> 4) & 0x0F0F0F0F, against the
             # rows' words re-paired as (q0, q2, q4, q6) and (q1, q3, q5, q7)
             CW: tl.constexpr = STEP // 8
-            at = wn[:, None] * s0 + k0 // 8 + tl.arange(0, CW)[None, :]
+            at = wn[:, None] * s0 + part * L8 + k0 // 8 + tl.arange(0, CW)[None, :]
             w = tl.load(p0 + at, mask=n_ok[:, None], other=0)           # [BN, CW]
             lo = w & 0x0F0F0F0F
             hi = (w >> 4) & 0x0F0F0F0F
             if QTYPE == Q8_0:                                             # the high nibbles
-                h = tl.load(p1 + part * L8 + at, mask=n_ok[:, None], other=0)
+                h = tl.load(p1 + at, mask=n_ok[:, None], other=0)
                 lo = lo | ((h << 4) & HIGH_NIBBLES)
                 hi = hi | (h & HIGH_NIBBLES)
             elif HIGH > 0:   # each qs word's high bits, nibble-aligned: above the low nibbles
@@ -160,7 +159,7 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
                          _dp4a(hi[None, :, :], odd[:, None, :], 0, ASM), ASM)
             isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 8)), 3)
         else:
-            u = _codes(p0 - part * L8, p1, s0, s1, wn, n_ok, g_part + k0 // S, QTYPE, S, G,
+            u = _codes(p0, p1, s0, s1, wn, n_ok, g_part + k0 // S, QTYPE, S, G,
                        BLOCK_N)                                            # [BN, G, S]
             cw = _pack4(tl.reshape(u, (BLOCK_N, STEP)), BLOCK_N, AW)            # [BN, AW]
             prod = _dp4a(cw[None, :, :], aw[:, None, :], 0, ASM)
