@@ -362,14 +362,14 @@ def experts_a8(h: torch.Tensor, experts: torch.Tensor, gate_up: QuantWeight,
         (gate, g0), (up, u0) = (gate_up.parts[0], 0), (gate_up.parts[0], n_experts * f)
     else:
         (gate, g0), (up, u0) = (gate_up.parts[0], 0), (gate_up.parts[1], 0)
-    q, dx = quantize_rows(h)
+    x = quantize_rows(h)
     gu = torch.empty(m * k, 2 * f, dtype=h.dtype, device=h.device)
-    a8_pairs(q, dx, gate, rows, pairs * f + g0, f, gu[:, :f])
-    a8_pairs(q, dx, up, rows, pairs * f + u0, f, gu[:, f:])
-    q, dx = quantize_rows(silu_mul(gu, act))
+    a8_pairs(x, gate, rows, pairs * f + g0, f, gu[:, :f])
+    a8_pairs(x, up, rows, pairs * f + u0, f, gu[:, f:])
+    x = quantize_rows(silu_mul(gu, act))
     out = torch.empty(m * k, d, dtype=h.dtype, device=h.device)
     own = torch.arange(m * k, dtype=torch.int32, device=h.device)
-    return a8_pairs(q, dx, down.parts[0], own, pairs * d, d, out)
+    return a8_pairs(x, down.parts[0], own, pairs * d, d, out)
 
 
 def weighted_sum(outs: torch.Tensor, weights: torch.Tensor,

@@ -34,7 +34,8 @@ def test_rows_quantize_as_the_plain_torch_twin(device, norm, supers):
     k = supers * K
     x = _x(5, k, device)
     g = torch.rand(k, generator=torch.Generator().manual_seed(1)).to(x) + 0.5
-    q, dx = quantize_rows(x, g if norm else None, 1e-5)
+    c = quantize_rows(x, g if norm else None, 1e-5)
+    q, dx = c.q, c.dx
     q_ref, dx_ref = quantize_rows_torch(x, g if norm else None, 1e-5)
     torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=0)
     # codes may differ by one where y / dx lies within rounding of a half
@@ -42,8 +43,12 @@ def test_rows_quantize_as_the_plain_torch_twin(device, norm, supers):
     assert (q != q_ref).float().mean() < 0.01
     assert q.abs().max() == 127                 # each block's largest value takes the end code
     # a row alone gives the same codes and scales
-    q1, dx1 = quantize_rows(x[3:4].contiguous(), g if norm else None, 1e-5)
-    assert torch.equal(q1, q[3:4]) and torch.equal(dx1, dx[3:4])
+    # the sums of each 16 codes, exact
+    assert torch.equal(c.qs.cpu(), q.cpu().view(5, k // 16, 16).int().sum(-1, dtype=torch.int32))
+    # a row alone gives the same codes, scales and sums
+    one = quantize_rows(x[3:4].contiguous(), g if norm else None, 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip((one.q, one.dx, one.qs), (q[3:4], dx[3:4],
+                                                                           c.qs[3:4])))
 
 
 @pytest.mark.parametrize("device", triton_devices())
@@ -55,12 +60,12 @@ def test_the_kernel_is_the_integer_block_sums(device, qtype):
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     w, w_ref = _weight(qtype, 48, K, device, seed=3)
     x = _x(6, K, device, seed=2)
-    q, dx = quantize_rows(x)
+    c = quantize_rows(x)
     part = w.parts[0]
-    want = a8_mm_reference(q.cpu(), dx.cpu(), Part(
+    want = a8_mm_reference(c.q.cpu(), c.dx.cpu(), Part(
         qtype, part.rows, part.cols, {k: v.cpu() for k, v in part.planes.items()}))
     for tile in (4, 16):                          # the GEMV over row blocks, and the MMA
-        out = a8_mm(q, dx, part, block_m=tile).double().cpu()
+        out = a8_mm(c, part, block_m=tile).double().cpu()
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     exact = x.double().cpu() @ w_ref.T
     err = (want - exact).abs().max() / exact.abs().max()
@@ -75,10 +80,10 @@ def test_the_mma_dots_give_the_same_bits(device, qtype):
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     w, _ = _weight(qtype, 32, K, device, seed=7)
     x, res = _x(20, K, device, seed=8), _x(20, 32, device, seed=9)
-    q, dx = quantize_rows(x)
+    c = quantize_rows(x)
     for tile in (16, 32):
-        want = a8_mm(q, dx, w.parts[0], res, block_m=tile)
-        got = a8_mm(q, dx, w.parts[0], res, block_m=tile, dot="diagonal")
+        want = a8_mm(c, w.parts[0], res, block_m=tile)
+        got = a8_mm(c, w.parts[0], res, block_m=tile, dot="diagonal")
         assert torch.equal(got, want), f"{tile} rows"
 
 
@@ -92,11 +97,11 @@ def test_a_rows_bits_are_the_same_in_every_tile(device, qtype):
     w, _ = _weight(qtype, 32, K, device, seed=5)
     x = _x(24, K, device, seed=4)
     res = _x(24, 32, device, seed=6)
-    q, dx = quantize_rows(x)
+    c = quantize_rows(x)
     part = w.parts[0]
-    outs = [a8_mm(q[:1], dx[:1], part, res[:1], block_m=t) for t in (1, 2, 4)]
-    outs += [a8_mm(q[:4], dx[:4], part, res[:4], block_m=4)]
-    outs += [a8_mm(q, dx, part, res, block_m=t) for t in (4, 8, 16, 32, 64)]
+    outs = [a8_mm(c[:1], part, res[:1], block_m=t) for t in (1, 2, 4)]
+    outs += [a8_mm(c[:4], part, res[:4], block_m=4)]
+    outs += [a8_mm(c, part, res, block_m=t) for t in (4, 8, 16, 32, 64)]
     for out in outs[1:]:
         assert torch.equal(out[0], outs[0][0])
     for out in outs[5:]:
@@ -112,12 +117,12 @@ def test_a_rows_bits_are_the_same_alone_and_among_1_to_63_others(device, qtype):
     from strata.kernels.quant.a8_triton import a8_mm, a8_row_tile, quantize_rows
     w, _ = _weight(qtype, 32, K, device, seed=21)
     x, res = _x(64, K, device, seed=22), _x(64, 32, device, seed=23)
-    q, dx = quantize_rows(x)
-    alone = a8_mm(q[:1], dx[:1], w.parts[0], res[:1])
+    c = quantize_rows(x)
+    alone = a8_mm(c[:1], w.parts[0], res[:1])
     sizes = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)
     assert {a8_row_tile(m) for m in (1, *sizes)} == {1, 2, 4, 8, 16, 32, 64}
     for m in sizes:
-        got = a8_mm(q[:m], dx[:m], w.parts[0], res[:m])
+        got = a8_mm(c[:m], w.parts[0], res[:m])
         assert torch.equal(got[0], alone[0]), f"{qtype}: row 0 among {m} rows"
 
 
@@ -136,21 +141,21 @@ def test_a_rows_bits_are_the_same_in_every_tile_when_k_has_parts(device, qtype):
     k = 4 * K
     w, _ = _weight(qtype, 16, k, device, seed=11)
     x, res = _x(20, k, device, seed=12), _x(20, 16, device, seed=13)
-    q, dx = quantize_rows(x)
+    c = quantize_rows(x)
     part = w.parts[0]
-    alone = a8_mm(q[:1], dx[:1], part, res[:1], block_m=1)
-    outs = [a8_mm(q, dx, part, res, block_m=8), a8_mm(q, dx, part, res, block_m=16),
-            a8_mm(q, dx, part, res, block_m=16, dot="diagonal")]
+    alone = a8_mm(c[:1], part, res[:1], block_m=1)
+    outs = [a8_mm(c, part, res, block_m=8), a8_mm(c, part, res, block_m=16),
+            a8_mm(c, part, res, block_m=16, dot="diagonal")]
     for out in outs:
         assert torch.equal(out[0], alone[0])
         assert torch.equal(out, outs[0]), "rows differ between row tiles"
-    want = a8_mm_reference(q.cpu(), dx.cpu(), Part(
+    want = a8_mm_reference(c.q.cpu(), c.dx.cpu(), Part(
         qtype, part.rows, part.cols, {n: v.cpu() for n, v in part.planes.items()}))
     got = outs[0] - res.float()
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5,
                                atol=2e-2 * want.abs().max().item() if device != "cpu" else
                                1e-6 * want.abs().max().item())
-    one = a8_mm(q[:1], dx[:1], part, res[:1], block_m=1, parts=1)
+    one = a8_mm(c[:1], part, res[:1], block_m=1, parts=1)
     assert not torch.equal(one, alone), "the parts changed nothing: are they summed?"
 
 
@@ -162,13 +167,13 @@ def test_the_gemv_takes_short_steps_where_k_is_not_whole_256s(device):
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     assert gemv_step(96) == 32 and gemv_step(576) == 64 and gemv_step(4096) == 256
     x = _x(3, 96, device, seed=7)
-    q, dx = quantize_rows(x)
+    c = quantize_rows(x)
     for qtype in ("Q4_1", "Q8_0", "IQ4_NL"):
         w, _ = _weight(qtype, 24, 96, device, seed=8)
         part = w.parts[0]
-        gemv = a8_mm(q, dx, part, block_m=4)
-        assert torch.equal(gemv, a8_mm(q, dx, part, block_m=16)), qtype
-        want = a8_mm_reference(q.cpu(), dx.cpu(), Part(
+        gemv = a8_mm(c, part, block_m=4)
+        assert torch.equal(gemv, a8_mm(c, part, block_m=16)), qtype
+        want = a8_mm_reference(c.q.cpu(), c.dx.cpu(), Part(
             qtype, part.rows, part.cols, {k: v.cpu() for k, v in part.planes.items()}))
         torch.testing.assert_close(gemv.double().cpu(), want, rtol=1e-5,
                                    atol=1e-6 * want.abs().max().item())
@@ -180,9 +185,9 @@ def test_shapes_the_kernel_does_not_take_are_refused(device):
     with pytest.raises(ValueError, match="not whole blocks of 32"):
         quantize_rows(torch.zeros(2, 48, device=device))
     w, _ = _weight("Q4_0", 16, 64, device)
-    q, dx = quantize_rows(torch.zeros(2, 128, device=device))
+    c = quantize_rows(torch.zeros(2, 128, device=device))
     with pytest.raises(ValueError, match="do not fit"):
-        a8_mm(q, dx, w.parts[0])                  # K 128 against the weight's 64
+        a8_mm(c, w.parts[0])                  # K 128 against the weight's 64
 
 
 def _int8_stage(mixed, device: str):
@@ -239,8 +244,8 @@ def test_an_int8_stages_logits_are_near_the_widened_files(mixed, device, monkeyp
     parts = []
     a8_mm = a8_triton.a8_mm
     monkeypatch.setattr(a8_triton, "a8_mm",
-                        lambda q, dx, part, *a, **k: parts.append(part.qtype) or
-                        a8_mm(q, dx, part, *a, **k))
+                        lambda x, part, *a, **k: parts.append(part.qtype) or
+                        a8_mm(x, part, *a, **k))
     assert_packed_is_widened([_int8_stage(mixed, device), widened(mixed, device)], device,
                              tol=0.05)
     # 2 layers: qkv (Q4_K; Q4_K and Q6_K), o, gate_up, down; on CUDA the head too (fp32
@@ -257,18 +262,18 @@ def test_an_expert_pair_is_a_gemv_of_its_own(device):
     w, _ = _weight("Q4_K", experts * f, K, device, seed=7)
     part = w.parts[0]
     x = _x(3, K, device, seed=8)
-    q, dx = quantize_rows(x)
+    c = quantize_rows(x)
     rows = torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32, device=device)
     chosen = torch.tensor([3, 1, 1, 0, 3], dtype=torch.int32, device=device)
     out = torch.empty(5, f, device=device, dtype=x.dtype)
-    a8_pairs(q, dx, part, rows, chosen * f, f, out)
+    a8_pairs(c, part, rows, chosen * f, f, out)
     for p, (r, e) in enumerate(zip(rows.tolist(), chosen.tolist())):
         alone = Part("Q4_K", f, K, {k: v[e * f:(e + 1) * f].contiguous()
                                           for k, v in part.planes.items()})
-        assert torch.equal(out[p], a8_mm(q[r:r + 1], dx[r:r + 1], alone, block_m=1,
+        assert torch.equal(out[p], a8_mm(c[r:r + 1], alone, block_m=1,
                                          out_dtype=x.dtype)[0])
     again = torch.empty(1, f, device=device, dtype=x.dtype)   # a pair alone in its call
-    a8_pairs(q, dx, part, rows[3:4], chosen[3:4] * f, f, again)
+    a8_pairs(c, part, rows[3:4], chosen[3:4] * f, f, again)
     assert torch.equal(again[0], out[3])
 
 
@@ -295,7 +300,7 @@ def test_an_int8_moe_stage(moe_file, device, monkeypatch):
     calls = []
     a8_pairs = a8_triton.a8_pairs
     monkeypatch.setattr(a8_triton, "a8_pairs",
-                        lambda *a, **k: calls.append(a[2].qtype) or a8_pairs(*a, **k))
+                        lambda *a, **k: calls.append(a[1].qtype) or a8_pairs(*a, **k))
     # (about 5% on these 64-wide random rows: the dense projections' share, the experts'
     # int8 adds next to nothing to it)
     assert_packed_is_widened([_int8_moe_stage(moe_file, device), widened(moe_file, device)],

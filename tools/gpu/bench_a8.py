@@ -72,7 +72,7 @@ def main() -> None:
             fl = timed(lambda i: float_call(kind, x, ws[i % copies], norm, res, policy))
             nm = norm if kind in ("qkv", "head") else None
             qu = timed(lambda i: quantize_rows(x, nm, 1e-5))
-            q, dx = quantize_rows(x, nm, 1e-5)
+            codes = quantize_rows(x, nm, 1e-5)
             best = None
             r = None if kind in ("qkv", "head") else res
             # the GEMV up to 4 rows, and as an 8-row tile (block_m 8) beside the MMA's
@@ -87,7 +87,7 @@ def main() -> None:
                            dot=config[3]))
                 kw["parts"] = config[4]
                 try:
-                    us = timed(lambda i: a8_mm(q, dx, ws[i % copies].parts[0], r, out=out, **kw))
+                    us = timed(lambda i: a8_mm(codes, ws[i % copies].parts[0], r, out=out, **kw))
                 except Exception as e:   # a configuration the GPU cannot hold (resources)
                     print(f"# {qtype} {name} {m} rows, {config}: {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120]}")
@@ -99,8 +99,8 @@ def main() -> None:
             if best is None:
                 continue
             # a row's bits in this tile against the 16-row MMA tile's
-            same = torch.equal(a8_mm(q, dx, probe.parts[0], r, out_dtype=torch.bfloat16),
-                               a8_mm(q, dx, probe.parts[0], r, out_dtype=torch.bfloat16,
+            same = torch.equal(a8_mm(codes, probe.parts[0], r, out_dtype=torch.bfloat16),
+                               a8_mm(codes, probe.parts[0], r, out_dtype=torch.bfloat16,
                                      block_m=16))
             print(f"{qtype:>5} {name:>5} {m:>4} {hbm:>7.1f} {fl:>9.1f} {qu:>9.1f} "
                   f"{best[0]:>7.1f} {str(best[1]):>14} {'yes' if same else 'NO':>5}")

@@ -16,11 +16,29 @@ kernel. So a row's result is the same bits in a GEMV over a few rows and in an M
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from strata.kernels.quant.weight import BLOCKS, Part, codes, group_terms
 
 QBLOCK = 32   # activation values a scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Codes:
+    """Window rows quantized for the int8 kernels (a8_triton.quantize_rows): codes q int8
+    [M, K], scales dx fp32 [M, K / 32] and the codes' sums over each 16, qs int32 [M, K / 16]
+    (the kernels' b terms need a group's sum; taken once here, not in every tile)."""
+    q: torch.Tensor
+    dx: torch.Tensor
+    qs: torch.Tensor
+
+    def __getitem__(self, rows: slice) -> Codes:
+        return Codes(self.q[rows], self.dx[rows], self.qs[rows])
+
+    def __len__(self) -> int:
+        return self.q.shape[0]
 
 
 def quantize_rows_torch(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0

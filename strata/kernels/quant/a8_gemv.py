@@ -8,9 +8,9 @@ nibbles (Q4_0, Q4_1, Q4_K), two nibble planes (Q8_0) or nibbles with high bits b
 (Q5_0, Q5_1, Q5_K, Q6_K: a word of the group's high bits, nibble-aligned), a word of eight
 codes gives its two byte words by masks and shifts, and the rows' words are re-paired once a
 step to match (codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight); the codebook types' codes
-(IQ4_NL, IQ4_XS) come from float_triton's `_codes` and are packed four to a word. Then, per (row, column), the groups'
-float terms dx * (a * isum + b * qs) are added one by one in order along K, exactly as
-a8_mm's MMA adds them, so a row gets the same bits from either kernel
+(IQ4_NL, IQ4_XS) come from float_triton's `_codes` and are packed four to a word. Then, per
+(row, column), the groups' float terms (group_term) are added one by one in order along K,
+exactly as a8_mm's MMA adds them, so a row gets the same bits from either kernel
 (tests/kernels/test_quant_a8.py). Under the Triton interpreter, dp4a is the same sum of four
 products written out.
 """
@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.quant.a8 import Codes
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
                                                Q5_K, Q6_K, Q8_0, TYPE_IDS, _codes, _planes,
@@ -83,6 +84,17 @@ def add_in_order(acc, t, D0: tl.constexpr, D1: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
+def group_term(isum, ad, bc):
+    """A group's float term of each (row, column): fma(a dx, isum, b qs dx), where ad and bc
+    are the products a * dx and b * (qs * dx), rounded once each. isum becomes a float by the
+    magic number (|isum| < 2^22: 1.5 * 2^23 + isum is exact in fp32), not by a conversion,
+    which runs at an eighth of the FMA rate. Every int8 kernel computes this, so a row's
+    terms are the same bits in any of them."""
+    f = (isum + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    return tl.fma(ad, f, bc)
+
+
+@triton.jit
 def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
     """int32 codes [BLOCK_N, 4 * WORDS] (0..255, in K order) -> [BLOCK_N, WORDS] byte words."""
     u = tl.reshape(u, (BLOCK_N, WORDS, 2, 2))
@@ -127,7 +139,8 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
     for k0 in tl.range(0, L, STEP, num_stages=STAGES):
         aw = tl.load(qw_ptr + xm[:, None] * (K // 4) + k0 // 4 + tl.arange(0, AW)[None, :],
                      mask=m_ok[:, None], other=0)                         # [BM, AW]
-        # each group's sum of the rows' codes: dp4a against bytes of one
+        # each group's sum of the rows' codes: dp4a against bytes of one (fewer instructions
+        # here than loading the quantizer's sums, which the MMA takes)
         qs = tl.sum(tl.reshape(_dp4a(ones, aw, 0, ASM), (BLOCK_M, G, S // 4)), 2)
         if NIBBLES:
             # a word of eight codes (quants 8c .. 8c + 7; code j in bits 4j): the even codes'
@@ -170,8 +183,8 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
             b = b * 0.0
         dx = tl.load(dx_ptr + xm[:, None] * (K // 32) + ((k0 // S + gi) * S // 32)[None, :],
                      mask=m_ok[:, None], other=0.0)                        # [BM, G]
-        t = a[None, :, :] * isum.to(tl.float32) + b[None, :, :] * qs.to(tl.float32)[:, None, :]
-        t = t * dx[:, None, :]
+        t = group_term(isum, dx[:, None, :] * a[None, :, :],
+                       (qs.to(tl.float32) * dx)[:, None, :] * b[None, :, :])
         acc = add_in_order(acc, t, BLOCK_M, BLOCK_N, G)
     if P == 1:   # the parts' sum from zero, as every kernel adds them (_add_parts_kernel)
         store_rows(0.0 + acc, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
@@ -226,15 +239,16 @@ def k_parts(n: int, k: int, most: int = PARTS) -> int:
     return p
 
 
-def a8_gemv(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | None,
-            out: torch.Tensor, block_m: int, block_n: int = 32, stages: int = 3,
-            warps: int = 4, pairs: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, block_m: int,
+            block_n: int = 32, stages: int = 3, warps: int = 4,
+            pairs: tuple[torch.Tensor, torch.Tensor, int] | None = None,
             parts: int = PARTS) -> torch.Tensor:
     """a8_mm's GEMV tiles (a8_triton.py checks the shapes): out [M, N] =
-    codes q [M, K] (with scales dx) @ part^T (+ res). pairs (xrows, wrows, n), block_m 1:
+    rows x (codes, scales, sums) @ part^T (+ res). pairs (xrows, wrows, n), block_m 1:
     a8_pairs' out [P, n], row p = codes row xrows[p] @ rows wrows[p] .. + n - 1 of part^T.
     parts: k_parts' most (a8_mm's). With more than one part, a program a part writes its sums
     to a scratch [parts, M, N] and _add_parts_kernel adds them in order."""
+    q = x.q
     k = q.shape[1]
     r = res if res is not None else out
     xrows, wrows, cols = pairs if pairs is not None else (q, q, part.rows)
@@ -243,8 +257,8 @@ def a8_gemv(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | N
     p = k_parts(cols, k, parts)
     dst = out if p == 1 else torch.empty(p, m, cols, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(cols, block_n), p)
-    _a8_gemv_kernel[grid](q.view(torch.int32), dx, xrows, wrows, *planes, *strides, r, dst, m,
-                          cols, k, r.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
+    _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, xrows, wrows, *planes, *strides, r,
+                          dst, m, cols, k, r.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
                           S=BLOCKS[part.qtype][2], HAS_RES=res is not None,
                           ASM=q.device.type == "cuda", PAIRS=pairs is not None,
                           BLOCK_M=block_m, BLOCK_N=block_n, STEP=gemv_step(k), STAGES=stages,

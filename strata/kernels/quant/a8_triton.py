@@ -4,7 +4,7 @@ arithmetic; its plain-torch reference is a8_mm_reference):
     quantize_rows   each window row alone, a program a chunk of a row: (rmsnorm and) int8
                     codes with a scale per 32 values
     a8_mm           out = rows' codes @ w^T (+ res): per weight group an exact int32 sum,
-                    then dx * (a * sum(u q) + b * sum(q)) added group by group along K
+                    then a dx sum(u q) + b dx sum(q) added group by group along K
 
 a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 to 8 rows, a row
 tile of 1, 2, 4 or 8: a8_gemv.py, four products a dp4a) and an MMA (more rows: tile 16, 32 or
@@ -14,12 +14,12 @@ depend on the weight's shape alone (a8_gemv.k_parts): every kernel adds each (ro
 float terms group by group from zero within a part, then the parts in order, so a row gets the
 same bits from either and from any tile (tests/kernels/test_quant_a8.py). The GEMV takes a
 program a part (more programs for a narrow weight with long rows), the MMA walks the parts in
-turn. Both launch with enable_fp_fusion=False: compiled for sm_90,
-Triton fuses `a * isum + b * qs` into one FMA one way for tiles of 1 and 2 rows and the other
-way from 4 rows up (Q4_K, Q5_K, Q4_1, Q5_1: their b is not zero), which changes a row's bits
-between tiles; without fusion every tile rounds each product alone. The codes and scales come
-from float_triton.py's `_codes` and `_terms`, a K step at a time; the terms are added by
-`add_in_order`.
+turn. A group's term is a8_gemv.group_term's explicit fma(a dx, isum, b qs dx), the same
+in every kernel; the kernels launch with enable_fp_fusion=False so that Triton fuses no other
+product and sum, which it did one way for tiles of 1 and 2 rows and the other way from 4 rows
+up on sm_90 (changing a row's bits between tiles). The codes and scales come from
+float_triton.py's `_codes` and `_terms`, a K step at a time, the codes' sums a group from the
+quantizer; the terms are added by `add_in_order`.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.quant.a8 import QBLOCK
-from strata.kernels.quant.a8_gemv import (PARTS, a8_gemv, add_in_order, gemv_step, k_parts,
-                                          store_rows)
+from strata.kernels.quant.a8 import QBLOCK, Codes
+from strata.kernels.quant.a8_gemv import (PARTS, a8_gemv, add_in_order, gemv_step, group_term,
+                                          k_parts, store_rows)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
                                                _terms)
@@ -40,11 +40,12 @@ DOTS = ("diagonal", "batched")   # the MMA's ways to the groups' integer sums
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, K, eps, stride_xm,
+def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, qs_ptr, K, eps, stride_xm,
                           NORM: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr):
-    """Program (row m, chunk c): the codes q [M, K] int8 and scales dx [M, K / 32] (a8.py)
-    of the row's values [c BLOCK, (c + 1) BLOCK). With NORM each program reads the whole row
-    (KP: K up to a power of two) in one load for its rmsnorm: every program of a row adds the
+    """Program (row m, chunk c): the codes q [M, K] int8, scales dx [M, K / 32] (a8.py) and
+    the codes' sums qs [M, K / 16] int32 of the row's values [c BLOCK, (c + 1) BLOCK). With
+    NORM each program reads the whole row (KP: K up to a power of two) in one load for its
+    rmsnorm: every program of a row adds the
     same squares in the same order, so they share its scale r bit for bit."""
     m = tl.program_id(0)
     c = tl.program_id(1)
@@ -67,10 +68,12 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, K, eps, stride_xm,
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     tl.store(q_ptr + m * K + k, tl.reshape(q, (BLOCK,)).to(tl.int8))
     tl.store(dx_ptr + m * (K // 32) + c * NB + tl.arange(0, NB), amax / 127.0)
+    qs = tl.sum(tl.reshape(q.to(tl.int32), (2 * NB, 16)), 1)
+    tl.store(qs_ptr + m * (K // 16) + c * 2 * NB + tl.arange(0, 2 * NB), qs)
 
 
 @triton.jit
-def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
+def _a8_mm_kernel(q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
                   M, N, K, stride_rm, stride_om,
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
@@ -83,20 +86,30 @@ def _a8_mm_kernel(q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_pt
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
     L = K // P                                                # quants a part of K
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # this part's sum, out^T
-    total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)          # the parts', in order
-    for k0 in range(0, K, STEP):
-        acc = _step_dot(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_ok,
-                        M, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N, DOT)
-        end = (k0 + STEP) % L == 0                            # a part ends: add it on
-        total = tl.where(end, total + acc, total)
-        acc = tl.where(end, 0.0, acc)
+    total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)          # the parts' sums, in order, out^T
+    for p in range(P):
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)        # this part's
+        for k0 in range(p * L, p * L + L, STEP):
+            acc = _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok,
+                            n, n_ok, M, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N, DOT)
+        total = total + acc
     store_rows(tl.trans(total), res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
 
 
 @triton.jit
-def _step_dot(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_ok, M, K, k0,
-              QTYPE: tl.constexpr, S: tl.constexpr, STEP: tl.constexpr,
+def group_sums(qs_ptr, m, m_ok, K, g0, G: tl.constexpr, S: tl.constexpr):
+    """int32 [BM, G]: rows m's sums of codes over groups g0 .. g0 + G - 1 (of S quants),
+    from the quantizer's sums per 16 (two a group of 32: exact)."""
+    at = qs_ptr + m[:, None] * (K // 16) + ((g0 + tl.arange(0, G)) * (S // 16))[None, :]
+    qs = tl.load(at, mask=m_ok[:, None], other=0)
+    if S == 32:
+        qs += tl.load(at + 1, mask=m_ok[:, None], other=0)
+    return qs
+
+
+@triton.jit
+def _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_ok,
+              M, K, k0, QTYPE: tl.constexpr, S: tl.constexpr, STEP: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     """acc [BN, BM] + a K step's G groups' terms in order, their integer sums [BN, BM, G]
     from one dot: against the rows' codes laid out block-diagonally (DOT 0), [STEP, G BM] with
@@ -110,8 +123,8 @@ def _step_dot(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_
     if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
         u = u - 128
         b = b * 0.0
-    q = tl.load(q_ptr + m[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0)
     if DOT == 1:
+        q = tl.load(q_ptr + m[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0)
         u3 = tl.permute(tl.reshape(u.to(tl.int8), (BLOCK_N, G, S)), (1, 0, 2))   # [G, BN, S]
         q3 = tl.permute(tl.reshape(q, (BLOCK_M, G, S)), (1, 2, 0))               # [G, S, BM]
         isum = tl.permute(tl.dot(u3, q3, out_dtype=tl.int32), (1, 2, 0))         # [BN, BM, G]
@@ -123,16 +136,16 @@ def _step_dot(acc, q_ptr, dx_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_
                      other=0)                                                    # [STEP, G BM]
         isum = tl.dot(u.to(tl.int8), qd, out_dtype=tl.int32)                     # [BN, G BM]
         isum = tl.permute(tl.reshape(isum, (BLOCK_N, G, BLOCK_M)), (0, 2, 1))   # [BN, BM, G]
-    qs = tl.sum(tl.reshape(q.to(tl.int32), (BLOCK_M, G, S)), 2)                # [BM, G]
+    qs = group_sums(qs_ptr, m, m_ok, K, g0, G, S).to(tl.float32)                 # [BM, G]
     dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((g0 + tl.arange(0, G)) * S // 32)[None, :],
                  mask=m_ok[:, None], other=0.0)                                 # [BM, G]
-    t = a[:, None, :] * isum.to(tl.float32) + b[:, None, :] * qs.to(tl.float32)[None, :, :]
-    return add_in_order(acc, t * dx[None, :, :], BLOCK_N, BLOCK_M, G)
+    t = group_term(isum, a[:, None, :] * dx[None, :, :], b[:, None, :] * (qs * dx)[None, :, :])
+    return add_in_order(acc, t, BLOCK_N, BLOCK_M, G)
 
 
 def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32, rows contiguous) -> (q int8 [M, K], dx fp32 [M, K/32])."""
+                  ) -> Codes:
+    """x [M, K] (K a multiple of 32, rows contiguous) -> its rows' Codes (a8.py)."""
     m, k = x.shape
     if k % QBLOCK:
         raise ValueError(f"int8 activations: a row of {k} values is not whole blocks of "
@@ -140,14 +153,15 @@ def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float 
     assert x.stride(1) == 1 and (norm is None or norm.is_contiguous())
     q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     dx = torch.empty(m, k // QBLOCK, dtype=torch.float32, device=x.device)
+    qs = torch.empty(m, k // 16, dtype=torch.int32, device=x.device)
     if m:
         block = gemv_step(k)
         kp = triton.next_power_of_2(k)
         _quantize_rows_kernel[(m, k // block)](
-            x, norm if norm is not None else x, q, dx, k, eps, x.stride(0),
+            x, norm if norm is not None else x, q, dx, qs, k, eps, x.stride(0),
             NORM=norm is not None, BLOCK=block, KP=kp,
             num_warps=8 if norm is not None and kp > 4096 else 4)
-    return q, dx
+    return Codes(q, dx, qs)
 
 
 def a8_row_tile(m: int) -> int:
@@ -155,13 +169,13 @@ def a8_row_tile(m: int) -> int:
     return next(t for t in (*GEMV_TILES, *ROW_TILES) if m <= t or t == ROW_TILES[-1])
 
 
-def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | None = None, *,
+def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
           out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
           block_m: int | None = None, block_n: int | None = None,
           block_k: int | None = None, warps: int = 4, gemv_n: int | None = None,
           stages: int | None = None, dot: str = "batched", parts: int = PARTS
           ) -> torch.Tensor:
-    """q, dx: quantize_rows' [M, K] codes and scales; part: a quantized [N, K] weight; res:
+    """x: quantize_rows' [M, K] rows; part: a quantized [N, K] weight; res:
     [M, N] or None -> [M, N] (into `out`, which may be a column slice of a wider tensor).
     block_m: a GEMV tile (1, 2, 4, 8) or an MMA tile (16, 32, 64); default the smallest that
     holds the rows. The GEMV tiles take a8_gemv.py's dp4a kernel (gemv_n columns a program,
@@ -173,6 +187,7 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     (tools/gpu/bench_a8.py --mma times both). parts: the most parts of K (k_parts; a row's
     bits depend on it, so every call on a weight must pass the same: leave it be outside
     experiments)."""
+    q = x.q
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
@@ -186,7 +201,7 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
         out = torch.empty(m, part.rows, dtype=out_dtype, device=q.device)
     assert out.shape == (m, part.rows) and out.stride(1) == 1 and q.is_contiguous()
     if block_m in GEMV_TILES:   # blocks from tools/gpu/bench_a8.py on an H100
-        return a8_gemv(q, dx, part, res, out, block_m,
+        return a8_gemv(x, part, res, out, block_m,
                        block_n=gemv_n or (16 if part.qtype == "Q6_K" else 32),
                        stages=stages or (2 if block_m == 8 else 3), warps=warps,
                        parts=parts)
@@ -197,7 +212,7 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     if group < 32:   # Q6_K
         dot = "diagonal"
     grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n))
-    _a8_mm_kernel[grid](q, dx, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
+    _a8_mm_kernel[grid](q, x.dx, x.qs, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
                         HAS_RES=res is not None, BLOCK_M=block_m,
                         BLOCK_N=block_n, STEP=block_k, DOT=DOTS.index(dot), P=p,
@@ -206,16 +221,16 @@ def a8_mm(q: torch.Tensor, dx: torch.Tensor, part: Part, res: torch.Tensor | Non
     return out
 
 
-def a8_pairs(q: torch.Tensor, dx: torch.Tensor, part: Part, xrows: torch.Tensor,
+def a8_pairs(x: Codes, part: Part, xrows: torch.Tensor,
              wrows: torch.Tensor, n: int, out: torch.Tensor, *, block_n: int = 32,
              warps: int = 4) -> torch.Tensor:
-    """Routed experts' GEMVs, one a pair: out[p] = codes row xrows[p] @ rows wrows[p] ..
+    """Routed experts' GEMVs, one a pair: out[p] = row xrows[p] of x @ rows wrows[p] ..
     wrows[p] + n - 1 of `part`^T (int32 [P] each; out [P, n], which may be a column slice).
     Each pair is computed alone by the dp4a GEMV, with a8_mm's arithmetic."""
-    p, k = xrows.shape[0], q.shape[1]
+    p, k = xrows.shape[0], x.q.shape[1]
     if part.cols != k or k % BLOCKS[part.qtype][2] or k % QBLOCK:
         raise ValueError(f"int8-activation expert kernel: rows of {k} against a "
                          f"{part.qtype} weight [{part.rows}, {part.cols}]")
-    assert out.shape == (p, n) and out.stride(1) == 1 and q.is_contiguous()
-    return a8_gemv(q, dx, part, None, out, 1, block_n=block_n, warps=warps,
+    assert out.shape == (p, n) and out.stride(1) == 1 and x.q.is_contiguous()
+    return a8_gemv(x, part, None, out, 1, block_n=block_n, warps=warps,
                    pairs=(xrows, wrows, n))

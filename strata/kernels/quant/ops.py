@@ -68,12 +68,12 @@ def _project_a8(x: torch.Tensor, w: QuantWeight, res: torch.Tensor | None,
     """rmsnorm(x) (with norm) or x, each row quantized to int8 once, @ w^T (+ res): one
     kernel a part (a8_triton.py, at its own blocks)."""
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
-    q, dx = quantize_rows(x, norm, eps)
+    rows = quantize_rows(x, norm, eps)
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
     col = 0
     for part in w.parts:
         cols = slice(col, col + part.rows)
-        a8_mm(q, dx, part, None if res is None else res[:, cols], out=out[:, cols])
+        a8_mm(rows, part, None if res is None else res[:, cols], out=out[:, cols])
         col += part.rows
     return out
 
