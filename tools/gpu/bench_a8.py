@@ -22,7 +22,8 @@ from bench_kernels import timed   # this script's folder is on the path
 from bench_quant import L8B, copy_rate, weights
 from strata.kernels.policy import KernelPolicy
 
-CONFIGS = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 64, 4), (16, 256, 4)]
+CONFIGS = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 64, 4), (16, 256, 4),
+           (32, 32, 4), (64, 32, 4), (128, 32, 4), (64, 64, 4)]
 # the dp4a GEMV's (columns a program, K steps in flight, warps), for windows of 1 to 4 rows
 GEMV_CONFIGS = [(8, 3, 4), (16, 3, 4), (32, 3, 4), (16, 2, 4), (32, 2, 4), (16, 4, 8)]
 

@@ -266,8 +266,16 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
                           num_warps=warps,
                           enable_fp_fusion=False)   # as a8_mm: no tile-dependent FMAs
     if p > 1:
-        block = 256
-        _add_parts_kernel[(m, triton.cdiv(cols, block))](
-            dst, r, out, m, cols, r.stride(0), out.stride(0), P=p, HAS_RES=res is not None,
-            BLOCK=block)
+        add_parts(dst, res, out)
     return out
+
+
+def add_parts(parts: torch.Tensor, res: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] = the parts' sums [P, M, N] added in order from zero (+ res): how every int8
+    kernel with more than one part of K finishes."""
+    p, m, n = parts.shape
+    r = res if res is not None else out
+    block = 256
+    _add_parts_kernel[(m, triton.cdiv(n, block))](
+        parts, r, out, m, n, r.stride(0), out.stride(0), P=p, HAS_RES=res is not None,
+        BLOCK=block)

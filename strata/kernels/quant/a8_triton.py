@@ -13,8 +13,8 @@ laid out block-diagonally so that each group's sums come apart). K is cut into p
 depend on the weight's shape alone (a8_gemv.k_parts): every kernel adds each (row, column)'s
 float terms group by group from zero within a part, then the parts in order, so a row gets the
 same bits from either and from any tile (tests/kernels/test_quant_a8.py). The GEMV takes a
-program a part (more programs for a narrow weight with long rows), the MMA walks the parts in
-turn. A group's term is a8_gemv.group_term's explicit fma(a dx, isum, b qs dx), the same
+program a part and so does the MMA (more programs for a narrow weight with long rows), and a
+second kernel adds the parts. A group's term is a8_gemv.group_term's explicit fma(a dx, isum, b qs dx), the same
 in every kernel; the kernels launch with enable_fp_fusion=False so that Triton fuses no other
 product and sum, which it did one way for tiles of 1 and 2 rows and the other way from 4 rows
 up on sm_90 (changing a row's bits between tiles). The codes and scales come from
@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from strata.kernels.quant.a8 import QBLOCK, Codes
-from strata.kernels.quant.a8_gemv import (PARTS, a8_gemv, add_in_order, gemv_step, group_term,
-                                          k_parts, store_rows)
+from strata.kernels.quant.a8_gemv import (PARTS, a8_gemv, add_in_order, add_parts, gemv_step,
+                                          group_term, k_parts, store_rows)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
                                                _terms)
@@ -78,22 +78,26 @@ def _a8_mm_kernel(q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
                   DOT: tl.constexpr, P: tl.constexpr):
-    """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. Each K step's groups' exact
-    sums come from int8 dots (_step_dot: block-diagonal, DOT 0, or batched, DOT 1: the same
-    integers, so the same bits); each part of K (P of them) adds its terms in order from
-    zero, and the parts are added in order, as the GEMV does."""
+    """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. Program (row block,
+    column block, part of K): each K step's groups' exact sums come from int8 dots
+    (_step_dot: block-diagonal, DOT 0, or batched, DOT 1: the same integers, so the same
+    bits), the part's terms added in order from zero; its sum into out, or with P > 1 into
+    the scratch rows of that part, which _add_parts_kernel adds in order, as for the GEMV."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
+    part = tl.program_id(2)
     L = K // P                                                # quants a part of K
-    total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)          # the parts' sums, in order, out^T
-    for p in range(P):
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)        # this part's
-        for k0 in range(p * L, p * L + L, STEP):
-            acc = _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok,
-                            n, n_ok, M, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N, DOT)
-        total = total + acc
-    store_rows(tl.trans(total), res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # out^T
+    for k0 in range(part * L, part * L + L, STEP):
+        acc = _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok,
+                        n, n_ok, M, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N, DOT)
+    if P == 1:   # the parts' sum from zero, as _add_parts_kernel adds them
+        store_rows(0.0 + tl.trans(acc), res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm,
+                   stride_om, HAS_RES)
+    else:
+        store_rows(tl.trans(acc), res_ptr, out_ptr + part * M * N, m, n, m_ok, n_ok, 0, N,
+                   False)
 
 
 @triton.jit
@@ -181,7 +185,7 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     holds the rows. The GEMV tiles take a8_gemv.py's dp4a kernel (gemv_n columns a program,
     default 16 for Q6_K and 32 for the rest; `stages` K steps in flight, default 2 for 8 rows
     and 3 for fewer); the MMA tiles block_n columns a program (default 16 for 16 rows, else
-    32) and block_k quants a step (default 4096 / block_m, halved until it divides K), their
+    64) and block_k quants a step (default 256 for 16 rows, else 128; at most K's step), their
     groups' sums by `dot`: "batched" (default) or "diagonal" (block-diagonal); Q6_K's groups
     of 16 always take the block-diagonal (int8 dots need K of 32); the same bits either way
     (tools/gpu/bench_a8.py --mma times both). parts: the most parts of K (k_parts; a row's
@@ -191,7 +195,9 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
-    block_k = min(block_k or 4096 // block_m, gemv_step(k))
+    q6 = part.qtype == "Q6_K"   # its block-diagonal dot grows with the step's groups
+    block_k = min(block_k or (4096 // block_m if q6 else 256 if block_m == 16 else 128),
+                  gemv_step(k))
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
             or (k // k_parts(part.rows, k, parts)) % block_k or block_k % group or dot not in DOTS):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "
@@ -205,19 +211,22 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
                        block_n=gemv_n or (16 if part.qtype == "Q6_K" else 32),
                        stages=stages or (2 if block_m == 8 else 3), warps=warps,
                        parts=parts)
-    block_n = block_n or (16 if block_m == 16 else 32)
+    block_n = block_n or (16 if block_m == 16 else 32 if q6 else 64)
     p = k_parts(part.rows, k, parts)
     r = res if res is not None else out
+    dst = out if p == 1 else torch.empty(p, m, part.rows, dtype=torch.float32, device=q.device)
     planes, strides = _planes(part)
     if group < 32:   # Q6_K
         dot = "diagonal"
-    grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n))
-    _a8_mm_kernel[grid](q, x.dx, x.qs, *planes, *strides, r, out, m, part.rows, k, r.stride(0),
+    grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n), p)
+    _a8_mm_kernel[grid](q, x.dx, x.qs, *planes, *strides, r, dst, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
                         HAS_RES=res is not None, BLOCK_M=block_m,
                         BLOCK_N=block_n, STEP=block_k, DOT=DOTS.index(dot), P=p,
                         num_warps=warps,
                         enable_fp_fusion=False)   # see the module: no tile-dependent FMAs
+    if p > 1:
+        add_parts(dst, res, out)
     return out
 
 
