@@ -43,12 +43,13 @@ def test_rows_quantize_as_the_plain_torch_twin(device, norm, supers):
     assert (q != q_ref).float().mean() < 0.01
     assert q.abs().max() == 127                 # each block's largest value takes the end code
     # a row alone gives the same codes and scales
-    # the sums of each 16 codes, exact
+    # the sums of each 16 codes, exact; the codes in pair order (0, 2, 4, 6, 1, 3, 5, 7)
     assert torch.equal(c.qs.cpu(), q.cpu().view(5, k // 16, 16).int().sum(-1, dtype=torch.int32))
+    assert torch.equal(c.qp, q.view(5, k // 8, 4, 2).transpose(2, 3).reshape(5, k))
     # a row alone gives the same codes, scales and sums
     one = quantize_rows(x[3:4].contiguous(), g if norm else None, 1e-5)
-    assert all(torch.equal(a, b) for a, b in zip((one.q, one.dx, one.qs), (q[3:4], dx[3:4],
-                                                                           c.qs[3:4])))
+    assert all(torch.equal(a, b) for a, b in zip((one.q, one.dx, one.qs, one.qp),
+                                                 (q[3:4], dx[3:4], c.qs[3:4], c.qp[3:4])))
 
 
 @pytest.mark.parametrize("device", triton_devices())

@@ -28,14 +28,17 @@ QBLOCK = 32   # activation values a scale
 @dataclasses.dataclass(frozen=True)
 class Codes:
     """Window rows quantized for the int8 kernels (a8_triton.quantize_rows): codes q int8
-    [M, K], scales dx fp32 [M, K / 32] and the codes' sums over each 16, qs int32 [M, K / 16]
-    (the kernels' b terms need a group's sum; taken once here, not in every tile)."""
+    [M, K], scales dx fp32 [M, K / 32], the codes' sums over each 16, qs int32 [M, K / 16]
+    (the kernels' b terms need a group's sum; taken once here, not in every tile), and the
+    codes again in pair order, qp: each 8 as codes 0, 2, 4, 6, 1, 3, 5, 7, the order in which
+    the GEMV takes a word of eight nibbles apart (a8_gemv.py)."""
     q: torch.Tensor
     dx: torch.Tensor
     qs: torch.Tensor
+    qp: torch.Tensor
 
     def __getitem__(self, rows: slice) -> Codes:
-        return Codes(self.q[rows], self.dx[rows], self.qs[rows])
+        return Codes(self.q[rows], self.dx[rows], self.qs[rows], self.qp[rows])
 
     def __len__(self) -> int:
         return self.q.shape[0]

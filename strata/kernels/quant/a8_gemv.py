@@ -1,4 +1,4 @@
-"""The GEMV of int8 activations against quantized weights (windows of 1 to 4 rows): a8_mm's
+"""The GEMV of int8 activations against quantized weights (windows of 1 to 8 rows): a8_mm's
 arithmetic (a8.py) with the integer sums taken four products an instruction.
 
 Each K step of 256 quants (fewer where K is short) reads a column's codes as 32-bit words of
@@ -6,9 +6,11 @@ four bytes and the rows' int8 codes as words, and sums them with dp4a (PTX `dp4a
 four unsigned bytes times four signed bytes, added to an int32). Where a type's codes are
 nibbles (Q4_0, Q4_1, Q4_K), two nibble planes (Q8_0) or nibbles with high bits beside them
 (Q5_0, Q5_1, Q5_K, Q6_K: a word of the group's high bits, nibble-aligned), a word of eight
-codes gives its two byte words by masks and shifts, and the rows' words are re-paired once a
-step to match (codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight); the codebook types' codes
-(IQ4_NL, IQ4_XS) come from float_triton's `_codes` and are packed four to a word. Then, per
+codes gives its two byte words by masks and shifts, against the rows' codes as the quantizer
+also stores them, in pair order (codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight), Q6_K's
+16-code groups by one chain of dp4a a group (but in 4-row tiles), the rest by summing the words'
+products; the codebook types' codes (IQ4_NL, IQ4_XS) come from
+float_triton's `_codes` and are packed four to a word, against the codes in K order. Then, per
 (row, column), the groups' float terms (group_term) are added one by one in order along K,
 exactly as a8_mm's MMA adds them, so a row gets the same bits from either kernel
 (tests/kernels/test_quant_a8.py). Under the Triton interpreter, dp4a is the same sum of four
@@ -27,6 +29,7 @@ from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K,
                                                _terms)
 
 STEP = 256   # quants a K step where K allows
+CODEBOOKS = ("IQ4_NL", "IQ4_XS")   # codes from a table, packed in K order (the rest: nibbles)
 PARTS = 8    # the most parts of K a row's float terms are summed in (k_parts)
 COLUMN_BLOCKS = 768   # k_parts splits K until a weight has this many 32-column blocks a part
 HIGH_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))   # as int32
@@ -95,6 +98,22 @@ def group_term(isum, ad, bc):
 
 
 @triton.jit
+def _group_dots(lo, hi, even, odd, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                G: tl.constexpr, ASM: tl.constexpr):
+    """int32 [BM, BN, G]: each 16-code group's sum of codes times the rows' codes, one chain
+    of four dp4a a (row, column, group) over the group's two words (lo, hi [BN, 2 G]: the
+    codes' even and odd bytes; even, odd [BM, 2 G]: the rows' codes in the same pair order)."""
+    l0, l1 = tl.split(tl.reshape(lo, (BLOCK_N, G, 2)))
+    h0, h1 = tl.split(tl.reshape(hi, (BLOCK_N, G, 2)))
+    e0, e1 = tl.split(tl.reshape(even, (BLOCK_M, G, 2)))
+    o0, o1 = tl.split(tl.reshape(odd, (BLOCK_M, G, 2)))
+    s = _dp4a(l0[None, :, :], e0[:, None, :], 0, ASM)
+    s = _dp4a(h0[None, :, :], o0[:, None, :], s, ASM)
+    s = _dp4a(l1[None, :, :], e1[:, None, :], s, ASM)
+    return _dp4a(h1[None, :, :], o1[:, None, :], s, ASM)
+
+
+@triton.jit
 def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
     """int32 codes [BLOCK_N, 4 * WORDS] (0..255, in K order) -> [BLOCK_N, WORDS] byte words."""
     u = tl.reshape(u, (BLOCK_N, WORDS, 2, 2))
@@ -145,7 +164,7 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
         if NIBBLES:
             # a word of eight codes (quants 8c .. 8c + 7; code j in bits 4j): the even codes'
             # bytes w & 0x0F0F0F0F and the odd codes' (w >> 4) & 0x0F0F0F0F, against the
-            # rows' words re-paired as (q0, q2, q4, q6) and (q1, q3, q5, q7)
+            # rows' words in pair order, (q0, q2, q4, q6) and (q1, q3, q5, q7)
             CW: tl.constexpr = STEP // 8
             at = wn[:, None] * s0 + part * L8 + k0 // 8 + tl.arange(0, CW)[None, :]
             w = tl.load(p0 + at, mask=n_ok[:, None], other=0)           # [BN, CW]
@@ -163,14 +182,13 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
                 MB: tl.constexpr = ((1 << HIGH) - 1) * 0x01010101
                 lo = lo | ((x & MB) << 4)
                 hi = hi | (((x >> 4) & MB) << 4)
-            w0, w1 = tl.split(tl.reshape(aw, (BLOCK_M, CW, 2)))            # q0..3, q4..7
-            even = ((w0 & 0xFF) | ((w0 >> 8) & 0xFF00) | ((w1 << 16) & 0xFF0000)
-                    | ((w1 << 8) & TOP_BYTE))
-            odd = (((w0 >> 8) & 0xFF) | ((w0 >> 16) & 0xFF00) | ((w1 << 8) & 0xFF0000)
-                   | (w1 & TOP_BYTE))
-            prod = _dp4a(lo[None, :, :], even[:, None, :],
-                         _dp4a(hi[None, :, :], odd[:, None, :], 0, ASM), ASM)
-            isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 8)), 3)
+            even, odd = tl.split(tl.reshape(aw, (BLOCK_M, CW, 2)))   # the rows' pair order
+            if S == 16 and BLOCK_M != 4:   # Q6_K: faster on an H100 as a chain a group
+                isum = _group_dots(lo, hi, even, odd, BLOCK_M, BLOCK_N, G, ASM)
+            else:   # the words' products summed (a chain of 8 was 2-3x slower for Q4_K)
+                prod = _dp4a(lo[None, :, :], even[:, None, :],
+                             _dp4a(hi[None, :, :], odd[:, None, :], 0, ASM), ASM)
+                isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 8)), 3)
         else:
             u = _codes(p0, p1, s0, s1, wn, n_ok, g_part + k0 // S, QTYPE, S, G,
                        BLOCK_N)                                            # [BN, G, S]
@@ -248,7 +266,7 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
     a8_pairs' out [P, n], row p = codes row xrows[p] @ rows wrows[p] .. + n - 1 of part^T.
     parts: k_parts' most (a8_mm's). With more than one part, a program a part writes its sums
     to a scratch [parts, M, N] and _add_parts_kernel adds them in order."""
-    q = x.q
+    q = x.q if part.qtype in CODEBOOKS else x.qp   # the nibble types take the pair order
     k = q.shape[1]
     r = res if res is not None else out
     xrows, wrows, cols = pairs if pairs is not None else (q, q, part.rows)

@@ -40,10 +40,11 @@ DOTS = ("diagonal", "batched")   # the MMA's ways to the groups' integer sums
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, qs_ptr, K, eps, stride_xm,
+def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, qp_ptr, dx_ptr, qs_ptr, K, eps, stride_xm,
                           NORM: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr):
-    """Program (row m, chunk c): the codes q [M, K] int8, scales dx [M, K / 32] (a8.py) and
-    the codes' sums qs [M, K / 16] int32 of the row's values [c BLOCK, (c + 1) BLOCK). With
+    """Program (row m, chunk c): the codes q [M, K] int8 (and again in pair order, qp),
+    scales dx [M, K / 32] (a8.py) and the codes' sums qs [M, K / 16] int32 of the row's values
+    [c BLOCK, (c + 1) BLOCK). With
     NORM each program reads the whole row (KP: K up to a power of two) in one load for its
     rmsnorm: every program of a row adds the
     same squares in the same order, so they share its scale r bit for bit."""
@@ -67,6 +68,8 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, dx_ptr, qs_ptr, K, eps, stride_xm
     q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     tl.store(q_ptr + m * K + k, tl.reshape(q, (BLOCK,)).to(tl.int8))
+    pairs = tl.permute(tl.reshape(q, (BLOCK // 8, 4, 2)), (0, 2, 1))   # 0, 2, 4, 6, 1, 3, 5, 7
+    tl.store(qp_ptr + m * K + k, tl.reshape(pairs, (BLOCK,)).to(tl.int8))
     tl.store(dx_ptr + m * (K // 32) + c * NB + tl.arange(0, NB), amax / 127.0)
     qs = tl.sum(tl.reshape(q.to(tl.int32), (2 * NB, 16)), 1)
     tl.store(qs_ptr + m * (K // 16) + c * 2 * NB + tl.arange(0, 2 * NB), qs)
@@ -156,16 +159,17 @@ def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float 
                          f"{QBLOCK}")
     assert x.stride(1) == 1 and (norm is None or norm.is_contiguous())
     q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    qp = torch.empty_like(q)
     dx = torch.empty(m, k // QBLOCK, dtype=torch.float32, device=x.device)
     qs = torch.empty(m, k // 16, dtype=torch.int32, device=x.device)
     if m:
         block = gemv_step(k)
         kp = triton.next_power_of_2(k)
         _quantize_rows_kernel[(m, k // block)](
-            x, norm if norm is not None else x, q, dx, qs, k, eps, x.stride(0),
+            x, norm if norm is not None else x, q, qp, dx, qs, k, eps, x.stride(0),
             NORM=norm is not None, BLOCK=block, KP=kp,
             num_warps=8 if norm is not None and kp > 4096 else 4)
-    return Codes(q, dx, qs)
+    return Codes(q, dx, qs, qp)
 
 
 def a8_row_tile(m: int) -> int:
