@@ -91,7 +91,13 @@ def read_prompts(path: str, split: str) -> list[str]:
     "heldout"} (strata-train-mtp --write-prompts writes it; strata.train.prompts reads it):
     those of `split`, or every one for "all". A missing file, a malformed line or no prompt
     of the split is a ValueError with a sentence."""
-    prompts = [p.text for p in train_prompts.read_prompts(path) if split in ("all", p.split)]
+    found = train_prompts.read_prompts(path)
+    later = next((n for n, p in enumerate(found, 1) if p.history), None)
+    if later:
+        raise ValueError(f"--prompts {path}: prompt {later} is a later turn (it has a "
+                         f"history); the benchmarks send one-turn prompts: write the file "
+                         f"without --turns")
+    prompts = [p.text for p in found if split in ("all", p.split)]
     if not prompts:
         which = "no prompt" if split == "all" else f'no line of split "{split}"'
         raise ValueError(f"--prompts {path} has {which}; "

