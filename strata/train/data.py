@@ -83,12 +83,13 @@ def chat_prompts(tok, prompts: list[Prompt], max_prompt_tokens: int):
 
 
 def generate(prep, tok, work: list[Work], seconds: float | None = None, say=print,
-             progress=None) -> list[Sample]:
+             progress=None, stopped_only: bool = False, desc: str = "answers") -> list[Sample]:
     """The answer of every item of `work`, in its order, through a launch of `prep`
     (strata.launch.options.prepare). Requests are fed as others finish, so the slots stay full;
-    after `seconds`, no new one starts (the answers begun are finished and kept)."""
+    after `seconds`, no new one starts (the answers begun are finished and kept). With
+    stopped_only, only answers that ended by a stop token are kept (not cut at max_tokens)."""
     from strata.coordinator.engine.scheduler import Scheduler
-    bar = progress(total=len(work), desc="answers", unit="answer") if progress else None
+    bar = progress(total=len(work), desc=desc, unit="request") if progress else None
     out: list[Sample] = []
     pending = iter(work)
     deadline = None if seconds is None else time.monotonic() + seconds
@@ -102,7 +103,7 @@ def generate(prep, tok, work: list[Work], seconds: float | None = None, say=prin
             sched.submit(ids, sp, on_done=lambda req, p=p, sp=sp: finished(sched, req, p, sp))
 
     def finished(sched, req, p, sp) -> None:
-        if req.error is None:
+        if req.error is None and (not stopped_only or req.seq.finish_reason == "stop"):
             prompt = req.seq.prompt
             out.append(Sample(list(prompt) + list(req.seq.generated), len(prompt), p.split,
                               *sampled_by(sp)))
@@ -118,6 +119,32 @@ def generate(prep, tok, work: list[Work], seconds: float | None = None, say=prin
     if bar is not None:
         bar.close()
     return out
+
+
+def open_user_turn(tok) -> str:
+    """The chat template's text up to where the user's first message begins (its system turn,
+    if it adds one, and the user's header): a prompt for the target to write a user's turn."""
+    mark = "USER-TURN-9c1e"
+    text = tok.render_chat([{"role": "user", "content": mark}], add_generation_prompt=False)
+    if mark not in text:
+        raise ValueError("the chat template does not show the user's message as written, so "
+                         "--self-prompts cannot leave it open; leave --self-prompts out")
+    return text[:text.index(mark)]
+
+
+def self_prompts(prep, tok, count: int, temperature: float, max_tokens: int, seed: int,
+                 say=print, progress=None) -> list[Prompt]:
+    """Up to `count` training prompts the target writes itself, as Magpie does: the chat
+    template with the user's turn left open, sampled at `temperature` (request i with seed
+    seed + i) until the turn ends; those cut at max_tokens, empty ones and repeats left out."""
+    prefix = tok.encode(open_user_turn(tok))
+    work = [(prefix, Prompt("", "train"), SamplingParams(temperature=temperature, seed=seed + i,
+                                                         max_tokens=max_tokens))
+            for i in range(count)]
+    out = generate(prep, tok, work, say=say, progress=progress, stopped_only=True,
+                   desc="self-prompts")
+    texts = dict.fromkeys(tok.decode(s.tokens[s.prompt_len:]).strip() for s in out)
+    return [Prompt(t, "train") for t in texts if t]
 
 
 def batches(samples: list[Sample], batch_tokens: int, rng: random.Random | None):

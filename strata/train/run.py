@@ -71,14 +71,23 @@ class Job:
                 f"({len(kept) - len(used)} others there not used)")
         if not todo or (self.answer_seconds is not None and self.answer_seconds <= 0):
             return used
-        prep = prepare(model=self.model, layer_split=self.layer_split, devices=self.devices,
-                       ctx_size=self.ctx, batch=self.batch, batch_groups=self.batch_groups,
-                       window_rows="auto", chunk_rows="auto")
-        out = train_data.generate(prep, self.tok, todo, self.answer_seconds,
+        out = train_data.generate(self._prepare(), self.tok, todo, self.answer_seconds,
                                   say=lambda s: None, progress=progress)
         if keep:
             train_data.save_samples(keep, kept + out)
         return used + out
+
+    def _prepare(self):
+        return prepare(model=self.model, layer_split=self.layer_split, devices=self.devices,
+                       ctx_size=self.ctx, batch=self.batch, batch_groups=self.batch_groups,
+                       window_rows="auto", chunk_rows="auto")
+
+    def self_prompts(self, count: int, temperature: float, progress=None):
+        """`count` requests for prompts the target writes itself (data.self_prompts), each up to
+        half of --max-prompt-tokens; the seeds follow --seed."""
+        return train_data.self_prompts(self._prepare(), self.tok, count, temperature,
+                                       self.max_prompt_tokens // 2, self.seed * 1_000_003 + 17,
+                                       say=lambda s: None, progress=progress)
 
     def head(self, path: str | None = None, ffn: int | None = None) -> NextNHead:
         """A new head (from the target's last block), or the one in the sidecar `path`; with

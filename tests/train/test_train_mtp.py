@@ -93,6 +93,22 @@ def test_later_turns_come_with_the_conversation_before_them(tmp_path):
         read_prompts(path)
 
 
+def test_the_target_writes_prompts_of_its_own(smollm2):
+    """--self-prompts: SmolLM2 continues its chat template's open user turn until the turn
+    ends; the prompts are training prompts, seeded (the same again), and each ended its turn
+    within max_prompt_tokens / 2 tokens."""
+    from strata.train.data import open_user_turn
+    job = Job(model=str(smollm2), devices="cpu", batch=4, batch_groups="1",
+              max_prompt_tokens=96, answer_tokens=16)
+    assert open_user_turn(job.tok).endswith("<|im_end|>\n<|im_start|>user\n")
+    own = job.self_prompts(4, 1.0)
+    assert 1 <= len(own) <= 4 and len({p.text for p in own}) == len(own)
+    assert all(p.split == "train" and p.text.strip() == p.text != "" and not p.history
+               for p in own)
+    assert all(len(job.tok.encode(p.text)) <= 48 for p in own)
+    assert job.self_prompts(4, 1.0) == own
+
+
 def test_the_benchmarks_refuse_a_later_turn(tmp_path):
     from strata.bench.harness import read_prompts as bench_prompts
     path = tmp_path / "turns.jsonl"
@@ -345,6 +361,9 @@ def test_the_cli_says_what_is_missing(tmp_path):
     assert res.exit_code == 2 and "leave --head-ffn out" in res.output
     res = CliRunner().invoke(cli.main, ["--model", "x.gguf", "--epochs", "0"])
     assert res.exit_code == 2 and "give --samples FILE" in res.output
+    res = CliRunner().invoke(cli.main, ["--model", "x.gguf", "--eval", str(head),
+                                        "--self-prompts", "8"])
+    assert res.exit_code == 2 and "train nothing: leave it out" in res.output
     res = CliRunner().invoke(cli.main, ["--model", "x.gguf", "--prompts", "p.jsonl", "--turns",
                                         "2", "--out", "h.gguf"])
     assert res.exit_code == 2 and "leave out one of them" in res.output
