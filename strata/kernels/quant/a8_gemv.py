@@ -7,10 +7,10 @@ four unsigned bytes times four signed bytes, added to an int32). Where a type's 
 nibbles (Q4_0, Q4_1, Q4_K), two nibble planes (Q8_0) or nibbles with high bits beside them
 (Q5_0, Q5_1, Q5_K, Q6_K: a word of the group's high bits, nibble-aligned), a word of eight
 codes gives its two byte words by masks and shifts, against the rows' codes as the quantizer
-also stores them, in pair order (codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight), Q6_K's
-16-code groups by one chain of dp4a a group (but in 4-row tiles), the rest by summing the words'
-products; the codebook types' codes (IQ4_NL, IQ4_XS) come from
-float_triton's `_codes` and are packed four to a word, against the codes in K order. Then, per
+also stores them, in pair order (codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight): Q6_K's
+16-code groups by one chain of dp4a a group (but in 4-row tiles), the rest by summing the
+words' products. The codebook types' codes (IQ4_NL, IQ4_XS) come from float_triton's `_codes`
+and are packed four to a word, against the codes in K order. Then, per
 (row, column), the groups' float terms (group_term) are added one by one in order along K,
 exactly as a8_mm's MMA adds them, so a row gets the same bits from either kernel
 (tests/kernels/test_quant_a8.py). Under the Triton interpreter, dp4a is the same sum of four
@@ -33,7 +33,6 @@ CODEBOOKS = ("IQ4_NL", "IQ4_XS")   # codes from a table, packed in K order (the 
 PARTS = 8    # the most parts of K a row's float terms are summed in (k_parts)
 COLUMN_BLOCKS = 768   # k_parts splits K until a weight has this many 32-column blocks a part
 HIGH_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))   # as int32
-TOP_BYTE = tl.constexpr(0xFF000000 - (1 << 32))
 
 
 @triton.jit
