@@ -6,12 +6,18 @@ client decodes), once per arm: `float` (--weights quantized: the packed kernels,
 Per arm: how often its argmax is the reference's greedy token, and the logits' relative error
 (|strata - reference| / |reference| per position: median and worst).
 
+With --device cpu (fp32 stages, weights widened: the kernels' arms are CUDA's) the int8 arm is
+emulated: each decode-window projection's rows, normed where the kernels fold the norm in, are
+quantized per 32 values as quantize_rows does (a8.quantize_rows_torch) and multiplied back out
+before the fp32 matmul: what int8 activations change, without the packed kernels' rounding.
+
     python tools/gpu/a8_quality.py [--model smollm2-135m] [--prompts tools/handwritten_prompts.jsonl]
         [--requests 24] [--tokens 64] [--arms float,int8,bf16] [--device cuda:0] [--json-out F]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -69,6 +75,42 @@ def strata_logits(model: StageModel, prompt: list[int], answer: list[int]) -> to
     return torch.cat(rows)
 
 
+@contextlib.contextmanager
+def emulated_int8():
+    """CPU stages whose decode projections see their rows quantized to int8 and back (the
+    module says why); the head's rows too."""
+    from strata.kernels import fused
+    from strata.kernels.quant.a8 import QBLOCK, quantize_rows_torch
+    from strata.stage_worker import model as stage_model
+
+    def rounded(x):
+        q, dx = quantize_rows_torch(x)
+        m, k = x.shape
+        return (q.float().view(m, k // QBLOCK, QBLOCK) * dx[..., None]).view(m, k).to(x.dtype)
+
+    linear = fused.linear_rows
+    head = stage_model.StageModel._head_block
+
+    def linear_rows(x, w, res=None, policy=None, decode=False):
+        return linear(rounded(x) if decode else x, w, res, policy, decode)
+
+    def head_block(self, hidden, w):
+        h = stage_model.rms_norm(hidden, self.norm, self.cfg.rms_eps)
+        return torch.nn.functional.linear(rounded(h.float()), w.float())
+
+    patches = [(fused, "linear_rows", linear_rows), (stage_model, "linear_rows", linear_rows),
+               (stage_model.StageModel, "_head_block", head_block)]
+    saved = [(o, n, getattr(o, n)) for o, n, _ in patches]
+    try:
+        for o, n, f in patches:
+            setattr(o, n, f)
+        yield
+    finally:
+        for o, n, f in saved:
+            setattr(o, n, f)
+    assert fused.linear_rows is linear and stage_model.StageModel._head_block is head
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -86,7 +128,8 @@ def main() -> None:
     file = ModelFile(path)
     base = KernelPolicy.for_device(args.device)
     print(f"# {path.name}, {len(ref)} prompts of {args.prompts}, up to {args.tokens} greedy "
-          f"tokens by transformers (fp32), on {args.device}")
+          f"tokens by transformers (fp32), on {args.device}"
+          + (" (int8 emulated: the module says how)" if args.device == "cpu" else ""))
     print(f"{'arm':>6} {'positions':>9} {'argmax = greedy':>16} {'rel. error median':>18} "
           f"{'worst':>8}")
     results = {}
@@ -96,8 +139,10 @@ def main() -> None:
                            weights=weights,
                            policy=dataclasses.replace(base, int8_activations=int8))
         same, errors = 0, []
+        emulate = emulated_int8 if int8 and args.device == "cpu" else contextlib.nullcontext
         for prompt, answer, want in ref:
-            got = strata_logits(model, prompt, answer)
+            with emulate():
+                got = strata_logits(model, prompt, answer)
             same += int((got.argmax(-1) == torch.tensor(answer, device=got.device)).sum())
             errors += ((got - want).norm(dim=-1) / want.norm(dim=-1)).tolist()
         results[arm] = dict(positions=len(errors), argmax_is_greedy=same / len(errors),
