@@ -14,10 +14,11 @@ depend on the weight's shape alone (a8_gemv.k_parts): every kernel adds each (ro
 float terms group by group from zero within a part, then the parts in order, so a row gets the
 same bits from either and from any tile (tests/kernels/test_quant_a8.py). The GEMV takes a
 program a part and so does the MMA (more programs for a narrow weight with long rows), and a
-second kernel adds the parts. A group's term is a8_gemv.group_term's explicit fma(a dx, isum, b qs dx), the same
-in every kernel; the kernels launch with enable_fp_fusion=False so that Triton fuses no other
-product and sum, which it did one way for tiles of 1 and 2 rows and the other way from 4 rows
-up on sm_90 (changing a row's bits between tiles). The codes and scales come from
+second kernel adds the parts. A group's term is a8_gemv.group_term's explicit
+fma(a dx, isum, b qs dx), the same in every kernel; the kernels launch with
+enable_fp_fusion=False so that Triton fuses no other product and sum, which it did one way for
+tiles of 1 and 2 rows and the other way from 4 rows up on sm_90 (changing a row's bits between
+tiles). The codes and scales come from
 float_triton.py's `_codes` and `_terms`, a K step at a time, the codes' sums a group from the
 quantizer; the terms are added by `add_in_order`.
 """
@@ -44,10 +45,9 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, qp_ptr, dx_ptr, qs_ptr, K, eps, s
                           NORM: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr):
     """Program (row m, chunk c): the codes q [M, K] int8 (and again in pair order, qp),
     scales dx [M, K / 32] (a8.py) and the codes' sums qs [M, K / 16] int32 of the row's values
-    [c BLOCK, (c + 1) BLOCK). With
-    NORM each program reads the whole row (KP: K up to a power of two) in one load for its
-    rmsnorm: every program of a row adds the
-    same squares in the same order, so they share its scale r bit for bit."""
+    [c BLOCK, (c + 1) BLOCK). With NORM each program reads the whole row (KP: K up to a power
+    of two) in one load for its rmsnorm: every program of a row adds the same squares in the
+    same order, so they share its scale r bit for bit."""
     m = tl.program_id(0)
     c = tl.program_id(1)
     row = x_ptr + m * stride_xm
