@@ -1,17 +1,22 @@
 """The SASS instructions a quantized decode kernel spends per weight, without a GPU: compile
-kernels/quant/float_triton.py's `_quant_mm_kernel` for sm_90 with the Triton installed here (its
-bundled ptxas and nvdisasm), find the main loop (the longest body that a branch jumps back
-to), and count its instructions per weight a thread dequantizes (BLOCK_N x BLOCK_K / threads
-per step). Integer arguments and pointers are taken as divisible by 16, as Triton specializes
-them at launch, so loads vectorize as they do on the device.
+one of the kernels for sm_90 with the Triton installed here (its bundled ptxas and nvdisasm),
+find the main loop (the longest body that a branch jumps back to), and count its instructions
+per weight a thread covers a step (BLOCK_N x BLOCK_K / threads; the GEMV's step is 256 quants).
+Kernels: `float`, kernels/quant/float_triton.py's `_quant_mm_kernel` (16 to 64 rows); `a8-gemv`
+and `a8-mma`, the int8-activation GEMV (1 to 8 rows) and MMA (16 to 64) of a8_gemv.py and
+a8_triton.py, compiled as they launch (no FP fusion). Integer arguments and pointers are taken
+as divisible by 16, as Triton specializes them at launch, so loads vectorize as on the device.
 
-On an H200 this count tracks what `ncu --section InstructionStats` measures for the same
-kernel (the Q4_K decode kernel at 64 x 128 blocks: 9.2 here, 9.4 measured with Triton 3.6);
-it says how much arithmetic a change removes, not the time, which also depends on latency
-and occupancy (`ncu --section WarpStateStats`).
+Besides the count, the ALU issue slots a weight: an FP32 add, multiply or fma counts 1, an
+integer or logic instruction 2 and a conversion 8 (sm_90 issues 128, 64 and 16 of them a clock
+per SM). On an H200 the count tracks what `ncu --section InstructionStats` measures for the same
+kernel (the Q4_K decode kernel at 64 x 128 blocks: 9.2 here, 9.4 measured with Triton 3.6); it
+says how much arithmetic a change removes, not the time, which also depends on latency,
+occupancy and the device's own Triton (a change that counted 22% fewer here ran 2-3x slower
+there once): time it with tools/gpu/bench_a8.py or bench_quant.py before believing it.
 
-    python tools/sass_count.py [--type Q4_K] [--block-n 64] [--block-k 128] [--stages 2]
-        [--rows 16] [--warps 4] [--sass-out FILE]
+    python tools/sass_count.py [--kernel float|a8-gemv|a8-mma] [--type Q4_K] [--rows 16]
+        [--block-n 64] [--block-k 128] [--stages 2] [--dot batched] [--warps 4] [--sass-out F]
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from strata.kernels.quant.a8_gemv import STEP, _a8_gemv_kernel
+from strata.kernels.quant.a8_triton import DOTS, _a8_mm_kernel
 from strata.kernels.quant.float_triton import TYPE_IDS, _quant_mm_kernel
 from strata.kernels.quant.weight import BLOCKS
 
@@ -36,16 +43,24 @@ _BRANCH = re.compile(r"BRA\s+`\(\.(L_x_\d+)\)")
 _OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
+FP32 = {"FADD", "FMUL", "FFMA", "FSEL", "FMNMX", "HADD2", "HMUL2", "HFMA2"}
+INTEGER = {"IADD3", "VIADD", "IMAD", "LOP3", "SHF", "PRMT", "LEA", "ISETP", "SEL", "IMNMX",
+           "SGXT", "IABS", "BMSK", "IDP", "PLOP3"}
+CONVERSIONS = {"I2FP", "F2FP", "F2I", "I2F", "F2F"}
+
+
 def compile_sass(fn, types: dict[str, str], constants: dict, warps: int,
-                 plain: tuple[str, ...] = ("M",)) -> str:
+                 plain: tuple[str, ...] = ("M",), options: dict | None = None) -> str:
     """The SASS of `fn` for sm_90: `types` gives each runtime argument's Triton type,
-    `constants` the constexprs; arguments outside `plain` are taken as divisible by 16."""
+    `constants` the constexprs; arguments outside `plain` are taken as divisible by 16;
+    `options`: more compile options (as a launch passes them)."""
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name in types and name not in plain
              and (types[name].startswith("*") or types[name] == "i32")}
     kernel = triton.compile(ASTSource(fn, signature, constants, attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, **(options or {})})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -80,40 +95,76 @@ def histogram(body: list[str]) -> collections.Counter:
     return collections.Counter(m.group(1) for m in map(_OPCODE.search, body) if m)
 
 
+def issue_slots(ops: collections.Counter) -> int:
+    """The ALU issue slots of an instruction mix (the module says the weights)."""
+    return sum(n * (1 if op in FP32 else 2 if op in INTEGER else 8 if op in CONVERSIONS else 0)
+               for op, n in ops.items())
+
+
+def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stages: int,
+            dot: str):
+    """(jit function, argument types, constexprs, compile options, quants a step)."""
+    weight = {"p0": "*i32", "p1": "*i32", "p3": "*fp16", "s0": "i32", "s1": "i32", "s2": "i32",
+              "s3": "i32", "p2": ("*i8" if qtype == "Q6_K" else
+                                  "*i32" if qtype.endswith("_K") else "*fp16")}
+    shape = {"res_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+             "stride_rm": "i32", "stride_om": "i32"}
+    common = dict(QTYPE=TYPE_IDS[qtype], S=BLOCKS[qtype][2], HAS_RES=False, BLOCK_M=rows,
+                  BLOCK_N=block_n)
+    if kernel == "float":
+        types = {**weight, **shape, "x_ptr": "*bf16", "g_ptr": "*bf16", "sq_ptr": "*fp32",
+                 "KS": "i32", "eps": "fp32", "stride_xm": "i32"}
+        return (_quant_mm_kernel, types, dict(common, NORM=False, SPLIT=True, BLOCK_K=block_k,
+                                              STAGES=stages),
+                {"enable_fp_fusion": True}, block_k)   # as it launches: Triton's default
+    if kernel == "a8-gemv":
+        types = {**weight, **shape, "qw_ptr": "*i32", "dx_ptr": "*fp32", "xrow_ptr": "*i32",
+                 "wrow_ptr": "*i32", "L": "i32", "L4": "i32", "L8": "i32", "L32": "i32"}
+        return (_a8_gemv_kernel, types, dict(common, ASM=True, PAIRS=False, STEP=STEP,
+                                             STAGES=stages, P=1),
+                {"enable_fp_fusion": False}, STEP)
+    types = {**weight, **shape, "q_ptr": "*i8", "dx_ptr": "*fp32", "qs_ptr": "*i32"}
+    return (_a8_mm_kernel, types, dict(common, STEP=block_k, DOT=DOTS.index(dot), P=1),
+            {"enable_fp_fusion": False, "num_stages": stages}, block_k)
+
+
 @click.command()
+@click.option("--kernel", type=click.Choice(["float", "a8-gemv", "a8-mma"]), default="float",
+              show_default=True)
 @click.option("--type", "qtype", type=click.Choice(sorted(TYPE_IDS)), default="Q4_K",
               show_default=True)
 @click.option("--block-n", type=int, default=64, show_default=True)
-@click.option("--block-k", type=int, default=128, show_default=True)
+@click.option("--block-k", type=int, default=128, show_default=True,
+              help="Quants a step (the GEMV's is 256).")
 @click.option("--stages", type=int, default=2, show_default=True)
-@click.option("--rows", type=click.Choice(["16", "32", "64"]), default="16", show_default=True,
-              help="The row tile (BLOCK_M).")
+@click.option("--rows", type=click.Choice(["1", "2", "4", "8", "16", "32", "64"]),
+              default="16", show_default=True,
+              help="The row tile (BLOCK_M): 1 to 8 for a8-gemv, 16 to 64 for the others.")
+@click.option("--dot", type=click.Choice(list(DOTS)), default="batched", show_default=True,
+              help="a8-mma's way to the groups' integer sums.")
 @click.option("--warps", type=int, default=4, show_default=True)
 @click.option("--sass-out", type=click.Path(dir_okay=False), default=None,
               help="Also write the whole SASS here.")
-def cli(qtype, block_n, block_k, stages, rows, warps, sass_out):
-    """Count the SASS of the quantized decode kernel's main loop per weight."""
-    types = {"x_ptr": "*bf16", "g_ptr": "*bf16", "p0": "*i32", "p1": "*i32",
-             "p2": "*i32" if qtype.endswith("_K") and qtype != "Q6_K" else "*fp16",
-             "p3": "*fp16", "s0": "i32", "s1": "i32", "s2": "i32", "s3": "i32",
-             "res_ptr": "*bf16", "out_ptr": "*fp32", "sq_ptr": "*fp32", "M": "i32", "N": "i32",
-             "K": "i32", "KS": "i32", "eps": "fp32", "stride_xm": "i32", "stride_rm": "i32",
-             "stride_om": "i32"}
-    if qtype == "Q6_K":
-        types["p2"] = "*i8"
-    constants = dict(QTYPE=TYPE_IDS[qtype], S=BLOCKS[qtype][2], NORM=False, HAS_RES=False,
-                     SPLIT=True, BLOCK_M=int(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-                     STAGES=stages)
-    sass = compile_sass(_quant_mm_kernel, types, constants, warps)
+def cli(kernel, qtype, block_n, block_k, stages, rows, dot, warps, sass_out):
+    """Count the SASS of a quantized decode kernel's main loop per weight."""
+    rows = int(rows)
+    if (kernel == "a8-gemv") != (rows <= 8):
+        raise click.UsageError(f"--rows {rows} is not a tile of --kernel {kernel}: a8-gemv "
+                               f"takes 1, 2, 4 or 8 rows, the others 16, 32 or 64")
+    fn, types, constants, options, step = _kernel(kernel, qtype, rows, block_n, block_k,
+                                                  stages, dot)
+    sass = compile_sass(fn, types, constants, warps, options=options)
     if sass_out:
         with open(sass_out, "w") as f:
             f.write(sass)
     body = main_loop(sass)
-    weights = block_n * block_k / (32 * warps)
-    click.echo(f"{qtype} blocks {block_n} x {block_k}, {rows}-row tile, {stages} stages, "
+    ops = histogram(body)
+    weights = block_n * step / (32 * warps)
+    click.echo(f"{kernel} {qtype} blocks {block_n} x {step}, {rows}-row tile, {stages} stages, "
                f"{warps} warps, Triton {triton.__version__}: {len(body)} instructions a step, "
-               f"{weights:.0f} weights a thread: {len(body) / weights:.2f} a weight")
-    for op, n in histogram(body).most_common(16):
+               f"{weights:.0f} weights a thread: {len(body) / weights:.2f} a weight, "
+               f"{issue_slots(ops) / weights:.2f} ALU issue slots a weight")
+    for op, n in ops.most_common(16):
         click.echo(f"  {op:10} {n:5}  {n / weights:5.2f}")
 
 
