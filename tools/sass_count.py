@@ -11,9 +11,12 @@ Besides the count, the ALU issue slots a weight: an FP32 add, multiply or fma co
 integer or logic instruction 2 and a conversion 8 (sm_90 issues 128, 64 and 16 of them a clock
 per SM). On an H200 the count tracks what `ncu --section InstructionStats` measures for the same
 kernel (the Q4_K decode kernel at 64 x 128 blocks: 9.2 here, 9.4 measured with Triton 3.6); it
-says how much arithmetic a change removes, not the time, which also depends on latency,
-occupancy and the device's own Triton (a change that counted 22% fewer here ran 2-3x slower
-there once): time it with tools/gpu/bench_a8.py or bench_quant.py before believing it.
+says how much arithmetic a change removes, not the time, which also depends on latency and
+occupancy. Count with the device's Triton: versions compile the same kernel differently (a
+chain of dp4a that Triton 3.9 made 256 instructions a step, Triton 3.6 made 735, and it ran 2-3x
+slower on a 3.6 device). `pip install --no-deps --target DIR triton==3.6.0`, then
+`PYTHONPATH=DIR python tools/sass_count.py ...`; time what it suggests with
+tools/gpu/bench_a8.py or bench_quant.py.
 
     python tools/sass_count.py [--kernel float|a8-gemv|a8-mma] [--type Q4_K] [--rows 16]
         [--block-n 64] [--block-k 128] [--stages 2] [--dot batched] [--warps 4] [--sass-out F]
