@@ -159,19 +159,19 @@ def main(model, out, prompts, write_prompts, turns, self_prompts, self_temperatu
     rng.shuffle(held)
     train = train[:train_prompts] if train_prompts else train
     held = held[:heldout_prompts]
-    if self_prompts:
-        own = job.self_prompts(self_prompts, self_temperature, _progress())
-        click.echo(f"{len(own)} prompts written by the target (of {self_prompts} asked: the "
-                   f"others were cut at {max_prompt_tokens // 2} tokens, empty or repeated)",
-                   err=True)
-        train = own + train
-    if not held or (not train and not eval_head):
+    if not held or (not train and not self_prompts and not eval_head):
         raise click.UsageError(f"the prompts hold {len(train)} training and {len(held)} "
                                f"held-out prompts; both are needed")
     trains = epochs > 0 or eval_head
     if trains:   # before the answers: a head that cannot be made fails at once
         torch.manual_seed(seed)
         head = job.head(eval_head or init_head, head_ffn)
+    if self_prompts:
+        own = job.self_prompts(self_prompts, self_temperature, _progress())
+        click.echo(f"{len(own)} prompts written by the target (of {self_prompts} asked: the "
+                   f"others were cut at {max_prompt_tokens // 2} tokens, empty or repeated)",
+                   err=True)
+        train = own + train
     start = time.perf_counter()
     data = job.samples((held if eval_head else held + train), samples, _progress(),
                        say=lambda s: click.echo(s, err=True))
