@@ -172,6 +172,11 @@ def main(model, out, prompts, write_prompts, turns, self_prompts, self_temperatu
                    f"others were cut at {max_prompt_tokens // 2} tokens, empty or repeated)",
                    err=True)
         train = own + train
+        if not train and not eval_head:
+            raise click.UsageError(f"no training prompts: the prompts hold none and the target "
+                                   f"ended none of its {self_prompts} within "
+                                   f"{max_prompt_tokens // 2} tokens; raise --max-prompt-tokens "
+                                   f"or give training prompts")
     start = time.perf_counter()
     data = job.samples((held if eval_head else held + train), samples, _progress(),
                        say=lambda s: click.echo(s, err=True))
