@@ -40,9 +40,6 @@ class Codes:
     def __getitem__(self, rows: slice) -> Codes:
         return Codes(self.q[rows], self.dx[rows], self.qs[rows], self.qp[rows])
 
-    def __len__(self) -> int:
-        return self.q.shape[0]
-
 
 def quantize_rows_torch(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
                         ) -> tuple[torch.Tensor, torch.Tensor]:
