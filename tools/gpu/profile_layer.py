@@ -1,12 +1,21 @@
-"""Where a decode window's GPU time goes on one stage (an experiment, not a test):
-the kernels of an eager 8-row window under torch.profiler, each layer matmul alone against
-its HBM time, and the graph replay. Usage: python3 tools/gpu/profile_layer.py MODEL START:END"""
-import sys
+"""Where a decode window's GPU time goes on one stage (an experiment, not a test): for each
+window size, the kernels of eager windows under torch.profiler (device time a window, by
+kernel), their sum, and the CUDA graph's replay of the same window: what the replay takes
+beyond the kernels' own time is launch gaps. With bf16 weights, each layer matmul alone
+against its HBM time too.
 
+    python3 tools/gpu/profile_layer.py MODEL START:END [--weights quantized]
+        [--activations int8] [--rows 1,8,64]
+"""
+import dataclasses
+from collections import defaultdict
+
+import click
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from strata.kernels.policy import KernelPolicy
 from strata.model.gguf_file import ModelFile
 from strata.stage_worker.model import KVCache, Rows, StageModel
 from strata.stage_worker.runner import WindowRunner
@@ -27,49 +36,87 @@ def timed(fn, n=200) -> float:
     return a.elapsed_time(b) / n * 1e3
 
 
-def main():
-    path, span = sys.argv[1], sys.argv[2]
-    start, end = (int(x) for x in span.split(":"))
-    file = ModelFile(path)
-    cfg = file.config
-    torch.cuda.set_device(0)
-    model = StageModel(file, start, end, ctx=512, device="cuda:0")
-    cache = KVCache(len(model.layers), 8, cfg, 512, model.device, model.dtype)
-    rows = Rows(list(range(8)), [256] * 8)
-    inputs = (torch.randint(0, cfg.vocab, (8,)) if model.first
-              else torch.randn(8, cfg.d_model).to(model.dtype))
-    eager, graphed = WindowRunner(model, cache, 0), WindowRunner(model, cache, 8)
-    with torch.inference_mode():
-        for _ in range(3):
+def kernel_table(model, cache, inputs, rows, iters: int = 10, top: int = 16) -> float:
+    """Print the window's kernels by device time (us a window, launches a window); return
+    their sum in us."""
+    eager = WindowRunner(model, cache, 0)
+    for _ in range(3):
+        eager.run(inputs, rows)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
             eager.run(inputs, rows)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                eager.run(inputs, rows)
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
-                                        max_name_column_width=70))
-        total = sum(e.device_time_total for e in prof.key_averages()) / 10
-        print(f"sum of kernel times per window: {total / 1e3:.3f} ms")
-        graphed.run(inputs, rows)
-        graph = next(iter(graphed.graphs.values())).graph
-        print(f"graph replay per window: {timed(graph.replay, 50) / 1e3:.3f} ms")
+    times, calls = defaultdict(float), defaultdict(int)
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            times[e.key] += e.device_time_total / iters
+            calls[e.key] += e.count // iters
+    total = sum(times.values())
+    for name, us in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us:9.1f} us {us / total:6.1%} {calls[name]:5d}x  {name[:90]}")
+    print(f"  kernels: {sum(calls.values())} launches, {total:.1f} us a window")
+    return total
 
-        layer = model.layers[0]
-        x8 = torch.randn(8, cfg.d_model, device="cuda:0", dtype=model.dtype)
-        h8 = torch.randn(8, cfg.d_ffn, device="cuda:0", dtype=model.dtype)
-        mats = {"qkv": (layer.wqkv, lambda w: F.linear(x8, w)),
-                "o (addmm)": (layer.wo, lambda w: torch.addmm(x8, x8, w.t())),
-                "gate_up": (layer.w_gate_up, lambda w: F.linear(x8, w)),
-                "down (addmm)": (layer.w_down, lambda w: torch.addmm(x8, h8, w.t()))}
-        for lib in ("cublas", "cublaslt"):
-            torch.backends.cuda.preferred_blas_library(lib)
-            for name, (w, fn) in mats.items():
-                us = timed(lambda: fn(w))
-                limit = w.numel() * w.element_size() / HBM * 1e6
-                print(f"{lib:>8} {name:>13} {tuple(w.shape)}: {us:7.1f} us, HBM limit "
-                      f"{limit:6.1f} us ({limit / us:.0%})")
-        torch.backends.cuda.preferred_blas_library("cublas")
+
+def matmuls_alone(model, cfg) -> None:
+    """Each bf16 layer matmul of 8 rows alone, against the time to read its weight."""
+    layer = model.layers[0]
+    x8 = torch.randn(8, cfg.d_model, device=model.device, dtype=model.dtype)
+    h8 = torch.randn(8, cfg.d_ffn, device=model.device, dtype=model.dtype)
+    mats = {"qkv": (layer.wqkv, lambda w: F.linear(x8, w)),
+            "o (addmm)": (layer.wo, lambda w: torch.addmm(x8, x8, w.t())),
+            "gate_up": (layer.w_gate_up, lambda w: F.linear(x8, w)),
+            "down (addmm)": (layer.w_down, lambda w: torch.addmm(x8, h8, w.t()))}
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for name, (w, fn) in mats.items():
+            us = timed(lambda: fn(w))
+            limit = w.numel() * w.element_size() / HBM * 1e6
+            print(f"{lib:>8} {name:>13} {tuple(w.shape)}: {us:7.1f} us, HBM limit "
+                  f"{limit:6.1f} us ({limit / us:.0%})")
+    torch.backends.cuda.preferred_blas_library("cublas")
+
+
+@click.command()
+@click.argument("model_path")
+@click.argument("span")
+@click.option("--weights", default="bf16", show_default=True,
+              help="bf16, quantized or auto, as strata-launch's --weights.")
+@click.option("--activations", type=click.Choice(["float", "int8"]), default="float",
+              show_default=True)
+@click.option("--rows", "row_counts", default="8", show_default=True,
+              help="Window sizes (all rows live), comma-separated.")
+@click.option("--context", type=int, default=256, show_default=True,
+              help="Each row's position.")
+def main(model_path, span, weights, activations, row_counts, context):
+    start, end = (int(x) for x in span.split(":"))
+    file = ModelFile(model_path)
+    cfg = file.config
+    torch.cuda.set_device(0)
+    policy = dataclasses.replace(KernelPolicy.for_device("cuda:0"),
+                                 int8_activations=activations == "int8")
+    model = StageModel(file, start, end, ctx=2 * context, device="cuda:0", weights=weights,
+                       policy=policy)
+    sizes = [int(r) for r in row_counts.split(",")]
+    cache = KVCache(len(model.layers), max(sizes), cfg, 2 * context, model.device, model.dtype)
+    print(f"{model_path} layers {start}:{end}, weights {weights}, activations {activations}, "
+          f"{torch.cuda.get_device_name()}")
+    with torch.inference_mode():
+        for n in sizes:
+            rows = Rows(list(range(n)), [context] * n)
+            inputs = (torch.randint(0, cfg.vocab, (n,)) if model.first
+                      else torch.randn(n, cfg.d_model).to(model.dtype))
+            print(f"{n} rows:")
+            kernels = kernel_table(model, cache, inputs, rows)
+            graphed = WindowRunner(model, cache, 1)
+            graphed.run(inputs, rows)
+            graph = next(iter(graphed.graphs.values())).graph
+            replay = timed(graph.replay, 50)
+            print(f"  graph replay {replay:.1f} us a window: {replay - kernels:.1f} us beyond "
+                  f"the kernels ({1 - kernels / replay:.0%})")
+        if weights == "bf16":
+            matmuls_alone(model, cfg)
 
 
 if __name__ == "__main__":
