@@ -1,7 +1,8 @@
 """Where a decode window's GPU time goes on one stage (an experiment, not a test): for each
 window size, the kernels of eager windows under torch.profiler (device time a window, by
-kernel), their sum, and the CUDA graph's replay of the same window: what the replay takes
-beyond the kernels' own time is launch gaps. With bf16 weights, each layer matmul alone
+kernel: the layers, no head), their sum, and the CUDA graph's replay of the same window: what
+the replay takes beyond the kernels' own time is launch gaps, and on the last stage the head
+(its decode graph computes every row's logits). With bf16 weights, each layer matmul alone
 against its HBM time too.
 
     python3 tools/gpu/profile_layer.py MODEL START:END [--weights quantized]
@@ -113,8 +114,9 @@ def main(model_path, span, weights, activations, row_counts, context):
             graphed.run(inputs, rows)
             graph = next(iter(graphed.graphs.values())).graph
             replay = timed(graph.replay, 50)
+            beyond = "launch gaps and the head" if model.last else "launch gaps"
             print(f"  graph replay {replay:.1f} us a window: {replay - kernels:.1f} us beyond "
-                  f"the kernels ({1 - kernels / replay:.0%})")
+                  f"the kernels ({1 - kernels / replay:.0%}: {beyond})")
         if weights == "bf16":
             matmuls_alone(model, cfg)
 
