@@ -76,16 +76,23 @@ def test_the_kernel_is_the_integer_block_sums(device, qtype):
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_mma_dots_give_the_same_bits(device, qtype):
-    """The MMA tiles' two ways to the groups' integer sums (a8_mm's `dot`: batched,
-    block-diagonal): the same bits, with a residual, in tiles of 16 and 32 rows."""
+    """The MMA tiles' two ways to the groups' integer sums (a8_mm's `dot`: batched, Q6_K's
+    groups in pairs, and block-diagonal): the same bits, with a residual, in tiles of 16 and
+    32 rows, at K steps of 256 and 64 (Q6_K: 16 and 4 groups a step), near the exact sums."""
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     w, _ = _weight(qtype, 32, K, device, seed=7)
     x, res = _x(20, K, device, seed=8), _x(20, 32, device, seed=9)
     c = quantize_rows(x)
-    for tile in (16, 32):
-        want = a8_mm(c, w.parts[0], res, block_m=tile)
-        got = a8_mm(c, w.parts[0], res, block_m=tile, dot="diagonal")
-        assert torch.equal(got, want), f"{tile} rows"
+    part = w.parts[0]
+    for tile, step in ((16, 256), (32, 64)):
+        want = a8_mm(c, part, res, block_m=tile, block_k=step, dot="diagonal")
+        got = a8_mm(c, part, res, block_m=tile, block_k=step, dot="batched")
+        assert torch.equal(got, want), f"{tile} rows, steps of {step}"
+    exact = a8_mm_reference(c.q.cpu(), c.dx.cpu(), Part(
+        qtype, part.rows, part.cols, {k: v.cpu() for k, v in part.planes.items()}))
+    torch.testing.assert_close((got - res.float()).double().cpu(), exact, rtol=1e-5,
+                               atol=2e-2 * exact.abs().max().item() if device != "cpu" else
+                               1e-6 * exact.abs().max().item())
 
 
 @pytest.mark.parametrize("device", triton_devices())

@@ -8,8 +8,9 @@ arithmetic; its plain-torch reference is a8_mm_reference):
 
 a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 to 8 rows, a row
 tile of 1, 2, 4 or 8: a8_gemv.py, four products a dp4a) and an MMA (more rows: tile 16, 32 or
-64: int8 tl.dots into int32, batched over a K step's groups, or one dot against the rows' codes
-laid out block-diagonally so that each group's sums come apart). K is cut into parts that
+64: int8 tl.dots into int32, batched over a K step's groups (Q6_K's groups of 16 in pairs), or
+one dot against the rows' codes laid out block-diagonally so that each group's sums come
+apart). K is cut into parts that
 depend on the weight's shape alone (a8_gemv.k_parts): every kernel adds each (row, column)'s
 float terms group by group from zero within a part, then the parts in order, so a row gets the
 same bits from either and from any tile (tests/kernels/test_quant_a8.py). The GEMV takes a
@@ -121,7 +122,9 @@ def _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_o
     """acc [BN, BM] + a K step's G groups' terms in order, their integer sums [BN, BM, G]
     from one dot: against the rows' codes laid out block-diagonally (DOT 0), [STEP, G BM] with
     group g's quants against columns g BM .. (zeros elsewhere: G times the products the sums
-    need), or batched over the groups (DOT 1), [G, BN, S] x [G, S, BM]."""
+    need), or batched over the groups (DOT 1), [G, BN, S] x [G, S, BM]; Q6_K's 16-quant
+    groups (int8 dots take K of 32) batched in pairs, twice: against the rows' codes with the
+    pair's second group zeroed, then its first (twice the products the sums need)."""
     G: tl.constexpr = STEP // S
     g0 = k0 // S
     kk = tl.arange(0, STEP)
@@ -130,7 +133,17 @@ def _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_o
     if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
         u = u - 128
         b = b * 0.0
-    if DOT == 1:
+    if DOT == 1 and S == 16:   # two groups a dot of 32, the other group's codes zeroed
+        C: tl.constexpr = STEP // 32
+        q = tl.load(q_ptr + m[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0)
+        u3 = tl.permute(tl.reshape(u.to(tl.int8), (BLOCK_N, C, 32)), (1, 0, 2))  # [C, BN, 32]
+        q3 = tl.permute(tl.reshape(q, (BLOCK_M, C, 32)), (1, 2, 0))              # [C, 32, BM]
+        first = (tl.arange(0, 32) < 16)[None, :, None]
+        even = tl.dot(u3, tl.where(first, q3, 0).to(tl.int8), out_dtype=tl.int32)  # [C, BN, BM]
+        odd = tl.dot(u3, tl.where(first, 0, q3).to(tl.int8), out_dtype=tl.int32)
+        isum = tl.reshape(tl.permute(tl.join(even, odd), (1, 2, 0, 3)),
+                          (BLOCK_N, BLOCK_M, G))                      # group 2c + h at [.., c, h]
+    elif DOT == 1:
         q = tl.load(q_ptr + m[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0)
         u3 = tl.permute(tl.reshape(u.to(tl.int8), (BLOCK_N, G, S)), (1, 0, 2))   # [G, BN, S]
         q3 = tl.permute(tl.reshape(q, (BLOCK_M, G, S)), (1, 2, 0))               # [G, S, BM]
@@ -181,7 +194,7 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
           out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
           block_m: int | None = None, block_n: int | None = None,
           block_k: int | None = None, warps: int = 4, gemv_n: int | None = None,
-          stages: int | None = None, dot: str = "batched", parts: int = PARTS
+          stages: int | None = None, dot: str | None = None, parts: int = PARTS
           ) -> torch.Tensor:
     """x: quantize_rows' [M, K] rows; part: a quantized [N, K] weight; res:
     [M, N] or None -> [M, N] (into `out`, which may be a column slice of a wider tensor).
@@ -190,9 +203,9 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     default 16 for Q6_K and 32 for the rest; `stages` K steps in flight, default 2 for 8 rows
     and 3 for fewer); the MMA tiles block_n columns a program (default 16 for 16 rows, else
     64) and block_k quants a step (default 256 for 16 rows, else 128; at most K's step), their
-    groups' sums by `dot`: "batched" (default) or "diagonal" (block-diagonal); Q6_K's groups
-    of 16 always take the block-diagonal (int8 dots need K of 32); the same bits either way
-    (tools/gpu/bench_a8.py --mma times both). parts: the most parts of K (k_parts; a row's
+    groups' sums by `dot`: "batched" (the default for groups of 32) or "diagonal"
+    (block-diagonal, the default for Q6_K's groups of 16, which "batched" takes in pairs);
+    the same bits either way (tools/gpu/bench_a8.py --mma times both). parts: the most parts of K (k_parts; a row's
     bits depend on it, so every call on a weight must pass the same: leave it be outside
     experiments)."""
     q = x.q
@@ -203,7 +216,8 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     block_k = min(block_k or (4096 // block_m if q6 else 256 if block_m == 16 else 128),
                   gemv_step(k))
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
-            or (k // k_parts(part.rows, k, parts)) % block_k or block_k % group or dot not in DOTS):
+            or (k // k_parts(part.rows, k, parts)) % block_k or block_k % 32
+            or (dot or "batched") not in DOTS):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "
                          f"[{part.rows}, {part.cols}] do not fit blocks ({block_m} rows, "
                          f"{block_k} quants a step)")
@@ -220,8 +234,7 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     r = res if res is not None else out
     dst = out if p == 1 else torch.empty(p, m, part.rows, dtype=torch.float32, device=q.device)
     planes, strides = _planes(part)
-    if group < 32:   # Q6_K
-        dot = "diagonal"
+    dot = dot or ("diagonal" if group < 32 else "batched")
     grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n), p)
     _a8_mm_kernel[grid](q, x.dx, x.qs, *planes, *strides, r, dst, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
