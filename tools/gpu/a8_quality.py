@@ -10,9 +10,13 @@ With --device cpu (fp32 stages, weights widened: the kernels' arms are CUDA's) t
 emulated: each decode-window projection's rows, normed where the kernels fold the norm in, are
 quantized per 32 values as quantize_rows does (a8.quantize_rows_torch) and multiplied back out
 before the fp32 matmul: what int8 activations change, without the packed kernels' rounding.
+--act-block 256 emulates a scale per 256 values instead (as llama.cpp's q8_K on the CPU; rows
+of K not a multiple of 256 take the largest of 128, 64, 32 that divides it), which the kernels
+do not have: what such a scale would cost.
 
     python tools/gpu/a8_quality.py [--model smollm2-135m] [--prompts tools/handwritten_prompts.jsonl]
-        [--requests 24] [--tokens 64] [--arms float,int8,bf16] [--device cuda:0] [--json-out F]
+        [--requests 24] [--tokens 64] [--arms float,int8,bf16] [--device cuda:0]
+        [--act-block 32] [--json-out F]
 """
 from __future__ import annotations
 
@@ -75,17 +79,32 @@ def strata_logits(model: StageModel, prompt: list[int], answer: list[int]) -> to
     return torch.cat(rows)
 
 
+def blocks_rounded(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [M, K] with each row's blocks of `block` values (or of the largest of 128, 64, 32 that
+    divides K where `block` does not) quantized to int8 (scale max|y| / 127, codes rounded half
+    away from zero, as a8.quantize_rows_torch) and multiplied back out."""
+    m, k = x.shape
+    block = next(b for b in (block, 128, 64, 32) if k % b == 0)
+    y = x.float().view(m, k // block, block)
+    amax = y.abs().amax(-1, keepdim=True)
+    v = y * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v)).clamp(-127, 127)
+    return (q * (amax / 127.0)).view(m, k).to(x.dtype)
+
+
 @contextlib.contextmanager
-def emulated_int8():
-    """CPU stages whose decode projections see their rows quantized to int8 and back (the
-    module says why); the head's rows too."""
+def emulated_int8(block: int = 32):
+    """CPU stages whose decode projections see their rows quantized to int8 and back, a scale
+    per `block` values (the module says why); the head's rows too."""
     from strata.kernels import fused
     from strata.kernels.quant.a8 import QBLOCK, quantize_rows_torch
     from strata.stage_worker import model as stage_model
 
     def rounded(x):
-        q, dx = quantize_rows_torch(x)
         m, k = x.shape
+        if block != QBLOCK:
+            return blocks_rounded(x, block)
+        q, dx = quantize_rows_torch(x)
         return (q.float().view(m, k // QBLOCK, QBLOCK) * dx[..., None]).view(m, k).to(x.dtype)
 
     linear = fused.linear_rows
@@ -119,6 +138,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--arms", default="float,int8,bf16")
     ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--act-block", type=int, default=32,
+                    help="with --device cpu: the emulated int8 arm's values a scale (32 as the "
+                         "kernels, or 256)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     path = resolve_model(args.model)
@@ -129,7 +151,8 @@ def main() -> None:
     base = KernelPolicy.for_device(args.device)
     print(f"# {path.name}, {len(ref)} prompts of {args.prompts}, up to {args.tokens} greedy "
           f"tokens by transformers (fp32), on {args.device}"
-          + (" (int8 emulated: the module says how)" if args.device == "cpu" else ""))
+          + (f" (int8 emulated, a scale per {args.act_block}: the module says how)"
+             if args.device == "cpu" else ""))
     print(f"{'arm':>6} {'positions':>9} {'argmax = greedy':>16} {'rel. error median':>18} "
           f"{'worst':>8}")
     results = {}
@@ -139,7 +162,8 @@ def main() -> None:
                            weights=weights,
                            policy=dataclasses.replace(base, int8_activations=int8))
         same, errors = 0, []
-        emulate = emulated_int8 if int8 and args.device == "cpu" else contextlib.nullcontext
+        emulate = (lambda: emulated_int8(args.act_block)) if int8 and args.device == "cpu" \
+            else contextlib.nullcontext
         for prompt, answer, want in ref:
             with emulate():
                 got = strata_logits(model, prompt, answer)
@@ -154,6 +178,7 @@ def main() -> None:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
             {"model": path.name, "device": args.device, "tokens": args.tokens,
+             "act_block": args.act_block if args.device == "cpu" else 32,
              "requests": len(ref), "arms": results}, indent=1))
 
 
