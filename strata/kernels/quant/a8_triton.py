@@ -10,10 +10,10 @@ a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 t
 tile of 1, 2, 4 or 8: a8_gemv.py, four products a dp4a) and an MMA (more rows: tile 16, 32 or
 64: int8 tl.dots into int32, batched over a K step's groups (Q6_K's groups of 16 in pairs), or
 one dot against the rows' codes laid out block-diagonally so that each group's sums come
-apart). K is cut into parts that
-depend on the weight's shape alone (a8_gemv.k_parts): every kernel adds each (row, column)'s
-float terms group by group from zero within a part, then the parts in order, so a row gets the
-same bits from either and from any tile (tests/kernels/test_quant_a8.py). The GEMV takes a
+apart). K is cut into parts that depend on the weight's shape alone (a8_gemv.k_parts): every
+kernel adds each (row, column)'s float terms group by group from zero within a part, then the
+parts in order, so a row gets the same bits from either and from any tile
+(tests/kernels/test_quant_a8.py). The GEMV takes a
 program a part and so does the MMA (more programs for a narrow weight with long rows), and a
 second kernel adds the parts. A group's term is a8_gemv.group_term's explicit
 fma(a dx, isum, b qs dx), the same in every kernel; the kernels launch with
@@ -205,9 +205,9 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     64) and block_k quants a step (default 256 for 16 rows, else 128; at most K's step), their
     groups' sums by `dot`: "batched" (the default for groups of 32) or "diagonal"
     (block-diagonal, the default for Q6_K's groups of 16, which "batched" takes in pairs);
-    the same bits either way (tools/gpu/bench_a8.py --mma times both). parts: the most parts of K (k_parts; a row's
-    bits depend on it, so every call on a weight must pass the same: leave it be outside
-    experiments)."""
+    the same bits either way (tools/gpu/bench_a8.py --mma times both). parts: the most parts
+    of K (k_parts; a row's bits depend on it, so every call on a weight must pass the same:
+    leave it be outside experiments)."""
     q = x.q
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
