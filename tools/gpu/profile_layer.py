@@ -1,9 +1,9 @@
 """Where a decode window's GPU time goes on one stage (an experiment, not a test): for each
 window size, the kernels of eager windows under torch.profiler (device time a window, by
-kernel: the layers, no head), their sum, and the CUDA graph's replay of the same window: what
-the replay takes beyond the kernels' own time is launch gaps, and on the last stage the head
-(its decode graph computes every row's logits). With bf16 weights, each layer matmul alone
-against its HBM time too.
+kernel: the layers), their sum, on the last stage the head alone (its decode graph computes
+every row's logits), and the CUDA graph's replay of the same window: what the replay takes
+beyond those is launch gaps. With bf16 weights, each layer matmul alone against its HBM time
+too.
 
     python3 tools/gpu/profile_layer.py MODEL START:END [--weights quantized]
         [--activations int8] [--rows 1,8,64]
@@ -60,6 +60,22 @@ def kernel_table(model, cache, inputs, rows, iters: int = 10, top: int = 16) -> 
     return total
 
 
+def head_alone(runner: WindowRunner, n: int) -> float:
+    """us of the last stage's head over n rows (the window graph's head: logits and argmax of
+    every row), replayed from a graph of its own."""
+    model = runner.model
+    hidden = torch.randn(n, model.cfg.d_model, device=model.device, dtype=model.dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        runner._head_fn(hidden)                 # warm-up (compiles) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        runner._head_fn(hidden)
+    return timed(graph.replay, 50)
+
+
 def matmuls_alone(model, cfg) -> None:
     """Each bf16 layer matmul of 8 rows alone, against the time to read its weight."""
     layer = model.layers[0]
@@ -114,9 +130,11 @@ def main(model_path, span, weights, activations, row_counts, context):
             graphed.run(inputs, rows)
             graph = next(iter(graphed.graphs.values())).graph
             replay = timed(graph.replay, 50)
-            beyond = "launch gaps and the head" if model.last else "launch gaps"
-            print(f"  graph replay {replay:.1f} us a window: {replay - kernels:.1f} us beyond "
-                  f"the kernels ({1 - kernels / replay:.0%}: {beyond})")
+            head = head_alone(graphed, n) if model.last else 0.0
+            if model.last:
+                print(f"  the head alone (a graph of its own): {head:.1f} us")
+            print(f"  graph replay {replay:.1f} us a window: {replay - kernels - head:.1f} us "
+                  f"beyond the kernels{' and the head' if model.last else ''} (launch gaps)")
         if weights == "bf16":
             matmuls_alone(model, cfg)
 
