@@ -79,33 +79,20 @@ def strata_logits(model: StageModel, prompt: list[int], answer: list[int]) -> to
     return torch.cat(rows)
 
 
-def blocks_rounded(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x [M, K] with each row's blocks of `block` values (or of the largest of 128, 64, 32 that
-    divides K where `block` does not) quantized to int8 (scale max|y| / 127, codes rounded half
-    away from zero, as a8.quantize_rows_torch) and multiplied back out."""
-    m, k = x.shape
-    block = next(b for b in (block, 128, 64, 32) if k % b == 0)
-    y = x.float().view(m, k // block, block)
-    amax = y.abs().amax(-1, keepdim=True)
-    v = y * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v)).clamp(-127, 127)
-    return (q * (amax / 127.0)).view(m, k).to(x.dtype)
-
-
 @contextlib.contextmanager
 def emulated_int8(block: int = 32):
     """CPU stages whose decode projections see their rows quantized to int8 and back, a scale
-    per `block` values (the module says why); the head's rows too."""
+    per `block` values (or the largest of 128, 64, 32 dividing a row's K where `block` does
+    not; the module says why); the head's rows too."""
     from strata.kernels import fused
-    from strata.kernels.quant.a8 import QBLOCK, quantize_rows_torch
+    from strata.kernels.quant.a8 import quantize_rows_torch
     from strata.stage_worker import model as stage_model
 
     def rounded(x):
         m, k = x.shape
-        if block != QBLOCK:
-            return blocks_rounded(x, block)
-        q, dx = quantize_rows_torch(x)
-        return (q.float().view(m, k // QBLOCK, QBLOCK) * dx[..., None]).view(m, k).to(x.dtype)
+        b = next(b for b in (block, 128, 64, 32) if k % b == 0)   # a row of K not whole blocks
+        q, dx = quantize_rows_torch(x, block=b)
+        return (q.float().view(m, k // b, b) * dx[..., None]).view(m, k).to(x.dtype)
 
     linear = fused.linear_rows
     head = stage_model.StageModel._head_block

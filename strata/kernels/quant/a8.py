@@ -41,16 +41,17 @@ class Codes:
         return Codes(self.q[rows], self.dx[rows], self.qs[rows], self.qp[rows])
 
 
-def quantize_rows_torch(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q int8 [M, K], dx fp32 [M, K / 32]) as the module says (the Triton
-    quantizer's rounding, up to its division and sum order)."""
+def quantize_rows_torch(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
+                        block: int = QBLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], dx fp32 [M, K / block]) as the module says (the Triton
+    quantizer's rounding, up to its division and sum order); `block` values a scale, 32 as
+    the kernels (others only to measure what another block would change)."""
     y = x.float()
     if norm is not None:
         r = torch.rsqrt((y * y).sum(1, keepdim=True) / y.shape[1] + eps)
         y = y * r * norm.float()
     m, k = y.shape
-    blocks = y.view(m, k // QBLOCK, QBLOCK)
+    blocks = y.view(m, k // block, block)
     amax = blocks.abs().amax(-1)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     v = blocks * inv[..., None]
