@@ -8,7 +8,7 @@ weight's bytes. An experiment, not a test: what it prints is the ground for choo
 blocks per shape and for making int8 activations the default.
 
     python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64]
-        [--mma diagonal,batched] [--parts 8] [--every] [--json-out F]
+        [--mma diagonal,batched,groups] [--parts 8] [--every] [--json-out F]
 """
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ arithmetic; its plain-torch reference is a8_mm_reference):
 
 a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 to 8 rows, a row
 tile of 1, 2, 4 or 8: a8_gemv.py, four products a dp4a) and an MMA (more rows: tile 16, 32 or
-64: int8 tl.dots into int32, batched over a K step's groups (Q6_K's groups of 16 in pairs), or
-one dot against the rows' codes laid out block-diagonally so that each group's sums come
-apart). K is cut into parts that depend on the weight's shape alone (a8_gemv.k_parts): every
+64: int8 tl.dots into int32, batched over a K step's groups (Q6_K's groups of 16 in pairs), one
+dot against the rows' codes laid out block-diagonally so that each group's sums come apart, or
+a 2D dot a group of 32 whose sums stay in the accumulator's layout). K is cut into parts that depend on the weight's shape alone (a8_gemv.k_parts): every
 kernel adds each (row, column)'s float terms group by group from zero within a part, then the
 parts in order, so a row gets the same bits from either and from any tile
 (tests/kernels/test_quant_a8.py). The GEMV takes a
@@ -38,7 +38,7 @@ from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
 GEMV_TILES = (1, 2, 4, 8)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
-DOTS = ("diagonal", "batched")   # the MMA's ways to the groups' integer sums
+DOTS = ("diagonal", "batched", "groups")   # the MMA's ways to the groups' integer sums
 
 
 @triton.jit
@@ -84,8 +84,8 @@ def _a8_mm_kernel(q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr
                   DOT: tl.constexpr, P: tl.constexpr):
     """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. Program (row block,
     column block, part of K): each K step's groups' exact sums come from int8 dots
-    (_step_dot: block-diagonal, DOT 0, or batched, DOT 1: the same integers, so the same
-    bits), the part's terms added in order from zero; its sum into out, or with P > 1 into
+    (_step_dot: block-diagonal, DOT 0, batched, DOT 1, or a dot a group, DOT 2: the same
+    integers, so the same bits), the part's terms added in order from zero; its sum into out, or with P > 1 into
     the scratch rows of that part, which _add_parts_kernel adds in order, as for the GEMV."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -127,6 +127,9 @@ def _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_o
     pair's second group zeroed, then its first (twice the products the sums need)."""
     G: tl.constexpr = STEP // S
     g0 = k0 // S
+    if DOT == 2:
+        return _step_groups(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m,
+                            m_ok, n, n_ok, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N)
     kk = tl.arange(0, STEP)
     u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE, S, G, BLOCK_N), (BLOCK_N, STEP))
     a, b = _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE, G)                   # [BN, G]
@@ -161,6 +164,53 @@ def _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_o
                  mask=m_ok[:, None], other=0.0)                                 # [BM, G]
     t = group_term(isum, a[:, None, :] * dx[None, :, :], b[:, None, :] * (qs * dx)[None, :, :])
     return add_in_order(acc, t, BLOCK_N, BLOCK_M, G)
+
+
+@triton.jit
+def _pick(x, gi, g):
+    """x [D, G]'s column g, [D] (a select and a sum of zeros: exact)."""
+    return tl.sum(tl.where(gi[None, :] == g, x, 0), 1)
+
+
+@triton.jit
+def _step_groups(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_ok,
+                 K, k0, QTYPE: tl.constexpr, S: tl.constexpr, STEP: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_step_dot's third way (DOT 2): a 2D int8 dot a group of 32 ([BN, 32] x [32, BM], the
+    sums in the accumulator's own layout), its term added to acc at once, group by group;
+    Q6_K's groups of 16 take a dot of their pair's 32 codes twice, the other group's
+    activation codes zeroed."""
+    G: tl.constexpr = STEP // S
+    g0 = k0 // S
+    gi = tl.arange(0, G)
+    k32 = tl.arange(0, 32)
+    a, b = _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE, G)                       # [BN, G]
+    qs = group_sums(qs_ptr, m, m_ok, K, g0, G, S)                             # [BM, G]
+    dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((g0 + gi) * S // 32)[None, :],
+                 mask=m_ok[:, None], other=0.0)                               # [BM, G]
+    for c in tl.static_range(STEP // 32):
+        u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g0 + c * (32 // S), QTYPE, S, 32 // S,
+                              BLOCK_N), (BLOCK_N, 32))
+        if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
+            u = u - 128
+        u = u.to(tl.int8)
+        q = tl.trans(tl.load(q_ptr + m[:, None] * K + k0 + 32 * c + k32[None, :],
+                             mask=m_ok[:, None], other=0))                    # [32, BM]
+        for h in tl.static_range(32 // S):
+            g = c * (32 // S) + h
+            if S == 16:
+                isum = tl.dot(u, tl.where((k32 // 16 == h)[:, None], q, 0).to(tl.int8),
+                              out_dtype=tl.int32)
+            else:
+                isum = tl.dot(u, q, out_dtype=tl.int32)                          # [BN, BM]
+            ag = _pick(a, gi, g)
+            bg = _pick(b, gi, g)
+            if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:
+                bg = bg * 0.0
+            dg = _pick(dx, gi, g)
+            cg = _pick(qs, gi, g).to(tl.float32) * dg
+            acc += group_term(isum, ag[:, None] * dg[None, :], bg[:, None] * cg[None, :])
+    return acc
 
 
 def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
@@ -203,9 +253,10 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     default 16 for Q6_K and 32 for the rest; `stages` K steps in flight, default 2 for 8 rows
     and 3 for fewer); the MMA tiles block_n columns a program (default 16 for 16 rows, else
     64) and block_k quants a step (default 256 for 16 rows, else 128; at most K's step), their
-    groups' sums by `dot`: "batched" (the default for groups of 32) or "diagonal"
-    (block-diagonal, the default for Q6_K's groups of 16, which "batched" takes in pairs);
-    the same bits either way (tools/gpu/bench_a8.py --mma times both). parts: the most parts
+    groups' sums by `dot`: "batched" (the default for groups of 32), "diagonal"
+    (block-diagonal, the default for Q6_K's groups of 16, which "batched" takes in pairs) or
+    "groups" (a 2D dot a group of 32, Q6_K's pairs twice; Hopper's wgmma from block_n 64);
+    the same bits any way (tools/gpu/bench_a8.py --mma times them). parts: the most parts
     of K (k_parts; a row's bits depend on it, so every call on a weight must pass the same:
     leave it be outside experiments)."""
     q = x.q
