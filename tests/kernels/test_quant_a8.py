@@ -137,6 +137,33 @@ def test_a_rows_bits_are_the_same_alone_and_among_1_to_63_others(device, qtype):
 
 
 @pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q5_0"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_the_fused_gate_up_is_silu_mul_of_the_projection(device, qtype, act, monkeypatch):
+    """a8_gate_up_silu: in the GEMV's windows one kernel (a program takes gate columns and
+    the same up columns, then act(gate) * up) gives silu_mul of a8_mm's [gate | up], bit for
+    bit; and row 0 alone gets its bits among 3, 8 and 20 rows (the 16-row tile: a8_mm, then
+    silu_mul)."""
+    from strata.kernels.fused_triton import silu_mul
+    from strata.kernels.quant import a8_triton
+    from strata.kernels.quant.a8_triton import a8_gate_up_silu, a8_mm, quantize_rows
+    w, _ = _weight(qtype, 64, K, device, seed=31)
+    x = _x(20, K, device, seed=32)
+    c = quantize_rows(x)
+    part = w.parts[0]
+    fused, real = [], a8_triton.a8_gate_up
+    monkeypatch.setattr(a8_triton, "a8_gate_up",
+                        lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    alone = a8_gate_up_silu(c[:1], part, act, x.dtype)
+    for m in (1, 3, 8, 20):
+        got = a8_gate_up_silu(c[:m], part, act, x.dtype)
+        assert torch.equal(got, silu_mul(a8_mm(c[:m], part, out_dtype=x.dtype), act)), m
+        assert torch.equal(got[0], alone[0]), f"row 0 among {m} rows"
+    assert len(fused) == 4, "the windows of 1 to 8 rows did not take the fused kernel"
+    assert got.shape == (20, 32) and got.abs().max() > 0
+
+
+@pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_1", "Q8_0", "IQ4_XS"])
 def test_a_rows_bits_are_the_same_in_every_tile_when_k_has_parts(device, qtype):
     """K = 1024: four parts of K, each summed alone, then in order. Row 0 alone in the GEMV,

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.fused_triton import ACTS, gate_act
 from strata.kernels.quant.a8 import Codes
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
@@ -128,9 +129,12 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
                     QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                     ASM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, STEP: tl.constexpr, STAGES: tl.constexpr,
-                    P: tl.constexpr, L, L4, L8, L32):
+                    P: tl.constexpr, L, L4, L8, L32, ACT: tl.constexpr):
     """Program (row block, column block, part of K): the part's L quants (L4, L8, L32: L / 4,
-    / 8, / 32), its sum into out, or with P > 1 into out's rows of that part (a8_gemv)."""
+    / 8, / 32), its sum into out, or with P > 1 into out's rows of that part (a8_gemv).
+    ACT >= 0 (one part): the weight is [gate | up] (2N rows) and out [M, N] gets
+    act(gate) * up (fused_triton's silu_mul) of both halves' columns n, each rounded to
+    out's dtype first, as the projection's output would be."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
@@ -140,15 +144,9 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
         wn = n + tl.load(wrow_ptr + tl.program_id(0))
     G: tl.constexpr = STEP // S                 # groups a step
     AW: tl.constexpr = STEP // 4                # the rows' words a step
-    # the high bits a code of the 5- and 6-bit types (a qh word a group, code j of the group's
-    # qs word i at bits HIGH * i + 4 j: float_triton's _codes)
-    HIGH: tl.constexpr = (2 if QTYPE == Q6_K else
-                          1 if QTYPE == Q5_0 or QTYPE == Q5_1 or QTYPE == Q5_K else 0)
-    NIBBLES: tl.constexpr = (QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q4_K or QTYPE == Q8_0
-                             or HIGH > 0)
-    SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
     gi = tl.arange(0, G)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ones = tl.full([1, 1], 0x01010101, tl.int32)
     part = tl.program_id(2)
     qw_ptr += part * L4                         # the part's first quants, words and groups
@@ -160,53 +158,83 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
         # each group's sum of the rows' codes: dp4a against bytes of one (fewer instructions
         # here than loading the quantizer's sums, which the MMA takes)
         qs = tl.sum(tl.reshape(_dp4a(ones, aw, 0, ASM), (BLOCK_M, G, S // 4)), 2)
-        if NIBBLES:
-            # a word of eight codes (quants 8c .. 8c + 7; code j in bits 4j): the even codes'
-            # bytes w & 0x0F0F0F0F and the odd codes' (w >> 4) & 0x0F0F0F0F, against the
-            # rows' words in pair order, (q0, q2, q4, q6) and (q1, q3, q5, q7)
-            CW: tl.constexpr = STEP // 8
-            at = wn[:, None] * s0 + part * L8 + k0 // 8 + tl.arange(0, CW)[None, :]
-            w = tl.load(p0 + at, mask=n_ok[:, None], other=0)           # [BN, CW]
-            lo = w & 0x0F0F0F0F
-            hi = (w >> 4) & 0x0F0F0F0F
-            if QTYPE == Q8_0:                                             # the high nibbles
-                h = tl.load(p1 + at, mask=n_ok[:, None], other=0)
-                lo = lo | ((h << 4) & HIGH_NIBBLES)
-                hi = hi | (h & HIGH_NIBBLES)
-            elif HIGH > 0:   # each qs word's high bits, nibble-aligned: above the low nibbles
-                hw = tl.load(p1 + wn[:, None] * s1 + (g_part + k0 // S + gi)[None, :],
-                             mask=n_ok[:, None], other=0)                  # [BN, G]
-                x = tl.reshape(hw[:, :, None] >> (HIGH * tl.arange(0, S // 8))[None, None, :],
-                               (BLOCK_N, CW))
-                MB: tl.constexpr = ((1 << HIGH) - 1) * 0x01010101
-                lo = lo | ((x & MB) << 4)
-                hi = hi | (((x >> 4) & MB) << 4)
-            even, odd = tl.split(tl.reshape(aw, (BLOCK_M, CW, 2)))   # the rows' pair order
-            if S == 16 and BLOCK_M != 4:   # Q6_K: faster on an H100 as a chain a group
-                isum = _group_dots(lo, hi, even, odd, BLOCK_M, BLOCK_N, G, ASM)
-            else:   # the words' products summed (a chain of 8 was 2-3x slower for Q4_K)
-                prod = _dp4a(lo[None, :, :], even[:, None, :],
-                             _dp4a(hi[None, :, :], odd[:, None, :], 0, ASM), ASM)
-                isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 8)), 3)
-        else:
-            u = _codes(p0, p1, s0, s1, wn, n_ok, g_part + k0 // S, QTYPE, S, G,
-                       BLOCK_N)                                            # [BN, G, S]
-            cw = _pack4(tl.reshape(u, (BLOCK_N, STEP)), BLOCK_N, AW)            # [BN, AW]
-            prod = _dp4a(cw[None, :, :], aw[:, None, :], 0, ASM)
-            isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 4)), 3)
-        a, b = _terms(p2, p3, s2, s3, wn, n_ok, g_part + k0 // S, QTYPE, G)         # [BN, G]
-        if SIGNED:                                       # codes taken signed: u - 128, b = 0
-            isum = isum - 128 * qs[:, None, :]
-            b = b * 0.0
         dx = tl.load(dx_ptr + xm[:, None] * (K // 32) + ((k0 // S + gi) * S // 32)[None, :],
                      mask=m_ok[:, None], other=0.0)                        # [BM, G]
-        t = group_term(isum, dx[:, None, :] * a[None, :, :],
-                       (qs.to(tl.float32) * dx)[:, None, :] * b[None, :, :])
-        acc = add_in_order(acc, t, BLOCK_M, BLOCK_N, G)
-    if P == 1:   # the parts' sum from zero, as every kernel adds them (_add_parts_kernel)
+        w0, g0 = part * L8 + k0 // 8, g_part + k0 // S
+        acc = _gemv_step(acc, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn, n_ok, w0, g0,
+                         QTYPE, S, ASM, BLOCK_M, BLOCK_N, STEP)
+        if ACT >= 0:   # the same step of the up half's rows
+            acc_up = _gemv_step(acc_up, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn + N,
+                                n_ok, w0, g0, QTYPE, S, ASM, BLOCK_M, BLOCK_N, STEP)
+    if ACT >= 0:   # silu_mul's arithmetic on the projection's rounded outputs
+        dtype = out_ptr.dtype.element_ty
+        gate = (0.0 + acc).to(dtype).to(tl.float32)
+        up = (0.0 + acc_up).to(dtype).to(tl.float32)
+        store_rows(gate_act(gate, ACT) * up, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm,
+                   stride_om, False)
+    elif P == 1:   # the parts' sum from zero, as every kernel adds them (_add_parts_kernel)
         store_rows(0.0 + acc, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
     else:
         store_rows(acc, res_ptr, out_ptr + part * M * N, m, n, m_ok, n_ok, 0, N, False)
+
+
+@triton.jit
+def _gemv_step(acc, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn, n_ok, w0, g0,
+               QTYPE: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr):
+    """acc [BM, BN] + one K step's group terms of weight rows wn, in order: the rows' code
+    words aw [BM, STEP / 4] (pair order for the nibble types), their sums a group qs and
+    scales dx [BM, G]; the step's first code word w0 (of eight codes) and group g0 in a
+    weight row."""
+    G: tl.constexpr = STEP // S
+    gi = tl.arange(0, G)
+    # the high bits a code of the 5- and 6-bit types (a qh word a group, code j of the group's
+    # qs word i at bits HIGH * i + 4 j: float_triton's _codes)
+    HIGH: tl.constexpr = (2 if QTYPE == Q6_K else
+                          1 if QTYPE == Q5_0 or QTYPE == Q5_1 or QTYPE == Q5_K else 0)
+    NIBBLES: tl.constexpr = (QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q4_K or QTYPE == Q8_0
+                             or HIGH > 0)
+    SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
+    if NIBBLES:
+        # a word of eight codes (quants 8c .. 8c + 7; code j in bits 4j): the even codes'
+        # bytes w & 0x0F0F0F0F and the odd codes' (w >> 4) & 0x0F0F0F0F, against the
+        # rows' words in pair order, (q0, q2, q4, q6) and (q1, q3, q5, q7)
+        CW: tl.constexpr = STEP // 8
+        at = wn[:, None] * s0 + w0 + tl.arange(0, CW)[None, :]
+        w = tl.load(p0 + at, mask=n_ok[:, None], other=0)           # [BN, CW]
+        lo = w & 0x0F0F0F0F
+        hi = (w >> 4) & 0x0F0F0F0F
+        if QTYPE == Q8_0:                                             # the high nibbles
+            h = tl.load(p1 + at, mask=n_ok[:, None], other=0)
+            lo = lo | ((h << 4) & HIGH_NIBBLES)
+            hi = hi | (h & HIGH_NIBBLES)
+        elif HIGH > 0:   # each qs word's high bits, nibble-aligned: above the low nibbles
+            hw = tl.load(p1 + wn[:, None] * s1 + (g0 + gi)[None, :],
+                         mask=n_ok[:, None], other=0)                  # [BN, G]
+            x = tl.reshape(hw[:, :, None] >> (HIGH * tl.arange(0, S // 8))[None, None, :],
+                           (BLOCK_N, CW))
+            MB: tl.constexpr = ((1 << HIGH) - 1) * 0x01010101
+            lo = lo | ((x & MB) << 4)
+            hi = hi | (((x >> 4) & MB) << 4)
+        even, odd = tl.split(tl.reshape(aw, (BLOCK_M, CW, 2)))   # the rows' pair order
+        if S == 16 and BLOCK_M != 4:   # Q6_K: faster on an H100 as a chain a group
+            isum = _group_dots(lo, hi, even, odd, BLOCK_M, BLOCK_N, G, ASM)
+        else:   # the words' products summed (a chain of 8 was 2-3x slower for Q4_K)
+            prod = _dp4a(lo[None, :, :], even[:, None, :],
+                         _dp4a(hi[None, :, :], odd[:, None, :], 0, ASM), ASM)
+            isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 8)), 3)
+    else:
+        u = _codes(p0, p1, s0, s1, wn, n_ok, g0, QTYPE, S, G, BLOCK_N)       # [BN, G, S]
+        cw = _pack4(tl.reshape(u, (BLOCK_N, STEP)), BLOCK_N, STEP // 4)       # [BN, AW]
+        prod = _dp4a(cw[None, :, :], aw[:, None, :], 0, ASM)
+        isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 4)), 3)
+    a, b = _terms(p2, p3, s2, s3, wn, n_ok, g0, QTYPE, G)                     # [BN, G]
+    if SIGNED:                                           # codes taken signed: u - 128, b = 0
+        isum = isum - 128 * qs[:, None, :]
+        b = b * 0.0
+    t = group_term(isum, dx[:, None, :] * a[None, :, :],
+                   (qs.to(tl.float32) * dx)[:, None, :] * b[None, :, :])
+    return add_in_order(acc, t, BLOCK_M, BLOCK_N, G)
 
 
 @triton.jit
@@ -280,10 +308,32 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
                           ASM=q.device.type == "cuda", PAIRS=pairs is not None,
                           BLOCK_M=block_m, BLOCK_N=block_n, STEP=gemv_step(k), STAGES=stages,
                           P=p, L=k // p, L4=k // p // 4, L8=k // p // 8, L32=k // p // 32,
-                          num_warps=warps,
+                          ACT=-1, num_warps=warps,
                           enable_fp_fusion=False)   # as a8_mm: no tile-dependent FMAs
     if p > 1:
         add_parts(dst, res, out)
+    return out
+
+
+def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
+               block_n: int = 32, stages: int = 3, warps: int = 4) -> torch.Tensor:
+    """out [M, F] = act(gate) * up of [gate | up] = rows x @ part^T (part: [2F, K], in one
+    part of K), both halves rounded to out's dtype first: the GEMV tiles' a8_mm followed by
+    fused_triton's silu_mul, bit for bit, in one kernel (each program takes a gate column
+    block and the same columns of up)."""
+    q = x.q if part.qtype in CODEBOOKS else x.qp
+    m, k = q.shape
+    f = part.rows // 2
+    assert part.rows % 2 == 0 and k_parts(part.rows, k) == 1 and out.shape == (m, f)
+    planes, strides = _planes(part)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(f, block_n), 1)
+    _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, q, q, *planes, *strides, out, out, m, f,
+                          k, out.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
+                          S=BLOCKS[part.qtype][2], HAS_RES=False,
+                          ASM=q.device.type == "cuda", PAIRS=False, BLOCK_M=block_m,
+                          BLOCK_N=block_n, STEP=gemv_step(k), STAGES=stages, P=1, L=k,
+                          L4=k // 4, L8=k // 8, L32=k // 32, ACT=ACTS[act], num_warps=warps,
+                          enable_fp_fusion=False)
     return out
 
 

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from strata.kernels.quant.a8 import QBLOCK, Codes
-from strata.kernels.quant.a8_gemv import (PARTS, a8_gemv, add_in_order, add_parts, gemv_step,
-                                          group_term, k_parts, store_rows)
+from strata.kernels.quant.a8_gemv import (PARTS, a8_gate_up, a8_gemv, add_in_order, add_parts,
+                                          gemv_step, group_term, k_parts, store_rows)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
                                                _terms)
@@ -296,6 +296,22 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     if p > 1:
         add_parts(dst, res, out)
     return out
+
+
+def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """act(gate) * up [M, F] of [gate | up] = x's rows @ part^T ([2F, K]), each half rounded
+    to out_dtype first: fused_triton's silu_mul of a8_mm's output, the same bits; in one
+    kernel for the GEMV's windows (a8_gemv.a8_gate_up) where K is one part."""
+    m, k = x.q.shape
+    f = part.rows // 2
+    tile = a8_row_tile(m)
+    if tile in GEMV_TILES and part.rows % 2 == 0 and k_parts(part.rows, k) == 1:
+        out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
+        return a8_gate_up(x, part, act, out, tile,
+                          block_n=16 if part.qtype == "Q6_K" else 32,
+                          stages=2 if tile == 8 else 3)
+    from strata.kernels.fused_triton import silu_mul
+    return silu_mul(a8_mm(x, part, out_dtype=out_dtype), act)
 
 
 def a8_pairs(x: Codes, part: Part, xrows: torch.Tensor,

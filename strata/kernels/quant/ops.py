@@ -51,9 +51,9 @@ def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps
     if not (decode and policy.triton) or len(w.parts) != 1:
         return None
     if policy.int8_activations:
-        from strata.kernels.fused_triton import silu_mul
         # [gate | up] rounded as the projection's output, then act(gate) * up in fp32
-        return silu_mul(_project_a8(x, w, None, norm, eps, x.dtype), act)
+        from strata.kernels.quant.a8_triton import a8_gate_up_silu, quantize_rows
+        return a8_gate_up_silu(quantize_rows(x, norm, eps), w.parts[0], act, x.dtype)
     from strata.kernels.quant.float_triton import fits_k, quant_gate_up
     part = w.parts[0]
     blocks = policy.quant_blocks(part.qtype, part.rows, part.cols, "gate_up")
