@@ -39,6 +39,11 @@ from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
 GEMV_TILES = (1, 2, 4, 8)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
 DOTS = ("diagonal", "batched", "groups")   # the MMA's ways to the groups' integer sums
+# (Q6_K?, row tile) -> the MMA's block_n, block_k and dot: the fastest of
+# tools/gpu/bench_a8.py's for llama3-8b's qkv and down on an H100
+MMA_BLOCKS = {(False, 16): (64, 128, "groups"), (False, 32): (64, 64, "groups"),
+              (False, 64): (128, 32, "groups"), (True, 16): (64, 64, "diagonal"),
+              (True, 32): (64, 64, "diagonal"), (True, 64): (64, 64, "groups")}
 
 
 @triton.jit
@@ -251,21 +256,19 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     block_m: a GEMV tile (1, 2, 4, 8) or an MMA tile (16, 32, 64); default the smallest that
     holds the rows. The GEMV tiles take a8_gemv.py's dp4a kernel (gemv_n columns a program,
     default 16 for Q6_K and 32 for the rest; `stages` K steps in flight, default 2 for 8 rows
-    and 3 for fewer); the MMA tiles block_n columns a program (default 16 for 16 rows, else
-    64) and block_k quants a step (default 256 for 16 rows, else 128; at most K's step), their
-    groups' sums by `dot`: "batched" (the default for groups of 32), "diagonal"
-    (block-diagonal, the default for Q6_K's groups of 16, which "batched" takes in pairs) or
-    "groups" (a 2D dot a group of 32, Q6_K's pairs twice; Hopper's wgmma from block_n 64);
-    the same bits any way (tools/gpu/bench_a8.py --mma times them). parts: the most parts
+    and 3 for fewer); the MMA tiles block_n columns a program and block_k quants a step (at
+    most K's step), their groups' sums by `dot`: "batched" (over the step's groups; Q6_K's
+    in pairs), "diagonal" (block-diagonal) or "groups" (a 2D dot a group of 32, Q6_K's pairs
+    twice; Hopper's wgmma from block_n 64); the same bits any way, the defaults MMA_BLOCKS'
+    (tools/gpu/bench_a8.py --mma times them). parts: the most parts
     of K (k_parts; a row's bits depend on it, so every call on a weight must pass the same:
     leave it be outside experiments)."""
     q = x.q
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
-    q6 = part.qtype == "Q6_K"   # its block-diagonal dot grows with the step's groups
-    block_k = min(block_k or (4096 // block_m if q6 else 256 if block_m == 16 else 128),
-                  gemv_step(k))
+    mma = MMA_BLOCKS.get((part.qtype == "Q6_K", block_m), (None, None, None))
+    block_k = min(block_k or mma[1] or 128, gemv_step(k))
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
             or (k // k_parts(part.rows, k, parts)) % block_k or block_k % 32
             or (dot or "batched") not in DOTS):
@@ -280,12 +283,12 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
                        block_n=gemv_n or (16 if part.qtype == "Q6_K" else 32),
                        stages=stages or (2 if block_m == 8 else 3), warps=warps,
                        parts=parts)
-    block_n = block_n or (16 if block_m == 16 else 32 if q6 else 64)
+    block_n = block_n or mma[0]
     p = k_parts(part.rows, k, parts)
     r = res if res is not None else out
     dst = out if p == 1 else torch.empty(p, m, part.rows, dtype=torch.float32, device=q.device)
     planes, strides = _planes(part)
-    dot = dot or ("diagonal" if group < 32 else "batched")
+    dot = dot or mma[2]
     grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n), p)
     _a8_mm_kernel[grid](q, x.dx, x.qs, *planes, *strides, r, dst, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
