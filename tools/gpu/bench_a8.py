@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default="1,2,4,8,16,64")
     ap.add_argument("--projections", default="qkv,res,down,head")
-    ap.add_argument("--mma", default="diagonal,batched",
+    ap.add_argument("--mma", default="diagonal,batched,groups",
                     help="the MMA tiles' dots to time (a8_mm's dot)")
     ap.add_argument("--parts", default="8",
                     help="the most parts of K to time (a8_mm's parts; each gives other bits)")

@@ -186,7 +186,7 @@ for part in $PARTS; do
               # the kernels, their GPU tests, what they change against transformers, exactness
               # with 1-row windows, and Q4_K_M, IQ4_XS and Q8_0 files from 1 client up
       run a8_kernels 600 python tools/gpu/bench_a8.py --types Q4_K,Q6_K,IQ4_XS,Q8_0 \
-        --rows 1,8,16,32,64 --projections qkv,gate_up,down --mma batched \
+        --rows 1,8,16,32,64 --projections qkv,gate_up,down --mma batched,groups,diagonal \
         --json-out "$OUT/bench_a8.json"
       run a8_tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider \
         tests/kernels/test_quant_a8.py
