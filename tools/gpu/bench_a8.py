@@ -1,9 +1,10 @@
 """The int8-activation kernels (kernels/quant/a8_triton.py) against today's quantized decode
 kernels (kernels/quant/float_triton.py, the policy's blocks and splits) at the llama3-8b shapes,
 by block type and window rows: us per call from a CUDA graph with the weights rotating past L2,
-the row quantizer's us apart, the best a8_mm configuration of a few (the dp4a GEMV's columns,
-stages and warps up to 8 rows, an 8-row tile past 4; the MMA's block_n, block_k, warps and
-dot, --mma, past 4), whether a row's bits equal the 16-row MMA tile's, and the HBM time of the
+the row quantizer's us apart, a8_mm at its defaults (what a stage runs), the best a8_mm
+configuration of a few (the dp4a GEMV's columns, stages and warps up to 8 rows, an 8-row tile
+past 4; the MMA's block_n, block_k, warps and dot, --mma, past 4; with --every each one's time
+and the best of each way), whether a row's bits equal the 16-row MMA tile's, and the HBM time of the
 weight's bytes. An experiment, not a test: what it prints is the ground for choosing a8_mm's
 blocks per shape and for making int8 activations the default.
 
@@ -59,7 +60,7 @@ def main() -> None:
     rows_out = []
     print(f"# {torch.cuda.get_device_name()}, copy rate {rate / 1e12:.2f} TB/s")
     print(f"{'type':>5} {'proj':>5} {'rows':>4} {'hbm us':>7} {'float us':>9} {'quantize':>9} "
-          f"{'a8 us':>7} {'a8 config':>14} {'bits':>5}")
+          f"{'a8 us':>7} {'default':>8} {'a8 config':>14} {'bits':>5}")
     for qtype, (name, (n, k)) in itertools.product(args.types.split(","), shapes.items()):
         kind = "res" if name == "down" else name
         probe = weights(qtype, n, k, 1)[0]
@@ -74,8 +75,10 @@ def main() -> None:
             nm = norm if kind in ("qkv", "head") else None
             qu = timed(lambda i: quantize_rows(x, nm, 1e-5))
             codes = quantize_rows(x, nm, 1e-5)
-            best = None
+            best, by_way = None, {}
             r = None if kind in ("qkv", "head") else res
+            out = torch.empty(m, n, **bf)
+            default = timed(lambda i: a8_mm(codes, ws[i % copies].parts[0], r, out=out))
             # the GEMV up to 4 rows, and as an 8-row tile (block_m 8) beside the MMA's
             gemv = [(*c, "gemv") for c in GEMV_CONFIGS] if m <= 8 else []
             mma = [(*c, d) for c in CONFIGS for d in args.mma.split(",")] if m > 4 else []
@@ -97,17 +100,23 @@ def main() -> None:
                     print(f"#   {qtype} {name} {m} rows {config}: {us:.1f} us")
                 if best is None or us < best[0]:
                     best = (us, config)
+                if config[3] not in by_way or us < by_way[config[3]][0]:
+                    by_way[config[3]] = (us, config)
             if best is None:
                 continue
+            if args.every:   # the best configuration of each way (the GEMV, each dot)
+                print(f"#   {qtype} {name} {m} rows, best of each: " + ", ".join(
+                    f"{way} {us:.1f} us {config[:3]}" for way, (us, config) in by_way.items()))
             # a row's bits in this tile against the 16-row MMA tile's
             same = torch.equal(a8_mm(codes, probe.parts[0], r, out_dtype=torch.bfloat16),
                                a8_mm(codes, probe.parts[0], r, out_dtype=torch.bfloat16,
                                      block_m=16))
             print(f"{qtype:>5} {name:>5} {m:>4} {hbm:>7.1f} {fl:>9.1f} {qu:>9.1f} "
-                  f"{best[0]:>7.1f} {str(best[1]):>14} {'yes' if same else 'NO':>5}")
+                  f"{best[0]:>7.1f} {default:>8.1f} {str(best[1]):>14} "
+                  f"{'yes' if same else 'NO':>5}")
             rows_out.append(dict(type=qtype, proj=name, n=n, k=k, rows=m, hbm_us=hbm,
                                  float_us=fl, quantize_us=qu, a8_us=best[0], a8_config=best[1],
-                                 same_bits_as_mma=same))
+                                 a8_default_us=default, same_bits_as_mma=same))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
