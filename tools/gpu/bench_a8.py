@@ -4,7 +4,8 @@ by block type and window rows: us per call from a CUDA graph with the weights ro
 the row quantizer's us apart, a8_mm at its defaults (what a stage runs), the best a8_mm
 configuration of a few (the dp4a GEMV's columns, stages and warps up to 8 rows, an 8-row tile
 past 4; the MMA's block_n, block_k, warps and dot, --mma, past 4; with --every each one's time
-and the best of each way), whether a row's bits equal the 16-row MMA tile's, and the HBM time of the
+and the best of each way; for gate_up up to 8 rows, a stage's fused a8_gate_up_silu against
+a8_mm then silu_mul), whether a row's bits equal the 16-row MMA tile's, and the HBM time of the
 weight's bytes. An experiment, not a test: what it prints is the ground for choosing a8_mm's
 blocks per shape and for making int8 activations the default.
 
@@ -104,6 +105,15 @@ def main() -> None:
                     by_way[config[3]] = (us, config)
             if best is None:
                 continue
+            if name == "gate_up" and m <= 8:   # a stage's int8 gate/up: a8_gate_up_silu
+                from strata.kernels.fused_triton import silu_mul
+                from strata.kernels.quant.a8_triton import a8_gate_up_silu
+                fused = timed(lambda i: a8_gate_up_silu(codes, ws[i % copies].parts[0], "silu",
+                                                        torch.bfloat16))
+                apart = timed(lambda i: silu_mul(a8_mm(codes, ws[i % copies].parts[0],
+                                                       out_dtype=torch.bfloat16)))
+                print(f"# {qtype} gate_up {m} rows and silu: one kernel {fused:.1f} us, a8_mm "
+                      f"then silu_mul {apart:.1f} us")
             if args.every:   # the best configuration of each way (the GEMV, each dot)
                 print(f"#   {qtype} {name} {m} rows, best of each: " + ", ".join(
                     f"{way} {us:.1f} us {config[:3]}" for way, (us, config) in by_way.items()))
