@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from strata.kernels.policy import ROW_BLOCK, KernelPolicy, policy_or_default
 from strata.kernels.quant import ops as quant_ops
+from strata.kernels.quant.a8 import Codes
 from strata.kernels.quant.weight import QuantWeight
 
 
@@ -141,17 +142,22 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot:
                                       halves)
 
 
-def linear_rows(x: torch.Tensor, w: torch.Tensor | QuantWeight,
+def linear_rows(x: torch.Tensor | Codes, w: torch.Tensor | QuantWeight,
                 res: torch.Tensor | None = None, policy: KernelPolicy | None = None,
                 decode: bool = False) -> torch.Tensor:
     """x: [R, K], w: [N, K] -> x @ w^T (+ res) [R, N]. decode: x is a decode window's rows
     (the skinny kernel, else the matmul in blocks of ROW_BLOCK rows); otherwise a prompt
     chunk's (addmm / linear whole). A quantized w: its kernels for a decode window, else its
-    dense weight on the same path."""
+    dense weight on the same path. x may come as Codes with their rows (what
+    norm_gate_up_silu returns with int8 activations): the int8 kernels take the codes, any
+    other path the rows."""
+    codes = None
+    if isinstance(x, Codes):
+        codes, x = x, x.rows
     policy = policy_or_default(policy, x)
     kind = "plain" if res is None else "res"
     if isinstance(w, QuantWeight):
-        out = quant_ops.project(x, w, policy, decode, kind=kind, res=res)
+        out = quant_ops.project(x, w, policy, decode, kind=kind, res=res, codes=codes)
         if out is not None:
             return out
         w = quant_ops.dense_weight(w, x.dtype, policy)
@@ -207,10 +213,11 @@ def norm_head_rows(x: torch.Tensor, norm: torch.Tensor, eps: float,
 def norm_gate_up_silu(x: torch.Tensor, norm: torch.Tensor, eps: float,
                       w: torch.Tensor | QuantWeight,
                       policy: KernelPolicy | None = None, decode: bool = False,
-                      act: str = "silu") -> torch.Tensor:
+                      act: str = "silu") -> torch.Tensor | Codes:
     """rms_norm_rows, the [gate; up] projection and silu_mul (act: silu, or gelu_tanh for
     GeGLU): one skinny (or quantized) kernel for a decode window (skinny_triton.gate_up_silu),
-    else those three."""
+    else those three. With int8 activations the rows come as Codes for linear_rows (the
+    down projection), quantized in the same kernel where it can."""
     policy = policy_or_default(policy, x)
     if isinstance(w, QuantWeight):
         if "gate_up" in policy.fold:

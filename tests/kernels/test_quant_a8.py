@@ -164,6 +164,32 @@ def test_the_fused_gate_up_is_silu_mul_of_the_projection(device, qtype, act, mon
 
 
 @pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ4_XS"])
+def test_the_fused_gate_up_quantizes_its_rows_as_quantize_rows(device, qtype, monkeypatch):
+    """a8_gate_up_silu(codes=True): the rows act(gate) * up and their Codes for the down
+    projection, in the GEMV's one kernel up to 8 rows (no quantize_rows of its own), the
+    same bits as quantize_rows of those rows (codes, pair order, scales, sums) at 1 to 20."""
+    from strata.kernels.quant import a8_triton
+    from strata.kernels.quant.a8_triton import a8_gate_up_silu, quantize_rows
+    w, _ = _weight(qtype, 128, K, device, seed=41)   # F = 64: two blocks of 32
+    c = quantize_rows(_x(20, K, device, seed=42))
+    part = w.parts[0]
+    calls, real = [], a8_triton.quantize_rows
+    monkeypatch.setattr(a8_triton, "quantize_rows",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for m in (1, 3, 8, 20):
+        got = a8_gate_up_silu(c[:m], part, "silu", c.dx.dtype if device == "cpu" else
+                              torch.bfloat16, codes=True)
+        rows = a8_gate_up_silu(c[:m], part, "silu", got.rows.dtype)
+        assert torch.equal(got.rows, rows), m
+        want = real(rows)
+        for name in ("q", "qp", "dx", "qs"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), f"{name}, {m} rows"
+        assert got.q.abs().max() == 127
+    assert len(calls) == 1, "up to 8 rows the kernel quantizes its rows itself"
+
+
+@pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_1", "Q8_0", "IQ4_XS"])
 def test_a_rows_bits_are_the_same_in_every_tile_when_k_has_parts(device, qtype):
     """K = 1024: four parts of K, each summed alone, then in order. Row 0 alone in the GEMV,

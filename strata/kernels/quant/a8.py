@@ -31,14 +31,17 @@ class Codes:
     [M, K], scales dx fp32 [M, K / 32], the codes' sums over each 16, qs int32 [M, K / 16]
     (the kernels' b terms need a group's sum; taken once here, not in every tile), and the
     codes again in pair order, qp: each 8 as codes 0, 2, 4, 6, 1, 3, 5, 7, the order in which
-    the GEMV takes a word of eight nibbles apart (a8_gemv.py)."""
+    the GEMV takes a word of eight nibbles apart (a8_gemv.py). rows: the window rows they
+    came from, where a kernel wrote both (a8_gate_up_silu), for a caller that needs them."""
     q: torch.Tensor
     dx: torch.Tensor
     qs: torch.Tensor
     qp: torch.Tensor
+    rows: torch.Tensor | None = None
 
     def __getitem__(self, rows: slice) -> Codes:
-        return Codes(self.q[rows], self.dx[rows], self.qs[rows], self.qp[rows])
+        return Codes(self.q[rows], self.dx[rows], self.qs[rows], self.qp[rows],
+                     None if self.rows is None else self.rows[rows])
 
 
 def quantize_rows_torch(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,

@@ -14,7 +14,9 @@ and are packed four to a word, against the codes in K order. Then, per
 (row, column), the groups' float terms (group_term) are added one by one in order along K,
 exactly as a8_mm's MMA adds them, so a row gets the same bits from either kernel
 (tests/kernels/test_quant_a8.py). Under the Triton interpreter, dp4a is the same sum of four
-products written out.
+products written out. For a [gate | up] weight (a8_gate_up) a program takes the same columns
+of both halves, writes act(gate) * up and can quantize those rows for the down projection
+(quantize_blocks, the row quantizer's arithmetic).
 """
 from __future__ import annotations
 
@@ -125,16 +127,17 @@ def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
 
 @triton.jit
 def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, s2, s3,
-                    res_ptr, out_ptr, M, N, K, stride_rm, stride_om,
-                    QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
+                    res_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, M, N, K, stride_rm,
+                    stride_om, QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                     ASM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, STEP: tl.constexpr, STAGES: tl.constexpr,
-                    P: tl.constexpr, L, L4, L8, L32, ACT: tl.constexpr):
+                    P: tl.constexpr, L, L4, L8, L32, ACT: tl.constexpr, CODES: tl.constexpr):
     """Program (row block, column block, part of K): the part's L quants (L4, L8, L32: L / 4,
     / 8, / 32), its sum into out, or with P > 1 into out's rows of that part (a8_gemv).
     ACT >= 0 (one part): the weight is [gate | up] (2N rows) and out [M, N] gets
     act(gate) * up (fused_triton's silu_mul) of both halves' columns n, each rounded to
-    out's dtype first, as the projection's output would be."""
+    out's dtype first, as the projection's output would be; with CODES (BLOCK_N 32) those rows
+    quantized too, as quantize_rows would (the planes cq, cqp, cdx, cqs of Codes [M, N])."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
@@ -170,8 +173,11 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
         dtype = out_ptr.dtype.element_ty
         gate = (0.0 + acc).to(dtype).to(tl.float32)
         up = (0.0 + acc_up).to(dtype).to(tl.float32)
-        store_rows(gate_act(gate, ACT) * up, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm,
-                   stride_om, False)
+        h = (gate_act(gate, ACT) * up).to(dtype)
+        store_rows(h, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, False)
+        if CODES:   # the down projection's input rows, quantized here: no kernel of their own
+            quantize_blocks(h.to(tl.float32), m, m_ok, tl.program_id(1), N, cq_ptr, cqp_ptr,
+                            cdx_ptr, cqs_ptr, BLOCK_M, 1)
     elif P == 1:   # the parts' sum from zero, as every kernel adds them (_add_parts_kernel)
         store_rows(0.0 + acc, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
     else:
@@ -235,6 +241,32 @@ def _gemv_step(acc, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn, n_ok, w0, g0
     t = group_term(isum, dx[:, None, :] * a[None, :, :],
                    (qs.to(tl.float32) * dx)[:, None, :] * b[None, :, :])
     return add_in_order(acc, t, BLOCK_M, BLOCK_N, G)
+
+
+@triton.jit
+def quantize_blocks(y, m, m_ok, b0, K, q_ptr, qp_ptr, dx_ptr, qs_ptr, R: tl.constexpr,
+                    NB: tl.constexpr):
+    """Rows m's values y fp32 [R, NB * 32] of blocks b0 .. b0 + NB - 1 (of 32) into Codes'
+    planes (a8.py: codes, the codes in pair order, scales and each 16 codes' sum), each block
+    from its own values alone: the row quantizer's arithmetic, and that of any kernel that
+    quantizes the rows it writes (compiled without FP fusion, as every int8 kernel is)."""
+    yb = tl.reshape(y, (R, NB, 32))
+    amax = tl.max(tl.abs(yb), 2)                                             # [R, NB]
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    v = yb * inv[:, :, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    k = b0 * 32 + tl.arange(0, NB * 32)
+    ok = m_ok[:, None]
+    at = m[:, None] * K + k[None, :]
+    tl.store(q_ptr + at, tl.reshape(q, (R, NB * 32)).to(tl.int8), mask=ok)
+    pairs = tl.permute(tl.reshape(q, (R, NB * 4, 4, 2)), (0, 1, 3, 2))   # 0, 2, 4, 6, 1, 3, 5, 7
+    tl.store(qp_ptr + at, tl.reshape(pairs, (R, NB * 32)).to(tl.int8), mask=ok)
+    tl.store(dx_ptr + m[:, None] * (K // 32) + (b0 + tl.arange(0, NB))[None, :], amax / 127.0,
+             mask=ok)
+    qs = tl.sum(tl.reshape(q.to(tl.int32), (R, 2 * NB, 16)), 2)
+    tl.store(qs_ptr + m[:, None] * (K // 16) + (2 * b0 + tl.arange(0, 2 * NB))[None, :], qs,
+             mask=ok)
 
 
 @triton.jit
@@ -303,12 +335,13 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
     dst = out if p == 1 else torch.empty(p, m, cols, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(cols, block_n), p)
     _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, xrows, wrows, *planes, *strides, r,
-                          dst, m, cols, k, r.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
+                          dst, q, q, x.dx, x.qs, m, cols, k, r.stride(0), out.stride(0),
+                          QTYPE=TYPE_IDS[part.qtype],
                           S=BLOCKS[part.qtype][2], HAS_RES=res is not None,
                           ASM=q.device.type == "cuda", PAIRS=pairs is not None,
                           BLOCK_M=block_m, BLOCK_N=block_n, STEP=gemv_step(k), STAGES=stages,
                           P=p, L=k // p, L4=k // p // 4, L8=k // p // 8, L32=k // p // 32,
-                          ACT=-1, num_warps=warps,
+                          ACT=-1, CODES=False, num_warps=warps,
                           enable_fp_fusion=False)   # as a8_mm: no tile-dependent FMAs
     if p > 1:
         add_parts(dst, res, out)
@@ -316,24 +349,28 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
 
 
 def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
-               block_n: int = 32, stages: int = 3, warps: int = 4) -> torch.Tensor:
+               block_n: int = 32, stages: int = 3, warps: int = 4,
+               codes: Codes | None = None) -> torch.Tensor:
     """out [M, F] = act(gate) * up of [gate | up] = rows x @ part^T (part: [2F, K], in one
     part of K), both halves rounded to out's dtype first: the GEMV tiles' a8_mm followed by
     fused_triton's silu_mul, bit for bit, in one kernel (each program takes a gate column
-    block and the same columns of up)."""
+    block and the same columns of up). codes (block_n 32): Codes [M, F] to fill with out's
+    rows quantized, as quantize_rows(out) would."""
     q = x.q if part.qtype in CODEBOOKS else x.qp
     m, k = q.shape
     f = part.rows // 2
     assert part.rows % 2 == 0 and k_parts(part.rows, k) == 1 and out.shape == (m, f)
+    assert codes is None or (block_n == 32 and codes.q.shape == (m, f))
+    c = codes if codes is not None else x
     planes, strides = _planes(part)
     grid = (triton.cdiv(m, block_m), triton.cdiv(f, block_n), 1)
-    _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, q, q, *planes, *strides, out, out, m, f,
-                          k, out.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
-                          S=BLOCKS[part.qtype][2], HAS_RES=False,
+    _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, q, q, *planes, *strides, out, out, c.q,
+                          c.qp, c.dx, c.qs, m, f, k, out.stride(0), out.stride(0),
+                          QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], HAS_RES=False,
                           ASM=q.device.type == "cuda", PAIRS=False, BLOCK_M=block_m,
                           BLOCK_N=block_n, STEP=gemv_step(k), STAGES=stages, P=1, L=k,
-                          L4=k // 4, L8=k // 8, L32=k // 32, ACT=ACTS[act], num_warps=warps,
-                          enable_fp_fusion=False)
+                          L4=k // 4, L8=k // 8, L32=k // 32, ACT=ACTS[act],
+                          CODES=codes is not None, num_warps=warps, enable_fp_fusion=False)
     return out
 
 

@@ -25,13 +25,16 @@ quantizer; the terms are added by `add_in_order`.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gemv import (PARTS, a8_gate_up, a8_gemv, add_in_order, add_parts,
-                                          gemv_step, group_term, k_parts, store_rows)
+                                          gemv_step, group_term, k_parts, quantize_blocks,
+                                          store_rows)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
                                                _terms)
@@ -67,18 +70,9 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, qp_ptr, dx_ptr, qs_ptr, K, eps, s
     y = tl.load(row + k).to(tl.float32)
     if NORM:
         y = y * r * tl.load(g_ptr + k).to(tl.float32)
-    yb = tl.reshape(y, (NB, 32))
-    amax = tl.max(tl.abs(yb), 1)
-    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
-    v = yb * inv[:, None]
-    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
-    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-    tl.store(q_ptr + m * K + k, tl.reshape(q, (BLOCK,)).to(tl.int8))
-    pairs = tl.permute(tl.reshape(q, (BLOCK // 8, 4, 2)), (0, 2, 1))   # 0, 2, 4, 6, 1, 3, 5, 7
-    tl.store(qp_ptr + m * K + k, tl.reshape(pairs, (BLOCK,)).to(tl.int8))
-    tl.store(dx_ptr + m * (K // 32) + c * NB + tl.arange(0, NB), amax / 127.0)
-    qs = tl.sum(tl.reshape(q.to(tl.int32), (2 * NB, 16)), 1)
-    tl.store(qs_ptr + m * (K // 16) + c * 2 * NB + tl.arange(0, 2 * NB), qs)
+    rows = tl.zeros([1], tl.int32) + m
+    quantize_blocks(y[None, :], rows, rows >= 0, c * NB, K, q_ptr, qp_ptr, dx_ptr, qs_ptr, 1,
+                    NB)
 
 
 @triton.jit
@@ -226,18 +220,17 @@ def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float 
         raise ValueError(f"int8 activations: a row of {k} values is not whole blocks of "
                          f"{QBLOCK}")
     assert x.stride(1) == 1 and (norm is None or norm.is_contiguous())
-    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
-    qp = torch.empty_like(q)
-    dx = torch.empty(m, k // QBLOCK, dtype=torch.float32, device=x.device)
-    qs = torch.empty(m, k // 16, dtype=torch.int32, device=x.device)
+    c = _empty_codes(m, k, x.device)
+    q, qp, dx, qs = c.q, c.qp, c.dx, c.qs
     if m:
         block = gemv_step(k)
         kp = triton.next_power_of_2(k)
         _quantize_rows_kernel[(m, k // block)](
             x, norm if norm is not None else x, q, qp, dx, qs, k, eps, x.stride(0),
             NORM=norm is not None, BLOCK=block, KP=kp,
-            num_warps=8 if norm is not None and kp > 4096 else 4)
-    return Codes(q, dx, qs, qp)
+            num_warps=8 if norm is not None and kp > 4096 else 4,
+            enable_fp_fusion=False)   # as every kernel that quantizes rows (quantize_blocks)
+    return c
 
 
 def a8_row_tile(m: int) -> int:
@@ -301,20 +294,36 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     return out
 
 
-def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype) -> torch.Tensor:
+def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
+                    codes: bool = False) -> torch.Tensor | Codes:
     """act(gate) * up [M, F] of [gate | up] = x's rows @ part^T ([2F, K]), each half rounded
     to out_dtype first: fused_triton's silu_mul of a8_mm's output, the same bits; in one
-    kernel for the GEMV's windows (a8_gemv.a8_gate_up) where K is one part."""
+    kernel for the GEMV's windows (a8_gemv.a8_gate_up) where K is one part. codes: return
+    those rows quantized (quantize_rows' Codes, with the rows), in the same kernel there
+    where F is whole blocks of 32."""
     m, k = x.q.shape
     f = part.rows // 2
     tile = a8_row_tile(m)
     if tile in GEMV_TILES and part.rows % 2 == 0 and k_parts(part.rows, k) == 1:
         out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
-        return a8_gate_up(x, part, act, out, tile,
-                          block_n=16 if part.qtype == "Q6_K" else 32,
-                          stages=2 if tile == 8 else 3)
-    from strata.kernels.fused_triton import silu_mul
-    return silu_mul(a8_mm(x, part, out_dtype=out_dtype), act)
+        fused = codes and f % 32 == 0
+        c = _empty_codes(m, f, x.q.device) if fused else None
+        a8_gate_up(x, part, act, out, tile,
+                   block_n=16 if part.qtype == "Q6_K" and not fused else 32,
+                   stages=2 if tile == 8 else 3, codes=c)
+        if fused:
+            return dataclasses.replace(c, rows=out)
+    else:
+        from strata.kernels.fused_triton import silu_mul
+        out = silu_mul(a8_mm(x, part, out_dtype=out_dtype), act)
+    return dataclasses.replace(quantize_rows(out), rows=out) if codes else out
+
+
+def _empty_codes(m: int, k: int, device: torch.device) -> Codes:
+    """Codes' planes for m rows of k values, unwritten."""
+    q = torch.empty(m, k, dtype=torch.int8, device=device)
+    return Codes(q, torch.empty(m, k // QBLOCK, dtype=torch.float32, device=device),
+                 torch.empty(m, k // 16, dtype=torch.int32, device=device), torch.empty_like(q))
 
 
 def a8_pairs(x: Codes, part: Part, xrows: torch.Tensor,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from strata.kernels.policy import KernelPolicy
+from strata.kernels.quant.a8 import Codes
 from strata.kernels.quant.weight import QuantWeight
 
 
@@ -22,13 +23,16 @@ def dense_weight(w: torch.Tensor | QuantWeight, dtype: torch.dtype,
 
 def project(x: torch.Tensor, w: QuantWeight, policy: KernelPolicy, decode: bool, *,
             kind: str, res: torch.Tensor | None = None, norm: torch.Tensor | None = None,
-            eps: float = 0.0, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+            eps: float = 0.0, out_dtype: torch.dtype | None = None,
+            codes: Codes | None = None) -> torch.Tensor | None:
     """x [M, K] @ w^T (+ res; rmsnorm(x) with norm) [M, N], or None where the quantized kernels
-    do not take the window (see the module)."""
+    do not take the window (see the module). codes: x's rows already quantized (no norm), for
+    the int8 kernels."""
     if not (decode and policy.triton):
         return None
     if policy.int8_activations:
-        return _project_a8(x, w, res, norm, eps, out_dtype or x.dtype)
+        assert codes is None or norm is None
+        return _project_a8(x, w, res, norm, eps, out_dtype or x.dtype, codes)
     from strata.kernels.quant.float_triton import fits_k, quant_mm
     blocks = [policy.quant_blocks(p.qtype, p.rows, p.cols, kind) for p in w.parts]
     if not all(fits_k(p, b["block_k"]) for p, b in zip(w.parts, blocks)):
@@ -51,9 +55,11 @@ def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps
     if not (decode and policy.triton) or len(w.parts) != 1:
         return None
     if policy.int8_activations:
-        # [gate | up] rounded as the projection's output, then act(gate) * up in fp32
+        # [gate | up] rounded as the projection's output, then act(gate) * up in fp32, and
+        # those rows quantized for the down projection (Codes, which linear_rows takes)
         from strata.kernels.quant.a8_triton import a8_gate_up_silu, quantize_rows
-        return a8_gate_up_silu(quantize_rows(x, norm, eps), w.parts[0], act, x.dtype)
+        return a8_gate_up_silu(quantize_rows(x, norm, eps), w.parts[0], act, x.dtype,
+                               codes=True)
     from strata.kernels.quant.float_triton import fits_k, quant_gate_up
     part = w.parts[0]
     blocks = policy.quant_blocks(part.qtype, part.rows, part.cols, "gate_up")
@@ -64,11 +70,12 @@ def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps
 
 
 def _project_a8(x: torch.Tensor, w: QuantWeight, res: torch.Tensor | None,
-                norm: torch.Tensor | None, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """rmsnorm(x) (with norm) or x, each row quantized to int8 once, @ w^T (+ res): one
-    kernel a part (a8_triton.py, at its own blocks)."""
+                norm: torch.Tensor | None, eps: float, out_dtype: torch.dtype,
+                codes: Codes | None = None) -> torch.Tensor:
+    """rmsnorm(x) (with norm) or x, each row quantized to int8 once (or given as codes), @ w^T
+    (+ res): one kernel a part (a8_triton.py, at its own blocks)."""
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
-    rows = quantize_rows(x, norm, eps)
+    rows = codes if codes is not None else quantize_rows(x, norm, eps)
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
     col = 0
     for part in w.parts:
