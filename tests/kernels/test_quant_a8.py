@@ -147,8 +147,8 @@ def test_the_fused_gate_up_is_silu_mul_of_the_projection(device, qtype, act, mon
     from strata.kernels.fused_triton import silu_mul
     from strata.kernels.quant import a8_triton
     from strata.kernels.quant.a8_triton import a8_gate_up_silu, a8_mm, quantize_rows
-    w, _ = _weight(qtype, 64, K, device, seed=31)
-    x = _x(20, K, device, seed=32)
+    w, _ = _weight(qtype, 64, 3 * K, device, seed=31)   # three K steps, one part of K
+    x = _x(20, 3 * K, device, seed=32)
     c = quantize_rows(x)
     part = w.parts[0]
     fused, real = [], a8_triton.a8_gate_up
@@ -171,8 +171,8 @@ def test_the_fused_gate_up_quantizes_its_rows_as_quantize_rows(device, qtype, mo
     same bits as quantize_rows of those rows (codes, pair order, scales, sums) at 1 to 20."""
     from strata.kernels.quant import a8_triton
     from strata.kernels.quant.a8_triton import a8_gate_up_silu, quantize_rows
-    w, _ = _weight(qtype, 128, K, device, seed=41)   # F = 64: two blocks of 32
-    c = quantize_rows(_x(20, K, device, seed=42))
+    w, _ = _weight(qtype, 128, 3 * K, device, seed=41)   # F = 64: two blocks of 32
+    c = quantize_rows(_x(20, 3 * K, device, seed=42))
     part = w.parts[0]
     calls, real = [], a8_triton.quantize_rows
     monkeypatch.setattr(a8_triton, "quantize_rows",
@@ -187,6 +187,11 @@ def test_the_fused_gate_up_quantizes_its_rows_as_quantize_rows(device, qtype, mo
             assert torch.equal(getattr(got, name), getattr(want, name)), f"{name}, {m} rows"
         assert got.q.abs().max() == 127
     assert len(calls) == 1, "up to 8 rows the kernel quantizes its rows itself"
+    # F = 48 is not whole blocks of 32: the rows alone, as without codes
+    w48, _ = _weight(qtype, 96, 3 * K, device, seed=43)
+    rows = a8_gate_up_silu(c[:3], w48.parts[0], "silu", got.rows.dtype, codes=True)
+    assert isinstance(rows, torch.Tensor) and torch.equal(
+        rows, a8_gate_up_silu(c[:3], w48.parts[0], "silu", got.rows.dtype))
 
 
 @pytest.mark.parametrize("device", triton_devices())

@@ -359,7 +359,8 @@ def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
     q = x.q if part.qtype in CODEBOOKS else x.qp
     m, k = q.shape
     f = part.rows // 2
-    assert part.rows % 2 == 0 and k_parts(part.rows, k) == 1 and out.shape == (m, f)
+    assert (part.rows % 2 == 0 and part.cols == k and k_parts(part.rows, k) == 1
+            and out.shape == (m, f))
     assert codes is None or (block_n == 32 and codes.q.shape == (m, f))
     c = codes if codes is not None else x
     planes, strides = _planes(part)

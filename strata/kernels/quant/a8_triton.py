@@ -299,20 +299,19 @@ def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
     """act(gate) * up [M, F] of [gate | up] = x's rows @ part^T ([2F, K]), each half rounded
     to out_dtype first: fused_triton's silu_mul of a8_mm's output, the same bits; in one
     kernel for the GEMV's windows (a8_gemv.a8_gate_up) where K is one part. codes: return
-    those rows quantized (quantize_rows' Codes, with the rows), in the same kernel there
-    where F is whole blocks of 32."""
+    those rows quantized (quantize_rows' Codes, with the rows), in the same kernel there,
+    where F is whole blocks of 32 (else the rows alone)."""
     m, k = x.q.shape
     f = part.rows // 2
+    codes = codes and f % QBLOCK == 0
     tile = a8_row_tile(m)
     if tile in GEMV_TILES and part.rows % 2 == 0 and k_parts(part.rows, k) == 1:
         out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
-        fused = codes and f % 32 == 0
-        c = _empty_codes(m, f, x.q.device) if fused else None
+        c = _empty_codes(m, f, x.q.device) if codes else None
         a8_gate_up(x, part, act, out, tile,
-                   block_n=16 if part.qtype == "Q6_K" and not fused else 32,
+                   block_n=16 if part.qtype == "Q6_K" and not codes else 32,
                    stages=2 if tile == 8 else 3, codes=c)
-        if fused:
-            return dataclasses.replace(c, rows=out)
+        return dataclasses.replace(c, rows=out) if codes else out
     else:
         from strata.kernels.fused_triton import silu_mul
         out = silu_mul(a8_mm(x, part, out_dtype=out_dtype), act)
