@@ -123,7 +123,8 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
     if kernel == "a8-gemv":
         types = {**weight, **shape, "qw_ptr": "*i32", "dx_ptr": "*fp32", "xrow_ptr": "*i32",
                  "wrow_ptr": "*i32", "L": "i32", "L4": "i32", "L8": "i32", "L32": "i32",
-                 "cq_ptr": "*i8", "cqp_ptr": "*i8", "cdx_ptr": "*fp32", "cqs_ptr": "*i32"}
+                 "cq_ptr": "*i8", "cqp_ptr": "*i8", "cdx_ptr": "*fp32", "cqs_ptr": "*i32",
+                 "UP": "i32"}
         return (_a8_gemv_kernel, types, dict(common, ASM=True, PAIRS=False, STEP=STEP,
                                              STAGES=stages, P=1, ACT=-1, CODES=False),
                 {"enable_fp_fusion": False}, STEP)

@@ -351,22 +351,33 @@ def experts_a8(h: torch.Tensor, experts: torch.Tensor, gate_up: QuantWeight,
     """With int8 activations (a decode window): each (row, rank) pair as GEMVs of its own,
     h's rows quantized once (kernels/quant/a8_triton.py): act(gate) * up of the pair's
     expert, its rows quantized, then down -> o [M * k, D] in h's dtype, as experts() returns.
-    experts: int32 [M, k] (route); gate_up and down packed as experts() takes them."""
+    experts: int32 [M, k] (route); gate_up and down packed as experts() takes them. Gate and
+    up in one part take a8_gated.py's kernels (act and the quantized rows in them too); in
+    two, a8_pairs each, silu_mul and quantize_rows: the same bits either way."""
     from strata.kernels.fused_triton import silu_mul
+    from strata.kernels.quant.a8 import QBLOCK, Codes
+    from strata.kernels.quant.a8_gated import a8_gate_up
     from strata.kernels.quant.a8_triton import a8_pairs, quantize_rows
     m, d = h.shape
     k, f = experts.shape[1], down.shape[1]
     pairs = experts.reshape(-1)                               # pair p: row p // k, rank p % k
     rows = torch.arange(m, dtype=torch.int32, device=h.device).repeat_interleave(k)
-    if len(gate_up.parts) == 1:   # every expert's gate rows, then every expert's up rows
-        (gate, g0), (up, u0) = (gate_up.parts[0], 0), (gate_up.parts[0], n_experts * f)
-    else:
-        (gate, g0), (up, u0) = (gate_up.parts[0], 0), (gate_up.parts[1], 0)
     x = quantize_rows(h)
-    gu = torch.empty(m * k, 2 * f, dtype=h.dtype, device=h.device)
-    a8_pairs(x, gate, rows, pairs * f + g0, f, gu[:, :f])
-    a8_pairs(x, up, rows, pairs * f + u0, f, gu[:, f:])
-    x = quantize_rows(silu_mul(gu, act))
+    if len(gate_up.parts) == 1 and f % QBLOCK == 0:
+        # every expert's gate rows, then every expert's up rows
+        hx, x = x, Codes.empty(m * k, f, h.device)
+        a8_gate_up(hx, gate_up.parts[0], act,
+                   torch.empty(m * k, f, dtype=h.dtype, device=h.device), 1, codes=x,
+                   pairs=(rows, pairs * f), up=n_experts * f)
+    else:
+        if len(gate_up.parts) == 1:
+            (gate, g0), (up, u0) = (gate_up.parts[0], 0), (gate_up.parts[0], n_experts * f)
+        else:
+            (gate, g0), (up, u0) = (gate_up.parts[0], 0), (gate_up.parts[1], 0)
+        gu = torch.empty(m * k, 2 * f, dtype=h.dtype, device=h.device)
+        a8_pairs(x, gate, rows, pairs * f + g0, f, gu[:, :f])
+        a8_pairs(x, up, rows, pairs * f + u0, f, gu[:, f:])
+        x = quantize_rows(silu_mul(gu, act))
     out = torch.empty(m * k, d, dtype=h.dtype, device=h.device)
     own = torch.arange(m * k, dtype=torch.int32, device=h.device)
     return a8_pairs(x, down.parts[0], own, pairs * d, d, out)

@@ -165,30 +165,36 @@ def test_the_fused_gate_up_is_silu_mul_of_the_projection(device, qtype, act, mon
 
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ4_XS"])
-def test_the_fused_gate_up_quantizes_its_rows_as_quantize_rows(device, qtype, monkeypatch):
+@pytest.mark.parametrize("steps", [3, 4])   # K of 768: one part; of 1024: four (k_parts)
+def test_the_fused_gate_up_quantizes_its_rows_as_quantize_rows(device, qtype, steps,
+                                                               monkeypatch):
     """a8_gate_up_silu(codes=True): the rows act(gate) * up and their Codes for the down
-    projection, in the GEMV's one kernel up to 8 rows (no quantize_rows of its own), the
-    same bits as quantize_rows of those rows (codes, pair order, scales, sums) at 1 to 20."""
+    projection, up to 8 rows in the GEMV's kernel (K in parts: and the kernel adding them),
+    with no quantize_rows of its own; the same bits as a8_mm, silu_mul and quantize_rows of
+    those rows (codes, pair order, scales, sums) at 1 to 20 rows."""
+    from strata.kernels.fused_triton import silu_mul
     from strata.kernels.quant import a8_triton
-    from strata.kernels.quant.a8_triton import a8_gate_up_silu, quantize_rows
-    w, _ = _weight(qtype, 128, 3 * K, device, seed=41)   # F = 64: two blocks of 32
-    c = quantize_rows(_x(20, 3 * K, device, seed=42))
+    from strata.kernels.quant.a8_gemv import k_parts
+    from strata.kernels.quant.a8_triton import a8_gate_up_silu, a8_mm, quantize_rows
+    w, _ = _weight(qtype, 128, steps * K, device, seed=41)   # F = 64: two blocks of 32
+    c = quantize_rows(_x(20, steps * K, device, seed=42))
     part = w.parts[0]
+    assert k_parts(part.rows, steps * K) == (1 if steps == 3 else 4)
+    dtype = c.dx.dtype if device == "cpu" else torch.bfloat16
     calls, real = [], a8_triton.quantize_rows
     monkeypatch.setattr(a8_triton, "quantize_rows",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for m in (1, 3, 8, 20):
-        got = a8_gate_up_silu(c[:m], part, "silu", c.dx.dtype if device == "cpu" else
-                              torch.bfloat16, codes=True)
-        rows = a8_gate_up_silu(c[:m], part, "silu", got.rows.dtype)
+        got = a8_gate_up_silu(c[:m], part, "silu", dtype, codes=True)
+        rows = silu_mul(a8_mm(c[:m], part, out_dtype=dtype))
         assert torch.equal(got.rows, rows), m
         want = real(rows)
         for name in ("q", "qp", "dx", "qs"):
             assert torch.equal(getattr(got, name), getattr(want, name)), f"{name}, {m} rows"
         assert got.q.abs().max() == 127
-    assert len(calls) == 1, "up to 8 rows the kernel quantizes its rows itself"
+    assert len(calls) == 1, "up to 8 rows the kernels quantize their rows themselves"
     # F = 48 is not whole blocks of 32: the rows alone, as without codes
-    w48, _ = _weight(qtype, 96, 3 * K, device, seed=43)
+    w48, _ = _weight(qtype, 96, steps * K, device, seed=43)
     rows = a8_gate_up_silu(c[:3], w48.parts[0], "silu", got.rows.dtype, codes=True)
     assert isinstance(rows, torch.Tensor) and torch.equal(
         rows, a8_gate_up_silu(c[:3], w48.parts[0], "silu", got.rows.dtype))
@@ -346,6 +352,35 @@ def test_an_expert_pair_is_a_gemv_of_its_own(device):
     assert torch.equal(again[0], out[3])
 
 
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("steps", [1, 4])   # K of 256: one part; of 1024: parts (k_parts)
+def test_the_experts_gate_up_kernels_are_the_pairs_silu_mul_and_quantize(device, steps):
+    """experts_a8 with gate and up in one part (a8_gated's kernels, the act and the rows'
+    quantization in them): the same bits as a8_pairs of gate and of up, silu_mul,
+    quantize_rows and a8_pairs of down, the composition it replaces."""
+    from strata.kernels.fused_triton import silu_mul
+    from strata.kernels.moe_triton import experts_a8
+    from strata.kernels.quant.a8_triton import a8_pairs, quantize_rows
+    from strata.kernels.quant.weight import QuantWeight
+    n_exp, f, d, k = 4, 64, steps * K, 2
+    gate_up, _ = _weight("Q4_K", 2 * n_exp * f, d, device, seed=51)   # every gate, every up
+    down, _ = _weight("Q8_0", n_exp * d, f, device, seed=52)          # [E * D, F]
+    assert isinstance(gate_up, QuantWeight) and len(gate_up.parts) == 1
+    h = _x(3, d, device, seed=53)
+    experts = torch.tensor([[3, 1], [0, 3], [2, 2]], dtype=torch.int32, device=device)
+    got = experts_a8(h, experts, gate_up, down, n_exp)
+    pairs = experts.reshape(-1)
+    rows = torch.arange(3, dtype=torch.int32, device=device).repeat_interleave(k)
+    x = quantize_rows(h)
+    gu = torch.empty(3 * k, 2 * f, dtype=h.dtype, device=device)
+    a8_pairs(x, gate_up.parts[0], rows, pairs * f, f, gu[:, :f])
+    a8_pairs(x, gate_up.parts[0], rows, pairs * f + n_exp * f, f, gu[:, f:])
+    own = torch.arange(3 * k, dtype=torch.int32, device=device)
+    want = torch.empty(3 * k, d, dtype=h.dtype, device=device)
+    a8_pairs(quantize_rows(silu_mul(gu)), down.parts[0], own, pairs * d, d, want)
+    assert torch.equal(got, want) and got.abs().max() > 0
+
+
 def _int8_moe_stage(moe_file, device: str):
     import dataclasses
 
@@ -360,20 +395,23 @@ def _int8_moe_stage(moe_file, device: str):
 @pytest.mark.parametrize("device", triton_devices())
 def test_an_int8_moe_stage(moe_file, device, monkeypatch):
     """A packed MoE stage with int8 activations (its experts as each pair's GEMVs): its logits
-    near the widened file's (within 8%), every routed layer's experts through a8_pairs, and the
-    target rows alone and among 8 and 40 rows the same bits."""
-    from strata.kernels.quant import a8_triton
+    near the widened file's (within 8%), every routed layer's experts through a8_gated's
+    gate/up kernel and a8_pairs' down, and the target rows alone and among 8 and 40 rows the
+    same bits."""
+    from strata.kernels.quant import a8_gated, a8_triton
     from test_moe_stage import _interpreter_skips
     from test_quant_stage import assert_packed_is_widened, assert_stage_rows_invariant, widened
     _interpreter_skips(moe_file, device)
     calls = []
-    a8_pairs = a8_triton.a8_pairs
+    a8_pairs, a8_gate_up = a8_triton.a8_pairs, a8_gated.a8_gate_up
     monkeypatch.setattr(a8_triton, "a8_pairs",
-                        lambda *a, **k: calls.append(a[1].qtype) or a8_pairs(*a, **k))
+                        lambda *a, **k: calls.append("down") or a8_pairs(*a, **k))
+    monkeypatch.setattr(a8_gated, "a8_gate_up",
+                        lambda *a, **k: calls.append("gate_up") or a8_gate_up(*a, **k))
     # (about 5% on these 64-wide random rows: the dense projections' share, the experts'
     # int8 adds next to nothing to it)
     assert_packed_is_widened([_int8_moe_stage(moe_file, device), widened(moe_file, device)],
                              device, tol=0.08)
     cfg = moe_file.config
-    assert len(calls) == 3 * (cfg.n_layers - cfg.n_dense_first)   # gate, up, down a layer
+    assert calls == ["gate_up", "down"] * (cfg.n_layers - cfg.n_dense_first)
     assert_stage_rows_invariant(_int8_moe_stage(moe_file, device), device)

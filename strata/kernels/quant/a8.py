@@ -39,6 +39,14 @@ class Codes:
     qp: torch.Tensor
     rows: torch.Tensor | None = None
 
+    @staticmethod
+    def empty(m: int, k: int, device: torch.device) -> Codes:
+        """Planes for m rows of k values, unwritten (a kernel fills them)."""
+        q = torch.empty(m, k, dtype=torch.int8, device=device)
+        return Codes(q, torch.empty(m, k // QBLOCK, dtype=torch.float32, device=device),
+                     torch.empty(m, k // 16, dtype=torch.int32, device=device),
+                     torch.empty_like(q))
+
     def __getitem__(self, rows: slice) -> Codes:
         return Codes(self.q[rows], self.dx[rows], self.qs[rows], self.qp[rows],
                      None if self.rows is None else self.rows[rows])

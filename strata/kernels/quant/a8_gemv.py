@@ -14,7 +14,7 @@ and are packed four to a word, against the codes in K order. Then, per
 (row, column), the groups' float terms (group_term) are added one by one in order along K,
 exactly as a8_mm's MMA adds them, so a row gets the same bits from either kernel
 (tests/kernels/test_quant_a8.py). Under the Triton interpreter, dp4a is the same sum of four
-products written out. For a [gate | up] weight (a8_gate_up) a program takes the same columns
+products written out. For a [gate | up] weight (a8_gated.py) a program takes the same columns
 of both halves, writes act(gate) * up and can quantize those rows for the down projection
 (quantize_blocks, the row quantizer's arithmetic).
 """
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.fused_triton import ACTS, gate_act
+from strata.kernels.fused_triton import gate_act
 from strata.kernels.quant.a8 import Codes
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
@@ -127,17 +127,18 @@ def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
 
 @triton.jit
 def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, s2, s3,
-                    res_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, M, N, K, stride_rm,
+                    res_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, M, N, K, UP, stride_rm,
                     stride_om, QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                     ASM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, STEP: tl.constexpr, STAGES: tl.constexpr,
                     P: tl.constexpr, L, L4, L8, L32, ACT: tl.constexpr, CODES: tl.constexpr):
     """Program (row block, column block, part of K): the part's L quants (L4, L8, L32: L / 4,
     / 8, / 32), its sum into out, or with P > 1 into out's rows of that part (a8_gemv).
-    ACT >= 0 (one part): the weight is [gate | up] (2N rows) and out [M, N] gets
-    act(gate) * up (fused_triton's silu_mul) of both halves' columns n, each rounded to
-    out's dtype first, as the projection's output would be; with CODES (BLOCK_N 32) those rows
-    quantized too, as quantize_rows would (the planes cq, cqp, cdx, cqs of Codes [M, N])."""
+    ACT >= 0 (a8_gated.py): gate rows wn and up rows wn + UP; with one part out [M, N] gets
+    act(gate) * up (fused_triton's silu_mul) of both, each rounded to out's dtype first, as
+    the projection's output would be, and with CODES (BLOCK_N 32) those rows quantized too,
+    as quantize_rows would (the planes cq, cqp, cdx, cqs of Codes [M, N]); with P > 1 the
+    part's gate and up sums go to out's rows of that part [P, M, 2N], gate then up."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
@@ -167,9 +168,13 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
         acc = _gemv_step(acc, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn, n_ok, w0, g0,
                          QTYPE, S, ASM, BLOCK_M, BLOCK_N, STEP)
         if ACT >= 0:   # the same step of the up half's rows
-            acc_up = _gemv_step(acc_up, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn + N,
+            acc_up = _gemv_step(acc_up, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn + UP,
                                 n_ok, w0, g0, QTYPE, S, ASM, BLOCK_M, BLOCK_N, STEP)
-    if ACT >= 0:   # silu_mul's arithmetic on the projection's rounded outputs
+    if ACT >= 0 and P > 1:   # both sums of this part, for a8_gated's add_gated_parts
+        at = out_ptr + part * M * 2 * N
+        store_rows(acc, res_ptr, at, m, n, m_ok, n_ok, 0, 2 * N, False)
+        store_rows(acc_up, res_ptr, at + N, m, n, m_ok, n_ok, 0, 2 * N, False)
+    elif ACT >= 0:   # silu_mul's arithmetic on the projection's rounded outputs
         dtype = out_ptr.dtype.element_ty
         gate = (0.0 + acc).to(dtype).to(tl.float32)
         up = (0.0 + acc_up).to(dtype).to(tl.float32)
@@ -335,7 +340,7 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
     dst = out if p == 1 else torch.empty(p, m, cols, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(cols, block_n), p)
     _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, xrows, wrows, *planes, *strides, r,
-                          dst, q, q, x.dx, x.qs, m, cols, k, r.stride(0), out.stride(0),
+                          dst, q, q, x.dx, x.qs, m, cols, k, 0, r.stride(0), out.stride(0),
                           QTYPE=TYPE_IDS[part.qtype],
                           S=BLOCKS[part.qtype][2], HAS_RES=res is not None,
                           ASM=q.device.type == "cuda", PAIRS=pairs is not None,
@@ -345,33 +350,6 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
                           enable_fp_fusion=False)   # as a8_mm: no tile-dependent FMAs
     if p > 1:
         add_parts(dst, res, out)
-    return out
-
-
-def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
-               block_n: int = 32, stages: int = 3, warps: int = 4,
-               codes: Codes | None = None) -> torch.Tensor:
-    """out [M, F] = act(gate) * up of [gate | up] = rows x @ part^T (part: [2F, K], in one
-    part of K), both halves rounded to out's dtype first: the GEMV tiles' a8_mm followed by
-    fused_triton's silu_mul, bit for bit, in one kernel (each program takes a gate column
-    block and the same columns of up). codes (block_n 32): Codes [M, F] to fill with out's
-    rows quantized, as quantize_rows(out) would."""
-    q = x.q if part.qtype in CODEBOOKS else x.qp
-    m, k = q.shape
-    f = part.rows // 2
-    assert (part.rows % 2 == 0 and part.cols == k and k_parts(part.rows, k) == 1
-            and out.shape == (m, f))
-    assert codes is None or (block_n == 32 and codes.q.shape == (m, f))
-    c = codes if codes is not None else x
-    planes, strides = _planes(part)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(f, block_n), 1)
-    _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, q, q, *planes, *strides, out, out, c.q,
-                          c.qp, c.dx, c.qs, m, f, k, out.stride(0), out.stride(0),
-                          QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], HAS_RES=False,
-                          ASM=q.device.type == "cuda", PAIRS=False, BLOCK_M=block_m,
-                          BLOCK_N=block_n, STEP=gemv_step(k), STAGES=stages, P=1, L=k,
-                          L4=k // 4, L8=k // 8, L32=k // 32, ACT=ACTS[act],
-                          CODES=codes is not None, num_warps=warps, enable_fp_fusion=False)
     return out
 
 

@@ -32,9 +32,9 @@ import triton
 import triton.language as tl
 
 from strata.kernels.quant.a8 import QBLOCK, Codes
-from strata.kernels.quant.a8_gemv import (PARTS, a8_gate_up, a8_gemv, add_in_order, add_parts,
-                                          gemv_step, group_term, k_parts, quantize_blocks,
-                                          store_rows)
+from strata.kernels.quant.a8_gated import a8_gate_up
+from strata.kernels.quant.a8_gemv import (PARTS, a8_gemv, add_in_order, add_parts, gemv_step,
+                                          group_term, k_parts, quantize_blocks, store_rows)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
                                                _terms)
@@ -220,7 +220,7 @@ def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float 
         raise ValueError(f"int8 activations: a row of {k} values is not whole blocks of "
                          f"{QBLOCK}")
     assert x.stride(1) == 1 and (norm is None or norm.is_contiguous())
-    c = _empty_codes(m, k, x.device)
+    c = Codes.empty(m, k, x.device)
     q, qp, dx, qs = c.q, c.qp, c.dx, c.qs
     if m:
         block = gemv_step(k)
@@ -297,32 +297,24 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
 def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
                     codes: bool = False) -> torch.Tensor | Codes:
     """act(gate) * up [M, F] of [gate | up] = x's rows @ part^T ([2F, K]), each half rounded
-    to out_dtype first: fused_triton's silu_mul of a8_mm's output, the same bits; in one
-    kernel for the GEMV's windows (a8_gemv.a8_gate_up) where K is one part. codes: return
-    those rows quantized (quantize_rows' Codes, with the rows), in the same kernel there,
-    where F is whole blocks of 32 (else the rows alone)."""
-    m, k = x.q.shape
+    to out_dtype first: fused_triton's silu_mul of a8_mm's output, the same bits; for the
+    GEMV's windows in one or two kernels (a8_gated.py). codes: return those rows quantized
+    (quantize_rows' Codes, with the rows), there by the same kernels, where F is whole
+    blocks of 32 (else the rows alone)."""
+    m = x.q.shape[0]
     f = part.rows // 2
     codes = codes and f % QBLOCK == 0
     tile = a8_row_tile(m)
-    if tile in GEMV_TILES and part.rows % 2 == 0 and k_parts(part.rows, k) == 1:
+    if tile in GEMV_TILES and part.rows % 2 == 0:
         out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
-        c = _empty_codes(m, f, x.q.device) if codes else None
-        a8_gate_up(x, part, act, out, tile,
-                   block_n=16 if part.qtype == "Q6_K" and not codes else 32,
+        c = Codes.empty(m, f, x.q.device) if codes else None
+        a8_gate_up(x, part, act, out, tile, block_n=16 if part.qtype == "Q6_K" else 32,
                    stages=2 if tile == 8 else 3, codes=c)
         return dataclasses.replace(c, rows=out) if codes else out
     else:
         from strata.kernels.fused_triton import silu_mul
         out = silu_mul(a8_mm(x, part, out_dtype=out_dtype), act)
     return dataclasses.replace(quantize_rows(out), rows=out) if codes else out
-
-
-def _empty_codes(m: int, k: int, device: torch.device) -> Codes:
-    """Codes' planes for m rows of k values, unwritten."""
-    q = torch.empty(m, k, dtype=torch.int8, device=device)
-    return Codes(q, torch.empty(m, k // QBLOCK, dtype=torch.float32, device=device),
-                 torch.empty(m, k // 16, dtype=torch.int32, device=device), torch.empty_like(q))
 
 
 def a8_pairs(x: Codes, part: Part, xrows: torch.Tensor,

@@ -1,0 +1,105 @@
+"""The gated feed-forward's first half with int8 activations, for the GEMV's windows (1 to 8
+rows) and for routed experts' (row, rank) pairs: gate and up in one launch of a8_gemv.py's
+kernel (a program takes the same columns of both), then act(gate) * up, rounded as
+fused_triton's silu_mul rounds it, and optionally those rows quantized for the down projection
+as quantize_rows would (a8_gemv.quantize_blocks). Where K is cut into parts, the kernel writes
+each part's gate and up sums and add_gated_parts adds them in order, as _add_parts_kernel would,
+before the same epilogue. So the result is, bit for bit, what a8_mm (or a8_pairs) of gate and
+of up, silu_mul and quantize_rows give, in one or two launches instead of up to six
+(tests/kernels/test_quant_a8.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kernels.fused_triton import ACTS, gate_act
+from strata.kernels.quant.a8 import QBLOCK, Codes
+from strata.kernels.quant.a8_gemv import (CODEBOOKS, _a8_gemv_kernel, gemv_step, k_parts,
+                                          quantize_blocks)
+from strata.kernels.quant.blocks import BLOCKS, Part
+from strata.kernels.quant.float_triton import TYPE_IDS, _planes
+
+
+@triton.jit
+def _add_gated_parts_kernel(part_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, M, N,
+                            stride_om, P: tl.constexpr, ACT: tl.constexpr,
+                            CODES: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row m, block of columns): the P parts' gate and up sums [P, M, 2N] added in
+    order from zero, each rounded to out's dtype, act(gate) * up into out [M, N] (and with
+    CODES its blocks quantized into Codes [M, N])."""
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    g = tl.zeros([BLOCK], tl.float32)
+    u = tl.zeros([BLOCK], tl.float32)
+    for p in tl.static_range(P):
+        at = part_ptr + (p * M + m) * 2 * N + n
+        g = g + tl.load(at, mask=ok, other=0.0)
+        u = u + tl.load(at + N, mask=ok, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    h = (gate_act(g.to(dtype).to(tl.float32), ACT) * u.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + m * stride_om + n, h, mask=ok)
+    if CODES:   # BLOCK divides N: whole blocks of 32
+        rows = tl.zeros([1], tl.int32) + m
+        quantize_blocks(h.to(tl.float32)[None, :], rows, rows >= 0,
+                        tl.program_id(1) * (BLOCK // 32), N, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr,
+                        1, BLOCK // 32)
+
+
+def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
+               block_n: int = 32, stages: int = 3, warps: int = 4,
+               codes: Codes | None = None,
+               pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
+               up: int | None = None) -> torch.Tensor:
+    """out [M, F] = act(gate) * up, both rounded to out's dtype first. Without pairs, of
+    [gate | up] = rows x @ part^T (part [2F, K]; up = F). With pairs (xrows, wrows), block_m
+    1: out row p from codes row xrows[p] against gate rows wrows[p] .. + F - 1 and up rows
+    wrows[p] + up .. of part (a8_pairs' pairs; K's parts those of an [F, K] weight, as a8_pairs
+    takes them). codes (F whole blocks of 32): Codes [M, F] to fill with out's rows quantized,
+    as quantize_rows(out) would."""
+    q = x.q if part.qtype in CODEBOOKS else x.qp   # the nibble types take the pair order
+    k = q.shape[1]
+    f = out.shape[1]
+    if pairs is None:
+        xrows = wrows = q
+        m, up, p = q.shape[0], f, k_parts(part.rows, k)
+        assert part.rows == 2 * f
+    else:
+        xrows, wrows = pairs
+        m, p = xrows.shape[0], k_parts(f, k)
+        assert block_m == 1 and up is not None
+    assert part.cols == k and out.shape == (m, f) and out.stride(1) == 1
+    assert codes is None or (f % QBLOCK == 0 and codes.q.shape == (m, f))
+    fused = codes is not None and p == 1        # the kernel quantizes its own rows
+    c = codes if fused else x
+    n = 32 if fused else block_n
+    dst = out if p == 1 else torch.empty(p, m, 2 * f, dtype=torch.float32, device=q.device)
+    planes, strides = _planes(part)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(f, n), p)
+    _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, xrows, wrows, *planes, *strides, dst, dst,
+                          c.q, c.qp, c.dx, c.qs, m, f, k, up, out.stride(0), out.stride(0),
+                          QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], HAS_RES=False,
+                          ASM=q.device.type == "cuda", PAIRS=pairs is not None,
+                          BLOCK_M=block_m, BLOCK_N=n, STEP=gemv_step(k), STAGES=stages, P=p,
+                          L=k // p, L4=k // p // 4, L8=k // p // 8, L32=k // p // 32,
+                          ACT=ACTS[act], CODES=fused, num_warps=warps,
+                          enable_fp_fusion=False)   # as every int8 kernel
+    if p > 1:
+        add_gated_parts(dst, out, act, codes)
+    return out
+
+
+def add_gated_parts(parts: torch.Tensor, out: torch.Tensor, act: str,
+                    codes: Codes | None = None) -> None:
+    """out [M, F] = act(gate) * up of the parts' gate and up sums [P, M, 2F], each added in
+    order from zero and rounded to out's dtype (and codes filled with out's rows quantized)."""
+    p, m, f2 = parts.shape
+    f = f2 // 2
+    block = (next(b for b in (256, 128, 64, 32) if f % b == 0) if codes is not None
+             else 256)
+    c = codes if codes is not None else Codes(parts, parts, parts, parts)   # not written
+    _add_gated_parts_kernel[(m, triton.cdiv(f, block))](
+        parts, out, c.q, c.qp, c.dx, c.qs, m, f, out.stride(0), P=p, ACT=ACTS[act],
+        CODES=codes is not None, BLOCK=block, enable_fp_fusion=False)
