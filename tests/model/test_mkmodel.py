@@ -13,9 +13,10 @@ from gguf.constants import GGML_QUANT_SIZES
 from strata.model.kquant_blocks import BLOCK_TYPES, random_blocks
 from strata.model.mkmodel import (
     CHAT_TEMPLATE, MIX_TYPES, QUANTIZABLE_TYPES, RANDOM_BLOCK_TYPES, SHAPES, WEIGHT_TYPES,
-    ModelShape, bytes_to_unicode, estimated_size, main, make_vocabulary, random_kquant_blocks,
+    ModelShape, bytes_to_unicode, estimated_size, make_vocabulary, random_kquant_blocks,
     random_tensor, tensor_specs, write_random_gguf, write_raw_blocks_gguf,
 )
+from strata.model.mkmodel_cli import main
 from strata.model.quant_mix import file_type, mix_tensor_type, use_more_bits
 
 TINY = SHAPES["tiny"]
