@@ -14,6 +14,7 @@ a prompt chunk, of a fixed shape, takes cuBLAS / torch whole.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ from strata.kernels.fused import (by_row_blocks, linear_rows, norm_gate_up_silu,
 from strata.kernels.moe import moe_window
 from strata.kernels.norms import rms_norm
 from strata.kernels.policy import MAX_DECODE_ROWS, KernelPolicy
+from strata.kernels.quant import ops as quant_ops
 from strata.kernels.quant.ops import dense_weight, embed_rows
 from strata.kernels.quant.weight import QuantWeight
 from strata.kernels.rope import rope_table
@@ -166,10 +168,19 @@ class Layer(torch.nn.Module):
         cos, sin = meta.local if self.sliding else (meta.cos, meta.sin)
         q = rope_write_kv(qkv, cos, sin, rows.slot, rows.pos, k_cache, v_cache,
                           cfg.n_heads, policy, family.rope_halves)       # [R, H, hd]
-        attend_fn = attend_chunk if meta.chunk else attend_rows
-        attn = attend_fn(q, k_cache, v_cache, rows.slot, rows.length, policy, cfg.scale,
-                         cfg.window if self.sliding else 0)
+        window = cfg.window if self.sliding else 0
+        # with int8 activations the attention kernel also quantizes its rows for wo's kernels
+        codes = quant_ops.rows_codes(self.wo, policy, decode, x.shape[0],
+                                     q.shape[1] * q.shape[2], x.device)
+        if meta.chunk:
+            attn = attend_chunk(q, k_cache, v_cache, rows.slot, rows.length, policy, cfg.scale,
+                                window)
+        else:
+            attn = attend_rows(q, k_cache, v_cache, rows.slot, rows.length, policy, cfg.scale,
+                               window, codes)
         attn = attn.view(x.shape[0], -1)
+        if codes is not None:   # linear_rows takes the codes, any other path the rows
+            attn = dataclasses.replace(codes, rows=attn)
         x = self._residual(x, attn, self.wo, self.post_attn_norm, decode)
         if self.experts is not None:
             return self.experts(x, self.ffn_norm, cfg, policy, decode)

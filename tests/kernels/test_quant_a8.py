@@ -381,6 +381,30 @@ def test_the_experts_gate_up_kernels_are_the_pairs_silu_mul_and_quantize(device,
     assert torch.equal(got, want) and got.abs().max() > 0
 
 
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("hd", [64, 48])   # 48: not a power of two, quantized after the kernel
+def test_the_attention_kernel_quantizes_its_rows_as_quantize_rows(device, hd):
+    """attend_rows_triton(codes=...): the output rows [R, H hd] quantized in the kernel (each
+    head's blocks; 4 query heads on 2 kv heads, pad rows included) bit for bit as
+    quantize_rows quantizes them after it, and the output itself unchanged."""
+    from strata.kernels.attention.decode_triton import attend_rows_triton
+    from strata.kernels.quant.a8 import Codes
+    from strata.kernels.quant.a8_triton import quantize_rows
+    g = torch.Generator().manual_seed(61)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    k, v = (torch.randn(3, 2, 64, hd, generator=g).to(device, dtype) for _ in range(2))
+    q = torch.randn(4, 4, hd, generator=g).to(device, dtype)
+    slot = torch.tensor([0, 1, 2, 2], device=device)
+    length = torch.tensor([5, 64, 0, 17], device=device)   # row 2 a pad row
+    codes = Codes.empty(4, 4 * hd, q.device)
+    out = attend_rows_triton(q, k, v, slot, length, codes=codes)
+    assert torch.equal(out, attend_rows_triton(q, k, v, slot, length))
+    want = quantize_rows(out.view(4, -1))
+    for name in ("q", "qp", "dx", "qs"):
+        assert torch.equal(getattr(codes, name), getattr(want, name)), name
+    assert codes.q[2].abs().max() == 0 and codes.q.abs().max() == 127
+
+
 def _int8_moe_stage(moe_file, device: str):
     import dataclasses
 

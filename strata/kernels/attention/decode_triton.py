@@ -7,6 +7,9 @@ window's row count or on how rows are grouped, so the result is row-independent 
 (DESIGN.md, exactness 1 and 2), and the grid and every shape are fixed by the window's row count,
 so the launch can be captured in a CUDA graph: lengths are read from a tensor, not from Python.
 
+With int8 activations the kernel also quantizes the rows it writes for the o projection's
+int8 kernels (kernels.quant: their Codes and the row quantizer's arithmetic).
+
 Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests).
 """
 from __future__ import annotations
@@ -17,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.quant.a8 import Codes
+from strata.kernels.quant.a8_gemv import quantize_blocks
+
 BLOCK_N = 128  # key positions per step
 NO_WINDOW = 1 << 30   # the window of a row that attends all its keys
 STAGES = 3     # loads in flight (H200, llama3-8b heads: 5.1 us at 256 keys and 24 us at 2048,
@@ -25,11 +31,15 @@ STAGES = 3     # loads in flight (H200, llama3-8b heads: 5.1 us at 256 keys and 
 
 @triton.jit
 def _attend_rows_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr,
+                        cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, n_out,
                         stride_qr, stride_qh, stride_or, stride_oh,
                         stride_cs, stride_ch, stride_cp,
                         qk_scale, window,
                         GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                        CODES: tl.constexpr):
+    """With CODES (HD whole blocks of 32, BLOCK_D = HD) the row's heads are also quantized for
+    the int8 kernels, as quantize_rows would quantize the output rows [R, n_out]."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     n_keys = tl.load(len_ptr + row)          # 0 for a pad row
@@ -63,18 +73,24 @@ def _attend_rows_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr,
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     out = acc / tl.where(s > 0, s, 1.0)[:, None]        # a pad row (no keys) stays zero
-    tl.store(out_ptr + row * stride_or + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+    out = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_or + head[:, None] * stride_oh + d[None, :], out,
+             mask=gd_mask)
+    if CODES:   # head g's HD values are blocks head * HD / 32 .. of the output row
+        quantize_blocks(out.to(tl.float32), g * 0 + row, g < GROUP, head * (HD // 32), n_out,
+                        cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, BLOCK_G, HD // 32)
 
 
 def attend_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot: torch.Tensor, length: torch.Tensor, scale: float | None = None,
-                       window: int = 0) -> torch.Tensor:
+                       window: int = 0, codes: Codes | None = None) -> torch.Tensor:
     """q: [R, H, hd] (rotated; last dim contiguous); k_cache, v_cache: [S, KVH, ctx, hd]
     contiguous, already holding every row's own key/value; slot: [R] int64 (any valid slot for
     a pad row); length: [R] int64, keys [0, length) are attended (0 for a pad row, whose output
     is zero); scale: the scores' (default 1/sqrt(hd)); window: keys [length - window,
-    length) (0: all). Returns [R, H, hd] in q's dtype."""
+    length) (0: all). Returns [R, H, hd] in q's dtype. codes: Codes [R, H hd] to fill with
+    those rows quantized (a8_triton.quantize_rows' bits), in the kernel where hd is a power
+    of two of whole blocks of 32."""
     n_rows, n_heads, hd = q.shape
     n_kv = k_cache.shape[1]
     group = n_heads // n_kv
@@ -84,12 +100,20 @@ def attend_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     # exp2 instead of exp: fold log2(e) into the score scale
     qk_scale = (scale or 1.0 / math.sqrt(hd)) * 1.4426950408889634
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is moot for bf16/fp16
+    block_d = max(16, triton.next_power_of_2(hd))
+    fused = codes is not None and hd % 32 == 0 and block_d == hd
+    c = codes if fused else Codes(out, out, out, out)   # not written
     _attend_rows_kernel[(n_rows, n_kv)](
-        q, k_cache, v_cache, out, slot, length,
+        q, k_cache, v_cache, out, slot, length, c.q, c.qp, c.dx, c.qs, n_heads * hd,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         qk_scale, window or NO_WINDOW,
         GROUP=group, HD=hd, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_N=BLOCK_N, PRECISION=precision,
+        BLOCK_D=block_d, BLOCK_N=BLOCK_N, PRECISION=precision, CODES=fused,
         num_warps=4, num_stages=STAGES)
+    if codes is not None and not fused:
+        from strata.kernels.quant.a8_triton import quantize_rows
+        rows = quantize_rows(out.view(n_rows, -1))
+        for plane in ("q", "qp", "dx", "qs"):
+            getattr(codes, plane).copy_(getattr(rows, plane))
     return out

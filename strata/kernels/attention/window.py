@@ -57,15 +57,17 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slot: torch.Tensor, length: torch.Tensor,
                 policy: KernelPolicy | None = None, scale: float | None = None,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, codes=None) -> torch.Tensor:
     """The same attention with the rows given as tensors (no host sync, graph-capturable):
     slot [R] int64, length [R] int64 = position + 1 (0 for a pad row, whose output is zero).
     With the policy's Triton kernels, the fixed-order kernel of decode_triton.py;
     otherwise `attend` (plain torch, key spans of the rows' own positions). scale, window:
-    as `attend`'s."""
+    as `attend`'s. codes (the Triton path only): Codes [R, H hd] that the kernel fills with
+    the output rows quantized for the int8 kernels (quant/ops.rows_codes)."""
     if policy_or_default(policy, q).triton:
         from strata.kernels.attention.decode_triton import attend_rows_triton
-        return attend_rows_triton(q, k_cache, v_cache, slot, length, scale, window)
+        return attend_rows_triton(q, k_cache, v_cache, slot, length, scale, window, codes)
+    assert codes is None, "only the Triton attention quantizes its rows"
     return attend_row_tensors(q, k_cache, v_cache, slot, length, scale, window)
 
 

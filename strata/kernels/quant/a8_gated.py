@@ -44,8 +44,8 @@ def _add_gated_parts_kernel(part_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr
     if CODES:   # BLOCK divides N: whole blocks of 32
         rows = tl.zeros([1], tl.int32) + m
         quantize_blocks(h.to(tl.float32)[None, :], rows, rows >= 0,
-                        tl.program_id(1) * (BLOCK // 32), N, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr,
-                        1, BLOCK // 32)
+                        rows * 0 + tl.program_id(1) * (BLOCK // 32), N, cq_ptr, cqp_ptr,
+                        cdx_ptr, cqs_ptr, 1, BLOCK // 32)
 
 
 def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,

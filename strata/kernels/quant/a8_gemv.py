@@ -181,8 +181,8 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
         h = (gate_act(gate, ACT) * up).to(dtype)
         store_rows(h, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, False)
         if CODES:   # the down projection's input rows, quantized here: no kernel of their own
-            quantize_blocks(h.to(tl.float32), m, m_ok, tl.program_id(1), N, cq_ptr, cqp_ptr,
-                            cdx_ptr, cqs_ptr, BLOCK_M, 1)
+            quantize_blocks(h.to(tl.float32), m, m_ok, m * 0 + tl.program_id(1), N, cq_ptr,
+                            cqp_ptr, cdx_ptr, cqs_ptr, BLOCK_M, 1)
     elif P == 1:   # the parts' sum from zero, as every kernel adds them (_add_parts_kernel)
         store_rows(0.0 + acc, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
     else:
@@ -251,27 +251,26 @@ def _gemv_step(acc, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn, n_ok, w0, g0
 @triton.jit
 def quantize_blocks(y, m, m_ok, b0, K, q_ptr, qp_ptr, dx_ptr, qs_ptr, R: tl.constexpr,
                     NB: tl.constexpr):
-    """Rows m's values y fp32 [R, NB * 32] of blocks b0 .. b0 + NB - 1 (of 32) into Codes'
-    planes (a8.py: codes, the codes in pair order, scales and each 16 codes' sum), each block
-    from its own values alone: the row quantizer's arithmetic, and that of any kernel that
-    quantizes the rows it writes (compiled without FP fusion, as every int8 kernel is)."""
+    """Values y fp32 [R, NB * 32] into Codes' planes [M, K] (a8.py: codes, the codes in pair
+    order, scales and each 16 codes' sum): y's row i is blocks b0[i] .. b0[i] + NB - 1 (of 32)
+    of row m[i], each block from its own values alone. The row quantizer's arithmetic, and
+    that of any kernel that quantizes the rows it writes: its one product and sum is an
+    explicit fma, so it is the same with and without FP fusion."""
     yb = tl.reshape(y, (R, NB, 32))
     amax = tl.max(tl.abs(yb), 2)                                             # [R, NB]
-    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
-    v = yb * inv[:, :, None]
-    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)[:, :, None]
+    q = tl.where(yb >= 0, tl.floor(tl.fma(yb, inv, 0.5)), -tl.floor(tl.fma(-yb, inv, 0.5)))
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-    k = b0 * 32 + tl.arange(0, NB * 32)
     ok = m_ok[:, None]
-    at = m[:, None] * K + k[None, :]
+    at = m[:, None] * K + b0[:, None] * 32 + tl.arange(0, NB * 32)[None, :]
     tl.store(q_ptr + at, tl.reshape(q, (R, NB * 32)).to(tl.int8), mask=ok)
     pairs = tl.permute(tl.reshape(q, (R, NB * 4, 4, 2)), (0, 1, 3, 2))   # 0, 2, 4, 6, 1, 3, 5, 7
     tl.store(qp_ptr + at, tl.reshape(pairs, (R, NB * 32)).to(tl.int8), mask=ok)
-    tl.store(dx_ptr + m[:, None] * (K // 32) + (b0 + tl.arange(0, NB))[None, :], amax / 127.0,
-             mask=ok)
+    tl.store(dx_ptr + m[:, None] * (K // 32) + b0[:, None] + tl.arange(0, NB)[None, :],
+             amax / 127.0, mask=ok)
     qs = tl.sum(tl.reshape(q.to(tl.int32), (R, 2 * NB, 16)), 2)
-    tl.store(qs_ptr + m[:, None] * (K // 16) + (2 * b0 + tl.arange(0, 2 * NB))[None, :], qs,
-             mask=ok)
+    tl.store(qs_ptr + m[:, None] * (K // 16) + 2 * b0[:, None] + tl.arange(0, 2 * NB)[None, :],
+             qs, mask=ok)
 
 
 @triton.jit

@@ -71,8 +71,8 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, qp_ptr, dx_ptr, qs_ptr, K, eps, s
     if NORM:
         y = y * r * tl.load(g_ptr + k).to(tl.float32)
     rows = tl.zeros([1], tl.int32) + m
-    quantize_blocks(y[None, :], rows, rows >= 0, c * NB, K, q_ptr, qp_ptr, dx_ptr, qs_ptr, 1,
-                    NB)
+    quantize_blocks(y[None, :], rows, rows >= 0, rows * 0 + c * NB, K, q_ptr, qp_ptr, dx_ptr,
+                    qs_ptr, 1, NB)
 
 
 @triton.jit

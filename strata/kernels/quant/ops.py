@@ -48,6 +48,17 @@ def project(x: torch.Tensor, w: QuantWeight, policy: KernelPolicy, decode: bool,
     return out
 
 
+def rows_codes(w: torch.Tensor | QuantWeight, policy: KernelPolicy, decode: bool, rows: int,
+               k: int, device: torch.device) -> Codes | None:
+    """Codes [rows, k] for a kernel to fill with the rows it writes, where `project` would
+    quantize them for w's int8 kernels (a decode window, int8 activations, w quantized and
+    k whole blocks of 32); else None."""
+    if not (decode and policy.triton and policy.int8_activations
+            and isinstance(w, QuantWeight) and k % 32 == 0):
+        return None
+    return Codes.empty(rows, k, device)
+
+
 def gate_up_silu(x: torch.Tensor, w: QuantWeight, norm: torch.Tensor | None, eps: float,
                  policy: KernelPolicy, decode: bool, act: str = "silu") -> torch.Tensor | None:
     """act(g) * u of [g | u] = rmsnorm(x) @ w^T in one kernel, or None (a prompt chunk, the
