@@ -137,70 +137,6 @@ def test_a_rows_bits_are_the_same_alone_and_among_1_to_63_others(device, qtype):
 
 
 @pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q5_0"])
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_the_fused_gate_up_is_silu_mul_of_the_projection(device, qtype, act, monkeypatch):
-    """a8_gate_up_silu: in the GEMV's windows one kernel (a program takes gate columns and
-    the same up columns, then act(gate) * up) gives silu_mul of a8_mm's [gate | up], bit for
-    bit; and row 0 alone gets its bits among 3, 8 and 20 rows (the 16-row tile: a8_mm, then
-    silu_mul)."""
-    from strata.kernels.fused_triton import silu_mul
-    from strata.kernels.quant import a8_triton
-    from strata.kernels.quant.a8_triton import a8_gate_up_silu, a8_mm, quantize_rows
-    w, _ = _weight(qtype, 64, 3 * K, device, seed=31)   # three K steps, one part of K
-    x = _x(20, 3 * K, device, seed=32)
-    c = quantize_rows(x)
-    part = w.parts[0]
-    fused, real = [], a8_triton.a8_gate_up
-    monkeypatch.setattr(a8_triton, "a8_gate_up",
-                        lambda *a, **kw: fused.append(1) or real(*a, **kw))
-    alone = a8_gate_up_silu(c[:1], part, act, x.dtype)
-    for m in (1, 3, 8, 20):
-        got = a8_gate_up_silu(c[:m], part, act, x.dtype)
-        assert torch.equal(got, silu_mul(a8_mm(c[:m], part, out_dtype=x.dtype), act)), m
-        assert torch.equal(got[0], alone[0]), f"row 0 among {m} rows"
-    assert len(fused) == 4, "the windows of 1 to 8 rows did not take the fused kernel"
-    assert got.shape == (20, 32) and got.abs().max() > 0
-
-
-@pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ4_XS"])
-@pytest.mark.parametrize("steps", [3, 4])   # K of 768: one part; of 1024: four (k_parts)
-def test_the_fused_gate_up_quantizes_its_rows_as_quantize_rows(device, qtype, steps,
-                                                               monkeypatch):
-    """a8_gate_up_silu(codes=True): the rows act(gate) * up and their Codes for the down
-    projection, up to 8 rows in the GEMV's kernel (K in parts: and the kernel adding them),
-    with no quantize_rows of its own; the same bits as a8_mm, silu_mul and quantize_rows of
-    those rows (codes, pair order, scales, sums) at 1 to 20 rows."""
-    from strata.kernels.fused_triton import silu_mul
-    from strata.kernels.quant import a8_triton
-    from strata.kernels.quant.a8_gemv import k_parts
-    from strata.kernels.quant.a8_triton import a8_gate_up_silu, a8_mm, quantize_rows
-    w, _ = _weight(qtype, 128, steps * K, device, seed=41)   # F = 64: two blocks of 32
-    c = quantize_rows(_x(20, steps * K, device, seed=42))
-    part = w.parts[0]
-    assert k_parts(part.rows, steps * K) == (1 if steps == 3 else 4)
-    dtype = c.dx.dtype if device == "cpu" else torch.bfloat16
-    calls, real = [], a8_triton.quantize_rows
-    monkeypatch.setattr(a8_triton, "quantize_rows",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    for m in (1, 3, 8, 20):
-        got = a8_gate_up_silu(c[:m], part, "silu", dtype, codes=True)
-        rows = silu_mul(a8_mm(c[:m], part, out_dtype=dtype))
-        assert torch.equal(got.rows, rows), m
-        want = real(rows)
-        for name in ("q", "qp", "dx", "qs"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), f"{name}, {m} rows"
-        assert got.q.abs().max() == 127
-    assert len(calls) == 1, "up to 8 rows the kernels quantize their rows themselves"
-    # F = 48 is not whole blocks of 32: the rows alone, as without codes
-    w48, _ = _weight(qtype, 96, steps * K, device, seed=43)
-    rows = a8_gate_up_silu(c[:3], w48.parts[0], "silu", got.rows.dtype, codes=True)
-    assert isinstance(rows, torch.Tensor) and torch.equal(
-        rows, a8_gate_up_silu(c[:3], w48.parts[0], "silu", got.rows.dtype))
-
-
-@pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_1", "Q8_0", "IQ4_XS"])
 def test_a_rows_bits_are_the_same_in_every_tile_when_k_has_parts(device, qtype):
     """K = 1024: four parts of K, each summed alone, then in order. Row 0 alone in the GEMV,
@@ -350,59 +286,6 @@ def test_an_expert_pair_is_a_gemv_of_its_own(device):
     again = torch.empty(1, f, device=device, dtype=x.dtype)   # a pair alone in its call
     a8_pairs(c, part, rows[3:4], chosen[3:4] * f, f, again)
     assert torch.equal(again[0], out[3])
-
-
-@pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("steps", [1, 4])   # K of 256: one part; of 1024: parts (k_parts)
-def test_the_experts_gate_up_kernels_are_the_pairs_silu_mul_and_quantize(device, steps):
-    """experts_a8 with gate and up in one part (a8_gated's kernels, the act and the rows'
-    quantization in them): the same bits as a8_pairs of gate and of up, silu_mul,
-    quantize_rows and a8_pairs of down, the composition it replaces."""
-    from strata.kernels.fused_triton import silu_mul
-    from strata.kernels.moe_triton import experts_a8
-    from strata.kernels.quant.a8_triton import a8_pairs, quantize_rows
-    from strata.kernels.quant.weight import QuantWeight
-    n_exp, f, d, k = 4, 64, steps * K, 2
-    gate_up, _ = _weight("Q4_K", 2 * n_exp * f, d, device, seed=51)   # every gate, every up
-    down, _ = _weight("Q8_0", n_exp * d, f, device, seed=52)          # [E * D, F]
-    assert isinstance(gate_up, QuantWeight) and len(gate_up.parts) == 1
-    h = _x(3, d, device, seed=53)
-    experts = torch.tensor([[3, 1], [0, 3], [2, 2]], dtype=torch.int32, device=device)
-    got = experts_a8(h, experts, gate_up, down, n_exp)
-    pairs = experts.reshape(-1)
-    rows = torch.arange(3, dtype=torch.int32, device=device).repeat_interleave(k)
-    x = quantize_rows(h)
-    gu = torch.empty(3 * k, 2 * f, dtype=h.dtype, device=device)
-    a8_pairs(x, gate_up.parts[0], rows, pairs * f, f, gu[:, :f])
-    a8_pairs(x, gate_up.parts[0], rows, pairs * f + n_exp * f, f, gu[:, f:])
-    own = torch.arange(3 * k, dtype=torch.int32, device=device)
-    want = torch.empty(3 * k, d, dtype=h.dtype, device=device)
-    a8_pairs(quantize_rows(silu_mul(gu)), down.parts[0], own, pairs * d, d, want)
-    assert torch.equal(got, want) and got.abs().max() > 0
-
-
-@pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("hd", [64, 48])   # 48: not a power of two, quantized after the kernel
-def test_the_attention_kernel_quantizes_its_rows_as_quantize_rows(device, hd):
-    """attend_rows_triton(codes=...): the output rows [R, H hd] quantized in the kernel (each
-    head's blocks; 4 query heads on 2 kv heads, pad rows included) bit for bit as
-    quantize_rows quantizes them after it, and the output itself unchanged."""
-    from strata.kernels.attention.decode_triton import attend_rows_triton
-    from strata.kernels.quant.a8 import Codes
-    from strata.kernels.quant.a8_triton import quantize_rows
-    g = torch.Generator().manual_seed(61)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    k, v = (torch.randn(3, 2, 64, hd, generator=g).to(device, dtype) for _ in range(2))
-    q = torch.randn(4, 4, hd, generator=g).to(device, dtype)
-    slot = torch.tensor([0, 1, 2, 2], device=device)
-    length = torch.tensor([5, 64, 0, 17], device=device)   # row 2 a pad row
-    codes = Codes.empty(4, 4 * hd, q.device)
-    out = attend_rows_triton(q, k, v, slot, length, codes=codes)
-    assert torch.equal(out, attend_rows_triton(q, k, v, slot, length))
-    want = quantize_rows(out.view(4, -1))
-    for name in ("q", "qp", "dx", "qs"):
-        assert torch.equal(getattr(codes, name), getattr(want, name)), name
-    assert codes.q[2].abs().max() == 0 and codes.q.abs().max() == 127
 
 
 def _int8_moe_stage(moe_file, device: str):
