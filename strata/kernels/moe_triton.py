@@ -365,10 +365,11 @@ def experts_a8(h: torch.Tensor, experts: torch.Tensor, gate_up: QuantWeight,
     x = quantize_rows(h)
     if len(gate_up.parts) == 1 and f % QBLOCK == 0:
         # every expert's gate rows, then every expert's up rows
-        hx, x = x, Codes.empty(m * k, f, h.device)
-        a8_gate_up(hx, gate_up.parts[0], act,
-                   torch.empty(m * k, f, dtype=h.dtype, device=h.device), 1, codes=x,
+        codes = Codes.empty(m * k, f, h.device)
+        a8_gate_up(x, gate_up.parts[0], act,
+                   torch.empty(m * k, f, dtype=h.dtype, device=h.device), 1, codes=codes,
                    pairs=(rows, pairs * f), up=n_experts * f)
+        x = codes
     else:
         if len(gate_up.parts) == 1:
             (gate, g0), (up, u0) = (gate_up.parts[0], 0), (gate_up.parts[0], n_experts * f)

@@ -10,10 +10,10 @@ a8_mm has two ways to the integer sums, chosen by the window's rows: a GEMV (1 t
 tile of 1, 2, 4 or 8: a8_gemv.py, four products a dp4a) and an MMA (more rows: tile 16, 32 or
 64: int8 tl.dots into int32, batched over a K step's groups (Q6_K's groups of 16 in pairs), one
 dot against the rows' codes laid out block-diagonally so that each group's sums come apart, or
-a 2D dot a group of 32 whose sums stay in the accumulator's layout). K is cut into parts that depend on the weight's shape alone (a8_gemv.k_parts): every
-kernel adds each (row, column)'s float terms group by group from zero within a part, then the
-parts in order, so a row gets the same bits from either and from any tile
-(tests/kernels/test_quant_a8.py). The GEMV takes a
+a 2D dot a group of 32 whose sums stay in the accumulator's layout). K is cut into parts that
+depend on the weight's shape alone (a8_gemv.k_parts): every kernel adds each (row, column)'s
+float terms group by group from zero within a part, then the parts in order, so a row gets the
+same bits from either and from any tile (tests/kernels/test_quant_a8.py). The GEMV takes a
 program a part and so does the MMA (more programs for a narrow weight with long rows), and a
 second kernel adds the parts. A group's term is a8_gemv.group_term's explicit
 fma(a dx, isum, b qs dx), the same in every kernel; the kernels launch with
@@ -84,8 +84,9 @@ def _a8_mm_kernel(q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr
     """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. Program (row block,
     column block, part of K): each K step's groups' exact sums come from int8 dots
     (_step_dot: block-diagonal, DOT 0, batched, DOT 1, or a dot a group, DOT 2: the same
-    integers, so the same bits), the part's terms added in order from zero; its sum into out, or with P > 1 into
-    the scratch rows of that part, which _add_parts_kernel adds in order, as for the GEMV."""
+    integers, so the same bits), the part's terms added in order from zero; its sum into out,
+    or with P > 1 into the scratch rows of that part, which _add_parts_kernel adds in order,
+    as for the GEMV."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
@@ -180,17 +181,20 @@ def _step_groups(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, 
     Q6_K's groups of 16 take a dot of their pair's 32 codes twice, the other group's
     activation codes zeroed."""
     G: tl.constexpr = STEP // S
+    SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
     g0 = k0 // S
     gi = tl.arange(0, G)
     k32 = tl.arange(0, 32)
     a, b = _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE, G)                       # [BN, G]
+    if SIGNED:                                                # signed: a * (u - 128), b = 0
+        b = b * 0.0
     qs = group_sums(qs_ptr, m, m_ok, K, g0, G, S)                             # [BM, G]
     dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((g0 + gi) * S // 32)[None, :],
                  mask=m_ok[:, None], other=0.0)                               # [BM, G]
     for c in tl.static_range(STEP // 32):
         u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g0 + c * (32 // S), QTYPE, S, 32 // S,
                               BLOCK_N), (BLOCK_N, 32))
-        if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:   # signed: a * (u - 128)
+        if SIGNED:
             u = u - 128
         u = u.to(tl.int8)
         q = tl.trans(tl.load(q_ptr + m[:, None] * K + k0 + 32 * c + k32[None, :],
@@ -204,8 +208,6 @@ def _step_groups(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, 
                 isum = tl.dot(u, q, out_dtype=tl.int32)                          # [BN, BM]
             ag = _pick(a, gi, g)
             bg = _pick(b, gi, g)
-            if QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS:
-                bg = bg * 0.0
             dg = _pick(dx, gi, g)
             cg = _pick(qs, gi, g).to(tl.float32) * dg
             acc += group_term(isum, ag[:, None] * dg[None, :], bg[:, None] * cg[None, :])
@@ -311,9 +313,8 @@ def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
         a8_gate_up(x, part, act, out, tile, block_n=16 if part.qtype == "Q6_K" else 32,
                    stages=2 if tile == 8 else 3, codes=c)
         return dataclasses.replace(c, rows=out) if codes else out
-    else:
-        from strata.kernels.fused_triton import silu_mul
-        out = silu_mul(a8_mm(x, part, out_dtype=out_dtype), act)
+    from strata.kernels.fused_triton import silu_mul
+    out = silu_mul(a8_mm(x, part, out_dtype=out_dtype), act)
     return dataclasses.replace(quantize_rows(out), rows=out) if codes else out
 
 
