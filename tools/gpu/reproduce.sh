@@ -189,7 +189,7 @@ for part in $PARTS; do
         --rows 1,8,16,32,64 --projections qkv,gate_up,down --mma batched,groups,diagonal \
         --json-out "$OUT/bench_a8.json"
       run a8_tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider \
-        tests/kernels/test_quant_a8.py
+        tests/kernels/test_quant_a8.py tests/kernels/test_quant_a8_fused.py
       run a8_quality 600 python tools/gpu/a8_quality.py --json-out "$OUT/a8_quality_smollm2.json"
       run a8_exact 300 strata-bench exact $GS --layer-split 15 --batch 32 --batch-groups 2 \
         --requests 32 --weights quantized --activations int8 --min-window-rows 1
