@@ -119,10 +119,12 @@ def exact(requests, tokens, sampling, **launch):
     tok = Tokenizer.from_gguf(prep.file.reader)
     prompts = [tok.encode(p) for p in harness.prompt_set(requests)]
     modes = ["greedy", "seeded"] if sampling == "both" else [sampling]
-    alone_cfg = replace(prep.sched, groups=1, draft_tokens=0)  # plain decoding, one at a time
+    # plain decoding, one at a time, each window sent once the one before is back
+    alone_cfg = replace(prep.sched, groups=1, draft_tokens=0, decode_ahead=False)
     click.echo(f"# {requests} requests x {tokens} tokens, {len(prep.plan)} stage(s), batch "
                f"{prep.sched.slots}, groups {prep.sched.groups}, window rows "
-               f"{prep.sched.window_rows}, draft tokens {prep.sched.draft_tokens}")
+               f"{prep.sched.window_rows}, draft tokens {prep.sched.draft_tokens}, decode "
+               f"ahead {'on' if prep.sched.decode_ahead else 'off'}")
     failures, compared, stopped = [], 0, 0
     with prep.launch(say=lambda s: None) as run:
         for mode in modes:

@@ -78,6 +78,20 @@ class Sequence:
                     stops if j < early else frozenset(), mask=-1 if mask < 0 else mask + j)
                 for j, t in enumerate([self.last_token] + drafts)]
 
+    def ahead_row(self, slot: int) -> Row:
+        """The decode row after the one in flight (decoding ahead): at position L, reading the
+        token the row in flight samples (unknown here: the stage reads its pick; the row says
+        0), itself sampling the token after that one."""
+        early = len(self.generated) + 1 < self.params.min_tokens
+        return Row(slot, self.length, 0, self.params, len(self.prompt),
+                   self.stops if early else frozenset())
+
+    def ahead_room(self) -> bool:
+        """Whether the sequence may go on past the token in flight: it cannot end by length
+        there (a stop token still may end it)."""
+        return (len(self.generated) + 1 < self.params.max_tokens
+                and self.length + 1 < self.ctx)
+
     def scored_row(self, slot: int, position: int) -> Row:
         """Prompt row `position`; with prompt_logprobs, it reports the next prompt token's
         log-probability (none for the last prompt row, which samples)."""

@@ -35,12 +35,15 @@ class Row(NamedTuple):
 def build_window(window_id: int, rows: list[Row], shape: int,
                  commits: list[tuple[int, int]] = (), want_logits: bool = False,
                  chunk: bool = False, propose: list[tuple[int, int]] = (),
-                 coupled: bool = False, masks=None) -> Window:
+                 coupled: bool = False, masks=None, after: int = -1,
+                 follows: list[int] = ()) -> Window:
     """rows: at most `shape` live rows; the rest of the window is padding. chunk: the rows are
     prompt rows of one slot (see Window.chunk). propose: (slot, k) asks the last stage's
     drafter for k proposals for a slot with rows here (see Window.propose). coupled: a slot
     that samples with a temperature gets coupled proposals (Window.propose_u). masks: the
-    token masks the rows' `mask` index, [n, words] int32 (grammar.WindowMasks), or None."""
+    token masks the rows' `mask` index, [n, words] int32 (grammar.WindowMasks), or None.
+    after, follows: a window that decodes ahead of window `after` (Window.follows: per row
+    the sampled row of `after` whose pick is its token, -1 for its own)."""
     assert len(rows) <= shape, (len(rows), shape)
     pad = shape - len(rows)
     sampled, scored = [], []
@@ -73,7 +76,8 @@ def build_window(window_id: int, rows: list[Row], shape: int,
         commits=[list(c) for c in commits], want_logits=want_logits, chunk=chunk,
         propose=[list(p) for p in propose],
         propose_u=proposal_draws(rows, propose) if coupled and propose else [],
-        masks=masks.astype("<i4", copy=False).tobytes() if masks is not None else b"")
+        masks=masks.astype("<i4", copy=False).tobytes() if masks is not None else b"",
+        after=after, follows=list(follows) + [-1] * pad if follows else [])
 
 
 def proposal_draws(rows: list[Row], propose: list[tuple[int, int]]) -> list[list[float]]:

@@ -89,6 +89,14 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "of up to 4 rows (decoding slots and their drafts) take the smallest "
                           "of 1, 2 and 4 that holds them, so a lone request pays for 1 row "
                           "(the int8 GEMV tiles serve those windows)."),
+        click.option("--decode-ahead", type=click.Choice(["auto", "on", "off"]),
+                     default="auto", show_default=True,
+                     help="Send a decode window before the tokens of the one before it are "
+                          "back, its rows reading them where the stage picked them (on the "
+                          "GPU), so the device does not wait for the coordinator between "
+                          "windows. Needs one stage, one group and no drafts; it pauses while "
+                          "a prompt is read, while slots take turns, and for requests with a "
+                          "grammar or penalties. auto = on where the launch allows it."),
         click.option("--chunk-rows", default="auto", show_default=True,
                      help=f"Rows of a prompt chunk (one slot's prompt tokens), or auto = "
                           f"{GPU_CHUNK_ROWS} when every stage is on a CUDA device (a chunk "
@@ -201,7 +209,8 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
             drafter=None, mtp_head=None, draft_rows="auto", draft_sampling="argmax",
             stage_timeout=None, cuda_devices=None, check_memory=True, weights="auto",
-            activations="float", min_window_rows=WINDOW_ROW_STEP, **_) -> Prepared:
+            activations="float", min_window_rows=WINDOW_ROW_STEP, decode_ahead="auto",
+            **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
     the flags. cuda_devices: the CUDA devices the stages may have (None: this host's);
@@ -235,6 +244,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
                             draft_rows=draft_rows,
                             draft_sampling=draft_sampling,
                             prompt_depth=len(plan) + 1)  # + 1: the next chunk waits at stage 0
+    sched = replace(sched, decode_ahead=resolve_decode_ahead(decode_ahead, len(plan), sched))
     drafter, sidecar = choose_drafter(file, draft_tokens, drafter, mtp_head)
     sched = replace(sched, drafter=drafter)
     if check_memory:
@@ -251,6 +261,18 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     check_activations(activations, weights, plan)
     return Prepared(file, plan, sched, graph_cache, weights, activations,
                     resolve_link(stage_link, plan), transport, sidecar, stage_timeout)
+
+
+def resolve_decode_ahead(value: str, stages: int, sched: SchedulerConfig) -> bool:
+    """--decode-ahead: auto is on with one stage, one group and no drafts; on refuses the
+    others with a sentence."""
+    why = (f"the launch has {stages} stages (the first reads the tokens the last picks)"
+           if stages > 1 else f"--batch-groups is {sched.groups}" if sched.groups > 1
+           else f"--draft-tokens is {sched.draft_tokens}" if sched.draft_tokens else "")
+    if value == "on" and why:
+        raise PlanError(f"--decode-ahead on needs one stage, one group and no drafts, but {why}; "
+                        f"use --decode-ahead auto or off")
+    return value != "off" and not why
 
 
 def check_activations(activations: str, weights: str, plan: list[StagePlan]) -> None:
@@ -345,7 +367,7 @@ FLAGS = {"slots": "--batch", "groups": "--batch-groups", "window_rows": "--windo
          "read_timeout": "--read-timeout", "max_connections": "--max-connections",
          "max_client_connections": "--max-client-connections",
          "stage_timeout": "--stage-timeout", "activations": "--activations",
-         "min_window_rows": "--min-window-rows"}
+         "min_window_rows": "--min-window-rows", "decode_ahead": "--decode-ahead"}
 CHOICES = {"groups": "auto", "window_rows": "auto", "chunk_rows": "auto", "draft_rows": "auto"}
 
 

@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 
 from strata.protocol.rows import LogprobRow, SamplingRow
 
-PROTOCOL_VERSION = 3   # 2: Heartbeat, and Hello.listen; 3: penalties, biases, logprobs and
-                       # token masks
+PROTOCOL_VERSION = 4   # 2: Heartbeat, and Hello.listen; 3: penalties, biases, logprobs and
+                       # token masks; 4: Window.after and follows (decoding ahead)
 
 
 class ProtocolError(ValueError):
@@ -102,6 +102,13 @@ class Window:
     # its penalties and biases (stage_worker/head.py)
     mask: list[int] = field(default_factory=list)
     masks: bytes = b""
+    # decoding ahead (a stage that is both first and last): `follows`, a column parallel to
+    # the rows or empty, gives a row's token as the index of a sampled row of window `after`
+    # (-1: the row's own token), whose pick that stage reads where it keeps it (on CUDA, the
+    # device); `after` must be the last window the stage computed. So the coordinator can
+    # send a slot's next decode window before the tokens of the one before it are back.
+    after: int = -1
+    follows: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         n = len(self.slots)
@@ -141,6 +148,10 @@ class Window:
         if self.mask and len(self.mask) != m:
             raise ProtocolError(f"window {self.id}: mask and sample_rows differ in length; "
                                 f"send one mask index per sampled row, or none")
+        if self.follows and (len(self.follows) != n or self.after < 0 or any(
+                j < -1 or (j >= 0 and s < 0) for j, s in zip(self.follows, self.slots))):
+            raise ProtocolError(f"window {self.id}: follows needs an entry per row (-1, or a "
+                                f"sampled row of window `after` for a live row) and after >= 0")
         count = max(self.mask, default=-1) + 1   # masks the rows name
         if any(i < -1 for i in self.mask) or bool(count) != bool(self.masks) or (
                 count and len(self.masks) % (4 * count)):
@@ -319,7 +330,8 @@ SCHEMAS: dict[type, dict[str, Kind]] = {
              "stage_ms": FLOATS, "propose": PAIRS, "propose_u": FLOAT_LISTS,
              "penalty": FLOAT_LISTS, "output_start": INTS, "bias_ids": PAIRS,
              "bias": FLOAT_LISTS, "logprob_rows": INTS, "logprob_tokens": INTS,
-             "logprob_top": INTS, "mask": INTS, "masks": BYTES},
+             "logprob_top": INTS, "mask": INTS, "masks": BYTES, "after": INT,
+             "follows": INTS},
     Result: {"id": INT, "tokens": INTS, "stage_ms": FLOATS, "proposals": PAIRS,
              "logprobs": FLOATS, "top_ids": PAIRS, "top_logprobs": FLOAT_LISTS},
     Error: {"stage": INT, "window": INT, "message": STR},

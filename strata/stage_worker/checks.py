@@ -28,6 +28,8 @@ def check_window(w: Window, tensors: list[np.ndarray], cfg: WorkerConfig, model:
     _check_gaps(w, filled)
     if last:
         _check_sampling(w, model.vocab)
+    if w.follows:
+        _check_follows(w, first and last)
 
 
 def _check_rows(w: Window, c: WorkerConfig, model: ModelConfig, reads_tokens: bool) -> None:
@@ -115,3 +117,17 @@ def _check_sampling(w: Window, vocab: int) -> None:
                            f"give 0 to {MAX_TOP}")
     if len({s.row for s in w.scored}) != len(w.scored):
         raise RowError(f"window {w.id} names a logprob row twice")
+
+
+def _check_follows(w: Window, holds_picks: bool) -> None:
+    """A window that decodes ahead (Window.follows) reads tokens a stage that is both first
+    and last picked; its rows' penalties would read the slots' tokens before the picks come
+    to the host (history.py), so its sampled rows have none. (Which picks the stage holds:
+    LastStage.check_follows.)"""
+    if not holds_picks:
+        raise RowError(f"window {w.id} reads tokens from the picks of window {w.after}, which "
+                       f"only a stage that is both first and last holds; send the tokens")
+    if any(p.penalty for p in w.sampled):
+        raise RowError(f"window {w.id} decodes ahead with penalties, which read each slot's "
+                       f"tokens before the picks it follows are known; send it after those "
+                       f"tokens come back")

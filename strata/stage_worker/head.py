@@ -45,6 +45,9 @@ class HeadOutput:
     # once picked on the device (picked): per logprob row, on the host, (logprob [k]
     # float64, top ids [k, T], top logprobs [k, T] float64), T the window's largest top
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    picks: torch.Tensor | None = None   # once picked on the device: the tokens there, each
+                                        # sampled row's at `rows` (a window decoding ahead
+                                        # reads them: last_stage.py)
 
     @property
     def model_logits(self) -> torch.Tensor:
@@ -112,7 +115,7 @@ def picked(head: HeadOutput | None, w: Window, history: SlotTokens, on_device: b
     logprobs = None
     if head.scored:        # step 4
         logprobs = tuple(to_host(t) for t in _logprobs(head, w, on, tokens))
-    return HeadOutput(None, to_host(tokens), rows, logprobs=logprobs)
+    return HeadOutput(None, to_host(tokens), rows, logprobs=logprobs, picks=tokens)
 
 
 def _logprobs(head: HeadOutput, w: Window, on: dict[str, torch.Tensor], tokens: torch.Tensor

@@ -8,7 +8,9 @@ is penalised as if the drafts before it were kept, which is what equality accept
 Nothing is trimmed: the stages refuse a row that would leave a gap (checks.py), so a row at p
 follows rows that wrote every position before it since its slot's last commit, and positions
 past p are never read. A held prompt's positions hold the same tokens the new request reads
-(the slot keeps them only when they are the new prompt's prefix).
+(the slot keeps them only when they are the new prompt's prefix). A window that decodes ahead
+(Window.follows) writes its rows' tokens again once the picks they read are on the host, when
+it is answered (last_stage.py); its sampled rows have no penalties (checks.py).
 """
 from __future__ import annotations
 

@@ -11,9 +11,11 @@ from typing import Callable
 
 import torch
 
+from strata.kernels.device import to_device
 from strata.model.gguf_file import ModelFile
 from strata.model.nextn import find_head
 from strata.protocol.messages import Result, Window
+from strata.stage_worker.checks import RowError
 from strata.stage_worker.config import WorkerConfig
 from strata.stage_worker.drafter import Drafter
 from strata.stage_worker.head import (HeadOutput, head_logits, head_logprobs, head_tokens,
@@ -52,6 +54,11 @@ class LastStage:
         if source is not None:
             log.info("stage %d: drafts with the NextN head of %s", cfg.stage, source.describe())
         self.pending: PendingAnswer | None = None  # a window not yet answered
+        # decoding ahead (Window.follows): the last window picked, its sampled rows' tokens
+        # on the device (at `rows` of the tensor; None when picked on the host), and the
+        # last window answered with its tokens
+        self.picked: tuple[int, list[int], torch.Tensor | None] = (-1, [], None)
+        self.answered: tuple[int, list[int]] = (-1, [])
 
     def nbytes(self) -> int:
         """The drafter's cache and store (the KV cache's neighbours on the device)."""
@@ -67,7 +74,43 @@ class LastStage:
         masks (the sampler reads both); deferred: the tokens picked on the device."""
         deferred = self._deferred(w)
         self.history.write(w)
-        return picked(head, w, self.history, deferred)
+        head = picked(head, w, self.history, deferred)
+        self.picked = ((w.id, head.rows, head.picks) if head is not None else (w.id, [], None))
+        return head
+
+    def check_follows(self, w: Window) -> None:
+        """Refuses (RowError) a window whose rows read picks this stage does not hold: those
+        of a window other than the last it computed, or of a row it did not sample."""
+        if not w.follows:
+            return
+        window, rows, _ = self.picked
+        if w.after != window:
+            raise RowError(f"window {w.id} reads the tokens window {w.after} picked, but the "
+                           f"last window this stage computed is {window}; send a window that "
+                           f"decodes ahead right after the one it follows")
+        if max(w.follows) >= len(rows):
+            raise RowError(f"window {w.id} reads sampled row {max(w.follows)} of window "
+                           f"{window}, which sampled {len(rows)}")
+
+    def follow(self, w: Window) -> tuple[list[int], Callable[[torch.Tensor], None] | None]:
+        """The tokens of a window that decodes ahead (check_follows passed): its own, with
+        those of the rows that follow the last window's picks where this host has them (that
+        window answered), else a function that writes those into the window's token tensor
+        on the device (in place, queued behind the picks)."""
+        tokens = list(w.tokens)
+        at = [(r, j) for r, j in enumerate(w.follows) if j >= 0]
+        window, host = self.answered
+        if window == w.after:
+            for r, j in at:
+                tokens[r] = host[j]
+            return tokens, None
+        _, rows, picks = self.picked
+        assert picks is not None, "a window picked on the host is answered at once"
+        index = to_device([[r for r, _ in at], [rows[j] for _, j in at]], picks.device)
+
+        def patch(t: torch.Tensor) -> None:
+            t[index[0]] = picks[index[1]].to(t.dtype)
+        return tokens, patch
 
     def answer(self, w: Window, t0: float, hidden: torch.Tensor,
                head: HeadOutput | None) -> None:
@@ -111,6 +154,12 @@ class LastStage:
             a.done.synchronize()
         w = a.window
         tokens = head_tokens(a.head, w)
+        if w.follows:   # the picks the rows followed, where the drafter and the slots'
+            window, host = self.answered   # histories read the rows' tokens
+            assert window == w.after, (window, w.after)   # answers keep the windows' order
+            w.tokens = [host[j] if j >= 0 else t for t, j in zip(w.tokens, w.follows)]
+            self.history.write(w)
+        self.answered = (w.id, tokens)
         logprobs = head_logprobs(a.head, w, tokens)
         # the drafter keeps the window's rows and writes the NextN rows of the proposals it
         # asks for: before the answer when it asks for some, else after it (off the window's

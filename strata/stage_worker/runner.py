@@ -39,7 +39,8 @@ class WindowRunner:
 
     def run(self, inputs: torch.Tensor | list[int], rows: Rows, *, chunk: bool = False,
             sample_rows: Sequence[int] = (), logprob_rows: Sequence[int] = (),
-            launching: Callable[[], None] = lambda: None
+            launching: Callable[[], None] = lambda: None,
+            follow: Callable[[torch.Tensor], None] | None = None
             ) -> tuple[torch.Tensor, HeadOutput | None]:
         """inputs: token ids (first stage: a list, or a tensor [R]) or hidden states [R, D],
         on any device. chunk: one slot's prompt rows (Window.chunk). sample_rows: the rows
@@ -47,8 +48,10 @@ class WindowRunner:
         (last stage). Returns the hidden states [R, D] on the model's device and, on the last
         stage with such rows, the head's output for them (static buffers when graphed: read
         them before the next window). launching() is called when the host work is done and
-        the kernels are about to be queued (a trace's GPU span starts there)."""
-        hidden, window_head = self._layers(inputs, rows, chunk, launching)
+        the kernels are about to be queued (a trace's GPU span starts there). follow (first
+        stage): rewrites some of the rows' tokens on the device, in place, before the layers
+        read them (LastStage.follow: a window that decodes ahead)."""
+        hidden, window_head = self._layers(inputs, rows, chunk, launching, follow)
         wanted = sorted(set(sample_rows) | set(logprob_rows))
         if not (self.model.last and wanted):
             return hidden, None
@@ -64,7 +67,7 @@ class WindowRunner:
     # -- layers ----------------------------------------------------------------------------
 
     def _layers(self, inputs: torch.Tensor | list[int], rows: Rows, chunk: bool,
-                launching: Callable[[], None]
+                launching: Callable[[], None], follow: Callable[[torch.Tensor], None] | None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The hidden states [R, D] and, when the window's graph computed them (last stage, a
         decode window), (fp32 logits [R, V], argmax [R]) of every row; else None."""
@@ -80,6 +83,8 @@ class WindowRunner:
             packed = RowTensors.pack(rows, self.cache.trash)
             launching()
             inputs = inputs.to(m.device) if m.first else inputs.to(m.device, m.dtype)
+            if follow is not None:
+                follow(inputs)
             return m(inputs, RowTensors.unpack(packed.to(m.device)), self.cache, chunk), None
         # the graph's inputs: the first stage's rows and tokens in one host tensor [4, R] (one
         # copy to the device), a later stage's hidden states [R, D] and rows [3, R]; the rows
@@ -99,7 +104,12 @@ class WindowRunner:
             key = ("layers+head" if with_head else "layers", len(rows.slots))
             fn = self._layers_head_fn if with_head else self._layers_fn
         graph_inputs = [fill] if m.first else [inputs.to(m.dtype), fill]
-        out = self._graph(key, fn, example)(*graph_inputs, launching=launching)
+        graph = self._graph(key, fn, example)
+        if follow is not None:   # the tokens' row of the graph's [4, R] input, once copied
+            def launch() -> None:
+                follow(graph.inputs[0][3])
+                launching()
+        out = graph(*graph_inputs, launching=launching if follow is None else launch)
         return out[0], (out[1:] if with_head else None)
 
     def _forward(self, inputs: tuple[torch.Tensor, ...], chunk: bool = False) -> torch.Tensor:

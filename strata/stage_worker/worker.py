@@ -217,9 +217,14 @@ class StageWorker:
             if receiving is not None:
                 receiving.wait()  # complete the transfer: the link stays in step
             raise
+        if w.follows:
+            self.last.check_follows(w)   # (checks.py: a follows window is first and last)
         self._commit(w)
         self.trace.mark(w.id, "checked")
-        if self.model.first:
+        follow = None   # on CUDA: writes the picks a window that decodes ahead reads
+        if w.follows:
+            inputs, follow = self.last.follow(w)
+        elif self.model.first:
             inputs = w.tokens   # the runner writes them into its staging buffer
         elif receiving is not None:
             inputs = receiving.wait()
@@ -232,7 +237,7 @@ class StageWorker:
 
         hidden, head = self.runner.run(inputs, Rows(w.slots, w.positions), chunk=w.chunk,
                                        sample_rows=w.sample_rows, logprob_rows=w.logprob_rows,
-                                       launching=launching)
+                                       launching=launching, follow=follow)
         if self.last is not None:   # the window's tokens (on CUDA picked on the device)
             head = self.last.pick(w, head)
         self.trace.gpu_end()

@@ -29,6 +29,8 @@ class FakePipeline:
         self.next_id = 0
         self.max_in_flight = 0
         self.fail_ids: set[int] = set()  # windows refused by id
+        self.picked: tuple[int, list[int]] = (-1, [])  # the last window's id and tokens
+        self.ahead = 0   # windows that decoded ahead (Window.follows)
 
     def new_window_id(self) -> int:
         self.next_id += 1
@@ -49,6 +51,10 @@ class FakePipeline:
         w = self.queue.popleft()
         if w.id in self.fail_ids or (self.fail_slot is not None and self.fail_slot in w.slots):
             raise WindowFailed(Error(1, w.id, "injected failure"))
+        if w.follows:   # a window decoding ahead: its rows read the last window's picks
+            assert w.after == self.picked[0], (w.after, self.picked[0])
+            w.tokens = [self.picked[1][j] if j >= 0 else t for t, j in zip(w.tokens, w.follows)]
+            self.ahead += 1
         for slot, length in w.commits:
             del self.kv[slot][length:]
         for s, p, t in zip(w.slots, w.positions, w.tokens):
@@ -61,6 +67,7 @@ class FakePipeline:
         for row, u in zip(w.sample_rows, w.u):
             s, p = w.slots[row], w.positions[row]
             tokens.append(self.token(self.kv[s][:p + 1], p, u))
+        self.picked = (w.id, tokens)
         return Result(w.id, tokens), []
 
     def token(self, history: list[int], p: int, u: float) -> int:

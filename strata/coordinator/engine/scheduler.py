@@ -4,7 +4,8 @@ Policy only: windows are built by windows.py and run by Pipeline; drafts (which 
 verifies, the proposals it asks for, what its tokens keep) are speculation.py's; grammars'
 masks are grammar.py's; a restarted stage's KV is rebuilt by rebuild.py. Every slot belongs to
 one group, and a group has one window in flight at a time (its prompt chunks may stream while
-it has no decoding slot). docs/DESIGN.md says the rest: units of work (window sizes, groups),
+it has no decoding slot; with decode_ahead its next decode window may follow the one in
+flight: _submit_ahead). docs/DESIGN.md says the rest: units of work (window sizes, groups),
 which window goes next, the life of a decode window, and why no schedule can change a token.
 """
 from __future__ import annotations
@@ -123,7 +124,7 @@ class Scheduler:
         if flight is None:  # not a window of ours (another coordinator's?): nothing lands
             log.error("dropped a result for window %d, which is not in flight", result.id)
             return True
-        self._landed(flight.group)
+        self._landed(flight.group, result.id)
         self.speculation.landed(flight.group, self.clock())   # times its decode windows
         if (len(result.tokens) != sum(o.sampled for o in flight.owners)
                 or len(result.logprobs) != sum(o.logprobs for o in flight.owners)):
@@ -142,6 +143,8 @@ class Scheduler:
             prompt, logprobs = entries[:len(o.scores)], entries[len(o.scores):]
             if o.request.cancelled:
                 self._release(o.slot, o.request, "cancelled")
+                continue
+            if o.request.notified:   # a row decoded ahead of a window that ended its request
                 continue
             seq = o.request.seq
             for position, entry in zip(o.scores, prompt):
@@ -205,6 +208,8 @@ class Scheduler:
         decoding = [s for s in slots if not s.reading]
         g = self.groups[group]
         if g.flights:
+            if g.flights == 1 and g.followable is not None and self._submit_ahead(group):
+                return True
             slot = g.streaming
             if (slot is None or slot not in reading or decoding or slot.request.cancelled
                     or g.flights >= self.cfg.prompt_depth):
@@ -243,9 +248,52 @@ class Scheduler:
             rows += seq.decode_rows(s.index, drafts, -1 if mask is None else mask)
             owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
         shape = self.cfg.window_shape(len(rows))   # offer.rows, or a small window
-        if self._submit(group, rows, shape, owners, propose=offer.propose,
-                        timed=offer.timed, masks=masks):
+        sent = self._submit(group, rows, shape, owners, propose=offer.propose,
+                            timed=offer.timed, masks=masks)
+        if sent is not None:
             g.last_decode = DecodeWindow(shape, len(rows))
+            if self._ahead_allowed() and len(rows) == len(owners):   # no drafts in it
+                g.followable = sent
+
+    def _ahead_allowed(self) -> bool:
+        """Decoding ahead as configured: one group, no drafts (a window's drafts come with
+        the Result before it)."""
+        return self.cfg.decode_ahead and self.cfg.groups == 1 and not self.cfg.draft_tokens
+
+    def _submit_ahead(self, group: int) -> bool:
+        """Decoding ahead: the group's next decode window, sent while the one before it is in
+        flight, each row reading the token its slot's row there samples (the stage has it:
+        Window.follows). Only while that window holds every decoding slot of the group, no
+        slot reads a prompt, and no request has a grammar or a penalty (whose rows need the
+        token first); a slot whose request ends with that window by length gets no row.
+        True if one was sent."""
+        g = self.groups[group]
+        after = g.followable
+        followed = self.in_flight[after]
+        slots = [s for s in self.table.in_group(group) if not s.free]
+        # its rows in row order (each samples once), but those of requests that ended
+        live = [(j, o) for j, o in enumerate(followed.owners) if not o.request.notified]
+        if (len(slots) != len(live) or any(s.reading for s in slots)
+                or {s.index for s in slots} != {o.slot.index for _, o in live}):
+            return False
+        for _, o in live:
+            req = o.request
+            if (o.slot.request is not req or req.cancelled or req.seq.grammar is not None
+                    or req.seq.params.penalised):
+                return False
+        going = [(j, o) for j, o in live if o.request.seq.ahead_room()]
+        if not going:
+            return False
+        rows = [o.request.seq.ahead_row(o.slot.index) for _, o in going]
+        ahead = [RowOwner(o.slot, o.request, 1) for _, o in going]
+        g.followable = None   # followed once
+        shape = self.cfg.window_shape(len(rows))
+        sent = self._submit(group, rows, shape, ahead, after=after,
+                            follows=[j for j, _ in going])
+        if sent is not None:
+            g.last_decode = DecodeWindow(shape, len(rows))
+            g.followable = sent
+        return True
 
     def _submit_chunk(self, group: int, slot: Slot) -> None:
         seq, start = slot.request.seq, slot.read_pos
@@ -277,15 +325,18 @@ class Scheduler:
 
     def _submit(self, group: int, rows: list[Row], shape: int, owners: list[RowOwner],
                 chunk: bool = False, propose: list[tuple[int, int]] = (),
-                timed: tuple[int, int] | None = None, masks: WindowMasks | None = None) -> bool:
-        """Sends the window; False when it could not be built or sent (its requests ended).
-        timed: a decode window's (rows, proposals a slot), under which draft_choice.py
-        keeps its time. masks: the token masks its rows index (structured output)."""
+                timed: tuple[int, int] | None = None, masks: WindowMasks | None = None,
+                after: int = -1, follows: list[int] = ()) -> int | None:
+        """Sends the window; returns its id, or None when it could not be built or sent (its
+        requests ended). timed: a decode window's (rows, proposals a slot), under which
+        draft_choice.py keeps its time. masks: the token masks its rows index (structured
+        output). after, follows: a window that decodes ahead (build_window)."""
         commits, self.commits = self.commits, []
         try:
             w = build_window(self.pipe.new_window_id(), rows, shape, commits, chunk=chunk,
                              propose=propose, coupled=self.cfg.draft_sampling == "coupled",
-                             masks=masks.fill() if masks is not None else None)
+                             masks=masks.fill() if masks is not None else None,
+                             after=after, follows=follows)
             self.pipe.submit(w)
         except PipelineError:
             raise
@@ -297,15 +348,17 @@ class Scheduler:
             self.commits = commits + self.commits
             self._fail(Flight(group, owners), f"the coordinator could not send its window "
                        f"({type(e).__name__}: {e})", landed=False)
-            return False
+            return None
         self.in_flight[w.id] = Flight(group, owners)
         self.groups[group].flights += 1
         self.speculation.sent(group, self.clock(), timed)
-        return True
+        return w.id
 
-    def _landed(self, group: int) -> None:
+    def _landed(self, group: int, window: int) -> None:
         g = self.groups[group]
         g.flights -= 1
+        if g.followable == window:
+            g.followable = None
         if not g.flights:
             g.streaming = None
 
@@ -330,8 +383,9 @@ class Scheduler:
         request with a row in it ends with the error (a decode window's neighbours too); the
         rest go on."""
         if landed:
-            self._landed(flight.group)
+            self._landed(flight.group, -1)
         g = self.groups[flight.group]
+        g.followable = None   # a window that would follow it is refused too
         if any(o.slot is g.streaming for o in flight.owners):
             g.streaming = None  # its chunks stop here
         log.error("window failed: %s", message)
@@ -355,7 +409,7 @@ class Scheduler:
         again from position 0 before it goes on to exactly the tokens it would have had."""
         self.in_flight.clear()
         for g in self.groups:
-            g.flights, g.streaming = 0, None
+            g.flights, g.streaming, g.followable = 0, None, None
         self.speculation.restarted()   # a decode window given up is not timed
         self.commits = [(slot.index, 0) for slot in self.table.slots]
         for slot in self.table.slots:

@@ -1,0 +1,102 @@
+"""Decoding ahead (SchedulerConfig.decode_ahead) against test_scheduler's fake pipeline, which
+reads a window's `follows` rows from the picks of the window before it as a stage would: a
+group's next decode window goes out while the one before it is in flight, and every request
+still gets its solo tokens, through stops, lengths, cancels and slots reused."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
+from strata.coordinator.sampling_params import SamplingParams
+from strata.coordinator.sequence import Sequence
+from test_scheduler import STOP, FakePipeline, params, prompts, run_alone
+
+AHEAD = SchedulerConfig(slots=4, chunk_rows=8, ctx=256, decode_ahead=True)
+
+
+@pytest.mark.parametrize("slots,window_rows", [(1, None), (4, 8), (24, 8)])
+def test_decoding_ahead_gives_solo_tokens(slots, window_rows):
+    """24 requests through 1, 4 and 24 slots (in windows of 8 rows: the slots take turns, and
+    windows decode ahead once 8 or fewer slots are left)."""
+    ps = prompts(24, random.Random(6))   # 5 of them end with a stop token
+    pipe = FakePipeline(slots, 256)
+    sched = Scheduler(pipe, replace(AHEAD, slots=slots, window_rows=window_rows),
+                      frozenset({STOP}))
+    reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
+    sched.run()
+    assert [r.seq.generated for r in reqs] == run_alone(ps)
+    assert sched.idle
+    stopped = sum(r.seq.finish_reason == "stop" for r in reqs)
+    assert stopped and stopped < len(reqs)   # requests ended by a stop token and by length
+    assert pipe.max_in_flight == 2
+    windows = sum(len(r.seq.generated) for r in reqs) // min(slots, 8)
+    assert pipe.ahead > windows // (4 if slots == 24 else 2)
+    for slot in sched.table.slots:   # no row decoded ahead stays on the stage
+        assert pipe.kv[slot.index] == slot.held
+
+
+def test_cancels_and_reused_slots_leave_no_rows_decoded_ahead():
+    ps = prompts(12, random.Random(3))
+    pipe = FakePipeline(2, 256)
+    sched = Scheduler(pipe, replace(AHEAD, slots=2), frozenset({STOP}))
+    reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
+    while sched.step():
+        for r in reqs[::3]:
+            if len(r.seq.generated) >= 6 and not r.done:
+                sched.cancel(r)
+    alone = run_alone(ps)
+    for i, r in enumerate(reqs):
+        if r.seq.finish_reason == "cancelled":
+            assert r.seq.generated == alone[i][:len(r.seq.generated)]
+        else:
+            assert r.seq.generated == alone[i], i
+    assert sum(r.seq.finish_reason == "cancelled" for r in reqs) >= 3
+    assert pipe.ahead
+    for slot in sched.table.slots:
+        assert pipe.kv[slot.index] == slot.held
+
+
+@pytest.mark.parametrize("change", [dict(repetition_penalty=1.2), dict(presence_penalty=0.5)])
+def test_a_penalised_request_is_never_decoded_ahead(change):
+    """Its rows' penalties read its tokens before the picks they would follow are known."""
+    pipe = FakePipeline(2, 256)
+    sched = Scheduler(pipe, replace(AHEAD, slots=2), frozenset({STOP}))
+    a = sched.submit([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True, **change))
+    b = sched.submit([8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
+    sched.run()
+    assert len(a.seq.generated) == 12 and len(b.seq.generated) == 6
+    assert pipe.ahead == 0 and pipe.max_in_flight == 1
+
+
+@pytest.mark.parametrize("cfg", [replace(AHEAD, decode_ahead=False),
+                                 replace(AHEAD, groups=2), replace(AHEAD, draft_tokens=2)],
+                         ids=["off", "two-groups", "drafts"])
+def test_no_decoding_ahead_unless_one_group_without_drafts(cfg):
+    ps = prompts(6, random.Random(5))
+    pipe = FakePipeline(cfg.slots, 256)
+    sched = Scheduler(pipe, cfg, frozenset({STOP}))
+    reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
+    sched.run()
+    assert [r.seq.generated for r in reqs] == run_alone(ps)
+    assert pipe.ahead == 0
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 2, 3])
+def test_a_row_ahead_is_the_row_the_sequence_would_have_next(min_tokens):
+    """ahead_row before a token lands == decode_rows' row once it has (but the token, which
+    the stage fills in), held-back stop tokens included; ahead_room says whether the
+    sequence may go on past the token in flight."""
+    p = SamplingParams(max_tokens=4, min_tokens=min_tokens)
+    seq = Sequence([5, 6, 7], p, frozenset({STOP}), ctx=64)
+    for token in (11, 12, 13):
+        ahead, room = seq.ahead_row(0), seq.ahead_room()
+        done = seq.accept(token)
+        assert room == (not done)
+        if not done:
+            assert ahead._replace(token=token) == seq.decode_rows(0, [])[0]
+    assert not seq.ahead_room()   # one token left: the window in flight takes it
+    full = Sequence([5] * 63, SamplingParams(max_tokens=10), frozenset({STOP}), ctx=64)
+    assert not full.ahead_room()   # the token in flight fills the context

@@ -1,0 +1,130 @@
+"""A stage that is both first and last reads a window's `follows` rows from the picks of the
+window it computed before (Window.follows, decoding ahead): the tokens are those of the same
+windows sent with their tokens, on a CPU (picks on the host) and on CUDA (on the device, read
+before the earlier window is answered, graphed and eager); and it refuses, with a sentence,
+a window that follows picks it does not hold."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inprocess import in_process_worker
+from strata.model.mkmodel import SHAPES, write_random_gguf
+from strata.protocol.messages import Error, Result, Window
+
+CTX = 64
+PROMPTS = ([72, 101, 108, 108], [40, 41, 300, 12, 9])
+STEPS = 5   # decode windows after the prompts
+
+
+@pytest.fixture(scope="module")
+def nextn_model(tmp_path_factory):
+    """The varied model with a NextN layer: the last stage's drafter keeps every window's
+    rows and tokens, so it must see the picks a window followed."""
+    return write_random_gguf(tmp_path_factory.mktemp("ahead") / "nextn.gguf", SHAPES["tiny"],
+                             seed=1, std=0.2, tied=False, nextn=True)
+
+
+def window(id: int, rows, *, temperature=0.0, chunk=False, after=-1, follows=(),
+           penalty=(), propose=()) -> Window:
+    """rows: (slot, position, token); every row of a decode window samples, a chunk's last."""
+    sample = [len(rows) - 1] if chunk else list(range(len(rows)))
+    m = len(sample)
+    slots, positions, tokens = (list(c) for c in zip(*rows))
+    return Window(id, slots, positions, tokens, sample_rows=sample,
+                  temperature=[temperature] * m, top_k=[0] * m, top_p=[1.0] * m,
+                  min_p=[0.0] * m, u=[0.37] * m, chunk=chunk, after=after, follows=list(follows),
+                  propose=[list(p) for p in propose],
+                  penalty=[list(penalty)] * m if penalty else [],
+                  output_start=[0] * m if penalty else [])
+
+
+def prompts(stage) -> list[int]:
+    """Both prompts read, one chunk each; the first token of each slot."""
+    return [stage.ask(window(1 + s, [(s, p, t) for p, t in enumerate(prompt)], chunk=True))
+            .tokens[0] for s, prompt in enumerate(PROMPTS)]
+
+
+def decode(stage, ahead: bool, temperature: float) -> list:
+    """STEPS decode windows of both slots, each with its rows in the other order than the one
+    before (slot 0 first, then slot 1 first, ...), then one more (given its tokens) that asks
+    the drafter, if there is one, for proposals. Given their tokens, each is sent once the
+    one before is answered; ahead, each reads the picks of the one before and all are sent
+    before the stage takes the first (so on CUDA none is answered when the next comes).
+    Returns each window's tokens and the last one's proposals."""
+    last = prompts(stage)   # by slot
+    out = []
+    if not ahead:
+        for i in range(STEPS):
+            order = [0, 1] if i % 2 == 0 else [1, 0]
+            r = stage.ask(window(10 + i, [(s, len(PROMPTS[s]) + i, last[s]) for s in order],
+                                 temperature=temperature))
+            last = [r.tokens[order.index(s)] for s in (0, 1)]
+            out.append(r.tokens)
+    else:
+        for i in range(STEPS):
+            order = [0, 1] if i % 2 == 0 else [1, 0]
+            rows = [(s, len(PROMPTS[s]) + i, last[s] if i == 0 else 0) for s in order]
+            # the slot's sampled row in the window before: its rows came in the other order
+            follows = [] if i == 0 else [1 - order.index(s) for s in order]
+            stage.send(window(10 + i, rows, temperature=temperature, after=9 + i if i else -1,
+                              follows=follows))
+        for _ in range(STEPS):
+            stage.step()
+        out = [r.tokens for r in stage.answers(STEPS)]
+    order = [0, 1] if (STEPS - 1) % 2 == 0 else [1, 0]
+    last = [out[-1][order.index(s)] for s in (0, 1)]
+    end = stage.ask(window(10 + STEPS, [(s, len(PROMPTS[s]) + STEPS, last[s]) for s in (0, 1)],
+                           temperature=temperature, propose=[(0, 2), (1, 2)]))
+    return out + [end.tokens, end.proposals]
+
+
+DEVICES = [pytest.param("cpu", 0, id="cpu"),
+           pytest.param("cuda:0", 16, id="cuda-graphs", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="needs CUDA")]),
+           pytest.param("cuda:0", 0, id="cuda-eager", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device,graphs", DEVICES)
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("drafter", [False, True], ids=["plain", "nextn"])
+def test_rows_that_follow_the_picks_get_the_tokens_of_rows_given_them(
+        varied_model, nextn_model, device, graphs, temperature, drafter):
+    """The same tokens, and with a NextN layer the same proposals after them (its drafter
+    kept the picks the rows followed)."""
+    def run(ahead: bool) -> list:
+        with in_process_worker(nextn_model if drafter else varied_model, layer_end=4, ctx=CTX,
+                               slots=2, device=device, graph_cache=graphs) as stage:
+            return decode(stage, ahead, temperature)
+
+    given = run(ahead=False)
+    assert run(ahead=True) == given
+    assert len({t for r in given[:-1] for t in r}) > 3   # varied text: a wrong token shows
+    assert [len(p) for p in given[-1]] == ([3, 3] if drafter else [])
+
+
+def test_a_window_following_picks_the_stage_lacks_is_refused(varied_model):
+    with in_process_worker(varied_model, layer_end=4, ctx=CTX, slots=2) as stage:
+        first = prompts(stage)
+        ok = stage.ask(window(10, [(0, 4, first[0]), (1, 5, first[1])]))
+        assert isinstance(ok, Result) and len(ok.tokens) == 2
+        cases = [
+            (window(11, [(0, 5, 0)], after=3, follows=[0]), "last window this stage computed"),
+            (window(12, [(0, 5, 0)], after=10, follows=[2]), "which sampled 2"),
+            (window(13, [(0, 5, 0)], after=10, follows=[0], penalty=(1.2, 0.0, 0.0)),
+             "penalties"),
+        ]
+        for w, words in cases:
+            answer = stage.ask(w)
+            assert isinstance(answer, Error) and words in answer.message, answer
+        # refused windows change nothing, and are no window computed: 10's picks still stand
+        again = stage.ask(window(14, [(0, 5, 0), (1, 6, 0)], after=10, follows=[0, 1]))
+        given = stage.ask(window(15, [(0, 5, ok.tokens[0]), (1, 6, ok.tokens[1])]))
+        assert isinstance(again, Result) and again.tokens == given.tokens
+
+
+def test_only_a_stage_that_is_first_and_last_takes_follows(varied_model):
+    with in_process_worker(varied_model, layer_end=2, ctx=CTX, slots=1) as stage:
+        answer = stage.ask(window(1, [(0, 0, 5)], after=0, follows=[0]))
+        assert isinstance(answer, Error) and "both first and last" in answer.message, answer
