@@ -12,7 +12,7 @@ import pytest
 from strata.coordinator.engine.scheduler import Scheduler, SchedulerConfig
 from strata.coordinator.sampling_params import SamplingParams
 from strata.coordinator.sequence import Sequence
-from test_scheduler import STOP, FakePipeline, params, prompts, run_alone
+from test_scheduler import STOP, FakePipeline, cancel_every_third, params, prompts, run_alone
 
 AHEAD = SchedulerConfig(slots=4, chunk_rows=8, ctx=256, decode_ahead=True)
 
@@ -42,21 +42,8 @@ def test_cancels_and_reused_slots_leave_no_rows_decoded_ahead():
     ps = prompts(12, random.Random(3))
     pipe = FakePipeline(2, 256)
     sched = Scheduler(pipe, replace(AHEAD, slots=2), frozenset({STOP}))
-    reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
-    while sched.step():
-        for r in reqs[::3]:
-            if len(r.seq.generated) >= 6 and not r.done:
-                sched.cancel(r)
-    alone = run_alone(ps)
-    for i, r in enumerate(reqs):
-        if r.seq.finish_reason == "cancelled":
-            assert r.seq.generated == alone[i][:len(r.seq.generated)]
-        else:
-            assert r.seq.generated == alone[i], i
-    assert sum(r.seq.finish_reason == "cancelled" for r in reqs) >= 3
+    cancel_every_third(sched, pipe, ps, after=6, cancelled=3)
     assert pipe.ahead
-    for slot in sched.table.slots:
-        assert pipe.kv[slot.index] == slot.held
 
 
 @pytest.mark.parametrize("change", [dict(repetition_penalty=1.2), dict(presence_penalty=0.5)])

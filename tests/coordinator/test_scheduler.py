@@ -116,12 +116,17 @@ def test_cancel_and_reuse_leave_no_stale_rows():
     pipe = FakePipeline(2, 256)
     sched = Scheduler(pipe, SchedulerConfig(slots=2, groups=2, chunk_rows=8, ctx=256),
                       frozenset({STOP}))
+    cancel_every_third(sched, pipe, ps, after=2, cancelled=2)
+
+
+def cancel_every_third(sched: Scheduler, pipe: FakePipeline, ps, after: int, cancelled: int):
+    """Runs a request per prompt, cancelling every third once it has `after` tokens: at least
+    `cancelled` end so, each with a prefix of its solo tokens, the others with all of them;
+    and each slot's stage-side rows are exactly what the slot table says it holds."""
     reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps)]
-    for step in range(400):
-        if not sched.step():
-            break
+    while sched.step():
         for r in reqs[::3]:
-            if len(r.seq.generated) >= 2 and not r.done:
+            if len(r.seq.generated) >= after and not r.done:
                 sched.cancel(r)
     alone = run_alone(ps)
     for i, r in enumerate(reqs):
@@ -129,8 +134,7 @@ def test_cancel_and_reuse_leave_no_stale_rows():
             assert r.seq.generated == alone[i][:len(r.seq.generated)]
         else:
             assert r.seq.generated == alone[i], i
-    assert sum(r.seq.finish_reason == "cancelled" for r in reqs) >= 2
-    # each slot's stage-side rows are exactly what the slot table says it holds
+    assert sum(r.seq.finish_reason == "cancelled" for r in reqs) >= cancelled
     for slot in sched.table.slots:
         assert pipe.kv[slot.index] == slot.held
 
