@@ -60,7 +60,7 @@ class SchedulerConfig:
     draft_sampling: str = "argmax"   # mtp proposals for sampled requests: DRAFT_SAMPLINGS
     # decode ahead: send a group's next decode window before the tokens of the one in flight
     # are back, its rows reading those tokens where the stage picked them (Window.follows),
-    # so the stage's device never waits for the coordinator. Only a stage that is both first
+    # so the stage need not wait for the coordinator between them. Only a stage that is both first
     # and last holds its picks: set it for pipelines of one stage. The scheduler does it with
     # one group and no drafts, while every decoding slot is in the window in flight and none
     # has a grammar or a penalty (scheduler.py).

@@ -92,11 +92,12 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
         click.option("--decode-ahead", type=click.Choice(["auto", "on", "off"]),
                      default="auto", show_default=True,
                      help="Send a decode window before the tokens of the one before it are "
-                          "back, its rows reading them where the stage picked them (on the "
-                          "GPU), so the device does not wait for the coordinator between "
-                          "windows. Needs one stage, one group and no drafts; it pauses while "
-                          "a prompt is read, while slots take turns, and for requests with a "
-                          "grammar or penalties. auto = on where the launch allows it."),
+                          "back, its rows reading them where the stage picked them (on a GPU, "
+                          "on the device), so the stage need not wait for the coordinator "
+                          "between windows. Needs one stage, one group and no drafts; it "
+                          "pauses while a prompt is read, while slots take turns, and for "
+                          "requests with a grammar or penalties. auto = on where the launch "
+                          "allows it."),
         click.option("--chunk-rows", default="auto", show_default=True,
                      help=f"Rows of a prompt chunk (one slot's prompt tokens), or auto = "
                           f"{GPU_CHUNK_ROWS} when every stage is on a CUDA device (a chunk "

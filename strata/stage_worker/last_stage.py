@@ -83,11 +83,13 @@ class LastStage:
         of a window other than the last it computed, or of a row it did not sample."""
         if not w.follows:
             return
-        window, rows, _ = self.picked
+        window, rows, picks = self.picked
         if w.after != window:
             raise RowError(f"window {w.id} reads the tokens window {w.after} picked, but the "
                            f"last window this stage computed is {window}; send a window that "
                            f"decodes ahead right after the one it follows")
+        if picks is None and self.answered[0] != window:
+            raise RowError(f"window {w.id} follows window {window}, which sampled no row")
         if max(w.follows) >= len(rows):
             raise RowError(f"window {w.id} reads sampled row {max(w.follows)} of window "
                            f"{window}, which sampled {len(rows)}")
@@ -104,8 +106,7 @@ class LastStage:
             for r, j in at:
                 tokens[r] = host[j]
             return tokens, None
-        _, rows, picks = self.picked
-        assert picks is not None, "a window picked on the host is answered at once"
+        _, rows, picks = self.picked   # (check_follows: on the device)
         index = to_device([[r for r, _ in at], [rows[j] for _, j in at]], picks.device)
 
         def patch(t: torch.Tensor) -> None:

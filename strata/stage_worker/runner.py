@@ -107,8 +107,8 @@ class WindowRunner:
         graph = self._graph(key, fn, example)
         if follow is not None:   # the tokens' row of the graph's [4, R] input, once copied
             def launch() -> None:
-                follow(graph.inputs[0][3])
                 launching()
+                follow(graph.inputs[0][3])
         out = graph(*graph_inputs, launching=launching if follow is None else launch)
         return out[0], (out[1:] if with_head else None)
 

@@ -87,3 +87,24 @@ def test_a_row_ahead_is_the_row_the_sequence_would_have_next(min_tokens):
     assert not seq.ahead_room()   # one token left: the window in flight takes it
     full = Sequence([5] * 63, SamplingParams(max_tokens=10), frozenset({STOP}), ctx=64)
     assert not full.ahead_room()   # the token in flight fills the context
+
+
+def test_a_failed_window_ends_its_requests_and_the_one_that_followed_it():
+    """Window 5, sent ahead of 4 (3 is the first decode window, after two prompt chunks), is
+    refused: its requests end with its error, window 6, sent ahead of it, is refused too (the
+    stage did not compute the window it follows), and a request that comes later gets its
+    solo tokens."""
+    pipe = FakePipeline(2, 256)
+    pipe.fail_ids = {5}
+    sched = Scheduler(pipe, replace(AHEAD, slots=2), frozenset({STOP}))
+    going = SamplingParams(max_tokens=20, ignore_eos=True)   # no stop token ends them first
+    a, b = (sched.submit(p, going) for p in ([5, 6, 7], [8, 9]))
+    sched.run()
+    # 4 went ahead; 6 was sent and refused; 7, pad rows only, took the released slots' commits
+    assert pipe.ahead == 1 and pipe.next_id == 7
+    assert a.seq.finish_reason == b.seq.finish_reason == "error"
+    assert "injected failure" in a.error and "injected failure" in b.error
+    later = sched.submit([5, 6, 7], params(0))
+    sched.run()
+    assert later.seq.generated == run_alone([[5, 6, 7]])[0]
+    assert sched.idle

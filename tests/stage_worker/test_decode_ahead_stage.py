@@ -13,8 +13,10 @@ from strata.model.mkmodel import SHAPES, write_random_gguf
 from strata.protocol.messages import Error, Result, Window
 
 CTX = 64
-PROMPTS = ([72, 101, 108, 108], [40, 41, 300, 12, 9])
-STEPS = 5   # decode windows after the prompts
+PROMPTS = ([72, 101, 108, 108], [40, 41, 300, 12, 9], [7, 8, 9])
+# the slots of each decode window after the prompts, in row order: windows of 3, 2 and 1 rows
+# (other graphs), a row's sampled row in the window before not its own index
+SCHEDULE = ([0, 1, 2], [0, 2], [2, 0], [0], [0])
 
 
 @pytest.fixture(scope="module")
@@ -40,50 +42,49 @@ def window(id: int, rows, *, temperature=0.0, chunk=False, after=-1, follows=(),
 
 
 def prompts(stage) -> list[int]:
-    """Both prompts read, one chunk each; the first token of each slot."""
+    """The prompts read, one chunk each; the first token of each slot."""
     return [stage.ask(window(1 + s, [(s, p, t) for p, t in enumerate(prompt)], chunk=True))
             .tokens[0] for s, prompt in enumerate(PROMPTS)]
 
 
 def decode(stage, ahead: bool, temperature: float) -> list:
-    """STEPS decode windows of both slots, each with its rows in the other order than the one
-    before (slot 0 first, then slot 1 first, ...), then one more (given its tokens) that asks
-    the drafter, if there is one, for proposals. Given their tokens, each is sent once the
-    one before is answered; ahead, each reads the picks of the one before and all are sent
-    before the stage takes the first (so on CUDA none is answered when the next comes).
-    Returns each window's tokens and the last one's proposals."""
-    last = prompts(stage)   # by slot
+    """The SCHEDULE's decode windows, then one more (given its tokens) that asks the drafter,
+    if there is one, for proposals. Given their tokens, each is sent once the one before is
+    answered; ahead, each reads the picks of the one before and all are sent before the
+    stage takes the first (so on CUDA none is answered when the next comes). Returns each
+    window's tokens and the last one's proposals."""
+    last, position = prompts(stage), [len(p) for p in PROMPTS]   # by slot
     out = []
-    if not ahead:
-        for i in range(STEPS):
-            order = [0, 1] if i % 2 == 0 else [1, 0]
-            r = stage.ask(window(10 + i, [(s, len(PROMPTS[s]) + i, last[s]) for s in order],
-                                 temperature=temperature))
-            last = [r.tokens[order.index(s)] for s in (0, 1)]
-            out.append(r.tokens)
-    else:
-        for i in range(STEPS):
-            order = [0, 1] if i % 2 == 0 else [1, 0]
-            rows = [(s, len(PROMPTS[s]) + i, last[s] if i == 0 else 0) for s in order]
-            # the slot's sampled row in the window before: its rows came in the other order
-            follows = [] if i == 0 else [1 - order.index(s) for s in order]
+    for i, slots in enumerate(SCHEDULE):
+        before = SCHEDULE[i - 1] if i else []
+        rows = [(s, position[s], last[s] if not (ahead and i) else 0) for s in slots]
+        if not ahead:
+            out.append(stage.ask(window(10 + i, rows, temperature=temperature)).tokens)
+            last = last[:]
+            for s, t in zip(slots, out[-1]):
+                last[s] = t
+        else:
             stage.send(window(10 + i, rows, temperature=temperature, after=9 + i if i else -1,
-                              follows=follows))
-        for _ in range(STEPS):
+                              follows=[before.index(s) for s in slots] if i else []))
+        for s in slots:
+            position[s] += 1
+    if ahead:
+        for _ in SCHEDULE:
             stage.step()
-        out = [r.tokens for r in stage.answers(STEPS)]
-    order = [0, 1] if (STEPS - 1) % 2 == 0 else [1, 0]
-    last = [out[-1][order.index(s)] for s in (0, 1)]
-    end = stage.ask(window(10 + STEPS, [(s, len(PROMPTS[s]) + STEPS, last[s]) for s in (0, 1)],
-                           temperature=temperature, propose=[(0, 2), (1, 2)]))
+        out = [r.tokens for r in stage.answers(len(SCHEDULE))]
+    slots = SCHEDULE[-1]
+    end = stage.ask(window(10 + len(SCHEDULE), [(s, position[s], t)
+                                                for s, t in zip(slots, out[-1])],
+                           temperature=temperature, propose=[(s, 2) for s in slots]))
     return out + [end.tokens, end.proposals]
 
 
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+# a graph cache of 1 evicts each window's graph for the next shape's
 DEVICES = [pytest.param("cpu", 0, id="cpu"),
-           pytest.param("cuda:0", 16, id="cuda-graphs", marks=[pytest.mark.gpu, pytest.mark.skipif(
-               not torch.cuda.is_available(), reason="needs CUDA")]),
-           pytest.param("cuda:0", 0, id="cuda-eager", marks=[pytest.mark.gpu, pytest.mark.skipif(
-               not torch.cuda.is_available(), reason="needs CUDA")])]
+           pytest.param("cuda:0", 16, id="cuda-graphs", marks=CUDA),
+           pytest.param("cuda:0", 1, id="cuda-one-graph", marks=CUDA),
+           pytest.param("cuda:0", 0, id="cuda-eager", marks=CUDA)]
 
 
 @pytest.mark.parametrize("device,graphs", DEVICES)
@@ -95,17 +96,17 @@ def test_rows_that_follow_the_picks_get_the_tokens_of_rows_given_them(
     kept the picks the rows followed)."""
     def run(ahead: bool) -> list:
         with in_process_worker(nextn_model if drafter else varied_model, layer_end=4, ctx=CTX,
-                               slots=2, device=device, graph_cache=graphs) as stage:
+                               slots=3, device=device, graph_cache=graphs) as stage:
             return decode(stage, ahead, temperature)
 
     given = run(ahead=False)
     assert run(ahead=True) == given
     assert len({t for r in given[:-1] for t in r}) > 3   # varied text: a wrong token shows
-    assert [len(p) for p in given[-1]] == ([3, 3] if drafter else [])
+    assert [len(p) for p in given[-1]] == ([3] if drafter else [])
 
 
 def test_a_window_following_picks_the_stage_lacks_is_refused(varied_model):
-    with in_process_worker(varied_model, layer_end=4, ctx=CTX, slots=2) as stage:
+    with in_process_worker(varied_model, layer_end=4, ctx=CTX, slots=3) as stage:
         first = prompts(stage)
         ok = stage.ask(window(10, [(0, 4, first[0]), (1, 5, first[1])]))
         assert isinstance(ok, Result) and len(ok.tokens) == 2
@@ -122,6 +123,10 @@ def test_a_window_following_picks_the_stage_lacks_is_refused(varied_model):
         again = stage.ask(window(14, [(0, 5, 0), (1, 6, 0)], after=10, follows=[0, 1]))
         given = stage.ask(window(15, [(0, 5, ok.tokens[0]), (1, 6, ok.tokens[1])]))
         assert isinstance(again, Result) and again.tokens == given.tokens
+        pad = stage.ask(Window(16, [-1], [0], [0]))   # a window that samples nothing
+        assert isinstance(pad, Result) and pad.tokens == []
+        answer = stage.ask(window(17, [(0, 6, 0)], after=16, follows=[0]))
+        assert isinstance(answer, Error) and "which sampled 0" in answer.message, answer
 
 
 def test_only_a_stage_that_is_first_and_last_takes_follows(varied_model):

@@ -29,13 +29,14 @@ def one_stage(varied_model):
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_batched_ahead_equals_alone(one_stage, seeded):
+def test_batched_ahead_equals_alone(one_stage, seeded, monkeypatch):
     run, tok = one_stage
     prompts = [tok.encode(p) for p in harness.prompt_set(8)]
     params = [harness.request_params(i, seeded, TOKENS) for i in range(8)]
     alone = harness.run_alone(run, SchedulerConfig(slots=1, ctx=CTX), tok, prompts, params)
     sched = Scheduler(run.pipe, SchedulerConfig(slots=4, ctx=CTX, decode_ahead=True),
                       tok.stop_ids, tok.decode)
+    ahead = followed(monkeypatch, run.pipe)
     reqs = [sched.submit(prompts[i], params[i]) for i in range(3)]
     while min(len(r.seq.generated) for r in reqs) < 4:   # the rest arrive while these decode
         sched.step()
@@ -53,9 +54,22 @@ def test_batched_ahead_equals_alone(one_stage, seeded):
             assert r.seq.generated == a.seq.generated, i
     assert sum(len(a.seq.generated) for a in alone) > 8 * TOKENS // 2
     assert sched.idle
+    assert len(ahead) > TOKENS   # most decode windows went ahead
 
 
-def test_a_stop_string_ends_a_request_decoded_ahead(one_stage):
+def followed(monkeypatch, pipe) -> list[int]:
+    """The ids of the windows that decode ahead, as the pipeline sends them."""
+    ids, submit = [], pipe.submit
+
+    def counting(w):
+        if w.follows:
+            ids.append(w.id)
+        return submit(w)
+    monkeypatch.setattr(pipe, "submit", counting)
+    return ids
+
+
+def test_a_stop_string_ends_a_request_decoded_ahead(one_stage, monkeypatch):
     """The row sent ahead of the window whose text holds the stop string is dropped."""
     run, tok = one_stage
     prompt = tok.encode(harness.prompt_set(1)[0])
@@ -63,11 +77,13 @@ def test_a_stop_string_ends_a_request_decoded_ahead(one_stage):
                              [SamplingParams(max_tokens=TOKENS, ignore_eos=True)])[0]
     stop = tok.decode(free.seq.generated[5:7])
     cfg = SchedulerConfig(slots=1, ctx=CTX, decode_ahead=True)
+    ahead = followed(monkeypatch, run.pipe)
     for c in (SchedulerConfig(slots=1, ctx=CTX), cfg):
         req = harness.run_together(run, c, tok, [prompt], [SamplingParams(
             max_tokens=TOKENS, ignore_eos=True, stop=[stop])])[0]
         assert req.seq.finish_reason == "stop"
         assert req.seq.final_text() == tok.decode(free.seq.generated).split(stop)[0]
+    assert len(ahead) >= 5   # the second run's windows went ahead, the first's did not
     again = harness.run_together(run, cfg, tok, [prompt], [SamplingParams(
         max_tokens=TOKENS, ignore_eos=True)])[0]
     assert again.seq.generated == free.seq.generated   # the slot kept no row decoded ahead
