@@ -5,7 +5,7 @@ verifies, the proposals it asks for, what its tokens keep) are speculation.py's;
 masks are grammar.py's; a restarted stage's KV is rebuilt by rebuild.py. Every slot belongs to
 one group, and a group has one window in flight at a time (its prompt chunks may stream while
 it has no decoding slot; with decode_ahead its next decode window may follow the one in
-flight: _submit_ahead). docs/DESIGN.md says the rest: units of work (window sizes, groups),
+flight: ahead.py). docs/DESIGN.md says the rest: units of work (window sizes, groups),
 which window goes next, the life of a decode window, and why no schedule can change a token.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from strata.coordinator.config import (  # noqa: F401 (SchedulerConfig, auto_gro
     WINDOW_ROW_STEP, SchedulerConfig, auto_groups, round_rows)
 from strata.coordinator.grammar import Constraint, WindowMasks
 from strata.coordinator.stages.pipeline import Pipeline, PipelineError, WindowFailed
+from strata.coordinator.engine import ahead
 from strata.coordinator.engine.rebuild import decoded_rows, start_rebuild
 from strata.coordinator.sampling_params import SamplingParams, TokenLogprob
 from strata.coordinator.engine.scheduler_state import (  # noqa: F401 (the state types re-exported)
@@ -252,44 +253,22 @@ class Scheduler:
                             timed=offer.timed, masks=masks)
         if sent is not None:
             g.last_decode = DecodeWindow(shape, len(rows))
-            if self._ahead_allowed() and len(rows) == len(owners):   # no drafts in it
+            if ahead.allowed(self.cfg) and len(rows) == len(owners):   # no drafts in it
                 g.followable = sent
 
-    def _ahead_allowed(self) -> bool:
-        """Decoding ahead as configured: one group, no drafts (a window's drafts come with
-        the Result before it)."""
-        return self.cfg.decode_ahead and self.cfg.groups == 1 and not self.cfg.draft_tokens
-
     def _submit_ahead(self, group: int) -> bool:
-        """Decoding ahead: the group's next decode window, sent while the one before it is in
-        flight, each row reading the token its slot's row there samples (the stage has it:
-        Window.follows). Only while that window holds every decoding slot of the group, no
-        slot reads a prompt, and no request has a grammar or a penalty (whose rows need the
-        token first); a slot whose request ends with that window by length gets no row.
-        True if one was sent."""
+        """The group's next decode window while the one before it is in flight, its rows
+        reading the tokens their slots' rows there sample (ahead.py); True if one was sent."""
         g = self.groups[group]
         after = g.followable
-        followed = self.in_flight[after]
         slots = [s for s in self.table.in_group(group) if not s.free]
-        # its rows in row order (each samples once), but those of requests that ended
-        live = [(j, o) for j, o in enumerate(followed.owners) if not o.request.notified]
-        if (len(slots) != len(live) or any(s.reading for s in slots)
-                or {s.index for s in slots} != {o.slot.index for _, o in live}):
+        window = ahead.next_rows(slots, self.in_flight[after].owners)
+        if window is None:
             return False
-        for _, o in live:
-            req = o.request
-            if (o.slot.request is not req or req.cancelled or req.seq.grammar is not None
-                    or req.seq.params.penalised):
-                return False
-        going = [(j, o) for j, o in live if o.request.seq.ahead_room()]
-        if not going:
-            return False
-        rows = [o.request.seq.ahead_row(o.slot.index) for _, o in going]
-        ahead = [RowOwner(o.slot, o.request, 1) for _, o in going]
+        rows, owners, follows = window
         g.followable = None   # followed once
         shape = self.cfg.window_shape(len(rows))
-        sent = self._submit(group, rows, shape, ahead, after=after,
-                            follows=[j for j, _ in going])
+        sent = self._submit(group, rows, shape, owners, after=after, follows=follows)
         if sent is not None:
             g.last_decode = DecodeWindow(shape, len(rows))
             g.followable = sent
