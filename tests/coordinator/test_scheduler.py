@@ -62,8 +62,10 @@ class FakePipeline:
             if s < 0:
                 continue
             assert p <= len(self.kv[s]), f"gap: slot {s} holds {len(self.kv[s])}, row at {p}"
-            del self.kv[s][p:]
-            self.kv[s].append(t)
+            if p < len(self.kv[s]):   # as a stage's KV: the row is written, rows past it stay
+                self.kv[s][p] = t
+            else:
+                self.kv[s].append(t)
         tokens = []
         for row, u in zip(w.sample_rows, w.u):
             s, p = w.slots[row], w.positions[row]
