@@ -30,6 +30,7 @@ from statistics import mean, median
 import click
 from click.core import ParameterSource
 
+from strata.coordinator.engine import ahead
 from strata.coordinator.engine.scheduler import SchedulerConfig, auto_groups
 from strata.bench import harness, tracereport
 from strata.bench.harness import (Workload, chat_prompts, filter_options, filters_said,
@@ -381,7 +382,10 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, prompts_file, split, t
                   "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
                   "draft_tokens": {"/".join(m for m in lay.modes if m in DRAFTED):
                                    lay.prep.sched.draft_tokens
-                                   for lay in layouts if set(lay.modes) & set(DRAFTED)}}
+                                   for lay in layouts if set(lay.modes) & set(DRAFTED)},
+                  # the modes whose windows may go ahead (--decode-ahead; one stage, one group)
+                  "decode_ahead": [mode for lay in layouts for mode, cfg in lay.modes.items()
+                                   if ahead.allowed(cfg)]}
     prompts = (f"{len(pool)} {split} prompts of {prompts_file}" if pool else
                f"{prompt_tokens}-token prompts" if prompt_tokens else "the harness's prompts")
     sampling = filters_said(temperature, top_k, top_p, min_p)
@@ -390,6 +394,8 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, prompts_file, split, t
                f"batch {launch['batch']}, "
                f"window rows up to {_named(window_rows)}"
                + (f", MTP drafts per slot {_named(drafts)}" if drafts else "")
+               + (f", decoding ahead ({', '.join(conditions['decode_ahead'])})"
+                  if conditions["decode_ahead"] else "")
                + f", medians of {repeats}; {devices}; {machine()}")
     if peer is not None:
         click.echo(f"# llama.cpp: {peer_json}, {peer['conditions'].get('model')} on "
