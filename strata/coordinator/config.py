@@ -58,12 +58,12 @@ class SchedulerConfig:
     # strata-launch's --draft-rows auto on CUDA stages, 0 on CPU stages)
     draft_rows: int | None = None
     draft_sampling: str = "argmax"   # mtp proposals for sampled requests: DRAFT_SAMPLINGS
-    # decode ahead: send a group's next decode window before the tokens of the one in flight
-    # are back, its rows reading those tokens where the stage picked them (Window.follows),
-    # so the stage need not wait for the coordinator between them. Only a stage that is both first
+    # decode ahead: send a group's next window while the one before it is in flight, a decode
+    # row whose token that window samples reading the stage's pick (Window.follows), so the
+    # stage need not wait for the coordinator between them. Only a stage that is both first
     # and last holds its picks: set it for pipelines of one stage. The scheduler does it with
-    # one group and no drafts, while every decoding slot is in the window in flight and none
-    # has a grammar or a penalty (scheduler.py).
+    # one group and no drafts, for decode windows while no request in them has a grammar or
+    # a penalty (engine/ahead.py).
     decode_ahead: bool = False
 
     def __post_init__(self):

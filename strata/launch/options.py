@@ -91,13 +91,12 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "(the int8 GEMV tiles serve those windows)."),
         click.option("--decode-ahead", type=click.Choice(["auto", "on", "off"]),
                      default="auto", show_default=True,
-                     help="Send a decode window before the tokens of the one before it are "
-                          "back, its rows reading them where the stage picked them (on a GPU, "
-                          "on the device), so the stage need not wait for the coordinator "
-                          "between windows. Needs one stage, one group and no drafts; it "
-                          "pauses while a prompt is read, while slots take turns, and for "
-                          "requests with a grammar or penalties. auto = on where the launch "
-                          "allows it."),
+                     help="Send the next window while the one before it computes, decode "
+                          "rows reading the tokens it samples where the stage picked them (on "
+                          "a GPU, on the device), so the stage need not wait for the "
+                          "coordinator between windows. Needs one stage, one group and no "
+                          "drafts; a decode window with a request that has a grammar or "
+                          "penalties waits instead. auto = on where the launch allows it."),
         click.option("--chunk-rows", default="auto", show_default=True,
                      help=f"Rows of a prompt chunk (one slot's prompt tokens), or auto = "
                           f"{GPU_CHUNK_ROWS} when every stage is on a CUDA device (a chunk "

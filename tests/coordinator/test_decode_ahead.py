@@ -48,14 +48,15 @@ def test_cancels_and_reused_slots_leave_no_rows_decoded_ahead():
 
 @pytest.mark.parametrize("change", [dict(repetition_penalty=1.2), dict(presence_penalty=0.5)])
 def test_a_penalised_request_is_never_decoded_ahead(change):
-    """Its rows' penalties read its tokens before the picks they would follow are known."""
+    """Its rows' penalties read its tokens before the picks they would follow are known, so
+    no decode window goes while another is in flight."""
     pipe = FakePipeline(2, 256)
     sched = Scheduler(pipe, replace(AHEAD, slots=2), frozenset({STOP}))
     a = sched.submit([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True, **change))
     b = sched.submit([8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
     sched.run()
     assert len(a.seq.generated) == 12 and len(b.seq.generated) == 6
-    assert pipe.ahead == 0 and pipe.max_in_flight == 1
+    assert pipe.ahead == 0   # (b's prompt went behind a's: no token to follow)
 
 
 @pytest.mark.parametrize("cfg", [replace(AHEAD, decode_ahead=False),
@@ -90,21 +91,42 @@ def test_a_row_ahead_is_the_row_the_sequence_would_have_next(min_tokens):
 
 
 def test_a_failed_window_ends_its_requests_and_the_one_that_followed_it():
-    """Window 5, sent ahead of 4 (3 is the first decode window, after two prompt chunks), is
-    refused: its requests end with its error, window 6, sent ahead of it, is refused too (the
-    stage did not compute the window it follows), and a request that comes later gets its
-    solo tokens."""
+    """Window 4 is refused (1 and 2 are the prompts, b's behind a's; 3, behind 2, reads b's
+    first token from it): its requests end with its error, window 5, sent behind it, is
+    refused too (the stage did not compute the window it follows), and a request that comes
+    later gets its solo tokens."""
     pipe = FakePipeline(2, 256)
-    pipe.fail_ids = {5}
+    pipe.fail_ids = {4}
     sched = Scheduler(pipe, replace(AHEAD, slots=2), frozenset({STOP}))
     going = SamplingParams(max_tokens=20, ignore_eos=True)   # no stop token ends them first
     a, b = (sched.submit(p, going) for p in ([5, 6, 7], [8, 9]))
     sched.run()
-    # 4 went ahead; 6 was sent and refused; 7, pad rows only, took the released slots' commits
-    assert pipe.ahead == 1 and pipe.next_id == 7
+    # 3 went ahead; 5 was sent and refused; 6, pad rows only, took the released slots' commits
+    assert pipe.ahead == 1 and pipe.next_id == 6
     assert a.seq.finish_reason == b.seq.finish_reason == "error"
     assert "injected failure" in a.error and "injected failure" in b.error
     later = sched.submit([5, 6, 7], params(0))
     sched.run()
     assert later.seq.generated == run_alone([[5, 6, 7]])[0]
     assert sched.idle
+
+
+def test_prompts_read_while_others_decode_go_behind_their_windows():
+    """Requests that come while others decode: their prompt chunks (several each) go behind
+    the decode window in flight and the decode windows behind the chunks, the first decode
+    row of a prompt reading the token its last chunk samples; every request gets its solo
+    tokens."""
+    rng = random.Random(9)
+    ps = [[rng.randrange(3, 60) for _ in range(n)] for n in (5, 7, 40, 33, 26, 3)]
+    pipe = FakePipeline(4, 256)
+    sched = Scheduler(pipe, AHEAD, frozenset({STOP}))
+    reqs = [sched.submit(p, params(i)) for i, p in enumerate(ps[:2])]
+    while min(len(r.seq.generated) for r in reqs) < 3:
+        sched.step()
+    reqs += [sched.submit(p, params(i + 2)) for i, p in enumerate(ps[2:])]
+    sched.run()
+    assert [r.seq.generated for r in reqs] == run_alone(ps)
+    assert pipe.chunks_behind >= 8 and pipe.ahead > 20
+    assert sched.idle
+    for slot in sched.table.slots:
+        assert pipe.kv[slot.index] == slot.held

@@ -31,6 +31,7 @@ class FakePipeline:
         self.fail_ids: set[int] = set()  # windows refused by id
         self.picked: tuple[int, list[int]] = (-1, [])  # the last window's id and tokens
         self.ahead = 0   # windows that decoded ahead (Window.follows)
+        self.chunks_behind = 0
 
     def new_window_id(self) -> int:
         self.next_id += 1
@@ -44,6 +45,8 @@ class FakePipeline:
 
     def submit(self, w) -> None:
         w, _ = unpack(pack(w))  # what a stage would get: the window as the wire carries it
+        if self.queue and w.chunk:   # a prompt chunk sent while another window is in flight
+            self.chunks_behind += 1
         self.queue.append(w)
         self.max_in_flight = max(self.max_in_flight, len(self.queue))
 

@@ -41,37 +41,49 @@ def window(id: int, rows, *, temperature=0.0, chunk=False, after=-1, follows=(),
                   output_start=[0] * m if penalty else [])
 
 
+def chunk(s: int) -> Window:
+    """Slot s's prompt in one chunk, whose last row samples."""
+    return window(1 + s, [(s, p, t) for p, t in enumerate(PROMPTS[s])], chunk=True)
+
+
 def prompts(stage) -> list[int]:
     """The prompts read, one chunk each; the first token of each slot."""
-    return [stage.ask(window(1 + s, [(s, p, t) for p, t in enumerate(prompt)], chunk=True))
-            .tokens[0] for s, prompt in enumerate(PROMPTS)]
+    return [stage.ask(chunk(s)).tokens[0] for s in range(len(PROMPTS))]
 
 
 def decode(stage, ahead: bool, temperature: float) -> list:
-    """The SCHEDULE's decode windows, then one more (given its tokens) that asks the drafter,
-    if there is one, for proposals. Given their tokens, each is sent once the one before is
-    answered; ahead, each reads the picks of the one before and all are sent before the
-    stage takes the first (so on CUDA none is answered when the next comes). Returns each
-    window's tokens and the last one's proposals."""
+    """The prompts, the SCHEDULE's decode windows, then one more (given its tokens) that asks
+    the drafter, if there is one, for proposals. Given their tokens, each is sent once the one
+    before is answered; ahead, the last prompt's chunk and every decode window are sent before
+    the stage takes the first of them (so on CUDA none is answered when the next comes), each
+    decode window's rows reading the picks of the window before (the first, slot 2's first
+    token from its chunk). Returns the last chunk's token, each decode window's tokens and
+    the last one's proposals."""
     last, position = prompts(stage), [len(p) for p in PROMPTS]   # by slot
     out = []
+    if ahead:
+        stage.send(chunk(2))   # read again from position 0, as its slot's commit-free twin
     for i, slots in enumerate(SCHEDULE):
-        before = SCHEDULE[i - 1] if i else []
-        rows = [(s, position[s], last[s] if not (ahead and i) else 0) for s in slots]
+        before = SCHEDULE[i - 1] if i else [2]
+        rows = [(s, position[s], last[s] if not ahead or (i == 0 and s != 2) else 0)
+                for s in slots]
         if not ahead:
             out.append(stage.ask(window(10 + i, rows, temperature=temperature)).tokens)
             last = last[:]
             for s, t in zip(slots, out[-1]):
                 last[s] = t
         else:
-            stage.send(window(10 + i, rows, temperature=temperature, after=9 + i if i else -1,
-                              follows=[before.index(s) for s in slots] if i else []))
+            follows = [before.index(s) if s in before else -1 for s in slots]
+            stage.send(window(10 + i, rows, temperature=temperature, after=9 + i if i else 3,
+                              follows=follows))
         for s in slots:
             position[s] += 1
     if ahead:
-        for _ in SCHEDULE:
+        for _ in range(len(SCHEDULE) + 1):
             stage.step()
-        out = [r.tokens for r in stage.answers(len(SCHEDULE))]
+        first, *windows = stage.answers(len(SCHEDULE) + 1)
+        assert first.tokens == [last[2]]   # the chunk read again samples the same token
+        out = [r.tokens for r in windows]
     slots = SCHEDULE[-1]
     end = stage.ask(window(10 + len(SCHEDULE), [(s, position[s], t)
                                                 for s, t in zip(slots, out[-1])],

@@ -1,19 +1,19 @@
-"""Decoding ahead (SchedulerConfig.decode_ahead): what a group's next decode window holds when
-it is sent while the one before it is in flight. Each of its rows reads the token its slot's
-row in that window samples: the coordinator does not have it yet, the stage does (it is both
-first and last), so the row names it (Window.follows: the sampled row of the window in
-flight) and the stage writes it in before computing. Policy only: scheduler.py sends it.
+"""Decoding ahead (SchedulerConfig.decode_ahead): a group's next window sent while the one
+before it is in flight. The next window is the one the scheduler would choose once that window
+is back (a prompt chunk, or a decode window), but a slot whose row there samples has no token
+on the coordinator yet: its decode row reads the pick there (Window.follows names the sampled
+row), which the stage, both first and last, writes in before computing. Policy only:
+scheduler.py sends what this gives.
 
-A window goes ahead only while the one in flight holds every decoding slot of the group (no
-slot waits for its turn), no slot reads a prompt, and no request has a grammar (its next mask
-needs the token) or a penalty (its history does). A slot whose request ends with the window in
-flight by length gets no row; one that ends by a stop token or string is found only when that
-window lands, and its row's token is then dropped (its slot's commit drops the KV).
+A decode window goes ahead only while none of its requests has a grammar (a mask needs the
+token before it) or a penalty (its history does). A slot whose request ends by length with the window in flight
+gets no row; one that ends by a stop token or string is found only when that window lands,
+and its row's token is then dropped (the slot's commit drops its KV).
 """
 from __future__ import annotations
 
 from strata.coordinator.config import SchedulerConfig
-from strata.coordinator.engine.scheduler_state import RowOwner
+from strata.coordinator.engine.scheduler_state import Flight, RowOwner
 from strata.coordinator.slots import Slot
 from strata.coordinator.windows import Row
 
@@ -24,22 +24,37 @@ def allowed(cfg: SchedulerConfig) -> bool:
     return cfg.decode_ahead and cfg.groups == 1 and not cfg.draft_tokens
 
 
-def next_rows(slots: list[Slot], followed: list[RowOwner]
-              ) -> tuple[list[Row], list[RowOwner], list[int]] | None:
-    """The rows of the window that follows one in flight (its owners `followed`, one sampled
-    row each, in row order), given the group's busy slots: (rows, their owners, each row's
-    sampled row in the window followed), or None when no window may go ahead."""
-    live = [(j, o) for j, o in enumerate(followed) if not o.request.notified]   # not ended
-    if (len(slots) != len(live) or any(s.reading for s in slots)
-            or {s.index for s in slots} != {o.slot.index for _, o in live}):
+def waiting(followed: Flight) -> dict[int, tuple[int, object]]:
+    """The slots whose token the window in flight samples: slot index -> (the index of that
+    sampled row among the window's, the request it samples for)."""
+    out, j = {}, 0
+    for o in followed.owners:
+        if o.sampled:
+            out[o.slot.index] = (j + o.sampled - 1, o.request)
+            j += o.sampled
+    return out
+
+
+def decode_rows(chosen: list[Slot], followed: Flight
+                ) -> tuple[list[Row], list[RowOwner], list[int]] | None:
+    """The rows of a decode window of the `chosen` slots sent behind `followed` (in flight):
+    (rows, their owners, each row's sampled row of `followed` or -1), or None when a slot
+    waiting for a token there cannot follow it, or no row is left."""
+    if any(s.request.seq.grammar is not None or s.request.seq.params.penalised
+           for s in chosen):
         return None
-    for _, o in live:
-        req = o.request
-        if (o.slot.request is not req or req.cancelled or req.seq.grammar is not None
-                or req.seq.params.penalised):
-            return None
-    going = [(j, o) for j, o in live if o.request.seq.ahead_room()]
-    if not going:
-        return None
-    return ([o.request.seq.ahead_row(o.slot.index) for _, o in going],
-            [RowOwner(o.slot, o.request, 1) for _, o in going], [j for j, _ in going])
+    wait = waiting(followed)
+    rows, owners, follows = [], [], []
+    for s in chosen:
+        req, seq = s.request, s.request.seq
+        if s.index not in wait or wait[s.index][1] is not req:   # its token is here
+            rows += seq.decode_rows(s.index, [])
+            owners.append(RowOwner(s, req, 1))
+            follows.append(-1)
+            continue
+        if req.cancelled or not seq.ahead_room():   # it ends with the window in flight
+            continue
+        rows.append(seq.ahead_row(s.index))
+        owners.append(RowOwner(s, req, 1))
+        follows.append(wait[s.index][0])
+    return (rows, owners, follows) if rows else None

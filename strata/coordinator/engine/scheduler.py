@@ -4,8 +4,8 @@ Policy only: windows are built by windows.py and run by Pipeline; drafts (which 
 verifies, the proposals it asks for, what its tokens keep) are speculation.py's; grammars'
 masks are grammar.py's; a restarted stage's KV is rebuilt by rebuild.py. Every slot belongs to
 one group, and a group has one window in flight at a time (its prompt chunks may stream while
-it has no decoding slot; with decode_ahead its next decode window may follow the one in
-flight: ahead.py). docs/DESIGN.md says the rest: units of work (window sizes, groups),
+it has no decoding slot; with decode_ahead its next window may go behind the one in flight:
+ahead.py). docs/DESIGN.md says the rest: units of work (window sizes, groups),
 which window goes next, the life of a decode window, and why no schedule can change a token.
 """
 from __future__ import annotations
@@ -208,38 +208,68 @@ class Scheduler:
         reading = [s for s in slots if s.reading]
         decoding = [s for s in slots if not s.reading]
         g = self.groups[group]
+        if g.flights == 1 and g.followable is not None:   # decoding ahead (ahead.py)
+            return self._choose(group, reading, decoding, self.in_flight[g.followable])
         if g.flights:
-            if g.flights == 1 and g.followable is not None and self._submit_ahead(group):
-                return True
             slot = g.streaming
             if (slot is None or slot not in reading or decoding or slot.request.cancelled
                     or g.flights >= self.cfg.prompt_depth):
                 return False
             self._submit_chunk(group, slot)
             return True
+        return self._choose(group, reading, decoding)
+
+    def _choose(self, group: int, reading: list[Slot], decoding: list[Slot],
+                followed: Flight | None = None) -> bool:
+        """Submit the group's next window: a prompt chunk or a decode window (DESIGN.md, which
+        window next); with `followed`, the window in flight, behind it (ahead.py). True if
+        one was sent."""
+        g = self.groups[group]
         # while the decode window can take one more row, up to CHUNKS_FIRST chunks go first
         first = len(decoding) < self.cfg.window_rows and g.ahead < CHUNKS_FIRST
         if reading and (g.prefer_read or not decoding or first):
+            slot = min(reading, key=lambda s: s.request.id)
+            if followed is not None and slot.request.cancelled:   # it ends when that lands
+                return False
             g.prefer_read = False
             g.ahead += bool(decoding)
-            self._submit_chunk(group, min(reading, key=lambda s: s.request.id))
+            self._submit_chunk(group, slot)
         elif decoding:
+            if not self._submit_decode(group, decoding, followed):
+                return False
             g.prefer_read = True
             g.ahead = 0
-            self._submit_decode(group, decoding)
         else:
             return False
         return True
 
-    def _submit_decode(self, group: int, decoding: list[Slot]) -> None:
+    def _submit_decode(self, group: int, decoding: list[Slot],
+                       followed: Flight | None = None) -> bool:
         """The next decode window of the group: up to window_rows decoding slots (in rotation),
-        each with the drafts speculation.py offers it."""
+        each with the drafts speculation.py offers it; with `followed` (in flight), behind it,
+        a slot waiting for its token there reading its pick (ahead.py). False when none went:
+        decoding ahead is not possible now."""
         g = self.groups[group]
         # in slot order, from the slot after the last one served: slots that join or leave
         # don't make others skip their turn
         order = ([s for s in decoding if s.index > g.cursor]
                  + [s for s in decoding if s.index <= g.cursor])
         chosen = order[: self.cfg.window_rows]
+        if followed is not None:
+            window = ahead.decode_rows(chosen, followed)
+            if window is None:
+                return False
+            g.cursor = chosen[-1].index
+            rows, owners, follows = window
+            shape = self.cfg.window_shape(len(rows))
+            if any(j >= 0 for j in follows):
+                sent = self._submit(group, rows, shape, owners, after=g.followable,
+                                    follows=follows)
+            else:   # every token is here: a window of its own
+                sent = self._submit(group, rows, shape, owners)
+            if sent is not None:
+                g.last_decode = DecodeWindow(shape, len(rows))
+            return True
         g.cursor = chosen[-1].index
         offer = self.speculation.offer(group, chosen)
         rows, owners, masks = [], [], WindowMasks()
@@ -249,29 +279,9 @@ class Scheduler:
             rows += seq.decode_rows(s.index, drafts, -1 if mask is None else mask)
             owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
         shape = self.cfg.window_shape(len(rows))   # offer.rows, or a small window
-        sent = self._submit(group, rows, shape, owners, propose=offer.propose,
-                            timed=offer.timed, masks=masks)
-        if sent is not None:
+        if self._submit(group, rows, shape, owners, propose=offer.propose,
+                        timed=offer.timed, masks=masks) is not None:
             g.last_decode = DecodeWindow(shape, len(rows))
-            if ahead.allowed(self.cfg) and len(rows) == len(owners):   # no drafts in it
-                g.followable = sent
-
-    def _submit_ahead(self, group: int) -> bool:
-        """The group's next decode window while the one before it is in flight, its rows
-        reading the tokens their slots' rows there sample (ahead.py); True if one was sent."""
-        g = self.groups[group]
-        after = g.followable
-        slots = [s for s in self.table.in_group(group) if not s.free]
-        window = ahead.next_rows(slots, self.in_flight[after].owners)
-        if window is None:
-            return False
-        rows, owners, follows = window
-        g.followable = None   # followed once
-        shape = self.cfg.window_shape(len(rows))
-        sent = self._submit(group, rows, shape, owners, after=after, follows=follows)
-        if sent is not None:
-            g.last_decode = DecodeWindow(shape, len(rows))
-            g.followable = sent
         return True
 
     def _submit_chunk(self, group: int, slot: Slot) -> None:
@@ -330,6 +340,8 @@ class Scheduler:
             return None
         self.in_flight[w.id] = Flight(group, owners)
         self.groups[group].flights += 1
+        # decoding ahead: the group's next window may go behind this one (ahead.py)
+        self.groups[group].followable = w.id if ahead.allowed(self.cfg) else None
         self.speculation.sent(group, self.clock(), timed)
         return w.id
 

@@ -68,15 +68,15 @@ class DecodeWindow:
 class Group:
     """A group's window state: a group has one window in flight, or while it has no decoding
     slot, up to prompt_depth chunks of the slot whose prompt streams, or decoding ahead, a
-    decode window and the next one that reads its picks."""
+    window and the next one sent behind it (ahead.py)."""
     flights: int = 0                 # windows in flight
     streaming: Slot | None = None    # the slot whose chunks stream
     prefer_read: bool = True         # alternate prompt chunks and decode windows
     ahead: int = 0                   # chunks sent in a row while slots decode
     cursor: int = -1                 # the slot that ended the last decode window
     last_decode: DecodeWindow | None = None   # the last decode window sent
-    # decoding ahead: the window in flight whose picks the group's next decode window may
-    # read (a decode window of one row per slot, none with drafts); None: no such window
+    # decoding ahead: the window in flight the group's next may go behind, reading its picks
+    # (its last window sent, while decoding ahead is allowed); None: no such window
     followable: int | None = None
 
 
