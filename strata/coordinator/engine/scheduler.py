@@ -259,28 +259,21 @@ class Scheduler:
             window = ahead.decode_rows(chosen, followed)
             if window is None:
                 return False
-            g.cursor = chosen[-1].index
             rows, owners, follows = window
-            shape = self.cfg.window_shape(len(rows))
-            if any(j >= 0 for j in follows):
-                sent = self._submit(group, rows, shape, owners, after=g.followable,
-                                    follows=follows)
-            else:   # every token is here: a window of its own
-                sent = self._submit(group, rows, shape, owners)
-            if sent is not None:
-                g.last_decode = DecodeWindow(shape, len(rows))
-            return True
+            # a row reading a pick names it; with every token here it is a window of its own
+            extra = dict(after=g.followable, follows=follows) if max(follows) >= 0 else {}
+        else:
+            offer = self.speculation.offer(group, chosen)
+            rows, owners, masks = [], [], WindowMasks()
+            for s, drafts in zip(chosen, offer.drafts):
+                seq = s.request.seq
+                mask = masks.add(seq.grammar, drafts) if seq.grammar is not None else None
+                rows += seq.decode_rows(s.index, drafts, -1 if mask is None else mask)
+                owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
+            extra = dict(propose=offer.propose, timed=offer.timed, masks=masks)
         g.cursor = chosen[-1].index
-        offer = self.speculation.offer(group, chosen)
-        rows, owners, masks = [], [], WindowMasks()
-        for s, drafts in zip(chosen, offer.drafts):
-            seq = s.request.seq
-            mask = masks.add(seq.grammar, drafts) if seq.grammar is not None else None
-            rows += seq.decode_rows(s.index, drafts, -1 if mask is None else mask)
-            owners.append(RowOwner(s, s.request, 1 + len(drafts), drafts))
         shape = self.cfg.window_shape(len(rows))   # offer.rows, or a small window
-        if self._submit(group, rows, shape, owners, propose=offer.propose,
-                        timed=offer.timed, masks=masks) is not None:
+        if self._submit(group, rows, shape, owners, **extra) is not None:
             g.last_decode = DecodeWindow(shape, len(rows))
         return True
 
