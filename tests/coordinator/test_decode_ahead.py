@@ -91,18 +91,18 @@ def test_a_row_ahead_is_the_row_the_sequence_would_have_next(min_tokens):
 
 
 def test_a_failed_window_ends_its_requests_and_the_one_that_followed_it():
-    """Window 4 is refused (1 and 2 are the prompts, b's behind a's; 3, behind 2, reads b's
-    first token from it): its requests end with its error, window 5, sent behind it, is
-    refused too (the stage did not compute the window it follows), and a request that comes
-    later gets its solo tokens."""
+    """Window 5 is refused (1 and 2 are the prompts, b's behind a's; 3 waits for b's first
+    token; 4, behind 3, reads its picks): its requests end with its error, window 6, sent
+    behind it, is refused too (the stage did not compute the window it follows), and a
+    request that comes later gets its solo tokens."""
     pipe = FakePipeline(2, 256)
-    pipe.fail_ids = {4}
+    pipe.fail_ids = {5}
     sched = Scheduler(pipe, replace(AHEAD, slots=2), frozenset({STOP}))
     going = SamplingParams(max_tokens=20, ignore_eos=True)   # no stop token ends them first
     a, b = (sched.submit(p, going) for p in ([5, 6, 7], [8, 9]))
     sched.run()
-    # 3 went ahead; 5 was sent and refused; 6, pad rows only, took the released slots' commits
-    assert pipe.ahead == 1 and pipe.next_id == 6
+    # 4 went ahead; 6 was sent and refused; 7, pad rows only, took the released slots' commits
+    assert pipe.ahead == 1 and pipe.next_id == 7
     assert a.seq.finish_reason == b.seq.finish_reason == "error"
     assert "injected failure" in a.error and "injected failure" in b.error
     later = sched.submit([5, 6, 7], params(0))
@@ -130,3 +130,45 @@ def test_prompts_read_while_others_decode_go_behind_their_windows():
     assert sched.idle
     for slot in sched.table.slots:
         assert pipe.kv[slot.index] == slot.held
+
+
+def test_a_prompt_that_samples_nothing_gets_no_row_behind_its_chunk():
+    """max_tokens 0 (a prompt scored only): its last chunk samples nothing and the request
+    ends when it lands, so no decode row goes behind it (one would overwrite the prompt's
+    last position, which the slot keeps for the next request)."""
+    prompt = list(range(3, 13))
+
+    def run(cfg) -> list[int]:
+        pipe = FakePipeline(1, 64)
+        sched = Scheduler(pipe, cfg, frozenset({STOP}))
+        scored = sched.submit(prompt, SamplingParams(max_tokens=0, prompt_logprobs=0))
+        sched.run()
+        assert scored.seq.finish_reason == "length" and pipe.next_id == 2   # chunk, commits
+        after = sched.submit(prompt + [20, 21], params(0))
+        sched.run()
+        assert after.reused == len(prompt)
+        return after.seq.generated
+
+    cfg = SchedulerConfig(slots=1, ctx=64, chunk_rows=16)
+    assert run(replace(cfg, decode_ahead=True)) == run(cfg)
+
+
+def test_a_refused_window_ends_only_its_own_requests():
+    """10 slots in windows of 8 take turns: a window behind another reads picks only when all
+    its slots wait for them, so when a window is refused the one behind it, refused too,
+    holds none of the 2 slots the refused window did not."""
+    pipe = FakePipeline(10, 256)
+    slots_of, submit = {}, pipe.submit
+    pipe.submit = lambda w: (slots_of.__setitem__(w.id, {s for s in w.slots if s >= 0}),
+                             submit(w))
+    sched = Scheduler(pipe, replace(AHEAD, slots=10, window_rows=8), frozenset({STOP}))
+    going = SamplingParams(max_tokens=30, ignore_eos=True)
+    reqs = [sched.submit([5 + i, 6, 7], going) for i in range(10)]
+    while sched.step():
+        if not pipe.fail_ids and min(len(r.seq.generated) for r in reqs) >= 5:
+            pipe.fail_ids.add(pipe.next_id + 1)
+    (bad,) = pipe.fail_ids
+    ended = {r.slot.index for r in reqs if r.seq.finish_reason == "error"}
+    assert ended == slots_of[bad] and len(ended) == 8
+    assert all(len(r.seq.generated) == 30 for r in reqs if r.slot.index not in ended)
+    assert pipe.ahead

@@ -74,7 +74,9 @@ class FakePipeline:
             s, p = w.slots[row], w.positions[row]
             tokens.append(self.token(self.kv[s][:p + 1], p, u))
         self.picked = (w.id, tokens)
-        return Result(w.id, tokens), []
+        k = len(w.logprob_rows)   # made-up log-probabilities, none of the top tokens
+        return Result(w.id, tokens, logprobs=[-1.0] * k, top_ids=[[]] * k,
+                      top_logprobs=[[]] * k), []
 
     def token(self, history: list[int], p: int, u: float) -> int:
         return (7 * sum(history) + 13 * p + int(u * 1000)) % 60 + 2  # 2 = STOP

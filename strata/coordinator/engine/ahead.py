@@ -6,7 +6,8 @@ row), which the stage, both first and last, writes in before computing. Policy o
 scheduler.py sends what this gives.
 
 A decode window goes ahead only while none of its requests has a grammar (a mask needs the
-token before it) or a penalty (its history does). A slot whose request ends by length with the window in flight
+token before it) or a penalty (its history does), and either all its slots wait for a token
+or none does (then it reads no pick: a refused window ends only its own requests). A slot whose request ends by length with the window in flight
 gets no row; one that ends by a stop token or string is found only when that window lands,
 and its row's token is then dropped (the slot's commit drops its KV).
 """
@@ -26,12 +27,15 @@ def allowed(cfg: SchedulerConfig) -> bool:
 
 def waiting(followed: Flight) -> dict[int, tuple[int, object]]:
     """The slots whose token the window in flight samples: slot index -> (the index of that
-    sampled row among the window's, the request it samples for)."""
+    sampled row among the window's, the request it samples for); -1 for a slot whose prompt
+    it ends without sampling (max_tokens 0: the request ends when it lands)."""
     out, j = {}, 0
     for o in followed.owners:
         if o.sampled:
             out[o.slot.index] = (j + o.sampled - 1, o.request)
             j += o.sampled
+        elif o.ends:
+            out[o.slot.index] = (-1, o.request)
     return out
 
 
@@ -44,17 +48,23 @@ def decode_rows(chosen: list[Slot], followed: Flight
            for s in chosen):
         return None
     wait = waiting(followed)
+    waits = [s.index in wait and wait[s.index][1] is s.request for s in chosen]
+    if any(waits) and not all(waits):
+        # a window that reads picks is refused with the window it follows: it holds only
+        # that window's slots, so a refusal ends no other request
+        return None
     rows, owners, follows = [], [], []
-    for s in chosen:
+    for s, waits_here in zip(chosen, waits):
         req, seq = s.request, s.request.seq
-        if s.index not in wait or wait[s.index][1] is not req:   # its token is here
+        if not waits_here:   # its token is here: a window of its own
             rows += seq.decode_rows(s.index, [])
             owners.append(RowOwner(s, req, 1))
             follows.append(-1)
             continue
-        if req.cancelled or not seq.ahead_room():   # it ends with the window in flight
+        j = wait[s.index][0]
+        if j < 0 or req.cancelled or not seq.ahead_room():   # it ends with that window
             continue
         rows.append(seq.ahead_row(s.index))
         owners.append(RowOwner(s, req, 1))
-        follows.append(wait[s.index][0])
+        follows.append(j)
     return (rows, owners, follows) if rows else None
