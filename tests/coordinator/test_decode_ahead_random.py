@@ -1,6 +1,7 @@
 """Decoding ahead under random schedules: arrivals, prompts of several chunks, prefix reuse,
 slots taking turns, cancels, log-probabilities of tokens and prompts (max_tokens 0 too),
-min_tokens, stop strings, stage restarts; every request against itself alone without it.
+min_tokens, stop strings, stage restarts, refused windows; every request against itself alone
+without it (a request that failed or was cancelled: a prefix of it).
 
 The fake stage here is stricter than test_scheduler's: a token depends on the slot's whole
 history, a position remembers whether a prompt chunk or a decode row wrote it (they compute
@@ -29,6 +30,8 @@ class StrictStage(FakePipeline):
 
     def receive(self, timeout=None):
         w = self.queue.popleft()
+        if w.id in self.fail_ids:
+            raise WindowFailed(Error(1, w.id, "injected failure"))
         if w.follows:
             if w.after != self.picked[0]:
                 raise WindowFailed(Error(1, w.id, f"the last window computed is not {w.after}"))
@@ -98,7 +101,7 @@ def alone(prompt: list[int], params: SamplingParams, ctx: int):
     return req
 
 
-def schedule(seed: int, restarts: bool) -> None:
+def schedule(seed: int, restarts: bool = False, failures: bool = False) -> None:
     rng = random.Random(seed)
     slots = rng.choice([1, 2, 4, 10, 12, 17])
     ctx = rng.choice([64, 256])
@@ -123,6 +126,8 @@ def schedule(seed: int, restarts: bool) -> None:
         for r in reqs:
             if cancel_at.get(r.id) == step and not r.done:
                 sched.cancel(r)
+        if failures and stage.queue and rng.random() < 0.05:   # the stage refuses one
+            stage.fail_ids.add(rng.choice(list(stage.queue)).id)
         if restarts and step > 3 and rng.random() < 0.02:   # a stage started again
             stage.queue.clear()
             stage.kv, stage.picked = [[] for _ in range(slots)], (-1, [])
@@ -134,10 +139,11 @@ def schedule(seed: int, restarts: bool) -> None:
             break
     for r in reqs:
         got, want = outcome(r), outcome(alone(r.seq.prompt, r.seq.params, ctx))
-        if r.seq.finish_reason == "cancelled":
+        if r.seq.finish_reason in ("cancelled", "error"):
             assert got[0] == want[0][:len(got[0])] and got[1] == want[1][:len(got[1])], r.id
         else:
             assert got == want, r.id
+        assert failures or restarts or r.seq.finish_reason != "error", r.error
     for slot in sched.table.slots:   # the stage keeps what the slot table says, read as prompt
         assert [t for t, _ in stage.kv[slot.index]] == slot.held
         assert all(chunk for _, chunk in stage.kv[slot.index])
@@ -152,3 +158,10 @@ def test_random_schedules_give_solo_tokens(seed):
 @pytest.mark.parametrize("seed", range(30))
 def test_random_schedules_with_restarts_give_solo_tokens(seed):
     schedule(seed, restarts=True)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_schedules_with_refused_windows_keep_the_slot_table(seed):
+    """A refused window ends its requests and any sent behind it; the others go on, and the
+    commits it carried are made again for the free slots."""
+    schedule(seed, failures=True)

@@ -384,6 +384,8 @@ class Scheduler:
             if slot.request is req:
                 slot.held.clear()  # the stages may hold part of the window: keep nothing
             self._release(slot, req, "error")
+        if landed:   # the stage that refused it did not apply its commits: every free slot's
+            self.commits += [(s.index, len(s.held)) for s in self.table.slots if s.free]
 
     # --- a stage started again (rebuild.py) ---------------------------------------------------
 
