@@ -172,3 +172,27 @@ def test_a_refused_window_ends_only_its_own_requests():
     assert ended == slots_of[bad] and len(ended) == 8
     assert all(len(r.seq.generated) == 30 for r in reqs if r.slot.index not in ended)
     assert pipe.ahead
+
+
+def test_a_cancelled_request_leaves_while_the_group_keeps_a_window_in_flight():
+    """Decoding ahead keeps a window in flight: a cancelled request with no row in flight
+    leaves at the next step, not when its group is idle."""
+    pipe = FakePipeline(2, 256)
+    sched = Scheduler(pipe, replace(AHEAD, slots=2), frozenset({STOP}))
+    a = sched.submit([5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
+    while len(a.seq.generated) < 3:
+        sched.step()
+    b = sched.submit(list(range(3, 60)) * 2, params(1))   # 114 tokens: 15 chunks of 8
+    while b.slot is None or b.slot.read_pos < 24:
+        sched.step()
+    sched.cancel(b)
+    while not b.done:
+        sched.step()
+    assert b.seq.finish_reason == "cancelled" and b.seq.generated == []
+    assert len(a.seq.generated) < 40 and not a.done
+    sched.run()
+    solo = Scheduler(FakePipeline(1, 256), replace(AHEAD, slots=1, decode_ahead=False),
+                     frozenset({STOP}))
+    ref = solo.submit([5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
+    solo.run()
+    assert a.seq.generated == ref.seq.generated and sched.idle

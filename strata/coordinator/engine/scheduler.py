@@ -98,8 +98,11 @@ class Scheduler:
     def step(self, timeout: float | None = None) -> bool:
         """Admit, fill every idle group with a window, then handle one result.
         Returns False when there was nothing to do."""
-        for slot in self.table.slots:  # cancelled requests not in flight leave now
-            if not slot.free and slot.request.cancelled and not self.groups[slot.group].flights:
+        # cancelled requests with no row in flight leave now (decoding ahead, a group may
+        # always have a window in flight)
+        flying = {o.slot.index for f in self.in_flight.values() for o in f.owners}
+        for slot in self.table.slots:
+            if not slot.free and slot.request.cancelled and slot.index not in flying:
                 self._release(slot, slot.request, "cancelled")
         self._admit()
         for group in range(self.cfg.groups):
