@@ -7,9 +7,10 @@ scheduler.py sends what this gives.
 
 A decode window goes ahead only while none of its requests has a grammar (a mask needs the
 token before it) or a penalty (its history does), and either all its slots wait for a token
-or none does (then it reads no pick: a refused window ends only its own requests). A slot whose request ends by length with the window in flight
-gets no row; one that ends by a stop token or string is found only when that window lands,
-and its row's token is then dropped (the slot's commit drops its KV).
+or none does (then it reads no pick: a refused window ends only its own requests). A slot
+whose request ends by length with the window in flight gets no row; one that ends by a stop
+token or string is found only when that window lands, and its row's token is then dropped
+(the slot's commit drops its KV).
 """
 from __future__ import annotations
 
