@@ -99,13 +99,14 @@ def moe_window(x: torch.Tensor, h: torch.Tensor, router: torch.Tensor,
         assert act == "silu", "moe_rows computes SwiGLU experts"
         return x + moe_rows(h, router, gate_up, down, k, bias, scale, groups)
     from strata.kernels import moe_triton
+    pairs = (decode and policy.int8_activations and isinstance(gate_up, QuantWeight)
+             and isinstance(down, QuantWeight))   # a pair's GEMVs with int8 activations
     experts, weights, counts = moe_triton.route(router_logits(h, router, policy, decode), k,
-                                                bias, scale, groups)
-    blocks = policy.moe_blocks()
-    if (decode and policy.int8_activations and isinstance(gate_up, QuantWeight)
-            and isinstance(down, QuantWeight)):   # a pair's GEMVs with int8 activations
+                                                bias, scale, groups, count=not pairs)
+    if pairs:
         outs = moe_triton.experts_a8(h, experts, gate_up, down, router.shape[0], act)
         return moe_triton.weighted_sum(outs, weights, res=x)
+    blocks = policy.moe_blocks()
     slots, block_expert, n_blocks = moe_triton.align(experts, counts, blocks["block_m"])
     outs = moe_triton.experts(h, slots, block_expert, n_blocks, k, gate_up, down,
                               router.shape[0], blocks, act)

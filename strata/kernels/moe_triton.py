@@ -74,7 +74,8 @@ def _best_groups(choice, e, PER: tl.constexpr, GROUPS: tl.constexpr, CHOSEN: tl.
 def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, counts_ptr, scale, stride_l,
                   E: tl.constexpr, TOPK: tl.constexpr, SIGMOID: tl.constexpr,
                   HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, CHOSEN: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+                  COUNT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_G: tl.constexpr):
     m = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -89,13 +90,16 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, counts_ptr, scale, strid
         choice = _best_groups(choice, e, E // GROUPS, GROUPS, CHOSEN, BLOCK_G)
     r = tl.arange(0, BLOCK_K)
     picked = tl.zeros([BLOCK_K], tl.float32)     # the chosen experts' scores (logits), in rank
+    ids = tl.zeros([BLOCK_K], tl.int32)
     for i in tl.static_range(TOPK):
         _best, at = tl.max(choice, 0, return_indices=True, return_indices_tie_break_left=True)
         picked = tl.where(r == i, tl.sum(tl.where(e == at, score, 0.0), 0), picked)
-        tl.store(ids_ptr + m * TOPK + i, at)
-        tl.atomic_add(counts_ptr + at, 1)
+        ids = tl.where(r == i, at, ids)
         choice = tl.where(e == at, float("-inf"), choice)
     used = r < TOPK
+    tl.store(ids_ptr + m * TOPK + r, ids, mask=used)     # one store, one atomic add: not a
+    if COUNT:                                            # round trip a rank
+        tl.atomic_add(counts_ptr + ids, 1, mask=used, sem="relaxed")
     if SIGMOID:
         weights = picked / (tl.sum(tl.where(used, picked, 0.0), 0) + 1e-20)
     else:   # the renormalised top-k of a softmax: a softmax over the chosen logits
@@ -236,22 +240,24 @@ def _sum_kernel(o_ptr, w_ptr, res_ptr, out_ptr, N, stride_om, stride_rm, stride_
 # --- launchers -------------------------------------------------------------------------------
 
 def route(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None, scale: float = 1.0,
-          groups: tuple[int, int] = (1, 1)
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          groups: tuple[int, int] = (1, 1), count: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """logits: fp32 [M, E] router logits -> (experts int32 [M, k] best first, weights fp32
-    [M, k], counts int32 [E]: each expert's pairs). bias [E]: sigmoid scores chosen by score +
-    bias (glm4moe), else a softmax's; groups as moe.route's."""
+    [M, k], counts int32 [E]: each expert's pairs, which align needs; None without count).
+    bias [E]: sigmoid scores chosen by score + bias (glm4moe), else a softmax's; groups as
+    moe.route's."""
     m, n_experts = logits.shape
     n_groups, chosen = groups
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     assert n_experts % n_groups == 0 and k <= n_experts
     experts = torch.empty(m, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(m, k, dtype=torch.float32, device=logits.device)
-    counts = torch.zeros(n_experts, dtype=torch.int32, device=logits.device)
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=logits.device) if count else None
     _route_kernel[(m,)](
-        logits, bias if bias is not None else logits, experts, weights, counts, scale,
+        logits, bias if bias is not None else logits, experts, weights,
+        counts if count else experts, scale,
         logits.stride(0), E=n_experts, TOPK=k, SIGMOID=bias is not None,
-        HAS_BIAS=bias is not None, GROUPS=n_groups, CHOSEN=chosen,
+        HAS_BIAS=bias is not None, GROUPS=n_groups, CHOSEN=chosen, COUNT=count,
         BLOCK_E=triton.next_power_of_2(n_experts), BLOCK_K=triton.next_power_of_2(k),
         BLOCK_G=triton.next_power_of_2(n_groups),
         num_warps=1 if n_experts <= 256 else 4)   # one warp: its k reductions are shuffles
@@ -353,22 +359,23 @@ def experts_a8(h: torch.Tensor, experts: torch.Tensor, gate_up: QuantWeight,
     expert, its rows quantized, then down -> o [M * k, D] in h's dtype, as experts() returns.
     experts: int32 [M, k] (route); gate_up and down packed as experts() takes them. Gate and
     up in one part take a8_gated.py's kernels (act and the quantized rows in them too); in
-    two, a8_pairs each, silu_mul and quantize_rows: the same bits either way."""
+    two, a8_pairs each, silu_mul and quantize_rows: the same bits either way. The kernels
+    find a pair's rows from the experts alone (a8_gemv.Pairs): no index arrays are built."""
     from strata.kernels.fused_triton import silu_mul
     from strata.kernels.quant.a8 import QBLOCK, Codes
     from strata.kernels.quant.a8_gated import a8_gate_up
+    from strata.kernels.quant.a8_gemv import Pairs
     from strata.kernels.quant.a8_triton import a8_pairs, quantize_rows
     m, d = h.shape
     k, f = experts.shape[1], down.shape[1]
-    pairs = experts.reshape(-1)                               # pair p: row p // k, rank p % k
-    rows = torch.arange(m, dtype=torch.int32, device=h.device).repeat_interleave(k)
+    ids = experts.reshape(-1)                                 # pair p: row p // k, rank p % k
     x = quantize_rows(h)
     if len(gate_up.parts) == 1 and f % QBLOCK == 0:
         # every expert's gate rows, then every expert's up rows
         codes = Codes.empty(m * k, f, h.device)
         a8_gate_up(x, gate_up.parts[0], act,
                    torch.empty(m * k, f, dtype=h.dtype, device=h.device), 1, codes=codes,
-                   pairs=(rows, pairs * f), up=n_experts * f)
+                   pairs=Pairs(ids, k, f, 0, f), up=n_experts * f)
         x = codes
     else:
         if len(gate_up.parts) == 1:
@@ -376,12 +383,11 @@ def experts_a8(h: torch.Tensor, experts: torch.Tensor, gate_up: QuantWeight,
         else:
             (gate, g0), (up, u0) = (gate_up.parts[0], 0), (gate_up.parts[1], 0)
         gu = torch.empty(m * k, 2 * f, dtype=h.dtype, device=h.device)
-        a8_pairs(x, gate, rows, pairs * f + g0, f, gu[:, :f])
-        a8_pairs(x, up, rows, pairs * f + u0, f, gu[:, f:])
+        a8_pairs(x, gate, Pairs(ids, k, f, g0, f), gu[:, :f])
+        a8_pairs(x, up, Pairs(ids, k, f, u0, f), gu[:, f:])
         x = quantize_rows(silu_mul(gu, act))
     out = torch.empty(m * k, d, dtype=h.dtype, device=h.device)
-    own = torch.arange(m * k, dtype=torch.int32, device=h.device)
-    return a8_pairs(x, down.parts[0], own, pairs * d, d, out)
+    return a8_pairs(x, down.parts[0], Pairs(ids, 1, d, 0, d), out)
 
 
 def weighted_sum(outs: torch.Tensor, weights: torch.Tensor,

@@ -267,25 +267,28 @@ def test_an_int8_stages_logits_are_near_the_widened_files(mixed, device, monkeyp
 @pytest.mark.parametrize("device", triton_devices())
 def test_an_expert_pair_is_a_gemv_of_its_own(device):
     """a8_pairs: each (row, expert) pair's output is a8_mm's GEMV of that row against that
-    expert's rows alone, the same bits, whichever pairs share the call."""
+    expert's rows alone, the same bits, whichever pairs share the call; a pair's row from its
+    index (row p // per) and its rows from its expert (ids[p] * erows + w0)."""
+    from strata.kernels.quant.a8_gemv import Pairs
     from strata.kernels.quant.a8_triton import a8_mm, a8_pairs, quantize_rows
     experts, f = 4, 32
-    w, _ = _weight("Q4_K", experts * f, K, device, seed=7)
+    w, _ = _weight("Q4_K", experts * f + 16, K, device, seed=7)
     part = w.parts[0]
     x = _x(3, K, device, seed=8)
     c = quantize_rows(x)
-    rows = torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32, device=device)
-    chosen = torch.tensor([3, 1, 1, 0, 3], dtype=torch.int32, device=device)
-    out = torch.empty(5, f, device=device, dtype=x.dtype)
-    a8_pairs(c, part, rows, chosen * f, f, out)
-    for p, (r, e) in enumerate(zip(rows.tolist(), chosen.tolist())):
-        alone = Part("Q4_K", f, K, {k: v[e * f:(e + 1) * f].contiguous()
-                                          for k, v in part.planes.items()})
-        assert torch.equal(out[p], a8_mm(c[r:r + 1], alone, block_m=1,
-                                         out_dtype=x.dtype)[0])
+    chosen = torch.tensor([3, 1, 1, 0, 2, 3], dtype=torch.int32, device=device)  # 2 a row
+    out = torch.empty(6, f, device=device, dtype=x.dtype)
+    a8_pairs(c, part, Pairs(chosen, 2, f, 16, f), out)   # expert e: rows 16 + e f ..
+
+    def alone(r: int, e: int) -> torch.Tensor:
+        rows = slice(16 + e * f, 16 + (e + 1) * f)
+        one = Part("Q4_K", f, K, {k: v[rows].contiguous() for k, v in part.planes.items()})
+        return a8_mm(c[r:r + 1], one, block_m=1, out_dtype=x.dtype)[0]
+    for p, e in enumerate(chosen.tolist()):
+        assert torch.equal(out[p], alone(p // 2, e))
     again = torch.empty(1, f, device=device, dtype=x.dtype)   # a pair alone in its call
-    a8_pairs(c, part, rows[3:4], chosen[3:4] * f, f, again)
-    assert torch.equal(again[0], out[3])
+    a8_pairs(c[2:3], part, Pairs(chosen[4:5], 1, f, 16, f), again)
+    assert torch.equal(again[0], out[4])
 
 
 def _int8_moe_stage(moe_file, device: str):

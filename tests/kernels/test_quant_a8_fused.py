@@ -85,6 +85,7 @@ def test_the_experts_gate_up_kernels_are_the_pairs_silu_mul_and_quantize(device,
     quantize_rows and a8_pairs of down, the composition it replaces."""
     from strata.kernels.fused_triton import silu_mul
     from strata.kernels.moe_triton import experts_a8
+    from strata.kernels.quant.a8_gemv import Pairs
     from strata.kernels.quant.a8_triton import a8_pairs, quantize_rows
     from strata.kernels.quant.weight import QuantWeight
     n_exp, f, d, k = 4, 64, steps * K, 2
@@ -94,15 +95,13 @@ def test_the_experts_gate_up_kernels_are_the_pairs_silu_mul_and_quantize(device,
     h = _x(3, d, device, seed=53)
     experts = torch.tensor([[3, 1], [0, 3], [2, 2]], dtype=torch.int32, device=device)
     got = experts_a8(h, experts, gate_up, down, n_exp)
-    pairs = experts.reshape(-1)
-    rows = torch.arange(3, dtype=torch.int32, device=device).repeat_interleave(k)
+    ids = experts.reshape(-1)
     x = quantize_rows(h)
     gu = torch.empty(3 * k, 2 * f, dtype=h.dtype, device=device)
-    a8_pairs(x, gate_up.parts[0], rows, pairs * f, f, gu[:, :f])
-    a8_pairs(x, gate_up.parts[0], rows, pairs * f + n_exp * f, f, gu[:, f:])
-    own = torch.arange(3 * k, dtype=torch.int32, device=device)
+    a8_pairs(x, gate_up.parts[0], Pairs(ids, k, f, 0, f), gu[:, :f])
+    a8_pairs(x, gate_up.parts[0], Pairs(ids, k, f, n_exp * f, f), gu[:, f:])
     want = torch.empty(3 * k, d, dtype=h.dtype, device=device)
-    a8_pairs(quantize_rows(silu_mul(gu)), down.parts[0], own, pairs * d, d, want)
+    a8_pairs(quantize_rows(silu_mul(gu)), down.parts[0], Pairs(ids, 1, d, 0, d), want)
     assert torch.equal(got, want) and got.abs().max() > 0
 
 

@@ -16,8 +16,8 @@ import triton.language as tl
 
 from strata.kernels.fused_triton import ACTS, gate_act
 from strata.kernels.quant.a8 import QBLOCK, Codes
-from strata.kernels.quant.a8_gemv import (CODEBOOKS, _a8_gemv_kernel, gemv_step, k_parts,
-                                          quantize_blocks)
+from strata.kernels.quant.a8_gemv import (CODEBOOKS, Pairs, _a8_gemv_kernel, gemv_step,
+                                          k_parts, quantize_blocks)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import TYPE_IDS, _planes
 
@@ -50,26 +50,23 @@ def _add_gated_parts_kernel(part_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr
 
 def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
                block_n: int = 32, stages: int = 3, warps: int = 4,
-               codes: Codes | None = None,
-               pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
+               codes: Codes | None = None, pairs: Pairs | None = None,
                up: int | None = None) -> torch.Tensor:
     """out [M, F] = act(gate) * up, both rounded to out's dtype first. Without pairs, of
-    [gate | up] = rows x @ part^T (part [2F, K]; up = F). With pairs (xrows, wrows), block_m
-    1: out row p from codes row xrows[p] against gate rows wrows[p] .. + F - 1 and up rows
-    wrows[p] + up .. of part (a8_pairs' pairs; K's parts those of an [F, K] weight, as a8_pairs
-    takes them). codes (F whole blocks of 32): Codes [M, F] to fill with out's rows quantized,
-    as quantize_rows(out) would."""
+    [gate | up] = rows x @ part^T (part [2F, K]; up = F). With pairs (n = F), block_m 1: out
+    row p from codes row p // pairs.per against gate rows pairs.ids[p] * pairs.erows +
+    pairs.w0 .. + F - 1 and the up rows `up` further on (a8_pairs' pairs; K's parts those of an
+    [F, K] weight, as a8_pairs takes them). codes (F whole blocks of 32): Codes [M, F] to fill
+    with out's rows quantized, as quantize_rows(out) would."""
     q = x.q if part.qtype in CODEBOOKS else x.qp   # the nibble types take the pair order
     k = q.shape[1]
     f = out.shape[1]
     if pairs is None:
-        xrows = wrows = q
         m, up, p = q.shape[0], f, k_parts(part.rows, k)
         assert part.rows == 2 * f
     else:
-        xrows, wrows = pairs
-        m, p = xrows.shape[0], k_parts(f, k)
-        assert block_m == 1 and up is not None
+        m, p = pairs.ids.shape[0], k_parts(f, k)
+        assert block_m == 1 and up is not None and pairs.n == f
     assert part.cols == k and out.shape == (m, f) and out.stride(1) == 1
     assert codes is None or (f % QBLOCK == 0 and codes.q.shape == (m, f))
     fused = codes is not None and p == 1        # the kernel quantizes its own rows
@@ -78,7 +75,8 @@ def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
     dst = out if p == 1 else torch.empty(p, m, 2 * f, dtype=torch.float32, device=q.device)
     planes, strides = _planes(part)
     grid = (triton.cdiv(m, block_m), triton.cdiv(f, n), p)
-    _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, xrows, wrows, *planes, *strides, dst, dst,
+    _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, *Pairs.args(pairs, q), *planes, *strides,
+                          dst, dst,
                           c.q, c.qp, c.dx, c.qs, m, f, k, up, out.stride(0), out.stride(0),
                           QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], HAS_RES=False,
                           ASM=q.device.type == "cuda", PAIRS=pairs is not None,

@@ -20,6 +20,8 @@ of both halves, writes act(gate) * up and can quantize those rows for the down p
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +38,25 @@ CODEBOOKS = ("IQ4_NL", "IQ4_XS")   # codes from a table, packed in K order (the 
 PARTS = 8    # the most parts of K a row's float terms are summed in (k_parts)
 COLUMN_BLOCKS = 768   # k_parts splits K until a weight has this many 32-column blocks a part
 HIGH_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))   # as int32
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """Routed experts' (row, expert) pairs as the GEMV reads them: pair p is activation row
+    p // per against weight rows ids[p] * erows + w0 .. + n - 1 (ids int32 [P], a window's
+    experts [M, k] flattened: per k; or per 1 where the activation rows are the pairs')."""
+    ids: torch.Tensor
+    per: int
+    erows: int
+    w0: int
+    n: int
+
+    @staticmethod
+    def args(pairs: Pairs | None, dummy: torch.Tensor) -> tuple:
+        """The kernel's (ids_ptr, per, erows, w_0)."""
+        if pairs is None:
+            return dummy, 1, 0, 0
+        return pairs.ids, pairs.per, pairs.erows, pairs.w0
 
 
 @triton.jit
@@ -126,7 +147,7 @@ def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, s2, s3,
+def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0, s1, s2, s3,
                     res_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, M, N, K, UP, stride_rm,
                     stride_om, QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                     ASM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -138,14 +159,16 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, xrow_ptr, wrow_ptr, p0, p1, p2, p3, s0, s1, 
     act(gate) * up (fused_triton's silu_mul) of both, each rounded to out's dtype first, as
     the projection's output would be, and with CODES (BLOCK_N 32) those rows quantized too,
     as quantize_rows would (the planes cq, cqp, cdx, cqs of Codes [M, N]); with P > 1 the
-    part's gate and up sums go to out's rows of that part [P, M, 2N], gate then up."""
+    part's gate and up sums go to out's rows of that part [P, M, 2N], gate then up.
+    PAIRS (BLOCK_M 1): output row m is activation row m // per against weight rows
+    ids[m] * erows + w_0 + n (routed experts: pair m is row m // k's rank m % k)."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
     xm, wn = m, n
-    if PAIRS:   # BLOCK_M 1: output row m is activation row xrow[m] against rows wrow[m] + n
-        xm = tl.load(xrow_ptr + m, mask=m_ok, other=0)
-        wn = n + tl.load(wrow_ptr + tl.program_id(0))
+    if PAIRS:   # BLOCK_M 1: indices from the pair's expert, nothing computed on the host
+        xm = m // per
+        wn = n + tl.load(ids_ptr + tl.program_id(0)) * erows + w_0
     G: tl.constexpr = STEP // S                 # groups a step
     AW: tl.constexpr = STEP // 4                # the rows' words a step
     gi = tl.arange(0, G)
@@ -322,23 +345,22 @@ def k_parts(n: int, k: int, most: int = PARTS) -> int:
 
 def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, block_m: int,
             block_n: int = 32, stages: int = 3, warps: int = 4,
-            pairs: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-            parts: int = PARTS) -> torch.Tensor:
+            pairs: Pairs | None = None, parts: int = PARTS) -> torch.Tensor:
     """a8_mm's GEMV tiles (a8_triton.py checks the shapes): out [M, N] =
-    rows x (codes, scales, sums) @ part^T (+ res). pairs (xrows, wrows, n), block_m 1:
-    a8_pairs' out [P, n], row p = codes row xrows[p] @ rows wrows[p] .. + n - 1 of part^T.
+    rows x (codes, scales, sums) @ part^T (+ res). pairs, block_m 1: a8_pairs' out [P, n],
+    row p = codes row p // pairs.per @ rows pairs.first(p) .. + n - 1 of part^T.
     parts: k_parts' most (a8_mm's). With more than one part, a program a part writes its sums
     to a scratch [parts, M, N] and _add_parts_kernel adds them in order."""
     q = x.q if part.qtype in CODEBOOKS else x.qp   # the nibble types take the pair order
     k = q.shape[1]
     r = res if res is not None else out
-    xrows, wrows, cols = pairs if pairs is not None else (q, q, part.rows)
-    m = xrows.shape[0] if pairs is not None else q.shape[0]
+    cols = pairs.n if pairs is not None else part.rows
+    m = pairs.ids.shape[0] if pairs is not None else q.shape[0]
     planes, strides = _planes(part)
     p = k_parts(cols, k, parts)
     dst = out if p == 1 else torch.empty(p, m, cols, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(cols, block_n), p)
-    _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, xrows, wrows, *planes, *strides, r,
+    _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, *Pairs.args(pairs, q), *planes, *strides, r,
                           dst, q, q, x.dx, x.qs, m, cols, k, 0, r.stride(0), out.stride(0),
                           QTYPE=TYPE_IDS[part.qtype],
                           S=BLOCKS[part.qtype][2], HAS_RES=res is not None,

@@ -33,8 +33,9 @@ import triton.language as tl
 
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gated import a8_gate_up
-from strata.kernels.quant.a8_gemv import (PARTS, a8_gemv, add_in_order, add_parts, gemv_step,
-                                          group_term, k_parts, quantize_blocks, store_rows)
+from strata.kernels.quant.a8_gemv import (PARTS, Pairs, a8_gemv, add_in_order, add_parts,
+                                          gemv_step, group_term, k_parts, quantize_blocks,
+                                          store_rows)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
                                                _terms)
@@ -318,16 +319,15 @@ def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
     return dataclasses.replace(quantize_rows(out), rows=out) if codes else out
 
 
-def a8_pairs(x: Codes, part: Part, xrows: torch.Tensor,
-             wrows: torch.Tensor, n: int, out: torch.Tensor, *, block_n: int = 32,
+def a8_pairs(x: Codes, part: Part, pairs: Pairs, out: torch.Tensor, *, block_n: int = 32,
              warps: int = 4) -> torch.Tensor:
-    """Routed experts' GEMVs, one a pair: out[p] = row xrows[p] of x @ rows wrows[p] ..
-    wrows[p] + n - 1 of `part`^T (int32 [P] each; out [P, n], which may be a column slice).
-    Each pair is computed alone by the dp4a GEMV, with a8_mm's arithmetic."""
-    p, k = xrows.shape[0], x.q.shape[1]
+    """Routed experts' GEMVs, one a pair: out[p] = row p // pairs.per of x @ rows
+    pairs.ids[p] * pairs.erows + pairs.w0 .. + pairs.n - 1 of `part`^T (out [P, n], which may
+    be a column slice). Each pair is computed alone by the dp4a GEMV, with a8_mm's
+    arithmetic."""
+    p, k, n = pairs.ids.shape[0], x.q.shape[1], pairs.n
     if part.cols != k or k % BLOCKS[part.qtype][2] or k % QBLOCK:
         raise ValueError(f"int8-activation expert kernel: rows of {k} against a "
                          f"{part.qtype} weight [{part.rows}, {part.cols}]")
     assert out.shape == (p, n) and out.stride(1) == 1 and x.q.is_contiguous()
-    return a8_gemv(x, part, None, out, 1, block_n=block_n, warps=warps,
-                   pairs=(xrows, wrows, n))
+    return a8_gemv(x, part, None, out, 1, block_n=block_n, warps=warps, pairs=pairs)
