@@ -134,12 +134,32 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
                   pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   n_heads: int, policy: KernelPolicy | None = None,
-                  halves: bool = False) -> torch.Tensor:
+                  halves: bool = False,
+                  head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                  decode: bool = False) -> torch.Tensor:
+    """RoPE on q and k, k and v into the caches, q returned (rope_write_kv_torch). head_norms
+    (q's norm weight, k's, eps; qwen3, gemma3): each q and k head RMS-normed first, as
+    rms_norm_rows norms it (the Triton kernel does it in the same program)."""
     if not policy_or_default(policy, qkv).triton:
+        if head_norms is not None:
+            qkv = norm_heads(qkv, n_heads, k_cache.shape[1], head_norms, policy, decode)
         return rope_write_kv_torch(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads, halves)
     from strata.kernels import fused_triton
     return fused_triton.rope_write_kv(qkv, cos, sin, slot, pos, k_cache, v_cache, n_heads,
-                                      halves)
+                                      halves, head_norms)
+
+
+def norm_heads(qkv: torch.Tensor, n_heads: int, n_kv: int,
+               head_norms: tuple[torch.Tensor, torch.Tensor, float],
+               policy: KernelPolicy | None, decode: bool) -> torch.Tensor:
+    """qkv [R, (H + 2 KVH) hd] with each q and k head RMS-normed (rms_norm_rows), v as it
+    is."""
+    qn, kn, eps = head_norms
+    hd, n = qn.shape[0], qkv.shape[0]
+    q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], -1)
+    q = rms_norm_rows(q.reshape(-1, hd), qn, eps, policy, decode)
+    k = rms_norm_rows(k.reshape(-1, hd), kn, eps, policy, decode)
+    return torch.cat([q.view(n, -1), k.view(n, -1), v], -1)
 
 
 def linear_rows(x: torch.Tensor | Codes, w: torch.Tensor | QuantWeight,

@@ -36,9 +36,12 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, v_ptr,
-                    stride_qkv, stride_table, stride_cs, stride_ch, stride_cp,
-                    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HD: tl.constexpr,
-                    HALF_ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr, HALVES: tl.constexpr):
+                    qn_ptr, kn_ptr, eps, stride_qkv, stride_table, stride_cs, stride_ch,
+                    stride_cp, N_HEADS: tl.constexpr, N_KV: tl.constexpr, HD: tl.constexpr,
+                    HALF_ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr, HALVES: tl.constexpr,
+                    NORM: tl.constexpr):
+    """NORM (qwen3, gemma3): each q and k head RMS-normed first (weights qn, kn [HD]), as
+    _rms_norm_kernel norms a row of HD."""
     row = tl.program_id(0)
     head = tl.program_id(1)                  # [0, H): a query head; [H, H + KVH): a kv head
     pos = tl.load(pos_ptr + row)
@@ -56,6 +59,16 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, 
     src = qkv_ptr + row * stride_qkv + head * HD
     x0 = tl.load(src + a0, mask=pair, other=0.0).to(tl.float32)
     x1 = tl.load(src + a1, mask=pair, other=0.0).to(tl.float32)
+    if NORM:   # the head's sum of squares over the head in order, as the norm kernel takes it
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        x = tl.load(src + d, mask=d < HD, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
+        w_ptr = qn_ptr if head < N_HEADS else kn_ptr
+        dtype = q_ptr.dtype.element_ty
+        w0 = tl.load(w_ptr + a0, mask=pair, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + a1, mask=pair, other=0.0).to(tl.float32)
+        x0 = ((x0 * r).to(dtype).to(tl.float32) * w0).to(dtype).to(tl.float32)
+        x1 = ((x1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
     y0 = (x0 * c - x1 * s).to(q_ptr.dtype.element_ty)
     y1 = (x0 * s + x1 * c).to(q_ptr.dtype.element_ty)
     if head < N_HEADS:
@@ -74,17 +87,24 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
                   pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  n_heads: int, halves: bool = False) -> torch.Tensor:
+                  n_heads: int, halves: bool = False,
+                  head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                  ) -> torch.Tensor:
+    """head_norms (q's weight, k's, eps): each q and k head RMS-normed before its RoPE, in
+    the same program (no norm kernels, no copies)."""
     n_rows = qkv.shape[0]
     n_kv, hd = k_cache.shape[1], k_cache.shape[3]
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32
     q = torch.empty(n_rows, n_heads, hd, dtype=qkv.dtype, device=qkv.device)
+    qn, kn, eps = head_norms if head_norms is not None else (qkv, qkv, 0.0)
+    assert head_norms is None or (qn.is_contiguous() and kn.is_contiguous())
     _rope_kv_kernel[(n_rows, n_heads + n_kv)](
-        qkv, cos, sin, slot, pos, q, k_cache, v_cache,
+        qkv, cos, sin, slot, pos, q, k_cache, v_cache, qn, kn, eps,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_HEADS=n_heads, N_KV=n_kv, HD=hd, HALF_ROPE=cos.shape[1],
-        BLOCK_HALF=triton.next_power_of_2(hd // 2), HALVES=halves, num_warps=1)
+        BLOCK_HALF=triton.next_power_of_2(hd // 2), HALVES=halves,
+        NORM=head_norms is not None, num_warps=1)
     return q
 
 

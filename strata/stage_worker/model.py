@@ -163,11 +163,11 @@ class Layer(torch.nn.Module):
         qkv = norm_linear_rows(x, self.attn_norm, eps, self.wqkv, policy, decode)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
-        if self.q_norm is not None:
-            qkv = self._norm_heads(qkv, policy, decode)
         cos, sin = meta.local if self.sliding else (meta.cos, meta.sin)
+        norms = (self.q_norm, self.k_norm, eps) if self.q_norm is not None else None
         q = rope_write_kv(qkv, cos, sin, rows.slot, rows.pos, k_cache, v_cache,
-                          cfg.n_heads, policy, family.rope_halves)       # [R, H, hd]
+                          cfg.n_heads, policy, family.rope_halves, norms,
+                          decode)                                        # [R, H, hd]
         window = cfg.window if self.sliding else 0
         # with int8 activations the attention kernel also quantizes its rows for wo's kernels
         codes = quant_ops.rows_codes(self.wo, policy, decode, x.shape[0],
@@ -196,16 +196,6 @@ class Layer(torch.nn.Module):
             return linear_rows(h, w, res=x, policy=self.policy, decode=decode)
         out = linear_rows(h, w, policy=self.policy, decode=decode)
         return x + rms_norm_rows(out, post_norm, self.cfg.rms_eps, self.policy, decode)
-
-    def _norm_heads(self, qkv: torch.Tensor, policy: KernelPolicy,
-                    decode: bool) -> torch.Tensor:
-        """RMSNorm over each head of q and of k (qwen3, gemma3); v as it is."""
-        cfg, hd = self.cfg, self.cfg.head_dim
-        n = qkv.shape[0]
-        q, k, v = qkv.split([cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], -1)
-        q = rms_norm_rows(q.reshape(-1, hd), self.q_norm, cfg.rms_eps, policy, decode)
-        k = rms_norm_rows(k.reshape(-1, hd), self.k_norm, cfg.rms_eps, policy, decode)
-        return torch.cat([q.view(n, -1), k.view(n, -1), v], -1)
 
 
 @dataclass

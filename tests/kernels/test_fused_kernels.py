@@ -85,3 +85,38 @@ def test_rope_write_kv(device, rope_dim):
         outs.append((_call(f, qkv, cos, sin, slot, pos, k, v, H), k, v))
     for got, want in zip(*outs):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_rope_write_kv_norms_the_heads_first(device):
+    """head_norms (qwen3, gemma3): the Triton kernel norms each q and k head in the program
+    that rotates it, as rms_norm_rows over the heads and then RoPE give (v untouched), and a
+    row alone the same bits as among others."""
+    kernels = _triton()
+    g = torch.Generator().manual_seed(3)
+    cos, sin = (t.to(device) for t in rope_table(HD, 10000.0, CTX))
+    qkv = (3 * torch.randn(5, (H + 2 * KVH) * HD, generator=g)).to(device)
+    norms = ((1 + 0.1 * torch.randn(HD, generator=g)).to(device),
+             (1 + 0.1 * torch.randn(HD, generator=g)).to(device), 1e-6)
+    slot = torch.tensor([0, 1, 2, SLOTS, 0], device=device)
+    pos = torch.tensor([0, 5, 63, 0, 7], device=device)
+    outs = []
+    for fused_norm in (True, False):
+        k = torch.zeros(SLOTS + 1, KVH, CTX, HD, device=device)
+        v = torch.zeros(SLOTS + 1, KVH, CTX, HD, device=device)
+        if fused_norm:
+            q = _call(kernels.rope_write_kv, qkv, cos, sin, slot, pos, k, v, H, False, norms)
+        else:
+            normed = fused.norm_heads(qkv, H, KVH, norms, None, False)
+            q = fused.rope_write_kv_torch(normed, cos, sin, slot, pos, k, v, H)
+        outs.append((q, k, v))
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(outs[0][0], fused.rope_write_kv_torch(   # the norm did something
+        qkv, cos, sin, slot, pos, torch.zeros_like(outs[0][1]), torch.zeros_like(outs[0][2]), H))
+    k = torch.zeros(SLOTS + 1, KVH, CTX, HD, device=device)
+    v = torch.zeros_like(k)
+    alone = _call(kernels.rope_write_kv, qkv[2:3], cos, sin, slot[2:3], pos[2:3], k, v, H, False,
+                  norms)
+    assert torch.equal(alone[0], outs[0][0][2])
+    assert torch.equal(k[2, :, 63], outs[0][1][2, :, 63])
