@@ -6,7 +6,7 @@ beyond those is launch gaps. With bf16 weights, each layer matmul alone against 
 too.
 
     python3 tools/gpu/profile_layer.py MODEL START:END [--weights quantized]
-        [--activations int8] [--rows 1,8,64]
+        [--activations int8] [--rows 1,8,64] [--top 16] [--sequence 40]
 """
 import dataclasses
 from collections import defaultdict
@@ -60,6 +60,23 @@ def kernel_table(model, cache, inputs, rows, iters: int = 10, top: int = 16) -> 
     return total
 
 
+def kernel_sequence(model, cache, inputs, rows, count: int) -> None:
+    """Print the first `count` kernels of one eager window in launch order, with their
+    device time: which projection each GEMV is (a layer's kernels repeat)."""
+    eager = WindowRunner(model, cache, 0)
+    for _ in range(3):
+        eager.run(inputs, rows)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eager.run(inputs, rows)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_time_total > 0 and e.device_type
+                      == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    print(f"  the first {count} kernels in order:")
+    for e in kernels[:count]:
+        print(f"  {e.device_time_total:8.1f} us  {e.name[:90]}")
+
+
 def head_alone(runner: WindowRunner, n: int) -> float:
     """us of the last stage's head over n rows (the window graph's head: logits and argmax of
     every row), replayed from a graph of its own."""
@@ -106,7 +123,11 @@ def matmuls_alone(model, cfg) -> None:
               help="Window sizes (all rows live), comma-separated.")
 @click.option("--context", type=int, default=256, show_default=True,
               help="Each row's position.")
-def main(model_path, span, weights, activations, row_counts, context):
+@click.option("--top", type=int, default=16, show_default=True,
+              help="Kernels listed a window size, the longest first.")
+@click.option("--sequence", type=int, default=0, show_default=True,
+              help="Also list this many of a window's first kernels in launch order.")
+def main(model_path, span, weights, activations, row_counts, context, top, sequence):
     start, end = (int(x) for x in span.split(":"))
     file = ModelFile(model_path)
     cfg = file.config
@@ -125,7 +146,9 @@ def main(model_path, span, weights, activations, row_counts, context):
             inputs = (torch.randint(0, cfg.vocab, (n,)) if model.first
                       else torch.randn(n, cfg.d_model).to(model.dtype))
             print(f"{n} rows:")
-            kernels = kernel_table(model, cache, inputs, rows)
+            kernels = kernel_table(model, cache, inputs, rows, top=top)
+            if sequence:
+                kernel_sequence(model, cache, inputs, rows, sequence)
             graphed = WindowRunner(model, cache, 1)
             graphed.run(inputs, rows)
             graph = next(iter(graphed.graphs.values())).graph
