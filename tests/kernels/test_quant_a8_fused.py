@@ -127,3 +127,43 @@ def test_the_attention_kernel_quantizes_its_rows_as_quantize_rows(device, hd):
     for name in ("q", "qp", "dx", "qs"):
         assert torch.equal(getattr(codes, name), getattr(want, name)), name
     assert codes.q[2].abs().max() == 0 and codes.q.abs().max() == 127
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_the_last_program_adds_the_parts_as_the_kernels_after_it_would(device, monkeypatch):
+    """K in parts: the tile's last program adds them (kernels/arrive.py) in the GEMV, the
+    MMA, the gate/up kernel with its codes and the experts' pairs, bit for bit as
+    _add_parts_kernel and _add_gated_parts_kernel do after the launch where there are no
+    counters (during a CUDA graph capture before any exist)."""
+    from strata.kernels import arrive
+    from strata.kernels.moe_triton import experts_a8
+    from strata.kernels.quant import a8_gated, a8_gemv, a8_triton
+    from strata.kernels.quant.a8_triton import a8_gate_up_silu, a8_mm, quantize_rows
+    from strata.kernels.quant.weight import QuantWeight
+    w, _ = _weight("Q4_K", 64, 4 * K, device, seed=71)               # four parts of K
+    gate_up, _ = _weight("Q4_K", 2 * 4 * 32, 4 * K, device, seed=72)  # 4 experts, F 32
+    down, _ = _weight("Q8_0", 4 * 4 * K, 32, device, seed=73)
+    assert isinstance(gate_up, QuantWeight) and a8_gemv.k_parts(32, 4 * K) == 4
+    x = _x(16, 4 * K, device, seed=74)
+    c, res = quantize_rows(x), _x(16, 64, device, seed=75)
+    experts = torch.tensor([[3, 1], [0, 3], [2, 2]], dtype=torch.int32, device=device)
+    dtype = x.dtype if device == "cpu" else torch.bfloat16
+
+    def outputs() -> list[torch.Tensor]:
+        codes = a8_gate_up_silu(c[:3], w.parts[0], "silu", dtype, codes=True)
+        return [a8_mm(c[:1], w.parts[0], res[:1]), a8_mm(c[:8], w.parts[0], res[:8]),
+                a8_mm(c, w.parts[0], res), codes.rows, codes.q, codes.dx, codes.qs,
+                experts_a8(x[:3].to(dtype), experts, gate_up, down, 4)]
+    seen = []
+    for module in (a8_gemv, a8_gated, a8_triton):
+        real = module.counters
+        monkeypatch.setattr(module, "counters",
+                            lambda *a, real=real: seen.append(1) or real(*a))
+    fixed = outputs()
+    assert seen and not arrive.counters(torch.device(device), 1).any()
+    for module in (a8_gemv, a8_gated, a8_triton):
+        monkeypatch.setattr(module, "counters", lambda *a: None)
+    added = outputs()
+    for i, (one, other) in enumerate(zip(fixed, added)):
+        assert torch.equal(one, other), i
+    assert fixed[2].abs().max() > 0 and fixed[-1].abs().max() > 0

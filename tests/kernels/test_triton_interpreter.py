@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # groups of about the same time under the interpreter, each with the number of its cases that
 # must pass there: a case that stops running (renamed out of CASES, skipped, deleted) fails this
 # test, and one added must raise its group's count
-KERNEL_TESTS = [(101, ["tests/kernels/test_attention_triton.py",
+KERNEL_TESTS = [(102, ["tests/kernels/test_attention_triton.py",
                       "tests/kernels/test_attention_chunk.py",
                       "tests/kernels/test_sampling_triton.py",
                       "tests/kernels/test_sampling_sorted_triton.py",
@@ -39,8 +39,8 @@ KERNEL_TESTS = [(101, ["tests/kernels/test_attention_triton.py",
                 (27, ["tests/kernels/test_fused_kernels.py", "tests/kernels/test_skinny.py",
                       "tests/stage_worker/test_gpu.py", "tests/kernels/test_batch_invariance.py",
                       "tests/model/test_families.py", "tests/stage_worker/test_moe_stage.py"]),
-                (34, ["tests/kernels/test_quant_kernels.py",
-                      "tests/stage_worker/test_quant_stage.py"])]
+                (35, ["tests/kernels/test_quant_kernels.py",
+                      "tests/stage_worker/test_quant_stage.py", "tests/kernels/test_arrive.py"])]
 # the CPU cases, and a whole stage's rows alone and among others through the Triton kernels
 # (the tiny shape; the larger ones take minutes here and run on CUDA)
 CASES = ("(cpu or (test_stage_rows_are_invariant and tiny and not on_gpu)) "

@@ -3,9 +3,10 @@ rows) and for routed experts' (row, rank) pairs: gate and up in one launch of a8
 kernel (a program takes the same columns of both), then act(gate) * up, rounded as
 fused_triton's silu_mul rounds it, and optionally those rows quantized for the down projection
 as quantize_rows would (a8_gemv.quantize_blocks). Where K is cut into parts, the kernel writes
-each part's gate and up sums and add_gated_parts adds them in order, as _add_parts_kernel would,
+each part's gate and up sums and the tile's last program adds them in order (kernels/arrive.py;
+add_gated_parts after the launch where there are no counters), as _add_parts_kernel would,
 before the same epilogue. So the result is, bit for bit, what a8_mm (or a8_pairs) of gate and
-of up, silu_mul and quantize_rows give, in one or two launches instead of up to six
+of up, silu_mul and quantize_rows give, in one launch instead of up to six
 (tests/kernels/test_quant_a8.py).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.arrive import counters
 from strata.kernels.fused_triton import ACTS, gate_act
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gemv import (CODEBOOKS, Pairs, _a8_gemv_kernel, gemv_step,
@@ -69,22 +71,28 @@ def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
         assert block_m == 1 and up is not None and pairs.n == f
     assert part.cols == k and out.shape == (m, f) and out.stride(1) == 1
     assert codes is None or (f % QBLOCK == 0 and codes.q.shape == (m, f))
-    fused = codes is not None and p == 1        # the kernel quantizes its own rows
+    # with parts, the tile's last program adds them (kernels/arrive.py), else add_gated_parts;
+    # the kernel quantizes the rows it writes (in blocks of 32 columns a program) where it
+    # writes them
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(f, 32 if codes is not None else block_n)
+    count = counters(q.device, tiles) if p > 1 else None
+    fused = codes is not None and (p == 1 or count is not None)
     c = codes if fused else x
     n = 32 if fused else block_n
+    grid = (triton.cdiv(m, block_m), triton.cdiv(f, n), p)
     dst = out if p == 1 else torch.empty(p, m, 2 * f, dtype=torch.float32, device=q.device)
     planes, strides = _planes(part)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(f, n), p)
     _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, *Pairs.args(pairs, q), *planes, *strides,
-                          dst, dst,
+                          dst, dst, out, q if count is None else count,
                           c.q, c.qp, c.dx, c.qs, m, f, k, up, out.stride(0), out.stride(0),
                           QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], HAS_RES=False,
+                          FIXUP=count is not None,
                           ASM=q.device.type == "cuda", PAIRS=pairs is not None,
                           BLOCK_M=block_m, BLOCK_N=n, STEP=gemv_step(k), STAGES=stages, P=p,
                           L=k // p, L4=k // p // 4, L8=k // p // 8, L32=k // p // 32,
                           ACT=ACTS[act], CODES=fused, num_warps=warps,
                           enable_fp_fusion=False)   # as every int8 kernel
-    if p > 1:
+    if p > 1 and count is None:
         add_gated_parts(dst, out, act, codes)
     return out
 

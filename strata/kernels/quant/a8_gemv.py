@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.arrive import arrive, counters
 from strata.kernels.fused_triton import gate_act
 from strata.kernels.quant.a8 import Codes
 from strata.kernels.quant.blocks import BLOCKS, Part
@@ -148,8 +149,9 @@ def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
 
 @triton.jit
 def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0, s1, s2, s3,
-                    res_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, M, N, K, UP, stride_rm,
-                    stride_om, QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
+                    res_ptr, out_ptr, fin_ptr, count_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, M,
+                    N, K, UP, stride_rm, stride_om, QTYPE: tl.constexpr, S: tl.constexpr,
+                    HAS_RES: tl.constexpr, FIXUP: tl.constexpr,
                     ASM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, STEP: tl.constexpr, STAGES: tl.constexpr,
                     P: tl.constexpr, L, L4, L8, L32, ACT: tl.constexpr, CODES: tl.constexpr):
@@ -159,7 +161,10 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0
     act(gate) * up (fused_triton's silu_mul) of both, each rounded to out's dtype first, as
     the projection's output would be, and with CODES (BLOCK_N 32) those rows quantized too,
     as quantize_rows would (the planes cq, cqp, cdx, cqs of Codes [M, N]); with P > 1 the
-    part's gate and up sums go to out's rows of that part [P, M, 2N], gate then up.
+    part's gate and up sums go to out's rows of that part [P, M, 2N], gate then up. FIXUP
+    (P > 1): the tile's last program to finish its part adds the parts into fin (+ res; for
+    ACT, with the act and the codes), as add_parts or add_gated_parts would after the launch
+    (kernels/arrive.py's counters at count).
     PAIRS (BLOCK_M 1): output row m is activation row m // per against weight rows
     ids[m] * erows + w_0 + n (routed experts: pair m is row m // k's rank m % k)."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -197,19 +202,68 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0
         at = out_ptr + part * M * 2 * N
         store_rows(acc, res_ptr, at, m, n, m_ok, n_ok, 0, 2 * N, False)
         store_rows(acc_up, res_ptr, at + N, m, n, m_ok, n_ok, 0, 2 * N, False)
+        if FIXUP:   # the last part's program adds the parts, as add_gated_parts would
+            if arrive(count_ptr + tile_index(), P):
+                gate = load_parts(out_ptr, m, n, m_ok, n_ok, M, 2 * N, P, BLOCK_M, BLOCK_N)
+                up = load_parts(out_ptr + N, m, n, m_ok, n_ok, M, 2 * N, P, BLOCK_M, BLOCK_N)
+                gated_rows(gate, up, fin_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr, cqp_ptr,
+                           cdx_ptr, cqs_ptr, ACT, CODES, BLOCK_M)
     elif ACT >= 0:   # silu_mul's arithmetic on the projection's rounded outputs
-        dtype = out_ptr.dtype.element_ty
-        gate = (0.0 + acc).to(dtype).to(tl.float32)
-        up = (0.0 + acc_up).to(dtype).to(tl.float32)
-        h = (gate_act(gate, ACT) * up).to(dtype)
-        store_rows(h, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, False)
-        if CODES:   # the down projection's input rows, quantized here: no kernel of their own
-            quantize_blocks(h.to(tl.float32), m, m_ok, m * 0 + tl.program_id(1), N, cq_ptr,
-                            cqp_ptr, cdx_ptr, cqs_ptr, BLOCK_M, 1)
+        gated_rows(0.0 + acc, 0.0 + acc_up, out_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr,
+                   cqp_ptr, cdx_ptr, cqs_ptr, ACT, CODES, BLOCK_M)
     elif P == 1:   # the parts' sum from zero, as every kernel adds them (_add_parts_kernel)
         store_rows(0.0 + acc, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
     else:
-        store_rows(acc, res_ptr, out_ptr + part * M * N, m, n, m_ok, n_ok, 0, N, False)
+        finish_parts(acc, out_ptr, res_ptr, fin_ptr, count_ptr, m, n, m_ok, n_ok, M, N,
+                     stride_rm, stride_om, part, P, HAS_RES, FIXUP, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def tile_index():
+    """The program's (row block, column block) tile: its counter's index (kernels/arrive)."""
+    return tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+
+
+@triton.jit
+def load_parts(part_ptr, m, n, m_ok, n_ok, M, W, P: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """fp32 [BM, BN]: the P parts' sums [P, M, W] of rows m, columns n, added in order from
+    zero (as _add_parts_kernel adds them), read from L2 (the other programs wrote them)."""
+    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ok = m_ok[:, None] & n_ok[None, :]
+    for p in tl.static_range(P):
+        s = s + tl.load(part_ptr + (p * M + m[:, None]) * W + n[None, :], mask=ok, other=0.0,
+                        cache_modifier=".cg")
+    return s
+
+
+@triton.jit
+def finish_parts(acc, part_ptr, res_ptr, out_ptr, count_ptr, m, n, m_ok, n_ok, M, N,
+                 stride_rm, stride_om, part, P: tl.constexpr, HAS_RES: tl.constexpr,
+                 FIXUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A part's sums acc [BM, BN] into its scratch rows part_ptr [P, M, N]; with FIXUP the
+    tile's last program (kernels/arrive.py) adds the parts in order (+ res) into out, the
+    bits _add_parts_kernel would write."""
+    store_rows(acc, res_ptr, part_ptr + part * M * N, m, n, m_ok, n_ok, 0, N, False)
+    if FIXUP:
+        if arrive(count_ptr + tile_index(), P):
+            s = load_parts(part_ptr, m, n, m_ok, n_ok, M, N, P, BLOCK_M, BLOCK_N)
+            store_rows(s, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
+
+
+@triton.jit
+def gated_rows(gate, up, out_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr, cqp_ptr, cdx_ptr,
+               cqs_ptr, ACT: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr):
+    """act(gate) * up of fp32 sums [BM, BN], each rounded to out's dtype first (silu_mul's
+    arithmetic on the projection's outputs), into out; with CODES (BLOCK_N 32) those rows
+    quantized too, as quantize_rows would: the down projection's input, no kernel of its
+    own."""
+    dtype = out_ptr.dtype.element_ty
+    h = (gate_act(gate.to(dtype).to(tl.float32), ACT) * up.to(dtype).to(tl.float32)).to(dtype)
+    store_rows(h, out_ptr, out_ptr, m, n, m_ok, n_ok, stride_om, stride_om, False)
+    if CODES:
+        quantize_blocks(h.to(tl.float32), m, m_ok, m * 0 + tl.program_id(1), N, cq_ptr,
+                        cqp_ptr, cdx_ptr, cqs_ptr, BLOCK_M, 1)
 
 
 @triton.jit
@@ -350,7 +404,8 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
     rows x (codes, scales, sums) @ part^T (+ res). pairs, block_m 1: a8_pairs' out [P, n],
     row p = codes row p // pairs.per @ rows pairs.first(p) .. + n - 1 of part^T.
     parts: k_parts' most (a8_mm's). With more than one part, a program a part writes its sums
-    to a scratch [parts, M, N] and _add_parts_kernel adds them in order."""
+    to a scratch [parts, M, N] and the tile's last program adds them in order
+    (kernels/arrive.py), or _add_parts_kernel does where there are no counters."""
     q = x.q if part.qtype in CODEBOOKS else x.qp   # the nibble types take the pair order
     k = q.shape[1]
     r = res if res is not None else out
@@ -360,16 +415,18 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
     p = k_parts(cols, k, parts)
     dst = out if p == 1 else torch.empty(p, m, cols, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(cols, block_n), p)
+    count = counters(q.device, grid[0] * grid[1]) if p > 1 else None
     _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, *Pairs.args(pairs, q), *planes, *strides, r,
-                          dst, q, q, x.dx, x.qs, m, cols, k, 0, r.stride(0), out.stride(0),
-                          QTYPE=TYPE_IDS[part.qtype],
+                          dst, out, q if count is None else count, q, q, x.dx, x.qs, m, cols,
+                          k, 0, r.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
                           S=BLOCKS[part.qtype][2], HAS_RES=res is not None,
+                          FIXUP=count is not None,
                           ASM=q.device.type == "cuda", PAIRS=pairs is not None,
                           BLOCK_M=block_m, BLOCK_N=block_n, STEP=gemv_step(k), STAGES=stages,
                           P=p, L=k // p, L4=k // p // 4, L8=k // p // 8, L32=k // p // 32,
                           ACT=-1, CODES=False, num_warps=warps,
                           enable_fp_fusion=False)   # as a8_mm: no tile-dependent FMAs
-    if p > 1:
+    if p > 1 and count is None:
         add_parts(dst, res, out)
     return out
 

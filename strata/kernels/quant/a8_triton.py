@@ -31,11 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.arrive import counters
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gated import a8_gate_up
 from strata.kernels.quant.a8_gemv import (PARTS, Pairs, a8_gemv, add_in_order, add_parts,
-                                          gemv_step, group_term, k_parts, quantize_blocks,
-                                          store_rows)
+                                          finish_parts, gemv_step, group_term, k_parts,
+                                          quantize_blocks, store_rows)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
                                                _terms)
@@ -78,16 +79,17 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, qp_ptr, dx_ptr, qs_ptr, K, eps, s
 
 @triton.jit
 def _a8_mm_kernel(q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
-                  M, N, K, stride_rm, stride_om,
+                  fin_ptr, count_ptr, M, N, K, stride_rm, stride_om,
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
+                  FIXUP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
                   DOT: tl.constexpr, P: tl.constexpr):
     """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. Program (row block,
     column block, part of K): each K step's groups' exact sums come from int8 dots
     (_step_dot: block-diagonal, DOT 0, batched, DOT 1, or a dot a group, DOT 2: the same
     integers, so the same bits), the part's terms added in order from zero; its sum into out,
-    or with P > 1 into the scratch rows of that part, which _add_parts_kernel adds in order,
-    as for the GEMV."""
+    or with P > 1 into the scratch rows of that part, which the tile's last program (FIXUP:
+    into fin) or _add_parts_kernel adds in order, as for the GEMV."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
@@ -101,8 +103,8 @@ def _a8_mm_kernel(q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr
         store_rows(0.0 + tl.trans(acc), res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm,
                    stride_om, HAS_RES)
     else:
-        store_rows(tl.trans(acc), res_ptr, out_ptr + part * M * N, m, n, m_ok, n_ok, 0, N,
-                   False)
+        finish_parts(tl.trans(acc), out_ptr, res_ptr, fin_ptr, count_ptr, m, n, m_ok, n_ok,
+                     M, N, stride_rm, stride_om, part, P, HAS_RES, FIXUP, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -286,13 +288,15 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     planes, strides = _planes(part)
     dot = dot or mma[2]
     grid = (triton.cdiv(m, block_m), triton.cdiv(part.rows, block_n), p)
-    _a8_mm_kernel[grid](q, x.dx, x.qs, *planes, *strides, r, dst, m, part.rows, k, r.stride(0),
+    count = counters(q.device, grid[0] * grid[1]) if p > 1 else None
+    _a8_mm_kernel[grid](q, x.dx, x.qs, *planes, *strides, r, dst, out,
+                        q if count is None else count, m, part.rows, k, r.stride(0),
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
-                        HAS_RES=res is not None, BLOCK_M=block_m,
+                        HAS_RES=res is not None, FIXUP=count is not None, BLOCK_M=block_m,
                         BLOCK_N=block_n, STEP=block_k, DOT=DOTS.index(dot), P=p,
                         num_warps=warps,
                         enable_fp_fusion=False)   # see the module: no tile-dependent FMAs
-    if p > 1:
+    if p > 1 and count is None:
         add_parts(dst, res, out)
     return out
 
