@@ -34,6 +34,9 @@ class WindowRunner:
     def __init__(self, model: StageModel, cache: KVCache, graph_cache: int = 0):
         self.model, self.cache = model, cache
         self.capacity = graph_cache if model.device.type == "cuda" else 0
+        if self.capacity:   # made before any capture: a kernel's last program to arrive adds
+            from strata.kernels.arrive import counters   # its tile's parts in the graphs
+            counters(model.device, 0)
         self.graphs: OrderedDict[tuple, Captured] = OrderedDict()
         self.captures = 0  # graphs captured so far (evictions make this exceed the capacity)
 
