@@ -143,7 +143,7 @@ def test_the_last_program_adds_the_parts_as_the_kernels_after_it_would(device, m
     w, _ = _weight("Q4_K", 64, 4 * K, device, seed=71)               # four parts of K
     gate_up, _ = _weight("Q4_K", 2 * 4 * 32, 4 * K, device, seed=72)  # 4 experts, F 32
     down, _ = _weight("Q8_0", 4 * 4 * K, 32, device, seed=73)
-    assert isinstance(gate_up, QuantWeight) and a8_gemv.k_parts(32, 4 * K) == 4
+    assert isinstance(gate_up, QuantWeight) and a8_gemv.k_parts(256, 4 * K) == 4
     x = _x(16, 4 * K, device, seed=74)
     c, res = quantize_rows(x), _x(16, 64, device, seed=75)
     experts = torch.tensor([[3, 1], [0, 3], [2, 2]], dtype=torch.int32, device=device)

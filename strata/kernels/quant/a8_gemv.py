@@ -412,7 +412,7 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
     cols = pairs.n if pairs is not None else part.rows
     m = pairs.ids.shape[0] if pairs is not None else q.shape[0]
     planes, strides = _planes(part)
-    p = k_parts(cols, k, parts)
+    p = k_parts(part.rows, k, parts)   # the weight's (pairs: the packed experts' as a whole)
     dst = out if p == 1 else torch.empty(p, m, cols, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(cols, block_n), p)
     count = counters(q.device, grid[0] * grid[1]) if p > 1 else None

@@ -328,7 +328,8 @@ def a8_pairs(x: Codes, part: Part, pairs: Pairs, out: torch.Tensor, *, block_n: 
     """Routed experts' GEMVs, one a pair: out[p] = row p // pairs.per of x @ rows
     pairs.ids[p] * pairs.erows + pairs.w0 .. + pairs.n - 1 of `part`^T (out [P, n], which may
     be a column slice). Each pair is computed alone by the dp4a GEMV, with a8_mm's
-    arithmetic."""
+    arithmetic; K in the parts of `part` as a whole (all experts packed: one part for
+    qwen3-30b-a3b's, whose programs then walk K in order instead of adding 8 parts)."""
     p, k, n = pairs.ids.shape[0], x.q.shape[1], pairs.n
     if part.cols != k or k % BLOCKS[part.qtype][2] or k % QBLOCK:
         raise ValueError(f"int8-activation expert kernel: rows of {k} against a "
