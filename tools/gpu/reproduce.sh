@@ -221,6 +221,14 @@ for part in $PARTS; do
       run moe_strata 900 strata-bench sweep --model "$Q3" --devices cuda:0 --modes 1gpu \
         --weights quantized --prompt-tokens 128 --tokens 128 --ctx-size 512 --clients $C \
         $(beside "$OUT/llamacpp_qwen3moe.json") --json-out "$OUT/sweep_qwen3moe_vs_llamacpp.json"
+      # int8 activations: the experts' pair GEMVs (docs/GPU.md)
+      run moe_strata_int8 900 strata-bench sweep --model "$Q3" --devices cuda:0 --modes 1gpu \
+        --weights quantized --activations int8 --min-window-rows 1 --prompt-tokens 128 \
+        --tokens 128 --ctx-size 512 --clients $C $(beside "$OUT/llamacpp_qwen3moe.json") \
+        --json-out "$OUT/sweep_qwen3moe_int8_vs_llamacpp.json"
+      run moe_exact_int8 300 strata-bench exact --model "$Q3" --devices cuda:0 --batch 16 \
+        --requests 16 --tokens 48 --ctx-size 2048 --weights quantized --activations int8 \
+        --min-window-rows 1
       [ -f "$GLM" ] || run moe_mkmodel_glm 900 strata-mkmodel glm4.5-air-12l "$GLM" \
         --weight-type Q4_K_M --fast --untied --nextn
       # its own NextN layer drafts against no drafts: random weights keep few proposals, so this
@@ -248,7 +256,8 @@ for part in $PARTS; do
     llamacpp) for f in llamacpp_strata_1gpu llamacpp_strata_2gpu; do
                 [ -f "$OUT/$f.log" ] && grep -E '^ *(mode|1gpu|pipelined) ' "$OUT/$f.log"
               done ;;
-    moe)     for f in moe_strata moe_glm_drafts; do
+    moe)     tail -1 "$OUT/moe_exact_int8.log"
+             for f in moe_strata moe_strata_int8 moe_glm_drafts; do
                [ -f "$OUT/$f.log" ] && grep -E '^ *(mode|1gpu|serial|serial-mtp) ' "$OUT/$f.log"
              done ;;
     quant)   for f in "$OUT"/quant_strata_*.log; do grep -E '^ *(mode|1gpu) ' "$f"; done
