@@ -1,8 +1,9 @@
 """Triton versions of strata.kernels.fused (see there; these are imported only when used).
 
-One program per row (rms_norm_rows), per (row, head) (rope_write_kv) or per (row, block of
-columns) (silu_mul, SiLU or the tanh GELU as the gate's activation); fixed block sizes and warps for a given shape, no autotuning: the same
-inputs give the same bits, and a row never reads another row.
+One program per row (rms_norm_rows), per (row, head) (rope_write_kv, with qwen3's and gemma3's
+head norms in it) or per (row, block of columns) (silu_mul, SiLU or the tanh GELU as the gate's
+activation); fixed block sizes and warps for a given shape, no autotuning: the same inputs give
+the same bits, and a row never reads another row.
 """
 from __future__ import annotations
 

@@ -57,9 +57,9 @@ def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
     """out [M, F] = act(gate) * up, both rounded to out's dtype first. Without pairs, of
     [gate | up] = rows x @ part^T (part [2F, K]; up = F). With pairs (n = F), block_m 1: out
     row p from codes row p // pairs.per against gate rows pairs.ids[p] * pairs.erows +
-    pairs.w0 .. + F - 1 and the up rows `up` further on (a8_pairs' pairs; K's parts those of the
-    packed weight as a whole, [E 2F, K], as a8_pairs takes them). codes (F whole blocks of 32): Codes [M, F] to fill
-    with out's rows quantized, as quantize_rows(out) would."""
+    pairs.w0 .. + F - 1 and the up rows `up` further on (a8_pairs' pairs; K's parts those of
+    the packed weight as a whole, [E 2F, K], as a8_pairs takes them). codes (F whole blocks of
+    32): Codes [M, F] to fill with out's rows quantized, as quantize_rows(out) would."""
     q = x.q if part.qtype in CODEBOOKS else x.qp   # the nibble types take the pair order
     k = q.shape[1]
     f = out.shape[1]
