@@ -34,7 +34,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from strata.kernels.quant.a8_gemv import STEP, _a8_gemv_kernel
+from strata.kernels.quant.a8_gemv import _a8_gemv_kernel
+from strata.kernels.quant.a8_parts import STEP
 from strata.kernels.quant.a8_triton import DOTS, _a8_mm_kernel
 from strata.kernels.quant.float_triton import TYPE_IDS, _quant_mm_kernel
 from strata.kernels.quant.weight import BLOCKS

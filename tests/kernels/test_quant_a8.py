@@ -142,7 +142,7 @@ def test_a_rows_bits_are_the_same_in_every_tile_when_k_has_parts(device, qtype):
     """K = 1024: four parts of K, each summed alone, then in order. Row 0 alone in the GEMV,
     among 20 rows in the 8-row GEMV and in the MMA tiles (every dot): the same bits, near
     the exact block sums; and the parts are the weight's (one part gives other sums)."""
-    from strata.kernels.quant.a8_gemv import k_parts
+    from strata.kernels.quant.a8_parts import k_parts
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     # llama3-8b's down, o and qkv, and gate_up (wide enough alone); K's steps cut evenly
     assert [k_parts(n, k) for n, k in ((4096, 14336), (4096, 4096), (6144, 4096),
@@ -174,7 +174,7 @@ def test_a_rows_bits_are_the_same_in_every_tile_when_k_has_parts(device, qtype):
 def test_the_gemv_takes_short_steps_where_k_is_not_whole_256s(device):
     """K = 96: the dp4a GEMV steps 32 quants at a time (a group a step), and still adds the
     same terms in the same order as the MMA; a nibble type, two planes, a codebook."""
-    from strata.kernels.quant.a8_gemv import gemv_step
+    from strata.kernels.quant.a8_parts import gemv_step
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     assert gemv_step(96) == 32 and gemv_step(576) == 64 and gemv_step(4096) == 256
     x = _x(3, 96, device, seed=7)

@@ -51,7 +51,7 @@ def test_the_fused_gate_up_quantizes_its_rows_as_quantize_rows(device, qtype, st
     those rows (codes, pair order, scales, sums) at 1 to 20 rows."""
     from strata.kernels.fused_triton import silu_mul
     from strata.kernels.quant import a8_triton
-    from strata.kernels.quant.a8_gemv import k_parts
+    from strata.kernels.quant.a8_parts import k_parts
     from strata.kernels.quant.a8_triton import a8_gate_up_silu, a8_mm, quantize_rows
     w, _ = _weight(qtype, 128, steps * K, device, seed=41)   # F = 64: two blocks of 32
     c = quantize_rows(_x(20, steps * K, device, seed=42))
@@ -137,13 +137,13 @@ def test_the_last_program_adds_the_parts_as_the_kernels_after_it_would(device, m
     counters (during a CUDA graph capture before any exist)."""
     from strata.kernels import arrive
     from strata.kernels.moe_triton import experts_a8
-    from strata.kernels.quant import a8_gated, a8_gemv, a8_triton
+    from strata.kernels.quant import a8_gated, a8_gemv, a8_parts, a8_triton
     from strata.kernels.quant.a8_triton import a8_gate_up_silu, a8_mm, quantize_rows
     from strata.kernels.quant.weight import QuantWeight
     w, _ = _weight("Q4_K", 64, 4 * K, device, seed=71)               # four parts of K
     gate_up, _ = _weight("Q4_K", 2 * 4 * 32, 4 * K, device, seed=72)  # 4 experts, F 32
     down, _ = _weight("Q8_0", 4 * 4 * K, 32, device, seed=73)
-    assert isinstance(gate_up, QuantWeight) and a8_gemv.k_parts(256, 4 * K) == 4
+    assert isinstance(gate_up, QuantWeight) and a8_parts.k_parts(256, 4 * K) == 4
     x = _x(16, 4 * K, device, seed=74)
     c, res = quantize_rows(x), _x(16, 64, device, seed=75)
     experts = torch.tensor([[3, 1], [0, 3], [2, 2]], dtype=torch.int32, device=device)

@@ -18,8 +18,8 @@ import triton.language as tl
 from strata.kernels.arrive import counters
 from strata.kernels.fused_triton import ACTS, gate_act
 from strata.kernels.quant.a8 import QBLOCK, Codes
-from strata.kernels.quant.a8_gemv import (CODEBOOKS, Pairs, _a8_gemv_kernel, gemv_step,
-                                          k_parts, quantize_blocks)
+from strata.kernels.quant.a8_gemv import CODEBOOKS, Pairs, _a8_gemv_kernel, quantize_blocks
+from strata.kernels.quant.a8_parts import gemv_step, k_parts
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import TYPE_IDS, _planes
 

@@ -16,7 +16,7 @@ exactly as a8_mm's MMA adds them, so a row gets the same bits from either kernel
 (tests/kernels/test_quant_a8.py). Under the Triton interpreter, dp4a is the same sum of four
 products written out. For a [gate | up] weight (a8_gated.py) a program takes the same columns
 of both halves, writes act(gate) * up and can quantize those rows for the down projection
-(quantize_blocks, the row quantizer's arithmetic).
+(quantize_blocks, the row quantizer's arithmetic). K's parts and their sums: a8_parts.py.
 """
 from __future__ import annotations
 
@@ -29,15 +29,13 @@ import triton.language as tl
 from strata.kernels.arrive import arrive, counters
 from strata.kernels.fused_triton import gate_act
 from strata.kernels.quant.a8 import Codes
+from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_step, k_parts, load_parts, store_rows, tile_index)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
                                                Q5_K, Q6_K, Q8_0, TYPE_IDS, _codes, _planes,
                                                _terms)
 
-STEP = 256   # quants a K step where K allows
 CODEBOOKS = ("IQ4_NL", "IQ4_XS")   # codes from a table, packed in K order (the rest: nibbles)
-PARTS = 8    # the most parts of K a row's float terms are summed in (k_parts)
-COLUMN_BLOCKS = 768   # k_parts splits K until a weight has this many 32-column blocks a part
 HIGH_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))   # as int32
 
 
@@ -219,39 +217,6 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0
 
 
 @triton.jit
-def tile_index():
-    """The program's (row block, column block) tile: its counter's index (kernels/arrive)."""
-    return tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-
-
-@triton.jit
-def load_parts(part_ptr, m, n, m_ok, n_ok, M, W, P: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """fp32 [BM, BN]: the P parts' sums [P, M, W] of rows m, columns n, added in order from
-    zero (as _add_parts_kernel adds them), read from L2 (the other programs wrote them)."""
-    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    ok = m_ok[:, None] & n_ok[None, :]
-    for p in tl.static_range(P):
-        s = s + tl.load(part_ptr + (p * M + m[:, None]) * W + n[None, :], mask=ok, other=0.0,
-                        cache_modifier=".cg")
-    return s
-
-
-@triton.jit
-def finish_parts(acc, part_ptr, res_ptr, out_ptr, count_ptr, m, n, m_ok, n_ok, M, N,
-                 stride_rm, stride_om, part, P: tl.constexpr, HAS_RES: tl.constexpr,
-                 FIXUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A part's sums acc [BM, BN] into its scratch rows part_ptr [P, M, N]; with FIXUP the
-    tile's last program (kernels/arrive.py) adds the parts in order (+ res) into out, the
-    bits _add_parts_kernel would write."""
-    store_rows(acc, res_ptr, part_ptr + part * M * N, m, n, m_ok, n_ok, 0, N, False)
-    if FIXUP:
-        if arrive(count_ptr + tile_index(), P):
-            s = load_parts(part_ptr, m, n, m_ok, n_ok, M, N, P, BLOCK_M, BLOCK_N)
-            store_rows(s, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
-
-
-@triton.jit
 def gated_rows(gate, up, out_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr, cqp_ptr, cdx_ptr,
                cqs_ptr, ACT: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr):
     """act(gate) * up of fp32 sums [BM, BN], each rounded to out's dtype first (silu_mul's
@@ -350,53 +315,6 @@ def quantize_blocks(y, m, m_ok, b0, K, q_ptr, qp_ptr, dx_ptr, qs_ptr, R: tl.cons
              qs, mask=ok)
 
 
-@triton.jit
-def _add_parts_kernel(part_ptr, res_ptr, out_ptr, M, N, stride_rm, stride_om,
-                      P: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    """out row m = the P parts' sums [P, M, N] added in order from zero (+ res)."""
-    m = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = n < N
-    s = tl.zeros([BLOCK], tl.float32)
-    for p in tl.static_range(P):
-        s = s + tl.load(part_ptr + (p * M + m) * N + n, mask=ok, other=0.0)
-    if HAS_RES:
-        s += tl.load(res_ptr + m * stride_rm + n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + n, s.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def store_rows(out, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om,
-               HAS_RES: tl.constexpr):
-    """out [BM, BN] fp32 (+ res's rows m, columns n) into out's rows m, columns n."""
-    ok = m_ok[:, None] & n_ok[None, :]
-    if HAS_RES:
-        out += tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=ok,
-                       other=0.0).to(tl.float32)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=ok)
-
-
-def gemv_step(k: int) -> int:
-    """The K step of a row of k quants: STEP where it divides k, else the largest of 128, 64,
-    32 that does (the GEMV's step, the MMA's longest, the row quantizer's block)."""
-    return next(s for s in (STEP, 128, 64, 32) if k % s == 0)
-
-
-def k_parts(n: int, k: int, most: int = PARTS) -> int:
-    """The parts of K the int8 kernels sum an [n, k] weight's rows in: 1, doubled while the
-    weight has fewer than COLUMN_BLOCKS blocks of 32 columns a part (a wide weight keeps the
-    GPU busy without parts; a narrow one with long rows, as a down projection, needs them)
-    and while the parts still cut its gemv_step steps evenly, up to `most`. Every int8 kernel
-    adds a (row, column)'s float terms group by group from zero within each part, then the
-    parts in order from zero, so the parts are a property of the weight's shape, never of a
-    kernel, a tile or a window."""
-    steps, p = k // gemv_step(k), 1
-    while 2 * p <= most and steps % (2 * p) == 0 and -(-n // 32) * p < COLUMN_BLOCKS:
-        p *= 2
-    return p
-
-
 def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, block_m: int,
             block_n: int = 32, stages: int = 3, warps: int = 4,
             pairs: Pairs | None = None, parts: int = PARTS) -> torch.Tensor:
@@ -429,14 +347,3 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
     if p > 1 and count is None:
         add_parts(dst, res, out)
     return out
-
-
-def add_parts(parts: torch.Tensor, res: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out [M, N] = the parts' sums [P, M, N] added in order from zero (+ res): how every int8
-    kernel with more than one part of K finishes."""
-    p, m, n = parts.shape
-    r = res if res is not None else out
-    block = 256
-    _add_parts_kernel[(m, triton.cdiv(n, block))](
-        parts, r, out, m, n, r.stride(0), out.stride(0), P=p, HAS_RES=res is not None,
-        BLOCK=block)

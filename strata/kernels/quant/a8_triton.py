@@ -11,7 +11,7 @@ tile of 1, 2, 4 or 8: a8_gemv.py, four products a dp4a) and an MMA (more rows: t
 64: int8 tl.dots into int32, batched over a K step's groups (Q6_K's groups of 16 in pairs), one
 dot against the rows' codes laid out block-diagonally so that each group's sums come apart, or
 a 2D dot a group of 32 whose sums stay in the accumulator's layout). K is cut into parts that
-depend on the weight's shape alone (a8_gemv.k_parts): every kernel adds each (row, column)'s
+depend on the weight's shape alone (a8_parts.k_parts): every kernel adds each (row, column)'s
 float terms group by group from zero within a part, then the parts in order, so a row gets the
 same bits from either and from any tile (tests/kernels/test_quant_a8.py). The GEMV takes a
 program a part and so does the MMA (more programs for a narrow weight with long rows), and a
@@ -34,9 +34,10 @@ import triton.language as tl
 from strata.kernels.arrive import counters
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gated import a8_gate_up
-from strata.kernels.quant.a8_gemv import (PARTS, Pairs, a8_gemv, add_in_order, add_parts,
-                                          finish_parts, gemv_step, group_term, k_parts,
-                                          quantize_blocks, store_rows)
+from strata.kernels.quant.a8_gemv import (Pairs, a8_gemv, add_in_order, group_term,
+                                          quantize_blocks)
+from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_step, k_parts,
+                                           store_rows)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
                                                _terms)
