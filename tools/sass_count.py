@@ -126,11 +126,12 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
                  "wrow_ptr": "*i32", "L": "i32", "L4": "i32", "L8": "i32", "L32": "i32",
                  "cq_ptr": "*i8", "cqp_ptr": "*i8", "cdx_ptr": "*fp32", "cqs_ptr": "*i32",
                  "UP": "i32"}
-        return (_a8_gemv_kernel, types, dict(common, ASM=True, PAIRS=False, STEP=STEP,
+        return (_a8_gemv_kernel, types, dict(common, ASM=True, PAIRS=False, STEP=STEP, PDL=False,
                                              STAGES=stages, P=1, ACT=-1, CODES=False),
                 {"enable_fp_fusion": False}, STEP)
     types = {**weight, **shape, "q_ptr": "*i8", "dx_ptr": "*fp32", "qs_ptr": "*i32"}
-    return (_a8_mm_kernel, types, dict(common, STEP=block_k, DOT=DOTS.index(dot), P=1),
+    return (_a8_mm_kernel, types, dict(common, STEP=block_k, DOT=DOTS.index(dot), P=1,
+                                       PDL=False),
             {"enable_fp_fusion": False, "num_stages": stages}, block_k)
 
 

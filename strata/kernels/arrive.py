@@ -16,7 +16,8 @@ a tile sets its counter back to zero). It is made outside any CUDA graph capture
 made during one would belong to that graph's memory pool: `counters` returns None where none
 exists yet during a capture, or a launch needs more tiles than SIZE, and the caller then takes
 its two-launch path, with the same bits. A stage runs these kernels on one stream, so two
-launches never use the counters at once.
+launches never use the counters at once (with programmatic dependent launch too: a kernel's
+programs wait for the kernel before to finish first, kernels/pdl.py).
 """
 from __future__ import annotations
 

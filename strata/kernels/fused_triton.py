@@ -11,10 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.pdl import enter, launch_options
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
-                     BLOCK_D: tl.constexpr):
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     row = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     mask = d < n_cols
@@ -31,7 +34,8 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(n_rows,)](x, weight, out, x.stride(0), out.stride(0), n_cols, eps,
-                                BLOCK_D=block, num_warps=8 if block >= 4096 else 4)
+                                BLOCK_D=block, num_warps=8 if block >= 4096 else 4,
+                                **launch_options(x.device))
     return out
 
 
@@ -40,9 +44,10 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, 
                     qn_ptr, kn_ptr, eps, stride_qkv, stride_table, stride_cs, stride_ch,
                     stride_cp, N_HEADS: tl.constexpr, N_KV: tl.constexpr, HD: tl.constexpr,
                     HALF_ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr, HALVES: tl.constexpr,
-                    NORM: tl.constexpr):
+                    NORM: tl.constexpr, PDL: tl.constexpr):
     """NORM (qwen3, gemma3): each q and k head RMS-normed first (weights qn, kn [HD]), as
     _rms_norm_kernel norms a row of HD."""
+    enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)                  # [0, H): a query head; [H, H + KVH): a kv head
     pos = tl.load(pos_ptr + row)
@@ -105,7 +110,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot:
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_HEADS=n_heads, N_KV=n_kv, HD=hd, HALF_ROPE=cos.shape[1],
         BLOCK_HALF=triton.next_power_of_2(hd // 2), HALVES=halves,
-        NORM=head_norms is not None, num_warps=1)
+        NORM=head_norms is not None, num_warps=1, **launch_options(qkv.device))
     return q
 
 

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.fused_triton import ACTS, gate_act
+from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.float_triton import TYPE_IDS, _planes, _weights, fits_k
 from strata.kernels.quant.weight import BLOCKS, QuantWeight
 
@@ -75,7 +76,8 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, counts_ptr, scale, strid
                   E: tl.constexpr, TOPK: tl.constexpr, SIGMOID: tl.constexpr,
                   HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, CHOSEN: tl.constexpr,
                   COUNT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_G: tl.constexpr):
+                  BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     m = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -223,7 +225,9 @@ def _down_kernel(h_ptr, sorted_ptr, block_expert_ptr, n_blocks_ptr, o_ptr,
 
 @triton.jit
 def _sum_kernel(o_ptr, w_ptr, res_ptr, out_ptr, N, stride_om, stride_rm, stride_outm,
-                TOPK: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr):
+                TOPK: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
+                PDL: tl.constexpr):
+    enter(PDL)
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = n < N
@@ -260,7 +264,8 @@ def route(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None, scale:
         HAS_BIAS=bias is not None, GROUPS=n_groups, CHOSEN=chosen, COUNT=count,
         BLOCK_E=triton.next_power_of_2(n_experts), BLOCK_K=triton.next_power_of_2(k),
         BLOCK_G=triton.next_power_of_2(n_groups),
-        num_warps=1 if n_experts <= 256 else 4)   # one warp: its k reductions are shuffles
+        num_warps=1 if n_experts <= 256 else 4,   # one warp: its k reductions are shuffles
+        **launch_options(logits.device))
     return experts, weights, counts
 
 
@@ -402,5 +407,5 @@ def weighted_sum(outs: torch.Tensor, weights: torch.Tensor,
     block_n = min(1024, triton.next_power_of_2(d))
     _sum_kernel[(m, triton.cdiv(d, block_n))](
         outs, weights, r, out, d, outs.stride(0), r.stride(0), out.stride(0), TOPK=k,
-        HAS_RES=res is not None, BLOCK_N=block_n, num_warps=4)
+        HAS_RES=res is not None, BLOCK_N=block_n, num_warps=4, **launch_options(outs.device))
     return out

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from strata.kernels import arrive as arrival
 from strata.kernels.arrive import arrive
+from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.a8 import Codes
 from strata.kernels.quant.a8_gemv import quantize_blocks
 
@@ -106,9 +107,10 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr, acc_pt
                          GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                          PRECISION: tl.constexpr, COUNTED: tl.constexpr,
-                         CODES: tl.constexpr):
+                         CODES: tl.constexpr, PDL: tl.constexpr):
     """Split j of a (row, kv head): see the module. COUNTED: count_ptr holds the tiles'
     counters and the last split to arrive combines; otherwise _combine_kernel does."""
+    enter(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     j = tl.program_id(2)
@@ -168,8 +170,10 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr, acc_pt
 def _combine_kernel(out_ptr, len_ptr, acc_ptr, ms_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr,
                     n_out, n_heads, n_parts, stride_or, stride_oh, window,
                     GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_G: tl.constexpr,
-                    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, CODES: tl.constexpr):
+                    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, CODES: tl.constexpr,
+                    PDL: tl.constexpr):
     """The output of a (row, kv head) of several splits, where no counters exist."""
+    enter(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     _, _, lo, hi = _splits(len_ptr, row, window, SPLIT)
@@ -226,13 +230,13 @@ def attend_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         qk_scale, window,
         GROUP=group, HD=hd, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, SPLIT=split,
         PRECISION=precision, COUNTED=count is not None, CODES=fused,
-        num_warps=4, num_stages=STAGES)
+        num_warps=4, num_stages=STAGES, **launch_options(q.device))
     if count is None and n_parts > 1:
         _combine_kernel[(n_rows, n_kv)](
             out, length, acc, ms, c.q, c.qp, c.dx, c.qs, n_heads * hd, n_heads, n_parts,
             out.stride(0), out.stride(1), window,
             GROUP=group, HD=hd, BLOCK_G=block_g, BLOCK_D=block_d, SPLIT=split, CODES=fused,
-            num_warps=4)
+            num_warps=4, **launch_options(q.device))
     if codes is not None and not fused:
         from strata.kernels.quant.a8_triton import quantize_rows
         rows = quantize_rows(out.view(n_rows, -1))

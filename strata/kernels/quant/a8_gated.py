@@ -17,6 +17,7 @@ import triton.language as tl
 
 from strata.kernels.arrive import counters
 from strata.kernels.fused_triton import ACTS, gate_act
+from strata.kernels.pdl import launch_options
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gemv import CODEBOOKS, Pairs, _a8_gemv_kernel, quantize_blocks
 from strata.kernels.quant.a8_parts import gemv_step, k_parts
@@ -91,6 +92,7 @@ def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
                           BLOCK_M=block_m, BLOCK_N=n, STEP=gemv_step(k), STAGES=stages, P=p,
                           L=k // p, L4=k // p // 4, L8=k // p // 8, L32=k // p // 32,
                           ACT=ACTS[act], CODES=fused, num_warps=warps,
+                          **launch_options(q.device),
                           enable_fp_fusion=False)   # as every int8 kernel
     if p > 1 and count is None:
         add_gated_parts(dst, out, act, codes)

@@ -28,8 +28,10 @@ import triton.language as tl
 
 from strata.kernels.arrive import arrive, counters
 from strata.kernels.fused_triton import gate_act
+from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.a8 import Codes
-from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_step, k_parts, load_parts, store_rows, tile_index)
+from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_step, k_parts,
+                                           load_parts, store_rows, tile_index)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
                                                Q5_K, Q6_K, Q8_0, TYPE_IDS, _codes, _planes,
@@ -152,7 +154,8 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0
                     HAS_RES: tl.constexpr, FIXUP: tl.constexpr,
                     ASM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, STEP: tl.constexpr, STAGES: tl.constexpr,
-                    P: tl.constexpr, L, L4, L8, L32, ACT: tl.constexpr, CODES: tl.constexpr):
+                    P: tl.constexpr, L, L4, L8, L32, ACT: tl.constexpr, CODES: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program (row block, column block, part of K): the part's L quants (L4, L8, L32: L / 4,
     / 8, / 32), its sum into out, or with P > 1 into out's rows of that part (a8_gemv).
     ACT >= 0 (a8_gated.py): gate rows wn and up rows wn + UP; with one part out [M, N] gets
@@ -168,6 +171,7 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
+    enter(PDL)
     xm, wn = m, n
     if PAIRS:   # BLOCK_M 1: indices from the pair's expert, nothing computed on the host
         xm = m // per
@@ -343,6 +347,7 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
                           BLOCK_M=block_m, BLOCK_N=block_n, STEP=gemv_step(k), STAGES=stages,
                           P=p, L=k // p, L4=k // p // 4, L8=k // p // 8, L32=k // p // 32,
                           ACT=-1, CODES=False, num_warps=warps,
+                          **launch_options(q.device),
                           enable_fp_fusion=False)   # as a8_mm: no tile-dependent FMAs
     if p > 1 and count is None:
         add_parts(dst, res, out)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.arrive import counters
+from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gated import a8_gate_up
 from strata.kernels.quant.a8_gemv import (Pairs, a8_gemv, add_in_order, group_term,
@@ -54,12 +55,14 @@ MMA_BLOCKS = {(False, 16): (64, 128, "groups"), (False, 32): (64, 64, "groups"),
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, qp_ptr, dx_ptr, qs_ptr, K, eps, stride_xm,
-                          NORM: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr):
+                          NORM: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+                          PDL: tl.constexpr):
     """Program (row m, chunk c): the codes q [M, K] int8 (and again in pair order, qp),
     scales dx [M, K / 32] (a8.py) and the codes' sums qs [M, K / 16] int32 of the row's values
     [c BLOCK, (c + 1) BLOCK). With NORM each program reads the whole row (KP: K up to a power
     of two) in one load for its rmsnorm: every program of a row adds the same squares in the
     same order, so they share its scale r bit for bit."""
+    enter(PDL)
     m = tl.program_id(0)
     c = tl.program_id(1)
     row = x_ptr + m * stride_xm
@@ -84,13 +87,14 @@ def _a8_mm_kernel(q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                   FIXUP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
-                  DOT: tl.constexpr, P: tl.constexpr):
+                  DOT: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr):
     """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. Program (row block,
     column block, part of K): each K step's groups' exact sums come from int8 dots
     (_step_dot: block-diagonal, DOT 0, batched, DOT 1, or a dot a group, DOT 2: the same
     integers, so the same bits), the part's terms added in order from zero; its sum into out,
     or with P > 1 into the scratch rows of that part, which the tile's last program (FIXUP:
     into fin) or _add_parts_kernel adds in order, as for the GEMV."""
+    enter(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
@@ -235,7 +239,8 @@ def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float 
             x, norm if norm is not None else x, q, qp, dx, qs, k, eps, x.stride(0),
             NORM=norm is not None, BLOCK=block, KP=kp,
             num_warps=8 if norm is not None and kp > 4096 else 4,
-            enable_fp_fusion=False)   # as every kernel that quantizes rows (quantize_blocks)
+            enable_fp_fusion=False,   # as every kernel that quantizes rows (quantize_blocks)
+            **launch_options(x.device))
     return c
 
 
@@ -296,7 +301,8 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
                         HAS_RES=res is not None, FIXUP=count is not None, BLOCK_M=block_m,
                         BLOCK_N=block_n, STEP=block_k, DOT=DOTS.index(dot), P=p,
                         num_warps=warps,
-                        enable_fp_fusion=False)   # see the module: no tile-dependent FMAs
+                        enable_fp_fusion=False,   # see the module: no tile-dependent FMAs
+                        **launch_options(q.device))
     if p > 1 and count is None:
         add_parts(dst, res, out)
     return out
