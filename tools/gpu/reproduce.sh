@@ -206,7 +206,11 @@ for part in $PARTS; do
             --activations $a --min-window-rows 1 --clients $C $(beside "$OUT/llamacpp_l8b_$t.json") \
             --json-out "$OUT/sweep_l8b_${t}_$a.json"
         done
-      done ;;
+      done
+      # without programmatic dependent launch (docs/GPU.md), at 1 and 8 clients
+      F=$(quantized Q4_K_M) && run a8_strata_int8_nopdl 600 env STRATA_PDL=0 strata-bench sweep \
+        --model "$F" $SAME --weights quantized --activations int8 --min-window-rows 1 \
+        --clients 1,8 --json-out "$OUT/sweep_l8b_Q4_K_M_int8_nopdl.json" ;;
     moe)      # the MoE shapes in Q4_K_M on one GPU beside llama.cpp (docs/BENCHMARKS.md): written
               # by strata-mkmodel with llama-quantize's types tensor by tensor (--fast), since
               # the bf16 30B file llama-quantize would read is about 61 GB
@@ -226,6 +230,11 @@ for part in $PARTS; do
         --weights quantized --activations int8 --min-window-rows 1 --prompt-tokens 128 \
         --tokens 128 --ctx-size 512 --clients $C $(beside "$OUT/llamacpp_qwen3moe.json") \
         --json-out "$OUT/sweep_qwen3moe_int8_vs_llamacpp.json"
+      # without programmatic dependent launch (docs/GPU.md), at 1 and 8 clients
+      run moe_strata_int8_nopdl 600 env STRATA_PDL=0 strata-bench sweep --model "$Q3" \
+        --devices cuda:0 --modes 1gpu --weights quantized --activations int8 --min-window-rows 1 \
+        --prompt-tokens 128 --tokens 128 --ctx-size 512 --clients 1,8 \
+        --json-out "$OUT/sweep_qwen3moe_int8_nopdl.json"
       run moe_exact_int8 300 strata-bench exact --model "$Q3" --devices cuda:0 --batch 16 \
         --requests 16 --tokens 48 --ctx-size 2048 --weights quantized --activations int8 \
         --min-window-rows 1
@@ -257,7 +266,7 @@ for part in $PARTS; do
                 [ -f "$OUT/$f.log" ] && grep -E '^ *(mode|1gpu|pipelined) ' "$OUT/$f.log"
               done ;;
     moe)     tail -1 "$OUT/moe_exact_int8.log"
-             for f in moe_strata moe_strata_int8 moe_glm_drafts; do
+             for f in moe_strata moe_strata_int8 moe_strata_int8_nopdl moe_glm_drafts; do
                [ -f "$OUT/$f.log" ] && grep -E '^ *(mode|1gpu|serial|serial-mtp) ' "$OUT/$f.log"
              done ;;
     quant)   for f in "$OUT"/quant_strata_*.log; do grep -E '^ *(mode|1gpu) ' "$f"; done
