@@ -16,8 +16,8 @@ ran ahead of each other.)
 
 Only kernels whose every program calls `enter` first are launched with the attribute
 (`launch_options`); any other kernel on the stream starts as before, after the one ahead of it
-has finished. On for CUDA devices of compute capability 9.0 or later unless STRATA_PDL=0; the
-interpreter and the CPU never see it.
+has finished. On for CUDA devices of compute capability 9.0 or later, with a Triton that has it
+(launch_pdl and griddepcontrol), unless STRATA_PDL=0; the interpreter and the CPU never see it.
 """
 from __future__ import annotations
 
@@ -31,11 +31,19 @@ import triton.language as tl
 
 @functools.cache
 def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """A Hopper or later GPU, and a Triton that launches with PDL (launch_pdl, gdc_wait)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+            and torch.cuda.get_device_capability(index)[0] >= 9)
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: a Hopper or later GPU, STRATA_PDL not 0."""
+    """Whether kernels on `device` launch with PDL: a Hopper or later GPU, a Triton that can,
+    STRATA_PDL not 0."""
     device = torch.device(device)
     return (device.type == "cuda" and os.environ.get("STRATA_PDL", "1") != "0"
             and _capable(device.index if device.index is not None
