@@ -2,8 +2,9 @@
 window size, the kernels of eager windows under torch.profiler (device time a window, by
 kernel: the layers), their sum, on the last stage the head alone (its decode graph computes
 every row's logits), and the CUDA graph's replay of the same window: what the replay takes
-beyond those is launch gaps. With bf16 weights, each layer matmul alone against its HBM time
-too.
+beyond those is launch gaps (less than nothing with programmatic dependent launch,
+kernels/pdl.py: a kernel's time then counts from its programs' start, before the wait for the
+one ahead). With bf16 weights, each layer matmul alone against its HBM time too.
 
     python3 tools/gpu/profile_layer.py MODEL START:END [--weights quantized]
         [--activations int8] [--rows 1,8,64] [--top 16] [--sequence 40]
@@ -157,7 +158,8 @@ def main(model_path, span, weights, activations, row_counts, context, top, seque
             if model.last:
                 print(f"  the head alone (a graph of its own): {head:.1f} us")
             print(f"  graph replay {replay:.1f} us a window: {replay - kernels - head:.1f} us "
-                  f"beyond the kernels{' and the head' if model.last else ''} (launch gaps)")
+                  f"beyond the kernels{' and the head' if model.last else ''} "
+                  "(launch gaps; below 0: kernels overlapped)")
         if weights == "bf16":
             matmuls_alone(model, cfg)
 
