@@ -4,7 +4,8 @@ kernel: the layers), their sum, on the last stage the head alone (its decode gra
 every row's logits), and the CUDA graph's replay of the same window: what the replay takes
 beyond those is launch gaps (less than nothing with programmatic dependent launch,
 kernels/pdl.py: a kernel's time then counts from its programs' start, before the wait for the
-one ahead). With bf16 weights, each layer matmul alone against its HBM time too.
+one ahead: STRATA_PDL=0 gives each kernel's own time). With bf16 weights, each layer matmul
+alone against its HBM time too.
 
     python3 tools/gpu/profile_layer.py MODEL START:END [--weights quantized]
         [--activations int8] [--rows 1,8,64] [--top 16] [--sequence 40]
