@@ -12,8 +12,9 @@ its ranking. So a row's result does not depend on which rows share its window or
 which experts they chose.
 
 `moe_window` is the dispatch a layer calls: with the Triton kernels on (CUDA, or the
-interpreter) the routed experts of kernels/moe_triton.py (fixed shapes, no host sync: inside a
-decode window's CUDA graph), else `moe_rows`, the reference.
+interpreter) the routing of kernels/moe_route.py and the routed experts of kernels/moe_triton.py
+(fixed shapes, no host sync: inside a decode window's CUDA graph), else `moe_rows`, the
+reference.
 May import: kernels.moe_triton, kernels.fused, kernels.quant, kernels
 """
 from __future__ import annotations
@@ -98,16 +99,16 @@ def moe_window(x: torch.Tensor, h: torch.Tensor, router: torch.Tensor,
             "packed experts need the Triton kernels (a CUDA device or the interpreter)"
         assert act == "silu", "moe_rows computes SwiGLU experts"
         return x + moe_rows(h, router, gate_up, down, k, bias, scale, groups)
-    from strata.kernels import moe_triton
+    from strata.kernels import moe_route, moe_triton
     pairs = (decode and policy.int8_activations and isinstance(gate_up, QuantWeight)
              and isinstance(down, QuantWeight))   # a pair's GEMVs with int8 activations
-    experts, weights, counts = moe_triton.route(router_logits(h, router, policy, decode), k,
-                                                bias, scale, groups, count=not pairs)
+    experts, weights, counts = moe_route.route(router_logits(h, router, policy, decode), k,
+                                               bias, scale, groups, count=not pairs)
     if pairs:
         outs = moe_triton.experts_a8(h, experts, gate_up, down, router.shape[0], act)
         return moe_triton.weighted_sum(outs, weights, res=x)
     blocks = policy.moe_blocks()
-    slots, block_expert, n_blocks = moe_triton.align(experts, counts, blocks["block_m"])
+    slots, block_expert, n_blocks = moe_route.align(experts, counts, blocks["block_m"])
     outs = moe_triton.experts(h, slots, block_expert, n_blocks, k, gate_up, down,
                               router.shape[0], blocks, act)
     return moe_triton.weighted_sum(outs, weights, res=x)

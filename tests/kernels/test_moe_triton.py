@@ -64,18 +64,18 @@ def _gating(kind: dict, device: str, experts: int = E) -> dict:
 def test_routing_is_the_references(device, gating):
     """The same experts in the same order as moe.route, weights within fp32 rounding, and each
     expert's count of pairs (without counting: the same experts and weights)."""
-    from strata.kernels import moe_triton
+    from strata.kernels import moe_route
     experts, k = 16, 4
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(37, experts, generator=g).to(device)
     gate = _gating(gating, device, experts)
-    ids, weights, counts = moe_triton.route(logits, k, **gate)
+    ids, weights, counts = moe_route.route(logits, k, **gate)
     eye = torch.eye(experts, device=device)   # route() on logits: h = I, router = logits^T
     want_w, want_ids = moe.route(logits, eye, k, **gate)
     assert torch.equal(ids.long(), want_ids)
     torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
     assert torch.equal(counts.long(), torch.bincount(want_ids.flatten(), minlength=experts))
-    uncounted = moe_triton.route(logits, k, **gate, count=False)   # the int8 experts' call
+    uncounted = moe_route.route(logits, k, **gate, count=False)   # the int8 experts' call
     assert uncounted[2] is None and torch.equal(uncounted[0], ids)
     assert torch.equal(uncounted[1], weights)
 
