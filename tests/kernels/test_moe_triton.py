@@ -1,4 +1,4 @@
-"""The routed experts' Triton kernels (kernels/moe_triton.py) against the plain-torch
+"""The routed experts' Triton kernels (kernels/moe_route.py, moe_triton.py) against the plain-torch
 reference (kernels/moe.py's route and moe_rows): the routing (softmax; sigmoid with a
 correction bias in groups), the experts of decode windows and prompt chunks, dense and packed
 in GGUF block types (against the dequantized weights), and a row's bits alone and among 7 and
