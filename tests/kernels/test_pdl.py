@@ -11,7 +11,7 @@ from strata.kernels import pdl
 from test_quant_stage import mixed  # noqa: F401 (a fixture)
 
 
-def test_pdl_is_off_unless_asked_for_and_never_on_the_cpu(monkeypatch):
+def test_pdl_is_off_on_the_cpu_and_with_strata_pdl_0(monkeypatch):
     monkeypatch.setenv("STRATA_PDL", "1")
     assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv("STRATA_PDL", "0")
