@@ -130,7 +130,8 @@ def gate_act(g, ACT: tl.constexpr):
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr,
-                     ACT: tl.constexpr):
+                     ACT: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     row = tl.program_id(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = j < n_cols
@@ -147,5 +148,5 @@ def silu_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
         gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block, ACT=ACTS[act],
-        num_warps=4)
+        num_warps=4, **launch_options(out.device))
     return out

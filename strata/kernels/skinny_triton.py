@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.fused_triton import ACTS, gate_act
+from strata.kernels.pdl import enter, launch_options
 
 ROW_TILES = (16, 32, 64)   # BLOCK_M: tensor-core tiles of a decode window's rows
 MAX_ROWS = ROW_TILES[-1]
@@ -84,7 +85,9 @@ def _row_scale(acc, sq, K, eps, NORM: tl.constexpr):
 def _skinny_kernel(x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, M, K, eps,
                    stride_xm, stride_wn, stride_rm, stride_om,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                   PDL: tl.constexpr):
+    enter(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -108,7 +111,9 @@ def _skinny_kernel(x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, M, K, eps,
 def _gate_up_silu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, M, K, F, eps,
                          stride_xm, stride_wn, stride_om,
                          NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr):
+                         BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr,
+                         PDL: tl.constexpr):
+    enter(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)   # output columns: gate j, up F + j
     kk = tl.arange(0, BLOCK_K)
@@ -164,7 +169,7 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None,
         x.stride(0), w.stride(0), r.stride(0), out.stride(0),
         NORM=norm is not None, HAS_RES=res is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, STAGES=fit_stages(stages, block_m, block_n, block_k),
-        num_warps=warps)
+        num_warps=warps, **launch_options(x.device))
     return out
 
 
@@ -185,5 +190,5 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = N
         x.stride(0), w.stride(0), out.stride(0), NORM=norm is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=fit_stages(stages, block_m, block_n, block_k, weights=2), ACT=ACTS[act],
-        num_warps=warps)
+        num_warps=warps, **launch_options(x.device))
     return out

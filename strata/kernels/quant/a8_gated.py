@@ -17,7 +17,7 @@ import triton.language as tl
 
 from strata.kernels.arrive import counters
 from strata.kernels.fused_triton import ACTS, gate_act
-from strata.kernels.pdl import launch_options
+from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gemv import CODEBOOKS, Pairs, _a8_gemv_kernel, quantize_blocks
 from strata.kernels.quant.a8_parts import gemv_step, k_parts
@@ -28,10 +28,11 @@ from strata.kernels.quant.float_triton import TYPE_IDS, _planes
 @triton.jit
 def _add_gated_parts_kernel(part_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, M, N,
                             stride_om, P: tl.constexpr, ACT: tl.constexpr,
-                            CODES: tl.constexpr, BLOCK: tl.constexpr):
+                            CODES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row m, block of columns): the P parts' gate and up sums [P, M, 2N] added in
     order from zero, each rounded to out's dtype, act(gate) * up into out [M, N] (and with
     CODES its blocks quantized into Codes [M, N])."""
+    enter(PDL)
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
@@ -110,4 +111,4 @@ def add_gated_parts(parts: torch.Tensor, out: torch.Tensor, act: str,
     c = codes if codes is not None else Codes(parts, parts, parts, parts)   # not written
     _add_gated_parts_kernel[(m, triton.cdiv(f, block))](
         parts, out, c.q, c.qp, c.dx, c.qs, m, f, out.stride(0), P=p, ACT=ACTS[act],
-        CODES=codes is not None, BLOCK=block, enable_fp_fusion=False)
+        CODES=codes is not None, BLOCK=block, enable_fp_fusion=False, **launch_options(out.device))

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.arrive import arrive
+from strata.kernels.pdl import enter, launch_options
 
 STEP = 256   # quants a K step where K allows
 PARTS = 8    # the most parts of K a row's float terms are summed in (k_parts)
@@ -86,8 +87,10 @@ def store_rows(out, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om,
 
 @triton.jit
 def _add_parts_kernel(part_ptr, res_ptr, out_ptr, M, N, stride_rm, stride_om,
-                      P: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                      P: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
     """out row m = the P parts' sums [P, M, N] added in order from zero (+ res)."""
+    enter(PDL)
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
@@ -107,4 +110,4 @@ def add_parts(parts: torch.Tensor, res: torch.Tensor | None, out: torch.Tensor) 
     block = 256
     _add_parts_kernel[(m, triton.cdiv(n, block))](
         parts, r, out, m, n, r.stride(0), out.stride(0), P=p, HAS_RES=res is not None,
-        BLOCK=block)
+        BLOCK=block, **launch_options(out.device))

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.fused_triton import ACTS, gate_act
+from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.blocks import BLOCKS, IQ4_VALUES, PLANES, Part
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES, _row_scale, _x_tile
 
@@ -89,50 +90,75 @@ def _codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE: tl.constexpr, S: tl.constexpr,
 @triton.jit
 def _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr):
     """a, b fp32 [BLOCK_N, G]: the weights of group g0 + i are a[:, i] * u + b[:, i]."""
+    v0, v1, v2, v3, v4 = _term_loads(p2, p3, s2, s3, n, n_ok, g0, QTYPE, G)
+    return _term_values(v0, v1, v2, v3, v4, g0, QTYPE, G)
+
+
+@triton.jit
+def _term_loads(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexpr):
+    """What _terms reads for groups g0 .. g0 + G - 1 of rows n, as five values (0 where the
+    type reads fewer); _term_values makes a and b of them, so that a kernel can load a step
+    ahead of its arithmetic."""
     gi = g0 + tl.arange(0, G)
     ok = n_ok[:, None]
+    v1, v2, v3, v4 = 0, 0, 0, 0
+    if (QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q8_0 or QTYPE == Q5_0 or QTYPE == Q5_1
+            or QTYPE == IQ4_NL):                              # d (and m) a group
+        v0 = tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok, other=0.0)
+        if QTYPE == Q4_1 or QTYPE == Q5_1:
+            v1 = tl.load(p3 + n[:, None] * s3 + gi[None, :], mask=ok, other=0.0)
+    elif QTYPE == IQ4_XS:                                     # scales_h, scales_l, d
+        base = p2 + n[:, None] * s2 + 3 * (g0 // 8)
+        v0 = tl.load(base, mask=ok, other=0)
+        v1 = tl.load(base + 1 + (gi % 8)[None, :] // 4, mask=ok, other=0)
+        v2 = tl.load(p3 + n * s3 + g0 // 8, mask=n_ok, other=0.0)
+    elif QTYPE == Q6_K:                                       # d, an int8 per 16
+        v0 = tl.load(p3 + n * s3 + g0 // 16, mask=n_ok, other=0.0)
+        v1 = tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok, other=0)
+    else:                                                     # Q4_K, Q5_K: 3 words, d, dmin
+        sb = g0 // 8
+        base = p2 + n[:, None] * s2 + 3 * sb
+        v0 = tl.load(base, mask=ok, other=0)
+        v1 = tl.load(base + 1, mask=ok, other=0)
+        v2 = tl.load(base + 2, mask=ok, other=0)
+        v3 = tl.load(p3 + n * s3 + 2 * sb, mask=n_ok, other=0.0)
+        v4 = tl.load(p3 + n * s3 + 2 * sb + 1, mask=n_ok, other=0.0)
+    return v0, v1, v2, v3, v4
+
+
+@triton.jit
+def _term_values(v0, v1, v2, v3, v4, g0, QTYPE: tl.constexpr, G: tl.constexpr):
+    """a, b fp32 [BLOCK_N, G] of _term_loads' values for groups g0 .. g0 + G - 1."""
+    gi = g0 + tl.arange(0, G)
     if (QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q8_0 or QTYPE == Q5_0 or QTYPE == Q5_1
             or QTYPE == IQ4_NL):
-        # d (and m) a group
-        a = tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok, other=0.0).to(tl.float32)
+        a = v0.to(tl.float32)
         if QTYPE == Q4_0:
             b = -8.0 * a
         elif QTYPE == Q5_0:
             b = -16.0 * a
         elif QTYPE == Q4_1 or QTYPE == Q5_1:
-            b = tl.load(p3 + n[:, None] * s3 + gi[None, :], mask=ok, other=0.0).to(tl.float32)
+            b = v1.to(tl.float32)
         else:                                                 # Q8_0, IQ4_NL
             b = -128.0 * a
     elif QTYPE == IQ4_XS:                                     # d * (6-bit scale - 32) a group
-        sb = g0 // 8
         j = (gi % 8)[None, :]
-        base = p2 + n[:, None] * s2 + 3 * sb
-        high = tl.load(base, mask=ok, other=0).to(tl.int32) & 0xFFFF          # scales_h
-        low = tl.load(base + 1 + j // 4, mask=ok, other=0).to(tl.int32) & 0xFFFF
+        high = v0.to(tl.int32) & 0xFFFF
+        low = v1.to(tl.int32) & 0xFFFF
         ls = ((low >> (4 * (j % 4))) & 15) | (((high >> (2 * j)) & 3) << 4)
-        d = tl.load(p3 + n * s3 + sb, mask=n_ok, other=0.0).to(tl.float32)
-        a = d[:, None] * (ls - 32).to(tl.float32)
+        a = v2.to(tl.float32)[:, None] * (ls - 32).to(tl.float32)
         b = -128.0 * a
     elif QTYPE == Q6_K:                                       # d * an int8 per 16
-        d = tl.load(p3 + n * s3 + g0 // 16, mask=n_ok, other=0.0).to(tl.float32)
-        a = d[:, None] * tl.load(p2 + n[:, None] * s2 + gi[None, :], mask=ok,
-                                 other=0).to(tl.float32)
+        a = v0.to(tl.float32)[:, None] * v1.to(tl.float32)
         b = -32.0 * a
     else:                                                     # Q4_K, Q5_K: 6-bit scales, mins
-        sb = g0 // 8
-        base = p2 + n[:, None] * s2 + 3 * sb
-        w0 = tl.load(base, mask=ok, other=0)
-        w1 = tl.load(base + 1, mask=ok, other=0)
-        w2 = tl.load(base + 2, mask=ok, other=0)
         j = (gi % 8)[None, :]                                 # the group in its super-block
         sh = 8 * (j % 4)
         low = j < 4                                           # llama.cpp's get_scale_min_k4
-        sc = tl.where(low, (w0 >> sh) & 63, ((w2 >> sh) & 15) | (((w0 >> (sh + 6)) & 3) << 4))
-        mn = tl.where(low, (w1 >> sh) & 63, ((w2 >> (sh + 4)) & 15) | (((w1 >> (sh + 6)) & 3) << 4))
-        d = tl.load(p3 + n * s3 + 2 * sb, mask=n_ok, other=0.0).to(tl.float32)
-        dmin = tl.load(p3 + n * s3 + 2 * sb + 1, mask=n_ok, other=0.0).to(tl.float32)
-        a = d[:, None] * sc.to(tl.float32)
-        b = -(dmin[:, None] * mn.to(tl.float32))
+        sc = tl.where(low, (v0 >> sh) & 63, ((v2 >> sh) & 15) | (((v0 >> (sh + 6)) & 3) << 4))
+        mn = tl.where(low, (v1 >> sh) & 63, ((v2 >> (sh + 4)) & 15) | (((v1 >> (sh + 6)) & 3) << 4))
+        a = v3.to(tl.float32)[:, None] * sc.to(tl.float32)
+        b = -(v4.to(tl.float32)[:, None] * mn.to(tl.float32))
     return a, b
 
 
@@ -154,9 +180,11 @@ def _quant_mm_kernel(x_ptr, g_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_
                      M, N, K, KS, eps, stride_xm, stride_rm, stride_om,
                      QTYPE: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr,
                      HAS_RES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                     PDL: tl.constexpr):
     """Quants KS * program_id(2) .. + KS of each row; with SPLIT, the fp32 partial sums to
     out [splits, M, N] and the rows' partial sums of squares to sq [splits, M]."""
+    enter(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -195,10 +223,12 @@ def _store_partial(part_ptr, sq_ptr, acc, sq, m, n, ok, M, N, NORM: tl.constexpr
 @triton.jit
 def _split_sum_kernel(part_ptr, sq_ptr, res_ptr, out_ptr, M, N, K, eps, stride_rm, stride_om,
                       SPLITS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                      GATE_UP: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+                      GATE_UP: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PDL: tl.constexpr):
     """Row program_id(0), columns BLOCK_N * program_id(1) ..: the splits' partial sums added in
     order, then the unsplit kernels' finish (part: [SPLITS, M, N]; with GATE_UP, N = 2F and
     the output act(g) * u has F columns)."""
+    enter(PDL)
     m = tl.program_id(0)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols: tl.constexpr = 2 if GATE_UP else 1
@@ -233,7 +263,9 @@ def _quant_gate_up_kernel(x_ptr, g_ptr, p0, p1, p2, p3, s0, s1, s2, s3, out_ptr,
                           M, F, K, KS, eps, stride_xm, stride_om,
                           QTYPE: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr,
                           SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr):
+                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr,
+                          PDL: tl.constexpr):
+    enter(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     jn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)   # columns: gate jn, up F + jn
     ok_n = jn < F
@@ -329,7 +361,7 @@ def _finish(part, sq, res, out, k: int, eps: float, splits: int, norm, gate_up: 
     _split_sum_kernel[(m, triton.cdiv(out.shape[1], block_n))](
         part, sq, r, out, m, cols, k, eps, r.stride(0), out.stride(0), SPLITS=splits,
         NORM=norm is not None, HAS_RES=res is not None, GATE_UP=gate_up, ACT=ACTS[act],
-        BLOCK_N=block_n, num_warps=4)
+        BLOCK_N=block_n, num_warps=4, **launch_options(out.device))
 
 
 def quant_mm(x: torch.Tensor, part: Part, res: torch.Tensor | None = None,
@@ -356,7 +388,8 @@ def quant_mm(x: torch.Tensor, part: Part, res: torch.Tensor | None = None,
         x.shape[0], part.rows, x.shape[1], x.shape[1] // splits, eps, x.stride(0), r.stride(0),
         dest.stride(-2), QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2],
         NORM=norm is not None, HAS_RES=res is not None, SPLIT=splits > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
+        **launch_options(x.device))
     if splits > 1:
         _finish(dest, sq, res, out, x.shape[1], eps, splits, norm)
     return out
@@ -380,7 +413,7 @@ def quant_gate_up(x: torch.Tensor, part: Part, norm: torch.Tensor | None = None,
         x.shape[1], x.shape[1] // splits, eps, x.stride(0), out.stride(0),
         QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], NORM=norm is not None,
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=stages, ACT=ACTS[act], num_warps=warps)
+        STAGES=stages, ACT=ACTS[act], num_warps=warps, **launch_options(x.device))
     if splits > 1:
         _finish(dest, sq, None, out, x.shape[1], eps, splits, norm, gate_up=True, act=act)
     return out
