@@ -106,7 +106,7 @@ def issue_slots(ops: collections.Counter) -> int:
 
 
 def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stages: int,
-            dot: str):
+            dot: str, ahead: bool = False):
     """(jit function, argument types, constexprs, compile options, quants a step)."""
     weight = {"p0": "*i32", "p1": "*i32", "p3": "*fp16", "s0": "i32", "s1": "i32", "s2": "i32",
               "s3": "i32", "p2": ("*i8" if qtype == "Q6_K" else
@@ -131,7 +131,7 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
                 {"enable_fp_fusion": False}, STEP)
     types = {**weight, **shape, "q_ptr": "*i8", "dx_ptr": "*fp32", "qs_ptr": "*i32"}
     return (_a8_mm_kernel, types, dict(common, STEP=block_k, DOT=DOTS.index(dot), P=1,
-                                       PDL=False),
+                                       AHEAD=ahead, PDL=False),
             {"enable_fp_fusion": False, "num_stages": stages}, block_k)
 
 
@@ -149,17 +149,18 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
               help="The row tile (BLOCK_M): 1 to 8 for a8-gemv, 16 to 64 for the others.")
 @click.option("--dot", type=click.Choice(list(DOTS)), default="batched", show_default=True,
               help="a8-mma's way to the groups' integer sums.")
+@click.option("--ahead", is_flag=True, help="a8-mma: the scales a step ahead (a8_mm's ahead).")
 @click.option("--warps", type=int, default=4, show_default=True)
 @click.option("--sass-out", type=click.Path(dir_okay=False), default=None,
               help="Also write the whole SASS here.")
-def cli(kernel, qtype, block_n, block_k, stages, rows, dot, warps, sass_out):
+def cli(kernel, qtype, block_n, block_k, stages, rows, dot, ahead, warps, sass_out):
     """Count the SASS of a quantized decode kernel's main loop per weight."""
     rows = int(rows)
     if (kernel == "a8-gemv") != (rows <= 8):
         raise click.UsageError(f"--rows {rows} is not a tile of --kernel {kernel}: a8-gemv "
                                f"takes 1, 2, 4 or 8 rows, the others 16, 32 or 64")
     fn, types, constants, options, step = _kernel(kernel, qtype, rows, block_n, block_k,
-                                                  stages, dot)
+                                                  stages, dot, ahead)
     sass = compile_sass(fn, types, constants, warps, options=options)
     if sass_out:
         with open(sass_out, "w") as f:

@@ -79,7 +79,7 @@ def test_the_mma_dots_give_the_same_bits(device, qtype):
     """The MMA tiles' three ways to the groups' integer sums (a8_mm's `dot`: batched, Q6_K's
     groups in pairs; block-diagonal; a dot a group): the same bits, with a residual, in tiles
     of 16 and 32 rows, at K steps of 256 and 64 (Q6_K: 16 and 4 groups a step), near the
-    exact sums."""
+    exact sums; and a dot a group with the scales loaded a step ahead (a8_mm's ahead)."""
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     w, _ = _weight(qtype, 32, K, device, seed=7)
     x, res = _x(20, K, device, seed=8), _x(20, 32, device, seed=9)
@@ -87,9 +87,10 @@ def test_the_mma_dots_give_the_same_bits(device, qtype):
     part = w.parts[0]
     for tile, step in ((16, 256), (32, 64)):
         want = a8_mm(c, part, res, block_m=tile, block_n=32, block_k=step, dot="diagonal")
-        for dot in ("batched", "groups"):
-            got = a8_mm(c, part, res, block_m=tile, block_n=32, block_k=step, dot=dot)
-            assert torch.equal(got, want), f"{dot}: {tile} rows, steps of {step}"
+        for dot, ahead in (("batched", False), ("groups", False), ("groups", True)):
+            got = a8_mm(c, part, res, block_m=tile, block_n=32, block_k=step, dot=dot,
+                        ahead=ahead)
+            assert torch.equal(got, want), f"{dot} (ahead {ahead}): {tile} rows, steps of {step}"
     exact = a8_mm_reference(c.q.cpu(), c.dx.cpu(), Part(
         qtype, part.rows, part.cols, {k: v.cpu() for k, v in part.planes.items()}))
     torch.testing.assert_close((got - res.float()).double().cpu(), exact, rtol=1e-5,
@@ -156,7 +157,8 @@ def test_a_rows_bits_are_the_same_in_every_tile_when_k_has_parts(device, qtype):
     alone = a8_mm(c[:1], part, res[:1], block_m=1)
     outs = [a8_mm(c, part, res, block_m=8), a8_mm(c, part, res, block_m=16),
             a8_mm(c, part, res, block_m=16, dot="diagonal"),
-            a8_mm(c, part, res, block_m=32, dot="groups")]
+            a8_mm(c, part, res, block_m=32, dot="groups"),
+            a8_mm(c, part, res, block_m=32, dot="groups", ahead=True)]
     for out in outs:
         assert torch.equal(out[0], alone[0])
         assert torch.equal(out, outs[0]), "rows differ between row tiles"

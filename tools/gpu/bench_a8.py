@@ -46,7 +46,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,64")
     ap.add_argument("--projections", default="qkv,res,down,head")
     ap.add_argument("--mma", default="diagonal,batched,groups",
-                    help="the MMA tiles' dots to time (a8_mm's dot)")
+                    help="the MMA tiles' dots to time (a8_mm's dot; groups-ahead: groups "
+                         "with the scales loaded a step ahead, a8_mm's ahead)")
     ap.add_argument("--parts", default="8",
                     help="the most parts of K to time (a8_mm's parts; each gives other bits)")
     ap.add_argument("--every", action="store_true",
@@ -80,6 +81,13 @@ def main() -> None:
             r = None if kind in ("qkv", "head") else res
             out = torch.empty(m, n, **bf)
             default = timed(lambda i: a8_mm(codes, ws[i % copies].parts[0], r, out=out))
+            if "groups-ahead" in args.mma and m > 8:   # the scales a step ahead and not
+                on, off = (timed(lambda i: a8_mm(codes, ws[i % copies].parts[0], r, out=out,
+                                                 ahead=a)) for a in (True, False))
+                same = torch.equal(a8_mm(codes, probe.parts[0], r, ahead=True),
+                                   a8_mm(codes, probe.parts[0], r, ahead=False))
+                print(f"# {qtype} {name} {m} rows, the default blocks: the scales a step ahead "
+                      f"{on:.1f} us, not {off:.1f} us (bits {'equal' if same else 'DIFFER'})")
             # the GEMV up to 4 rows, and as an 8-row tile (block_m 8) beside the MMA's
             gemv = [(*c, "gemv") for c in GEMV_CONFIGS] if m <= 8 else []
             mma = [(*c, d) for c in CONFIGS for d in args.mma.split(",")] if m > 4 else []
@@ -89,7 +97,8 @@ def main() -> None:
                 kw = (dict(gemv_n=config[0], stages=config[1], warps=config[2],
                            block_m=8 if m > 4 else None) if config[3] == "gemv" else
                       dict(block_n=config[0], block_k=config[1], warps=config[2],
-                           dot=config[3]))
+                           dot=config[3].removesuffix("-ahead"),
+                           ahead=config[3].endswith("-ahead")))
                 kw["parts"] = config[4]
                 try:
                     us = timed(lambda i: a8_mm(codes, ws[i % copies].parts[0], r, out=out, **kw))

@@ -41,16 +41,16 @@ from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_
                                            store_rows)
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
-                                               _terms)
+                                               _term_loads, _term_values, _terms)
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
 GEMV_TILES = (1, 2, 4, 8)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
 DOTS = ("diagonal", "batched", "groups")   # the MMA's ways to the groups' integer sums
-# (Q6_K?, row tile) -> the MMA's block_n, block_k and dot: the fastest of
-# tools/gpu/bench_a8.py's for llama3-8b's qkv and down on an H100
-MMA_BLOCKS = {(False, 16): (64, 128, "groups"), (False, 32): (64, 64, "groups"),
-              (False, 64): (128, 32, "groups"), (True, 16): (64, 64, "diagonal"),
-              (True, 32): (64, 64, "diagonal"), (True, 64): (64, 64, "groups")}
+# (Q6_K?, row tile) -> the MMA's block_n, block_k, dot and whether the scales load a step
+# ahead: the fastest of tools/gpu/bench_a8.py's for llama3-8b's qkv and down on an H100
+MMA_BLOCKS = {(False, 16): (64, 128, "groups", True), (False, 32): (64, 64, "groups", False),
+              (False, 64): (128, 32, "groups", False), (True, 16): (64, 64, "diagonal", False),
+              (True, 32): (64, 64, "diagonal", False), (True, 64): (64, 64, "groups", False)}
 
 
 @triton.jit
@@ -87,13 +87,16 @@ def _a8_mm_kernel(q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr
                   QTYPE: tl.constexpr, S: tl.constexpr, HAS_RES: tl.constexpr,
                   FIXUP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
-                  DOT: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr):
+                  DOT: tl.constexpr, P: tl.constexpr, AHEAD: tl.constexpr,
+                  PDL: tl.constexpr):
     """The MMA tiles (16 to 64 rows); the GEMV's are a8_gemv.py's. Program (row block,
     column block, part of K): each K step's groups' exact sums come from int8 dots
     (_step_dot: block-diagonal, DOT 0, batched, DOT 1, or a dot a group, DOT 2: the same
     integers, so the same bits), the part's terms added in order from zero; its sum into out,
     or with P > 1 into the scratch rows of that part, which the tile's last program (FIXUP:
-    into fin) or _add_parts_kernel adds in order, as for the GEMV."""
+    into fin) or _add_parts_kernel adds in order, as for the GEMV. AHEAD (DOT 2): the next
+    step's scales (the weight's and the rows') are loaded before this step's arithmetic, as
+    the codes are by Triton's pipelining: the same values, so the same bits."""
     enter(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,9 +104,23 @@ def _a8_mm_kernel(q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr
     part = tl.program_id(2)
     L = K // P                                                # quants a part of K
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # out^T
-    for k0 in range(part * L, part * L + L, STEP):
-        acc = _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok,
-                        n, n_ok, M, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N, DOT)
+    G: tl.constexpr = STEP // S
+    last = part * L + L - STEP
+    if AHEAD and DOT == 2:
+        v0, v1, v2, v3, v4 = _term_loads(p2, p3, s2, s3, n, n_ok, part * L // S, QTYPE, G)
+        qs, dx = _row_scales(qs_ptr, dx_ptr, m, m_ok, K, part * L // S, G, S)
+        for k0 in range(part * L, part * L + L, STEP):
+            ahead = tl.minimum(k0 + STEP, last) // S          # the last step loads itself
+            w0, w1, w2, w3, w4 = _term_loads(p2, p3, s2, s3, n, n_ok, ahead, QTYPE, G)
+            qs_n, dx_n = _row_scales(qs_ptr, dx_ptr, m, m_ok, K, ahead, G, S)
+            a, b = _term_values(v0, v1, v2, v3, v4, k0 // S, QTYPE, G)
+            acc = _step_groups(acc, q_ptr, a, b, qs, dx, p0, p1, s0, s1, m, m_ok, n, n_ok, K,
+                               k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N)
+            v0, v1, v2, v3, v4, qs, dx = w0, w1, w2, w3, w4, qs_n, dx_n
+    else:
+        for k0 in range(part * L, part * L + L, STEP):
+            acc = _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m,
+                            m_ok, n, n_ok, M, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N, DOT)
     if P == 1:   # the parts' sum from zero, as _add_parts_kernel adds them
         store_rows(0.0 + tl.trans(acc), res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm,
                    stride_om, HAS_RES)
@@ -124,6 +141,15 @@ def group_sums(qs_ptr, m, m_ok, K, g0, G: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
+def _row_scales(qs_ptr, dx_ptr, m, m_ok, K, g0, G: tl.constexpr, S: tl.constexpr):
+    """The rows' sums of codes (int32) and scales, [BM, G] each, of groups g0 .. g0 + G - 1."""
+    qs = group_sums(qs_ptr, m, m_ok, K, g0, G, S)
+    dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((g0 + tl.arange(0, G)) * S // 32)[None, :],
+                 mask=m_ok[:, None], other=0.0)
+    return qs, dx
+
+
+@triton.jit
 def _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_ok,
               M, K, k0, QTYPE: tl.constexpr, S: tl.constexpr, STEP: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
@@ -136,8 +162,10 @@ def _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_o
     G: tl.constexpr = STEP // S
     g0 = k0 // S
     if DOT == 2:
-        return _step_groups(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m,
-                            m_ok, n, n_ok, K, k0, QTYPE, S, STEP, BLOCK_M, BLOCK_N)
+        a, b = _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE, G)                 # [BN, G]
+        qs, dx = _row_scales(qs_ptr, dx_ptr, m, m_ok, K, g0, G, S)
+        return _step_groups(acc, q_ptr, a, b, qs, dx, p0, p1, s0, s1, m, m_ok, n, n_ok, K, k0,
+                            QTYPE, S, STEP, BLOCK_M, BLOCK_N)
     kk = tl.arange(0, STEP)
     u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g0, QTYPE, S, G, BLOCK_N), (BLOCK_N, STEP))
     a, b = _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE, G)                   # [BN, G]
@@ -181,24 +209,21 @@ def _pick(x, gi, g):
 
 
 @triton.jit
-def _step_groups(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_ok, n, n_ok,
-                 K, k0, QTYPE: tl.constexpr, S: tl.constexpr, STEP: tl.constexpr,
+def _step_groups(acc, q_ptr, a, b, qs, dx, p0, p1, s0, s1, m, m_ok, n, n_ok, K, k0,
+                 QTYPE: tl.constexpr, S: tl.constexpr, STEP: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """_step_dot's third way (DOT 2): a 2D int8 dot a group of 32 ([BN, 32] x [32, BM], the
     sums in the accumulator's own layout), its term added to acc at once, group by group;
     Q6_K's groups of 16 take a dot of their pair's 32 codes twice, the other group's
-    activation codes zeroed."""
+    activation codes zeroed. a, b [BN, G]: the weight's terms (_terms); qs, dx [BM, G]: the
+    rows' sums of codes and scales (_row_scales)."""
     G: tl.constexpr = STEP // S
     SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
     g0 = k0 // S
     gi = tl.arange(0, G)
     k32 = tl.arange(0, 32)
-    a, b = _terms(p2, p3, s2, s3, n, n_ok, g0, QTYPE, G)                       # [BN, G]
     if SIGNED:                                                # signed: a * (u - 128), b = 0
         b = b * 0.0
-    qs = group_sums(qs_ptr, m, m_ok, K, g0, G, S)                             # [BM, G]
-    dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((g0 + gi) * S // 32)[None, :],
-                 mask=m_ok[:, None], other=0.0)                               # [BM, G]
     for c in tl.static_range(STEP // 32):
         u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g0 + c * (32 // S), QTYPE, S, 32 // S,
                               BLOCK_N), (BLOCK_N, 32))
@@ -253,8 +278,8 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
           out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
           block_m: int | None = None, block_n: int | None = None,
           block_k: int | None = None, warps: int = 4, gemv_n: int | None = None,
-          stages: int | None = None, dot: str | None = None, parts: int = PARTS
-          ) -> torch.Tensor:
+          stages: int | None = None, dot: str | None = None, parts: int = PARTS,
+          ahead: bool | None = None) -> torch.Tensor:
     """x: quantize_rows' [M, K] rows; part: a quantized [N, K] weight; res:
     [M, N] or None -> [M, N] (into `out`, which may be a column slice of a wider tensor).
     block_m: a GEMV tile (1, 2, 4, 8) or an MMA tile (16, 32, 64); default the smallest that
@@ -264,14 +289,15 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     most K's step), their groups' sums by `dot`: "batched" (over the step's groups; Q6_K's
     in pairs), "diagonal" (block-diagonal) or "groups" (a 2D dot a group of 32, Q6_K's pairs
     twice; Hopper's wgmma from block_n 64); the same bits any way, the defaults MMA_BLOCKS'
-    (tools/gpu/bench_a8.py --mma times them). parts: the most parts
+    (tools/gpu/bench_a8.py --mma times them); ahead: whether the MMA's "groups" way loads
+    each step's scales a step ahead (the same bits; default MMA_BLOCKS'). parts: the most parts
     of K (k_parts; a row's bits depend on it, so every call on a weight must pass the same:
     leave it be outside experiments)."""
     q = x.q
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
-    mma = MMA_BLOCKS.get((part.qtype == "Q6_K", block_m), (None, None, None))
+    mma = MMA_BLOCKS.get((part.qtype == "Q6_K", block_m), (None, None, None, None))
     block_k = min(block_k or mma[1] or 128, gemv_step(k))
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
             or (k // k_parts(part.rows, k, parts)) % block_k or block_k % 32
@@ -300,6 +326,7 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
                         out.stride(0), QTYPE=TYPE_IDS[part.qtype], S=group,
                         HAS_RES=res is not None, FIXUP=count is not None, BLOCK_M=block_m,
                         BLOCK_N=block_n, STEP=block_k, DOT=DOTS.index(dot), P=p,
+                        AHEAD=bool(mma[3] if ahead is None else ahead),
                         num_warps=warps,
                         enable_fp_fusion=False,   # see the module: no tile-dependent FMAs
                         **launch_options(q.device))
