@@ -3,14 +3,15 @@ kernels (kernels/quant/float_triton.py, the policy's blocks and splits) at the l
 by block type and window rows: us per call from a CUDA graph with the weights rotating past L2,
 the row quantizer's us apart, a8_mm at its defaults (what a stage runs), the best a8_mm
 configuration of a few (the dp4a GEMV's columns, stages and warps up to 8 rows, an 8-row tile
-past 4; the MMA's block_n, block_k, warps and dot, --mma, past 4; with --every each one's time
-and the best of each way; for gate_up up to 8 rows, a stage's fused a8_gate_up_silu against
+past 4; the MMA's block_n, block_k, warps and dot, --mma, past 4, where groups-ahead also
+times the default blocks with and without the scales loaded a step ahead; with --every each
+one's time and the best of each way; for gate_up up to 8 rows, a stage's fused a8_gate_up_silu against
 a8_mm then silu_mul), whether a row's bits equal the 16-row MMA tile's, and the HBM time of the
 weight's bytes. An experiment, not a test: what it prints is the ground for choosing a8_mm's
 blocks per shape and for making int8 activations the default.
 
     python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64]
-        [--mma diagonal,batched,groups] [--parts 8] [--every] [--json-out F]
+        [--mma diagonal,batched,groups,groups-ahead] [--parts 8] [--every] [--json-out F]
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from bench_quant import L8B, copy_rate, weights
 from strata.kernels.policy import KernelPolicy
 
 CONFIGS = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 64, 4), (16, 256, 4),
-           (32, 32, 4), (64, 32, 4), (128, 32, 4), (64, 64, 4)]
+           (32, 32, 4), (64, 32, 4), (128, 32, 4), (64, 64, 4), (128, 32, 8), (128, 64, 8),
+           (64, 64, 8), (64, 128, 8)]
 # the dp4a GEMV's (columns a program, K steps in flight, warps), for windows of 1 to 4 rows
 GEMV_CONFIGS = [(8, 3, 4), (16, 3, 4), (32, 3, 4), (16, 2, 4), (32, 2, 4), (16, 4, 8)]
 

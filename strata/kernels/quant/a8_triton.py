@@ -46,11 +46,21 @@ from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
 GEMV_TILES = (1, 2, 4, 8)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
 DOTS = ("diagonal", "batched", "groups")   # the MMA's ways to the groups' integer sums
-# (Q6_K?, row tile) -> the MMA's block_n, block_k, dot and whether the scales load a step
-# ahead: the fastest of tools/gpu/bench_a8.py's for llama3-8b's qkv and down on an H100
-MMA_BLOCKS = {(False, 16): (64, 128, "groups", True), (False, 32): (64, 64, "groups", False),
-              (False, 64): (128, 32, "groups", False), (True, 16): (64, 64, "diagonal", False),
-              (True, 32): (64, 64, "diagonal", False), (True, 64): (64, 64, "groups", False)}
+# (Q6_K?, row tile, rows longer than the weight is tall (K > N: a down projection)) -> the
+# MMA's block_n, block_k, dot and whether the scales load a step ahead: the fastest of
+# tools/gpu/bench_a8.py's for llama3-8b's qkv [6144, 4096] and down [4096, 14336] on an H100
+MMA_BLOCKS = {(False, 16, False): (64, 64, "groups", True),
+              (False, 16, True): (64, 128, "groups", True),
+              (False, 32, False): (64, 64, "groups", True),
+              (False, 32, True): (64, 64, "groups", False),
+              (False, 64, False): (64, 64, "groups", True),
+              (False, 64, True): (128, 32, "groups", False),
+              (True, 16, False): (64, 64, "diagonal", False),
+              (True, 16, True): (64, 64, "diagonal", False),
+              (True, 32, False): (64, 64, "diagonal", False),
+              (True, 32, True): (64, 64, "diagonal", False),
+              (True, 64, False): (64, 64, "groups", False),
+              (True, 64, True): (128, 32, "groups", True)}
 
 
 @triton.jit
@@ -297,7 +307,8 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     m, k = q.shape
     group = BLOCKS[part.qtype][2]
     block_m = block_m or a8_row_tile(m)
-    mma = MMA_BLOCKS.get((part.qtype == "Q6_K", block_m), (None, None, None, None))
+    mma = MMA_BLOCKS.get((part.qtype == "Q6_K", block_m, part.cols > part.rows),
+                         (None, None, None, None))
     block_k = min(block_k or mma[1] or 128, gemv_step(k))
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
             or (k // k_parts(part.rows, k, parts)) % block_k or block_k % 32
