@@ -12,11 +12,13 @@ quantized per 32 values as quantize_rows does (a8.quantize_rows_torch) and multi
 before the fp32 matmul: what int8 activations change, without the packed kernels' rounding.
 --act-block 256 emulates a scale per 256 values instead (as llama.cpp's q8_K on the CPU; rows
 of K not a multiple of 256 take the largest of 128, 64, 32 that divides it), which the kernels
-do not have: what such a scale would cost.
+do not have: what such a scale would cost. --act-bits 12 emulates codes of 12 bits (|q| up to
+2047) instead of 8, a scale a block as above: whether finer codes buy back a wider block's
+loss.
 
     python tools/gpu/a8_quality.py [--model smollm2-135m] [--prompts tools/handwritten_prompts.jsonl]
         [--requests 24] [--tokens 64] [--arms float,int8,bf16] [--device cuda:0]
-        [--act-block 32] [--json-out F]
+        [--act-block 32] [--act-bits 8] [--json-out F]
 """
 from __future__ import annotations
 
@@ -80,10 +82,10 @@ def strata_logits(model: StageModel, prompt: list[int], answer: list[int]) -> to
 
 
 @contextlib.contextmanager
-def emulated_int8(block: int = 32):
-    """CPU stages whose decode projections see their rows quantized to int8 and back, a scale
-    per `block` values (or the largest of 128, 64, 32 dividing a row's K where `block` does
-    not; the module says why); the head's rows too."""
+def emulated_int8(block: int = 32, bits: int = 8):
+    """CPU stages whose decode projections see their rows quantized to int8 (codes of `bits`
+    bits) and back, a scale per `block` values (or the largest of 128, 64, 32 dividing a row's
+    K where `block` does not; the module says why); the head's rows too."""
     from strata.kernels import fused
     from strata.kernels.quant.a8 import quantize_rows_torch
     from strata.stage_worker import model as stage_model
@@ -91,8 +93,15 @@ def emulated_int8(block: int = 32):
     def rounded(x):
         m, k = x.shape
         b = next(b for b in (block, 128, 64, 32) if k % b == 0)   # a row of K not whole blocks
-        q, dx = quantize_rows_torch(x, block=b)
-        return (q.float().view(m, k // b, b) * dx[..., None]).view(m, k).to(x.dtype)
+        if bits == 8:
+            q, dx = quantize_rows_torch(x, block=b)
+            return (q.float().view(m, k // b, b) * dx[..., None]).view(m, k).to(x.dtype)
+        top = 2 ** (bits - 1) - 1          # quantize_rows_torch's rounding, wider codes
+        y = x.float().view(m, k // b, b)
+        amax = y.abs().amax(-1, keepdim=True)
+        v = y * torch.where(amax > 0, top / amax, torch.zeros_like(amax))
+        q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v)).clamp(-top, top)
+        return (q * (amax / top)).view(m, k).to(x.dtype)
 
     linear = fused.linear_rows
     head = stage_model.StageModel._head_block
@@ -128,6 +137,8 @@ def main() -> None:
     ap.add_argument("--act-block", type=int, default=32,
                     help="with --device cpu: the emulated int8 arm's values a scale (32 as the "
                          "kernels, or 256)")
+    ap.add_argument("--act-bits", type=int, default=8,
+                    help="with --device cpu: the emulated arm's bits a code (8 as the kernels)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     path = resolve_model(args.model)
@@ -138,7 +149,8 @@ def main() -> None:
     base = KernelPolicy.for_device(args.device)
     print(f"# {path.name}, {len(ref)} prompts of {args.prompts}, up to {args.tokens} greedy "
           f"tokens by transformers (fp32), on {args.device}"
-          + (f" (int8 emulated, a scale per {args.act_block}: the module says how)"
+          + (f" (int8 emulated, {args.act_bits}-bit codes, a scale per {args.act_block}: "
+             f"the module says how)"
              if args.device == "cpu" else ""))
     print(f"{'arm':>6} {'positions':>9} {'argmax = greedy':>16} {'rel. error median':>18} "
           f"{'worst':>8}")
@@ -149,8 +161,8 @@ def main() -> None:
                            weights=weights,
                            policy=dataclasses.replace(base, int8_activations=int8))
         same, errors = 0, []
-        emulate = (lambda: emulated_int8(args.act_block)) if int8 and args.device == "cpu" \
-            else contextlib.nullcontext
+        emulate = ((lambda: emulated_int8(args.act_block, args.act_bits))
+                   if int8 and args.device == "cpu" else contextlib.nullcontext)
         for prompt, answer, want in ref:
             with emulate():
                 got = strata_logits(model, prompt, answer)
@@ -166,6 +178,7 @@ def main() -> None:
         Path(args.json_out).write_text(json.dumps(
             {"model": path.name, "device": args.device, "tokens": args.tokens,
              "act_block": args.act_block if args.device == "cpu" else 32,
+             "act_bits": args.act_bits if args.device == "cpu" else 8,
              "requests": len(ref), "arms": results}, indent=1))
 
 
