@@ -4,8 +4,10 @@ find the main loop (the longest body that a branch jumps back to), and count its
 per weight a thread covers a step (BLOCK_N x BLOCK_K / threads; the GEMV's step is 256 quants).
 Kernels: `float`, kernels/quant/float_triton.py's `_quant_mm_kernel` (16 to 64 rows); `a8-gemv`
 and `a8-mma`, the int8-activation GEMV (1 to 8 rows) and MMA (16 to 64) of a8_gemv.py and
-a8_triton.py, compiled as they launch (no FP fusion). Integer arguments and pointers are taken
-as divisible by 16, as Triton specializes them at launch, so loads vectorize as on the device.
+a8_triton.py, compiled as they launch (no FP fusion); `sb-mma`, tools/gpu/superblock.py's
+prototype (Q4_K only, a super-block a step, 12-bit codes a scale per 256). Integer arguments
+and pointers are taken as divisible by 16, as Triton specializes them at launch, so loads
+vectorize as on the device.
 
 Besides the count, the ALU issue slots a weight: an FP32 add, multiply or fma counts 1, an
 integer or logic instruction 2 and a conversion 8 (sm_90 issues 128, 64 and 16 of them a clock
@@ -27,6 +29,7 @@ import collections
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import click
@@ -129,6 +132,12 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
         return (_a8_gemv_kernel, types, dict(common, ASM=True, PAIRS=False, STEP=STEP, PDL=False,
                                              STAGES=stages, P=1, ACT=-1, CODES=False),
                 {"enable_fp_fusion": False}, STEP)
+    if kernel == "sb-mma":   # tools/gpu/superblock.py's prototype (Q4_K, a super-block a step)
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+        from superblock import _sb_mm_kernel
+        types = {**weight, "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "L": "i32",
+                 "lo_ptr": "*i8", "hi_ptr": "*i8", "d_ptr": "*fp32"}
+        return _sb_mm_kernel, types, dict(BLOCK_M=rows, BLOCK_N=block_n), {}, 256
     types = {**weight, **shape, "q_ptr": "*i8", "dx_ptr": "*fp32", "qs_ptr": "*i32"}
     return (_a8_mm_kernel, types, dict(common, STEP=block_k, DOT=DOTS.index(dot), P=1,
                                        AHEAD=ahead, PDL=False),
@@ -136,7 +145,8 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
 
 
 @click.command()
-@click.option("--kernel", type=click.Choice(["float", "a8-gemv", "a8-mma"]), default="float",
+@click.option("--kernel", type=click.Choice(["float", "a8-gemv", "a8-mma", "sb-mma"]),
+              default="float",
               show_default=True)
 @click.option("--type", "qtype", type=click.Choice(sorted(TYPE_IDS)), default="Q4_K",
               show_default=True)
@@ -156,12 +166,15 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
 def cli(kernel, qtype, block_n, block_k, stages, rows, dot, ahead, warps, sass_out):
     """Count the SASS of a quantized decode kernel's main loop per weight."""
     rows = int(rows)
+    if kernel == "sb-mma" and qtype != "Q4_K":
+        raise click.UsageError("--kernel sb-mma is a Q4_K prototype: --type Q4_K")
     if (kernel == "a8-gemv") != (rows <= 8):
         raise click.UsageError(f"--rows {rows} is not a tile of --kernel {kernel}: a8-gemv "
                                f"takes 1, 2, 4 or 8 rows, the others 16, 32 or 64")
     fn, types, constants, options, step = _kernel(kernel, qtype, rows, block_n, block_k,
                                                   stages, dot, ahead)
-    sass = compile_sass(fn, types, constants, warps, options=options)
+    sass = compile_sass(fn, types, constants, warps, options=options,
+                        plain=("M", "L") if kernel == "sb-mma" else ("M",))
     if sass_out:
         with open(sass_out, "w") as f:
             f.write(sass)
