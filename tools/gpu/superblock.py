@@ -18,11 +18,11 @@ a8_triton's MMA takes five float operations a group. K is cut into parts summed 
 
 Counted for sm_90 with Triton 3.6 (`tools/sass_count.py --kernel sb-mma --rows 16|64`, 64 x 256
 blocks): 23.0 and 26.5 instructions a weight at 16 and 64 rows, against a8_triton's MMA at 13.0
-(64 x 128 blocks) and 21.3 (128 x 32: its blocks for a down projection). The float terms shrink to 1.5 a weight at 64 rows as designed, but the
-weight side grows: sc u, its split, the broadcast mins (LOP3, SHF, IMAD, PRMT: about 11 a
-weight) and the int8 operands' way through shared memory a byte a store (STS 3.0, LDS 2.3),
-with registers spilled. It needs the operands built four bytes a register in the dots' layout
-before it can pay; not timed on a GPU yet.
+(64 x 128 blocks) and 21.3 (128 x 32: its blocks for a down projection). The float terms shrink
+to 1.5 a weight at 64 rows as designed, but the weight side grows: sc u, its split, the
+broadcast mins (LOP3, SHF, IMAD, PRMT: about 11 a weight) and the int8 operands' way through
+shared memory a byte a store (STS 3.0, LDS 2.3), with registers spilled. It needs the operands
+built four bytes a register in the dots' layout before it can pay; not timed on a GPU yet.
 
     python tools/gpu/superblock.py [--rows 16,32,64] [--projections qkv,down] [--block-n 64]
     TRITON_INTERPRET=1 python tools/gpu/superblock.py --check     (on a CPU: against float64)
