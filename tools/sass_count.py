@@ -40,7 +40,8 @@ from triton.compiler import ASTSource
 from strata.kernels.quant.a8_gemv import _a8_gemv_kernel
 from strata.kernels.quant.a8_parts import STEP
 from strata.kernels.quant.a8_triton import DOTS, _a8_mm_kernel
-from strata.kernels.quant.float_triton import TYPE_IDS, _quant_mm_kernel
+from strata.kernels.quant.float_triton import _quant_mm_kernel
+from strata.kernels.quant.reads import TYPE_IDS
 from strata.kernels.quant.weight import BLOCKS
 
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",

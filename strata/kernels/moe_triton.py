@@ -25,7 +25,7 @@ its window, which experts they chose, nor on its position (DESIGN.md, exactness 
 
 Quantized experts: a GGUF expert tensor [E, N, K] in a block type is a 2-D packed weight of
 E * N rows (kernels/quant/weight.py), expert e's rows e * N .. e * N + N - 1, dequantized tile by
-tile in registers by float_triton's `_weights`, as the dense quantized kernels do.
+tile in registers by reads.py's `_weights`, as the dense quantized kernels do.
 May import: kernels.quant, kernels
 """
 from __future__ import annotations
@@ -36,7 +36,8 @@ import triton.language as tl
 
 from strata.kernels.fused_triton import ACTS, gate_act
 from strata.kernels.pdl import enter, launch_options
-from strata.kernels.quant.float_triton import TYPE_IDS, _planes, _weights, fits_k
+from strata.kernels.quant.float_triton import fits_k
+from strata.kernels.quant.reads import TYPE_IDS, _planes, _weights
 from strata.kernels.quant.weight import BLOCKS, QuantWeight
 
 DENSE = -1   # the QTYPE of a dense (bf16 / fp32) weight

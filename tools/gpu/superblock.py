@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.quant.float_triton import Q4_K, _codes, _planes, _term_loads
+from strata.kernels.quant.reads import Q4_K, _codes, _planes, _term_loads
 
 TOP = 2047    # the codes' largest magnitude: 12 bits
 

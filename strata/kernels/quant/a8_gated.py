@@ -22,7 +22,7 @@ from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gemv import CODEBOOKS, Pairs, _a8_gemv_kernel, quantize_blocks
 from strata.kernels.quant.a8_parts import gemv_step, k_parts
 from strata.kernels.quant.blocks import BLOCKS, Part
-from strata.kernels.quant.float_triton import TYPE_IDS, _planes
+from strata.kernels.quant.reads import TYPE_IDS, _planes
 
 
 @triton.jit

@@ -9,7 +9,7 @@ nibbles (Q4_0, Q4_1, Q4_K), two nibble planes (Q8_0) or nibbles with high bits b
 codes gives its two byte words by masks and shifts, against the rows' codes as the quantizer
 also stores them, in pair order (codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight): Q6_K's
 16-code groups by one chain of dp4a a group (but in 4-row tiles), the rest by summing the
-words' products. The codebook types' codes (IQ4_NL, IQ4_XS) come from float_triton's `_codes`
+words' products. The codebook types' codes (IQ4_NL, IQ4_XS) come from reads.py's `_codes`
 and are packed four to a word, against the codes in K order. Then, per
 (row, column), the groups' float terms (group_term) are added one by one in order along K,
 exactly as a8_mm's MMA adds them, so a row gets the same bits from either kernel
@@ -33,9 +33,8 @@ from strata.kernels.quant.a8 import Codes
 from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_step, k_parts,
                                            load_parts, store_rows, tile_index)
 from strata.kernels.quant.blocks import BLOCKS, Part
-from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
-                                               Q5_K, Q6_K, Q8_0, TYPE_IDS, _codes, _planes,
-                                               _terms)
+from strata.kernels.quant.reads import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
+                                        Q6_K, Q8_0, TYPE_IDS, _codes, _planes, _terms)
 
 CODEBOOKS = ("IQ4_NL", "IQ4_XS")   # codes from a table, packed in K order (the rest: nibbles)
 HIGH_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))   # as int32
@@ -246,7 +245,7 @@ def _gemv_step(acc, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn, n_ok, w0, g0
     G: tl.constexpr = STEP // S
     gi = tl.arange(0, G)
     # the high bits a code of the 5- and 6-bit types (a qh word a group, code j of the group's
-    # qs word i at bits HIGH * i + 4 j: float_triton's _codes)
+    # qs word i at bits HIGH * i + 4 j: reads.py's _codes)
     HIGH: tl.constexpr = (2 if QTYPE == Q6_K else
                           1 if QTYPE == Q5_0 or QTYPE == Q5_1 or QTYPE == Q5_K else 0)
     NIBBLES: tl.constexpr = (QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q4_K or QTYPE == Q8_0

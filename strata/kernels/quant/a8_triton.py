@@ -20,7 +20,7 @@ fma(a dx, isum, b qs dx), the same in every kernel; the kernels launch with
 enable_fp_fusion=False so that Triton fuses no other product and sum, which it did one way for
 tiles of 1 and 2 rows and the other way from 4 rows up on sm_90 (changing a row's bits between
 tiles). The codes and scales come from
-float_triton.py's `_codes` and `_terms`, a K step at a time, the codes' sums a group from the
+reads.py's `_codes` and `_terms`, a K step at a time, the codes' sums a group from the
 quantizer; the terms are added by `add_in_order`.
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ from strata.kernels.quant.a8_gemv import (Pairs, a8_gemv, add_in_order, group_te
 from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_step, k_parts,
                                            store_rows)
 from strata.kernels.quant.blocks import BLOCKS, Part
-from strata.kernels.quant.float_triton import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
-                                               _term_loads, _term_values, _terms)
+from strata.kernels.quant.reads import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, _planes,
+                                        _term_loads, _term_values, _terms)
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
 GEMV_TILES = (1, 2, 4, 8)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES

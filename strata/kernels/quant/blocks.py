@@ -1,4 +1,4 @@
-"""The GGUF block types the quantized kernels read (weight.py, float_triton.py): their geometry
+"""The GGUF block types the quantized kernels read (weight.py, reads.py): their geometry
 and packed planes, as plain data (the launcher plans memory with it without torch)."""
 from __future__ import annotations
 
