@@ -205,9 +205,8 @@ def _step_dot(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, m_o
                      other=0)                                                    # [STEP, G BM]
         isum = tl.dot(u.to(tl.int8), qd, out_dtype=tl.int32)                     # [BN, G BM]
         isum = tl.permute(tl.reshape(isum, (BLOCK_N, G, BLOCK_M)), (0, 2, 1))   # [BN, BM, G]
-    qs = group_sums(qs_ptr, m, m_ok, K, g0, G, S).to(tl.float32)                 # [BM, G]
-    dx = tl.load(dx_ptr + m[:, None] * (K // 32) + ((g0 + tl.arange(0, G)) * S // 32)[None, :],
-                 mask=m_ok[:, None], other=0.0)                                 # [BM, G]
+    qs, dx = _row_scales(qs_ptr, dx_ptr, m, m_ok, K, g0, G, S)                  # [BM, G]
+    qs = qs.to(tl.float32)
     t = group_term(isum, a[:, None, :] * dx[None, :, :], b[:, None, :] * (qs * dx)[None, :, :])
     return add_in_order(acc, t, BLOCK_N, BLOCK_M, G)
 
