@@ -93,15 +93,8 @@ def emulated_int8(block: int = 32, bits: int = 8):
     def rounded(x):
         m, k = x.shape
         b = next(b for b in (block, 128, 64, 32) if k % b == 0)   # a row of K not whole blocks
-        if bits == 8:
-            q, dx = quantize_rows_torch(x, block=b)
-            return (q.float().view(m, k // b, b) * dx[..., None]).view(m, k).to(x.dtype)
-        top = 2 ** (bits - 1) - 1          # quantize_rows_torch's rounding, wider codes
-        y = x.float().view(m, k // b, b)
-        amax = y.abs().amax(-1, keepdim=True)
-        v = y * torch.where(amax > 0, top / amax, torch.zeros_like(amax))
-        q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v)).clamp(-top, top)
-        return (q * (amax / top)).view(m, k).to(x.dtype)
+        q, dx = quantize_rows_torch(x, block=b, top=2 ** (bits - 1) - 1)
+        return (q.float().view(m, k // b, b) * dx[..., None]).view(m, k).to(x.dtype)
 
     linear = fused.linear_rows
     head = stage_model.StageModel._head_block

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.quant.a8 import quantize_rows_torch
 from strata.kernels.quant.reads import Q4_K, _codes, _planes, _term_loads
 
 TOP = 2047    # the codes' largest magnitude: 12 bits
@@ -43,13 +44,8 @@ TOP = 2047    # the codes' largest magnitude: 12 bits
 def quantize_rows12(x: torch.Tensor, block: int = 256):
     """x [M, K] -> (lo, hi int8 [M, K], D fp32 [M, K / block]): q = 128 hi + lo, q = round(x / D)
     half away from zero, D = max|x| / 2047 over each block of a row."""
-    m, k = x.shape
-    y = x.float().view(m, k // block, block)
-    amax = y.abs().amax(-1, keepdim=True)
-    v = y * torch.where(amax > 0, TOP / amax, torch.zeros_like(amax))
-    q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v)).clamp(-TOP, TOP)
-    q = q.to(torch.int32).view(m, k)
-    return (q & 127).to(torch.int8), (q >> 7).to(torch.int8), (amax / TOP).view(m, k // block)
+    q, d = quantize_rows_torch(x, block=block, top=TOP)
+    return (q & 127).to(torch.int8), (q >> 7).to(torch.int8), d
 
 
 @triton.jit

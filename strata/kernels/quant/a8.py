@@ -53,10 +53,11 @@ class Codes:
 
 
 def quantize_rows_torch(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
-                        block: int = QBLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                        block: int = QBLOCK, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q int8 [M, K], dx fp32 [M, K / block]) as the module says (the Triton
     quantizer's rounding, up to its division and sum order); `block` values a scale, 32 as
-    the kernels (others only to measure what another block would change)."""
+    the kernels, and codes up to `top`, 127 as the kernels (others only to measure what they
+    would change: q is then int32)."""
     y = x.float()
     if norm is not None:
         r = torch.rsqrt((y * y).sum(1, keepdim=True) / y.shape[1] + eps)
@@ -64,10 +65,10 @@ def quantize_rows_torch(x: torch.Tensor, norm: torch.Tensor | None = None, eps: 
     m, k = y.shape
     blocks = y.view(m, k // block, block)
     amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
     v = blocks * inv[..., None]
-    q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v)).clamp(-127, 127)
-    return q.to(torch.int8).view(m, k), amax / 127.0
+    q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v)).clamp(-top, top)
+    return q.to(torch.int8 if top <= 127 else torch.int32).view(m, k), amax / top
 
 
 def signed_terms(part: Part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
