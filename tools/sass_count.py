@@ -39,7 +39,7 @@ from triton.compiler import ASTSource
 
 from strata.kernels.quant.a8_gemv import _a8_gemv_kernel
 from strata.kernels.quant.a8_parts import STEP
-from strata.kernels.quant.a8_triton import DOTS, _a8_mm_kernel
+from strata.kernels.quant.a8_mma import DOTS, _a8_mm_kernel
 from strata.kernels.quant.float_triton import _quant_mm_kernel
 from strata.kernels.quant.reads import TYPE_IDS
 from strata.kernels.quant.weight import BLOCKS

@@ -76,10 +76,11 @@ def test_the_kernel_is_the_integer_block_sums(device, qtype):
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_mma_dots_give_the_same_bits(device, qtype):
-    """The MMA tiles' three ways to the groups' integer sums (a8_mm's `dot`: batched, Q6_K's
-    groups in pairs; block-diagonal; a dot a group): the same bits, with a residual, in tiles
-    of 16 and 32 rows, at K steps of 256 and 64 (Q6_K: 16 and 4 groups a step), near the
-    exact sums; and a dot a group with the scales loaded a step ahead (a8_mm's ahead)."""
+    """The MMA tiles' ways to the groups' integer sums (a8_mm's `dot`: batched, Q6_K's groups
+    in pairs; block-diagonal; a dot a group, its terms picked from the step's, loaded by
+    themselves, or the step's sums joined): the same bits, with a residual, in tiles of 16 and
+    32 rows, at K steps of 256 and 64 (Q6_K: 16 and 4 groups a step), near the exact sums; and
+    a dot a group with the scales loaded a step ahead (a8_mm's ahead)."""
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     w, _ = _weight(qtype, 32, K, device, seed=7)
     x, res = _x(20, K, device, seed=8), _x(20, 32, device, seed=9)
@@ -87,7 +88,8 @@ def test_the_mma_dots_give_the_same_bits(device, qtype):
     part = w.parts[0]
     for tile, step in ((16, 256), (32, 64)):
         want = a8_mm(c, part, res, block_m=tile, block_n=32, block_k=step, dot="diagonal")
-        for dot, ahead in (("batched", False), ("groups", False), ("groups", True)):
+        for dot, ahead in (("batched", False), ("groups", False), ("groups", True),
+                           ("direct", False), ("joined", False)):
             got = a8_mm(c, part, res, block_m=tile, block_n=32, block_k=step, dot=dot,
                         ahead=ahead)
             assert torch.equal(got, want), f"{dot} (ahead {ahead}): {tile} rows, steps of {step}"

@@ -137,7 +137,7 @@ def test_the_last_program_adds_the_parts_as_the_kernels_after_it_would(device, m
     counters (during a CUDA graph capture before any exist)."""
     from strata.kernels import arrive
     from strata.kernels.moe_triton import experts_a8
-    from strata.kernels.quant import a8_gated, a8_gemv, a8_parts, a8_triton
+    from strata.kernels.quant import a8_gated, a8_gemv, a8_mma, a8_parts
     from strata.kernels.quant.a8_triton import a8_gate_up_silu, a8_mm, quantize_rows
     from strata.kernels.quant.weight import QuantWeight
     w, _ = _weight("Q4_K", 64, 4 * K, device, seed=71)               # four parts of K
@@ -155,13 +155,13 @@ def test_the_last_program_adds_the_parts_as_the_kernels_after_it_would(device, m
                 a8_mm(c, w.parts[0], res), codes.rows, codes.q, codes.dx, codes.qs,
                 experts_a8(x[:3].to(dtype), experts, gate_up, down, 4)]
     seen = []
-    for module in (a8_gemv, a8_gated, a8_triton):
+    for module in (a8_gemv, a8_gated, a8_mma):
         real = module.counters
         monkeypatch.setattr(module, "counters",
                             lambda *a, real=real: seen.append(1) or real(*a))
     fixed = outputs()
     assert seen and not arrive.counters(torch.device(device), 1).any()
-    for module in (a8_gemv, a8_gated, a8_triton):
+    for module in (a8_gemv, a8_gated, a8_mma):
         monkeypatch.setattr(module, "counters", lambda *a: None)
     added = outputs()
     for i, (one, other) in enumerate(zip(fixed, added)):

@@ -11,7 +11,8 @@ weight's bytes. An experiment, not a test: what it prints is the ground for choo
 blocks per shape and for making int8 activations the default.
 
     python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64]
-        [--mma diagonal,batched,groups,groups-ahead] [--parts 8] [--every] [--json-out F]
+        [--mma diagonal,batched,groups,groups-ahead] [--blocks 64x64x4,128x32x4] [--parts 8]
+        [--every] [--json-out F]
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def main() -> None:
     ap.add_argument("--mma", default="diagonal,batched,groups",
                     help="the MMA tiles' dots to time (a8_mm's dot; groups-ahead: groups "
                          "with the scales loaded a step ahead, a8_mm's ahead)")
+    ap.add_argument("--blocks", default=None,
+                    help="the MMA blocks to time, as block_nxblock_kxwarps (default: CONFIGS)")
     ap.add_argument("--parts", default="8",
                     help="the most parts of K to time (a8_mm's parts; each gives other bits)")
     ap.add_argument("--every", action="store_true",
@@ -92,7 +95,9 @@ def main() -> None:
                       f"{on:.1f} us, not {off:.1f} us (bits {'equal' if same else 'DIFFER'})")
             # the GEMV up to 4 rows, and as an 8-row tile (block_m 8) beside the MMA's
             gemv = [(*c, "gemv") for c in GEMV_CONFIGS] if m <= 8 else []
-            mma = [(*c, d) for c in CONFIGS for d in args.mma.split(",")] if m > 4 else []
+            configs = ([tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
+                       if args.blocks else CONFIGS)
+            mma = [(*c, d) for c in configs for d in args.mma.split(",")] if m > 4 else []
             parts = [int(p) for p in args.parts.split(",")]
             for config in ((*c, p) for c in gemv + mma for p in parts):
                 out = torch.empty(m, n, **bf)
