@@ -3,12 +3,13 @@ kernels (kernels/quant/float_triton.py, the policy's blocks and splits) at the l
 by block type and window rows: us per call from a CUDA graph with the weights rotating past L2,
 the row quantizer's us apart, a8_mm at its defaults (what a stage runs), the best a8_mm
 configuration of a few (the dp4a GEMV's columns, stages and warps up to 8 rows, an 8-row tile
-past 4; the MMA's block_n, block_k, warps and dot, --mma, past 4, where groups-ahead also
-times the default blocks with and without the scales loaded a step ahead; with --every each
-one's time and the best of each way; for gate_up up to 8 rows, a stage's fused a8_gate_up_silu against
-a8_mm then silu_mul), whether a row's bits equal the 16-row MMA tile's, and the HBM time of the
-weight's bytes. An experiment, not a test: what it prints is the ground for choosing a8_mm's
-blocks per shape and for making int8 activations the default.
+past 4; the MMA's block_n, block_k, warps and dot, --mma, past 4, 8 rows in its 16-row tile,
+where groups-ahead also times the default blocks with and without the scales loaded a step
+ahead; with --every each one's time and the best of each way; for gate_up up to 8 rows, a
+stage's fused a8_gate_up_silu against a8_mm then silu_mul), whether a row's bits equal the
+16-row MMA tile's, and the HBM time of the weight's bytes. An experiment, not a test: what it
+prints is the ground for choosing a8_mm's blocks per shape and for making int8 activations the
+default.
 
     python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64]
         [--mma diagonal,batched,groups,groups-ahead] [--blocks 64x64x4,128x32x4] [--parts 8]
@@ -59,7 +60,7 @@ def main() -> None:
                     help="print every configuration's time, not only the best")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
-    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
+    from strata.kernels.quant.a8_triton import a8_mm, a8_row_tile, quantize_rows
     policy = KernelPolicy.for_device("cuda")
     rate = copy_rate()
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -104,7 +105,7 @@ def main() -> None:
                 kw = (dict(gemv_n=config[0], stages=config[1], warps=config[2],
                            block_m=8 if m > 4 else None) if config[3] == "gemv" else
                       dict(block_n=config[0], block_k=config[1], warps=config[2],
-                           dot=config[3].removesuffix("-ahead"),
+                           block_m=max(16, a8_row_tile(m)), dot=config[3].removesuffix("-ahead"),
                            ahead=config[3].endswith("-ahead")))
                 kw["parts"] = config[4]
                 try:
