@@ -225,19 +225,29 @@ def _step_direct(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, 
     (the weight's a and b [BN], the rows' scales and sums of codes [BM]) loaded by themselves,
     which lets Triton load them in the layout of the sums instead of picking each group's
     from the step's and moving it there."""
-    SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
     for c in tl.static_range(STEP // 32):
         lo, hi = _chunk_sums(q_ptr, p0, p1, s0, s1, m, m_ok, n, n_ok, K, k0, c, QTYPE, S,
                              BLOCK_N)
-        for h in tl.static_range(32 // S):
-            g = k0 // S + c * (32 // S) + h
-            a, b = _terms(p2, p3, s2, s3, n, n_ok, g, QTYPE, 1)             # [BN, 1]
-            if SIGNED:
-                b = b * 0.0
-            qs, dx = _row_scales(qs_ptr, dx_ptr, m, m_ok, K, g, 1, S)       # [BM, 1]
-            dg = tl.reshape(dx, (1, BLOCK_M))
-            cg = tl.reshape(qs.to(tl.float32), (1, BLOCK_M)) * dg
-            acc += group_term(lo if h == 0 else hi, a * dg, b * cg)
+        acc = _chunk_terms(acc, lo, hi, dx_ptr, qs_ptr, p2, p3, s2, s3, m, m_ok, n, n_ok, K,
+                           k0 + 32 * c, QTYPE, S, BLOCK_M)
+    return acc
+
+
+@triton.jit
+def _chunk_terms(acc, lo, hi, dx_ptr, qs_ptr, p2, p3, s2, s3, m, m_ok, n, n_ok, K, k,
+                 QTYPE: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc + the terms of the groups in quants k .. k + 31 (_chunk_sums' lo, hi), each
+    group's terms loaded by themselves."""
+    SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
+    for h in tl.static_range(32 // S):
+        g = k // S + h
+        a, b = _terms(p2, p3, s2, s3, n, n_ok, g, QTYPE, 1)             # [BN, 1]
+        if SIGNED:
+            b = b * 0.0
+        qs, dx = _row_scales(qs_ptr, dx_ptr, m, m_ok, K, g, 1, S)       # [BM, 1]
+        dg = tl.reshape(dx, (1, BLOCK_M))
+        cg = tl.reshape(qs.to(tl.float32), (1, BLOCK_M)) * dg
+        acc += group_term(lo if h == 0 else hi, a * dg, b * cg)
     return acc
 
 
