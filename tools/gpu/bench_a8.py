@@ -5,11 +5,11 @@ the row quantizer's us apart, a8_mm at its defaults (what a stage runs), the bes
 configuration of a few (the dp4a GEMV's columns, stages and warps up to 8 rows, an 8-row tile
 past 4; the MMA's block_n, block_k, warps and dot, --mma, past 4, 8 rows in its 16-row tile,
 where groups-ahead also times the default blocks with and without the scales loaded a step
-ahead; with --every each one's time and the best of each way; for gate_up up to 8 rows, a
-stage's fused a8_gate_up_silu against a8_mm then silu_mul), whether a row's bits equal the
-16-row MMA tile's, and the HBM time of the weight's bytes. An experiment, not a test: what it
-prints is the ground for choosing a8_mm's blocks per shape and for making int8 activations the
-default.
+ahead; with --every each one's time, whether its bits are the defaults', and the best of each
+way; for gate_up up to 8 rows, a stage's fused a8_gate_up_silu against a8_mm then silu_mul),
+whether a row's bits equal the 16-row MMA tile's, and the HBM time of the weight's bytes. An
+experiment, not a test: what it prints is the ground for choosing a8_mm's blocks per shape and
+for making int8 activations the default.
 
     python tools/gpu/bench_a8.py [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,8,16,64]
         [--mma diagonal,batched,groups,groups-ahead] [--blocks 64x64x4,128x32x4] [--parts 8]
@@ -114,8 +114,11 @@ def main() -> None:
                     print(f"# {qtype} {name} {m} rows, {config}: {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120]}")
                     continue
-                if args.every:
-                    print(f"#   {qtype} {name} {m} rows {config}: {us:.1f} us")
+                if args.every:   # and whether its bits are a8_mm's at its defaults
+                    same = torch.equal(a8_mm(codes, probe.parts[0], r, **kw),
+                                       a8_mm(codes, probe.parts[0], r, parts=config[4]))
+                    print(f"#   {qtype} {name} {m} rows {config}: {us:.1f} us"
+                          f"{'' if same else ' (bits DIFFER from the defaults)'}")
                 if best is None or us < best[0]:
                     best = (us, config)
                 if config[3] not in by_way or us < by_way[config[3]][0]:
