@@ -1,0 +1,259 @@
+"""A prototype: the int8-activation MMA for Q4_K weights in Gluon (Triton's language with
+explicit layouts), the operands loaded from global memory straight into the registers of
+mma.sync m16n8k32, with no trip through shared memory and no barrier.
+
+The integer sum of a group, sum_k u_k q_k, does not depend on the order of k, so both
+operands take the same permutation of a group's 32 quants, chosen so that a thread's A
+fragment (the 8 k slots 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 of its rows, t = lane % 4) is
+one 32-bit word of the weight's qs plane: slots 4t + i take the word's low nibbles (quants
+8t + 2i), slots 16 + 4t + i its high ones (8t + 2i + 1). The rows' codes in pair order
+(Codes.qp: each 8 as 0, 2, 4, 6, 1, 3, 5, 7) give the B fragment of the same slots as two
+4-byte pieces. Each group's sums then take a8_gemv.group_term's float term, added to the
+accumulator group by group in K's order within a part of K (a8_parts.k_parts), and the parts
+are added by a8_parts.add_parts: the arithmetic of every int8 kernel, so its bits should be
+a8_mm's. Gluon does not run under Triton's interpreter: `--check` compares with a8_mm on a
+GPU, and `python tools/sass_count.py`-style counting works here (`--sass`).
+
+    python tools/gpu/gluon_a8.py [--rows 16] [--shape 4096x14336] [--block-n 64] [--warps 4]
+        [--check] [--sass]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+
+@gluon.jit
+def _nibbles(raw, SHIFT: gl.constexpr):
+    """int8 [..] bytes -> their low (SHIFT 0) or high (4) nibbles, a word at a time."""
+    if SHIFT == 0:
+        return gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [raw],
+                                         dtype=gl.int8, is_pure=True, pack=4)
+    return gl.inline_asm_elementwise("shr.b32 $0, $1, 4;\n\tand.b32 $0, $0, 0x0F0F0F0F;",
+                                     "=r,r", [raw], dtype=gl.int8, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sb):
+    """What Q4_K super-block sb of rows n keeps for its 8 groups' terms: its three scale
+    words and d, dmin (reads.py's _term_loads)."""
+    base = sc_ptr + n * s2 + 3 * sb
+    v0 = gl.load(base, mask=n_ok, other=0)
+    v1 = gl.load(base + 1, mask=n_ok, other=0)
+    v2 = gl.load(base + 2, mask=n_ok, other=0)
+    d = gl.load(dm_ptr + n * s3 + 2 * sb, mask=n_ok, other=0.0).to(gl.float32)
+    dmin = gl.load(dm_ptr + n * s3 + 2 * sb + 1, mask=n_ok, other=0.0).to(gl.float32)
+    return v0, v1, v2, d, dmin
+
+
+@gluon.jit
+def _q4k_terms(v0, v1, v2, d, dmin, j: gl.constexpr):
+    """a, b fp32 [BN] of group j of the super-block (_q4k_scales'): w = a u + b."""
+    sh: gl.constexpr = 8 * (j % 4)
+    if j < 4:
+        sc = (v0 >> sh) & 63
+        mn = (v1 >> sh) & 63
+    else:
+        sc = ((v2 >> sh) & 15) | (((v0 >> (sh + 6)) & 3) << 4)
+        mn = ((v2 >> (sh + 4)) & 15) | (((v1 >> (sh + 6)) & 3) << 4)
+    return d * _small_float(sc), -(dmin * _small_float(mn))
+
+
+@gluon.jit
+def _small_float(i):
+    """int32 in [0, 2^23) -> fp32, exact, by the magic number (no conversion instruction)."""
+    return (i | 0x4B000000).to(gl.float32, bitcast=True) - 8388608.0
+
+
+@gluon.jit
+def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
+                    s0, s2, s3, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                    WARPS: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr):
+    """Program (column block, row block, part of K): dst[part, m, n] = the part's terms of
+    rows m and weight rows n, added group by group from zero. w_ptr: the qs plane as bytes;
+    dc_ptr: fp32 [K / 32, M, 2], each group's dx and qs dx of the rows (dc_plane).
+    DC (dc_layout): [BM, 2] as the accumulator holds its columns, the pair in the thread.
+    RAW (raw_layout): the layout of a group's 16 bytes of BLOCK_N rows in which each thread
+    holds the word whose nibbles its A fragment takes."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    part = gl.program_id(2)
+    n0 = gl.program_id(0) * BLOCK_N
+    m0 = gl.program_id(1) * BLOCK_M
+    # A: the group's 16 bytes of each row [BN, 16] (thread t: bytes 4t .. 4t + 3), then its
+    # low nibbles at slots 0 .. 15 and high ones at 16 .. 31: [BN, 32] in the A fragments
+    na = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RAW))
+    sa = gl.arange(0, 16, layout=gl.SliceLayout(0, RAW))
+    a_at = w_ptr + na[:, None] * (4 * s0) + sa[None, :]
+    a_ok = (na < N)[:, None]
+    # B: [32, BM] int8, slot s of row m is pair-order byte 8 (s % 16 // 4) + 4 (s >= 16) + s % 4
+    sb = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
+    mb = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_l))
+    kb = (sb % 16) // 4 * 8 + (sb >= 16).to(gl.int32) * 4 + sb % 4
+    kb = gl.max_contiguous(gl.multiple_of(kb, 4), 4)          # 4 bytes a load
+    b_at = qp_ptr + mb[None, :] * K + kb[:, None]
+    b_ok = (mb < M)[None, :]
+    # the terms' rows and columns
+    n = n0 + gl.arange(0, BLOCK_N, layout=rows_l)
+    n_ok = n < N
+    m = m0 + gl.arange(0, BLOCK_M, layout=cols_l)
+    m_ok = m < M
+    md = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, DC))
+    dc_at = 2 * md[:, None] + gl.arange(0, 2, layout=gl.SliceLayout(0, DC))[None, :]
+    dc_ok = (md < M)[:, None]
+    magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=mma)
+    acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=mma)
+    for sbk in range(part * (L // 256), (part + 1) * (L // 256)):
+        v0, v1, v2, d, dmin = _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sbk)
+        for j in gl.static_range(8):
+            g = 8 * sbk + j
+            raw = gl.load(a_at + 16 * g, mask=a_ok, other=0)
+            u = gl.reshape(gl.permute(gl.join(_nibbles(raw, 0), _nibbles(raw, 4)), (0, 2, 1)),
+                           (BLOCK_N, 32))
+            u = gl.convert_layout(u, a_l, assert_trivial=True)
+            q = gl.load(b_at + 32 * g, mask=b_ok, other=0)
+            isum = mma_v2(u, q, magic)                        # 1.5 * 2^23 + the sums
+            a, b = _q4k_terms(v0, v1, v2, d, dmin, j)
+            dx, c = gl.split(gl.load(dc_ptr + g * (2 * M) + dc_at, mask=dc_ok, other=0.0))
+            dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
+            c = gl.convert_layout(c, cols_l, assert_trivial=True)
+            f = isum.to(gl.float32, bitcast=True) - 12582912.0  # group_term's magic number
+            acc += gl.fma(a[:, None] * dx[None, :], f, b[:, None] * c[None, :])
+    at = dst_ptr + part * M * N + m[None, :] * N + n[:, None]
+    gl.store(at, acc, mask=n_ok[:, None] & m_ok[None, :])
+
+
+def raw_layout(block_n: int, warps: int) -> gl.DistributedLinearLayout:
+    """[block_n, 16] bytes as the int8 A fragments of mma.sync m16n8k32 hold their rows (warp
+    w rows 16 w .. 16 w + 15 and again every 16 warps' rows, lane l rows l / 4 and l / 4 + 8):
+    lane l the 4 bytes 4 (l % 4) .. of each of its rows."""
+    reps = [[16 * warps << i, 0] for i in range((block_n // (16 * warps)).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]] + reps,
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
+        block_bases=[], shape=[block_n, 16])
+
+
+def dc_plane(x) -> torch.Tensor:
+    """fp32 [K / 32, M, 2]: each group's scale dx and the product of its codes' sum and dx,
+    rounded as a8_mm rounds them (the quantizer would write it; here torch does)."""
+    qs = x.qs[:, 0::2] + x.qs[:, 1::2]
+    return torch.stack([x.dx, qs.float() * x.dx], -1).transpose(0, 1).contiguous()
+
+
+def dc_layout(block_m: int, warps: int) -> gl.DistributedLinearLayout:
+    """[block_m, 2]: each column's (dx, qs dx) where the m16n8 accumulator holds the column
+    (lane l: columns 2 (l % 4) and 2 (l % 4) + 1 of every 8), the pair in the thread."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [1, 0]] + [[8 << i, 0] for i in range((block_m // 8).bit_length() - 1)],
+        lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0] for _ in range(warps.bit_length() - 1)],
+        block_bases=[], shape=[block_m, 2])
+
+
+def q4k_mma(x, part, res=None, *, block_n: int = 64, block_m: int = 16, warps: int = 4,
+            parts: int | None = None, dc: torch.Tensor | None = None) -> torch.Tensor:
+    """a8_mm(x, part, res)'s product for a Q4_K part by the Gluon kernel (fp32 [M, N]);
+    dc: dc_plane(x), made here if not given."""
+    from strata.kernels.quant.a8_parts import PARTS, add_parts, k_parts
+    assert part.qtype == "Q4_K"
+    m, k = x.q.shape
+    p = k_parts(part.rows, k, parts or PARTS)
+    assert (k // p) % 256 == 0, "the prototype walks whole super-blocks a part"
+    planes = part.planes
+    dst = torch.empty(p, m, part.rows, dtype=torch.float32, device=x.q.device)
+    grid = (triton.cdiv(part.rows, block_n), triton.cdiv(m, block_m), p)
+    _q4k_mma_kernel[grid](x.qp, dc if dc is not None else dc_plane(x),
+                          planes["qs"].view(torch.int8), planes["sc"],
+                          planes["dm"], dst, m, part.rows, k, k // p, planes["qs"].stride(0),
+                          planes["sc"].stride(0), planes["dm"].stride(0), BLOCK_N=block_n,
+                          BLOCK_M=block_m, WARPS=warps, RAW=raw_layout(block_n, warps),
+                          DC=dc_layout(block_m, warps),
+                          num_warps=warps)
+    out = torch.empty(m, part.rows, dtype=torch.float32, device=x.q.device)
+    add_parts(dst, res, out)
+    return out
+
+
+def sass(block_n: int, block_m: int, warps: int) -> str:
+    """The kernel's SASS for sm_90, compiled here (no GPU needed)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    names = _q4k_mma_kernel.arg_names
+    types = {"qp_ptr": "*i8", "dc_ptr": "*fp32", "w_ptr": "*i8",
+             "sc_ptr": "*i32", "dm_ptr": "*fp16", "dst_ptr": "*fp32"}
+    signature = {a: types.get(a, "i32") for a in names}
+    for c in ("BLOCK_N", "BLOCK_M", "WARPS", "RAW", "DC"):
+        signature[c] = "constexpr"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+             if a not in ("M", "BLOCK_N", "BLOCK_M", "WARPS", "RAW", "DC")}
+    src = GluonASTSource(_q4k_mma_kernel, signature,
+                         {"BLOCK_N": block_n, "BLOCK_M": block_m, "WARPS": warps,
+                          "RAW": raw_layout(block_n, warps), "DC": dc_layout(block_m, warps)},
+                         attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps})
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="16")
+    ap.add_argument("--shape", default="4096x14336,6144x4096")
+    ap.add_argument("--block-n", type=int, default=64)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--check", action="store_true", help="compare with a8_mm's bits (GPU)")
+    ap.add_argument("--sass", default=None, help="write the SASS for sm_90 here (no GPU)")
+    args = ap.parse_args()
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass(args.block_n, int(args.rows.split(",")[0]), args.warps))
+        return
+    from bench_kernels import timed   # this script's folder is on the path
+    from bench_quant import weights
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
+    print(f"# {torch.cuda.get_device_name()}")
+    for shape in args.shape.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        probe = weights("Q4_K", n, k, 1)[0]
+        copies = max(2, -(-200_000_000 // probe.nbytes))
+        ws = [probe] + weights("Q4_K", n, k, copies - 1, seed=1)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            c = quantize_rows(x)
+            part = probe.parts[0]
+            bm = max(16, triton.next_power_of_2(rows))
+            got = q4k_mma(c, part, block_n=args.block_n, block_m=bm, warps=args.warps)
+            want = a8_mm(c, part)
+            same = torch.equal(got, want)
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            dc = dc_plane(c)   # the quantizer would write it: not timed
+            gl_us = timed(lambda i: q4k_mma(c, ws[i % copies].parts[0], block_n=args.block_n,
+                                            block_m=bm, warps=args.warps, dc=dc))
+            a8_us = timed(lambda i: a8_mm(c, ws[i % copies].parts[0]))
+            print(f"Q4_K [{n}, {k}] {rows} rows: gluon {gl_us:.1f} us, a8_mm {a8_us:.1f} us, "
+                  f"bits {'equal' if same else f'DIFFER (max rel {err:.2e})'}")
+
+
+if __name__ == "__main__":
+    main()
