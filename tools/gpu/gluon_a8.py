@@ -11,11 +11,12 @@ one 32-bit word of the weight's qs plane: slots 4t + i take the word's low nibbl
 4-byte pieces. Each group's sums then take a8_gemv.group_term's float term, added to the
 accumulator group by group in K's order within a part of K (a8_parts.k_parts), and the parts
 are added by a8_parts.add_parts: the arithmetic of every int8 kernel, so its bits should be
-a8_mm's. Gluon does not run under Triton's interpreter: `--check` compares with a8_mm on a
-GPU, and `python tools/sass_count.py`-style counting works here (`--sass`).
+a8_mm's. Gluon does not run under Triton's interpreter: on a GPU the tool compares its bits
+with a8_mm's and times both (the llama3-8b down and qkv shapes by default); `--sass FILE`
+compiles it for sm_90 without a GPU, to count its instructions as tools/sass_count.py does.
 
-    python tools/gpu/gluon_a8.py [--rows 16] [--shape 4096x14336] [--block-n 64] [--warps 4]
-        [--check] [--sass]
+    python tools/gpu/gluon_a8.py [--rows 16,32,64] [--shape 4096x14336] [--block-n 64]
+        [--warps 4] [--sass FILE]
 """
 from __future__ import annotations
 
@@ -222,7 +223,6 @@ def main() -> None:
     ap.add_argument("--shape", default="4096x14336,6144x4096")
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--check", action="store_true", help="compare with a8_mm's bits (GPU)")
     ap.add_argument("--sass", default=None, help="write the SASS for sm_90 here (no GPU)")
     args = ap.parse_args()
     if args.sass:
