@@ -40,15 +40,23 @@ def _nibbles(raw, SHIFT: gl.constexpr):
 
 
 @gluon.jit
-def _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sb):
+def _ld(at, ok, EVEN: gl.constexpr):
+    """A load, masked unless the blocks are whole (EVEN: no predicates, no zeroing)."""
+    if EVEN:
+        return gl.load(at)
+    return gl.load(at, mask=ok, other=0)
+
+
+@gluon.jit
+def _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sb, EVEN: gl.constexpr):
     """What Q4_K super-block sb of rows n keeps for its 8 groups' terms: its three scale
     words and d, dmin (reads.py's _term_loads)."""
     base = sc_ptr + n * s2 + 3 * sb
-    v0 = gl.load(base, mask=n_ok, other=0)
-    v1 = gl.load(base + 1, mask=n_ok, other=0)
-    v2 = gl.load(base + 2, mask=n_ok, other=0)
-    d = gl.load(dm_ptr + n * s3 + 2 * sb, mask=n_ok, other=0.0).to(gl.float32)
-    dmin = gl.load(dm_ptr + n * s3 + 2 * sb + 1, mask=n_ok, other=0.0).to(gl.float32)
+    v0 = _ld(base, n_ok, EVEN)
+    v1 = _ld(base + 1, n_ok, EVEN)
+    v2 = _ld(base + 2, n_ok, EVEN)
+    d = _ld(dm_ptr + n * s3 + 2 * sb, n_ok, EVEN).to(gl.float32)
+    dmin = _ld(dm_ptr + n * s3 + 2 * sb + 1, n_ok, EVEN).to(gl.float32)
     return v0, v1, v2, d, dmin
 
 
@@ -74,7 +82,8 @@ def _small_float(i):
 @gluon.jit
 def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
                     s0, s2, s3, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                    WARPS: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr):
+                    WARPS: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr,
+                    EVEN: gl.constexpr):
     """Program (column block, row block, part of K): dst[part, m, n] = the part's terms of
     rows m and weight rows n, added group by group from zero. w_ptr: the qs plane as bytes;
     dc_ptr: fp32 [K / 32, M, 2], each group's dx and qs dx of the rows (dc_plane).
@@ -114,17 +123,17 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
     magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=mma)
     acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=mma)
     for sbk in range(part * (L // 256), (part + 1) * (L // 256)):
-        v0, v1, v2, d, dmin = _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sbk)
+        v0, v1, v2, d, dmin = _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sbk, EVEN)
         for j in gl.static_range(8):
             g = 8 * sbk + j
-            raw = gl.load(a_at + 16 * g, mask=a_ok, other=0)
+            raw = _ld(a_at + 16 * g, a_ok, EVEN)
             u = gl.reshape(gl.permute(gl.join(_nibbles(raw, 0), _nibbles(raw, 4)), (0, 2, 1)),
                            (BLOCK_N, 32))
             u = gl.convert_layout(u, a_l, assert_trivial=True)
-            q = gl.load(b_at + 32 * g, mask=b_ok, other=0)
+            q = _ld(b_at + 32 * g, b_ok, EVEN)
             isum = mma_v2(u, q, magic)                        # 1.5 * 2^23 + the sums
             a, b = _q4k_terms(v0, v1, v2, d, dmin, j)
-            dx, c = gl.split(gl.load(dc_ptr + g * (2 * M) + dc_at, mask=dc_ok, other=0.0))
+            dx, c = gl.split(_ld(dc_ptr + g * (2 * M) + dc_at, dc_ok, EVEN))
             dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
             c = gl.convert_layout(c, cols_l, assert_trivial=True)
             f = isum.to(gl.float32, bitcast=True) - 12582912.0  # group_term's magic number
@@ -180,6 +189,7 @@ def q4k_mma(x, part, res=None, *, block_n: int = 64, block_m: int = 16, warps: i
                           planes["sc"].stride(0), planes["dm"].stride(0), BLOCK_N=block_n,
                           BLOCK_M=block_m, WARPS=warps, RAW=raw_layout(block_n, warps),
                           DC=dc_layout(block_m, warps),
+                          EVEN=m % block_m == 0 and part.rows % block_n == 0,
                           num_warps=warps)
     out = torch.empty(m, part.rows, dtype=torch.float32, device=x.q.device)
     add_parts(dst, res, out)
@@ -198,13 +208,14 @@ def sass(block_n: int, block_m: int, warps: int) -> str:
     types = {"qp_ptr": "*i8", "dc_ptr": "*fp32", "w_ptr": "*i8",
              "sc_ptr": "*i32", "dm_ptr": "*fp16", "dst_ptr": "*fp32"}
     signature = {a: types.get(a, "i32") for a in names}
-    for c in ("BLOCK_N", "BLOCK_M", "WARPS", "RAW", "DC"):
+    for c in ("BLOCK_N", "BLOCK_M", "WARPS", "RAW", "DC", "EVEN"):
         signature[c] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-             if a not in ("M", "BLOCK_N", "BLOCK_M", "WARPS", "RAW", "DC")}
+             if a not in ("M", "BLOCK_N", "BLOCK_M", "WARPS", "RAW", "DC", "EVEN")}
     src = GluonASTSource(_q4k_mma_kernel, signature,
                          {"BLOCK_N": block_n, "BLOCK_M": block_m, "WARPS": warps,
-                          "RAW": raw_layout(block_n, warps), "DC": dc_layout(block_m, warps)},
+                          "RAW": raw_layout(block_n, warps), "DC": dc_layout(block_m, warps),
+                          "EVEN": True},
                          attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps})
