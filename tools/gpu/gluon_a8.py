@@ -16,7 +16,7 @@ with a8_mm's and times both (the llama3-8b down and qkv shapes by default); `--s
 compiles it for sm_90 without a GPU, to count its instructions as tools/sass_count.py does.
 
     python tools/gpu/gluon_a8.py [--rows 16,32,64] [--shape 4096x14336] [--block-n 64]
-        [--warps 4] [--sass FILE]
+        [--block-m 32] [--warps 4] [--sass FILE]
 """
 from __future__ import annotations
 
@@ -234,11 +234,13 @@ def main() -> None:
     ap.add_argument("--shape", default="4096x14336,6144x4096")
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--block-m", type=int, default=None,
+                    help="rows a program (default: the window's rows up to a power of two)")
     ap.add_argument("--sass", default=None, help="write the SASS for sm_90 here (no GPU)")
     args = ap.parse_args()
     if args.sass:
         with open(args.sass, "w") as f:
-            f.write(sass(args.block_n, int(args.rows.split(",")[0]), args.warps))
+            f.write(sass(args.block_n, args.block_m or int(args.rows.split(",")[0]), args.warps))
         return
     from bench_kernels import timed   # this script's folder is on the path
     from bench_quant import weights
@@ -253,7 +255,7 @@ def main() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             c = quantize_rows(x)
             part = probe.parts[0]
-            bm = max(16, triton.next_power_of_2(rows))
+            bm = args.block_m or max(16, triton.next_power_of_2(rows))
             got = q4k_mma(c, part, block_n=args.block_n, block_m=bm, warps=args.warps)
             want = a8_mm(c, part)
             same = torch.equal(got, want)
