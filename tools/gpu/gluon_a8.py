@@ -255,7 +255,7 @@ def main() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             c = quantize_rows(x)
             part = probe.parts[0]
-            bm = args.block_m or max(16, triton.next_power_of_2(rows))
+            bm = args.block_m or max(8, triton.next_power_of_2(rows))
             got = q4k_mma(c, part, block_n=args.block_n, block_m=bm, warps=args.warps)
             want = a8_mm(c, part)
             same = torch.equal(got, want)
