@@ -1,5 +1,5 @@
-"""A prototype: the int8-activation MMA for Q4_K weights in Gluon (Triton's language with
-explicit layouts), the operands loaded from global memory straight into the registers of
+"""A prototype: the int8-activation MMA for Q4_K and Q6_K weights in Gluon (Triton's language
+with explicit layouts), the operands loaded from global memory straight into the registers of
 mma.sync m16n8k32, with no trip through shared memory and no barrier.
 
 The integer sum of a group, sum_k u_k q_k, does not depend on the order of k, so both
@@ -8,19 +8,22 @@ fragment (the 8 k slots 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 of its rows, t =
 one 32-bit word of the weight's qs plane: slots 4t + i take the word's low nibbles (quants
 8t + 2i), slots 16 + 4t + i its high ones (8t + 2i + 1). The rows' codes in pair order
 (Codes.qp: each 8 as 0, 2, 4, 6, 1, 3, 5, 7) give the B fragment of the same slots as two
-4-byte pieces. Each group's sums then take a8_gemv.group_term's float term, added to the
+4-byte pieces. Q6_K's groups of 16 take a thread's word from one group (words 0, 1 of a
+32-quant chunk are its first group's), the high bits from the group's qh word, and the sums of
+each group against the rows' codes with the other group's slots zeroed. Each group's sums then take a8_gemv.group_term's float term, added to the
 accumulator group by group in K's order within a part of K (a8_parts.k_parts), and the parts
 are added by a8_parts.add_parts: the arithmetic of every int8 kernel, so its bits should be
 a8_mm's. Gluon does not run under Triton's interpreter: on a GPU the tool compares its bits
 with a8_mm's and times both (the llama3-8b down and qkv shapes by default); `--sass FILE`
 compiles it for sm_90 without a GPU, to count its instructions as tools/sass_count.py does.
 
-    python tools/gpu/gluon_a8.py [--rows 16,32,64] [--shape 4096x14336] [--block-n 64]
-        [--block-m 32] [--warps 4] [--sass FILE]
+    python tools/gpu/gluon_a8.py [--types Q4_K,Q6_K] [--rows 16,32,64] [--shape 4096x14336]
+        [--block-n 64] [--block-m 32] [--warps 4] [--sass FILE]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 import triton
@@ -142,6 +145,92 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
     gl.store(at, acc, mask=n_ok[:, None] & m_ok[None, :])
 
 
+@gluon.jit
+def _q6k_codes(raw, qh, shift):
+    """int8 [BN, 16] x3 -> the 6-bit codes of the low (bits 0..3 of raw) and high nibbles:
+    raw the thread's qs word, qh its group's qh word, shift 2 a (a: the word's index in its
+    group): element j's high bits are bits 4 j + 2 a of qh, so the low nibbles' are qh >> 2a
+    and the high ones' qh >> (2a + 4), a byte each."""
+    lo = gl.inline_asm_elementwise(
+        "{ .reg .b32 s, h; and.b32 s, $3, 0xFF; shr.b32 h, $2, s; and.b32 h, h, 0x03030303; "
+        "shl.b32 h, h, 4; and.b32 $0, $1, 0x0F0F0F0F; or.b32 $0, $0, h; }",
+        "=r,r,r,r", [raw, qh, shift], dtype=gl.int8, is_pure=True, pack=4)
+    hi = gl.inline_asm_elementwise(
+        "{ .reg .b32 s, h; and.b32 s, $3, 0xFF; add.u32 s, s, 4; shr.b32 h, $2, s; "
+        "and.b32 h, h, 0x03030303; shl.b32 h, h, 4; shr.b32 $0, $1, 4; "
+        "and.b32 $0, $0, 0x0F0F0F0F; or.b32 $0, $0, h; }",
+        "=r,r,r,r", [raw, qh, shift], dtype=gl.int8, is_pure=True, pack=4)
+    return lo, hi
+
+
+@gluon.jit
+def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
+                    s0, s1, s2, s3, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                    WARPS: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr,
+                    EVEN: gl.constexpr):
+    """_q4k_mma_kernel for Q6_K: groups of 16, so a chunk of 32 quants is two groups, thread
+    t's word from group t // 2 (slots 0 .. 7 and 16 .. 23 group 2c, the rest 2c + 1); each
+    group's sums from the rows' codes with the other group's slots zeroed. w_ptr, qh_ptr: the
+    qs and qh planes as bytes; dc_ptr: fp32 [K / 32, M, 3], dx and each group's qs dx."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    part = gl.program_id(2)
+    n0 = gl.program_id(0) * BLOCK_N
+    m0 = gl.program_id(1) * BLOCK_M
+    na = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RAW))
+    sa = gl.arange(0, 16, layout=gl.SliceLayout(0, RAW))
+    a_at = w_ptr + na[:, None] * (4 * s0) + sa[None, :]
+    h_at = qh_ptr + na[:, None] * (4 * s1) + (sa // 8 * 4 + sa % 4)[None, :]
+    shift = (gl.full([BLOCK_N, 16], 0, gl.int8, layout=RAW)
+             + ((sa // 4) % 2 * 2).to(gl.int8)[None, :])           # 2 a, a = (byte / 4) % 2
+    a_ok = (na < N)[:, None]
+    sb = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
+    mb = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_l))
+    kb = (sb % 16) // 4 * 8 + (sb >= 16).to(gl.int32) * 4 + sb % 4
+    kb = gl.max_contiguous(gl.multiple_of(kb, 4), 4)
+    b_at = qp_ptr + mb[None, :] * K + kb[:, None]
+    b_ok = (mb < M)[None, :]
+    first = ((sb % 16) < 8)[:, None]                          # group 2c's slots
+    n = n0 + gl.arange(0, BLOCK_N, layout=rows_l)
+    n_ok = n < N
+    m = m0 + gl.arange(0, BLOCK_M, layout=cols_l)
+    m_ok = m < M
+    md = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, DC))
+    dc_at = 4 * md[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, DC))[None, :]
+    dc_ok = (md < M)[:, None]
+    magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=mma)
+    acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=mma)
+    for sbk in range(part * (L // 256), (part + 1) * (L // 256)):
+        d = _ld(dm_ptr + n * s3 + sbk, n_ok, EVEN).to(gl.float32)
+        for c in gl.static_range(8):                          # chunks of 32: groups 2c, 2c + 1
+            ch = 8 * sbk + c
+            raw = _ld(a_at + 16 * ch, a_ok, EVEN)
+            qh = _ld(h_at + 8 * ch, a_ok, EVEN)
+            lo, hi = _q6k_codes(raw, qh, shift)
+            u = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 32))
+            u = gl.convert_layout(u, a_l, assert_trivial=True)
+            q = _ld(b_at + 32 * ch, b_ok, EVEN)
+            s_a = mma_v2(u, gl.where(first, q, 0), magic)
+            s_b = mma_v2(u, gl.where(first, 0, q), magic)
+            even, odd = gl.split(gl.reshape(                  # (dx, qs1 dx), (qs0 dx, 0)
+                _ld(dc_ptr + ch * (4 * M) + dc_at, dc_ok, EVEN), (BLOCK_M, 2, 2)))
+            dx, c1 = gl.split(even)
+            c0, _ = gl.split(odd)
+            dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
+            for h in gl.static_range(2):
+                sc = _ld(sc_ptr + n * s2 + 2 * ch + h, n_ok, EVEN).to(gl.float32)
+                a = d * sc
+                cg = gl.convert_layout(c0 if h == 0 else c1, cols_l, assert_trivial=True)
+                f = (s_a if h == 0 else s_b).to(gl.float32, bitcast=True) - 12582912.0
+                acc += gl.fma(a[:, None] * dx[None, :], f, (-32.0 * a)[:, None] * cg[None, :])
+    at = dst_ptr + part * M * N + m[None, :] * N + n[:, None]
+    gl.store(at, acc, mask=n_ok[:, None] & m_ok[None, :])
+
+
 def raw_layout(block_n: int, warps: int) -> gl.DistributedLinearLayout:
     """[block_n, 16] bytes as the int8 A fragments of mma.sync m16n8k32 hold their rows (warp
     w rows 16 w .. 16 w + 15 and again every 16 warps' rows, lane l rows l / 4 and l / 4 + 8):
@@ -154,49 +243,61 @@ def raw_layout(block_n: int, warps: int) -> gl.DistributedLinearLayout:
         block_bases=[], shape=[block_n, 16])
 
 
-def dc_plane(x) -> torch.Tensor:
+def dc_plane(x, qtype: str = "Q4_K") -> torch.Tensor:
     """fp32 [K / 32, M, 2]: each group's scale dx and the product of its codes' sum and dx,
-    rounded as a8_mm rounds them (the quantizer would write it; here torch does)."""
-    qs = x.qs[:, 0::2] + x.qs[:, 1::2]
-    return torch.stack([x.dx, qs.float() * x.dx], -1).transpose(0, 1).contiguous()
+    rounded as a8_mm rounds them (the quantizer would write it; here torch does); Q6_K
+    [K / 32, M, 4]: dx, then each of the two groups of 16's qs dx, then 0."""
+    if qtype == "Q6_K":
+        qs = x.qs.float()
+        planes = [x.dx, qs[:, 0::2] * x.dx, qs[:, 1::2] * x.dx, torch.zeros_like(x.dx)]
+    else:
+        planes = [x.dx, (x.qs[:, 0::2] + x.qs[:, 1::2]).float() * x.dx]
+    return torch.stack(planes, -1).transpose(0, 1).contiguous()
 
 
-def dc_layout(block_m: int, warps: int) -> gl.DistributedLinearLayout:
-    """[block_m, 2]: each column's (dx, qs dx) where the m16n8 accumulator holds the column
-    (lane l: columns 2 (l % 4) and 2 (l % 4) + 1 of every 8), the pair in the thread."""
+def dc_layout(block_m: int, warps: int, width: int = 2) -> gl.DistributedLinearLayout:
+    """[block_m, width]: each column's dc_plane values where the m16n8 accumulator holds the
+    column (lane l: columns 2 (l % 4) and 2 (l % 4) + 1 of every 8), a column's in the thread."""
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [1, 0]] + [[8 << i, 0] for i in range((block_m // 8).bit_length() - 1)],
+        reg_bases=([[0, 1 << i] for i in range(width.bit_length() - 1)] + [[1, 0]]
+                   + [[8 << i, 0] for i in range((block_m // 8).bit_length() - 1)]),
         lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
         warp_bases=[[0, 0] for _ in range(warps.bit_length() - 1)],
-        block_bases=[], shape=[block_m, 2])
+        block_bases=[], shape=[block_m, width])
 
 
-def q4k_mma(x, part, res=None, *, block_n: int = 64, block_m: int = 16, warps: int = 4,
-            parts: int | None = None, dc: torch.Tensor | None = None) -> torch.Tensor:
-    """a8_mm(x, part, res)'s product for a Q4_K part by the Gluon kernel (fp32 [M, N]);
-    dc: dc_plane(x), made here if not given."""
+def gluon_mm(x, part, res=None, *, block_n: int = 64, block_m: int = 16, warps: int = 4,
+             parts: int | None = None, dc: torch.Tensor | None = None) -> torch.Tensor:
+    """a8_mm(x, part, res)'s product for a Q4_K or Q6_K part by the Gluon kernels (fp32
+    [M, N]); dc: dc_plane(x, part.qtype), made here if not given."""
     from strata.kernels.quant.a8_parts import PARTS, add_parts, k_parts
-    assert part.qtype == "Q4_K"
     m, k = x.q.shape
     p = k_parts(part.rows, k, parts or PARTS)
     assert (k // p) % 256 == 0, "the prototype walks whole super-blocks a part"
-    planes = part.planes
+    pl = part.planes
     dst = torch.empty(p, m, part.rows, dtype=torch.float32, device=x.q.device)
     grid = (triton.cdiv(part.rows, block_n), triton.cdiv(m, block_m), p)
-    _q4k_mma_kernel[grid](x.qp, dc if dc is not None else dc_plane(x),
-                          planes["qs"].view(torch.int8), planes["sc"],
-                          planes["dm"], dst, m, part.rows, k, k // p, planes["qs"].stride(0),
-                          planes["sc"].stride(0), planes["dm"].stride(0), BLOCK_N=block_n,
-                          BLOCK_M=block_m, WARPS=warps, RAW=raw_layout(block_n, warps),
-                          DC=dc_layout(block_m, warps),
-                          EVEN=m % block_m == 0 and part.rows % block_n == 0,
-                          num_warps=warps)
+    dc = dc if dc is not None else dc_plane(x, part.qtype)
+    blocks = dict(BLOCK_N=block_n, BLOCK_M=block_m, WARPS=warps,
+                  RAW=raw_layout(block_n, warps),
+                  DC=dc_layout(block_m, warps, 4 if part.qtype == "Q6_K" else 2),
+                  EVEN=m % block_m == 0 and part.rows % block_n == 0, num_warps=warps)
+    if part.qtype == "Q6_K":
+        _q6k_mma_kernel[grid](x.qp, dc, pl["qs"].view(torch.int8), pl["qh"].view(torch.int8),
+                              pl["sc"], pl["dm"], dst, m, part.rows, k, k // p,
+                              pl["qs"].stride(0), pl["qh"].stride(0), pl["sc"].stride(0),
+                              pl["dm"].stride(0), **blocks)
+    else:
+        assert part.qtype == "Q4_K"
+        _q4k_mma_kernel[grid](x.qp, dc, pl["qs"].view(torch.int8), pl["sc"], pl["dm"], dst,
+                              m, part.rows, k, k // p, pl["qs"].stride(0),
+                              pl["sc"].stride(0), pl["dm"].stride(0), **blocks)
     out = torch.empty(m, part.rows, dtype=torch.float32, device=x.q.device)
     add_parts(dst, res, out)
     return out
 
 
-def sass(block_n: int, block_m: int, warps: int) -> str:
+def sass(qtype: str, block_n: int, block_m: int, warps: int) -> str:
     """The kernel's SASS for sm_90, compiled here (no GPU needed)."""
     import os
     import subprocess
@@ -204,19 +305,17 @@ def sass(block_n: int, block_m: int, warps: int) -> str:
 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    names = _q4k_mma_kernel.arg_names
-    types = {"qp_ptr": "*i8", "dc_ptr": "*fp32", "w_ptr": "*i8",
-             "sc_ptr": "*i32", "dm_ptr": "*fp16", "dst_ptr": "*fp32"}
-    signature = {a: types.get(a, "i32") for a in names}
-    for c in ("BLOCK_N", "BLOCK_M", "WARPS", "RAW", "DC", "EVEN"):
-        signature[c] = "constexpr"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-             if a not in ("M", "BLOCK_N", "BLOCK_M", "WARPS", "RAW", "DC", "EVEN")}
-    src = GluonASTSource(_q4k_mma_kernel, signature,
-                         {"BLOCK_N": block_n, "BLOCK_M": block_m, "WARPS": warps,
-                          "RAW": raw_layout(block_n, warps), "DC": dc_layout(block_m, warps),
-                          "EVEN": True},
-                         attrs)
+    fn = _q6k_mma_kernel if qtype == "Q6_K" else _q4k_mma_kernel
+    types = {"qp_ptr": "*i8", "dc_ptr": "*fp32", "w_ptr": "*i8", "qh_ptr": "*i8",
+             "sc_ptr": "*i8" if qtype == "Q6_K" else "*i32", "dm_ptr": "*fp16",
+             "dst_ptr": "*fp32"}
+    consts = {"BLOCK_N": block_n, "BLOCK_M": block_m, "WARPS": warps,
+              "RAW": raw_layout(block_n, warps),
+              "DC": dc_layout(block_m, warps, 4 if qtype == "Q6_K" else 2), "EVEN": True}
+    signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if a != "M" and a not in consts}
+    src = GluonASTSource(fn, signature, consts, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps})
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -230,6 +329,7 @@ def sass(block_n: int, block_m: int, warps: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--rows", default="16")
     ap.add_argument("--shape", default="4096x14336,6144x4096")
     ap.add_argument("--block-n", type=int, default=64)
@@ -240,31 +340,32 @@ def main() -> None:
     args = ap.parse_args()
     if args.sass:
         with open(args.sass, "w") as f:
-            f.write(sass(args.block_n, args.block_m or int(args.rows.split(",")[0]), args.warps))
+            f.write(sass(args.types.split(",")[0], args.block_n,
+                         args.block_m or int(args.rows.split(",")[0]), args.warps))
         return
     from bench_kernels import timed   # this script's folder is on the path
     from bench_quant import weights
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     print(f"# {torch.cuda.get_device_name()}")
-    for shape in args.shape.split(","):
+    for qtype, shape in itertools.product(args.types.split(","), args.shape.split(",")):
         n, k = (int(v) for v in shape.split("x"))
-        probe = weights("Q4_K", n, k, 1)[0]
+        probe = weights(qtype, n, k, 1)[0]
         copies = max(2, -(-200_000_000 // probe.nbytes))
-        ws = [probe] + weights("Q4_K", n, k, copies - 1, seed=1)
+        ws = [probe] + weights(qtype, n, k, copies - 1, seed=1)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             c = quantize_rows(x)
             part = probe.parts[0]
             bm = args.block_m or max(8, triton.next_power_of_2(rows))
-            got = q4k_mma(c, part, block_n=args.block_n, block_m=bm, warps=args.warps)
+            got = gluon_mm(c, part, block_n=args.block_n, block_m=bm, warps=args.warps)
             want = a8_mm(c, part)
             same = torch.equal(got, want)
             err = ((got - want).abs().max() / want.abs().max()).item()
-            dc = dc_plane(c)   # the quantizer would write it: not timed
-            gl_us = timed(lambda i: q4k_mma(c, ws[i % copies].parts[0], block_n=args.block_n,
-                                            block_m=bm, warps=args.warps, dc=dc))
+            dc = dc_plane(c, qtype)   # the quantizer would write it: not timed
+            gl_us = timed(lambda i: gluon_mm(c, ws[i % copies].parts[0], block_n=args.block_n,
+                                             block_m=bm, warps=args.warps, dc=dc))
             a8_us = timed(lambda i: a8_mm(c, ws[i % copies].parts[0]))
-            print(f"Q4_K [{n}, {k}] {rows} rows: gluon {gl_us:.1f} us, a8_mm {a8_us:.1f} us, "
+            print(f"{qtype} [{n}, {k}] {rows} rows: gluon {gl_us:.1f} us, a8_mm {a8_us:.1f} us, "
                   f"bits {'equal' if same else f'DIFFER (max rel {err:.2e})'}")
 
 
