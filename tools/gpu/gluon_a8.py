@@ -10,10 +10,10 @@ one 32-bit word of the weight's qs plane: slots 4t + i take the word's low nibbl
 (Codes.qp: each 8 as 0, 2, 4, 6, 1, 3, 5, 7) give the B fragment of the same slots as two
 4-byte pieces. Q6_K's groups of 16 take a thread's word from one group (words 0, 1 of a
 32-quant chunk are its first group's), the high bits from the group's qh word, and the sums of
-each group against the rows' codes with the other group's slots zeroed. Each group's sums then take a8_gemv.group_term's float term, added to the
-accumulator group by group in K's order within a part of K (a8_parts.k_parts), and the parts
-are added by a8_parts.add_parts: the arithmetic of every int8 kernel, so its bits should be
-a8_mm's. Gluon does not run under Triton's interpreter: on a GPU the tool compares its bits
+each group against the rows' codes with the other group's slots zeroed. Each group's sums
+then take a8_gemv.group_term's float term, added to the accumulator group by group in K's
+order within a part of K (a8_parts.k_parts), and the parts are added by a8_parts.add_parts:
+the arithmetic of every int8 kernel, so its bits should be a8_mm's. Gluon does not run under Triton's interpreter: on a GPU the tool compares its bits
 with a8_mm's and times both (the llama3-8b down and qkv shapes by default); `--sass FILE`
 compiles it for sm_90 without a GPU, to count its instructions as tools/sass_count.py does.
 
