@@ -13,9 +13,10 @@ one 32-bit word of the weight's qs plane: slots 4t + i take the word's low nibbl
 each group against the rows' codes with the other group's slots zeroed. Each group's sums
 then take a8_gemv.group_term's float term, added to the accumulator group by group in K's
 order within a part of K (a8_parts.k_parts), and the parts are added by a8_parts.add_parts:
-the arithmetic of every int8 kernel, so its bits should be a8_mm's. Gluon does not run under Triton's interpreter: on a GPU the tool compares its bits
-with a8_mm's and times both (the llama3-8b down and qkv shapes by default); `--sass FILE`
-compiles it for sm_90 without a GPU, to count its instructions as tools/sass_count.py does.
+the arithmetic of every int8 kernel, so its bits should be a8_mm's. Gluon does not run under
+Triton's interpreter: on a GPU the tool compares its bits with a8_mm's and times both (the
+llama3-8b down and qkv shapes by default); `--sass FILE` compiles it for sm_90 without a GPU,
+to count its instructions as tools/sass_count.py does.
 
     python tools/gpu/gluon_a8.py [--types Q4_K,Q6_K] [--rows 16,32,64] [--shape 4096x14336]
         [--block-n 64] [--block-m 32] [--warps 4] [--sass FILE]
