@@ -10,10 +10,10 @@ one 32-bit word of the weight's qs plane: slots 4t + i take the word's low nibbl
 (Codes.qp: each 8 as 0, 2, 4, 6, 1, 3, 5, 7) give the B fragment of the same slots as two
 4-byte pieces. Q6_K's groups of 16 take a thread's word from one group (words 0, 1 of a
 32-quant chunk are its first group's), the high bits from the group's qh word, and the sums of
-each group against the rows' codes with the other group's slots zeroed. Each group's sums
-then take a8_gemv.group_term's float term, added to the accumulator group by group in K's
-order within a part of K (a8_parts.k_parts), and the parts are added by a8_parts.add_parts:
-the arithmetic of every int8 kernel, so its bits should be a8_mm's. Gluon does not run under
+each group from the codes with the other group's slots zeroed (a thread's words or zero).
+Each group's sums then take a8_gemv.group_term's float term, added to the accumulator group by
+group in K's order within a part of K (a8_parts.k_parts), and the parts are added by
+a8_parts.add_parts: the arithmetic of every int8 kernel, so its bits should be a8_mm's. Gluon does not run under
 Triton's interpreter: on a GPU the tool compares its bits with a8_mm's and times both (the
 llama3-8b down and qkv shapes by default); `--sass FILE` compiles it for sm_90 without a GPU,
 to count its instructions as tools/sass_count.py does.
@@ -147,6 +147,16 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
 
 
 @gluon.jit
+def _and(x, mask, NOT: gl.constexpr):
+    """int8 x & mask (NOT: & ~mask), a word at a time."""
+    if NOT:
+        return gl.inline_asm_elementwise("not.b32 $0, $2;\n\tand.b32 $0, $1, $0;", "=r,r,r",
+                                         [x, mask], dtype=gl.int8, is_pure=True, pack=4)
+    return gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [x, mask], dtype=gl.int8,
+                                     is_pure=True, pack=4)
+
+
+@gluon.jit
 def _q6k_codes(raw, qh, shift):
     """int8 [BN, 16] x3 -> the 6-bit codes of the low (bits 0..3 of raw) and high nibbles:
     raw the thread's qs word, qh its group's qh word, shift 2 a (a: the word's index in its
@@ -195,7 +205,9 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N
     kb = gl.max_contiguous(gl.multiple_of(kb, 4), 4)
     b_at = qp_ptr + mb[None, :] * K + kb[:, None]
     b_ok = (mb < M)[None, :]
-    first = ((sb % 16) < 8)[:, None]                          # group 2c's slots
+    ka = gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
+    first = gl.full([BLOCK_N, 32], 0, gl.int8, layout=a_l) + gl.where(ka % 16 < 8, -1, 0).to(
+        gl.int8)[None, :]                                    # 0xFF at group 2c's slots
     n = n0 + gl.arange(0, BLOCK_N, layout=rows_l)
     n_ok = n < N
     m = m0 + gl.arange(0, BLOCK_M, layout=cols_l)
@@ -215,8 +227,8 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N
             u = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 32))
             u = gl.convert_layout(u, a_l, assert_trivial=True)
             q = _ld(b_at + 32 * ch, b_ok, EVEN)
-            s_a = mma_v2(u, gl.where(first, q, 0), magic)
-            s_b = mma_v2(u, gl.where(first, 0, q), magic)
+            s_a = mma_v2(_and(u, first, 0), q, magic)       # a thread's slots: one group's
+            s_b = mma_v2(_and(u, first, 1), q, magic)
             even, odd = gl.split(gl.reshape(                  # (dx, qs1 dx), (qs0 dx, 0)
                 _ld(dc_ptr + ch * (4 * M) + dc_at, dc_ok, EVEN), (BLOCK_M, 2, 2)))
             dx, c1 = gl.split(even)
