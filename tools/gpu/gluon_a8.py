@@ -1,22 +1,22 @@
-"""A prototype: the int8-activation MMA for Q4_K and Q6_K weights in Gluon (Triton's language
-with explicit layouts), the operands loaded from global memory straight into the registers of
+"""A prototype: the int8-activation MMA for Q4_K and Q6_K weights in Gluon (Triton's language with
+explicit layouts), the operands loaded from global memory straight into the registers of
 mma.sync m16n8k32, with no trip through shared memory and no barrier.
 
-The integer sum of a group, sum_k u_k q_k, does not depend on the order of k, so both
-operands take the same permutation of a group's 32 quants, chosen so that a thread's A
-fragment (the 8 k slots 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 of its rows, t = lane % 4) is
-one 32-bit word of the weight's qs plane: slots 4t + i take the word's low nibbles (quants
-8t + 2i), slots 16 + 4t + i its high ones (8t + 2i + 1). The rows' codes in pair order
-(Codes.qp: each 8 as 0, 2, 4, 6, 1, 3, 5, 7) give the B fragment of the same slots as two
-4-byte pieces. Q6_K's groups of 16 take a thread's word from one group (words 0, 1 of a
-32-quant chunk are its first group's), the high bits from the group's qh word, and the sums of
-each group from the codes with the other group's slots zeroed (a thread's words or zero).
-Each group's sums then take a8_gemv.group_term's float term, added to the accumulator group by
-group in K's order within a part of K (a8_parts.k_parts), and the parts are added by
-a8_parts.add_parts: the arithmetic of every int8 kernel, so its bits should be a8_mm's. Gluon does not run under
-Triton's interpreter: on a GPU the tool compares its bits with a8_mm's and times both (the
-llama3-8b down and qkv shapes by default); `--sass FILE` compiles it for sm_90 without a GPU,
-to count its instructions as tools/sass_count.py does.
+The integer sum of a group, sum_k u_k q_k, does not depend on the order of k, so both operands
+take the same permutation of a group's 32 quants, chosen so that a thread's A fragment (the 8 k
+slots 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 of its rows, t = lane % 4) is one 32-bit word of
+the weight's qs plane: slots 4t + i take the word's low nibbles (quants 8t + 2i), slots 16 + 4t
++ i its high ones (8t + 2i + 1). The rows' codes in pair order (Codes.qp: each 8 as 0, 2, 4, 6,
+1, 3, 5, 7) give the B fragment of the same slots as two 4-byte pieces. Q6_K's groups of 16 take
+a thread's word from one group (words 0, 1 of a 32-quant chunk are its first group's), the high
+bits from the group's qh word, and the sums of each group from the codes with the other group's
+slots zeroed (a thread's words or zero). Each group's sums then take a8_gemv.group_term's float
+term, added to the accumulator group by group in K's order within a part of K
+(a8_parts.k_parts), and the parts are added by a8_parts.add_parts: the arithmetic of every int8
+kernel, so its bits should be a8_mm's. Gluon does not run under Triton's interpreter: on a GPU
+the tool compares its bits with a8_mm's and times both (the llama3-8b down and qkv shapes by
+default); `--sass FILE` compiles it for sm_90 without a GPU, to count its instructions as
+tools/sass_count.py does.
 
     python tools/gpu/gluon_a8.py [--types Q4_K,Q6_K] [--rows 16,32,64] [--shape 4096x14336]
         [--block-n 64] [--block-m 32] [--warps 4] [--sass FILE]
