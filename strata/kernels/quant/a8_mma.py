@@ -12,6 +12,9 @@ The ways to the groups' sums (`dot`), the same integers and so the same bits:
     direct     as groups, each group's terms loaded by themselves where the sums lie
     joined     the step's dots joined along a dimension each thread keeps, the terms
                broadcast over it once a step
+
+and "gluon", a8_gluon.py's kernels for Q4_K and Q6_K on CUDA (an experiment: operands straight
+into the MMA's registers).
 """
 from __future__ import annotations
 
@@ -331,7 +334,11 @@ def _step_joined(acc, q_ptr, dx_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, m, 
 def a8_mma(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, block_m: int,
            block_n: int, block_k: int, warps: int, dot: str, ahead: bool, parts: int
            ) -> torch.Tensor:
-    """out [M, N] (+ res) = x's rows @ part^T by the MMA (a8_triton.a8_mm checks the blocks)."""
+    """out [M, N] (+ res) = x's rows @ part^T by the MMA (a8_triton.a8_mm checks the blocks);
+    dot "gluon": by a8_gluon.py's kernels (Q4_K and Q6_K, on CUDA), their own blocks."""
+    if dot == "gluon":
+        from strata.kernels.quant.a8_gluon import gluon_mm
+        return gluon_mm(x, part, res, out, block_m=block_m, parts=parts)
     q = x.q
     m, k = q.shape
     p = k_parts(part.rows, k, parts)

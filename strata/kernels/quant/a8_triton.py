@@ -110,9 +110,10 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     default 16 for Q6_K and 32 for the rest; `stages` K steps in flight, default 2 for 8 rows
     and 3 for fewer); the MMA tiles block_n columns a program and block_k quants a step (at
     most K's step), their groups' sums by `dot`, one of a8_mma.DOTS (Hopper's wgmma from
-    block_n 64); the same bits any way, the defaults MMA_BLOCKS' or, where set, the
-    environment's STRATA_A8_DOT (an experiment's: tools/gpu/bench_a8.py --mma times them in a
-    kernel, the variable in a stage); ahead: whether the MMA's "groups" way loads
+    block_n 64) or "gluon" (a8_gluon.py: Q4_K and Q6_K on CUDA, its own blocks); the same bits
+    any way, the defaults MMA_BLOCKS' or, where set, the environment's STRATA_A8_DOT (an
+    experiment's: tools/gpu/bench_a8.py --mma times them in a kernel, the variable in a stage;
+    gluon where it fits, the default elsewhere); ahead: whether the MMA's "groups" way loads
     each step's scales a step ahead (the same bits; default MMA_BLOCKS'). parts: the most parts
     of K (k_parts; a row's bits depend on it, so every call on a weight must pass the same:
     leave it be outside experiments)."""
@@ -122,10 +123,14 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     mma = MMA_BLOCKS.get((part.qtype == "Q6_K", block_m, part.cols > part.rows),
                          (None, None, None, None))
     block_k = min(block_k or mma[1] or 128, gemv_step(k))
-    dot = dot or os.environ.get("STRATA_A8_DOT") or mma[2] or "groups"
-    if dot not in DOTS:
+    env = os.environ.get("STRATA_A8_DOT")
+    if dot is None and env == "gluon" and block_m in ROW_TILES:   # where its kernels fit
+        from strata.kernels.quant.a8_gluon import gluon_fits
+        env = env if gluon_fits(part, k, parts) else None
+    dot = dot or env or mma[2] or "groups"
+    if dot not in (*DOTS, "gluon"):
         raise ValueError(f"int8-activation MMA: no way {dot!r} to the groups' sums (one of "
-                         f"{', '.join(DOTS)}; check STRATA_A8_DOT)")
+                         f"{', '.join(DOTS)} or gluon; check STRATA_A8_DOT)")
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
             or (k // k_parts(part.rows, k, parts)) % block_k or block_k % 32):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "

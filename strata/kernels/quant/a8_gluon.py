@@ -1,0 +1,318 @@
+"""The int8-activation MMA for Q4_K and Q6_K weights in Gluon (Triton's language with
+explicit layouts), the operands loaded from global memory straight into the registers of
+mma.sync m16n8k32, with no trip through shared memory and no barrier.
+
+The integer sum of a group, sum_k u_k q_k, does not depend on the order of k, so both operands
+take the same permutation of a group's 32 quants, chosen so that a thread's A fragment (the 8 k
+slots 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 of its rows, t = lane % 4) is one 32-bit word of
+the weight's qs plane: slots 4t + i take the word's low nibbles (quants 8t + 2i), slots 16 + 4t
++ i its high ones (8t + 2i + 1). The rows' codes in pair order (Codes.qp: each 8 as 0, 2, 4, 6,
+1, 3, 5, 7) give the B fragment of the same slots as two 4-byte pieces. Q6_K's groups of 16 take
+a thread's word from one group (words 0, 1 of a 32-quant chunk are its first group's), the high
+bits from the group's qh word, and the sums of each group from the codes with the other group's
+slots zeroed (a thread's words or zero). Each group's sums then take a8_gemv.group_term's float
+term, added to the accumulator group by group in K's order within a part of K
+(a8_parts.k_parts), and the parts are added by a8_parts.add_parts: the arithmetic of every int8
+kernel, so its bits should be a8_mm's (a8_mm's dot "gluon", or STRATA_A8_DOT=gluon: an
+experiment, not yet the default). Gluon does not run under Triton's interpreter: its bits are
+checked on a GPU (`python -m pytest -m gpu tests/kernels/test_quant_a8_gluon.py`), and
+tools/gpu/gluon_a8.py times it beside a8_mm or compiles it for sm_90 without a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from strata.kernels.quant.a8_parts import PARTS, add_parts, k_parts
+
+
+@gluon.jit
+def _nibbles(raw, SHIFT: gl.constexpr):
+    """int8 [..] bytes -> their low (SHIFT 0) or high (4) nibbles, a word at a time."""
+    if SHIFT == 0:
+        return gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [raw],
+                                         dtype=gl.int8, is_pure=True, pack=4)
+    return gl.inline_asm_elementwise("shr.b32 $0, $1, 4;\n\tand.b32 $0, $0, 0x0F0F0F0F;",
+                                     "=r,r", [raw], dtype=gl.int8, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _ld(at, ok, EVEN: gl.constexpr):
+    """A load, masked unless the blocks are whole (EVEN: no predicates, no zeroing)."""
+    if EVEN:
+        return gl.load(at)
+    return gl.load(at, mask=ok, other=0)
+
+
+@gluon.jit
+def _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sb, EVEN: gl.constexpr):
+    """What Q4_K super-block sb of rows n keeps for its 8 groups' terms: its three scale
+    words and d, dmin (reads.py's _term_loads)."""
+    base = sc_ptr + n * s2 + 3 * sb
+    v0 = _ld(base, n_ok, EVEN)
+    v1 = _ld(base + 1, n_ok, EVEN)
+    v2 = _ld(base + 2, n_ok, EVEN)
+    d = _ld(dm_ptr + n * s3 + 2 * sb, n_ok, EVEN).to(gl.float32)
+    dmin = _ld(dm_ptr + n * s3 + 2 * sb + 1, n_ok, EVEN).to(gl.float32)
+    return v0, v1, v2, d, dmin
+
+
+@gluon.jit
+def _q4k_terms(v0, v1, v2, d, dmin, j: gl.constexpr):
+    """a, b fp32 [BN] of group j of the super-block (_q4k_scales'): w = a u + b."""
+    sh: gl.constexpr = 8 * (j % 4)
+    if j < 4:
+        sc = (v0 >> sh) & 63
+        mn = (v1 >> sh) & 63
+    else:
+        sc = ((v2 >> sh) & 15) | (((v0 >> (sh + 6)) & 3) << 4)
+        mn = ((v2 >> (sh + 4)) & 15) | (((v1 >> (sh + 6)) & 3) << 4)
+    return d * _small_float(sc), -(dmin * _small_float(mn))
+
+
+@gluon.jit
+def _small_float(i):
+    """int32 in [0, 2^23) -> fp32, exact, by the magic number (no conversion instruction)."""
+    return (i | 0x4B000000).to(gl.float32, bitcast=True) - 8388608.0
+
+
+@gluon.jit
+def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
+                    s0, s2, s3, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                    WARPS: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr,
+                    EVEN: gl.constexpr):
+    """Program (column block, row block, part of K): dst[part, m, n] = the part's terms of
+    rows m and weight rows n, added group by group from zero. w_ptr: the qs plane as bytes;
+    dc_ptr: fp32 [K / 32, M, 2], each group's dx and qs dx of the rows (dc_plane).
+    DC (dc_layout): [BM, 2] as the accumulator holds its columns, the pair in the thread.
+    RAW (raw_layout): the layout of a group's 16 bytes of BLOCK_N rows in which each thread
+    holds the word whose nibbles its A fragment takes."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    part = gl.program_id(2)
+    n0 = gl.program_id(0) * BLOCK_N
+    m0 = gl.program_id(1) * BLOCK_M
+    # A: the group's 16 bytes of each row [BN, 16] (thread t: bytes 4t .. 4t + 3), then its
+    # low nibbles at slots 0 .. 15 and high ones at 16 .. 31: [BN, 32] in the A fragments
+    na = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RAW))
+    sa = gl.arange(0, 16, layout=gl.SliceLayout(0, RAW))
+    a_at = w_ptr + na[:, None] * (4 * s0) + sa[None, :]
+    a_ok = (na < N)[:, None]
+    # B: [32, BM] int8, slot s of row m is pair-order byte 8 (s % 16 // 4) + 4 (s >= 16) + s % 4
+    sb = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
+    mb = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_l))
+    kb = (sb % 16) // 4 * 8 + (sb >= 16).to(gl.int32) * 4 + sb % 4
+    kb = gl.max_contiguous(gl.multiple_of(kb, 4), 4)          # 4 bytes a load
+    b_at = qp_ptr + mb[None, :] * K + kb[:, None]
+    b_ok = (mb < M)[None, :]
+    # the terms' rows and columns
+    n = n0 + gl.arange(0, BLOCK_N, layout=rows_l)
+    n_ok = n < N
+    m = m0 + gl.arange(0, BLOCK_M, layout=cols_l)
+    m_ok = m < M
+    md = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, DC))
+    dc_at = 2 * md[:, None] + gl.arange(0, 2, layout=gl.SliceLayout(0, DC))[None, :]
+    dc_ok = (md < M)[:, None]
+    magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=mma)
+    acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=mma)
+    for sbk in range(part * (L // 256), (part + 1) * (L // 256)):
+        v0, v1, v2, d, dmin = _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sbk, EVEN)
+        for j in gl.static_range(8):
+            g = 8 * sbk + j
+            raw = _ld(a_at + 16 * g, a_ok, EVEN)
+            u = gl.reshape(gl.permute(gl.join(_nibbles(raw, 0), _nibbles(raw, 4)), (0, 2, 1)),
+                           (BLOCK_N, 32))
+            u = gl.convert_layout(u, a_l, assert_trivial=True)
+            q = _ld(b_at + 32 * g, b_ok, EVEN)
+            isum = mma_v2(u, q, magic)                        # 1.5 * 2^23 + the sums
+            a, b = _q4k_terms(v0, v1, v2, d, dmin, j)
+            dx, c = gl.split(_ld(dc_ptr + g * (2 * M) + dc_at, dc_ok, EVEN))
+            dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
+            c = gl.convert_layout(c, cols_l, assert_trivial=True)
+            f = isum.to(gl.float32, bitcast=True) - 12582912.0  # group_term's magic number
+            acc += gl.fma(a[:, None] * dx[None, :], f, b[:, None] * c[None, :])
+    at = dst_ptr + part * M * N + m[None, :] * N + n[:, None]
+    gl.store(at, acc, mask=n_ok[:, None] & m_ok[None, :])
+
+
+@gluon.jit
+def _and(x, mask, NOT: gl.constexpr):
+    """int8 x & mask (NOT: & ~mask), a word at a time."""
+    if NOT:
+        return gl.inline_asm_elementwise("not.b32 $0, $2;\n\tand.b32 $0, $1, $0;", "=r,r,r",
+                                         [x, mask], dtype=gl.int8, is_pure=True, pack=4)
+    return gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [x, mask], dtype=gl.int8,
+                                     is_pure=True, pack=4)
+
+
+@gluon.jit
+def _q6k_codes(raw, qh, shift):
+    """int8 [BN, 16] x3 -> the 6-bit codes of the low (bits 0..3 of raw) and high nibbles:
+    raw the thread's qs word, qh its group's qh word, shift 2 a (a: the word's index in its
+    group): element j's high bits are bits 4 j + 2 a of qh, so the low nibbles' are qh >> 2a
+    and the high ones' qh >> (2a + 4), a byte each."""
+    lo = gl.inline_asm_elementwise(
+        "{ .reg .b32 s, h; and.b32 s, $3, 0xFF; shr.b32 h, $2, s; and.b32 h, h, 0x03030303; "
+        "shl.b32 h, h, 4; and.b32 $0, $1, 0x0F0F0F0F; or.b32 $0, $0, h; }",
+        "=r,r,r,r", [raw, qh, shift], dtype=gl.int8, is_pure=True, pack=4)
+    hi = gl.inline_asm_elementwise(
+        "{ .reg .b32 s, h; and.b32 s, $3, 0xFF; add.u32 s, s, 4; shr.b32 h, $2, s; "
+        "and.b32 h, h, 0x03030303; shl.b32 h, h, 4; shr.b32 $0, $1, 4; "
+        "and.b32 $0, $0, 0x0F0F0F0F; or.b32 $0, $0, h; }",
+        "=r,r,r,r", [raw, qh, shift], dtype=gl.int8, is_pure=True, pack=4)
+    return lo, hi
+
+
+@gluon.jit
+def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
+                    s0, s1, s2, s3, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                    WARPS: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr,
+                    EVEN: gl.constexpr):
+    """_q4k_mma_kernel for Q6_K: groups of 16, so a chunk of 32 quants is two groups, thread
+    t's word from group t // 2 (slots 0 .. 7 and 16 .. 23 group 2c, the rest 2c + 1); each
+    group's sums from the rows' codes with the other group's slots zeroed. w_ptr, qh_ptr: the
+    qs and qh planes as bytes; dc_ptr: fp32 [K / 32, M, 3], dx and each group's qs dx."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    part = gl.program_id(2)
+    n0 = gl.program_id(0) * BLOCK_N
+    m0 = gl.program_id(1) * BLOCK_M
+    na = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RAW))
+    sa = gl.arange(0, 16, layout=gl.SliceLayout(0, RAW))
+    a_at = w_ptr + na[:, None] * (4 * s0) + sa[None, :]
+    h_at = qh_ptr + na[:, None] * (4 * s1) + (sa // 8 * 4 + sa % 4)[None, :]
+    shift = (gl.full([BLOCK_N, 16], 0, gl.int8, layout=RAW)
+             + ((sa // 4) % 2 * 2).to(gl.int8)[None, :])           # 2 a, a = (byte / 4) % 2
+    a_ok = (na < N)[:, None]
+    sb = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
+    mb = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_l))
+    kb = (sb % 16) // 4 * 8 + (sb >= 16).to(gl.int32) * 4 + sb % 4
+    kb = gl.max_contiguous(gl.multiple_of(kb, 4), 4)
+    b_at = qp_ptr + mb[None, :] * K + kb[:, None]
+    b_ok = (mb < M)[None, :]
+    ka = gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
+    first = gl.full([BLOCK_N, 32], 0, gl.int8, layout=a_l) + gl.where(ka % 16 < 8, -1, 0).to(
+        gl.int8)[None, :]                                    # 0xFF at group 2c's slots
+    n = n0 + gl.arange(0, BLOCK_N, layout=rows_l)
+    n_ok = n < N
+    m = m0 + gl.arange(0, BLOCK_M, layout=cols_l)
+    m_ok = m < M
+    md = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, DC))
+    dc_at = 4 * md[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, DC))[None, :]
+    dc_ok = (md < M)[:, None]
+    magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=mma)
+    acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=mma)
+    for sbk in range(part * (L // 256), (part + 1) * (L // 256)):
+        d = _ld(dm_ptr + n * s3 + sbk, n_ok, EVEN).to(gl.float32)
+        for c in gl.static_range(8):                          # chunks of 32: groups 2c, 2c + 1
+            ch = 8 * sbk + c
+            raw = _ld(a_at + 16 * ch, a_ok, EVEN)
+            qh = _ld(h_at + 8 * ch, a_ok, EVEN)
+            lo, hi = _q6k_codes(raw, qh, shift)
+            u = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 32))
+            u = gl.convert_layout(u, a_l, assert_trivial=True)
+            q = _ld(b_at + 32 * ch, b_ok, EVEN)
+            s_a = mma_v2(_and(u, first, 0), q, magic)       # a thread's slots: one group's
+            s_b = mma_v2(_and(u, first, 1), q, magic)
+            even, odd = gl.split(gl.reshape(                  # (dx, qs1 dx), (qs0 dx, 0)
+                _ld(dc_ptr + ch * (4 * M) + dc_at, dc_ok, EVEN), (BLOCK_M, 2, 2)))
+            dx, c1 = gl.split(even)
+            c0, _ = gl.split(odd)
+            dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
+            for h in gl.static_range(2):
+                sc = _ld(sc_ptr + n * s2 + 2 * ch + h, n_ok, EVEN).to(gl.float32)
+                a = d * sc
+                cg = gl.convert_layout(c0 if h == 0 else c1, cols_l, assert_trivial=True)
+                f = (s_a if h == 0 else s_b).to(gl.float32, bitcast=True) - 12582912.0
+                acc += gl.fma(a[:, None] * dx[None, :], f, (-32.0 * a)[:, None] * cg[None, :])
+    at = dst_ptr + part * M * N + m[None, :] * N + n[:, None]
+    gl.store(at, acc, mask=n_ok[:, None] & m_ok[None, :])
+
+
+def raw_layout(block_n: int, warps: int) -> gl.DistributedLinearLayout:
+    """[block_n, 16] bytes as the int8 A fragments of mma.sync m16n8k32 hold their rows (warp
+    w rows 16 w .. 16 w + 15 and again every 16 warps' rows, lane l rows l / 4 and l / 4 + 8):
+    lane l the 4 bytes 4 (l % 4) .. of each of its rows."""
+    reps = [[16 * warps << i, 0] for i in range((block_n // (16 * warps)).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]] + reps,
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
+        block_bases=[], shape=[block_n, 16])
+
+
+def dc_plane(x, qtype: str = "Q4_K") -> torch.Tensor:
+    """fp32 [K / 32, M, 2]: each group's scale dx and the product of its codes' sum and dx,
+    rounded as a8_mm rounds them (the quantizer would write it; here torch does); Q6_K
+    [K / 32, M, 4]: dx, then each of the two groups of 16's qs dx, then 0."""
+    if qtype == "Q6_K":
+        qs = x.qs.float()
+        planes = [x.dx, qs[:, 0::2] * x.dx, qs[:, 1::2] * x.dx, torch.zeros_like(x.dx)]
+    else:
+        planes = [x.dx, (x.qs[:, 0::2] + x.qs[:, 1::2]).float() * x.dx]
+    return torch.stack(planes, -1).transpose(0, 1).contiguous()
+
+
+def dc_layout(block_m: int, warps: int, width: int = 2) -> gl.DistributedLinearLayout:
+    """[block_m, width]: each column's dc_plane values where the m16n8 accumulator holds the
+    column (lane l: columns 2 (l % 4) and 2 (l % 4) + 1 of every 8), a column's in the thread."""
+    return gl.DistributedLinearLayout(
+        reg_bases=([[0, 1 << i] for i in range(width.bit_length() - 1)] + [[1, 0]]
+                   + [[8 << i, 0] for i in range((block_m // 8).bit_length() - 1)]),
+        lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0] for _ in range(warps.bit_length() - 1)],
+        block_bases=[], shape=[block_m, width])
+
+
+GLUON_TYPES = ("Q4_K", "Q6_K")
+
+
+def gluon_fits(part, k: int, parts: int = PARTS) -> bool:
+    """Whether the Gluon kernels take this weight: Q4_K or Q6_K, whole super-blocks a part."""
+    return part.qtype in GLUON_TYPES and (k // k_parts(part.rows, k, parts)) % 256 == 0
+
+
+def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 16,
+             warps: int = 4, parts: int = PARTS, dc: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """a8_mm(x, part, res)'s product for a Q4_K or Q6_K part by the Gluon kernels, into out
+    (default fp32 [M, N]); dc: dc_plane(x, part.qtype), made here if not given."""
+    m, k = x.q.shape
+    if not gluon_fits(part, k, parts):
+        raise ValueError(f"int8-activation Gluon MMA: a {part.qtype} weight [{part.rows}, "
+                         f"{part.cols}] is not Q4_K or Q6_K in whole super-blocks a part")
+    p = k_parts(part.rows, k, parts)
+    pl = part.planes
+    dst = torch.empty(p, m, part.rows, dtype=torch.float32, device=x.q.device)
+    grid = (triton.cdiv(part.rows, block_n), triton.cdiv(m, block_m), p)
+    dc = dc if dc is not None else dc_plane(x, part.qtype)
+    blocks = dict(BLOCK_N=block_n, BLOCK_M=block_m, WARPS=warps,
+                  RAW=raw_layout(block_n, warps),
+                  DC=dc_layout(block_m, warps, 4 if part.qtype == "Q6_K" else 2),
+                  EVEN=m % block_m == 0 and part.rows % block_n == 0, num_warps=warps,
+                  enable_fp_fusion=False)   # as every int8 kernel (a8_triton.py)
+    if part.qtype == "Q6_K":
+        _q6k_mma_kernel[grid](x.qp, dc, pl["qs"].view(torch.int8), pl["qh"].view(torch.int8),
+                              pl["sc"], pl["dm"], dst, m, part.rows, k, k // p,
+                              pl["qs"].stride(0), pl["qh"].stride(0), pl["sc"].stride(0),
+                              pl["dm"].stride(0), **blocks)
+    else:
+        assert part.qtype == "Q4_K"
+        _q4k_mma_kernel[grid](x.qp, dc, pl["qs"].view(torch.int8), pl["sc"], pl["dm"], dst,
+                              m, part.rows, k, k // p, pl["qs"].stride(0),
+                              pl["sc"].stride(0), pl["dm"].stride(0), **blocks)
+    if out is None:
+        out = torch.empty(m, part.rows, dtype=torch.float32, device=x.q.device)
+    add_parts(dst, res, out)
+    return out

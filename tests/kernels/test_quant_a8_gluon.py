@@ -1,0 +1,55 @@
+"""The int8-activation Gluon MMA (kernels/quant/a8_gluon.py, a8_mm's dot "gluon"): a row's bits
+the same as from the Triton MMA and from the dp4a GEMV alone, Q4_K and Q6_K, with and without a
+residual, in whole and ragged row blocks, and a stage's rows with STRATA_A8_DOT=gluon. Gluon
+runs on CUDA only (not under Triton's interpreter): the tests are marked gpu."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from test_quant_kernels import _weight
+from test_quant_stage import mixed  # noqa: F401 (a fixture)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _x(rows: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    x[:, 5] *= 30.0                      # an outlier column, as real activations have
+    return x.to("cuda", torch.bfloat16)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("n,k", [(128, 1024), (64, 2048)])
+def test_gluon_rows_have_the_triton_kernels_bits(qtype, n, k):
+    """Rows in tiles of 16, 32 and 64 (20 and 40 rows: ragged blocks), against the Triton MMA
+    at its defaults and each row alone through the GEMV, with a residual and without."""
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
+    w, _ = _weight(qtype, n, k, "cuda", seed=11)
+    part = w.parts[0]
+    x, res = _x(64, k, seed=12), _x(64, n, seed=13)
+    c = quantize_rows(x)
+    alone = torch.cat([a8_mm(c[i:i + 1], part, res[i:i + 1]) for i in range(64)])
+    for rows in (16, 20, 32, 40, 64):
+        for r in (res[:rows], None):
+            got = a8_mm(c[:rows], part, r, dot="gluon")
+            assert torch.equal(got, a8_mm(c[:rows], part, r)), f"{qtype}: {rows} rows, Triton"
+            if r is not None:
+                assert torch.equal(got, alone[:rows]), f"{qtype}: {rows} rows, alone"
+    assert alone.abs().max() > 0
+
+
+def test_a_stage_with_the_gluon_kernels_keeps_its_rows_bits(mixed, monkeypatch):
+    """A Q4_K_M stage (Q4_K and Q6_K matrices) with int8 activations and STRATA_A8_DOT=gluon:
+    the target rows alone and among 8 to 64 rows give the same bits."""
+    from strata.stage_worker.model import StageModel
+    from test_quant_stage import CTX, SHAPE, _mode, _policy, assert_stage_rows_invariant
+    monkeypatch.setenv("STRATA_A8_DOT", "gluon")
+    policy = dataclasses.replace(_policy("cuda"), int8_activations=True)
+    model = StageModel(mixed, 0, SHAPE.n_layers, ctx=CTX, device="cuda",
+                       weights=_mode("cuda"), policy=policy)
+    assert_stage_rows_invariant(model, "cuda")
