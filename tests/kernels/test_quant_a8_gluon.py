@@ -1,7 +1,8 @@
 """The int8-activation Gluon MMA (kernels/quant/a8_gluon.py, a8_mm's dot "gluon"): a row's bits
 the same as from the Triton MMA and from the dp4a GEMV alone, Q4_K and Q6_K, with and without a
 residual, in whole and ragged row blocks, and a stage's rows with STRATA_A8_DOT=gluon. Gluon
-runs on CUDA only (not under Triton's interpreter): the tests are marked gpu."""
+runs on CUDA only (not under Triton's interpreter): those tests are marked gpu. The rows' dc
+plane (a Triton kernel) is checked under the interpreter too."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,22 +10,42 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import triton_devices
 from test_quant_kernels import _weight
 from test_quant_stage import mixed  # noqa: F401 (a fixture)
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _x(rows: int, k: int, seed: int) -> torch.Tensor:
+def _x(rows: int, k: int, seed: int, device: str = "cuda") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g)
     x[:, 5] *= 30.0                      # an outlier column, as real activations have
-    return x.to("cuda", torch.bfloat16)
+    return x.to(device, torch.float32 if device == "cpu" else torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_the_dc_plane_is_the_rows_scales_and_sums(device, qtype):
+    """dc_plane: each group's dx and its codes' sum times dx (Q6_K: each 16's), the products
+    rounded once as the Triton kernels round them, for row slices too."""
+    from strata.kernels.quant.a8_gluon import dc_plane
+    from strata.kernels.quant.a8_triton import quantize_rows
+    c = quantize_rows(_x(6, 512, seed=3, device=device))[1:5]
+    dc = dc_plane(c, qtype).cpu()
+    dx, qs = c.dx.cpu(), c.qs.cpu()
+    if qtype == "Q6_K":
+        want = [dx, qs[:, 0::2].float() * dx, qs[:, 1::2].float() * dx, torch.zeros_like(dx)]
+    else:
+        want = [dx, (qs[:, 0::2] + qs[:, 1::2]).float() * dx]
+    assert torch.equal(dc, torch.stack(want, -1).transpose(0, 1))
+    assert dc[:, :, 1].abs().max() > 0
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("n,k", [(128, 1024), (64, 2048)])
+@pytest.mark.gpu
+@needs_cuda
 def test_gluon_rows_have_the_triton_kernels_bits(qtype, n, k):
     """Rows in tiles of 16, 32 and 64 (20 and 40 rows: ragged blocks), against the Triton MMA
     at its defaults and each row alone through the GEMV, with a residual and without."""
@@ -43,6 +64,8 @@ def test_gluon_rows_have_the_triton_kernels_bits(qtype, n, k):
     assert alone.abs().max() > 0
 
 
+@pytest.mark.gpu
+@needs_cuda
 def test_a_stage_with_the_gluon_kernels_keeps_its_rows_bits(mixed, monkeypatch):
     """A Q4_K_M stage (Q4_K and Q6_K matrices) with int8 activations and STRATA_A8_DOT=gluon:
     the target rows alone and among 8 to 64 rows give the same bits."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -252,16 +253,37 @@ def raw_layout(block_n: int, warps: int) -> gl.DistributedLinearLayout:
         block_bases=[], shape=[block_n, 16])
 
 
+@triton.jit
+def _dc_kernel(dx_ptr, qs_ptr, dc_ptr, M, G, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row m, block of groups): dc_plane's values of row m, groups of 32 g."""
+    m = tl.program_id(0)
+    g = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = g < G
+    dx = tl.load(dx_ptr + m * G + g, mask=ok, other=0.0)
+    q0 = tl.load(qs_ptr + m * 2 * G + 2 * g, mask=ok, other=0)
+    q1 = tl.load(qs_ptr + m * 2 * G + 2 * g + 1, mask=ok, other=0)
+    at = dc_ptr + (g * M + m) * (4 if SPLIT else 2)
+    tl.store(at, dx, mask=ok)
+    if SPLIT:
+        tl.store(at + 1, q0.to(tl.float32) * dx, mask=ok)
+        tl.store(at + 2, q1.to(tl.float32) * dx, mask=ok)
+        tl.store(at + 3, dx * 0.0, mask=ok)
+    else:
+        tl.store(at + 1, (q0 + q1).to(tl.float32) * dx, mask=ok)
+
+
 def dc_plane(x, qtype: str = "Q4_K") -> torch.Tensor:
     """fp32 [K / 32, M, 2]: each group's scale dx and the product of its codes' sum and dx,
-    rounded as a8_mm rounds them (the quantizer would write it; here torch does); Q6_K
-    [K / 32, M, 4]: dx, then each of the two groups of 16's qs dx, then 0."""
-    if qtype == "Q6_K":
-        qs = x.qs.float()
-        planes = [x.dx, qs[:, 0::2] * x.dx, qs[:, 1::2] * x.dx, torch.zeros_like(x.dx)]
-    else:
-        planes = [x.dx, (x.qs[:, 0::2] + x.qs[:, 1::2]).float() * x.dx]
-    return torch.stack(planes, -1).transpose(0, 1).contiguous()
+    rounded as the Triton kernels round them; Q6_K [K / 32, M, 4]: dx, then each of the two
+    groups of 16's qs dx, then 0. One kernel, from the Codes' dx and qs."""
+    m, g = x.dx.shape
+    split = qtype == "Q6_K"
+    dc = torch.empty(g, m, 4 if split else 2, dtype=torch.float32, device=x.dx.device)
+    if m:
+        block = 256
+        _dc_kernel[(m, triton.cdiv(g, block))](x.dx, x.qs, dc, m, g, SPLIT=split, BLOCK=block,
+                                               enable_fp_fusion=False)
+    return dc
 
 
 def dc_layout(block_m: int, warps: int, width: int = 2) -> gl.DistributedLinearLayout:
