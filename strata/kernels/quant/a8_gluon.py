@@ -49,6 +49,21 @@ def _ld(at, ok, EVEN: gl.constexpr):
 
 
 @gluon.jit
+def _rows_at(qp_ptr, M, K, m0, BLOCK_M: gl.constexpr, B_L: gl.constexpr, DC: gl.constexpr,
+             W: gl.constexpr):
+    """Where a group's B fragments [32, BM] lie in the rows' pair-order codes (slot s of row m:
+    byte 8 (s % 16 // 4) + 4 (s >= 16) + s % 4 of the group, 4 bytes a load), and the rows'
+    dc_plane values [BM, W] (DC: dc_layout), each with its mask."""
+    sb = gl.arange(0, 32, layout=gl.SliceLayout(1, B_L))
+    mb = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, B_L))
+    kb = (sb % 16) // 4 * 8 + (sb >= 16).to(gl.int32) * 4 + sb % 4
+    kb = gl.max_contiguous(gl.multiple_of(kb, 4), 4)
+    md = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, DC))
+    dc_at = W * md[:, None] + gl.arange(0, W, layout=gl.SliceLayout(0, DC))[None, :]
+    return qp_ptr + mb[None, :] * K + kb[:, None], (mb < M)[None, :], dc_at, (md < M)[:, None]
+
+
+@gluon.jit
 def _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sb, EVEN: gl.constexpr):
     """What Q4_K super-block sb of rows n keeps for its 8 groups' terms: its three scale
     words and d, dmin (reads.py's _term_loads)."""
@@ -106,21 +121,11 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
     sa = gl.arange(0, 16, layout=gl.SliceLayout(0, RAW))
     a_at = w_ptr + na[:, None] * (4 * s0) + sa[None, :]
     a_ok = (na < N)[:, None]
-    # B: [32, BM] int8, slot s of row m is pair-order byte 8 (s % 16 // 4) + 4 (s >= 16) + s % 4
-    sb = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
-    mb = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_l))
-    kb = (sb % 16) // 4 * 8 + (sb >= 16).to(gl.int32) * 4 + sb % 4
-    kb = gl.max_contiguous(gl.multiple_of(kb, 4), 4)          # 4 bytes a load
-    b_at = qp_ptr + mb[None, :] * K + kb[:, None]
-    b_ok = (mb < M)[None, :]
-    # the terms' rows and columns
-    n = n0 + gl.arange(0, BLOCK_N, layout=rows_l)
+    b_at, b_ok, dc_at, dc_ok = _rows_at(qp_ptr, M, K, m0, BLOCK_M, b_l, DC, 2)
+    n = n0 + gl.arange(0, BLOCK_N, layout=rows_l)             # the terms' rows and columns
     n_ok = n < N
     m = m0 + gl.arange(0, BLOCK_M, layout=cols_l)
     m_ok = m < M
-    md = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, DC))
-    dc_at = 2 * md[:, None] + gl.arange(0, 2, layout=gl.SliceLayout(0, DC))[None, :]
-    dc_ok = (md < M)[:, None]
     magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=mma)
     acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=mma)
     for sbk in range(part * (L // 256), (part + 1) * (L // 256)):
@@ -179,7 +184,7 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N
     """_q4k_mma_kernel for Q6_K: groups of 16, so a chunk of 32 quants is two groups, thread
     t's word from group t // 2 (slots 0 .. 7 and 16 .. 23 group 2c, the rest 2c + 1); each
     group's sums from the rows' codes with the other group's slots zeroed. w_ptr, qh_ptr: the
-    qs and qh planes as bytes; dc_ptr: fp32 [K / 32, M, 3], dx and each group's qs dx."""
+    qs and qh planes as bytes; dc_ptr: fp32 [K / 32, M, 4], dx, each group's qs dx and 0."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
@@ -196,12 +201,7 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N
     shift = (gl.full([BLOCK_N, 16], 0, gl.int8, layout=RAW)
              + ((sa // 4) % 2 * 2).to(gl.int8)[None, :])           # 2 a, a = (byte / 4) % 2
     a_ok = (na < N)[:, None]
-    sb = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
-    mb = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_l))
-    kb = (sb % 16) // 4 * 8 + (sb >= 16).to(gl.int32) * 4 + sb % 4
-    kb = gl.max_contiguous(gl.multiple_of(kb, 4), 4)
-    b_at = qp_ptr + mb[None, :] * K + kb[:, None]
-    b_ok = (mb < M)[None, :]
+    b_at, b_ok, dc_at, dc_ok = _rows_at(qp_ptr, M, K, m0, BLOCK_M, b_l, DC, 4)
     ka = gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
     first = gl.full([BLOCK_N, 32], 0, gl.int8, layout=a_l) + gl.where(ka % 16 < 8, -1, 0).to(
         gl.int8)[None, :]                                    # 0xFF at group 2c's slots
@@ -209,9 +209,6 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N
     n_ok = n < N
     m = m0 + gl.arange(0, BLOCK_M, layout=cols_l)
     m_ok = m < M
-    md = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, DC))
-    dc_at = 4 * md[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, DC))[None, :]
-    dc_ok = (md < M)[:, None]
     magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=mma)
     acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=mma)
     for sbk in range(part * (L // 256), (part + 1) * (L // 256)):

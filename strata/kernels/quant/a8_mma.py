@@ -192,19 +192,13 @@ def _step_groups(acc, q_ptr, a, b, qs, dx, p0, p1, s0, s1, m, m_ok, n, n_ok, K, 
     rows' sums of codes and scales (_row_scales)."""
     G: tl.constexpr = STEP // S
     SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
-    g0 = k0 // S
     gi = tl.arange(0, G)
     k32 = tl.arange(0, 32)
     if SIGNED:                                                # signed: a * (u - 128), b = 0
         b = b * 0.0
     for c in tl.static_range(STEP // 32):
-        u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, g0 + c * (32 // S), QTYPE, S, 32 // S,
-                              BLOCK_N), (BLOCK_N, 32))
-        if SIGNED:
-            u = u - 128
-        u = u.to(tl.int8)
-        q = tl.trans(tl.load(q_ptr + m[:, None] * K + k0 + 32 * c + k32[None, :],
-                             mask=m_ok[:, None], other=0))                    # [32, BM]
+        u, q = _chunk_operands(q_ptr, p0, p1, s0, s1, m, m_ok, n, n_ok, K, k0, c, QTYPE, S,
+                               BLOCK_N)
         for h in tl.static_range(32 // S):
             g = c * (32 // S) + h
             if S == 16:
@@ -255,11 +249,10 @@ def _chunk_terms(acc, lo, hi, dx_ptr, qs_ptr, p2, p3, s2, s3, m, m_ok, n, n_ok, 
 
 
 @triton.jit
-def _chunk_sums(q_ptr, p0, p1, s0, s1, m, m_ok, n, n_ok, K, k0, c: tl.constexpr,
-                QTYPE: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The integer sums [BN, BM] of the two groups of 16 in quants k0 + 32 c .. + 31 (S 16:
-    the pair's codes twice, the other group's activation codes zeroed), or twice the one group
-    of 32."""
+def _chunk_operands(q_ptr, p0, p1, s0, s1, m, m_ok, n, n_ok, K, k0, c: tl.constexpr,
+                    QTYPE: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The int8 dot's operands of quants k0 + 32 c .. + 31: the weight's codes [BN, 32] (the
+    signed types' less 128) and the rows' codes [32, BM]."""
     SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
     k32 = tl.arange(0, 32)
     u = tl.reshape(_codes(p0, p1, s0, s1, n, n_ok, k0 // S + c * (32 // S), QTYPE, S, 32 // S,
@@ -269,6 +262,17 @@ def _chunk_sums(q_ptr, p0, p1, s0, s1, m, m_ok, n, n_ok, K, k0, c: tl.constexpr,
     u = u.to(tl.int8)
     q = tl.trans(tl.load(q_ptr + m[:, None] * K + k0 + 32 * c + k32[None, :],
                          mask=m_ok[:, None], other=0))                    # [32, BM]
+    return u, q
+
+
+@triton.jit
+def _chunk_sums(q_ptr, p0, p1, s0, s1, m, m_ok, n, n_ok, K, k0, c: tl.constexpr,
+                QTYPE: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The integer sums [BN, BM] of the two groups of 16 in quants k0 + 32 c .. + 31 (S 16:
+    the pair's codes twice, the other group's activation codes zeroed), or twice the one group
+    of 32."""
+    k32 = tl.arange(0, 32)
+    u, q = _chunk_operands(q_ptr, p0, p1, s0, s1, m, m_ok, n, n_ok, K, k0, c, QTYPE, S, BLOCK_N)
     if S == 16:
         lo = tl.dot(u, tl.where((k32 < 16)[:, None], q, 0).to(tl.int8), out_dtype=tl.int32)
         hi = tl.dot(u, tl.where((k32 < 16)[:, None], 0, q).to(tl.int8), out_dtype=tl.int32)
