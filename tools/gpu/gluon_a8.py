@@ -1,7 +1,9 @@
 """The int8-activation Gluon MMA (kernels/quant/a8_gluon.py) beside a8_mm at its defaults: on
 a GPU, whether its bits are a8_mm's and both kernels' us per call from a CUDA graph with the
 weights rotating past L2, for Q4_K and Q6_K at the llama3-8b down and qkv shapes; with `--sass
-FILE`, its SASS for sm_90 compiled here without a GPU (to count as tools/sass_count.py does).
+FILE`, its SASS for sm_90 compiled here without a GPU into FILE, and its main loop's
+instructions a weight counted as tools/sass_count.py counts them (the first of --types and
+--rows; use the device's Triton, as sass_count says).
 The rows' dc plane (a8_gluon.dc_plane) is made before the timing, as a quantizer would write it.
 
     python tools/gpu/gluon_a8.py [--types Q4_K,Q6_K] [--rows 16,32,64] [--shape 4096x14336]
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import sys
 
 import torch
 import triton
@@ -21,7 +25,6 @@ from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_
 
 def sass(qtype: str, block_n: int, block_m: int, warps: int) -> str:
     """The kernel's SASS for sm_90, compiled here (no GPU needed)."""
-    import os
     import subprocess
     import tempfile
 
@@ -61,9 +64,18 @@ def main() -> None:
     ap.add_argument("--sass", default=None, help="write the SASS for sm_90 here (no GPU)")
     args = ap.parse_args()
     if args.sass:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+        from sass_count import histogram, issue_slots, main_loop
+        qtype, block_m = args.types.split(",")[0], args.block_m or int(args.rows.split(",")[0])
+        code = sass(qtype, args.block_n, block_m, args.warps)
         with open(args.sass, "w") as f:
-            f.write(sass(args.types.split(",")[0], args.block_n,
-                         args.block_m or int(args.rows.split(",")[0]), args.warps))
+            f.write(code)
+        body = main_loop(code)             # a super-block a step: block_n x 256 quants
+        weights = args.block_n * 256 / (32 * args.warps)
+        print(f"{qtype} Gluon MMA, {args.block_n} x {block_m} blocks, {args.warps} warps: "
+              f"{len(body) / weights:.2f} instructions a weight, "
+              f"{issue_slots(histogram(body)) / weights:.2f} ALU issue slots a weight, "
+              f"{sum('BAR.SYNC' in line for line in body)} barriers a step")
         return
     from bench_kernels import timed   # this script's folder is on the path
     from bench_quant import weights
