@@ -20,7 +20,7 @@ import torch
 import triton
 
 from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_layout,
-                                           dc_plane, gluon_mm, raw_layout)
+                                           dc_plane, gluon_mm, mma_layout, raw_layout)
 
 
 def sass(qtype: str, block_n: int, block_m: int, warps: int) -> str:
@@ -34,7 +34,7 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int) -> str:
     types = {"qp_ptr": "*i8", "dc_ptr": "*fp32", "w_ptr": "*i8", "qh_ptr": "*i8",
              "sc_ptr": "*i8" if qtype == "Q6_K" else "*i32", "dm_ptr": "*fp16",
              "dst_ptr": "*fp32"}
-    consts = {"BLOCK_N": block_n, "BLOCK_M": block_m, "WARPS": warps,
+    consts = {"BLOCK_N": block_n, "BLOCK_M": block_m, "MMA": mma_layout(warps),
               "RAW": raw_layout(block_n, warps),
               "DC": dc_layout(block_m, warps, 4 if qtype == "Q6_K" else 2), "EVEN": True}
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}

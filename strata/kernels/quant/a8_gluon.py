@@ -49,6 +49,23 @@ def _ld(at, ok, EVEN: gl.constexpr):
 
 
 @gluon.jit
+def _weight_at(w_ptr, s0, n0, N, BLOCK_N: gl.constexpr, RAW: gl.constexpr):
+    """A group's 16 bytes of the qs plane for rows n0 .. [BN, 16] (RAW: thread t the bytes
+    4t .. 4t + 3 of its rows): the rows, the bytes, their addresses (at group 0) and mask."""
+    na = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RAW))
+    sa = gl.arange(0, 16, layout=gl.SliceLayout(0, RAW))
+    return na, sa, w_ptr + na[:, None] * (4 * s0) + sa[None, :], (na < N)[:, None]
+
+
+@gluon.jit
+def _tile(n0, m0, N, M, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.constexpr):
+    """The accumulator's weight rows n and window rows m, in its layout, with their masks."""
+    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    return n, n < N, m, m < M
+
+
+@gluon.jit
 def _rows_at(qp_ptr, M, K, m0, BLOCK_M: gl.constexpr, B_L: gl.constexpr, DC: gl.constexpr,
              W: gl.constexpr):
     """Where a group's B fragments [32, BM] lie in the rows' pair-order codes (slot s of row m:
@@ -98,36 +115,28 @@ def _small_float(i):
 @gluon.jit
 def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
                     s0, s2, s3, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                    WARPS: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr,
+                    MMA: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr,
                     EVEN: gl.constexpr):
     """Program (column block, row block, part of K): dst[part, m, n] = the part's terms of
     rows m and weight rows n, added group by group from zero. w_ptr: the qs plane as bytes;
     dc_ptr: fp32 [K / 32, M, 2], each group's dx and qs dx of the rows (dc_plane).
-    DC (dc_layout): [BM, 2] as the accumulator holds its columns, the pair in the thread.
+    MMA (mma_layout): the accumulator's. DC (dc_layout): [BM, 2] as the accumulator holds its
+    columns, the pair in the thread.
     RAW (raw_layout): the layout of a group's 16 bytes of BLOCK_N rows in which each thread
     holds the word whose nibbles its A fragment takes."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
-                                                  instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
     part = gl.program_id(2)
     n0 = gl.program_id(0) * BLOCK_N
     m0 = gl.program_id(1) * BLOCK_M
     # A: the group's 16 bytes of each row [BN, 16] (thread t: bytes 4t .. 4t + 3), then its
     # low nibbles at slots 0 .. 15 and high ones at 16 .. 31: [BN, 32] in the A fragments
-    na = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RAW))
-    sa = gl.arange(0, 16, layout=gl.SliceLayout(0, RAW))
-    a_at = w_ptr + na[:, None] * (4 * s0) + sa[None, :]
-    a_ok = (na < N)[:, None]
+    na, sa, a_at, a_ok = _weight_at(w_ptr, s0, n0, N, BLOCK_N, RAW)
     b_at, b_ok, dc_at, dc_ok = _rows_at(qp_ptr, M, K, m0, BLOCK_M, b_l, DC, 2)
-    n = n0 + gl.arange(0, BLOCK_N, layout=rows_l)             # the terms' rows and columns
-    n_ok = n < N
-    m = m0 + gl.arange(0, BLOCK_M, layout=cols_l)
-    m_ok = m < M
-    magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=mma)
-    acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=mma)
+    n, n_ok, m, m_ok = _tile(n0, m0, N, M, BLOCK_N, BLOCK_M, MMA)   # the terms' rows, columns
+    magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=MMA)
+    acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=MMA)
     for sbk in range(part * (L // 256), (part + 1) * (L // 256)):
         v0, v1, v2, d, dmin = _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sbk, EVEN)
         for j in gl.static_range(8):
@@ -179,38 +188,30 @@ def _q6k_codes(raw, qh, shift):
 @gluon.jit
 def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
                     s0, s1, s2, s3, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                    WARPS: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr,
+                    MMA: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr,
                     EVEN: gl.constexpr):
     """_q4k_mma_kernel for Q6_K: groups of 16, so a chunk of 32 quants is two groups, thread
     t's word from group t // 2 (slots 0 .. 7 and 16 .. 23 group 2c, the rest 2c + 1); each
-    group's sums from the rows' codes with the other group's slots zeroed. w_ptr, qh_ptr: the
+    group's sums from the weight's codes with the other group's slots zeroed (a thread's words
+    or zero). w_ptr, qh_ptr: the
     qs and qh planes as bytes; dc_ptr: fp32 [K / 32, M, 4], dx, each group's qs dx and 0."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
-                                                  instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
     part = gl.program_id(2)
     n0 = gl.program_id(0) * BLOCK_N
     m0 = gl.program_id(1) * BLOCK_M
-    na = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RAW))
-    sa = gl.arange(0, 16, layout=gl.SliceLayout(0, RAW))
-    a_at = w_ptr + na[:, None] * (4 * s0) + sa[None, :]
+    na, sa, a_at, a_ok = _weight_at(w_ptr, s0, n0, N, BLOCK_N, RAW)
     h_at = qh_ptr + na[:, None] * (4 * s1) + (sa // 8 * 4 + sa % 4)[None, :]
     shift = (gl.full([BLOCK_N, 16], 0, gl.int8, layout=RAW)
              + ((sa // 4) % 2 * 2).to(gl.int8)[None, :])           # 2 a, a = (byte / 4) % 2
-    a_ok = (na < N)[:, None]
     b_at, b_ok, dc_at, dc_ok = _rows_at(qp_ptr, M, K, m0, BLOCK_M, b_l, DC, 4)
     ka = gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
     first = gl.full([BLOCK_N, 32], 0, gl.int8, layout=a_l) + gl.where(ka % 16 < 8, -1, 0).to(
         gl.int8)[None, :]                                    # 0xFF at group 2c's slots
-    n = n0 + gl.arange(0, BLOCK_N, layout=rows_l)
-    n_ok = n < N
-    m = m0 + gl.arange(0, BLOCK_M, layout=cols_l)
-    m_ok = m < M
-    magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=mma)
-    acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=mma)
+    n, n_ok, m, m_ok = _tile(n0, m0, N, M, BLOCK_N, BLOCK_M, MMA)
+    magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=MMA)
+    acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=MMA)
     for sbk in range(part * (L // 256), (part + 1) * (L // 256)):
         d = _ld(dm_ptr + n * s3 + sbk, n_ok, EVEN).to(gl.float32)
         for c in gl.static_range(8):                          # chunks of 32: groups 2c, 2c + 1
@@ -236,6 +237,12 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N
                 acc += gl.fma(a[:, None] * dx[None, :], f, (-32.0 * a)[:, None] * cg[None, :])
     at = dst_ptr + part * M * N + m[None, :] * N + n[:, None]
     gl.store(at, acc, mask=n_ok[:, None] & m_ok[None, :])
+
+
+def mma_layout(warps: int) -> gl.NVMMADistributedLayout:
+    """mma.sync m16n8's accumulator over `warps` warps along the weight's rows."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1],
+                                     instr_shape=[16, 8])
 
 
 def raw_layout(block_n: int, warps: int) -> gl.DistributedLinearLayout:
@@ -316,7 +323,7 @@ def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 1
     dst = torch.empty(p, m, part.rows, dtype=torch.float32, device=x.q.device)
     grid = (triton.cdiv(part.rows, block_n), triton.cdiv(m, block_m), p)
     dc = dc if dc is not None else dc_plane(x, part.qtype)
-    blocks = dict(BLOCK_N=block_n, BLOCK_M=block_m, WARPS=warps,
+    blocks = dict(BLOCK_N=block_n, BLOCK_M=block_m, MMA=mma_layout(warps),
                   RAW=raw_layout(block_n, warps),
                   DC=dc_layout(block_m, warps, 4 if part.qtype == "Q6_K" else 2),
                   EVEN=m % block_m == 0 and part.rows % block_n == 0, num_warps=warps,
