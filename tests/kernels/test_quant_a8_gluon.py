@@ -47,15 +47,16 @@ def test_the_dc_plane_is_the_rows_scales_and_sums(device, qtype):
 @pytest.mark.gpu
 @needs_cuda
 def test_gluon_rows_have_the_triton_kernels_bits(qtype, n, k):
-    """Rows in tiles of 16, 32 and 64 (20 and 40 rows: ragged blocks), against the Triton MMA
-    at its defaults and each row alone through the GEMV, with a residual and without."""
+    """Rows in tiles of 8, 16, 32 and 64 (3, 20 and 40 rows: ragged blocks), against the
+    Triton kernels at their defaults (the GEMV up to 8 rows, the MMA from 16) and each row
+    alone through the GEMV, with a residual and without."""
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     w, _ = _weight(qtype, n, k, "cuda", seed=11)
     part = w.parts[0]
     x, res = _x(64, k, seed=12), _x(64, n, seed=13)
     c = quantize_rows(x)
     alone = torch.cat([a8_mm(c[i:i + 1], part, res[i:i + 1]) for i in range(64)])
-    for rows in (16, 20, 32, 40, 64):
+    for rows in (3, 8, 16, 20, 32, 40, 64):
         for r in (res[:rows], None):
             got = a8_mm(c[:rows], part, r, dot="gluon")
             assert torch.equal(got, a8_mm(c[:rows], part, r)), f"{qtype}: {rows} rows, Triton"

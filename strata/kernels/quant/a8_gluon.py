@@ -302,6 +302,7 @@ def dc_layout(block_m: int, warps: int, width: int = 2) -> gl.DistributedLinearL
 
 
 GLUON_TYPES = ("Q4_K", "Q6_K")
+GLUON_TILES = (4, 8, 16, 32, 64)   # the row tiles STRATA_A8_DOT=gluon takes (4 rows: 8-row tiles)
 
 
 def gluon_fits(part, k: int, parts: int = PARTS) -> bool:

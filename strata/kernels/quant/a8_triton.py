@@ -97,6 +97,15 @@ def a8_row_tile(m: int) -> int:
     return next(t for t in (*GEMV_TILES, *ROW_TILES) if m <= t or t == ROW_TILES[-1])
 
 
+def _env_gluon(part: Part, k: int, tile: int, parts: int = PARTS) -> bool:
+    """Whether STRATA_A8_DOT=gluon gives this weight's windows of this row tile to the Gluon
+    kernels (a8_gluon.py): where they fit, from 4 rows."""
+    if os.environ.get("STRATA_A8_DOT") != "gluon":
+        return False
+    from strata.kernels.quant.a8_gluon import GLUON_TILES, gluon_fits
+    return tile in GLUON_TILES and gluon_fits(part, k, parts)
+
+
 def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
           out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
           block_m: int | None = None, block_n: int | None = None,
@@ -110,13 +119,14 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     default 16 for Q6_K and 32 for the rest; `stages` K steps in flight, default 2 for 8 rows
     and 3 for fewer); the MMA tiles block_n columns a program and block_k quants a step (at
     most K's step), their groups' sums by `dot`, one of a8_mma.DOTS (Hopper's wgmma from
-    block_n 64) or "gluon" (a8_gluon.py: Q4_K and Q6_K on CUDA, its own blocks); the same bits
-    any way, the defaults MMA_BLOCKS' or, where set, the environment's STRATA_A8_DOT (an
-    experiment's: tools/gpu/bench_a8.py --mma times them in a kernel, the variable in a stage;
-    gluon where it fits, the default elsewhere); ahead: whether the MMA's "groups" way loads
-    each step's scales a step ahead (the same bits; default MMA_BLOCKS'). parts: the most parts
-    of K (k_parts; a row's bits depend on it, so every call on a weight must pass the same:
-    leave it be outside experiments)."""
+    block_n 64) or "gluon" (a8_gluon.py: Q4_K and Q6_K on CUDA, its own blocks, a GEMV tile's
+    rows in 8-row tiles); the same bits any way, the defaults MMA_BLOCKS' or, where set, the
+    environment's STRATA_A8_DOT (an experiment's: tools/gpu/bench_a8.py --mma times them in a
+    kernel, the variable in a stage; gluon where it fits from 4 rows, the default elsewhere,
+    gate/up too); ahead: whether the MMA's "groups" way loads each step's scales a step ahead
+    (the same bits; default MMA_BLOCKS'). parts: the most parts of K (k_parts; a row's bits
+    depend on it, so every call on a weight must pass the same: leave it be outside
+    experiments)."""
     q = x.q
     m, k = q.shape
     block_m = block_m or a8_row_tile(m)
@@ -124,9 +134,10 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
                          (None, None, None, None))
     block_k = min(block_k or mma[1] or 128, gemv_step(k))
     env = os.environ.get("STRATA_A8_DOT")
-    if dot is None and env == "gluon" and block_m in ROW_TILES:   # where its kernels fit
-        from strata.kernels.quant.a8_gluon import gluon_fits
-        env = env if gluon_fits(part, k, parts) else None
+    if dot is None and env == "gluon" and not _env_gluon(part, k, block_m, parts):
+        env = None
+    if (dot or env) == "gluon" and block_m in GEMV_TILES:   # an m16n8 tile takes 8 rows
+        block_m, dot = 8, "gluon"
     dot = dot or env or mma[2] or "groups"
     if dot not in (*DOTS, "gluon"):
         raise ValueError(f"int8-activation MMA: no way {dot!r} to the groups' sums (one of "
@@ -139,7 +150,7 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     if out is None:
         out = torch.empty(m, part.rows, dtype=out_dtype, device=q.device)
     assert out.shape == (m, part.rows) and out.stride(1) == 1 and q.is_contiguous()
-    if block_m in GEMV_TILES:   # blocks from tools/gpu/bench_a8.py on an H100
+    if block_m in GEMV_TILES and dot != "gluon":   # blocks from tools/gpu/bench_a8.py (H100)
         return a8_gemv(x, part, res, out, block_m,
                        block_n=gemv_n or (16 if part.qtype == "Q6_K" else 32),
                        stages=stages or (2 if block_m == 8 else 3), warps=warps,
@@ -159,7 +170,7 @@ def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
     f = part.rows // 2
     codes = codes and f % QBLOCK == 0
     tile = a8_row_tile(m)
-    if tile in GEMV_TILES and part.rows % 2 == 0:
+    if tile in GEMV_TILES and part.rows % 2 == 0 and not _env_gluon(part, x.q.shape[1], tile):
         out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
         c = Codes.empty(m, f, x.q.device) if codes else None
         a8_gate_up(x, part, act, out, tile, block_n=16 if part.qtype == "Q6_K" else 32,
