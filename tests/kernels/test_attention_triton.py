@@ -169,7 +169,7 @@ def test_the_last_split_combines_as_the_combine_kernel(device, window, monkeypat
     out2, codes2 = attend()
     assert torch.equal(out, out2) and not out[2].any()
     want = quantize_rows(out.view(6, -1))
-    for name in ("q", "qp", "dx", "qs"):
+    for name in ("q", "qp", "dx", "qs", "dc"):
         assert torch.equal(getattr(codes, name), getattr(codes2, name)), name
         assert torch.equal(getattr(codes, name), getattr(want, name)), name
 

@@ -48,8 +48,9 @@ def test_rows_quantize_as_the_plain_torch_twin(device, norm, supers):
     assert torch.equal(c.qp, q.view(5, k // 8, 4, 2).transpose(2, 3).reshape(5, k))
     # a row alone gives the same codes, scales and sums
     one = quantize_rows(x[3:4].contiguous(), g if norm else None, 1e-5)
-    assert all(torch.equal(a, b) for a, b in zip((one.q, one.dx, one.qs, one.qp),
-                                                 (q[3:4], dx[3:4], c.qs[3:4], c.qp[3:4])))
+    assert all(torch.equal(a, b) for a, b in zip((one.q, one.dx, one.qs, one.qp, one.dc),
+                                                 (q[3:4], dx[3:4], c.qs[3:4], c.qp[3:4],
+                                                  c.dc[3:4])))
 
 
 @pytest.mark.parametrize("device", triton_devices())

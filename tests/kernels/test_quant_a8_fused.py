@@ -66,7 +66,7 @@ def test_the_fused_gate_up_quantizes_its_rows_as_quantize_rows(device, qtype, st
         rows = silu_mul(a8_mm(c[:m], part, out_dtype=dtype))
         assert torch.equal(got.rows, rows), m
         want = real(rows)
-        for name in ("q", "qp", "dx", "qs"):
+        for name in ("q", "qp", "dx", "qs", "dc"):
             assert torch.equal(getattr(got, name), getattr(want, name)), f"{name}, {m} rows"
         assert got.q.abs().max() == 127
     assert len(calls) == 1, "up to 8 rows the kernels quantize their rows themselves"
@@ -124,7 +124,7 @@ def test_the_attention_kernel_quantizes_its_rows_as_quantize_rows(device, hd):
     out = attend_rows_triton(q, k, v, slot, length, codes=codes)
     assert torch.equal(out, attend_rows_triton(q, k, v, slot, length))
     want = quantize_rows(out.view(4, -1))
-    for name in ("q", "qp", "dx", "qs"):
+    for name in ("q", "qp", "dx", "qs", "dc"):
         assert torch.equal(getattr(codes, name), getattr(want, name)), name
     assert codes.q[2].abs().max() == 0 and codes.q.abs().max() == 127
 
@@ -152,7 +152,7 @@ def test_the_last_program_adds_the_parts_as_the_kernels_after_it_would(device, m
     def outputs() -> list[torch.Tensor]:
         codes = a8_gate_up_silu(c[:3], w.parts[0], "silu", dtype, codes=True)
         return [a8_mm(c[:1], w.parts[0], res[:1]), a8_mm(c[:8], w.parts[0], res[:8]),
-                a8_mm(c, w.parts[0], res), codes.rows, codes.q, codes.dx, codes.qs,
+                a8_mm(c, w.parts[0], res), codes.rows, codes.q, codes.dx, codes.qs, codes.dc,
                 experts_a8(x[:3].to(dtype), experts, gate_up, down, 4)]
     seen = []
     for module in (a8_gemv, a8_gated, a8_mma):

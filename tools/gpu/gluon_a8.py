@@ -3,8 +3,8 @@ a GPU, whether its bits are a8_mm's and both kernels' us per call from a CUDA gr
 weights rotating past L2, for Q4_K and Q6_K at the llama3-8b down and qkv shapes; with `--sass
 FILE`, its SASS for sm_90 compiled here without a GPU into FILE, and its main loop's
 instructions a weight counted as tools/sass_count.py counts them (the first of --types and
---rows; use the device's Triton, as sass_count says).
-The rows' dc plane (a8_gluon.dc_plane) is made before the timing, as a quantizer would write it.
+--rows; use the device's Triton, as sass_count says). The rows' codes (their dc plane with
+them) are quantized once, before the timing.
 
     python tools/gpu/gluon_a8.py [--types Q4_K,Q6_K] [--rows 16,32,64] [--shape 4096x14336]
         [--block-n 64] [--block-m 32] [--warps 4] [--sass FILE]
@@ -20,7 +20,7 @@ import torch
 import triton
 
 from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_layout,
-                                           dc_plane, gluon_mm, mma_layout, raw_layout)
+                                           gluon_mm, mma_layout, raw_layout)
 
 
 def sass(qtype: str, block_n: int, block_m: int, warps: int) -> str:
@@ -95,9 +95,8 @@ def main() -> None:
             want = a8_mm(c, part)
             same = torch.equal(got, want)
             err = ((got - want).abs().max() / want.abs().max()).item()
-            dc = dc_plane(c, qtype)   # the quantizer would write it: not timed
             gl_us = timed(lambda i: gluon_mm(c, ws[i % copies].parts[0], block_n=args.block_n,
-                                             block_m=bm, warps=args.warps, dc=dc))
+                                             block_m=bm, warps=args.warps))
             a8_us = timed(lambda i: a8_mm(c, ws[i % copies].parts[0]))
             print(f"{qtype} [{n}, {k}] {rows} rows: gluon {gl_us:.1f} us, a8_mm {a8_us:.1f} us, "
                   f"bits {'equal' if same else f'DIFFER (max rel {err:.2e})'}")

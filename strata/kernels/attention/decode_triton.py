@@ -61,7 +61,7 @@ def _splits(len_ptr, row, window, SPLIT: tl.constexpr):
 
 @triton.jit
 def _write_rows(out, row, g, head, d, gd_mask, out_ptr, stride_or, stride_oh,
-                cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, n_out,
+                cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, n_out,
                 GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_G: tl.constexpr,
                 CODES: tl.constexpr):
     """Stores the row's heads out [BLOCK_G, BLOCK_D] (fp32) in out's dtype; with CODES (HD
@@ -71,7 +71,7 @@ def _write_rows(out, row, g, head, d, gd_mask, out_ptr, stride_or, stride_oh,
              mask=gd_mask)
     if CODES:   # head g's HD values are blocks head * HD / 32 .. of the output row
         quantize_blocks(out.to(tl.float32), g * 0 + row, g < GROUP, head * (HD // 32), n_out,
-                        cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, BLOCK_G, HD // 32)
+                        cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, BLOCK_G, HD // 32)
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def _combine(acc_ptr, ms_ptr, row, head, g_ok, d, gd_mask, lo, hi, n_parts, n_he
 
 @triton.jit
 def _attend_split_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr, acc_ptr, ms_ptr,
-                         count_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, n_out, n_heads,
+                         count_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, n_out, n_heads,
                          stride_qr, stride_qh, stride_or, stride_oh,
                          stride_cs, stride_ch, stride_cp,
                          qk_scale, window,
@@ -149,8 +149,8 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr, acc_pt
         m = m_new
     if hi - lo == 1:    # the row's one split: its output (a pad row's stays zero)
         _write_rows(acc / tl.where(s > 0, s, 1.0)[:, None], row, g, head, d, gd_mask,
-                    out_ptr, stride_or, stride_oh, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, n_out,
-                    GROUP, HD, BLOCK_G, CODES)
+                    out_ptr, stride_or, stride_oh, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr,
+                    n_out, GROUP, HD, BLOCK_G, CODES)
     else:
         part = row.to(tl.int64) * n_parts + j
         tl.store(acc_ptr + (part * n_heads + head[:, None]) * HD + d[None, :], acc,
@@ -162,13 +162,13 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr, acc_pt
                 out = _combine(acc_ptr, ms_ptr, row, head, g < GROUP, d, gd_mask, lo, hi,
                                n_parts, n_heads, HD, BLOCK_G, BLOCK_D)
                 _write_rows(out, row, g, head, d, gd_mask, out_ptr, stride_or, stride_oh,
-                            cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, n_out, GROUP, HD, BLOCK_G,
-                            CODES)
+                            cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, n_out, GROUP, HD,
+                            BLOCK_G, CODES)
 
 
 @triton.jit
 def _combine_kernel(out_ptr, len_ptr, acc_ptr, ms_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr,
-                    n_out, n_heads, n_parts, stride_or, stride_oh, window,
+                    cdc_ptr, n_out, n_heads, n_parts, stride_or, stride_oh, window,
                     GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, CODES: tl.constexpr,
                     PDL: tl.constexpr):
@@ -186,7 +186,7 @@ def _combine_kernel(out_ptr, len_ptr, acc_ptr, ms_ptr, cq_ptr, cqp_ptr, cdx_ptr,
     out = _combine(acc_ptr, ms_ptr, row, head, g < GROUP, d, gd_mask, lo, hi, n_parts,
                    n_heads, HD, BLOCK_G, BLOCK_D)
     _write_rows(out, row, g, head, d, gd_mask, out_ptr, stride_or, stride_oh,
-                cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, n_out, GROUP, HD, BLOCK_G, CODES)
+                cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, n_out, GROUP, HD, BLOCK_G, CODES)
 
 
 def attend_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -220,11 +220,11 @@ def attend_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(hd))
     fused = codes is not None and hd % 32 == 0 and block_d == hd
-    c = codes if fused else Codes(out, out, out, out)   # not written
+    c = codes if fused else Codes(out, out, out, out, out)   # not written
     window = window or NO_WINDOW
     _attend_split_kernel[(n_rows, n_kv, n_parts)](
         q, k_cache, v_cache, out, slot, length, acc, ms, out if count is None else count,
-        c.q, c.qp, c.dx, c.qs, n_heads * hd, n_heads,
+        c.q, c.qp, c.dx, c.qs, c.dc, n_heads * hd, n_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         qk_scale, window,
@@ -233,13 +233,13 @@ def attend_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         num_warps=4, num_stages=STAGES, **launch_options(q.device))
     if count is None and n_parts > 1:
         _combine_kernel[(n_rows, n_kv)](
-            out, length, acc, ms, c.q, c.qp, c.dx, c.qs, n_heads * hd, n_heads, n_parts,
+            out, length, acc, ms, c.q, c.qp, c.dx, c.qs, c.dc, n_heads * hd, n_heads, n_parts,
             out.stride(0), out.stride(1), window,
             GROUP=group, HD=hd, BLOCK_G=block_g, BLOCK_D=block_d, SPLIT=split, CODES=fused,
             num_warps=4, **launch_options(q.device))
     if codes is not None and not fused:
         from strata.kernels.quant.a8_triton import quantize_rows
         rows = quantize_rows(out.view(n_rows, -1))
-        for plane in ("q", "qp", "dx", "qs"):
+        for plane in ("q", "qp", "dx", "qs", "dc"):
             getattr(codes, plane).copy_(getattr(rows, plane))
     return out

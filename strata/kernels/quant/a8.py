@@ -32,11 +32,15 @@ class Codes:
     (the kernels' b terms need a group's sum; taken once here, not in every tile), and the
     codes again in pair order, qp: each 8 as codes 0, 2, 4, 6, 1, 3, 5, 7, the order in which
     the GEMV takes a word of eight nibbles apart (a8_gemv.py). rows: the window rows they
-    came from, where a kernel wrote both (a8_gate_up_silu), for a caller that needs them."""
+    came from, where a kernel wrote both (a8_gate_up_silu), for a caller that needs them.
+    dc: fp32 [M, K / 32, 4], each block's dx, then its codes' sum times dx and each 16's
+    (the products rounded once, as the kernels round them): the Gluon kernels' (a8_gluon.py)
+    terms of the rows in one load a block."""
     q: torch.Tensor
     dx: torch.Tensor
     qs: torch.Tensor
     qp: torch.Tensor
+    dc: torch.Tensor
     rows: torch.Tensor | None = None
 
     @staticmethod
@@ -45,10 +49,11 @@ class Codes:
         q = torch.empty(m, k, dtype=torch.int8, device=device)
         return Codes(q, torch.empty(m, k // QBLOCK, dtype=torch.float32, device=device),
                      torch.empty(m, k // 16, dtype=torch.int32, device=device),
-                     torch.empty_like(q))
+                     torch.empty_like(q),
+                     torch.empty(m, k // QBLOCK, 4, dtype=torch.float32, device=device))
 
     def __getitem__(self, rows: slice) -> Codes:
-        return Codes(self.q[rows], self.dx[rows], self.qs[rows], self.qp[rows],
+        return Codes(self.q[rows], self.dx[rows], self.qs[rows], self.qp[rows], self.dc[rows],
                      None if self.rows is None else self.rows[rows])
 
 

@@ -26,7 +26,7 @@ from strata.kernels.quant.reads import TYPE_IDS, _planes
 
 
 @triton.jit
-def _add_gated_parts_kernel(part_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, M, N,
+def _add_gated_parts_kernel(part_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, M, N,
                             stride_om, P: tl.constexpr, ACT: tl.constexpr,
                             CODES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row m, block of columns): the P parts' gate and up sums [P, M, 2N] added in
@@ -49,7 +49,7 @@ def _add_gated_parts_kernel(part_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr
         rows = tl.zeros([1], tl.int32) + m
         quantize_blocks(h.to(tl.float32)[None, :], rows, rows >= 0,
                         rows * 0 + tl.program_id(1) * (BLOCK // 32), N, cq_ptr, cqp_ptr,
-                        cdx_ptr, cqs_ptr, 1, BLOCK // 32)
+                        cdx_ptr, cqs_ptr, cdc_ptr, 1, BLOCK // 32)
 
 
 def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
@@ -86,7 +86,7 @@ def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
     planes, strides = _planes(part)
     _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, *Pairs.args(pairs, q), *planes, *strides,
                           dst, dst, out, q if count is None else count,
-                          c.q, c.qp, c.dx, c.qs, m, f, k, up, out.stride(0), out.stride(0),
+                          c.q, c.qp, c.dx, c.qs, c.dc, m, f, k, up, out.stride(0), out.stride(0),
                           QTYPE=TYPE_IDS[part.qtype], S=BLOCKS[part.qtype][2], HAS_RES=False,
                           FIXUP=count is not None,
                           ASM=q.device.type == "cuda", PAIRS=pairs is not None,
@@ -108,7 +108,7 @@ def add_gated_parts(parts: torch.Tensor, out: torch.Tensor, act: str,
     f = f2 // 2
     block = (next(b for b in (256, 128, 64, 32) if f % b == 0) if codes is not None
              else 256)
-    c = codes if codes is not None else Codes(parts, parts, parts, parts)   # not written
+    c = codes if codes is not None else Codes(parts, parts, parts, parts, parts)   # not written
     _add_gated_parts_kernel[(m, triton.cdiv(f, block))](
-        parts, out, c.q, c.qp, c.dx, c.qs, m, f, out.stride(0), P=p, ACT=ACTS[act],
+        parts, out, c.q, c.qp, c.dx, c.qs, c.dc, m, f, out.stride(0), P=p, ACT=ACTS[act],
         CODES=codes is not None, BLOCK=block, enable_fp_fusion=False, **launch_options(out.device))

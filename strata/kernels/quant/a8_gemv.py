@@ -148,7 +148,8 @@ def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
 
 @triton.jit
 def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0, s1, s2, s3,
-                    res_ptr, out_ptr, fin_ptr, count_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, M,
+                    res_ptr, out_ptr, fin_ptr, count_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr,
+                    cdc_ptr, M,
                     N, K, UP, stride_rm, stride_om, QTYPE: tl.constexpr, S: tl.constexpr,
                     HAS_RES: tl.constexpr, FIXUP: tl.constexpr,
                     ASM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -208,10 +209,10 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0
                 gate = load_parts(out_ptr, m, n, m_ok, n_ok, M, 2 * N, P, BLOCK_M, BLOCK_N)
                 up = load_parts(out_ptr + N, m, n, m_ok, n_ok, M, 2 * N, P, BLOCK_M, BLOCK_N)
                 gated_rows(gate, up, fin_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr, cqp_ptr,
-                           cdx_ptr, cqs_ptr, ACT, CODES, BLOCK_M)
+                           cdx_ptr, cqs_ptr, cdc_ptr, ACT, CODES, BLOCK_M)
     elif ACT >= 0:   # silu_mul's arithmetic on the projection's rounded outputs
         gated_rows(0.0 + acc, 0.0 + acc_up, out_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr,
-                   cqp_ptr, cdx_ptr, cqs_ptr, ACT, CODES, BLOCK_M)
+                   cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, ACT, CODES, BLOCK_M)
     elif P == 1:   # the parts' sum from zero, as every kernel adds them (_add_parts_kernel)
         store_rows(0.0 + acc, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
     else:
@@ -221,7 +222,7 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0
 
 @triton.jit
 def gated_rows(gate, up, out_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr, cqp_ptr, cdx_ptr,
-               cqs_ptr, ACT: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr):
+               cqs_ptr, cdc_ptr, ACT: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr):
     """act(gate) * up of fp32 sums [BM, BN], each rounded to out's dtype first (silu_mul's
     arithmetic on the projection's outputs), into out; with CODES (BLOCK_N 32) those rows
     quantized too, as quantize_rows would: the down projection's input, no kernel of its
@@ -231,7 +232,7 @@ def gated_rows(gate, up, out_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr, cqp_pt
     store_rows(h, out_ptr, out_ptr, m, n, m_ok, n_ok, stride_om, stride_om, False)
     if CODES:
         quantize_blocks(h.to(tl.float32), m, m_ok, m * 0 + tl.program_id(1), N, cq_ptr,
-                        cqp_ptr, cdx_ptr, cqs_ptr, BLOCK_M, 1)
+                        cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, BLOCK_M, 1)
 
 
 @triton.jit
@@ -294,10 +295,11 @@ def _gemv_step(acc, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn, n_ok, w0, g0
 
 
 @triton.jit
-def quantize_blocks(y, m, m_ok, b0, K, q_ptr, qp_ptr, dx_ptr, qs_ptr, R: tl.constexpr,
-                    NB: tl.constexpr):
+def quantize_blocks(y, m, m_ok, b0, K, q_ptr, qp_ptr, dx_ptr, qs_ptr, dc_ptr,
+                    R: tl.constexpr, NB: tl.constexpr):
     """Values y fp32 [R, NB * 32] into Codes' planes [M, K] (a8.py: codes, the codes in pair
-    order, scales and each 16 codes' sum): y's row i is blocks b0[i] .. b0[i] + NB - 1 (of 32)
+    order, scales, each 16 codes' sum and the dc plane): y's row i is blocks b0[i] ..
+    b0[i] + NB - 1 (of 32)
     of row m[i], each block from its own values alone. The row quantizer's arithmetic, and
     that of any kernel that quantizes the rows it writes: its one product and sum is an
     explicit fma, so it is the same with and without FP fusion."""
@@ -311,11 +313,17 @@ def quantize_blocks(y, m, m_ok, b0, K, q_ptr, qp_ptr, dx_ptr, qs_ptr, R: tl.cons
     tl.store(q_ptr + at, tl.reshape(q, (R, NB * 32)).to(tl.int8), mask=ok)
     pairs = tl.permute(tl.reshape(q, (R, NB * 4, 4, 2)), (0, 1, 3, 2))   # 0, 2, 4, 6, 1, 3, 5, 7
     tl.store(qp_ptr + at, tl.reshape(pairs, (R, NB * 32)).to(tl.int8), mask=ok)
-    tl.store(dx_ptr + m[:, None] * (K // 32) + b0[:, None] + tl.arange(0, NB)[None, :],
-             amax / 127.0, mask=ok)
+    dx = amax / 127.0
+    tl.store(dx_ptr + m[:, None] * (K // 32) + b0[:, None] + tl.arange(0, NB)[None, :], dx,
+             mask=ok)
     qs = tl.sum(tl.reshape(q.to(tl.int32), (R, 2 * NB, 16)), 2)
     tl.store(qs_ptr + m[:, None] * (K // 16) + 2 * b0[:, None] + tl.arange(0, 2 * NB)[None, :],
              qs, mask=ok)
+    q0, q1 = tl.split(tl.reshape(qs, (R, NB, 2)))
+    c0, c1 = q0.to(tl.float32) * dx, q1.to(tl.float32) * dx
+    dc = tl.join(tl.join(dx, c0), tl.join((q0 + q1).to(tl.float32) * dx, c1))   # dx, c, c0, c1
+    tl.store(dc_ptr + m[:, None] * (K // 8) + 4 * b0[:, None] + tl.arange(0, 4 * NB)[None, :],
+             tl.reshape(dc, (R, 4 * NB)), mask=ok)
 
 
 def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, block_m: int,
@@ -338,8 +346,8 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
     grid = (triton.cdiv(m, block_m), triton.cdiv(cols, block_n), p)
     count = counters(q.device, grid[0] * grid[1]) if p > 1 else None
     _a8_gemv_kernel[grid](q.view(torch.int32), x.dx, *Pairs.args(pairs, q), *planes, *strides, r,
-                          dst, out, q if count is None else count, q, q, x.dx, x.qs, m, cols,
-                          k, 0, r.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
+                          dst, out, q if count is None else count, q, q, x.dx, x.qs, x.dc, m,
+                          cols, k, 0, r.stride(0), out.stride(0), QTYPE=TYPE_IDS[part.qtype],
                           S=BLOCKS[part.qtype][2], HAS_RES=res is not None,
                           FIXUP=count is not None,
                           ASM=q.device.type == "cuda", PAIRS=pairs is not None,

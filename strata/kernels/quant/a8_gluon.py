@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -69,14 +68,14 @@ def _tile(n0, m0, N, M, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.co
 def _rows_at(qp_ptr, M, K, m0, BLOCK_M: gl.constexpr, B_L: gl.constexpr, DC: gl.constexpr,
              W: gl.constexpr):
     """Where a group's B fragments [32, BM] lie in the rows' pair-order codes (slot s of row m:
-    byte 8 (s % 16 // 4) + 4 (s >= 16) + s % 4 of the group, 4 bytes a load), and the rows'
-    dc_plane values [BM, W] (DC: dc_layout), each with its mask."""
+    byte 8 (s % 16 // 4) + 4 (s >= 16) + s % 4 of the group, 4 bytes a load), and the first W
+    of the rows' dc plane values [BM, W] (Codes.dc; DC: dc_layout), each with its mask."""
     sb = gl.arange(0, 32, layout=gl.SliceLayout(1, B_L))
     mb = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, B_L))
     kb = (sb % 16) // 4 * 8 + (sb >= 16).to(gl.int32) * 4 + sb % 4
     kb = gl.max_contiguous(gl.multiple_of(kb, 4), 4)
     md = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, DC))
-    dc_at = W * md[:, None] + gl.arange(0, W, layout=gl.SliceLayout(0, DC))[None, :]
+    dc_at = (K // 32 * 4) * md[:, None] + gl.arange(0, W, layout=gl.SliceLayout(0, DC))[None, :]
     return qp_ptr + mb[None, :] * K + kb[:, None], (mb < M)[None, :], dc_at, (md < M)[:, None]
 
 
@@ -119,7 +118,7 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
                     EVEN: gl.constexpr):
     """Program (column block, row block, part of K): dst[part, m, n] = the part's terms of
     rows m and weight rows n, added group by group from zero. w_ptr: the qs plane as bytes;
-    dc_ptr: fp32 [K / 32, M, 2], each group's dx and qs dx of the rows (dc_plane).
+    dc_ptr: the rows' Codes.dc, fp32 [M, K / 32, 4] (each group's dx and qs dx first).
     MMA (mma_layout): the accumulator's. DC (dc_layout): [BM, 2] as the accumulator holds its
     columns, the pair in the thread.
     RAW (raw_layout): the layout of a group's 16 bytes of BLOCK_N rows in which each thread
@@ -148,7 +147,7 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
             q = _ld(b_at + 32 * g, b_ok, EVEN)
             isum = mma_v2(u, q, magic)                        # 1.5 * 2^23 + the sums
             a, b = _q4k_terms(v0, v1, v2, d, dmin, j)
-            dx, c = gl.split(_ld(dc_ptr + g * (2 * M) + dc_at, dc_ok, EVEN))
+            dx, c = gl.split(_ld(dc_ptr + 4 * g + dc_at, dc_ok, EVEN))
             dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
             c = gl.convert_layout(c, cols_l, assert_trivial=True)
             f = isum.to(gl.float32, bitcast=True) - 12582912.0  # group_term's magic number
@@ -194,7 +193,7 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N
     t's word from group t // 2 (slots 0 .. 7 and 16 .. 23 group 2c, the rest 2c + 1); each
     group's sums from the weight's codes with the other group's slots zeroed (a thread's words
     or zero). w_ptr, qh_ptr: the
-    qs and qh planes as bytes; dc_ptr: fp32 [K / 32, M, 4], dx, each group's qs dx and 0."""
+    qs and qh planes as bytes; dc_ptr: Codes.dc (dx, the chunk's qs dx, each group's qs dx)."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
@@ -224,10 +223,10 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N
             q = _ld(b_at + 32 * ch, b_ok, EVEN)
             s_a = mma_v2(_and(u, first, 0), q, magic)       # a thread's slots: one group's
             s_b = mma_v2(_and(u, first, 1), q, magic)
-            even, odd = gl.split(gl.reshape(                  # (dx, qs1 dx), (qs0 dx, 0)
-                _ld(dc_ptr + ch * (4 * M) + dc_at, dc_ok, EVEN), (BLOCK_M, 2, 2)))
-            dx, c1 = gl.split(even)
-            c0, _ = gl.split(odd)
+            even, odd = gl.split(gl.reshape(                  # (dx, qs0 dx), (qs dx, qs1 dx)
+                _ld(dc_ptr + 4 * ch + dc_at, dc_ok, EVEN), (BLOCK_M, 2, 2)))
+            dx, c0 = gl.split(even)
+            _, c1 = gl.split(odd)
             dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
             for h in gl.static_range(2):
                 sc = _ld(sc_ptr + n * s2 + 2 * ch + h, n_ok, EVEN).to(gl.float32)
@@ -257,42 +256,10 @@ def raw_layout(block_n: int, warps: int) -> gl.DistributedLinearLayout:
         block_bases=[], shape=[block_n, 16])
 
 
-@triton.jit
-def _dc_kernel(dx_ptr, qs_ptr, dc_ptr, M, G, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row m, block of groups): dc_plane's values of row m, groups of 32 g."""
-    m = tl.program_id(0)
-    g = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = g < G
-    dx = tl.load(dx_ptr + m * G + g, mask=ok, other=0.0)
-    q0 = tl.load(qs_ptr + m * 2 * G + 2 * g, mask=ok, other=0)
-    q1 = tl.load(qs_ptr + m * 2 * G + 2 * g + 1, mask=ok, other=0)
-    at = dc_ptr + (g * M + m) * (4 if SPLIT else 2)
-    tl.store(at, dx, mask=ok)
-    if SPLIT:
-        tl.store(at + 1, q0.to(tl.float32) * dx, mask=ok)
-        tl.store(at + 2, q1.to(tl.float32) * dx, mask=ok)
-        tl.store(at + 3, dx * 0.0, mask=ok)
-    else:
-        tl.store(at + 1, (q0 + q1).to(tl.float32) * dx, mask=ok)
-
-
-def dc_plane(x, qtype: str = "Q4_K") -> torch.Tensor:
-    """fp32 [K / 32, M, 2]: each group's scale dx and the product of its codes' sum and dx,
-    rounded as the Triton kernels round them; Q6_K [K / 32, M, 4]: dx, then each of the two
-    groups of 16's qs dx, then 0. One kernel, from the Codes' dx and qs."""
-    m, g = x.dx.shape
-    split = qtype == "Q6_K"
-    dc = torch.empty(g, m, 4 if split else 2, dtype=torch.float32, device=x.dx.device)
-    if m:
-        block = 256
-        _dc_kernel[(m, triton.cdiv(g, block))](x.dx, x.qs, dc, m, g, SPLIT=split, BLOCK=block,
-                                               enable_fp_fusion=False)
-    return dc
-
-
 def dc_layout(block_m: int, warps: int, width: int = 2) -> gl.DistributedLinearLayout:
-    """[block_m, width]: each column's dc_plane values where the m16n8 accumulator holds the
-    column (lane l: columns 2 (l % 4) and 2 (l % 4) + 1 of every 8), a column's in the thread."""
+    """[block_m, width]: each column's dc plane values (Codes.dc) where the m16n8 accumulator
+    holds the column (lane l: columns 2 (l % 4) and 2 (l % 4) + 1 of every 8), a column's in
+    the thread."""
     return gl.DistributedLinearLayout(
         reg_bases=([[0, 1 << i] for i in range(width.bit_length() - 1)] + [[1, 0]]
                    + [[8 << i, 0] for i in range((block_m // 8).bit_length() - 1)]),
@@ -311,10 +278,9 @@ def gluon_fits(part, k: int, parts: int = PARTS) -> bool:
 
 
 def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 16,
-             warps: int = 4, parts: int = PARTS, dc: torch.Tensor | None = None
-             ) -> torch.Tensor:
+             warps: int = 4, parts: int = PARTS) -> torch.Tensor:
     """a8_mm(x, part, res)'s product for a Q4_K or Q6_K part by the Gluon kernels, into out
-    (default fp32 [M, N]); dc: dc_plane(x, part.qtype), made here if not given."""
+    (default fp32 [M, N])."""
     m, k = x.q.shape
     if not gluon_fits(part, k, parts):
         raise ValueError(f"int8-activation Gluon MMA: a {part.qtype} weight [{part.rows}, "
@@ -323,20 +289,19 @@ def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 1
     pl = part.planes
     dst = torch.empty(p, m, part.rows, dtype=torch.float32, device=x.q.device)
     grid = (triton.cdiv(part.rows, block_n), triton.cdiv(m, block_m), p)
-    dc = dc if dc is not None else dc_plane(x, part.qtype)
     blocks = dict(BLOCK_N=block_n, BLOCK_M=block_m, MMA=mma_layout(warps),
                   RAW=raw_layout(block_n, warps),
                   DC=dc_layout(block_m, warps, 4 if part.qtype == "Q6_K" else 2),
                   EVEN=m % block_m == 0 and part.rows % block_n == 0, num_warps=warps,
                   enable_fp_fusion=False)   # as every int8 kernel (a8_triton.py)
     if part.qtype == "Q6_K":
-        _q6k_mma_kernel[grid](x.qp, dc, pl["qs"].view(torch.int8), pl["qh"].view(torch.int8),
+        _q6k_mma_kernel[grid](x.qp, x.dc, pl["qs"].view(torch.int8), pl["qh"].view(torch.int8),
                               pl["sc"], pl["dm"], dst, m, part.rows, k, k // p,
                               pl["qs"].stride(0), pl["qh"].stride(0), pl["sc"].stride(0),
                               pl["dm"].stride(0), **blocks)
     else:
         assert part.qtype == "Q4_K"
-        _q4k_mma_kernel[grid](x.qp, dc, pl["qs"].view(torch.int8), pl["sc"], pl["dm"], dst,
+        _q4k_mma_kernel[grid](x.qp, x.dc, pl["qs"].view(torch.int8), pl["sc"], pl["dm"], dst,
                               m, part.rows, k, k // p, pl["qs"].stride(0),
                               pl["sc"].stride(0), pl["dm"].stride(0), **blocks)
     if out is None:

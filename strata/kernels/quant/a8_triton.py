@@ -43,7 +43,7 @@ GEMV_TILES = (1, 2, 4, 8)   # row tiles of the GEMV; more rows take the MMA's RO
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, qp_ptr, dx_ptr, qs_ptr, K, eps, stride_xm,
+def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, qp_ptr, dx_ptr, qs_ptr, dc_ptr, K, eps, stride_xm,
                           NORM: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
                           PDL: tl.constexpr):
     """Program (row m, chunk c): the codes q [M, K] int8 (and again in pair order, qp),
@@ -67,7 +67,7 @@ def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, qp_ptr, dx_ptr, qs_ptr, K, eps, s
         y = y * r * tl.load(g_ptr + k).to(tl.float32)
     rows = tl.zeros([1], tl.int32) + m
     quantize_blocks(y[None, :], rows, rows >= 0, rows * 0 + c * NB, K, q_ptr, qp_ptr, dx_ptr,
-                    qs_ptr, 1, NB)
+                    qs_ptr, dc_ptr, 1, NB)
 
 
 def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
@@ -79,12 +79,11 @@ def quantize_rows(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float 
                          f"{QBLOCK}")
     assert x.stride(1) == 1 and (norm is None or norm.is_contiguous())
     c = Codes.empty(m, k, x.device)
-    q, qp, dx, qs = c.q, c.qp, c.dx, c.qs
     if m:
         block = gemv_step(k)
         kp = triton.next_power_of_2(k)
         _quantize_rows_kernel[(m, k // block)](
-            x, norm if norm is not None else x, q, qp, dx, qs, k, eps, x.stride(0),
+            x, norm if norm is not None else x, c.q, c.qp, c.dx, c.qs, c.dc, k, eps, x.stride(0),
             NORM=norm is not None, BLOCK=block, KP=kp,
             num_warps=8 if norm is not None and kp > 4096 else 4,
             enable_fp_fusion=False,   # as every kernel that quantizes rows (quantize_blocks)
