@@ -23,8 +23,9 @@ from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_
                                            gluon_mm, mma_layout, raw_layout)
 
 
-def sass(qtype: str, block_n: int, block_m: int, warps: int) -> str:
-    """The kernel's SASS for sm_90, compiled here (no GPU needed)."""
+def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4) -> str:
+    """The kernel's SASS for sm_90, compiled here (no GPU needed): K in `parts` parts, the
+    last program adding them (one part: no scratch), a residual, bf16 out."""
     import subprocess
     import tempfile
 
@@ -33,10 +34,11 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int) -> str:
     fn = _q6k_mma_kernel if qtype == "Q6_K" else _q4k_mma_kernel
     types = {"qp_ptr": "*i8", "dc_ptr": "*fp32", "w_ptr": "*i8", "qh_ptr": "*i8",
              "sc_ptr": "*i8" if qtype == "Q6_K" else "*i32", "dm_ptr": "*fp16",
-             "dst_ptr": "*fp32"}
+             "dst_ptr": "*fp32", "res_ptr": "*bf16", "out_ptr": "*bf16", "count_ptr": "*i32"}
     consts = {"BLOCK_N": block_n, "BLOCK_M": block_m, "MMA": mma_layout(warps),
               "RAW": raw_layout(block_n, warps),
-              "DC": dc_layout(block_m, warps, 4 if qtype == "Q6_K" else 2), "EVEN": True}
+              "DC": dc_layout(block_m, warps, 4 if qtype == "Q6_K" else 2), "EVEN": True,
+              "P": parts, "HAS_RES": True, "FIXUP": parts > 1}
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a != "M" and a not in consts}
@@ -62,12 +64,14 @@ def main() -> None:
     ap.add_argument("--block-m", type=int, default=None,
                     help="rows a program (default: the window's rows up to a power of two)")
     ap.add_argument("--sass", default=None, help="write the SASS for sm_90 here (no GPU)")
+    ap.add_argument("--parts", type=int, default=4,
+                    help="--sass: parts of K the kernel is compiled for (1: no scratch)")
     args = ap.parse_args()
     if args.sass:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
         from sass_count import histogram, issue_slots, main_loop
         qtype, block_m = args.types.split(",")[0], args.block_m or int(args.rows.split(",")[0])
-        code = sass(qtype, args.block_n, block_m, args.warps)
+        code = sass(qtype, args.block_n, block_m, args.warps, args.parts)
         with open(args.sass, "w") as f:
             f.write(code)
         body = main_loop(code)             # a super-block a step: block_n x 256 quants

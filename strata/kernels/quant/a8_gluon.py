@@ -26,6 +26,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from strata.kernels.arrive import counters
 from strata.kernels.quant.a8_parts import PARTS, add_parts, k_parts
 
 
@@ -62,6 +63,42 @@ def _tile(n0, m0, N, M, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.co
     n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     return n, n < N, m, m < M
+
+
+@gluon.jit
+def _finish(acc, dst_ptr, res_ptr, out_ptr, count_ptr, n, n_ok, m, m_ok, M, N, stride_rm,
+            stride_om, P: gl.constexpr, HAS_RES: gl.constexpr, FIXUP: gl.constexpr):
+    """A part's sums acc [BN, BM] (weight rows n, window rows m) to out[m, n] as a8_parts'
+    kernels write them: with one part, 0 + acc (+ res) in out's dtype; with more, into the
+    part's scratch dst [P, M, N], and with FIXUP the tile's last program to arrive (as
+    kernels/arrive.arrive) adds the parts in order from zero (+ res) into out."""
+    ok = n_ok[:, None] & m_ok[None, :]
+    if P == 1:
+        _store_rows(0.0 + acc, res_ptr, out_ptr, n, m, ok, stride_rm, stride_om, HAS_RES)
+    else:
+        gl.store(dst_ptr + gl.program_id(2) * M * N + m[None, :] * N + n[:, None], acc, mask=ok)
+        if FIXUP:
+            tile = count_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+            gl.thread_barrier()
+            seen = gl.atomic_add(tile, 1, sem="acq_rel", scope="gpu")
+            gl.thread_barrier()
+            if seen == P - 1:
+                gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+                s = gl.zeros_like(acc)
+                for p in gl.static_range(P):
+                    s = s + gl.load(dst_ptr + (p * M + m[None, :]) * N + n[:, None], mask=ok,
+                                    other=0.0, cache_modifier=".cg")
+                _store_rows(s, res_ptr, out_ptr, n, m, ok, stride_rm, stride_om, HAS_RES)
+
+
+@gluon.jit
+def _store_rows(s, res_ptr, out_ptr, n, m, ok, stride_rm, stride_om, HAS_RES: gl.constexpr):
+    """s [BN, BM] fp32 (+ res[m, n]) into out[m, n] in out's dtype (a8_parts.store_rows)."""
+    if HAS_RES:
+        s += gl.load(res_ptr + m[None, :] * stride_rm + n[:, None], mask=ok,
+                     other=0.0).to(gl.float32)
+    gl.store(out_ptr + m[None, :] * stride_om + n[:, None], s.to(out_ptr.dtype.element_ty),
+             mask=ok)
 
 
 @gluon.jit
@@ -112,12 +149,14 @@ def _small_float(i):
 
 
 @gluon.jit
-def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
-                    s0, s2, s3, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                    MMA: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr,
-                    EVEN: gl.constexpr):
-    """Program (column block, row block, part of K): dst[part, m, n] = the part's terms of
-    rows m and weight rows n, added group by group from zero. w_ptr: the qs plane as bytes;
+def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out_ptr,
+                    count_ptr, M, N, K, L, s0, s2, s3, stride_rm, stride_om,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.constexpr,
+                    RAW: gl.constexpr, DC: gl.constexpr, EVEN: gl.constexpr,
+                    P: gl.constexpr, HAS_RES: gl.constexpr, FIXUP: gl.constexpr):
+    """Program (column block, row block, part of K): the part's terms of rows m and weight
+    rows n, added group by group from zero, finished as _finish says (out [M, N] = the parts
+    in order + res). w_ptr: the qs plane as bytes;
     dc_ptr: the rows' Codes.dc, fp32 [M, K / 32, 4] (each group's dx and qs dx first).
     MMA (mma_layout): the accumulator's. DC (dc_layout): [BM, 2] as the accumulator holds its
     columns, the pair in the thread.
@@ -152,8 +191,8 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
             c = gl.convert_layout(c, cols_l, assert_trivial=True)
             f = isum.to(gl.float32, bitcast=True) - 12582912.0  # group_term's magic number
             acc += gl.fma(a[:, None] * dx[None, :], f, b[:, None] * c[None, :])
-    at = dst_ptr + part * M * N + m[None, :] * N + n[:, None]
-    gl.store(at, acc, mask=n_ok[:, None] & m_ok[None, :])
+    _finish(acc, dst_ptr, res_ptr, out_ptr, count_ptr, n, n_ok, m, m_ok, M, N, stride_rm,
+            stride_om, P, HAS_RES, FIXUP)
 
 
 @gluon.jit
@@ -185,10 +224,11 @@ def _q6k_codes(raw, qh, shift):
 
 
 @gluon.jit
-def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N, K, L,
-                    s0, s1, s2, s3, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                    MMA: gl.constexpr, RAW: gl.constexpr, DC: gl.constexpr,
-                    EVEN: gl.constexpr):
+def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out_ptr,
+                    count_ptr, M, N, K, L, s0, s1, s2, s3, stride_rm, stride_om,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.constexpr,
+                    RAW: gl.constexpr, DC: gl.constexpr, EVEN: gl.constexpr,
+                    P: gl.constexpr, HAS_RES: gl.constexpr, FIXUP: gl.constexpr):
     """_q4k_mma_kernel for Q6_K: groups of 16, so a chunk of 32 quants is two groups, thread
     t's word from group t // 2 (slots 0 .. 7 and 16 .. 23 group 2c, the rest 2c + 1); each
     group's sums from the weight's codes with the other group's slots zeroed (a thread's words
@@ -234,8 +274,8 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, M, N
                 cg = gl.convert_layout(c0 if h == 0 else c1, cols_l, assert_trivial=True)
                 f = (s_a if h == 0 else s_b).to(gl.float32, bitcast=True) - 12582912.0
                 acc += gl.fma(a[:, None] * dx[None, :], f, (-32.0 * a)[:, None] * cg[None, :])
-    at = dst_ptr + part * M * N + m[None, :] * N + n[:, None]
-    gl.store(at, acc, mask=n_ok[:, None] & m_ok[None, :])
+    _finish(acc, dst_ptr, res_ptr, out_ptr, count_ptr, n, n_ok, m, m_ok, M, N, stride_rm,
+            stride_om, P, HAS_RES, FIXUP)
 
 
 def mma_layout(warps: int) -> gl.NVMMADistributedLayout:
@@ -287,24 +327,31 @@ def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 1
                          f"{part.cols}] is not Q4_K or Q6_K in whole super-blocks a part")
     p = k_parts(part.rows, k, parts)
     pl = part.planes
-    dst = torch.empty(p, m, part.rows, dtype=torch.float32, device=x.q.device)
+    if out is None:
+        out = torch.empty(m, part.rows, dtype=torch.float32, device=x.q.device)
+    dst = out if p == 1 else torch.empty(p, m, part.rows, dtype=torch.float32,
+                                         device=x.q.device)
     grid = (triton.cdiv(part.rows, block_n), triton.cdiv(m, block_m), p)
+    count = counters(x.q.device, grid[0] * grid[1]) if p > 1 else None
+    r = res if res is not None else out
     blocks = dict(BLOCK_N=block_n, BLOCK_M=block_m, MMA=mma_layout(warps),
                   RAW=raw_layout(block_n, warps),
                   DC=dc_layout(block_m, warps, 4 if part.qtype == "Q6_K" else 2),
-                  EVEN=m % block_m == 0 and part.rows % block_n == 0, num_warps=warps,
+                  EVEN=m % block_m == 0 and part.rows % block_n == 0, P=p,
+                  HAS_RES=res is not None, FIXUP=count is not None, num_warps=warps,
                   enable_fp_fusion=False)   # as every int8 kernel (a8_triton.py)
+    finish = (dst, r, out, out if count is None else count)
     if part.qtype == "Q6_K":
         _q6k_mma_kernel[grid](x.qp, x.dc, pl["qs"].view(torch.int8), pl["qh"].view(torch.int8),
-                              pl["sc"], pl["dm"], dst, m, part.rows, k, k // p,
+                              pl["sc"], pl["dm"], *finish, m, part.rows, k, k // p,
                               pl["qs"].stride(0), pl["qh"].stride(0), pl["sc"].stride(0),
-                              pl["dm"].stride(0), **blocks)
+                              pl["dm"].stride(0), r.stride(0), out.stride(0), **blocks)
     else:
         assert part.qtype == "Q4_K"
-        _q4k_mma_kernel[grid](x.qp, x.dc, pl["qs"].view(torch.int8), pl["sc"], pl["dm"], dst,
-                              m, part.rows, k, k // p, pl["qs"].stride(0),
-                              pl["sc"].stride(0), pl["dm"].stride(0), **blocks)
-    if out is None:
-        out = torch.empty(m, part.rows, dtype=torch.float32, device=x.q.device)
-    add_parts(dst, res, out)
+        _q4k_mma_kernel[grid](x.qp, x.dc, pl["qs"].view(torch.int8), pl["sc"], pl["dm"],
+                              *finish, m, part.rows, k, k // p, pl["qs"].stride(0),
+                              pl["sc"].stride(0), pl["dm"].stride(0), r.stride(0),
+                              out.stride(0), **blocks)
+    if p > 1 and count is None:   # no counters (during a capture, before any exist)
+        add_parts(dst, res, out)
     return out
