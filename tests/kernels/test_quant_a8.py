@@ -196,7 +196,7 @@ def test_the_gemv_takes_short_steps_where_k_is_not_whole_256s(device):
 
 
 @pytest.mark.parametrize("device", triton_devices())
-def test_shapes_the_kernel_does_not_take_are_refused(device):
+def test_shapes_the_kernel_does_not_take_are_refused(device, monkeypatch):
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     with pytest.raises(ValueError, match="not whole blocks of 32"):
         quantize_rows(torch.zeros(2, 48, device=device))
@@ -204,6 +204,9 @@ def test_shapes_the_kernel_does_not_take_are_refused(device):
     c = quantize_rows(torch.zeros(2, 128, device=device))
     with pytest.raises(ValueError, match="do not fit"):
         a8_mm(c, w.parts[0])                  # K 128 against the weight's 64
+    monkeypatch.setenv("STRATA_A8_DOT", "fast")
+    with pytest.raises(ValueError, match="STRATA_A8_DOT='fast' is no way .* triton or gluon"):
+        a8_mm(quantize_rows(torch.zeros(2, 64, device=device)), w.parts[0])
 
 
 def _int8_stage(mixed, device: str):

@@ -12,11 +12,12 @@ a thread's word from one group (words 0, 1 of a 32-quant chunk are its first gro
 bits from the group's qh word, and the sums of each group from the codes with the other group's
 slots zeroed (a thread's words or zero). Each group's sums then take a8_gemv.group_term's float
 term, added to the accumulator group by group in K's order within a part of K
-(a8_parts.k_parts), and the parts are added by a8_parts.add_parts: the arithmetic of every int8
-kernel, so its bits should be a8_mm's (a8_mm's dot "gluon", or STRATA_A8_DOT=gluon: an
-experiment, not yet the default). Gluon does not run under Triton's interpreter: its bits are
-checked on a GPU (`python -m pytest -m gpu tests/kernels/test_quant_a8_gluon.py`), and
-tools/gpu/gluon_a8.py times it beside a8_mm or compiles it for sm_90 without a GPU.
+(a8_parts.k_parts), then the parts in order by the tile's last program: the arithmetic of every
+int8 kernel, so its bits are a8_mm's. a8_mm takes it on CUDA at GLUON_TILES' row tiles, where
+it was faster on an H100 (tools/gpu/gluon_a8.py times it beside a8_mm, or compiles it for sm_90
+without a GPU); STRATA_A8_DOT=gluon at every tile from 4 rows. Gluon does not run under
+Triton's interpreter: its bits are checked on a GPU (`python -m pytest -m gpu
+tests/kernels/test_quant_a8_gluon.py`).
 """
 from __future__ import annotations
 
@@ -309,7 +310,10 @@ def dc_layout(block_m: int, warps: int, width: int = 2) -> gl.DistributedLinearL
 
 
 GLUON_TYPES = ("Q4_K", "Q6_K")
-GLUON_TILES = (4, 8, 16, 32, 64)   # the row tiles STRATA_A8_DOT=gluon takes (4 rows: 8-row tiles)
+# The row tiles at which a8_mm takes these kernels on CUDA by default, where they beat the
+# GEMV and the Triton MMA at the llama3-8b shapes on an H100 (tools/gpu/gluon_a8.py); a GEMV
+# tile's rows run as an 8-row tile
+GLUON_TILES = {"Q4_K": (4, 8, 16), "Q6_K": (16,)}
 
 
 def gluon_fits(part, k: int, parts: int = PARTS) -> bool:

@@ -13,8 +13,8 @@ The ways to the groups' sums (`dot`), the same integers and so the same bits:
     joined     the step's dots joined along a dimension each thread keeps, the terms
                broadcast over it once a step
 
-and "gluon", a8_gluon.py's kernels for Q4_K and Q6_K on CUDA (an experiment: operands straight
-into the MMA's registers).
+and "gluon", a8_gluon.py's kernels for Q4_K and Q6_K on CUDA (operands straight into the MMA's
+registers; a8_mm's default at a8_gluon.GLUON_TILES).
 """
 from __future__ import annotations
 

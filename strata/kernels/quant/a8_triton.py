@@ -24,6 +24,8 @@ quantizer; the terms are added by `add_in_order`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import os
 
 import torch
@@ -96,13 +98,28 @@ def a8_row_tile(m: int) -> int:
     return next(t for t in (*GEMV_TILES, *ROW_TILES) if m <= t or t == ROW_TILES[-1])
 
 
-def _env_gluon(part: Part, k: int, tile: int, parts: int = PARTS) -> bool:
-    """Whether STRATA_A8_DOT=gluon gives this weight's windows of this row tile to the Gluon
-    kernels (a8_gluon.py): where they fit, from 4 rows."""
-    if os.environ.get("STRATA_A8_DOT") != "gluon":
+@functools.cache
+def _has_gluon() -> bool:
+    """Whether this Triton has the Gluon parts a8_gluon.py uses."""
+    try:
+        importlib.import_module("strata.kernels.quant.a8_gluon")
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def _gluon(q: torch.Tensor, part: Part, tile: int, parts: int = PARTS) -> bool:
+    """Whether a window of this row tile takes the Gluon kernels (a8_gluon.py) where no way
+    is asked: on CUDA where they fit, at a8_gluon.GLUON_TILES' tiles of the weight's type; with
+    STRATA_A8_DOT=gluon at every tile from 4 rows; with STRATA_A8_DOT=triton or a Triton
+    way (a8_mma.DOTS), never; nor where this Triton has no Gluon (before 3.6, which the
+    kernels are written against)."""
+    env = os.environ.get("STRATA_A8_DOT")
+    if q.device.type != "cuda" or env not in (None, "gluon") or not _has_gluon():
         return False
     from strata.kernels.quant.a8_gluon import GLUON_TILES, gluon_fits
-    return tile in GLUON_TILES and gluon_fits(part, k, parts)
+    tiles = (4, 8, *ROW_TILES) if env == "gluon" else GLUON_TILES.get(part.qtype, ())
+    return tile in tiles and gluon_fits(part, q.shape[1], parts)
 
 
 def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
@@ -119,13 +136,13 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     and 3 for fewer); the MMA tiles block_n columns a program and block_k quants a step (at
     most K's step), their groups' sums by `dot`, one of a8_mma.DOTS (Hopper's wgmma from
     block_n 64) or "gluon" (a8_gluon.py: Q4_K and Q6_K on CUDA, its own blocks, a GEMV tile's
-    rows in 8-row tiles); the same bits any way, the defaults MMA_BLOCKS' or, where set, the
-    environment's STRATA_A8_DOT (an experiment's: tools/gpu/bench_a8.py --mma times them in a
-    kernel, the variable in a stage; gluon where it fits from 4 rows, the default elsewhere,
-    gate/up too); ahead: whether the MMA's "groups" way loads each step's scales a step ahead
-    (the same bits; default MMA_BLOCKS'). parts: the most parts of K (k_parts; a row's bits
-    depend on it, so every call on a weight must pass the same: leave it be outside
-    experiments)."""
+    rows in 8-row tiles); the same bits any way. The defaults: Gluon where _gluon says,
+    else MMA_BLOCKS'; the environment's STRATA_A8_DOT, where set, picks for a stage's every
+    tile (an experiment's: tools/gpu/bench_a8.py --mma times the ways in a kernel, the
+    variable in a stage): a Triton way, "triton" (the Triton defaults) or "gluon"; ahead:
+    whether the MMA's "groups" way loads each step's scales a step ahead (the same bits;
+    default MMA_BLOCKS'). parts: the most parts of K (k_parts; a row's bits depend on it, so
+    every call on a weight must pass the same: leave it be outside experiments)."""
     q = x.q
     m, k = q.shape
     block_m = block_m or a8_row_tile(m)
@@ -133,14 +150,17 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
                          (None, None, None, None))
     block_k = min(block_k or mma[1] or 128, gemv_step(k))
     env = os.environ.get("STRATA_A8_DOT")
-    if dot is None and env == "gluon" and not _env_gluon(part, k, block_m, parts):
-        env = None
-    if (dot or env) == "gluon" and block_m in GEMV_TILES:   # an m16n8 tile takes 8 rows
-        block_m, dot = 8, "gluon"
-    dot = dot or env or mma[2] or "groups"
+    if env not in (None, "triton", "gluon", *DOTS):
+        raise ValueError(f"int8-activation MMA: STRATA_A8_DOT={env!r} is no way to the groups' "
+                         f"sums (one of {', '.join(DOTS)}, triton or gluon)")
+    if dot is None and _gluon(q, part, block_m, parts):
+        dot = "gluon"
+    if dot == "gluon" and block_m in GEMV_TILES:   # an m16n8 tile takes 8 rows
+        block_m = 8
+    dot = dot or (env if env in DOTS else None) or mma[2] or "groups"
     if dot not in (*DOTS, "gluon"):
         raise ValueError(f"int8-activation MMA: no way {dot!r} to the groups' sums (one of "
-                         f"{', '.join(DOTS)} or gluon; check STRATA_A8_DOT)")
+                         f"{', '.join(DOTS)} or gluon)")
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
             or (k // k_parts(part.rows, k, parts)) % block_k or block_k % 32):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "
@@ -169,7 +189,7 @@ def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
     f = part.rows // 2
     codes = codes and f % QBLOCK == 0
     tile = a8_row_tile(m)
-    if tile in GEMV_TILES and part.rows % 2 == 0 and not _env_gluon(part, x.q.shape[1], tile):
+    if tile in GEMV_TILES and part.rows % 2 == 0 and not _gluon(x.q, part, tile):
         out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
         c = Codes.empty(m, f, x.q.device) if codes else None
         a8_gate_up(x, part, act, out, tile, block_n=16 if part.qtype == "Q6_K" else 32,
