@@ -23,9 +23,11 @@ from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_
                                            gluon_mm, mma_layout, raw_layout)
 
 
-def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4) -> str:
+def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4
+         ) -> tuple[str, str]:
     """The kernel's SASS for sm_90, compiled here (no GPU needed): K in `parts` parts, the
-    last program adding them (one part: no scratch), a residual, bf16 out."""
+    last program adding them (one part: no scratch), a residual, bf16 out; and ptxas's line
+    on its registers and spills."""
     import subprocess
     import tempfile
 
@@ -45,13 +47,21 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4) -> 
     src = GluonASTSource(fn, signature, consts, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps, "enable_fp_fusion": False})
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                            "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.cubin"), "wb") as f:
+            f.write(kernel.asm["cubin"])
+        with open(os.path.join(d, "k.ptx"), "w") as f:
+            f.write(kernel.asm["ptx"])
+        code = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", f"{d}/k.cubin"],
+                              capture_output=True, text=True, check=True).stdout
+        ptxas = subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v",
+                                f"{d}/k.ptx", "-o", f"{d}/v.cubin"], capture_output=True,
+                               text=True, check=True).stderr
+    used = [line.split("info    : ")[-1] for line in ptxas.splitlines() if "Used" in line]
+    spills = [line.split("info    : ")[-1].strip() for line in ptxas.splitlines()
+              if "spill" in line]
+    return code, "; ".join(used + spills)
 
 
 def main() -> None:
@@ -71,7 +81,7 @@ def main() -> None:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
         from sass_count import histogram, issue_slots, main_loop
         qtype, block_m = args.types.split(",")[0], args.block_m or int(args.rows.split(",")[0])
-        code = sass(qtype, args.block_n, block_m, args.warps, args.parts)
+        code, regs = sass(qtype, args.block_n, block_m, args.warps, args.parts)
         with open(args.sass, "w") as f:
             f.write(code)
         body = main_loop(code)             # a super-block a step: block_n x 256 quants
@@ -79,7 +89,7 @@ def main() -> None:
         print(f"{qtype} Gluon MMA, {args.block_n} x {block_m} blocks, {args.warps} warps: "
               f"{len(body) / weights:.2f} instructions a weight, "
               f"{issue_slots(histogram(body)) / weights:.2f} ALU issue slots a weight, "
-              f"{sum('BAR.SYNC' in line for line in body)} barriers a step")
+              f"{sum('BAR.SYNC' in line for line in body)} barriers a step ({regs})")
         return
     from bench_kernels import timed   # this script's folder is on the path
     from bench_quant import weights
