@@ -62,6 +62,24 @@ def test_gluon_rows_have_the_triton_kernels_bits(qtype, n, k):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_loading_a_step_ahead_keeps_the_bits():
+    """gluon_mm(ahead=True), Q4_K, four super-blocks in K's one part and in each of two: the
+    rows' bits without it, for whole and ragged row blocks."""
+    from strata.kernels.quant.a8_gluon import gluon_mm
+    from strata.kernels.quant.a8_triton import quantize_rows
+    for k, parts in ((1024, 1), (2048, 2)):
+        w, _ = _weight("Q4_K", 128, k, "cuda", seed=14)
+        c, res = quantize_rows(_x(20, k, seed=15)), _x(20, 128, seed=16)
+        for rows, block_m in ((8, 8), (16, 16), (20, 16)):
+            kw = dict(block_m=block_m, parts=parts)
+            want = gluon_mm(c[:rows], w.parts[0], res[:rows], **kw)
+            got = gluon_mm(c[:rows], w.parts[0], res[:rows], ahead=True, **kw)
+            assert torch.equal(got, want), f"K {k} in {parts} parts, {rows} rows"
+            assert want.abs().max() > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_a_stage_with_the_gluon_kernels_keeps_its_rows_bits(mixed, monkeypatch):
     """A Q4_K_M stage (Q4_K and Q6_K matrices) with int8 activations and STRATA_A8_DOT=gluon:
     the target rows alone and among 8 to 64 rows give the same bits."""

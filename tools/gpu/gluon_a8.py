@@ -7,7 +7,7 @@ instructions a weight counted as tools/sass_count.py counts them (the first of -
 them) are quantized once, before the timing.
 
     python tools/gpu/gluon_a8.py [--types Q4_K,Q6_K] [--rows 16,32,64] [--shape 4096x14336]
-        [--block-n 64] [--block-m 32] [--warps 4] [--sass FILE]
+        [--block-n 64] [--block-m 32] [--warps 4] [--ahead] [--sass FILE [--parts 4]]
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_
                                            gluon_mm, mma_layout, raw_layout)
 
 
-def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4
-         ) -> tuple[str, str]:
+def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
+         ahead: bool = False) -> tuple[str, str]:
     """The kernel's SASS for sm_90, compiled here (no GPU needed): K in `parts` parts, the
     last program adding them (one part: no scratch), a residual, bf16 out; and ptxas's line
     on its registers and spills."""
@@ -41,6 +41,8 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4
               "RAW": raw_layout(block_n, warps),
               "DC": dc_layout(block_m, warps, 4 if qtype == "Q6_K" else 2), "EVEN": True,
               "P": parts, "HAS_RES": True, "FIXUP": parts > 1}
+    if "AHEAD" in fn.arg_names:
+        consts["AHEAD"] = ahead
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a != "M" and a not in consts}
@@ -74,6 +76,8 @@ def main() -> None:
     ap.add_argument("--block-m", type=int, default=None,
                     help="rows a program (default: the window's rows up to a power of two)")
     ap.add_argument("--sass", default=None, help="write the SASS for sm_90 here (no GPU)")
+    ap.add_argument("--ahead", action="store_true",
+                    help="Q4_K: a super-block's weight words and scales loaded a step ahead")
     ap.add_argument("--parts", type=int, default=4,
                     help="--sass: parts of K the kernel is compiled for (1: no scratch)")
     args = ap.parse_args()
@@ -81,7 +85,7 @@ def main() -> None:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
         from sass_count import histogram, issue_slots, main_loop
         qtype, block_m = args.types.split(",")[0], args.block_m or int(args.rows.split(",")[0])
-        code, regs = sass(qtype, args.block_n, block_m, args.warps, args.parts)
+        code, regs = sass(qtype, args.block_n, block_m, args.warps, args.parts, args.ahead)
         with open(args.sass, "w") as f:
             f.write(code)
         body = main_loop(code)             # a super-block a step: block_n x 256 quants
@@ -105,12 +109,14 @@ def main() -> None:
             c = quantize_rows(x)
             part = probe.parts[0]
             bm = args.block_m or max(8, triton.next_power_of_2(rows))
-            got = gluon_mm(c, part, block_n=args.block_n, block_m=bm, warps=args.warps)
+            got = gluon_mm(c, part, block_n=args.block_n, block_m=bm, warps=args.warps,
+                           ahead=args.ahead)
             want = a8_mm(c, part)
             same = torch.equal(got, want)
             err = ((got - want).abs().max() / want.abs().max()).item()
             gl_us = timed(lambda i: gluon_mm(c, ws[i % copies].parts[0], block_n=args.block_n,
-                                             block_m=bm, warps=args.warps))
+                                             block_m=bm, warps=args.warps,
+                                             ahead=args.ahead))
             a8_us = timed(lambda i: a8_mm(c, ws[i % copies].parts[0]))
             print(f"{qtype} [{n}, {k}] {rows} rows: gluon {gl_us:.1f} us, a8_mm {a8_us:.1f} us, "
                   f"bits {'equal' if same else f'DIFFER (max rel {err:.2e})'}")

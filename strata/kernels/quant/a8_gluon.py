@@ -131,6 +131,16 @@ def _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sb, EVEN: gl.constexpr):
 
 
 @gluon.jit
+def _q4k_words(a_at, a_ok, sb, EVEN: gl.constexpr):
+    """Super-block sb's 8 groups' bytes of the rows (_weight_at's [BN, 16] each), a tuple."""
+    g = 8 * sb
+    return (_ld(a_at + 16 * g, a_ok, EVEN), _ld(a_at + 16 * (g + 1), a_ok, EVEN),
+            _ld(a_at + 16 * (g + 2), a_ok, EVEN), _ld(a_at + 16 * (g + 3), a_ok, EVEN),
+            _ld(a_at + 16 * (g + 4), a_ok, EVEN), _ld(a_at + 16 * (g + 5), a_ok, EVEN),
+            _ld(a_at + 16 * (g + 6), a_ok, EVEN), _ld(a_at + 16 * (g + 7), a_ok, EVEN))
+
+
+@gluon.jit
 def _q4k_terms(v0, v1, v2, d, dmin, j: gl.constexpr):
     """a, b fp32 [BN] of group j of the super-block (_q4k_scales'): w = a u + b."""
     sh: gl.constexpr = 8 * (j % 4)
@@ -154,7 +164,8 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out
                     count_ptr, M, N, K, L, s0, s2, s3, stride_rm, stride_om,
                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.constexpr,
                     RAW: gl.constexpr, DC: gl.constexpr, EVEN: gl.constexpr,
-                    P: gl.constexpr, HAS_RES: gl.constexpr, FIXUP: gl.constexpr):
+                    P: gl.constexpr, HAS_RES: gl.constexpr, FIXUP: gl.constexpr,
+                    AHEAD: gl.constexpr):
     """Program (column block, row block, part of K): the part's terms of rows m and weight
     rows n, added group by group from zero, finished as _finish says (out [M, N] = the parts
     in order + res). w_ptr: the qs plane as bytes;
@@ -176,11 +187,26 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out
     n, n_ok, m, m_ok = _tile(n0, m0, N, M, BLOCK_N, BLOCK_M, MMA)   # the terms' rows, columns
     magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=MMA)
     acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=MMA)
-    for sbk in range(part * (L // 256), (part + 1) * (L // 256)):
-        v0, v1, v2, d, dmin = _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sbk, EVEN)
+    first = part * (L // 256)
+    last = first + L // 256 - 1
+    if AHEAD:   # the first super-block's weight words and scales before the loop
+        raws = _q4k_words(a_at, a_ok, first, EVEN)
+        scales = _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, first, EVEN)
+    for sbk in range(first, last + 1):
+        if AHEAD:   # this super-block's, loaded a step before; the next one's loads go out
+            here = raws
+            v0, v1, v2, d, dmin = scales
+            ahead = sbk + (sbk < last).to(gl.int32)
+            raws = _q4k_words(a_at, a_ok, ahead, EVEN)
+            scales = _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, ahead, EVEN)
+        else:
+            v0, v1, v2, d, dmin = _q4k_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sbk, EVEN)
         for j in gl.static_range(8):
             g = 8 * sbk + j
-            raw = _ld(a_at + 16 * g, a_ok, EVEN)
+            if AHEAD:
+                raw = here[j]
+            else:
+                raw = _ld(a_at + 16 * g, a_ok, EVEN)
             u = gl.reshape(gl.permute(gl.join(_nibbles(raw, 0), _nibbles(raw, 4)), (0, 2, 1)),
                            (BLOCK_N, 32))
             u = gl.convert_layout(u, a_l, assert_trivial=True)
@@ -322,9 +348,10 @@ def gluon_fits(part, k: int, parts: int = PARTS) -> bool:
 
 
 def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 16,
-             warps: int = 4, parts: int = PARTS) -> torch.Tensor:
+             warps: int = 4, parts: int = PARTS, ahead: bool = False) -> torch.Tensor:
     """a8_mm(x, part, res)'s product for a Q4_K or Q6_K part by the Gluon kernels, into out
-    (default fp32 [M, N])."""
+    (default fp32 [M, N]). ahead (Q4_K): each super-block's weight words and scales loaded a
+    step before its arithmetic, in registers (the same bits; an experiment)."""
     m, k = x.q.shape
     if not gluon_fits(part, k, parts):
         raise ValueError(f"int8-activation Gluon MMA: a {part.qtype} weight [{part.rows}, "
@@ -355,7 +382,7 @@ def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 1
         _q4k_mma_kernel[grid](x.qp, x.dc, pl["qs"].view(torch.int8), pl["sc"], pl["dm"],
                               *finish, m, part.rows, k, k // p, pl["qs"].stride(0),
                               pl["sc"].stride(0), pl["dm"].stride(0), r.stride(0),
-                              out.stride(0), **blocks)
+                              out.stride(0), AHEAD=ahead, **blocks)
     if p > 1 and count is None:   # no counters (during a capture, before any exist)
         add_parts(dst, res, out)
     return out
