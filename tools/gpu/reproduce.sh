@@ -188,8 +188,10 @@ for part in $PARTS; do
       run a8_kernels 600 python tools/gpu/bench_a8.py --types Q4_K,Q6_K,IQ4_XS,Q8_0 \
         --rows 1,8,16,32,64 --projections qkv,gate_up,down --mma batched,groups,diagonal \
         --json-out "$OUT/bench_a8.json"
+      run a8_gluon 300 python tools/gpu/gluon_a8.py --rows 1,8,16,32,64
       run a8_tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider \
-        tests/kernels/test_quant_a8.py tests/kernels/test_quant_a8_fused.py
+        tests/kernels/test_quant_a8.py tests/kernels/test_quant_a8_fused.py \
+        tests/kernels/test_quant_a8_gluon.py
       run a8_quality 600 python tools/gpu/a8_quality.py --json-out "$OUT/a8_quality_smollm2.json"
       run a8_exact 300 strata-bench exact $GS --layer-split 15 --batch 32 --batch-groups 2 \
         --requests 32 --weights quantized --activations int8 --min-window-rows 1
@@ -207,10 +209,14 @@ for part in $PARTS; do
             --json-out "$OUT/sweep_l8b_${t}_$a.json"
         done
       done
-      # without programmatic dependent launch (docs/GPU.md), at 1 and 8 clients
+      # without programmatic dependent launch (docs/GPU.md), at 1 and 8 clients; and with the
+      # Triton kernels where the Gluon MMA is the default (STRATA_A8_DOT=triton), to 16 clients
       F=$(quantized Q4_K_M) && run a8_strata_int8_nopdl 600 env STRATA_PDL=0 strata-bench sweep \
         --model "$F" $SAME --weights quantized --activations int8 --min-window-rows 1 \
-        --clients 1,8 --json-out "$OUT/sweep_l8b_Q4_K_M_int8_nopdl.json" ;;
+        --clients 1,8 --json-out "$OUT/sweep_l8b_Q4_K_M_int8_nopdl.json"
+      F=$(quantized Q4_K_M) && run a8_strata_int8_triton 600 env STRATA_A8_DOT=triton \
+        strata-bench sweep --model "$F" $SAME --weights quantized --activations int8 \
+        --min-window-rows 1 --clients 1,8,16 --json-out "$OUT/sweep_l8b_Q4_K_M_int8_triton.json" ;;
     moe)      # the MoE shapes in Q4_K_M on one GPU beside llama.cpp (docs/BENCHMARKS.md): written
               # by strata-mkmodel with llama-quantize's types tensor by tensor (--fast), since
               # the bf16 30B file llama-quantize would read is about 61 GB
