@@ -62,9 +62,9 @@ def test_gluon_rows_have_the_triton_kernels_bits(qtype, n, k):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_loading_a_step_ahead_keeps_the_bits():
-    """gluon_mm(ahead=True), Q4_K, four super-blocks in K's one part and in each of two: the
-    rows' bits without it, for whole and ragged row blocks."""
+def test_loading_a_step_ahead_or_capping_registers_keeps_the_bits():
+    """gluon_mm(ahead=True) and gluon_mm(maxnreg=128), Q4_K, four super-blocks in K's one part
+    and in each of two: the rows' bits without them, for whole and ragged row blocks."""
     from strata.kernels.quant.a8_gluon import gluon_mm
     from strata.kernels.quant.a8_triton import quantize_rows
     for k, parts in ((1024, 1), (2048, 2)):
@@ -73,8 +73,9 @@ def test_loading_a_step_ahead_keeps_the_bits():
         for rows, block_m in ((8, 8), (16, 16), (20, 16)):
             kw = dict(block_m=block_m, parts=parts)
             want = gluon_mm(c[:rows], w.parts[0], res[:rows], **kw)
-            got = gluon_mm(c[:rows], w.parts[0], res[:rows], ahead=True, **kw)
-            assert torch.equal(got, want), f"K {k} in {parts} parts, {rows} rows"
+            for variant in ({"ahead": True}, {"maxnreg": 128}):
+                got = gluon_mm(c[:rows], w.parts[0], res[:rows], **variant, **kw)
+                assert torch.equal(got, want), f"{variant}: K {k} in {parts} parts, {rows} rows"
             assert want.abs().max() > 0
 
 

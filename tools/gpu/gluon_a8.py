@@ -7,7 +7,8 @@ instructions a weight counted as tools/sass_count.py counts them (the first of -
 them) are quantized once, before the timing.
 
     python tools/gpu/gluon_a8.py [--types Q4_K,Q6_K] [--rows 16,32,64] [--shape 4096x14336]
-        [--block-n 64] [--block-m 32] [--warps 4] [--ahead] [--sass FILE [--parts 4]]
+        [--block-n 64] [--block-m 32] [--warps 4] [--ahead] [--maxnreg 128]
+        [--sass FILE [--parts 4]]
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_
 
 
 def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
-         ahead: bool = False) -> tuple[str, str]:
+         ahead: bool = False, maxnreg: int | None = None) -> tuple[str, str]:
     """The kernel's SASS for sm_90, compiled here (no GPU needed): K in `parts` parts, the
     last program adding them (one part: no scratch), a residual, bf16 out; and ptxas's line
     on its registers and spills."""
@@ -48,7 +49,8 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
              if a != "M" and a not in consts}
     src = GluonASTSource(fn, signature, consts, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "enable_fp_fusion": False})
+                            options={"num_warps": warps, "enable_fp_fusion": False,
+                                     **({"maxnreg": maxnreg} if maxnreg else {})})
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "k.cubin"), "wb") as f:
@@ -78,6 +80,8 @@ def main() -> None:
     ap.add_argument("--sass", default=None, help="write the SASS for sm_90 here (no GPU)")
     ap.add_argument("--ahead", action="store_true",
                     help="Q4_K: a super-block's weight words and scales loaded a step ahead")
+    ap.add_argument("--maxnreg", type=int, default=None,
+                    help="cap a thread's registers (ptxas), e.g. 128: 4 programs an SM")
     ap.add_argument("--parts", type=int, default=4,
                     help="--sass: parts of K the kernel is compiled for (1: no scratch)")
     args = ap.parse_args()
@@ -85,7 +89,8 @@ def main() -> None:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
         from sass_count import histogram, issue_slots, main_loop
         qtype, block_m = args.types.split(",")[0], args.block_m or int(args.rows.split(",")[0])
-        code, regs = sass(qtype, args.block_n, block_m, args.warps, args.parts, args.ahead)
+        code, regs = sass(qtype, args.block_n, block_m, args.warps, args.parts, args.ahead,
+                          args.maxnreg)
         with open(args.sass, "w") as f:
             f.write(code)
         body = main_loop(code)             # a super-block a step: block_n x 256 quants
@@ -109,14 +114,13 @@ def main() -> None:
             c = quantize_rows(x)
             part = probe.parts[0]
             bm = args.block_m or max(8, triton.next_power_of_2(rows))
-            got = gluon_mm(c, part, block_n=args.block_n, block_m=bm, warps=args.warps,
-                           ahead=args.ahead)
+            kw = dict(block_n=args.block_n, block_m=bm, warps=args.warps, ahead=args.ahead,
+                      maxnreg=args.maxnreg)
+            got = gluon_mm(c, part, **kw)
             want = a8_mm(c, part)
             same = torch.equal(got, want)
             err = ((got - want).abs().max() / want.abs().max()).item()
-            gl_us = timed(lambda i: gluon_mm(c, ws[i % copies].parts[0], block_n=args.block_n,
-                                             block_m=bm, warps=args.warps,
-                                             ahead=args.ahead))
+            gl_us = timed(lambda i: gluon_mm(c, ws[i % copies].parts[0], **kw))
             a8_us = timed(lambda i: a8_mm(c, ws[i % copies].parts[0]))
             print(f"{qtype} [{n}, {k}] {rows} rows: gluon {gl_us:.1f} us, a8_mm {a8_us:.1f} us, "
                   f"bits {'equal' if same else f'DIFFER (max rel {err:.2e})'}")

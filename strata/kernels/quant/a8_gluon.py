@@ -348,10 +348,12 @@ def gluon_fits(part, k: int, parts: int = PARTS) -> bool:
 
 
 def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 16,
-             warps: int = 4, parts: int = PARTS, ahead: bool = False) -> torch.Tensor:
+             warps: int = 4, parts: int = PARTS, ahead: bool = False,
+             maxnreg: int | None = None) -> torch.Tensor:
     """a8_mm(x, part, res)'s product for a Q4_K or Q6_K part by the Gluon kernels, into out
     (default fp32 [M, N]). ahead (Q4_K): each super-block's weight words and scales loaded a
-    step before its arithmetic, in registers (the same bits; an experiment)."""
+    step before its arithmetic, in registers; maxnreg: ptxas's cap on a thread's registers
+    (more programs an SM); the same bits either way (experiments)."""
     m, k = x.q.shape
     if not gluon_fits(part, k, parts):
         raise ValueError(f"int8-activation Gluon MMA: a {part.qtype} weight [{part.rows}, "
@@ -370,7 +372,8 @@ def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 1
                   DC=dc_layout(block_m, warps, 4 if part.qtype == "Q6_K" else 2),
                   EVEN=m % block_m == 0 and part.rows % block_n == 0, P=p,
                   HAS_RES=res is not None, FIXUP=count is not None, num_warps=warps,
-                  enable_fp_fusion=False)   # as every int8 kernel (a8_triton.py)
+                  enable_fp_fusion=False,   # as every int8 kernel (a8_triton.py)
+                  **({"maxnreg": maxnreg} if maxnreg else {}))
     finish = (dst, r, out, out if count is None else count)
     if part.qtype == "Q6_K":
         _q6k_mma_kernel[grid](x.qp, x.dc, pl["qs"].view(torch.int8), pl["qh"].view(torch.int8),
