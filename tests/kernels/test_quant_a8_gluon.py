@@ -37,6 +37,35 @@ def test_the_dc_plane_is_the_rows_scales_and_sums(device):
     assert (c.dc[:, :, 1:].abs().amax((0, 1)) > 0).all()
 
 
+@pytest.mark.parametrize("env", [None, "gluon", "triton", "groups"])
+def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
+    """a8_mm's choice where no way is asked: on CUDA, Q4_K's 4- to 16-row tiles and Q6_K's
+    16-row tile (where Gluon was faster on an H100); with STRATA_A8_DOT=gluon every tile from 4
+    rows; with triton or a Triton way none; never off CUDA, for other types, or where a part of
+    K is not whole super-blocks."""
+    import types
+
+    from strata.kernels.quant.a8_triton import _gluon
+    from strata.kernels.quant.blocks import Part
+    if env is None:
+        monkeypatch.delenv("STRATA_A8_DOT", raising=False)
+    else:
+        monkeypatch.setenv("STRATA_A8_DOT", env)
+    cuda = types.SimpleNamespace(device=torch.device("cuda"), shape=(64, 4096))
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), shape=(64, 4096))
+    tiles = (1, 2, 4, 8, 16, 32, 64)
+    want = {None: {"Q4_K": (4, 8, 16), "Q6_K": (16,)},
+            "gluon": {"Q4_K": (4, 8, 16, 32, 64), "Q6_K": (4, 8, 16, 32, 64)}}.get(env, {})
+    for qtype in ("Q4_K", "Q6_K", "Q8_0"):
+        part = Part(qtype, 4096, 4096, {})
+        got = tuple(t for t in tiles if _gluon(cuda, part, t))
+        assert got == want.get(qtype, ()), (qtype, env)
+        assert not any(_gluon(cpu, part, t) for t in tiles)
+    # K of 4160 (one part, k_parts) is 16.25 super-blocks: not for Gluon
+    assert not _gluon(types.SimpleNamespace(device=torch.device("cuda"), shape=(16, 4160)),
+                      Part("Q4_K", 64, 4160, {}), 16)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("n,k", [(128, 1024), (64, 2048)])
 @pytest.mark.gpu
