@@ -50,6 +50,12 @@ def _ld(at, ok, EVEN: gl.constexpr):
 
 
 @gluon.jit
+def _program(BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The program's part of K and the first weight row and window row of its tile."""
+    return gl.program_id(2), gl.program_id(0) * BLOCK_N, gl.program_id(1) * BLOCK_M
+
+
+@gluon.jit
 def _weight_at(w_ptr, s0, n0, N, BLOCK_N: gl.constexpr, RAW: gl.constexpr):
     """A group's 16 bytes of the qs plane for rows n0 .. [BN, 16] (RAW: thread t the bytes
     4t .. 4t + 3 of its rows): the rows, the bytes, their addresses (at group 0) and mask."""
@@ -177,9 +183,7 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
-    part = gl.program_id(2)
-    n0 = gl.program_id(0) * BLOCK_N
-    m0 = gl.program_id(1) * BLOCK_M
+    part, n0, m0 = _program(BLOCK_N, BLOCK_M)
     # A: the group's 16 bytes of each row [BN, 16] (thread t: bytes 4t .. 4t + 3), then its
     # low nibbles at slots 0 .. 15 and high ones at 16 .. 31: [BN, 32] in the A fragments
     na, sa, a_at, a_ok = _weight_at(w_ptr, s0, n0, N, BLOCK_N, RAW)
@@ -264,9 +268,7 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res_
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
-    part = gl.program_id(2)
-    n0 = gl.program_id(0) * BLOCK_N
-    m0 = gl.program_id(1) * BLOCK_M
+    part, n0, m0 = _program(BLOCK_N, BLOCK_M)
     na, sa, a_at, a_ok = _weight_at(w_ptr, s0, n0, N, BLOCK_N, RAW)
     h_at = qh_ptr + na[:, None] * (4 * s1) + (sa // 8 * 4 + sa % 4)[None, :]
     shift = (gl.full([BLOCK_N, 16], 0, gl.int8, layout=RAW)
