@@ -110,6 +110,41 @@ def test_loading_a_step_ahead_or_capping_registers_keeps_the_bits():
 
 @pytest.mark.gpu
 @needs_cuda
+def test_the_shared_memory_ring_keeps_the_bits():
+    """a8_ring.ring_mm, 2, 3 and 4 stages, Q4_K: the rows' bits from the registers' kernel,
+    K of four super-blocks in one part and in two (parts shorter than the ring), weight rows
+    and window rows in whole and ragged blocks, with a residual and without."""
+    from strata.kernels.quant.a8_gluon import gluon_mm
+    from strata.kernels.quant.a8_ring import ring_mm
+    from strata.kernels.quant.a8_triton import quantize_rows
+    for n, k, parts in ((128, 1024, 1), (96, 2048, 2)):
+        w, _ = _weight("Q4_K", n, k, "cuda", seed=17)
+        c, res = quantize_rows(_x(64, k, seed=18)), _x(64, n, seed=19)
+        for rows, block_m in ((3, 8), (8, 8), (16, 16), (20, 16), (40, 32), (64, 64)):
+            for r in (None, res[:rows]):
+                kw = dict(block_m=block_m, parts=parts)
+                want = gluon_mm(c[:rows], w.parts[0], r, **kw)
+                assert want.abs().max() > 0
+                for stages in (2, 3, 4):
+                    got = ring_mm(c[:rows], w.parts[0], r, stages=stages, **kw)
+                    assert torch.equal(got, want), (
+                        f"{stages} stages: [{n}, {k}] in {parts} parts, {rows} rows")
+
+
+def test_the_ring_refuses_what_it_does_not_take():
+    """a8_ring.ring_mm takes Q4_K with 2 stages or more: a sentence saying so for the rest,
+    before any launch (on the CPU too)."""
+    from strata.kernels.quant.a8 import Codes
+    from strata.kernels.quant.a8_ring import ring_mm
+    c = Codes.empty(4, 256, torch.device("cpu"))          # never read: refused first
+    for qtype, stages in (("Q6_K", 3), ("Q4_K", 1)):
+        w, _ = _weight(qtype, 64, 256, "cpu", seed=21)
+        with pytest.raises(ValueError, match="ring MMA.*takes Q4_K"):
+            ring_mm(c, w.parts[0], stages=stages)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_a_stage_with_the_gluon_kernels_keeps_its_rows_bits(mixed, monkeypatch):
     """A Q4_K_M stage (Q4_K and Q6_K matrices) with int8 activations and STRATA_A8_DOT=gluon:
     the target rows alone and among 8 to 64 rows give the same bits."""

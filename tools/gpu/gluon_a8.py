@@ -7,8 +7,11 @@ instructions a weight counted as tools/sass_count.py counts them (the first of -
 them) are quantized once, before the timing.
 
     python tools/gpu/gluon_a8.py [--types Q4_K,Q6_K] [--rows 16,32,64] [--shape 4096x14336]
-        [--block-n 64] [--block-m 32] [--warps 4] [--ahead] [--maxnreg 128]
+        [--block-n 64] [--block-m 32] [--warps 4] [--ahead] [--maxnreg 128] [--stages 3]
         [--sass FILE [--parts 4]]
+
+--stages N times Q4_K by kernels/quant/a8_ring.py's kernel (a ring of N super-blocks in shared
+memory) instead of the registers' kernel.
 """
 from __future__ import annotations
 
@@ -22,10 +25,11 @@ import triton
 
 from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_layout,
                                            gluon_mm, mma_layout, raw_layout)
+from strata.kernels.quant.a8_ring import _q4k_ring_kernel, copy_layouts, ring_mm
 
 
 def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
-         ahead: bool = False, maxnreg: int | None = None) -> tuple[str, str]:
+         ahead: bool = False, maxnreg: int | None = None, stages: int = 0) -> tuple[str, str]:
     """The kernel's SASS for sm_90, compiled here (no GPU needed): K in `parts` parts, the
     last program adding them (one part: no scratch), a residual, bf16 out; and ptxas's line
     on its registers and spills."""
@@ -34,9 +38,10 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    fn = _q6k_mma_kernel if qtype == "Q6_K" else _q4k_mma_kernel
+    fn = _q6k_mma_kernel if qtype == "Q6_K" else _q4k_ring_kernel if stages else _q4k_mma_kernel
     types = {"qp_ptr": "*i8", "dc_ptr": "*fp32", "w_ptr": "*i8", "qh_ptr": "*i8",
-             "sc_ptr": "*i8" if qtype == "Q6_K" else "*i32", "dm_ptr": "*fp16",
+             "sc_ptr": "*i8" if qtype == "Q6_K" else "*i32",
+             "dm_ptr": "*i32" if stages else "*fp16",
              "dst_ptr": "*fp32", "res_ptr": "*bf16", "out_ptr": "*bf16", "count_ptr": "*i32"}
     consts = {"BLOCK_N": block_n, "BLOCK_M": block_m, "MMA": mma_layout(warps),
               "RAW": raw_layout(block_n, warps),
@@ -44,6 +49,8 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
               "P": parts, "HAS_RES": True, "FIXUP": parts > 1}
     if "AHEAD" in fn.arg_names:
         consts["AHEAD"] = ahead
+    if stages:
+        consts.update(STAGES=stages, **copy_layouts(warps))
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a != "M" and a not in consts}
@@ -82,6 +89,8 @@ def main() -> None:
                     help="Q4_K: a super-block's weight words and scales loaded a step ahead")
     ap.add_argument("--maxnreg", type=int, default=None,
                     help="cap a thread's registers (ptxas), e.g. 128: 4 programs an SM")
+    ap.add_argument("--stages", type=int, default=0,
+                    help="Q4_K: a8_ring.py's kernel, a ring of this many super-blocks")
     ap.add_argument("--parts", type=int, default=4,
                     help="--sass: parts of K the kernel is compiled for (1: no scratch)")
     args = ap.parse_args()
@@ -90,7 +99,7 @@ def main() -> None:
         from sass_count import histogram, issue_slots, main_loop
         qtype, block_m = args.types.split(",")[0], args.block_m or int(args.rows.split(",")[0])
         code, regs = sass(qtype, args.block_n, block_m, args.warps, args.parts, args.ahead,
-                          args.maxnreg)
+                          args.maxnreg, args.stages)
         with open(args.sass, "w") as f:
             f.write(code)
         body = main_loop(code)             # a super-block a step: block_n x 256 quants
@@ -114,15 +123,21 @@ def main() -> None:
             c = quantize_rows(x)
             part = probe.parts[0]
             bm = args.block_m or max(8, triton.next_power_of_2(rows))
-            kw = dict(block_n=args.block_n, block_m=bm, warps=args.warps, ahead=args.ahead,
-                      maxnreg=args.maxnreg)
-            got = gluon_mm(c, part, **kw)
+            kw = dict(block_n=args.block_n, block_m=bm, warps=args.warps, maxnreg=args.maxnreg)
+            ring = args.stages and qtype == "Q4_K"
+            if ring:
+                kw["stages"] = args.stages
+            elif args.ahead:
+                kw["ahead"] = True
+            mm = ring_mm if ring else gluon_mm
+            got = mm(c, part, **kw)
             want = a8_mm(c, part)
             same = torch.equal(got, want)
             err = ((got - want).abs().max() / want.abs().max()).item()
-            gl_us = timed(lambda i: gluon_mm(c, ws[i % copies].parts[0], **kw))
+            gl_us = timed(lambda i: mm(c, ws[i % copies].parts[0], **kw))
             a8_us = timed(lambda i: a8_mm(c, ws[i % copies].parts[0]))
-            print(f"{qtype} [{n}, {k}] {rows} rows: gluon {gl_us:.1f} us, a8_mm {a8_us:.1f} us, "
+            name = "ring" if ring else "gluon"
+            print(f"{qtype} [{n}, {k}] {rows} rows: {name} {gl_us:.1f} us, a8_mm {a8_us:.1f} us, "
                   f"bits {'equal' if same else f'DIFFER (max rel {err:.2e})'}")
 
 

@@ -349,19 +349,17 @@ def gluon_fits(part, k: int, parts: int = PARTS) -> bool:
     return part.qtype in GLUON_TYPES and (k // k_parts(part.rows, k, parts)) % 256 == 0
 
 
-def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 16,
-             warps: int = 4, parts: int = PARTS, ahead: bool = False,
-             maxnreg: int | None = None) -> torch.Tensor:
-    """a8_mm(x, part, res)'s product for a Q4_K or Q6_K part by the Gluon kernels, into out
-    (default fp32 [M, N]). ahead (Q4_K): each super-block's weight words and scales loaded a
-    step before its arithmetic, in registers; maxnreg: ptxas's cap on a thread's registers
-    (more programs an SM); the same bits either way (experiments)."""
+def plan(x, part, res, out, block_n: int, block_m: int, warps: int, parts: int,
+         maxnreg: int | None = None, what: str = "Gluon MMA") -> tuple:
+    """A Gluon MMA launch's pieces for rows x and a part (raises where gluon_fits says no):
+    out (made fp32 [M, N] if None), the grid, the finishing arguments (dst, res, out,
+    counters), the kernel's integers from M (M, N, K, a part's K) and its constexprs, and
+    then(), which adds the parts where no counters did (during a capture, before any exist)."""
     m, k = x.q.shape
     if not gluon_fits(part, k, parts):
-        raise ValueError(f"int8-activation Gluon MMA: a {part.qtype} weight [{part.rows}, "
+        raise ValueError(f"int8-activation {what}: a {part.qtype} weight [{part.rows}, "
                          f"{part.cols}] is not Q4_K or Q6_K in whole super-blocks a part")
     p = k_parts(part.rows, k, parts)
-    pl = part.planes
     if out is None:
         out = torch.empty(m, part.rows, dtype=torch.float32, device=x.q.device)
     dst = out if p == 1 else torch.empty(p, m, part.rows, dtype=torch.float32,
@@ -376,18 +374,34 @@ def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 1
                   HAS_RES=res is not None, FIXUP=count is not None, num_warps=warps,
                   enable_fp_fusion=False,   # as every int8 kernel (a8_triton.py)
                   **({"maxnreg": maxnreg} if maxnreg else {}))
-    finish = (dst, r, out, out if count is None else count)
+
+    def then() -> torch.Tensor:
+        if p > 1 and count is None:
+            add_parts(dst, res, out)
+        return out
+    return (out, grid, (dst, r, out, out if count is None else count), (m, part.rows, k, k // p),
+            blocks, then)
+
+
+def gluon_mm(x, part, res=None, out=None, *, block_n: int = 64, block_m: int = 16,
+             warps: int = 4, parts: int = PARTS, ahead: bool = False,
+             maxnreg: int | None = None) -> torch.Tensor:
+    """a8_mm(x, part, res)'s product for a Q4_K or Q6_K part by the Gluon kernels, into out
+    (default fp32 [M, N]). ahead (Q4_K): each super-block's weight words and scales loaded a
+    step before its arithmetic, in registers; maxnreg: ptxas's cap on a thread's registers
+    (more programs an SM); the same bits either way (experiments)."""
+    out, grid, finish, sizes, blocks, then = plan(x, part, res, out, block_n, block_m, warps,
+                                                  parts, maxnreg)
+    pl = part.planes
+    strides = (finish[1].stride(0), out.stride(0))
     if part.qtype == "Q6_K":
         _q6k_mma_kernel[grid](x.qp, x.dc, pl["qs"].view(torch.int8), pl["qh"].view(torch.int8),
-                              pl["sc"], pl["dm"], *finish, m, part.rows, k, k // p,
-                              pl["qs"].stride(0), pl["qh"].stride(0), pl["sc"].stride(0),
-                              pl["dm"].stride(0), r.stride(0), out.stride(0), **blocks)
+                              pl["sc"], pl["dm"], *finish, *sizes, pl["qs"].stride(0),
+                              pl["qh"].stride(0), pl["sc"].stride(0), pl["dm"].stride(0),
+                              *strides, **blocks)
     else:
         assert part.qtype == "Q4_K"
         _q4k_mma_kernel[grid](x.qp, x.dc, pl["qs"].view(torch.int8), pl["sc"], pl["dm"],
-                              *finish, m, part.rows, k, k // p, pl["qs"].stride(0),
-                              pl["sc"].stride(0), pl["dm"].stride(0), r.stride(0),
-                              out.stride(0), AHEAD=ahead, **blocks)
-    if p > 1 and count is None:   # no counters (during a capture, before any exist)
-        add_parts(dst, res, out)
-    return out
+                              *finish, *sizes, pl["qs"].stride(0), pl["sc"].stride(0),
+                              pl["dm"].stride(0), *strides, AHEAD=ahead, **blocks)
+    return then()
