@@ -108,17 +108,18 @@ def test_loading_a_step_ahead_or_capping_registers_keeps_the_bits():
             assert want.abs().max() > 0
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.gpu
 @needs_cuda
-def test_the_shared_memory_ring_keeps_the_bits():
-    """a8_ring.ring_mm, 2, 3 and 4 stages, Q4_K: the rows' bits from the registers' kernel,
-    K of four super-blocks in one part and in two (parts shorter than the ring), weight rows
-    and window rows in whole and ragged blocks, with a residual and without."""
+def test_the_shared_memory_ring_keeps_the_bits(qtype):
+    """a8_ring.ring_mm, 2, 3 and 4 stages: the rows' bits from the registers' kernel, K of
+    four super-blocks in one part and in two (parts shorter than the ring), weight rows and
+    window rows in whole and ragged blocks, with a residual and without."""
     from strata.kernels.quant.a8_gluon import gluon_mm
     from strata.kernels.quant.a8_ring import ring_mm
     from strata.kernels.quant.a8_triton import quantize_rows
     for n, k, parts in ((128, 1024, 1), (96, 2048, 2)):
-        w, _ = _weight("Q4_K", n, k, "cuda", seed=17)
+        w, _ = _weight(qtype, n, k, "cuda", seed=17)
         c, res = quantize_rows(_x(64, k, seed=18)), _x(64, n, seed=19)
         for rows, block_m in ((3, 8), (8, 8), (16, 16), (20, 16), (40, 32), (64, 64)):
             for r in (None, res[:rows]):
@@ -132,14 +133,15 @@ def test_the_shared_memory_ring_keeps_the_bits():
 
 
 def test_the_ring_refuses_what_it_does_not_take():
-    """a8_ring.ring_mm takes Q4_K with 2 stages or more: a sentence saying so for the rest,
-    before any launch (on the CPU too)."""
+    """a8_ring.ring_mm takes Q4_K and Q6_K in whole super-blocks a part, with 2 stages or
+    more: a sentence saying so for the rest, before any launch (on the CPU too)."""
     from strata.kernels.quant.a8 import Codes
     from strata.kernels.quant.a8_ring import ring_mm
     c = Codes.empty(4, 256, torch.device("cpu"))          # never read: refused first
-    for qtype, stages in (("Q6_K", 3), ("Q4_K", 1)):
+    for qtype, stages, match in (("Q4_K", 1, "1 stages .it takes 2 or more"),
+                                 ("Q8_0", 3, "not Q4_K or Q6_K")):
         w, _ = _weight(qtype, 64, 256, "cpu", seed=21)
-        with pytest.raises(ValueError, match="ring MMA.*takes Q4_K"):
+        with pytest.raises(ValueError, match=f"ring MMA.*{match}"):
             ring_mm(c, w.parts[0], stages=stages)
 
 

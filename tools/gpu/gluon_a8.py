@@ -10,8 +10,8 @@ them) are quantized once, before the timing.
         [--block-n 64] [--block-m 32] [--warps 4] [--ahead] [--maxnreg 128] [--stages 3]
         [--sass FILE [--parts 4]]
 
---stages N times Q4_K by kernels/quant/a8_ring.py's kernel (a ring of N super-blocks in shared
-memory) instead of the registers' kernel.
+--stages N times kernels/quant/a8_ring.py's kernels (a ring of N super-blocks in shared memory)
+instead of the registers' kernels.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import triton
 
 from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_layout,
                                            gluon_mm, mma_layout, raw_layout)
-from strata.kernels.quant.a8_ring import _q4k_ring_kernel, copy_layouts, ring_mm
+from strata.kernels.quant.a8_ring import (_q4k_ring_kernel, _q6k_ring_kernel, copy_layouts,
+                                          ring_mm)
 
 
 def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
@@ -38,10 +39,12 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    fn = _q6k_mma_kernel if qtype == "Q6_K" else _q4k_ring_kernel if stages else _q4k_mma_kernel
+    q6 = qtype == "Q6_K"
+    fn = ((_q6k_ring_kernel if q6 else _q4k_ring_kernel) if stages else
+          (_q6k_mma_kernel if q6 else _q4k_mma_kernel))
     types = {"qp_ptr": "*i8", "dc_ptr": "*fp32", "w_ptr": "*i8", "qh_ptr": "*i8",
-             "sc_ptr": "*i8" if qtype == "Q6_K" else "*i32",
-             "dm_ptr": "*i32" if stages else "*fp16",
+             "sc_ptr": "*i8" if q6 and not stages else "*i32",
+             "dm_ptr": "*i32" if stages and not q6 else "*fp16",
              "dst_ptr": "*fp32", "res_ptr": "*bf16", "out_ptr": "*bf16", "count_ptr": "*i32"}
     consts = {"BLOCK_N": block_n, "BLOCK_M": block_m, "MMA": mma_layout(warps),
               "RAW": raw_layout(block_n, warps),
@@ -50,7 +53,7 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
     if "AHEAD" in fn.arg_names:
         consts["AHEAD"] = ahead
     if stages:
-        consts.update(STAGES=stages, **copy_layouts(warps))
+        consts.update(STAGES=stages, **copy_layouts(warps, qtype))
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a != "M" and a not in consts}
@@ -90,7 +93,7 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int, default=None,
                     help="cap a thread's registers (ptxas), e.g. 128: 4 programs an SM")
     ap.add_argument("--stages", type=int, default=0,
-                    help="Q4_K: a8_ring.py's kernel, a ring of this many super-blocks")
+                    help="a8_ring.py's kernels, a ring of this many super-blocks")
     ap.add_argument("--parts", type=int, default=4,
                     help="--sass: parts of K the kernel is compiled for (1: no scratch)")
     args = ap.parse_args()
@@ -124,7 +127,7 @@ def main() -> None:
             part = probe.parts[0]
             bm = args.block_m or max(8, triton.next_power_of_2(rows))
             kw = dict(block_n=args.block_n, block_m=bm, warps=args.warps, maxnreg=args.maxnreg)
-            ring = args.stages and qtype == "Q4_K"
+            ring = bool(args.stages)
             if ring:
                 kw["stages"] = args.stages
             elif args.ahead:
