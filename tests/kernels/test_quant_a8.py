@@ -205,7 +205,7 @@ def test_shapes_the_kernel_does_not_take_are_refused(device, monkeypatch):
     with pytest.raises(ValueError, match="do not fit"):
         a8_mm(c, w.parts[0])                  # K 128 against the weight's 64
     monkeypatch.setenv("STRATA_A8_DOT", "fast")
-    with pytest.raises(ValueError, match="STRATA_A8_DOT='fast' is no way .* triton or gluon"):
+    with pytest.raises(ValueError, match="STRATA_A8_DOT='fast' is no way .* triton, gluon or ring"):
         a8_mm(quantize_rows(torch.zeros(2, 64, device=device)), w.parts[0])
 
 

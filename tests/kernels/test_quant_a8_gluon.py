@@ -37,11 +37,11 @@ def test_the_dc_plane_is_the_rows_scales_and_sums(device):
     assert (c.dc[:, :, 1:].abs().amax((0, 1)) > 0).all()
 
 
-@pytest.mark.parametrize("env", [None, "gluon", "triton", "groups"])
+@pytest.mark.parametrize("env", [None, "gluon", "ring", "triton", "groups"])
 def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     """a8_mm's choice where no way is asked: on CUDA, Q4_K's 4- to 16-row tiles and Q6_K's
-    16-row tile (where Gluon was faster on an H100); with STRATA_A8_DOT=gluon every tile from 4
-    rows; with triton or a Triton way none; never off CUDA, for other types, or where a part of
+    16-row tile (where Gluon was faster on an H100); with STRATA_A8_DOT=gluon or ring every
+    tile from 4 rows; with triton or a Triton way none; never off CUDA, for other types, or where a part of
     K is not whole super-blocks."""
     import types
 
@@ -55,7 +55,8 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     cpu = types.SimpleNamespace(device=torch.device("cpu"), shape=(64, 4096))
     tiles = (1, 2, 4, 8, 16, 32, 64)
     want = {None: {"Q4_K": (4, 8, 16), "Q6_K": (16,)},
-            "gluon": {"Q4_K": (4, 8, 16, 32, 64), "Q6_K": (4, 8, 16, 32, 64)}}.get(env, {})
+            "gluon": {"Q4_K": (4, 8, 16, 32, 64), "Q6_K": (4, 8, 16, 32, 64)},
+            "ring": {"Q4_K": (4, 8, 16, 32, 64), "Q6_K": (4, 8, 16, 32, 64)}}.get(env, {})
     for qtype in ("Q4_K", "Q6_K", "Q8_0"):
         part = Part(qtype, 4096, 4096, {})
         got = tuple(t for t in tiles if _gluon(cuda, part, t))
@@ -145,14 +146,15 @@ def test_the_ring_refuses_what_it_does_not_take():
             ring_mm(c, w.parts[0], stages=stages)
 
 
+@pytest.mark.parametrize("way", ["gluon", "ring"])
 @pytest.mark.gpu
 @needs_cuda
-def test_a_stage_with_the_gluon_kernels_keeps_its_rows_bits(mixed, monkeypatch):
-    """A Q4_K_M stage (Q4_K and Q6_K matrices) with int8 activations and STRATA_A8_DOT=gluon:
-    the target rows alone and among 8 to 64 rows give the same bits."""
+def test_a_stage_with_the_gluon_kernels_keeps_its_rows_bits(mixed, monkeypatch, way):
+    """A Q4_K_M stage (Q4_K and Q6_K matrices) with int8 activations and STRATA_A8_DOT=gluon
+    or ring: the target rows alone and among 8 to 64 rows give the same bits."""
     from strata.stage_worker.model import StageModel
     from test_quant_stage import CTX, SHAPE, _mode, _policy, assert_stage_rows_invariant
-    monkeypatch.setenv("STRATA_A8_DOT", "gluon")
+    monkeypatch.setenv("STRATA_A8_DOT", way)
     policy = dataclasses.replace(_policy("cuda"), int8_activations=True)
     model = StageModel(mixed, 0, SHAPE.n_layers, ctx=CTX, device="cuda",
                        weights=_mode("cuda"), policy=policy)

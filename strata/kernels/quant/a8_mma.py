@@ -14,7 +14,8 @@ The ways to the groups' sums (`dot`), the same integers and so the same bits:
                broadcast over it once a step
 
 and "gluon", a8_gluon.py's kernels for Q4_K and Q6_K on CUDA (operands straight into the MMA's
-registers; a8_mm's default at a8_gluon.GLUON_TILES).
+registers; a8_mm's default at a8_gluon.GLUON_TILES), or "ring", a8_ring.py's (the operands
+through a ring of super-blocks in shared memory; an experiment).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from strata.kernels.quant.reads import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, 
                                         _term_loads, _term_values, _terms)
 
 DOTS = ("diagonal", "batched", "groups", "direct", "joined")   # ways to the groups' sums
+GLUONS = ("gluon", "ring")   # a8_gluon.py's and a8_ring.py's kernels (Q4_K, Q6_K on CUDA)
 # (Q6_K?, row tile, rows longer than the weight is tall (K > N: a down projection)) -> the
 # MMA's block_n, block_k, dot and whether the scales load a step ahead: the fastest of
 # tools/gpu/bench_a8.py's for llama3-8b's qkv [6144, 4096] and down [4096, 14336] on an H100
@@ -339,10 +341,14 @@ def a8_mma(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, bl
            block_n: int, block_k: int, warps: int, dot: str, ahead: bool, parts: int
            ) -> torch.Tensor:
     """out [M, N] (+ res) = x's rows @ part^T by the MMA (a8_triton.a8_mm checks the blocks);
-    dot "gluon": by a8_gluon.py's kernels (Q4_K and Q6_K, on CUDA), their own blocks."""
+    dot "gluon" or "ring": by a8_gluon.py's or a8_ring.py's kernels (Q4_K and Q6_K, on CUDA),
+    their own blocks."""
     if dot == "gluon":
         from strata.kernels.quant.a8_gluon import gluon_mm
         return gluon_mm(x, part, res, out, block_m=block_m, parts=parts)
+    if dot == "ring":
+        from strata.kernels.quant.a8_ring import ring_mm
+        return ring_mm(x, part, res, out, block_m=block_m, parts=parts)
     q = x.q
     m, k = q.shape
     p = k_parts(part.rows, k, parts)

@@ -36,7 +36,7 @@ from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gated import a8_gate_up
 from strata.kernels.quant.a8_gemv import Pairs, a8_gemv, quantize_blocks
-from strata.kernels.quant.a8_mma import DOTS, MMA_BLOCKS, a8_mma
+from strata.kernels.quant.a8_mma import DOTS, GLUONS, MMA_BLOCKS, a8_mma
 from strata.kernels.quant.a8_parts import PARTS, gemv_step, k_parts
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
@@ -111,14 +111,14 @@ def _has_gluon() -> bool:
 def _gluon(q: torch.Tensor, part: Part, tile: int, parts: int = PARTS) -> bool:
     """Whether a window of this row tile takes the Gluon kernels (a8_gluon.py) where no way
     is asked: on CUDA where they fit, at a8_gluon.GLUON_TILES' tiles of the weight's type; with
-    STRATA_A8_DOT=gluon at every tile from 4 rows; with STRATA_A8_DOT=triton or a Triton
-    way (a8_mma.DOTS), never; nor where this Triton has no Gluon (before 3.6, which the
-    kernels are written against)."""
+    STRATA_A8_DOT=gluon (or ring, a8_ring.py's kernels) at every tile from 4 rows; with
+    STRATA_A8_DOT=triton or a Triton way (a8_mma.DOTS), never; nor where this Triton has no
+    Gluon (before 3.6, which the kernels are written against)."""
     env = os.environ.get("STRATA_A8_DOT")
-    if q.device.type != "cuda" or env not in (None, "gluon") or not _has_gluon():
+    if q.device.type != "cuda" or env not in (None, "gluon", "ring") or not _has_gluon():
         return False
     from strata.kernels.quant.a8_gluon import GLUON_TILES, gluon_fits
-    tiles = (4, 8, *ROW_TILES) if env == "gluon" else GLUON_TILES.get(part.qtype, ())
+    tiles = (4, 8, *ROW_TILES) if env else GLUON_TILES.get(part.qtype, ())
     return tile in tiles and gluon_fits(part, q.shape[1], parts)
 
 
@@ -136,13 +136,14 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     and 3 for fewer); the MMA tiles block_n columns a program and block_k quants a step (at
     most K's step), their groups' sums by `dot`, one of a8_mma.DOTS (Hopper's wgmma from
     block_n 64) or "gluon" (a8_gluon.py: Q4_K and Q6_K on CUDA, its own blocks, a GEMV tile's
-    rows in 8-row tiles); the same bits any way. The defaults: Gluon where _gluon says,
-    else MMA_BLOCKS'; the environment's STRATA_A8_DOT, where set, picks for a stage's every
-    tile (an experiment's: tools/gpu/bench_a8.py --mma times the ways in a kernel, the
-    variable in a stage): a Triton way, "triton" (the Triton defaults) or "gluon"; ahead:
-    whether the MMA's "groups" way loads each step's scales a step ahead (the same bits;
-    default MMA_BLOCKS'). parts: the most parts of K (k_parts; a row's bits depend on it, so
-    every call on a weight must pass the same: leave it be outside experiments)."""
+    rows in 8-row tiles) or "ring" (a8_ring.py's, as gluon); the same bits any way. The
+    defaults: Gluon where _gluon says, else MMA_BLOCKS'; the environment's STRATA_A8_DOT,
+    where set, picks for a stage's every tile (an experiment's: tools/gpu/bench_a8.py --mma
+    times the ways in a kernel, the variable in a stage): a Triton way, "triton" (the Triton
+    defaults), "gluon" or "ring"; ahead: whether the MMA's "groups" way loads each step's
+    scales a step ahead (the same bits; default MMA_BLOCKS'). parts: the most parts of K
+    (k_parts; a row's bits depend on it, so every call on a weight must pass the same: leave
+    it be outside experiments)."""
     q = x.q
     m, k = q.shape
     block_m = block_m or a8_row_tile(m)
@@ -150,17 +151,17 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
                          (None, None, None, None))
     block_k = min(block_k or mma[1] or 128, gemv_step(k))
     env = os.environ.get("STRATA_A8_DOT")
-    if env not in (None, "triton", "gluon", *DOTS):
+    if env not in (None, "triton", *GLUONS, *DOTS):
         raise ValueError(f"int8-activation MMA: STRATA_A8_DOT={env!r} is no way to the groups' "
-                         f"sums (one of {', '.join(DOTS)}, triton or gluon)")
+                         f"sums (one of {', '.join(DOTS)}, triton, gluon or ring)")
     if dot is None and _gluon(q, part, block_m, parts):
-        dot = "gluon"
-    if dot == "gluon" and block_m in GEMV_TILES:   # an m16n8 tile takes 8 rows
+        dot = "ring" if env == "ring" else "gluon"
+    if dot in GLUONS and block_m in GEMV_TILES:   # an m16n8 tile takes 8 rows
         block_m = 8
     dot = dot or (env if env in DOTS else None) or mma[2] or "groups"
-    if dot not in (*DOTS, "gluon"):
+    if dot not in (*DOTS, *GLUONS):
         raise ValueError(f"int8-activation MMA: no way {dot!r} to the groups' sums (one of "
-                         f"{', '.join(DOTS)} or gluon)")
+                         f"{', '.join(DOTS)}, gluon or ring)")
     if (m > MAX_ROWS or part.cols != k or block_m not in (*GEMV_TILES, *ROW_TILES)
             or (k // k_parts(part.rows, k, parts)) % block_k or block_k % 32):
         raise ValueError(f"int8-activation kernel: {m} rows of {k}, {part.qtype} weight "
@@ -169,7 +170,7 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     if out is None:
         out = torch.empty(m, part.rows, dtype=out_dtype, device=q.device)
     assert out.shape == (m, part.rows) and out.stride(1) == 1 and q.is_contiguous()
-    if block_m in GEMV_TILES and dot != "gluon":   # blocks from tools/gpu/bench_a8.py (H100)
+    if block_m in GEMV_TILES and dot not in GLUONS:   # blocks from tools/gpu/bench_a8.py (H100)
         return a8_gemv(x, part, res, out, block_m,
                        block_n=gemv_n or (16 if part.qtype == "Q6_K" else 32),
                        stages=stages or (2 if block_m == 8 else 3), warps=warps,
