@@ -41,8 +41,8 @@ def test_the_dc_plane_is_the_rows_scales_and_sums(device):
 def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     """a8_mm's choice where no way is asked: on CUDA, Q4_K's 4- to 16-row tiles and Q6_K's
     16-row tile (where Gluon was faster on an H100); with STRATA_A8_DOT=gluon or ring every
-    tile from 4 rows; with triton or a Triton way none; never off CUDA, for other types, or where a part of
-    K is not whole super-blocks."""
+    tile from 4 rows; with triton or a Triton way none; never off CUDA, for other types, or
+    where a part of K is not whole super-blocks."""
     import types
 
     from strata.kernels.quant.a8_triton import _gluon
@@ -135,15 +135,17 @@ def test_the_shared_memory_ring_keeps_the_bits(qtype):
 
 def test_the_ring_refuses_what_it_does_not_take():
     """a8_ring.ring_mm takes Q4_K and Q6_K in whole super-blocks a part, with 2 stages or
-    more: a sentence saying so for the rest, before any launch (on the CPU too)."""
+    more that fit shared memory: a sentence saying so for the rest, before any launch (on the
+    CPU too)."""
     from strata.kernels.quant.a8 import Codes
     from strata.kernels.quant.a8_ring import ring_mm
     c = Codes.empty(4, 256, torch.device("cpu"))          # never read: refused first
-    for qtype, stages, match in (("Q4_K", 1, "1 stages .it takes 2 or more"),
-                                 ("Q8_0", 3, "not Q4_K or Q6_K")):
+    for qtype, kw, match in (("Q4_K", dict(stages=1), "1 stages .it takes 2 or more"),
+                             ("Q6_K", dict(stages=6, block_m=64), "over 232448: take fewer"),
+                             ("Q8_0", dict(stages=3), "not Q4_K or Q6_K")):
         w, _ = _weight(qtype, 64, 256, "cpu", seed=21)
         with pytest.raises(ValueError, match=f"ring MMA.*{match}"):
-            ring_mm(c, w.parts[0], stages=stages)
+            ring_mm(c, w.parts[0], **kw)
 
 
 @pytest.mark.parametrize("way", ["gluon", "ring"])

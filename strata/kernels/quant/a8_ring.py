@@ -25,6 +25,8 @@ from strata.kernels.quant.a8_gluon import (_and, _finish, _ld, _nibbles, _progra
                                            _q4k_terms, _q6k_codes, _tile, plan)
 from strata.kernels.quant.a8_parts import PARTS
 
+SHARED = 227 * 1024   # a program's shared memory on sm_90
+
 
 @gluon.jit
 def _rows_sources(qp_ptr, dc_ptr, m0, M, K, BLOCK_M: gl.constexpr, CB: gl.constexpr,
@@ -40,7 +42,8 @@ def _rows_sources(qp_ptr, dc_ptr, m0, M, K, BLOCK_M: gl.constexpr, CB: gl.conste
     gd = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, CD)))
     md = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, CD)))
     e = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, CD)))
-    d_at = dc_ptr + md[None, :, None] * (K // 8) + (4 * gd)[:, None, None] + e[None, None, :]
+    d_at = (dc_ptr + md[None, :, None] * (K // 32 * 4) + (4 * gd)[:, None, None]
+            + e[None, None, :])                               # K // 32 * 4: 16-byte copies
     return b_at, (mb < M)[None, :, None], d_at, (md < M)[None, :, None]
 
 
@@ -297,6 +300,11 @@ def ring_mm(x, part, res=None, out=None, *, stages: int = 3, block_n: int = 64,
     kernels, a ring of `stages` super-blocks (2 or more)."""
     if stages < 2:
         raise ValueError(f"int8-activation ring MMA: {stages} stages (it takes 2 or more)")
+    slot = (144 if part.qtype == "Q4_K" else 272) * block_n + 384 * block_m   # bytes
+    if stages * slot > SHARED:
+        raise ValueError(f"int8-activation ring MMA: {stages} stages of {block_n} x {block_m} "
+                         f"tiles need {stages * slot} bytes of shared memory, over {SHARED}: "
+                         "take fewer stages or smaller tiles")
     out, grid, finish, sizes, blocks, then = plan(x, part, res, out, block_n, block_m, warps,
                                                   parts, maxnreg, "ring MMA")
     kernel = _q6k_ring_kernel if part.qtype == "Q6_K" else _q4k_ring_kernel
