@@ -39,10 +39,11 @@ def test_the_dc_plane_is_the_rows_scales_and_sums(device):
 
 @pytest.mark.parametrize("env", [None, "gluon", "ring", "triton", "groups"])
 def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
-    """a8_mm's choice where no way is asked: on CUDA, Q4_K's 4- to 16-row tiles and Q6_K's
-    16-row tile (where Gluon was faster on an H100); with STRATA_A8_DOT=gluon or ring every
-    tile from 4 rows; with triton or a Triton way none; never off CUDA, for other types, or
-    where a part of K is not whole super-blocks."""
+    """a8_mm's choice where no way is asked: on CUDA, Q4_K's 4- and 8-row tiles by the
+    registers' kernels and its 16- to 64-row tiles by the ring's, Q6_K's 16- to 64-row tiles by
+    the ring's (where each was faster on an H100 and an H200); with STRATA_A8_DOT=gluon or ring
+    that way at every tile from 4 rows; with triton or a Triton way none; never off CUDA, for
+    other types, or where a part of K is not whole super-blocks."""
     import types
 
     from strata.kernels.quant.a8_triton import _gluon
@@ -54,13 +55,15 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     cuda = types.SimpleNamespace(device=torch.device("cuda"), shape=(64, 4096))
     cpu = types.SimpleNamespace(device=torch.device("cpu"), shape=(64, 4096))
     tiles = (1, 2, 4, 8, 16, 32, 64)
-    want = {None: {"Q4_K": (4, 8, 16), "Q6_K": (16,)},
-            "gluon": {"Q4_K": (4, 8, 16, 32, 64), "Q6_K": (4, 8, 16, 32, 64)},
-            "ring": {"Q4_K": (4, 8, 16, 32, 64), "Q6_K": (4, 8, 16, 32, 64)}}.get(env, {})
+    every = {t: env for t in (4, 8, 16, 32, 64)}
+    want = {None: {"Q4_K": {4: "gluon", 8: "gluon", 16: "ring", 32: "ring", 64: "ring"},
+                   "Q6_K": {16: "ring", 32: "ring", 64: "ring"}},
+            "gluon": {"Q4_K": every, "Q6_K": every},
+            "ring": {"Q4_K": every, "Q6_K": every}}.get(env, {})
     for qtype in ("Q4_K", "Q6_K", "Q8_0"):
         part = Part(qtype, 4096, 4096, {})
-        got = tuple(t for t in tiles if _gluon(cuda, part, t))
-        assert got == want.get(qtype, ()), (qtype, env)
+        got = {t: _gluon(cuda, part, t) for t in tiles if _gluon(cuda, part, t)}
+        assert got == want.get(qtype, {}), (qtype, env)
         assert not any(_gluon(cpu, part, t) for t in tiles)
     # K of 4160 (one part, k_parts) is 16.25 super-blocks: not for Gluon
     assert not _gluon(types.SimpleNamespace(device=torch.device("cuda"), shape=(16, 4160)),

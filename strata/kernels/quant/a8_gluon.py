@@ -13,9 +13,10 @@ bits from the group's qh word, and the sums of each group from the codes with th
 slots zeroed (a thread's words or zero). Each group's sums then take a8_gemv.group_term's float
 term, added to the accumulator group by group in K's order within a part of K
 (a8_parts.k_parts), then the parts in order by the tile's last program: the arithmetic of every
-int8 kernel, so its bits are a8_mm's. a8_mm takes it on CUDA at GLUON_TILES' row tiles, where
-it was faster on an H100 (tools/gpu/gluon_a8.py times it beside a8_mm, or compiles it for sm_90
-without a GPU); STRATA_A8_DOT=gluon at every tile from 4 rows. Gluon does not run under
+int8 kernel, so its bits are a8_mm's. a8_mm takes it on CUDA at GLUON_TILES' small row tiles,
+where it was faster (a8_ring.py's kernels at the larger ones; tools/gpu/gluon_a8.py times them
+beside a8_mm, or compiles them for sm_90 without a GPU); STRATA_A8_DOT=gluon at every tile
+from 4 rows. Gluon does not run under
 Triton's interpreter: its bits are checked on a GPU (`python -m pytest -m gpu
 tests/kernels/test_quant_a8_gluon.py`).
 """
@@ -338,10 +339,12 @@ def dc_layout(block_m: int, warps: int, width: int = 2) -> gl.DistributedLinearL
 
 
 GLUON_TYPES = ("Q4_K", "Q6_K")
-# The row tiles at which a8_mm takes these kernels on CUDA by default, where they beat the
-# GEMV and the Triton MMA at the llama3-8b shapes on an H100 (tools/gpu/gluon_a8.py); a GEMV
-# tile's rows run as an 8-row tile
-GLUON_TILES = {"Q4_K": (4, 8, 16), "Q6_K": (16,)}
+# The row tiles at which a8_mm takes Gluon kernels on CUDA by default, and which: these
+# kernels ("gluon") or a8_ring.py's ("ring"), where they beat the GEMV and the Triton MMA at
+# the llama3-8b shapes (tools/gpu/gluon_a8.py, on an H100 and an H200); a GEMV tile's rows run
+# as an 8-row tile
+GLUON_TILES = {"Q4_K": {4: "gluon", 8: "gluon", 16: "ring", 32: "ring", 64: "ring"},
+               "Q6_K": {16: "ring", 32: "ring", 64: "ring"}}
 
 
 def gluon_fits(part, k: int, parts: int = PARTS) -> bool:

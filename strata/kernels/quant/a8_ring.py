@@ -26,6 +26,7 @@ from strata.kernels.quant.a8_gluon import (_and, _finish, _ld, _nibbles, _progra
 from strata.kernels.quant.a8_parts import PARTS
 
 SHARED = 227 * 1024   # a program's shared memory on sm_90
+STAGES = (2, 3)        # the ring's default super-blocks, Q4_K's and Q6_K's
 
 
 @gluon.jit
@@ -293,11 +294,13 @@ def ring_args(part) -> tuple:
             (pl["qs"].stride(0), pl["sc"].stride(0), dm.stride(0) // 2))
 
 
-def ring_mm(x, part, res=None, out=None, *, stages: int = 3, block_n: int = 64,
+def ring_mm(x, part, res=None, out=None, *, stages: int | None = None, block_n: int = 64,
             block_m: int = 16, warps: int = 4, parts: int = PARTS,
             maxnreg: int | None = None) -> torch.Tensor:
     """a8_gluon.gluon_mm's product (a8_mm's bits) for a Q4_K or Q6_K part by the ring
-    kernels, a ring of `stages` super-blocks (2 or more)."""
+    kernels, a ring of `stages` super-blocks (2 or more; default STAGES', the faster on an
+    H200 by tools/gpu/gluon_a8.py --stages)."""
+    stages = STAGES[part.qtype == "Q6_K"] if stages is None else stages
     if stages < 2:
         raise ValueError(f"int8-activation ring MMA: {stages} stages (it takes 2 or more)")
     slot = (144 if part.qtype == "Q4_K" else 272) * block_n + 384 * block_m   # bytes

@@ -108,18 +108,19 @@ def _has_gluon() -> bool:
     return True
 
 
-def _gluon(q: torch.Tensor, part: Part, tile: int, parts: int = PARTS) -> bool:
-    """Whether a window of this row tile takes the Gluon kernels (a8_gluon.py) where no way
-    is asked: on CUDA where they fit, at a8_gluon.GLUON_TILES' tiles of the weight's type; with
-    STRATA_A8_DOT=gluon (or ring, a8_ring.py's kernels) at every tile from 4 rows; with
-    STRATA_A8_DOT=triton or a Triton way (a8_mma.DOTS), never; nor where this Triton has no
-    Gluon (before 3.6, which the kernels are written against)."""
+def _gluon(q: torch.Tensor, part: Part, tile: int, parts: int = PARTS) -> str | None:
+    """The Gluon kernels a window of this row tile takes where no way is asked ("gluon",
+    a8_gluon.py's, or "ring", a8_ring.py's), or None: on CUDA where they fit, at
+    a8_gluon.GLUON_TILES' tiles of the weight's type; with STRATA_A8_DOT=gluon or ring, those at
+    every tile from 4 rows; with STRATA_A8_DOT=triton or a Triton way (a8_mma.DOTS), none; nor
+    where this Triton has no Gluon (before 3.6, which the kernels are written against)."""
     env = os.environ.get("STRATA_A8_DOT")
-    if q.device.type != "cuda" or env not in (None, "gluon", "ring") or not _has_gluon():
-        return False
+    if q.device.type != "cuda" or env not in (None, *GLUONS) or not _has_gluon():
+        return None
     from strata.kernels.quant.a8_gluon import GLUON_TILES, gluon_fits
-    tiles = (4, 8, *ROW_TILES) if env else GLUON_TILES.get(part.qtype, ())
-    return tile in tiles and gluon_fits(part, q.shape[1], parts)
+    way = (env if tile in (4, 8, *ROW_TILES) else None) if env else (
+        GLUON_TILES.get(part.qtype, {}).get(tile))
+    return way if way and gluon_fits(part, q.shape[1], parts) else None
 
 
 def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
@@ -154,8 +155,8 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     if env not in (None, "triton", *GLUONS, *DOTS):
         raise ValueError(f"int8-activation MMA: STRATA_A8_DOT={env!r} is no way to the groups' "
                          f"sums (one of {', '.join(DOTS)}, triton, gluon or ring)")
-    if dot is None and _gluon(q, part, block_m, parts):
-        dot = "ring" if env == "ring" else "gluon"
+    if dot is None:
+        dot = _gluon(q, part, block_m, parts)
     if dot in GLUONS and block_m in GEMV_TILES:   # an m16n8 tile takes 8 rows
         block_m = 8
     dot = dot or (env if env in DOTS else None) or mma[2] or "groups"
