@@ -81,6 +81,26 @@ def _q4k_copy(ring_w, ring_s, ring_b, ring_d, slot, sb, w_at, w_ok, s_at, s_ok, 
 
 
 @gluon.jit
+def _ring(STAGES: gl.constexpr, dtype: gl.constexpr, ROWS: gl.constexpr, WIDTH: gl.constexpr):
+    """A ring of STAGES slots of [8 groups, ROWS, WIDTH] in shared memory, row-major with no
+    swizzle, and the same memory a group a slot to read ([8 STAGES, ROWS, WIDTH]: a shared
+    view is indexed once)."""
+    ring = gl.allocate_shared_memory(dtype, [STAGES, 8, ROWS, WIDTH],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    return ring, ring._reinterpret(dtype, [STAGES * 8, ROWS, WIDTH],
+                                   gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+
+@gluon.jit
+def _word_ring(STAGES: gl.constexpr, ROWS: gl.constexpr):
+    """_ring of 4 int32 words a row, [STAGES, 4, ROWS], read a word a row ([4 STAGES, ROWS])."""
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, 4, ROWS],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    return ring, ring._reinterpret(gl.int32, [STAGES * 4, ROWS],
+                                   gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+@gluon.jit
 def _q4k_ring_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out_ptr,
                      count_ptr, M, N, K, L, s0, s2, s3, stride_rm, stride_om,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.constexpr,
@@ -95,14 +115,11 @@ def _q4k_ring_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, ou
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     rows_l: gl.constexpr = gl.SliceLayout(1, MMA)
     cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])   # no swizzle: row-major
-    flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     part, n0, m0 = _program(BLOCK_N, BLOCK_M)
-    ring_w = gl.allocate_shared_memory(gl.int8, [STAGES, 8, BLOCK_N, 16], flat)
-    ring_s = gl.allocate_shared_memory(gl.int32, [STAGES, 4, BLOCK_N], flat2)
-    ring_b = gl.allocate_shared_memory(gl.int8, [STAGES, 8, BLOCK_M, 32], flat)
-    ring_d = gl.allocate_shared_memory(gl.float32, [STAGES, 8, BLOCK_M, 4], flat)
+    ring_w, group_w = _ring(STAGES, gl.int8, BLOCK_N, 16)
+    ring_s, words = _word_ring(STAGES, BLOCK_N)
+    ring_b, group_b = _ring(STAGES, gl.int8, BLOCK_M, 32)
+    ring_d, group_d = _ring(STAGES, gl.float32, BLOCK_M, 4)
     w_at, w_ok = _bytes_sources(w_ptr, n0, N, 4 * s0, BLOCK_N, CW)
     c = gl.arange(0, 4, layout=gl.SliceLayout(1, CS))           # sc's three words, then dm's
     ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, CS))
@@ -111,11 +128,6 @@ def _q4k_ring_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, ou
     s_ok = (ns < N)[None, :]
     s_step = gl.where(c < 3, 3, 1)[:, None]
     b_at, b_ok, d_at, d_ok = _rows_sources(qp_ptr, dc_ptr, m0, M, K, BLOCK_M, CB, CD)
-    # the same rings a group (or a scale word) a row, to read: a shared view indexes once
-    group_w = ring_w._reinterpret(gl.int8, [STAGES * 8, BLOCK_N, 16], flat2)
-    words = ring_s._reinterpret(gl.int32, [STAGES * 4, BLOCK_N], flat1)
-    group_b = ring_b._reinterpret(gl.int8, [STAGES * 8, BLOCK_M, 32], flat2)
-    group_d = ring_d._reinterpret(gl.float32, [STAGES * 8, BLOCK_M, 4], flat2)
     n, n_ok, m, m_ok = _tile(n0, m0, N, M, BLOCK_N, BLOCK_M, MMA)
     magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=MMA)
     acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=MMA)
@@ -186,15 +198,12 @@ def _q6k_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     rows_l: gl.constexpr = gl.SliceLayout(1, MMA)
     cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])   # no swizzle: row-major
-    flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     part, n0, m0 = _program(BLOCK_N, BLOCK_M)
-    ring_w = gl.allocate_shared_memory(gl.int8, [STAGES, 8, BLOCK_N, 16], flat)
-    ring_h = gl.allocate_shared_memory(gl.int8, [STAGES, 8, BLOCK_N, 16], flat)
-    ring_s = gl.allocate_shared_memory(gl.int32, [STAGES, 4, BLOCK_N], flat2)
-    ring_b = gl.allocate_shared_memory(gl.int8, [STAGES, 8, BLOCK_M, 32], flat)
-    ring_d = gl.allocate_shared_memory(gl.float32, [STAGES, 8, BLOCK_M, 4], flat)
+    ring_w, group_w = _ring(STAGES, gl.int8, BLOCK_N, 16)
+    ring_h, group_h = _ring(STAGES, gl.int8, BLOCK_N, 16)
+    ring_s, words = _word_ring(STAGES, BLOCK_N)
+    ring_b, group_b = _ring(STAGES, gl.int8, BLOCK_M, 32)
+    ring_d, group_d = _ring(STAGES, gl.float32, BLOCK_M, 4)
     w_at, w_ok = _bytes_sources(w_ptr, n0, N, 4 * s0, BLOCK_N, CW)
     ch = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, CH)))
     nh = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, CH)))
@@ -207,11 +216,6 @@ def _q6k_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res
     s_at = sc_ptr + ns[None, :] * s2 + c[:, None]
     s_ok = (ns < N)[None, :]
     b_at, b_ok, d_at, d_ok = _rows_sources(qp_ptr, dc_ptr, m0, M, K, BLOCK_M, CB, CD)
-    group_w = ring_w._reinterpret(gl.int8, [STAGES * 8, BLOCK_N, 16], flat2)
-    group_h = ring_h._reinterpret(gl.int8, [STAGES * 8, BLOCK_N, 16], flat2)
-    words = ring_s._reinterpret(gl.int32, [STAGES * 4, BLOCK_N], flat1)
-    group_b = ring_b._reinterpret(gl.int8, [STAGES * 8, BLOCK_M, 32], flat2)
-    group_d = ring_d._reinterpret(gl.float32, [STAGES * 8, BLOCK_M, 4], flat2)
     sa = gl.arange(0, 16, layout=gl.SliceLayout(0, RAW))
     shift = (gl.full([BLOCK_N, 16], 0, gl.int8, layout=RAW)
              + ((sa // 4) % 2 * 2).to(gl.int8)[None, :])           # 2 a, a = (byte / 4) % 2
