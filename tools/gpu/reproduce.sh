@@ -189,6 +189,9 @@ for part in $PARTS; do
         --rows 1,8,16,32,64 --projections qkv,gate_up,down --mma batched,groups,diagonal \
         --json-out "$OUT/bench_a8.json"
       run a8_gluon 300 python tools/gpu/gluon_a8.py --rows 1,8,16,32,64
+      for st in 2 3; do
+        run a8_ring$st 300 python tools/gpu/gluon_a8.py --rows 1,8,16,32,64 --stages $st
+      done
       run a8_tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider \
         tests/kernels/test_quant_a8.py tests/kernels/test_quant_a8_fused.py \
         tests/kernels/test_quant_a8_gluon.py
@@ -210,13 +213,16 @@ for part in $PARTS; do
         done
       done
       # without programmatic dependent launch (docs/GPU.md), at 1 and 8 clients; and with the
-      # Triton kernels where the Gluon MMA is the default (STRATA_A8_DOT=triton), to 16 clients
+      # Triton kernels or the registers' Gluon kernels where the ring's are the default
+      # (STRATA_A8_DOT=triton, gluon)
       F=$(quantized Q4_K_M) && run a8_strata_int8_nopdl 600 env STRATA_PDL=0 strata-bench sweep \
         --model "$F" $SAME --weights quantized --activations int8 --min-window-rows 1 \
         --clients 1,8 --json-out "$OUT/sweep_l8b_Q4_K_M_int8_nopdl.json"
-      F=$(quantized Q4_K_M) && run a8_strata_int8_triton 600 env STRATA_A8_DOT=triton \
-        strata-bench sweep --model "$F" $SAME --weights quantized --activations int8 \
-        --min-window-rows 1 --clients 1,8,16 --json-out "$OUT/sweep_l8b_Q4_K_M_int8_triton.json" ;;
+      for way in triton gluon; do
+        F=$(quantized Q4_K_M) && run a8_strata_int8_$way 600 env STRATA_A8_DOT=$way \
+          strata-bench sweep --model "$F" $SAME --weights quantized --activations int8 \
+          --min-window-rows 1 --clients 1,8,16,32,64 --json-out "$OUT/sweep_l8b_Q4_K_M_int8_$way.json"
+      done ;;
     moe)      # the MoE shapes in Q4_K_M on one GPU beside llama.cpp (docs/BENCHMARKS.md): written
               # by strata-mkmodel with llama-quantize's types tensor by tensor (--fast), since
               # the bf16 30B file llama-quantize would read is about 61 GB
