@@ -136,6 +136,27 @@ def test_the_shared_memory_ring_keeps_the_bits(qtype):
                         f"{stages} stages: [{n}, {k}] in {parts} parts, {rows} rows")
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.gpu
+@needs_cuda
+def test_warps_along_the_window_keep_the_bits(qtype):
+    """ring_mm(warps_m=2 or 4): 4 warps with 2 or 4 of them along the window's rows (32 and 16
+    weight rows a program), the rows' bits from the registers' kernel, whole and ragged."""
+    from strata.kernels.quant.a8_gluon import gluon_mm
+    from strata.kernels.quant.a8_ring import ring_mm
+    from strata.kernels.quant.a8_triton import quantize_rows
+    w, _ = _weight(qtype, 96, 1024, "cuda", seed=22)
+    c, res = quantize_rows(_x(64, 1024, seed=23)), _x(64, 96, seed=24)
+    for rows, block_m in ((20, 16), (40, 32), (64, 64)):
+        want = gluon_mm(c[:rows], w.parts[0], res[:rows], block_m=block_m)
+        for block_n, warps_m in ((32, 2), (16, 4)):
+            if block_m < 8 * warps_m:
+                continue
+            got = ring_mm(c[:rows], w.parts[0], res[:rows], block_m=block_m, block_n=block_n,
+                          warps_m=warps_m)
+            assert torch.equal(got, want), f"{block_n} x {block_m}, {warps_m} warps along m"
+
+
 def test_the_ring_refuses_what_it_does_not_take():
     """a8_ring.ring_mm takes Q4_K and Q6_K in whole super-blocks a part, with 2 stages or
     more that fit shared memory: a sentence saying so for the rest, before any launch (on the
@@ -145,6 +166,7 @@ def test_the_ring_refuses_what_it_does_not_take():
     c = Codes.empty(4, 256, torch.device("cpu"))          # never read: refused first
     for qtype, kw, match in (("Q4_K", dict(stages=1), "1 stages .it takes 2 or more"),
                              ("Q6_K", dict(stages=6, block_m=64), "over 232448: take fewer"),
+                             ("Q4_K", dict(block_m=16, warps_m=4), "do not tile 64 x 16"),
                              ("Q8_0", dict(stages=3), "not Q4_K or Q6_K")):
         w, _ = _weight(qtype, 64, 256, "cpu", seed=21)
         with pytest.raises(ValueError, match=f"ring MMA.*{match}"):

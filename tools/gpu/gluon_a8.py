@@ -30,7 +30,8 @@ from strata.kernels.quant.a8_ring import (_q4k_ring_kernel, _q6k_ring_kernel, co
 
 
 def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
-         ahead: bool = False, maxnreg: int | None = None, stages: int = 0) -> tuple[str, str]:
+         ahead: bool = False, maxnreg: int | None = None, stages: int = 0,
+         warps_m: int = 1) -> tuple[str, str]:
     """The kernel's SASS for sm_90, compiled here (no GPU needed): K in `parts` parts, the
     last program adding them (one part: no scratch), a residual, bf16 out; and ptxas's line
     on its registers and spills."""
@@ -46,9 +47,9 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
              "sc_ptr": "*i8" if q6 and not stages else "*i32",
              "dm_ptr": "*i32" if stages and not q6 else "*fp16",
              "dst_ptr": "*fp32", "res_ptr": "*bf16", "out_ptr": "*bf16", "count_ptr": "*i32"}
-    consts = {"BLOCK_N": block_n, "BLOCK_M": block_m, "MMA": mma_layout(warps),
-              "RAW": raw_layout(block_n, warps),
-              "DC": dc_layout(block_m, warps, 4 if qtype == "Q6_K" else 2), "EVEN": True,
+    consts = {"BLOCK_N": block_n, "BLOCK_M": block_m, "MMA": mma_layout(warps, warps_m),
+              "RAW": raw_layout(block_n, warps, warps_m),
+              "DC": dc_layout(block_m, warps, 4 if qtype == "Q6_K" else 2, warps_m), "EVEN": True,
               "P": parts, "HAS_RES": True, "FIXUP": parts > 1}
     if "AHEAD" in fn.arg_names:
         consts["AHEAD"] = ahead
@@ -94,6 +95,8 @@ def main() -> None:
                     help="cap a thread's registers (ptxas), e.g. 128: 4 programs an SM")
     ap.add_argument("--stages", type=int, default=0,
                     help="a8_ring.py's kernels, a ring of this many super-blocks")
+    ap.add_argument("--warps-m", type=int, default=1,
+                    help="--stages: warps along the window's rows (of --warps)")
     ap.add_argument("--parts", type=int, default=4,
                     help="--sass: parts of K the kernel is compiled for (1: no scratch)")
     args = ap.parse_args()
@@ -102,7 +105,7 @@ def main() -> None:
         from sass_count import histogram, issue_slots, main_loop
         qtype, block_m = args.types.split(",")[0], args.block_m or int(args.rows.split(",")[0])
         code, regs = sass(qtype, args.block_n, block_m, args.warps, args.parts, args.ahead,
-                          args.maxnreg, args.stages)
+                          args.maxnreg, args.stages, args.warps_m)
         with open(args.sass, "w") as f:
             f.write(code)
         body = main_loop(code)             # a super-block a step: block_n x 256 quants
@@ -129,7 +132,7 @@ def main() -> None:
             kw = dict(block_n=args.block_n, block_m=bm, warps=args.warps, maxnreg=args.maxnreg)
             ring = bool(args.stages)
             if ring:
-                kw["stages"] = args.stages
+                kw.update(stages=args.stages, warps_m=args.warps_m)
             elif args.ahead:
                 kw["ahead"] = True
             mm = ring_mm if ring else gluon_mm

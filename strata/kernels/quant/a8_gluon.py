@@ -308,33 +308,41 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res_
             stride_om, P, HAS_RES, FIXUP)
 
 
-def mma_layout(warps: int) -> gl.NVMMADistributedLayout:
-    """mma.sync m16n8's accumulator over `warps` warps along the weight's rows."""
-    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1],
+def mma_layout(warps: int, warps_m: int = 1) -> gl.NVMMADistributedLayout:
+    """mma.sync m16n8's accumulator over `warps` warps: along the weight's rows, or with
+    warps_m > 1 also that many along the window's rows (warps_m warps share a weight row)."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps // warps_m, warps_m],
                                      instr_shape=[16, 8])
 
 
-def raw_layout(block_n: int, warps: int) -> gl.DistributedLinearLayout:
+def raw_layout(block_n: int, warps: int, warps_m: int = 1) -> gl.DistributedLinearLayout:
     """[block_n, 16] bytes as the int8 A fragments of mma.sync m16n8k32 hold their rows (warp
     w rows 16 w .. 16 w + 15 and again every 16 warps' rows, lane l rows l / 4 and l / 4 + 8):
-    lane l the 4 bytes 4 (l % 4) .. of each of its rows."""
-    reps = [[16 * warps << i, 0] for i in range((block_n // (16 * warps)).bit_length() - 1)]
+    lane l the 4 bytes 4 (l % 4) .. of each of its rows; the warps along the window's rows
+    (mma_layout's warps_m) hold the same."""
+    wn = warps // warps_m
+    reps = [[16 * wn << i, 0] for i in range((block_n // (16 * wn)).bit_length() - 1)]
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]] + reps,
         lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
+        warp_bases=([[0, 0] for _ in range(warps_m.bit_length() - 1)]   # a warp's id: m first
+                    + [[16 << i, 0] for i in range(wn.bit_length() - 1)]),
         block_bases=[], shape=[block_n, 16])
 
 
-def dc_layout(block_m: int, warps: int, width: int = 2) -> gl.DistributedLinearLayout:
+def dc_layout(block_m: int, warps: int, width: int = 2,
+              warps_m: int = 1) -> gl.DistributedLinearLayout:
     """[block_m, width]: each column's dc plane values (Codes.dc) where the m16n8 accumulator
-    holds the column (lane l: columns 2 (l % 4) and 2 (l % 4) + 1 of every 8), a column's in
-    the thread."""
+    holds the column (lane l: columns 2 (l % 4) and 2 (l % 4) + 1 of every 8, warp m of
+    mma_layout's warps_m the 8 columns 8 m .. of every 8 warps_m), a column's in the thread."""
+    wn = warps // warps_m
     return gl.DistributedLinearLayout(
         reg_bases=([[0, 1 << i] for i in range(width.bit_length() - 1)] + [[1, 0]]
-                   + [[8 << i, 0] for i in range((block_m // 8).bit_length() - 1)]),
+                   + [[8 * warps_m << i, 0]
+                      for i in range((block_m // (8 * warps_m)).bit_length() - 1)]),
         lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
-        warp_bases=[[0, 0] for _ in range(warps.bit_length() - 1)],
+        warp_bases=([[8 << i, 0] for i in range(warps_m.bit_length() - 1)]
+                    + [[0, 0] for _ in range(wn.bit_length() - 1)]),
         block_bases=[], shape=[block_m, width])
 
 
@@ -353,8 +361,9 @@ def gluon_fits(part, k: int, parts: int = PARTS) -> bool:
 
 
 def plan(x, part, res, out, block_n: int, block_m: int, warps: int, parts: int,
-         maxnreg: int | None = None, what: str = "Gluon MMA") -> tuple:
-    """A Gluon MMA launch's pieces for rows x and a part (raises where gluon_fits says no):
+         maxnreg: int | None = None, what: str = "Gluon MMA", warps_m: int = 1) -> tuple:
+    """A Gluon MMA launch's pieces for rows x and a part (raises where gluon_fits says no, or
+    where the warps do not tile the blocks; warps_m: mma_layout's):
     out (made fp32 [M, N] if None), the grid, the finishing arguments (dst, res, out,
     counters), the kernel's integers from M (M, N, K, a part's K) and its constexprs, and
     then(), which adds the parts where no counters did (during a capture, before any exist)."""
@@ -362,6 +371,10 @@ def plan(x, part, res, out, block_n: int, block_m: int, warps: int, parts: int,
     if not gluon_fits(part, k, parts):
         raise ValueError(f"int8-activation {what}: a {part.qtype} weight [{part.rows}, "
                          f"{part.cols}] is not Q4_K or Q6_K in whole super-blocks a part")
+    if warps % warps_m or block_m % (8 * warps_m) or block_n % (16 * (warps // warps_m)):
+        raise ValueError(f"int8-activation {what}: {warps} warps, {warps_m} of them along the "
+                         f"window's rows, do not tile {block_n} x {block_m} blocks (a warp "
+                         "takes 16 weight rows by 8 window rows at least)")
     p = k_parts(part.rows, k, parts)
     if out is None:
         out = torch.empty(m, part.rows, dtype=torch.float32, device=x.q.device)
@@ -370,9 +383,9 @@ def plan(x, part, res, out, block_n: int, block_m: int, warps: int, parts: int,
     grid = (triton.cdiv(part.rows, block_n), triton.cdiv(m, block_m), p)
     count = counters(x.q.device, grid[0] * grid[1]) if p > 1 else None
     r = res if res is not None else out
-    blocks = dict(BLOCK_N=block_n, BLOCK_M=block_m, MMA=mma_layout(warps),
-                  RAW=raw_layout(block_n, warps),
-                  DC=dc_layout(block_m, warps, 4 if part.qtype == "Q6_K" else 2),
+    blocks = dict(BLOCK_N=block_n, BLOCK_M=block_m, MMA=mma_layout(warps, warps_m),
+                  RAW=raw_layout(block_n, warps, warps_m),
+                  DC=dc_layout(block_m, warps, 4 if part.qtype == "Q6_K" else 2, warps_m),
                   EVEN=m % block_m == 0 and part.rows % block_n == 0, P=p,
                   HAS_RES=res is not None, FIXUP=count is not None, num_warps=warps,
                   enable_fp_fusion=False,   # as every int8 kernel (a8_triton.py)

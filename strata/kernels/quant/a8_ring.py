@@ -300,7 +300,7 @@ def ring_args(part) -> tuple:
 
 def ring_mm(x, part, res=None, out=None, *, stages: int | None = None, block_n: int = 64,
             block_m: int = 16, warps: int = 4, parts: int = PARTS,
-            maxnreg: int | None = None) -> torch.Tensor:
+            maxnreg: int | None = None, warps_m: int = 1) -> torch.Tensor:
     """a8_gluon.gluon_mm's product (a8_mm's bits) for a Q4_K or Q6_K part by the ring
     kernels, a ring of `stages` super-blocks (2 or more; default STAGES', the faster on an
     H200 by tools/gpu/gluon_a8.py --stages)."""
@@ -313,7 +313,7 @@ def ring_mm(x, part, res=None, out=None, *, stages: int | None = None, block_n: 
                          f"tiles need {stages * slot} bytes of shared memory, over {SHARED}: "
                          "take fewer stages or smaller tiles")
     out, grid, finish, sizes, blocks, then = plan(x, part, res, out, block_n, block_m, warps,
-                                                  parts, maxnreg, "ring MMA")
+                                                  parts, maxnreg, "ring MMA", warps_m)
     kernel = _q6k_ring_kernel if part.qtype == "Q6_K" else _q4k_ring_kernel
     planes, strides = ring_args(part)
     kernel[grid](x.qp, x.dc, *planes, *finish, *sizes, *strides, finish[1].stride(0),
