@@ -42,12 +42,14 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     """a8_mm's choice where no way is asked: on CUDA, Q4_K's 4- and 8-row tiles by the
     registers' kernels and its 16- to 64-row tiles by the ring's, Q6_K's 16- to 64-row tiles by
     the ring's (where each was faster on an H100 and an H200); with STRATA_A8_DOT=gluon or ring
-    that way at every tile from 4 rows; with triton or a Triton way none; never off CUDA, for
-    other types, or where a part of K is not whole super-blocks."""
+    that way at every tile from 4 rows; with triton or a Triton way none; never off CUDA, on a
+    GPU before sm_80, for other types, or where a part of K is not whole super-blocks."""
     import types
 
+    from strata.kernels.quant import a8_triton
     from strata.kernels.quant.a8_triton import _gluon
     from strata.kernels.quant.blocks import Part
+    monkeypatch.setattr(a8_triton, "_sm80", lambda index: True)   # an sm_80 or later GPU
     if env is None:
         monkeypatch.delenv("STRATA_A8_DOT", raising=False)
     else:
@@ -65,6 +67,9 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
         got = {t: _gluon(cuda, part, t) for t in tiles if _gluon(cuda, part, t)}
         assert got == want.get(qtype, {}), (qtype, env)
         assert not any(_gluon(cpu, part, t) for t in tiles)
+    monkeypatch.setattr(a8_triton, "_sm80", lambda index: False)  # older GPUs: none
+    assert not any(_gluon(cuda, Part(q, 4096, 4096, {}), t) for q in ("Q4_K", "Q6_K")
+                   for t in tiles)
     # K of 4160 (one part, k_parts) is 16.25 super-blocks: not for Gluon
     assert not _gluon(types.SimpleNamespace(device=torch.device("cuda"), shape=(16, 4160)),
                       Part("Q4_K", 64, 4160, {}), 16)
@@ -165,7 +170,7 @@ def test_the_ring_refuses_what_it_does_not_take():
     from strata.kernels.quant.a8_ring import ring_mm
     c = Codes.empty(4, 256, torch.device("cpu"))          # never read: refused first
     for qtype, kw, match in (("Q4_K", dict(stages=1), "1 stages .it takes 2 or more"),
-                             ("Q6_K", dict(stages=6, block_m=64), "over 232448: take fewer"),
+                             ("Q6_K", dict(stages=6, block_m=64), "over the device's 232448: take"),
                              ("Q4_K", dict(block_m=16, warps_m=4), "do not tile 64 x 16"),
                              ("Q8_0", dict(stages=3), "not Q4_K or Q6_K")):
         w, _ = _weight(qtype, 64, 256, "cpu", seed=21)

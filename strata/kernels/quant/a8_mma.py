@@ -346,9 +346,12 @@ def a8_mma(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, bl
     if dot == "gluon":
         from strata.kernels.quant.a8_gluon import gluon_mm
         return gluon_mm(x, part, res, out, block_m=block_m, parts=parts)
-    if dot == "ring":
-        from strata.kernels.quant.a8_ring import ring_mm
-        return ring_mm(x, part, res, out, block_m=block_m, parts=parts)
+    if dot == "ring":   # where no ring fits the device's shared memory, the registers' kernel
+        from strata.kernels.quant.a8_ring import ring_mm, ring_stages
+        if ring_stages(part, 64, block_m, x.q.device)[0]:
+            return ring_mm(x, part, res, out, block_m=block_m, parts=parts)
+        from strata.kernels.quant.a8_gluon import gluon_mm
+        return gluon_mm(x, part, res, out, block_m=block_m, parts=parts)
     q = x.q
     m, k = q.shape
     p = k_parts(part.rows, k, parts)

@@ -16,7 +16,10 @@ reads, copied 4 bytes at a time into place) and their dc [8, BM, 4] fp32.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -25,8 +28,30 @@ from strata.kernels.quant.a8_gluon import (_and, _finish, _ld, _nibbles, _progra
                                            _q4k_terms, _q6k_codes, _tile, plan)
 from strata.kernels.quant.a8_parts import PARTS
 
-SHARED = 227 * 1024   # a program's shared memory on sm_90
+SHARED = 227 * 1024   # a program's shared memory on sm_90 (off CUDA, for the checks alone)
 STAGES = (2, 3)        # the ring's default super-blocks, Q4_K's and Q6_K's
+
+
+@functools.cache
+def _shared_limit(index: int) -> int:
+    """The shared memory a program may take on CUDA device `index` (its opt-in limit), less a
+    kilobyte for what Triton adds."""
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"] - 1024
+
+
+def ring_stages(part, block_n: int, block_m: int, device: torch.device,
+                stages: int | None = None) -> tuple[int, int, int]:
+    """(stages, bytes a slot, the device's limit): the ring's stages for this weight's type and
+    tiles, `stages` or the type's default (STAGES) made fewer until they fit the device's
+    shared memory, 0 where not even 2 fit."""
+    slot = (144 if part.qtype == "Q4_K" else 272) * block_n + 384 * block_m   # bytes
+    limit = SHARED
+    if device.type == "cuda":
+        limit = _shared_limit(device.index if device.index is not None
+                              else torch.cuda.current_device())
+    want = STAGES[part.qtype == "Q6_K"] if stages is None else stages
+    fit = next((s for s in range(want, 1, -1) if s * slot <= limit), 0)
+    return (fit if stages is None else (want if want * slot <= limit else 0)), slot, limit
 
 
 @gluon.jit
@@ -303,15 +328,16 @@ def ring_mm(x, part, res=None, out=None, *, stages: int | None = None, block_n: 
             maxnreg: int | None = None, warps_m: int = 1) -> torch.Tensor:
     """a8_gluon.gluon_mm's product (a8_mm's bits) for a Q4_K or Q6_K part by the ring
     kernels, a ring of `stages` super-blocks (2 or more; default STAGES', the faster on an
-    H200 by tools/gpu/gluon_a8.py --stages)."""
-    stages = STAGES[part.qtype == "Q6_K"] if stages is None else stages
-    if stages < 2:
+    H200 by tools/gpu/gluon_a8.py --stages, fewer where the device's shared memory is less)."""
+    if stages is not None and stages < 2:
         raise ValueError(f"int8-activation ring MMA: {stages} stages (it takes 2 or more)")
-    slot = (144 if part.qtype == "Q4_K" else 272) * block_n + 384 * block_m   # bytes
-    if stages * slot > SHARED:
-        raise ValueError(f"int8-activation ring MMA: {stages} stages of {block_n} x {block_m} "
-                         f"tiles need {stages * slot} bytes of shared memory, over {SHARED}: "
-                         "take fewer stages or smaller tiles")
+    fit, slot, limit = ring_stages(part, block_n, block_m, x.q.device, stages)
+    if not fit:
+        want = stages or 2
+        raise ValueError(f"int8-activation ring MMA: {want} stages of {block_n} x {block_m} "
+                         f"tiles need {want * slot} bytes of shared memory, over the "
+                         f"device's {limit}: take fewer stages or smaller tiles")
+    stages = fit
     out, grid, finish, sizes, blocks, then = plan(x, part, res, out, block_n, block_m, warps,
                                                   parts, maxnreg, "ring MMA", warps_m)
     kernel = _q6k_ring_kernel if part.qtype == "Q6_K" else _q4k_ring_kernel

@@ -108,14 +108,23 @@ def _has_gluon() -> bool:
     return True
 
 
+@functools.cache
+def _sm80(index: int | None) -> bool:
+    """Whether CUDA device `index` (None: the current one) has cp.async and int8 mma.sync
+    m16n8k32, which the Gluon kernels take (compute capability 8.0 on)."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
 def _gluon(q: torch.Tensor, part: Part, tile: int, parts: int = PARTS) -> str | None:
     """The Gluon kernels a window of this row tile takes where no way is asked ("gluon",
     a8_gluon.py's, or "ring", a8_ring.py's), or None: on CUDA where they fit, at
     a8_gluon.GLUON_TILES' tiles of the weight's type; with STRATA_A8_DOT=gluon or ring, those at
     every tile from 4 rows; with STRATA_A8_DOT=triton or a Triton way (a8_mma.DOTS), none; nor
-    where this Triton has no Gluon (before 3.6, which the kernels are written against)."""
+    where this Triton has no Gluon (before 3.6, which the kernels are written against) or the
+    GPU is older than sm_80."""
     env = os.environ.get("STRATA_A8_DOT")
-    if q.device.type != "cuda" or env not in (None, *GLUONS) or not _has_gluon():
+    if (q.device.type != "cuda" or env not in (None, *GLUONS) or not _has_gluon()
+            or not _sm80(q.device.index)):
         return None
     from strata.kernels.quant.a8_gluon import GLUON_TILES, gluon_fits
     way = (env if tile in (4, 8, *ROW_TILES) else None) if env else (
