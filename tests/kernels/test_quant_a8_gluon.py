@@ -42,8 +42,9 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     """a8_mm's choice where no way is asked: on CUDA, Q4_K's 4- and 8-row tiles by the
     registers' kernels and its 16- to 64-row tiles by the ring's, Q6_K's 16- to 64-row tiles by
     the ring's (where each was faster on an H100 and an H200); with STRATA_A8_DOT=gluon or ring
-    that way at every tile from 4 rows; with triton or a Triton way none; never off CUDA, on a
-    GPU before sm_80, for other types, or where a part of K is not whole super-blocks."""
+    that way at every tile from 4 rows (ring: Q8_0 too); with triton or a Triton way none;
+    never off CUDA, on a GPU before sm_80, for other types, or where a part of K is not whole
+    super-blocks."""
     import types
 
     from strata.kernels.quant import a8_triton
@@ -61,7 +62,7 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     want = {None: {"Q4_K": {4: "gluon", 8: "gluon", 16: "ring", 32: "ring", 64: "ring"},
                    "Q6_K": {16: "ring", 32: "ring", 64: "ring"}},
             "gluon": {"Q4_K": every, "Q6_K": every},
-            "ring": {"Q4_K": every, "Q6_K": every}}.get(env, {})
+            "ring": {"Q4_K": every, "Q6_K": every, "Q8_0": every}}.get(env, {})
     for qtype in ("Q4_K", "Q6_K", "Q8_0"):
         part = Part(qtype, 4096, 4096, {})
         got = {t: _gluon(cuda, part, t) for t in tiles if _gluon(cuda, part, t)}
@@ -117,26 +118,26 @@ def test_loading_a_step_ahead_or_capping_registers_keeps_the_bits():
             assert want.abs().max() > 0
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
 @pytest.mark.gpu
 @needs_cuda
 def test_the_shared_memory_ring_keeps_the_bits(qtype):
-    """a8_ring.ring_mm, 2, 3 and 4 stages: the rows' bits from the registers' kernel, K of
-    four super-blocks in one part and in two (parts shorter than the ring), weight rows and
-    window rows in whole and ragged blocks, with a residual and without."""
-    from strata.kernels.quant.a8_gluon import gluon_mm
+    """a8_ring.ring_mm, 2, 3 and 4 stages: the rows' bits from the Triton kernels (the GEMV to
+    8 rows, the MMA's "groups" way from 16), K of four super-blocks in one part and in two
+    (parts shorter than the ring), weight rows and window rows in whole and ragged blocks,
+    with a residual and without."""
     from strata.kernels.quant.a8_ring import ring_mm
-    from strata.kernels.quant.a8_triton import quantize_rows
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     for n, k, parts in ((128, 1024, 1), (96, 2048, 2)):
         w, _ = _weight(qtype, n, k, "cuda", seed=17)
         c, res = quantize_rows(_x(64, k, seed=18)), _x(64, n, seed=19)
         for rows, block_m in ((3, 8), (8, 8), (16, 16), (20, 16), (40, 32), (64, 64)):
             for r in (None, res[:rows]):
-                kw = dict(block_m=block_m, parts=parts)
-                want = gluon_mm(c[:rows], w.parts[0], r, **kw)
+                want = a8_mm(c[:rows], w.parts[0], r, dot="groups", parts=parts)
                 assert want.abs().max() > 0
                 for stages in (2, 3, 4):
-                    got = ring_mm(c[:rows], w.parts[0], r, stages=stages, **kw)
+                    got = ring_mm(c[:rows], w.parts[0], r, stages=stages, block_m=block_m,
+                                  parts=parts)
                     assert torch.equal(got, want), (
                         f"{stages} stages: [{n}, {k}] in {parts} parts, {rows} rows")
 
@@ -163,8 +164,8 @@ def test_warps_along_the_window_keep_the_bits(qtype):
 
 
 def test_the_ring_refuses_what_it_does_not_take():
-    """a8_ring.ring_mm takes Q4_K and Q6_K in whole super-blocks a part, with 2 stages or
-    more that fit shared memory: a sentence saying so for the rest, before any launch (on the
+    """a8_ring.ring_mm takes Q4_K, Q6_K and Q8_0 in whole super-blocks a part, with 2 stages
+    or more that fit shared memory: a sentence saying so for the rest, before any launch (on the
     CPU too)."""
     from strata.kernels.quant.a8 import Codes
     from strata.kernels.quant.a8_ring import ring_mm
@@ -172,7 +173,7 @@ def test_the_ring_refuses_what_it_does_not_take():
     for qtype, kw, match in (("Q4_K", dict(stages=1), "1 stages .it takes 2 or more"),
                              ("Q6_K", dict(stages=6, block_m=64), "over the device's 232448: take"),
                              ("Q4_K", dict(block_m=16, warps_m=4), "do not tile 64 x 16"),
-                             ("Q8_0", dict(stages=3), "not Q4_K or Q6_K")):
+                             ("Q4_0", dict(stages=3), "not Q4_K or Q6_K or Q8_0")):
         w, _ = _weight(qtype, 64, 256, "cpu", seed=21)
         with pytest.raises(ValueError, match=f"ring MMA.*{match}"):
             ring_mm(c, w.parts[0], **kw)

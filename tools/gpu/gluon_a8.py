@@ -25,7 +25,7 @@ import triton
 
 from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_layout,
                                            gluon_mm, mma_layout, raw_layout)
-from strata.kernels.quant.a8_ring import (_q4k_ring_kernel, _q6k_ring_kernel, copy_layouts,
+from strata.kernels.quant.a8_ring import (_nibble_ring_kernel, _q6k_ring_kernel, copy_layouts,
                                           ring_mm)
 
 
@@ -41,7 +41,7 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     q6 = qtype == "Q6_K"
-    fn = ((_q6k_ring_kernel if q6 else _q4k_ring_kernel) if stages else
+    fn = ((_q6k_ring_kernel if q6 else _nibble_ring_kernel) if stages else
           (_q6k_mma_kernel if q6 else _q4k_mma_kernel))
     types = {"qp_ptr": "*i8", "dc_ptr": "*fp32", "w_ptr": "*i8", "qh_ptr": "*i8",
              "sc_ptr": "*i8" if q6 and not stages else "*i32",
@@ -55,6 +55,8 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
         consts["AHEAD"] = ahead
     if stages:
         consts.update(STAGES=stages, **copy_layouts(warps, qtype))
+    if "Q8" in fn.arg_names:
+        consts["Q8"] = qtype == "Q8_0"
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a != "M" and a not in consts}

@@ -355,22 +355,25 @@ GLUON_TILES = {"Q4_K": {4: "gluon", 8: "gluon", 16: "ring", 32: "ring", 64: "rin
                "Q6_K": {16: "ring", 32: "ring", 64: "ring"}}
 
 
-def gluon_fits(part, k: int, parts: int = PARTS) -> bool:
-    """Whether the Gluon kernels take this weight: Q4_K or Q6_K, whole super-blocks a part."""
-    return part.qtype in GLUON_TYPES and (k // k_parts(part.rows, k, parts)) % 256 == 0
+def gluon_fits(part, k: int, parts: int = PARTS, types: tuple = GLUON_TYPES) -> bool:
+    """Whether the Gluon kernels take this weight: of their types (the registers' kernels'
+    by default), whole super-blocks a part."""
+    return part.qtype in types and (k // k_parts(part.rows, k, parts)) % 256 == 0
 
 
 def plan(x, part, res, out, block_n: int, block_m: int, warps: int, parts: int,
-         maxnreg: int | None = None, what: str = "Gluon MMA", warps_m: int = 1) -> tuple:
+         maxnreg: int | None = None, what: str = "Gluon MMA", warps_m: int = 1,
+         types: tuple = GLUON_TYPES) -> tuple:
     """A Gluon MMA launch's pieces for rows x and a part (raises where gluon_fits says no, or
     where the warps do not tile the blocks; warps_m: mma_layout's):
     out (made fp32 [M, N] if None), the grid, the finishing arguments (dst, res, out,
     counters), the kernel's integers from M (M, N, K, a part's K) and its constexprs, and
     then(), which adds the parts where no counters did (during a capture, before any exist)."""
     m, k = x.q.shape
-    if not gluon_fits(part, k, parts):
+    if not gluon_fits(part, k, parts, types):
         raise ValueError(f"int8-activation {what}: a {part.qtype} weight [{part.rows}, "
-                         f"{part.cols}] is not Q4_K or Q6_K in whole super-blocks a part")
+                         f"{part.cols}] is not {' or '.join(types)} in whole super-blocks "
+                         "a part")
     if warps % warps_m or block_m % (8 * warps_m) or block_n % (16 * (warps // warps_m)):
         raise ValueError(f"int8-activation {what}: {warps} warps, {warps_m} of them along the "
                          f"window's rows, do not tile {block_n} x {block_m} blocks (a warp "

@@ -33,7 +33,7 @@ from strata.kernels.quant.reads import (IQ4_NL, IQ4_XS, Q8_0, TYPE_IDS, _codes, 
                                         _term_loads, _term_values, _terms)
 
 DOTS = ("diagonal", "batched", "groups", "direct", "joined")   # ways to the groups' sums
-GLUONS = ("gluon", "ring")   # a8_gluon.py's and a8_ring.py's kernels (Q4_K, Q6_K on CUDA)
+GLUONS = ("gluon", "ring")   # a8_gluon.py's and a8_ring.py's kernels (Q4_K, Q6_K, Q8_0, CUDA)
 # (Q6_K?, row tile, rows longer than the weight is tall (K > N: a down projection)) -> the
 # MMA's block_n, block_k, dot and whether the scales load a step ahead: the fastest of
 # tools/gpu/bench_a8.py's for llama3-8b's qkv [6144, 4096] and down [4096, 14336] on an H100
@@ -347,10 +347,10 @@ def a8_mma(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, bl
         from strata.kernels.quant.a8_gluon import gluon_mm
         return gluon_mm(x, part, res, out, block_m=block_m, parts=parts)
     if dot == "ring":   # where no ring fits the device's shared memory, the registers' kernel
+        from strata.kernels.quant.a8_gluon import GLUON_TYPES, gluon_mm
         from strata.kernels.quant.a8_ring import ring_mm, ring_stages
-        if ring_stages(part, 64, block_m, x.q.device)[0]:
+        if part.qtype not in GLUON_TYPES or ring_stages(part, 64, block_m, x.q.device)[0]:
             return ring_mm(x, part, res, out, block_m=block_m, parts=parts)
-        from strata.kernels.quant.a8_gluon import gluon_mm
         return gluon_mm(x, part, res, out, block_m=block_m, parts=parts)
     q = x.q
     m, k = q.shape

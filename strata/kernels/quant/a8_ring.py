@@ -29,7 +29,8 @@ from strata.kernels.quant.a8_gluon import (_and, _finish, _ld, _nibbles, _progra
 from strata.kernels.quant.a8_parts import PARTS
 
 SHARED = 227 * 1024   # a program's shared memory on sm_90 (off CUDA, for the checks alone)
-STAGES = (2, 3)        # the ring's default super-blocks, Q4_K's and Q6_K's
+STAGES = (2, 3)        # the ring's default super-blocks, Q4_K's and Q8_0's, and Q6_K's
+RING_TYPES = ("Q4_K", "Q6_K", "Q8_0")
 
 
 @functools.cache
@@ -94,15 +95,32 @@ def _copy_in(ring, slot, at, ok, EVEN: gl.constexpr):
 
 
 @gluon.jit
-def _q4k_copy(ring_w, ring_s, ring_b, ring_d, slot, sb, w_at, w_ok, s_at, s_ok, s_step, b_at,
-              b_ok, d_at, d_ok, EVEN: gl.constexpr):
-    """Q4_K super-block sb's weight bytes, scale words, codes and dc into the ring's slot,
-    one commit group."""
+def _nibble_copy(ring_w, ring_h, ring_s, ring_b, ring_d, slot, sb, w_at, h_at, w_ok, s_at, s_ok,
+                 s_step, b_at, b_ok, d_at, d_ok, EVEN: gl.constexpr, Q8: gl.constexpr):
+    """Q4_K's or Q8_0's (Q8: its qh bytes too) super-block sb's weight bytes, scale words,
+    codes and dc into the ring's slot, one commit group."""
     _copy_in(ring_w, slot, w_at + 128 * sb, w_ok, EVEN)
+    if Q8:
+        _copy_in(ring_h, slot, h_at + 128 * sb, w_ok, EVEN)
     _copy_in(ring_s, slot, s_at + s_step * sb, s_ok, EVEN)
     _copy_in(ring_b, slot, b_at + 256 * sb, b_ok, EVEN)
     _copy_in(ring_d, slot, d_at + 32 * sb, d_ok, EVEN)
     async_copy.commit_group()
+
+
+@gluon.jit
+def _q8_codes(raw, high, HI: gl.constexpr):
+    """int8 [..] Q8_0 words of low nibbles (raw) and high nibbles (high) -> the signed codes
+    (u - 128) of their low (HI 0) or high (1) nibbles' quants, a word at a time."""
+    if HI == 0:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; and.b32 $0, $1, 0x0F0F0F0F; shl.b32 t, $2, 4; "
+            "and.b32 t, t, 0xF0F0F0F0; or.b32 $0, $0, t; xor.b32 $0, $0, 0x80808080; }",
+            "=r,r,r", [raw, high], dtype=gl.int8, is_pure=True, pack=4)
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 t; shr.b32 $0, $1, 4; and.b32 $0, $0, 0x0F0F0F0F; "
+        "and.b32 t, $2, 0xF0F0F0F0; or.b32 $0, $0, t; xor.b32 $0, $0, 0x80808080; }",
+        "=r,r,r", [raw, high], dtype=gl.int8, is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -126,32 +144,49 @@ def _word_ring(STAGES: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _q4k_ring_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out_ptr,
-                     count_ptr, M, N, K, L, s0, s2, s3, stride_rm, stride_om,
-                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.constexpr,
-                     RAW: gl.constexpr, DC: gl.constexpr, EVEN: gl.constexpr,
-                     P: gl.constexpr, HAS_RES: gl.constexpr, FIXUP: gl.constexpr,
-                     STAGES: gl.constexpr, CW: gl.constexpr, CS: gl.constexpr,
-                     CB: gl.constexpr, CD: gl.constexpr):
-    """a8_gluon._q4k_mma_kernel with the ring (the module says how): w_ptr the qs plane as
-    bytes, sc_ptr the scale words (int32), dm_ptr the d, dmin pairs as int32 words (s3 the
-    plane's row stride in words). CW, CS, CB, CD: the copies' layouts (copy_layouts)."""
+def _half(word, H: gl.constexpr):
+    """int32 words' low (H 0) or high (1) fp16 halves, as fp32."""
+    return ((word >> (16 * H)) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+
+
+@gluon.jit
+def _nibble_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out_ptr,
+                        count_ptr, M, N, K, L, s0, s1, s2, s3, stride_rm, stride_om,
+                        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.constexpr,
+                        RAW: gl.constexpr, DC: gl.constexpr, EVEN: gl.constexpr,
+                        P: gl.constexpr, HAS_RES: gl.constexpr, FIXUP: gl.constexpr,
+                        STAGES: gl.constexpr, CW: gl.constexpr, CS: gl.constexpr,
+                        CB: gl.constexpr, CD: gl.constexpr, Q8: gl.constexpr):
+    """a8_gluon._q4k_mma_kernel with the ring (the module says how), or with Q8 Q8_0's. w_ptr
+    the qs plane as bytes (s0 its row in words). Q4_K: sc_ptr the scale words (int32), dm_ptr
+    the d, dmin pairs as int32 words (s3 the plane's row in words). Q8_0: qh_ptr the high
+    nibbles' plane as bytes (s1), sc_ptr its d plane as int32 words (s2; 4 a super-block),
+    and its codes taken signed, u - 128, with b zeroed, as the GEMV takes them (a8_gemv.py).
+    CW, CS, CB, CD: the copies' layouts (copy_layouts)."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     rows_l: gl.constexpr = gl.SliceLayout(1, MMA)
     cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
     part, n0, m0 = _program(BLOCK_N, BLOCK_M)
     ring_w, group_w = _ring(STAGES, gl.int8, BLOCK_N, 16)
+    ring_h, group_h = ring_w, group_w
+    if Q8:
+        ring_h, group_h = _ring(STAGES, gl.int8, BLOCK_N, 16)
     ring_s, words = _word_ring(STAGES, BLOCK_N)
     ring_b, group_b = _ring(STAGES, gl.int8, BLOCK_M, 32)
     ring_d, group_d = _ring(STAGES, gl.float32, BLOCK_M, 4)
     w_at, w_ok = _bytes_sources(w_ptr, n0, N, 4 * s0, BLOCK_N, CW)
-    c = gl.arange(0, 4, layout=gl.SliceLayout(1, CS))           # sc's three words, then dm's
+    h_at, _ = _bytes_sources(qh_ptr, n0, N, 4 * s1, BLOCK_N, CW)
+    c = gl.arange(0, 4, layout=gl.SliceLayout(1, CS))   # Q4_K: sc's three words, then dm's
     ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, CS))
-    s_at = gl.where((c < 3)[:, None], sc_ptr + ns[None, :] * s2 + c[:, None],
-                    dm_ptr + ns[None, :] * s3 + 0 * c[:, None])
+    if Q8:
+        s_at = sc_ptr + ns[None, :] * s2 + c[:, None]
+        s_step = gl.full([4], 4, gl.int32, layout=gl.SliceLayout(1, CS))[:, None]
+    else:
+        s_at = gl.where((c < 3)[:, None], sc_ptr + ns[None, :] * s2 + c[:, None],
+                        dm_ptr + ns[None, :] * s3 + 0 * c[:, None])
+        s_step = gl.where(c < 3, 3, 1)[:, None]
     s_ok = (ns < N)[None, :]
-    s_step = gl.where(c < 3, 3, 1)[:, None]
     b_at, b_ok, d_at, d_ok = _rows_sources(qp_ptr, dc_ptr, m0, M, K, BLOCK_M, CB, CD)
     n, n_ok, m, m_ok = _tile(n0, m0, N, M, BLOCK_N, BLOCK_M, MMA)
     magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=MMA)
@@ -159,30 +194,39 @@ def _q4k_ring_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, ou
     first = part * (L // 256)
     last = first + L // 256 - 1
     for s in gl.static_range(STAGES - 1):   # the ring's first super-blocks (the last again
-        _q4k_copy(ring_w, ring_s, ring_b, ring_d, s, gl.minimum(first + s, last), w_at, w_ok,
-                  s_at, s_ok, s_step, b_at, b_ok, d_at, d_ok, EVEN)   # where the part is short)
+        _nibble_copy(ring_w, ring_h, ring_s, ring_b, ring_d, s, gl.minimum(first + s, last),
+                     w_at, h_at, w_ok, s_at, s_ok, s_step, b_at, b_ok, d_at, d_ok, EVEN,
+                     Q8)                                    # where the part is short)
     for sbk in range(first, last + 1):
         i = sbk - first
         async_copy.wait_group(STAGES - 2)   # this thread's copies of sbk have landed
         gl.thread_barrier()                 # everyone's, and slot i - 1 is read: refill it
-        _q4k_copy(ring_w, ring_s, ring_b, ring_d, (i + STAGES - 1) % STAGES,
-                  gl.minimum(sbk + STAGES - 1, last), w_at, w_ok, s_at, s_ok, s_step, b_at,
-                  b_ok, d_at, d_ok, EVEN)
+        _nibble_copy(ring_w, ring_h, ring_s, ring_b, ring_d, (i + STAGES - 1) % STAGES,
+                     gl.minimum(sbk + STAGES - 1, last), w_at, h_at, w_ok, s_at, s_ok, s_step,
+                     b_at, b_ok, d_at, d_ok, EVEN, Q8)
         slot = i % STAGES
         v0 = words.index(4 * slot).load(rows_l)
         v1 = words.index(4 * slot + 1).load(rows_l)
         v2 = words.index(4 * slot + 2).load(rows_l)
-        dm = words.index(4 * slot + 3).load(rows_l)
-        d = (dm & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-        dmin = (dm >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        v3 = words.index(4 * slot + 3).load(rows_l)
+        if not Q8:
+            d = _half(v3, 0)
+            dmin = _half(v3, 1)
         for j in gl.static_range(8):
             raw = group_w.index(8 * slot + j).load(RAW)
-            u = gl.reshape(gl.permute(gl.join(_nibbles(raw, 0), _nibbles(raw, 4)), (0, 2, 1)),
-                           (BLOCK_N, 32))
+            if Q8:
+                high = group_h.index(8 * slot + j).load(RAW)
+                u = gl.join(_q8_codes(raw, high, 0), _q8_codes(raw, high, 1))
+                hw = v0 if j < 2 else v1 if j < 4 else v2 if j < 6 else v3   # group j's d:
+                a = _half(hw, j % 2)                                          # half j % 2
+                b = (-128.0 * a) * 0.0                      # the GEMV's zeroed b
+            else:
+                u = gl.join(_nibbles(raw, 0), _nibbles(raw, 4))
+                a, b = _q4k_terms(v0, v1, v2, d, dmin, j)
+            u = gl.reshape(gl.permute(u, (0, 2, 1)), (BLOCK_N, 32))
             u = gl.convert_layout(u, a_l, assert_trivial=True)
             q = group_b.index(8 * slot + j).permute((1, 0)).load(b_l)
             isum = mma_v2(u, q, magic)                        # 1.5 * 2^23 + the sums
-            a, b = _q4k_terms(v0, v1, v2, d, dmin, j)
             dx, cq = gl.split(group_d.index(8 * slot + j).slice(0, 2, dim=1).load(DC))
             dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
             cq = gl.convert_layout(cq, cols_l, assert_trivial=True)
@@ -307,26 +351,31 @@ def copy_layouts(warps: int, qtype: str = "Q4_K") -> dict:
 
 def ring_args(part) -> tuple:
     """The part's planes as the ring kernel of its type reads them, and their row strides (two
-    tuples):
-    Q4_K qs as bytes, sc as int32 words, dm's d, dmin pairs as int32 words; Q6_K qs and qh as
-    bytes, sc as int32 words, dm as it is."""
+    tuples, in the kernel's order). Q4_K: qs as bytes, sc as int32 words, dm's d, dmin pairs
+    as int32 words; Q8_0: qs and qh as bytes, d as int32 words; Q6_K: qs and qh as bytes, sc
+    as int32 words, dm as it is."""
     pl = part.planes
     if part.qtype == "Q6_K":
         sc = pl["sc"]
         return ((pl["qs"].view(torch.int8), pl["qh"].view(torch.int8), sc.view(torch.int32),
                  pl["dm"]), (pl["qs"].stride(0), pl["qh"].stride(0), sc.stride(0) // 4,
                              pl["dm"].stride(0)))
-    dm = pl["dm"]
-    if dm.stride(0) % 2 or dm.stride(1) != 1 or dm.data_ptr() % 4:
-        raise ValueError("int8-activation ring MMA: Q4_K's d, dmin plane is not in words")
-    return ((pl["qs"].view(torch.int8), pl["sc"], dm.view(torch.int32)),
-            (pl["qs"].stride(0), pl["sc"].stride(0), dm.stride(0) // 2))
+    halves = pl["d" if part.qtype == "Q8_0" else "dm"]
+    if halves.stride(0) % 2 or halves.stride(1) != 1 or halves.data_ptr() % 4:
+        raise ValueError(f"int8-activation ring MMA: {part.qtype}'s scale plane is not in "
+                         "words")
+    qs, words = pl["qs"].view(torch.int8), halves.view(torch.int32)
+    if part.qtype == "Q8_0":
+        return ((qs, pl["qh"].view(torch.int8), words, words),
+                (pl["qs"].stride(0), pl["qh"].stride(0), halves.stride(0) // 2, 0))
+    return ((qs, qs, pl["sc"], words),
+            (pl["qs"].stride(0), 0, pl["sc"].stride(0), halves.stride(0) // 2))
 
 
 def ring_mm(x, part, res=None, out=None, *, stages: int | None = None, block_n: int = 64,
             block_m: int = 16, warps: int = 4, parts: int = PARTS,
             maxnreg: int | None = None, warps_m: int = 1) -> torch.Tensor:
-    """a8_gluon.gluon_mm's product (a8_mm's bits) for a Q4_K or Q6_K part by the ring
+    """a8_gluon.gluon_mm's product (a8_mm's bits) for a Q4_K, Q6_K or Q8_0 part by the ring
     kernels, a ring of `stages` super-blocks (2 or more; default STAGES', the faster on an
     H200 by tools/gpu/gluon_a8.py --stages, fewer where the device's shared memory is less)."""
     if stages is not None and stages < 2:
@@ -339,10 +388,13 @@ def ring_mm(x, part, res=None, out=None, *, stages: int | None = None, block_n: 
                          f"device's {limit}: take fewer stages or smaller tiles")
     stages = fit
     out, grid, finish, sizes, blocks, then = plan(x, part, res, out, block_n, block_m, warps,
-                                                  parts, maxnreg, "ring MMA", warps_m)
-    kernel = _q6k_ring_kernel if part.qtype == "Q6_K" else _q4k_ring_kernel
+                                                  parts, maxnreg, "ring MMA", warps_m,
+                                                  RING_TYPES)
     planes, strides = ring_args(part)
+    kernel, q8 = _q6k_ring_kernel, {}
+    if part.qtype != "Q6_K":
+        kernel, q8 = _nibble_ring_kernel, {"Q8": part.qtype == "Q8_0"}
     kernel[grid](x.qp, x.dc, *planes, *finish, *sizes, *strides, finish[1].stride(0),
-                 out.stride(0), STAGES=stages,
-                 **copy_layouts(warps, part.qtype), **blocks)
+                 out.stride(0), STAGES=stages, **q8, **copy_layouts(warps, part.qtype),
+                 **blocks)
     return then()

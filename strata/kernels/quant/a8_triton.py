@@ -119,17 +119,19 @@ def _gluon(q: torch.Tensor, part: Part, tile: int, parts: int = PARTS) -> str | 
     """The Gluon kernels a window of this row tile takes where no way is asked ("gluon",
     a8_gluon.py's, or "ring", a8_ring.py's), or None: on CUDA where they fit, at
     a8_gluon.GLUON_TILES' tiles of the weight's type; with STRATA_A8_DOT=gluon or ring, those at
-    every tile from 4 rows; with STRATA_A8_DOT=triton or a Triton way (a8_mma.DOTS), none; nor
-    where this Triton has no Gluon (before 3.6, which the kernels are written against) or the
-    GPU is older than sm_80."""
+    every tile from 4 rows (the ring's take Q8_0 too); with STRATA_A8_DOT=triton or a Triton
+    way (a8_mma.DOTS), none; nor where this Triton has no Gluon (before 3.6, which the kernels
+    are written against) or the GPU is older than sm_80."""
     env = os.environ.get("STRATA_A8_DOT")
     if (q.device.type != "cuda" or env not in (None, *GLUONS) or not _has_gluon()
             or not _sm80(q.device.index)):
         return None
-    from strata.kernels.quant.a8_gluon import GLUON_TILES, gluon_fits
+    from strata.kernels.quant.a8_gluon import GLUON_TILES, GLUON_TYPES, gluon_fits
+    from strata.kernels.quant.a8_ring import RING_TYPES
     way = (env if tile in (4, 8, *ROW_TILES) else None) if env else (
         GLUON_TILES.get(part.qtype, {}).get(tile))
-    return way if way and gluon_fits(part, q.shape[1], parts) else None
+    types = RING_TYPES if way == "ring" else GLUON_TYPES
+    return way if way and gluon_fits(part, q.shape[1], parts, types) else None
 
 
 def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
