@@ -42,9 +42,9 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     """a8_mm's choice where no way is asked: on CUDA, Q4_K's 4- and 8-row tiles by the
     registers' kernels and its 16- to 64-row tiles by the ring's, Q6_K's 16- to 64-row tiles by
     the ring's (where each was faster on an H100 and an H200); with STRATA_A8_DOT=gluon or ring
-    that way at every tile from 4 rows (ring: Q8_0 too); with triton or a Triton way none;
-    never off CUDA, on a GPU before sm_80, for other types, or where a part of K is not whole
-    super-blocks."""
+    that way at every tile from 4 rows (ring: Q8_0 and IQ4_XS too); with triton or a Triton
+    way none; never off CUDA, on a GPU before sm_80, for other types, or where a part of K is
+    not whole super-blocks."""
     import types
 
     from strata.kernels.quant import a8_triton
@@ -62,8 +62,8 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     want = {None: {"Q4_K": {4: "gluon", 8: "gluon", 16: "ring", 32: "ring", 64: "ring"},
                    "Q6_K": {16: "ring", 32: "ring", 64: "ring"}},
             "gluon": {"Q4_K": every, "Q6_K": every},
-            "ring": {"Q4_K": every, "Q6_K": every, "Q8_0": every}}.get(env, {})
-    for qtype in ("Q4_K", "Q6_K", "Q8_0"):
+            "ring": {"Q4_K": every, "Q6_K": every, "Q8_0": every, "IQ4_XS": every}}.get(env, {})
+    for qtype in ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q5_K"):
         part = Part(qtype, 4096, 4096, {})
         got = {t: _gluon(cuda, part, t) for t in tiles if _gluon(cuda, part, t)}
         assert got == want.get(qtype, {}), (qtype, env)
@@ -118,7 +118,7 @@ def test_loading_a_step_ahead_or_capping_registers_keeps_the_bits():
             assert want.abs().max() > 0
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS"])
 @pytest.mark.gpu
 @needs_cuda
 def test_the_shared_memory_ring_keeps_the_bits(qtype):
@@ -164,16 +164,16 @@ def test_warps_along_the_window_keep_the_bits(qtype):
 
 
 def test_the_ring_refuses_what_it_does_not_take():
-    """a8_ring.ring_mm takes Q4_K, Q6_K and Q8_0 in whole super-blocks a part, with 2 stages
-    or more that fit shared memory: a sentence saying so for the rest, before any launch (on the
-    CPU too)."""
+    """a8_ring.ring_mm takes Q4_K, Q6_K, Q8_0 and IQ4_XS in whole super-blocks a part, with 2
+    stages or more that fit shared memory: a sentence saying so for the rest, before any
+    launch (on the CPU too)."""
     from strata.kernels.quant.a8 import Codes
     from strata.kernels.quant.a8_ring import ring_mm
     c = Codes.empty(4, 256, torch.device("cpu"))          # never read: refused first
     for qtype, kw, match in (("Q4_K", dict(stages=1), "1 stages .it takes 2 or more"),
                              ("Q6_K", dict(stages=6, block_m=64), "over the device's 232448: take"),
                              ("Q4_K", dict(block_m=16, warps_m=4), "do not tile 64 x 16"),
-                             ("Q4_0", dict(stages=3), "not Q4_K or Q6_K or Q8_0")):
+                             ("Q4_0", dict(stages=3), "not Q4_K or Q6_K or Q8_0 or IQ4")):
         w, _ = _weight(qtype, 64, 256, "cpu", seed=21)
         with pytest.raises(ValueError, match=f"ring MMA.*{match}"):
             ring_mm(c, w.parts[0], **kw)

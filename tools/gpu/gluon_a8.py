@@ -25,8 +25,8 @@ import triton
 
 from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_layout,
                                            gluon_mm, mma_layout, raw_layout)
-from strata.kernels.quant.a8_ring import (_nibble_ring_kernel, _q6k_ring_kernel, copy_layouts,
-                                          ring_mm)
+from strata.kernels.quant.a8_ring import (_iq4xs_ring_kernel, _nibble_ring_kernel,
+                                          _q6k_ring_kernel, copy_layouts, ring_mm)
 
 
 def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
@@ -41,11 +41,13 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     q6 = qtype == "Q6_K"
-    fn = ((_q6k_ring_kernel if q6 else _nibble_ring_kernel) if stages else
-          (_q6k_mma_kernel if q6 else _q4k_mma_kernel))
+    fn = (({"Q6_K": _q6k_ring_kernel, "IQ4_XS": _iq4xs_ring_kernel}.get(qtype,
+                                                                     _nibble_ring_kernel))
+          if stages else (_q6k_mma_kernel if q6 else _q4k_mma_kernel))
+    iq4 = qtype == "IQ4_XS"
     types = {"qp_ptr": "*i8", "dc_ptr": "*fp32", "w_ptr": "*i8", "qh_ptr": "*i8",
-             "sc_ptr": "*i8" if q6 and not stages else "*i32",
-             "dm_ptr": "*i32" if stages and not q6 else "*fp16",
+             "sc_ptr": "*i16" if iq4 else "*i8" if q6 and not stages else "*i32",
+             "dm_ptr": "*i32" if stages and not (q6 or iq4) else "*fp16",
              "dst_ptr": "*fp32", "res_ptr": "*bf16", "out_ptr": "*bf16", "count_ptr": "*i32"}
     consts = {"BLOCK_N": block_n, "BLOCK_M": block_m, "MMA": mma_layout(warps, warps_m),
               "RAW": raw_layout(block_n, warps, warps_m),
