@@ -192,3 +192,50 @@ def test_a_stage_with_the_gluon_kernels_keeps_its_rows_bits(mixed, monkeypatch, 
     model = StageModel(mixed, 0, SHAPE.n_layers, ctx=CTX, device="cuda",
                        weights=_mode("cuda"), policy=policy)
     assert_stage_rows_invariant(model, "cuda")
+
+
+def _run_ptx(asm: str, arg: int) -> int:
+    """The 32-bit PTX of a8_ring._codebook_asm run on one word (its instructions only: and,
+    or, not, shr, mov, mul.lo and prmt's default mode, bytes {b, a} picked by 4-bit selectors
+    whose top bit replicates the byte's sign)."""
+    regs, mask = {"$1": arg}, 0xFFFFFFFF
+
+    def val(x):
+        return regs[x] if x in regs else int(x, 0)
+
+    for ins in asm.strip("{} ").split(";"):
+        op, *args = ins.replace(",", " ").split() or [".reg"]
+        if op == ".reg":
+            continue
+        d, *src = args
+        a = [val(x) for x in src]
+        if op == "prmt.b32":
+            pool = [(w >> (8 * k)) & 0xFF for w in a[:2] for k in range(4)]
+            r = 0
+            for k in range(4):
+                sel = (a[2] >> (4 * k)) & 0xF
+                byte = pool[sel & 7]
+                r |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << (8 * k)
+        else:
+            r = {"and.b32": lambda: a[0] & a[1], "or.b32": lambda: a[0] | a[1],
+                 "not.b32": lambda: ~a[0], "shr.b32": lambda: a[0] >> a[1],
+                 "mov.b32": lambda: a[0], "mul.lo.u32": lambda: a[0] * a[1]}[op]()
+        regs[d] = r & mask
+    return regs["$0"]
+
+
+def test_the_codebook_asm_gives_the_iq4_values():
+    """The IQ4_XS ring's prmt lookup (a8_ring._codebook_asm), run instruction by instruction on
+    words of random nibbles: each byte's low or high nibble becomes its codebook value (the
+    signed code, blocks.IQ4_VALUES) in that byte."""
+    import random
+
+    from strata.kernels.quant.a8_ring import _codebook_asm
+    from strata.kernels.quant.blocks import IQ4_VALUES
+    rng = random.Random(5)
+    for hi in (0, 1):
+        asm = _codebook_asm(hi)
+        for word in [0, 0xFFFFFFFF, 0x87654321] + [rng.getrandbits(32) for _ in range(500)]:
+            got = _run_ptx(asm, word)
+            want = [IQ4_VALUES[(word >> (8 * k + 4 * hi)) & 15] & 0xFF for k in range(4)]
+            assert [(got >> (8 * k)) & 0xFF for k in range(4)] == want, (hi, hex(word))
