@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--parts", type=int, default=4,
                     help="--sass: parts of K the kernel is compiled for (1: no scratch)")
     args = ap.parse_args()
+    if not args.stages and set(args.types.split(",")) - {"Q4_K", "Q6_K"}:
+        ap.error("the registers' kernels take Q4_K and Q6_K: other types need --stages")
     if args.sass:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
         from sass_count import histogram, issue_slots, main_loop

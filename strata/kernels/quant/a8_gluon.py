@@ -374,7 +374,8 @@ def plan(x, part, res, out, block_n: int, block_m: int, warps: int, parts: int,
         raise ValueError(f"int8-activation {what}: a {part.qtype} weight [{part.rows}, "
                          f"{part.cols}] is not {' or '.join(types)} in whole super-blocks "
                          "a part")
-    if warps % warps_m or block_m % (8 * warps_m) or block_n % (16 * (warps // warps_m)):
+    if (warps_m < 1 or warps % warps_m or block_m % (8 * warps_m)
+            or block_n % (16 * (warps // warps_m))):
         raise ValueError(f"int8-activation {what}: {warps} warps, {warps_m} of them along the "
                          f"window's rows, do not tile {block_n} x {block_m} blocks (a warp "
                          "takes 16 weight rows by 8 window rows at least)")

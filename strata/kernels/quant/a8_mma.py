@@ -347,6 +347,7 @@ def a8_mma(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, bl
         from strata.kernels.quant.a8_gluon import gluon_mm
         return gluon_mm(x, part, res, out, block_m=block_m, parts=parts)
     if dot == "ring":   # where no ring fits the device's shared memory, the registers' kernel
+        # (Q4_K, Q6_K; 2 stages of the others' fit every GPU from sm_80: 84 KB at 64 rows)
         from strata.kernels.quant.a8_gluon import GLUON_TYPES, gluon_mm
         from strata.kernels.quant.a8_ring import ring_mm, ring_stages
         if part.qtype not in GLUON_TYPES or ring_stages(part, 64, block_m, x.q.device)[0]:

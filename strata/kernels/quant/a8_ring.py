@@ -501,6 +501,9 @@ def ring_mm(x, part, res=None, out=None, *, stages: int | None = None, block_n: 
                                                   parts, maxnreg, "ring MMA", warps_m,
                                                   RING_TYPES)
     planes, strides = ring_args(part)
+    if any(t.dtype == torch.int8 and (t.data_ptr() % 16 or t.stride(0) % 16) for t in planes):
+        raise ValueError(f"int8-activation ring MMA: a {part.qtype} weight's byte planes are "
+                         "not in 16-byte rows (cp.async copies 16 bytes)")
     kernel, q8 = {"Q6_K": _q6k_ring_kernel, "IQ4_XS": _iq4xs_ring_kernel}.get(part.qtype), {}
     if kernel is None:
         kernel, q8 = _nibble_ring_kernel, {"Q8": part.qtype == "Q8_0"}
