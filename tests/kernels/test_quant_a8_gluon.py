@@ -196,7 +196,7 @@ def test_a_stage_with_the_gluon_kernels_keeps_its_rows_bits(mixed, monkeypatch, 
 
 
 def _run_ptx(asm: str, arg: int) -> int:
-    """The 32-bit PTX of a8_ring._codebook_asm run on one word (its instructions only: and,
+    """The 32-bit PTX of a8_ring_iq4._codebook_asm run on one word (its instructions only: and,
     or, not, shr, mov, mul.lo and prmt's default mode, bytes {b, a} picked by 4-bit selectors
     whose top bit replicates the byte's sign)."""
     regs, mask = {"$1": arg}, 0xFFFFFFFF
@@ -226,12 +226,12 @@ def _run_ptx(asm: str, arg: int) -> int:
 
 
 def test_the_codebook_asm_gives_the_iq4_values():
-    """The IQ4_XS ring's prmt lookup (a8_ring._codebook_asm), run instruction by instruction on
+    """The IQ4_XS ring's prmt lookup (a8_ring_iq4._codebook_asm), run instruction by instruction on
     words of random nibbles: each byte's low or high nibble becomes its codebook value (the
     signed code, blocks.IQ4_VALUES) in that byte."""
     import random
 
-    from strata.kernels.quant.a8_ring import _codebook_asm
+    from strata.kernels.quant.a8_ring_iq4 import _codebook_asm
     from strata.kernels.quant.blocks import IQ4_VALUES
     rng = random.Random(5)
     for hi in (0, 1):

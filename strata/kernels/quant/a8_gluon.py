@@ -167,6 +167,19 @@ def _small_float(i):
 
 
 @gluon.jit
+def _add_term(acc, isum, a, b, dc, MMA: gl.constexpr):
+    """acc + a group's terms, a8_gemv.group_term's fma(a dx, isum, b c) of each (weight row,
+    window row): isum the mma's 1.5 * 2^23 + the sums (as int32 bits), a and b [BN] the
+    weight's terms, dc [BM, 2] the rows' dx and c (Codes.dc, in dc_layout)."""
+    cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
+    dx, c = gl.split(dc)
+    dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
+    c = gl.convert_layout(c, cols_l, assert_trivial=True)
+    f = isum.to(gl.float32, bitcast=True) - 12582912.0  # group_term's magic number
+    return acc + gl.fma(a[:, None] * dx[None, :], f, b[:, None] * c[None, :])
+
+
+@gluon.jit
 def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out_ptr,
                     count_ptr, M, N, K, L, s0, s2, s3, stride_rm, stride_om,
                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.constexpr,
@@ -183,7 +196,6 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out
     holds the word whose nibbles its A fragment takes."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
-    cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
     part, n0, m0 = _program(BLOCK_N, BLOCK_M)
     # A: the group's 16 bytes of each row [BN, 16] (thread t: bytes 4t .. 4t + 3), then its
     # low nibbles at slots 0 .. 15 and high ones at 16 .. 31: [BN, 32] in the A fragments
@@ -218,11 +230,7 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out
             q = _ld(b_at + 32 * g, b_ok, EVEN)
             isum = mma_v2(u, q, magic)                        # 1.5 * 2^23 + the sums
             a, b = _q4k_terms(v0, v1, v2, d, dmin, j)
-            dx, c = gl.split(_ld(dc_ptr + 4 * g + dc_at, dc_ok, EVEN))
-            dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
-            c = gl.convert_layout(c, cols_l, assert_trivial=True)
-            f = isum.to(gl.float32, bitcast=True) - 12582912.0  # group_term's magic number
-            acc += gl.fma(a[:, None] * dx[None, :], f, b[:, None] * c[None, :])
+            acc = _add_term(acc, isum, a, b, _ld(dc_ptr + 4 * g + dc_at, dc_ok, EVEN), MMA)
     _finish(acc, dst_ptr, res_ptr, out_ptr, count_ptr, n, n_ok, m, m_ok, M, N, stride_rm,
             stride_om, P, HAS_RES, FIXUP)
 

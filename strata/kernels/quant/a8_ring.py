@@ -24,10 +24,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from strata.kernels.quant.a8_gluon import (_and, _finish, _ld, _nibbles, _program,
+from strata.kernels.quant.a8_gluon import (_add_term, _and, _finish, _ld, _nibbles, _program,
                                            _q4k_terms, _q6k_codes, _tile, plan)
 from strata.kernels.quant.a8_parts import PARTS
-from strata.kernels.quant.blocks import IQ4_VALUES
+from strata.kernels.quant.a8_ring_io import (_bytes_sources, _copy_in, _half, _ring,
+                                             _rows_sources, _word_ring, copy_layouts)
+from strata.kernels.quant.a8_ring_iq4 import _iq4xs_ring_kernel
 
 SHARED = 227 * 1024   # a program's shared memory on sm_90 (off CUDA, for the checks alone)
 STAGES = (2, 3)        # the ring's default super-blocks, Q4_K's and Q8_0's, and Q6_K's
@@ -54,45 +56,6 @@ def ring_stages(part, block_n: int, block_m: int, device: torch.device,
     want = STAGES[part.qtype == "Q6_K"] if stages is None else stages
     fit = next((s for s in range(want, 1, -1) if s * slot <= limit), 0)
     return (fit if stages is None else (want if want * slot <= limit else 0)), slot, limit
-
-
-@gluon.jit
-def _rows_sources(qp_ptr, dc_ptr, m0, M, K, BLOCK_M: gl.constexpr, CB: gl.constexpr,
-                  CD: gl.constexpr):
-    """Where super-block 0's rows' codes [8, BM, 32] (in slot order, CB) and dc [8, BM, 4]
-    (CD) lie, with their masks; super-block sb's: + 256 sb and + 32 sb."""
-    gb = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, CB)))
-    mb = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, CB)))
-    sb = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, CB)))
-    kb = (sb % 16) // 4 * 8 + (sb >= 16).to(gl.int32) * 4 + sb % 4   # a8_gluon._rows_at's
-    kb = gl.max_contiguous(gl.multiple_of(kb, 4), 4)
-    b_at = qp_ptr + mb[None, :, None] * K + (32 * gb)[:, None, None] + kb[None, None, :]
-    gd = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, CD)))
-    md = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, CD)))
-    e = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, CD)))
-    d_at = (dc_ptr + md[None, :, None] * (K // 32 * 4) + (4 * gd)[:, None, None]
-            + e[None, None, :])                               # K // 32 * 4: 16-byte copies
-    return b_at, (mb < M)[None, :, None], d_at, (md < M)[None, :, None]
-
-
-@gluon.jit
-def _bytes_sources(w_ptr, n0, N, row, BLOCK_N: gl.constexpr, CW: gl.constexpr):
-    """Where super-block 0's 8 x 16 bytes of a 128-byte plane lie for rows n0 .. [8, BN, 16]
-    (CW; row: the plane's bytes a row), with their mask; super-block sb's: + 128 sb."""
-    g = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, CW)))
-    nw = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, CW)))
-    b = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CW)))
-    w_at = w_ptr + nw[None, :, None] * row + (16 * g)[:, None, None] + b[None, None, :]
-    return w_at, (nw < N)[None, :, None]
-
-
-@gluon.jit
-def _copy_in(ring, slot, at, ok, EVEN: gl.constexpr):
-    """cp.async of the values at `at` into the ring's slot (masked unless EVEN)."""
-    if EVEN:
-        async_copy.async_copy_global_to_shared(ring.index(slot), at)
-    else:
-        async_copy.async_copy_global_to_shared(ring.index(slot), at, ok)
 
 
 @gluon.jit
@@ -125,32 +88,6 @@ def _q8_codes(raw, high, HI: gl.constexpr):
 
 
 @gluon.jit
-def _ring(STAGES: gl.constexpr, dtype: gl.constexpr, ROWS: gl.constexpr, WIDTH: gl.constexpr):
-    """A ring of STAGES slots of [8 groups, ROWS, WIDTH] in shared memory, row-major with no
-    swizzle, and the same memory a group a slot to read ([8 STAGES, ROWS, WIDTH]: a shared
-    view is indexed once)."""
-    ring = gl.allocate_shared_memory(dtype, [STAGES, 8, ROWS, WIDTH],
-                                     gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    return ring, ring._reinterpret(dtype, [STAGES * 8, ROWS, WIDTH],
-                                   gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-
-
-@gluon.jit
-def _word_ring(STAGES: gl.constexpr, ROWS: gl.constexpr):
-    """_ring of 4 int32 words a row, [STAGES, 4, ROWS], read a word a row ([4 STAGES, ROWS])."""
-    ring = gl.allocate_shared_memory(gl.int32, [STAGES, 4, ROWS],
-                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    return ring, ring._reinterpret(gl.int32, [STAGES * 4, ROWS],
-                                   gl.SwizzledSharedLayout(1, 1, 1, [0]))
-
-
-@gluon.jit
-def _half(word, H: gl.constexpr):
-    """int32 words' low (H 0) or high (1) fp16 halves, as fp32."""
-    return ((word >> (16 * H)) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-
-
-@gluon.jit
 def _nibble_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out_ptr,
                         count_ptr, M, N, K, L, s0, s1, s2, s3, stride_rm, stride_om,
                         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.constexpr,
@@ -167,7 +104,6 @@ def _nibble_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, 
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     rows_l: gl.constexpr = gl.SliceLayout(1, MMA)
-    cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
     part, n0, m0 = _program(BLOCK_N, BLOCK_M)
     ring_w, group_w = _ring(STAGES, gl.int8, BLOCK_N, 16)
     ring_h, group_h = ring_w, group_w
@@ -228,114 +164,8 @@ def _nibble_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, 
             u = gl.convert_layout(u, a_l, assert_trivial=True)
             q = group_b.index(8 * slot + j).permute((1, 0)).load(b_l)
             isum = mma_v2(u, q, magic)                        # 1.5 * 2^23 + the sums
-            dx, cq = gl.split(group_d.index(8 * slot + j).slice(0, 2, dim=1).load(DC))
-            dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
-            cq = gl.convert_layout(cq, cols_l, assert_trivial=True)
-            f = isum.to(gl.float32, bitcast=True) - 12582912.0  # group_term's magic number
-            acc += gl.fma(a[:, None] * dx[None, :], f, b[:, None] * cq[None, :])
-    async_copy.wait_group(0)                # no copy left in flight at the exit
-    _finish(acc, dst_ptr, res_ptr, out_ptr, count_ptr, n, n_ok, m, m_ok, M, N, stride_rm,
-            stride_om, P, HAS_RES, FIXUP)
-
-
-def _codebook_asm(hi: int) -> str:
-    """PTX: a word of 4 IQ4 codes' nibbles (the low, hi 0, or high nibbles of its bytes) ->
-    their codebook values as 4 int8 (blocks.IQ4_VALUES): prmt looks 8 entries up at a time
-    (selectors of 3 bits, packed 4 bits apart), the entries' fourth bit picks the half."""
-    words = [sum((IQ4_VALUES[4 * i + j] & 0xFF) << (8 * j) for j in range(4)) for i in range(4)]
-    take = "shr.b32 x, $1, 4; and.b32 x, x, 0x0F0F0F0F;" if hi else "and.b32 x, $1, 0x0F0F0F0F;"
-    return ("{ .reg .b32 x, y, p, q, t0, t1, t2, t3, la, lb, ha, hb, m; " + take +
-            " and.b32 y, x, 0x07070707; shr.b32 p, y, 4; or.b32 p, p, y; shr.b32 q, p, 16; " +
-            " ".join(f"mov.b32 t{i}, {w:#010x};" for i, w in enumerate(words)) +
-            " prmt.b32 la, t0, t1, p; prmt.b32 lb, t0, t1, q; prmt.b32 la, la, lb, 0x5410;"
-            " prmt.b32 ha, t2, t3, p; prmt.b32 hb, t2, t3, q; prmt.b32 ha, ha, hb, 0x5410;"
-            " and.b32 m, x, 0x08080808; shr.b32 m, m, 3; mul.lo.u32 m, m, 255;"
-            " and.b32 ha, ha, m; not.b32 m, m; and.b32 la, la, m; or.b32 $0, la, ha; }")
-
-
-CODEBOOK_LO, CODEBOOK_HI = gl.constexpr(_codebook_asm(0)), gl.constexpr(_codebook_asm(1))
-
-
-@gluon.jit
-def _iq4_codes(raw, ASM: gl.constexpr):
-    """int8 [..] IQ4_XS qs bytes -> the codebook values of their low or high nibbles (ASM:
-    CODEBOOK_LO or CODEBOOK_HI), a word at a time: the signed codes, u - 128."""
-    return gl.inline_asm_elementwise(ASM, "=r,r", [raw], dtype=gl.int8, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _iq4xs_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, sb, EVEN: gl.constexpr):
-    """IQ4_XS super-block sb's scales_h and two scales_l (int16) and d of rows n, as
-    reads._term_loads reads them."""
-    base = sc_ptr + n * s2 + 3 * sb
-    return (_ld(base, n_ok, EVEN), _ld(base + 1, n_ok, EVEN), _ld(base + 2, n_ok, EVEN),
-            _ld(dm_ptr + n * s3 + sb, n_ok, EVEN))
-
-
-@gluon.jit
-def _iq4xs_ring_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out_ptr,
-                       count_ptr, M, N, K, L, s0, s2, s3, stride_rm, stride_om,
-                       BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MMA: gl.constexpr,
-                       RAW: gl.constexpr, DC: gl.constexpr, EVEN: gl.constexpr,
-                       P: gl.constexpr, HAS_RES: gl.constexpr, FIXUP: gl.constexpr,
-                       STAGES: gl.constexpr, CW: gl.constexpr, CB: gl.constexpr,
-                       CD: gl.constexpr):
-    """The ring's kernel for IQ4_XS: the qs bytes, the rows' codes and dc through the ring,
-    the codes' codebook values by prmt (_codebook_asm: signed, as the GEMV takes them, b
-    zeroed), each super-block's scales (sc_ptr: int16, s2; dm_ptr: d fp16, s3) loaded into
-    registers a super-block ahead. w_ptr: qs as bytes (s0 its row in words)."""
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
-    cols_l: gl.constexpr = gl.SliceLayout(0, MMA)
-    part, n0, m0 = _program(BLOCK_N, BLOCK_M)
-    ring_w, group_w = _ring(STAGES, gl.int8, BLOCK_N, 16)
-    ring_b, group_b = _ring(STAGES, gl.int8, BLOCK_M, 32)
-    ring_d, group_d = _ring(STAGES, gl.float32, BLOCK_M, 4)
-    w_at, w_ok = _bytes_sources(w_ptr, n0, N, 4 * s0, BLOCK_N, CW)
-    b_at, b_ok, d_at, d_ok = _rows_sources(qp_ptr, dc_ptr, m0, M, K, BLOCK_M, CB, CD)
-    n, n_ok, m, m_ok = _tile(n0, m0, N, M, BLOCK_N, BLOCK_M, MMA)
-    magic = gl.full([BLOCK_N, BLOCK_M], 0x4B400000, gl.int32, layout=MMA)
-    acc = gl.full([BLOCK_N, BLOCK_M], 0.0, gl.float32, layout=MMA)
-    first = part * (L // 256)
-    last = first + L // 256 - 1
-    for s in gl.static_range(STAGES - 1):
-        sb = gl.minimum(first + s, last)
-        _copy_in(ring_w, s, w_at + 128 * sb, w_ok, EVEN)
-        _copy_in(ring_b, s, b_at + 256 * sb, b_ok, EVEN)
-        _copy_in(ring_d, s, d_at + 32 * sb, d_ok, EVEN)
-        async_copy.commit_group()
-    ahead = _iq4xs_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, first, EVEN)
-    for sbk in range(first, last + 1):
-        i = sbk - first
-        async_copy.wait_group(STAGES - 2)   # this thread's copies of sbk have landed
-        gl.thread_barrier()                 # everyone's, and slot i - 1 is read: refill it
-        nxt = (i + STAGES - 1) % STAGES
-        sb = gl.minimum(sbk + STAGES - 1, last)
-        _copy_in(ring_w, nxt, w_at + 128 * sb, w_ok, EVEN)
-        _copy_in(ring_b, nxt, b_at + 256 * sb, b_ok, EVEN)
-        _copy_in(ring_d, nxt, d_at + 32 * sb, d_ok, EVEN)
-        async_copy.commit_group()
-        h, l0, l1, d16 = ahead
-        ahead = _iq4xs_scales(sc_ptr, dm_ptr, n, n_ok, s2, s3, gl.minimum(sbk + 1, last), EVEN)
-        high = h.to(gl.int32) & 0xFFFF
-        d = d16.to(gl.float32)
-        slot = i % STAGES
-        for j in gl.static_range(8):
-            raw = group_w.index(8 * slot + j).load(RAW)
-            u = gl.join(_iq4_codes(raw, CODEBOOK_LO), _iq4_codes(raw, CODEBOOK_HI))
-            u = gl.reshape(gl.permute(u, (0, 2, 1)), (BLOCK_N, 32))
-            u = gl.convert_layout(u, a_l, assert_trivial=True)
-            q = group_b.index(8 * slot + j).permute((1, 0)).load(b_l)
-            isum = mma_v2(u, q, magic)                        # 1.5 * 2^23 + the sums
-            low = (l0 if j < 4 else l1).to(gl.int32) & 0xFFFF
-            ls = ((low >> (4 * (j % 4))) & 15) | (((high >> (2 * j)) & 3) << 4)
-            a = d * (ls - 32).to(gl.float32)                  # reads._term_values'
-            b = (-128.0 * a) * 0.0                            # the GEMV's zeroed b
-            dx, cq = gl.split(group_d.index(8 * slot + j).slice(0, 2, dim=1).load(DC))
-            dx = gl.convert_layout(dx, cols_l, assert_trivial=True)
-            cq = gl.convert_layout(cq, cols_l, assert_trivial=True)
-            f = isum.to(gl.float32, bitcast=True) - 12582912.0  # group_term's magic number
-            acc += gl.fma(a[:, None] * dx[None, :], f, b[:, None] * cq[None, :])
+            acc = _add_term(acc, isum, a, b,
+                            group_d.index(8 * slot + j).slice(0, 2, dim=1).load(DC), MMA)
     async_copy.wait_group(0)                # no copy left in flight at the exit
     _finish(acc, dst_ptr, res_ptr, out_ptr, count_ptr, n, n_ok, m, m_ok, M, N, stride_rm,
             stride_om, P, HAS_RES, FIXUP)
@@ -437,23 +267,6 @@ def _q6k_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res
     async_copy.wait_group(0)                # no copy left in flight at the exit
     _finish(acc, dst_ptr, res_ptr, out_ptr, count_ptr, n, n_ok, m, m_ok, M, N, stride_rm,
             stride_om, P, HAS_RES, FIXUP)
-
-
-def copy_layouts(warps: int, qtype: str = "Q4_K") -> dict:
-    """The copies' register layouts: a thread 16 weight bytes (8 threads a row's super-block,
-    128 contiguous bytes), 4 bytes of the rows' codes (8 threads a group of a row), 16 bytes
-    of their dc plane (8 threads a row's super-block), one scale word (not IQ4_XS); Q6_K 4
-    bytes of qh."""
-    out = dict(
-        CW=gl.BlockedLayout([1, 1, 16], [8, 4, 1], [1, warps, 1], [2, 0, 1]),
-        CS=gl.BlockedLayout([1, 1], [4, 8], [1, warps], [0, 1]),
-        CB=gl.BlockedLayout([1, 1, 4], [1, 4, 8], [1, warps, 1], [2, 1, 0]),
-        CD=gl.BlockedLayout([1, 1, 4], [8, 4, 1], [1, warps, 1], [2, 0, 1]))
-    if qtype == "Q6_K":
-        out["CH"] = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [1, warps, 1], [2, 0, 1])
-    if qtype == "IQ4_XS":   # its scales are loaded into registers
-        del out["CS"]
-    return out
 
 
 def ring_args(part) -> tuple:
