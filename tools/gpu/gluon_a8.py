@@ -23,8 +23,8 @@ import sys
 import torch
 import triton
 
-from strata.kernels.quant.a8_gluon import (_q4k_mma_kernel, _q6k_mma_kernel, dc_layout,
-                                           gluon_mm, mma_layout, raw_layout)
+from strata.kernels.quant.a8_gluon import _q4k_mma_kernel, _q6k_mma_kernel, gluon_mm
+from strata.kernels.quant.a8_layouts import dc_layout, mma_layout, raw_layout
 from strata.kernels.quant.a8_ring import (_nibble_ring_kernel, _q6k_ring_kernel, copy_layouts,
                                           ring_mm)
 from strata.kernels.quant.a8_ring_iq4 import _iq4xs_ring_kernel
