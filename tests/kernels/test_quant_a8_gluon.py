@@ -240,3 +240,23 @@ def test_the_codebook_asm_gives_the_iq4_values():
             got = _run_ptx(asm, word)
             want = [IQ4_VALUES[(word >> (8 * k + 4 * hi)) & 15] & 0xFF for k in range(4)]
             assert [(got >> (8 * k)) & 0xFF for k in range(4)] == want, (hi, hex(word))
+
+
+def test_the_ring_takes_the_stages_a_gpu_has_room_for(monkeypatch):
+    """a8_ring.ring_stages: the type's default stages where they fit the device's shared
+    memory, fewer where they do not (an sm_86 card's 99 KB: Q6_K's 3 at 64 rows become 2),
+    none where not even 2 fit; asked stages are kept or refused, never made fewer."""
+    from strata.kernels.quant import a8_ring
+    from strata.kernels.quant.blocks import Part
+    cuda = torch.device("cuda", 0)
+    q4k, q6k = Part("Q4_K", 4096, 4096, {}), Part("Q6_K", 4096, 4096, {})
+    monkeypatch.setattr(a8_ring, "_shared_limit", lambda index: 227 * 1024)
+    assert a8_ring.ring_stages(q6k, 64, 64, cuda)[0] == 3
+    assert a8_ring.ring_stages(q4k, 64, 64, cuda)[0] == 2
+    assert a8_ring.ring_stages(q4k, 64, 64, cuda, 4)[0] == 4
+    monkeypatch.setattr(a8_ring, "_shared_limit", lambda index: 99 * 1024)
+    assert a8_ring.ring_stages(q6k, 64, 64, cuda)[:2] == (2, 272 * 64 + 384 * 64)
+    assert a8_ring.ring_stages(q6k, 64, 16, cuda)[0] == 3
+    assert a8_ring.ring_stages(q6k, 64, 64, cuda, 3)[0] == 0
+    monkeypatch.setattr(a8_ring, "_shared_limit", lambda index: 40 * 1024)
+    assert a8_ring.ring_stages(q6k, 64, 64, cuda)[0] == 0
