@@ -14,8 +14,8 @@ The ways to the groups' sums (`dot`), the same integers and so the same bits:
                broadcast over it once a step
 
 and "gluon", a8_gluon.py's kernels for Q4_K and Q6_K on CUDA (operands straight into the MMA's
-registers; a8_mm's default at a8_gluon.GLUON_TILES), or "ring", a8_ring.py's (the operands
-through a ring of super-blocks in shared memory; an experiment).
+registers), or "ring", a8_ring.py's (the operands through a ring of super-blocks in shared
+memory; Q8_0 and IQ4_XS too): a8_mm's default at a8_gluon.GLUON_TILES' tiles.
 """
 from __future__ import annotations
 
@@ -341,8 +341,8 @@ def a8_mma(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, bl
            block_n: int, block_k: int, warps: int, dot: str, ahead: bool, parts: int
            ) -> torch.Tensor:
     """out [M, N] (+ res) = x's rows @ part^T by the MMA (a8_triton.a8_mm checks the blocks);
-    dot "gluon" or "ring": by a8_gluon.py's or a8_ring.py's kernels (Q4_K and Q6_K, on CUDA),
-    their own blocks."""
+    dot "gluon" or "ring": by a8_gluon.py's kernels (Q4_K and Q6_K, on CUDA) or a8_ring.py's
+    (those and Q8_0, IQ4_XS), their own blocks."""
     if dot == "gluon":
         from strata.kernels.quant.a8_gluon import gluon_mm
         return gluon_mm(x, part, res, out, block_m=block_m, parts=parts)

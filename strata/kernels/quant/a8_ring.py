@@ -1,18 +1,22 @@
-"""The Gluon int8-activation MMA for Q4_K and Q6_K with its operands through a ring of shared
-memory: each super-block's weight bytes, scales and the rows' codes and dc plane are copied from
-global memory by cp.async `stages - 1` super-blocks ahead of their arithmetic, so a program
-keeps that many loads in flight instead of waiting on each super-block's (a8_gluon.py's kernels
-load them into registers as they go). The warps then read a group's fragments from shared
-memory (ldmatrix): the rows' codes once a program, not once a warp from global memory.
+"""The Gluon int8-activation MMA for Q4_K, Q6_K and Q8_0 (IQ4_XS's in a8_ring_iq4.py) with its
+operands through a ring of shared memory: each super-block's weight bytes, scales and the rows'
+codes and dc plane are copied from global memory by cp.async `stages - 1` super-blocks ahead of
+their arithmetic (a8_ring_io.py), so a program keeps that many loads in flight instead of
+waiting on each super-block's (a8_gluon.py's kernels load them into registers as they go). The
+warps then read a group's fragments from shared memory (ldmatrix): the rows' codes once a
+program, not once a warp from global memory.
 
 The arithmetic is a8_gluon.py's kernels', term for term (the same mma.sync sums, the same
-group_term, groups in K's order, parts finished by _finish), so the bits are a8_mm's. An
-experiment, not a8_mm's way: ring_mm, timed beside a8_mm by tools/gpu/gluon_a8.py --stages.
+group_term, groups in K's order, parts finished by _finish), so the bits are a8_mm's, which
+takes ring_mm on CUDA at a8_gluon.GLUON_TILES' "ring" tiles (Q4_K's and Q6_K's 16 to 64 rows;
+with STRATA_A8_DOT=ring every type's tiles from 4 rows); tools/gpu/gluon_a8.py --stages times
+it beside a8_mm.
 
 A slot holds a super-block of the tile: the weight's qs bytes [8 groups, BN rows, 16], its
-scale words [4, BN] int32 (Q4_K: sc's three and the d, dmin pair; Q6_K: its 16 scales; Q6_K
-also its qh bytes), the rows' codes in slot order [8, BM, 32] (the order a8_gluon._rows_at
-reads, copied 4 bytes at a time into place) and their dc [8, BM, 4] fp32.
+scale words [4, BN] int32 (Q4_K: sc's three and the d, dmin pair; Q6_K: its 16 scales; Q8_0:
+its 8 d; Q6_K and Q8_0 also their qh bytes), the rows' codes in slot order [8, BM, 32] (the
+order a8_gluon._rows_at reads, copied 4 bytes at a time into place) and their dc [8, BM, 4]
+fp32.
 """
 from __future__ import annotations
 
