@@ -195,11 +195,12 @@ def test_a_stage_with_the_gluon_kernels_keeps_its_rows_bits(mixed, monkeypatch, 
     assert_stage_rows_invariant(model, "cuda")
 
 
-def _run_ptx(asm: str, arg: int) -> int:
-    """The 32-bit PTX of a8_ring_iq4._codebook_asm run on one word (its instructions only: and,
-    or, not, shr, mov, mul.lo and prmt's default mode, bytes {b, a} picked by 4-bit selectors
-    whose top bit replicates the byte's sign)."""
-    regs, mask = {"$1": arg}, 0xFFFFFFFF
+def _run_ptx(asm: str, arg: int, outs: int = 1):
+    """The 32-bit PTX of a codebook lookup (a8_ring_iq4._codebook_asm, a8_gemv._codebook_asm)
+    run on one word, its input after its outs outputs (its instructions only: and, or, not,
+    shr, mov, mul.lo and prmt's default mode, bytes {b, a} picked by 4-bit selectors whose top
+    bit replicates the byte's sign); the output, or a list of outs."""
+    regs, mask = {f"${outs}": arg}, 0xFFFFFFFF
 
     def val(x):
         return regs[x] if x in regs else int(x, 0)
@@ -222,7 +223,7 @@ def _run_ptx(asm: str, arg: int) -> int:
                  "not.b32": lambda: ~a[0], "shr.b32": lambda: a[0] >> a[1],
                  "mov.b32": lambda: a[0], "mul.lo.u32": lambda: a[0] * a[1]}[op]()
         regs[d] = r & mask
-    return regs["$0"]
+    return regs["$0"] if outs == 1 else [regs[f"${i}"] for i in range(outs)]
 
 
 def test_the_codebook_asm_gives_the_iq4_values():
@@ -240,6 +241,24 @@ def test_the_codebook_asm_gives_the_iq4_values():
             got = _run_ptx(asm, word)
             want = [IQ4_VALUES[(word >> (8 * k + 4 * hi)) & 15] & 0xFF for k in range(4)]
             assert [(got >> (8 * k)) & 0xFF for k in range(4)] == want, (hi, hex(word))
+
+
+def test_the_gemv_codebook_asm_gives_the_iq4_values_in_pairs():
+    """The IQ4 GEMV's prmt lookup (a8_gemv._codebook_asm), run instruction by instruction on
+    words of eight random codes (code j in bits 4j): its two words are the codebook values +
+    128 of codes 0, 2, 4, 6 and of 1, 3, 5, 7, a byte each, as the table words give them."""
+    import random
+
+    from strata.kernels.quant.a8_gemv import _codebook_asm
+    from strata.kernels.quant.blocks import IQ4_VALUES
+    rng = random.Random(7)
+    asm = _codebook_asm()
+    words = [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98, 0x8F7E6D5C]
+    for word in words + [rng.getrandbits(32) for _ in range(1000)]:
+        even, odd = _run_ptx(asm, word, outs=2)
+        for got, first in ((even, 0), (odd, 1)):
+            want = [IQ4_VALUES[(word >> (4 * (2 * k + first))) & 15] + 128 for k in range(4)]
+            assert [(got >> (8 * k)) & 0xFF for k in range(4)] == want, (first, hex(word))
 
 
 def test_the_ring_takes_the_stages_a_gpu_has_room_for(monkeypatch):

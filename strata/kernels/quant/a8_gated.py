@@ -19,7 +19,7 @@ from strata.kernels.arrive import counters
 from strata.kernels.fused_triton import ACTS, gate_act
 from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.a8 import QBLOCK, Codes
-from strata.kernels.quant.a8_gemv import CODEBOOKS, Pairs, _a8_gemv_kernel, quantize_blocks
+from strata.kernels.quant.a8_gemv import Pairs, _a8_gemv_kernel, quantize_blocks
 from strata.kernels.quant.a8_parts import gemv_step, k_parts
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.reads import TYPE_IDS, _planes
@@ -62,7 +62,7 @@ def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
     pairs.w0 .. + F - 1 and the up rows `up` further on (a8_pairs' pairs; K's parts those of
     the packed weight as a whole, [E 2F, K], as a8_pairs takes them). codes (F whole blocks of
     32): Codes [M, F] to fill with out's rows quantized, as quantize_rows(out) would."""
-    q = x.q if part.qtype in CODEBOOKS else x.qp   # the nibble types take the pair order
+    q = x.qp   # the rows' codes in pair order (a8_gemv)
     k = q.shape[1]
     f = out.shape[1]
     if pairs is None:

@@ -9,8 +9,9 @@ nibbles (Q4_0, Q4_1, Q4_K), two nibble planes (Q8_0) or nibbles with high bits b
 codes gives its two byte words by masks and shifts, against the rows' codes as the quantizer
 also stores them, in pair order (codes 0, 2, 4, 6 and 1, 3, 5, 7 of each eight): Q6_K's
 16-code groups by one chain of dp4a a group (but in 4-row tiles), the rest by summing the
-words' products. The codebook types' codes (IQ4_NL, IQ4_XS) come from reads.py's `_codes`
-and are packed four to a word, against the codes in K order. Then, per
+words' products. The codebook types (IQ4_NL, IQ4_XS) have nibbles too, looked up into their
+codebook values + 128 a word at a time (_codebook_asm: prmt, 13 instructions for eight codes),
+in the same pair order. Then, per
 (row, column), the groups' float terms (group_term) are added one by one in order along K,
 exactly as a8_mm's MMA adds them, so a row gets the same bits from either kernel
 (tests/kernels/test_quant_a8.py). Under the Triton interpreter, dp4a is the same sum of four
@@ -33,10 +34,9 @@ from strata.kernels.quant.a8 import Codes
 from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_step, k_parts,
                                            load_parts, store_rows, tile_index)
 from strata.kernels.quant.blocks import BLOCKS, Part
-from strata.kernels.quant.reads import (IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
-                                        Q6_K, Q8_0, TYPE_IDS, _codes, _planes, _terms)
+from strata.kernels.quant.reads import (IQ4_NL, IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3, IQ4_XS, Q5_0,
+                                        Q5_1, Q5_K, Q6_K, Q8_0, TYPE_IDS, _planes, _terms)
 
-CODEBOOKS = ("IQ4_NL", "IQ4_XS")   # codes from a table, packed in K order (the rest: nibbles)
 HIGH_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))   # as int32
 
 
@@ -137,16 +137,6 @@ def _group_dots(lo, hi, even, odd, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _pack4(u, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-    """int32 codes [BLOCK_N, 4 * WORDS] (0..255, in K order) -> [BLOCK_N, WORDS] byte words."""
-    u = tl.reshape(u, (BLOCK_N, WORDS, 2, 2))
-    lo, hi = tl.split(u)                       # each pair's even and odd byte
-    pairs = lo | (hi << 8)                     # [BN, WORDS, 2]
-    p0, p1 = tl.split(pairs)
-    return p0 | (p1 << 16)
-
-
-@triton.jit
 def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0, s1, s2, s3,
                     res_ptr, out_ptr, fin_ptr, count_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr,
                     cdc_ptr, M,
@@ -235,6 +225,51 @@ def gated_rows(gate, up, out_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr, cqp_pt
                         cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, BLOCK_M, 1)
 
 
+def _codebook_asm() -> str:
+    """PTX: a qs word of eight IQ4 codes (code j in bits 4j) -> two words of their codebook
+    values + 128 (reads.IQ4_W0 .. W3), a byte each: codes 0, 2, 4, 6 and 1, 3, 5, 7. prmt
+    looks codes 0-3 and 4-7 up in entries 0-7 and in 8-15 by their low three bits (selectors
+    with the fourth bit cleared: prmt's default mode would replicate a sign there), a prmt a
+    half keeps each code's entry by its fourth bit, and two more deal the bytes out in pairs.
+    13 instructions for eight codes."""
+    words = [int(w) & 0xFFFFFFFF for w in (IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3)]
+    return ("{ .reg .b32 v0, v1, v2, v3, s, t, a0, a1, b0, b1, x, y; " +
+            " ".join(f"mov.b32 v{i}, {w:#010x};" for i, w in enumerate(words)) +
+            " and.b32 s, $2, 0x77777777; shr.b32 t, s, 16;"
+            " prmt.b32 a0, v0, v1, s; prmt.b32 a1, v2, v3, s;"
+            " prmt.b32 b0, v0, v1, t; prmt.b32 b1, v2, v3, t;"
+            " and.b32 x, $2, 0x88888888; shr.b32 x, x, 1; or.b32 x, x, 0x32103210;"
+            " shr.b32 y, x, 16; prmt.b32 a0, a0, a1, x; prmt.b32 b0, b0, b1, y;"
+            " prmt.b32 $0, a0, b0, 0x6420; prmt.b32 $1, a0, b0, 0x7531; }")
+
+
+CODEBOOK_PAIRS = tl.constexpr(_codebook_asm())
+
+
+@triton.jit
+def _codebook_bytes(x):
+    """int32 words of four codes 0..15, a byte each -> their codebook values + 128, a byte
+    each (reads.py's four table words)."""
+    out = x & 0
+    for i in tl.static_range(4):
+        c = (x >> (8 * i)) & 15
+        word = tl.where(c < 8, tl.where(c < 4, IQ4_W0, IQ4_W1), tl.where(c < 12, IQ4_W2, IQ4_W3))
+        out = out | (((word >> ((c & 3) * 8)) & 0xFF) << (8 * i))
+    return out
+
+
+@triton.jit
+def _codebook_pairs(w, ASM: tl.constexpr):
+    """IQ4 qs words of eight codes (code j in bits 4j) -> (even, odd): the codebook values +
+    128 of codes 0, 2, 4, 6 and of 1, 3, 5, 7, a byte each, as the nibble types' masks give
+    their codes (by prmt on CUDA, _codebook_asm; by table words elsewhere)."""
+    if ASM:
+        return tl.inline_asm_elementwise(CODEBOOK_PAIRS, "=r,=r,r", [w],
+                                         dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        return _codebook_bytes(w & 0x0F0F0F0F), _codebook_bytes((w >> 4) & 0x0F0F0F0F)
+
+
 @triton.jit
 def _gemv_step(acc, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn, n_ok, w0, g0,
                QTYPE: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
@@ -249,42 +284,37 @@ def _gemv_step(acc, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn, n_ok, w0, g0
     # qs word i at bits HIGH * i + 4 j: reads.py's _codes)
     HIGH: tl.constexpr = (2 if QTYPE == Q6_K else
                           1 if QTYPE == Q5_0 or QTYPE == Q5_1 or QTYPE == Q5_K else 0)
-    NIBBLES: tl.constexpr = (QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q4_K or QTYPE == Q8_0
-                             or HIGH > 0)
     SIGNED: tl.constexpr = QTYPE == Q8_0 or QTYPE == IQ4_NL or QTYPE == IQ4_XS
-    if NIBBLES:
-        # a word of eight codes (quants 8c .. 8c + 7; code j in bits 4j): the even codes'
-        # bytes w & 0x0F0F0F0F and the odd codes' (w >> 4) & 0x0F0F0F0F, against the
-        # rows' words in pair order, (q0, q2, q4, q6) and (q1, q3, q5, q7)
-        CW: tl.constexpr = STEP // 8
-        at = wn[:, None] * s0 + w0 + tl.arange(0, CW)[None, :]
-        w = tl.load(p0 + at, mask=n_ok[:, None], other=0)           # [BN, CW]
+    # a word of eight codes (quants 8c .. 8c + 7; code j in bits 4j): the even codes'
+    # bytes w & 0x0F0F0F0F and the odd codes' (w >> 4) & 0x0F0F0F0F, against the
+    # rows' words in pair order, (q0, q2, q4, q6) and (q1, q3, q5, q7)
+    CW: tl.constexpr = STEP // 8
+    at = wn[:, None] * s0 + w0 + tl.arange(0, CW)[None, :]
+    w = tl.load(p0 + at, mask=n_ok[:, None], other=0)           # [BN, CW]
+    if QTYPE == IQ4_NL or QTYPE == IQ4_XS:                        # their codebook values
+        lo, hi = _codebook_pairs(w, ASM)
+    else:
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
-        if QTYPE == Q8_0:                                             # the high nibbles
-            h = tl.load(p1 + at, mask=n_ok[:, None], other=0)
-            lo = lo | ((h << 4) & HIGH_NIBBLES)
-            hi = hi | (h & HIGH_NIBBLES)
-        elif HIGH > 0:   # each qs word's high bits, nibble-aligned: above the low nibbles
-            hw = tl.load(p1 + wn[:, None] * s1 + (g0 + gi)[None, :],
-                         mask=n_ok[:, None], other=0)                  # [BN, G]
-            x = tl.reshape(hw[:, :, None] >> (HIGH * tl.arange(0, S // 8))[None, None, :],
-                           (BLOCK_N, CW))
-            MB: tl.constexpr = ((1 << HIGH) - 1) * 0x01010101
-            lo = lo | ((x & MB) << 4)
-            hi = hi | (((x >> 4) & MB) << 4)
-        even, odd = tl.split(tl.reshape(aw, (BLOCK_M, CW, 2)))   # the rows' pair order
-        if S == 16 and BLOCK_M != 4:   # Q6_K: faster on an H100 as a chain a group
-            isum = _group_dots(lo, hi, even, odd, BLOCK_M, BLOCK_N, G, ASM)
-        else:   # the words' products summed (a chain of 8 was 2-3x slower for Q4_K)
-            prod = _dp4a(lo[None, :, :], even[:, None, :],
-                         _dp4a(hi[None, :, :], odd[:, None, :], 0, ASM), ASM)
-            isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 8)), 3)
-    else:
-        u = _codes(p0, p1, s0, s1, wn, n_ok, g0, QTYPE, S, G, BLOCK_N)       # [BN, G, S]
-        cw = _pack4(tl.reshape(u, (BLOCK_N, STEP)), BLOCK_N, STEP // 4)       # [BN, AW]
-        prod = _dp4a(cw[None, :, :], aw[:, None, :], 0, ASM)
-        isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 4)), 3)
+    if QTYPE == Q8_0:                                             # the high nibbles
+        h = tl.load(p1 + at, mask=n_ok[:, None], other=0)
+        lo = lo | ((h << 4) & HIGH_NIBBLES)
+        hi = hi | (h & HIGH_NIBBLES)
+    elif HIGH > 0:   # each qs word's high bits, nibble-aligned: above the low nibbles
+        hw = tl.load(p1 + wn[:, None] * s1 + (g0 + gi)[None, :],
+                     mask=n_ok[:, None], other=0)                  # [BN, G]
+        x = tl.reshape(hw[:, :, None] >> (HIGH * tl.arange(0, S // 8))[None, None, :],
+                       (BLOCK_N, CW))
+        MB: tl.constexpr = ((1 << HIGH) - 1) * 0x01010101
+        lo = lo | ((x & MB) << 4)
+        hi = hi | (((x >> 4) & MB) << 4)
+    even, odd = tl.split(tl.reshape(aw, (BLOCK_M, CW, 2)))   # the rows' pair order
+    if S == 16 and BLOCK_M != 4:   # Q6_K: faster on an H100 as a chain a group
+        isum = _group_dots(lo, hi, even, odd, BLOCK_M, BLOCK_N, G, ASM)
+    else:   # the words' products summed (a chain of 8 was 2-3x slower for Q4_K)
+        prod = _dp4a(lo[None, :, :], even[:, None, :],
+                     _dp4a(hi[None, :, :], odd[:, None, :], 0, ASM), ASM)
+        isum = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, G, S // 8)), 3)
     a, b = _terms(p2, p3, s2, s3, wn, n_ok, g0, QTYPE, G)                     # [BN, G]
     if SIGNED:                                           # codes taken signed: u - 128, b = 0
         isum = isum - 128 * qs[:, None, :]
@@ -335,7 +365,7 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
     parts: k_parts' most (a8_mm's). With more than one part, a program a part writes its sums
     to a scratch [parts, M, N] and the tile's last program adds them in order
     (kernels/arrive.py), or _add_parts_kernel does where there are no counters."""
-    q = x.q if part.qtype in CODEBOOKS else x.qp   # the nibble types take the pair order
+    q = x.qp   # the rows' codes in pair order, as the weight's words give their codes
     k = q.shape[1]
     r = res if res is not None else out
     cols = pairs.n if pairs is not None else part.rows

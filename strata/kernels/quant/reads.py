@@ -87,7 +87,8 @@ def _term_loads(p2, p3, s2, s3, n, n_ok, g0, QTYPE: tl.constexpr, G: tl.constexp
     elif QTYPE == IQ4_XS:                                     # scales_h, scales_l, d
         base = p2 + n[:, None] * s2 + 3 * (g0 // 8)
         v0 = tl.load(base, mask=ok, other=0)
-        v1 = tl.load(base + 1 + (gi % 8)[None, :] // 4, mask=ok, other=0)
+        v1 = tl.load(base + 1, mask=ok, other=0)                # scales_l of groups 0 .. 3
+        v3 = tl.load(base + 2, mask=ok, other=0)                # and of groups 4 .. 7
         v2 = tl.load(p3 + n * s3 + g0 // 8, mask=n_ok, other=0.0)
     elif QTYPE == Q6_K:                                       # d, an int8 per 16
         v0 = tl.load(p3 + n * s3 + g0 // 16, mask=n_ok, other=0.0)
@@ -121,7 +122,7 @@ def _term_values(v0, v1, v2, v3, v4, g0, QTYPE: tl.constexpr, G: tl.constexpr):
     elif QTYPE == IQ4_XS:                                     # d * (6-bit scale - 32) a group
         j = (gi % 8)[None, :]
         high = v0.to(tl.int32) & 0xFFFF
-        low = v1.to(tl.int32) & 0xFFFF
+        low = tl.where(j < 4, v1.to(tl.int32), v3.to(tl.int32)) & 0xFFFF
         ls = ((low >> (4 * (j % 4))) & 15) | (((high >> (2 * j)) & 3) << 4)
         a = v2.to(tl.float32)[:, None] * (ls - 32).to(tl.float32)
         b = -128.0 * a
