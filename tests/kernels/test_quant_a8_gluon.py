@@ -40,8 +40,8 @@ def test_the_dc_plane_is_the_rows_scales_and_sums(device):
 @pytest.mark.parametrize("env", [None, "gluon", "ring", "triton", "groups"])
 def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     """a8_mm's choice where no way is asked: on CUDA, Q4_K's 4- and 8-row tiles by the
-    registers' kernels and its 16- to 64-row tiles by the ring's, Q6_K's 16- to 64-row tiles by
-    the ring's (where each was faster on an H100 and an H200); with STRATA_A8_DOT=gluon or ring
+    registers' kernels and its 16- to 64-row tiles by the ring's, Q6_K's and IQ4_XS's 16- to
+    64-row tiles and Q8_0's 16- and 64-row ones by the ring's (where each was faster); with STRATA_A8_DOT=gluon or ring
     that way at every tile from 4 rows (ring: Q8_0 and IQ4_XS too); with triton or a Triton
     way none; never off CUDA, on a GPU before sm_80, for other types, or where a part of K is
     not whole super-blocks."""
@@ -60,7 +60,9 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     tiles = (1, 2, 4, 8, 16, 32, 64)
     every = {t: env for t in (4, 8, 16, 32, 64)}
     want = {None: {"Q4_K": {4: "gluon", 8: "gluon", 16: "ring", 32: "ring", 64: "ring"},
-                   "Q6_K": {16: "ring", 32: "ring", 64: "ring"}},
+                   "Q6_K": {16: "ring", 32: "ring", 64: "ring"},
+                   "IQ4_XS": {16: "ring", 32: "ring", 64: "ring"},
+                   "Q8_0": {16: "ring", 64: "ring"}},
             "gluon": {"Q4_K": every, "Q6_K": every},
             "ring": {"Q4_K": every, "Q6_K": every, "Q8_0": every, "IQ4_XS": every}}.get(env, {})
     for qtype in ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q5_K"):
@@ -178,6 +180,27 @@ def test_the_ring_refuses_what_it_does_not_take():
         w, _ = _weight(qtype, 64, 256, "cpu", seed=21)
         with pytest.raises(ValueError, match=f"ring MMA.*{match}"):
             ring_mm(c, w.parts[0], **kw)
+
+
+def test_the_ring_caps_registers_where_its_table_says(monkeypatch):
+    """ring_mm hands ptxas a8_ring.REGISTERS' cap for the weight's type and row tile (Q4_K's
+    64-row tiles), none elsewhere, and an asked cap as asked (on the CPU: plan stopped)."""
+    from strata.kernels.quant import a8_ring
+    from strata.kernels.quant.a8 import Codes
+    seen = []
+
+    def plan(*args):
+        seen.append(args[8])
+        raise RuntimeError("planned")
+
+    monkeypatch.setattr(a8_ring, "plan", plan)
+    c = Codes.empty(4, 256, torch.device("cpu"))
+    for qtype, kw in (("Q4_K", dict(block_m=64)), ("Q4_K", dict(block_m=32)),
+                      ("Q6_K", dict(block_m=64)), ("Q4_K", dict(block_m=64, maxnreg=200))):
+        w, _ = _weight(qtype, 64, 256, "cpu", seed=21)
+        with pytest.raises(RuntimeError, match="planned"):
+            a8_ring.ring_mm(c, w.parts[0], **kw)
+    assert seen == [a8_ring.REGISTERS[("Q4_K", 64)], None, None, 200]
 
 
 @pytest.mark.parametrize("way", ["gluon", "ring"])

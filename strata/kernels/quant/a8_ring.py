@@ -8,8 +8,8 @@ program, not once a warp from global memory.
 
 The arithmetic is a8_gluon.py's kernels', term for term (the same mma.sync sums, the same
 group_term, groups in K's order, parts finished by _finish), so the bits are a8_mm's, which
-takes ring_mm on CUDA at a8_gluon.GLUON_TILES' "ring" tiles (Q4_K's and Q6_K's 16 to 64 rows;
-with STRATA_A8_DOT=ring every type's tiles from 4 rows); tools/gpu/gluon_a8.py --stages times
+takes ring_mm on CUDA at a8_gluon.GLUON_TILES' "ring" tiles (Q4_K's, Q6_K's and IQ4_XS's 16 to
+64 rows, Q8_0's 16 and 64; with STRATA_A8_DOT=ring every type's tiles from 4 rows); tools/gpu/gluon_a8.py --stages times
 it beside a8_mm.
 
 A slot holds a super-block of the tile: the weight's qs bytes [8 groups, BN rows, 16], its
@@ -38,6 +38,11 @@ from strata.kernels.quant.a8_ring_iq4 import _iq4xs_ring_kernel
 SHARED = 227 * 1024   # a program's shared memory on sm_90 (off CUDA, for the checks alone)
 STAGES = (2, 3)        # the ring's default super-blocks, Q4_K's and Q8_0's, and Q6_K's
 RING_TYPES = ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS")
+# ptxas's cap on a thread's registers by default, by (type, row tile): Q4_K's 64-row tiles take
+# 255 registers uncapped (two programs an SM); capped at 168 (three, a few spills) they ran in
+# 98.0 and 46.4 us against 105.4 and 60.5 on an H100 at the llama3-8b down and qkv shapes
+# (tools/gpu/gluon_a8.py --rows 64 --stages 2 --maxnreg 168), the same bits
+REGISTERS = {("Q4_K", 64): 168}
 
 
 @functools.cache
@@ -304,7 +309,10 @@ def ring_mm(x, part, res=None, out=None, *, stages: int | None = None, block_n: 
             maxnreg: int | None = None, warps_m: int = 1) -> torch.Tensor:
     """a8_gluon.gluon_mm's product (a8_mm's bits) for a Q4_K, Q6_K or Q8_0 part by the ring
     kernels, a ring of `stages` super-blocks (2 or more; default STAGES', the faster on an
-    H200 by tools/gpu/gluon_a8.py --stages, fewer where the device's shared memory is less)."""
+    H200 by tools/gpu/gluon_a8.py --stages, fewer where the device's shared memory is less);
+    maxnreg: ptxas's cap on a thread's registers (default REGISTERS' for the tile, else none)."""
+    if maxnreg is None:
+        maxnreg = REGISTERS.get((part.qtype, block_m))
     if stages is not None and stages < 2:
         raise ValueError(f"int8-activation ring MMA: {stages} stages (it takes 2 or more)")
     fit, slot, limit = ring_stages(part, block_n, block_m, x.q.device, stages)
