@@ -42,7 +42,7 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     """a8_mm's choice where no way is asked: on CUDA, Q4_K's 4- and 8-row tiles by the
     registers' kernels and its 16- to 64-row tiles by the ring's, Q6_K's and IQ4_XS's 16- to
     64-row tiles and Q8_0's 16- and 64-row ones by the ring's (where each was faster); with STRATA_A8_DOT=gluon or ring
-    that way at every tile from 4 rows (ring: Q8_0 and IQ4_XS too); with triton or a Triton
+    that way at every tile from 4 rows (ring: Q8_0, IQ4_XS and Q5_K too); with triton or a Triton
     way none; never off CUDA, on a GPU before sm_80, for other types, or where a part of K is
     not whole super-blocks."""
     import types
@@ -64,8 +64,9 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
                    "IQ4_XS": {16: "ring", 32: "ring", 64: "ring"},
                    "Q8_0": {16: "ring", 64: "ring"}},
             "gluon": {"Q4_K": every, "Q6_K": every},
-            "ring": {"Q4_K": every, "Q6_K": every, "Q8_0": every, "IQ4_XS": every}}.get(env, {})
-    for qtype in ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q5_K"):
+            "ring": {"Q4_K": every, "Q6_K": every, "Q8_0": every, "IQ4_XS": every,
+                     "Q5_K": every}}.get(env, {})
+    for qtype in ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q5_K", "Q4_0"):
         part = Part(qtype, 4096, 4096, {})
         got = {t: _gluon(cuda, part, t) for t in tiles if _gluon(cuda, part, t)}
         assert got == want.get(qtype, {}), (qtype, env)
@@ -120,7 +121,7 @@ def test_loading_a_step_ahead_or_capping_registers_keeps_the_bits():
             assert want.abs().max() > 0
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q5_K"])
 @pytest.mark.gpu
 @needs_cuda
 def test_the_shared_memory_ring_keeps_the_bits(qtype):
@@ -218,12 +219,14 @@ def test_a_stage_with_the_gluon_kernels_keeps_its_rows_bits(mixed, monkeypatch, 
     assert_stage_rows_invariant(model, "cuda")
 
 
-def _run_ptx(asm: str, arg: int, outs: int = 1):
-    """The 32-bit PTX of a codebook lookup (a8_ring_iq4._codebook_asm, a8_gemv._codebook_asm)
-    run on one word, its input after its outs outputs (its instructions only: and, or, not,
-    shr, mov, mul.lo and prmt's default mode, bytes {b, a} picked by 4-bit selectors whose top
-    bit replicates the byte's sign); the output, or a list of outs."""
-    regs, mask = {f"${outs}": arg}, 0xFFFFFFFF
+def _run_ptx(asm: str, arg, outs: int = 1):
+    """The 32-bit PTX of a code lookup (a8_ring_iq4._codebook_asm, a8_gemv._codebook_asm,
+    a8_gluon._high_asm) run on one word or a tuple of them, its inputs after its outs outputs
+    (its instructions only: and, or, not, shr, shl, add, mov, mul.lo and prmt's default mode,
+    bytes {b, a} picked by 4-bit selectors whose top bit replicates the byte's sign); the
+    output, or a list of outs."""
+    args = arg if isinstance(arg, tuple) else (arg,)
+    regs, mask = {f"${outs + i}": x for i, x in enumerate(args)}, 0xFFFFFFFF
 
     def val(x):
         return regs[x] if x in regs else int(x, 0)
@@ -244,7 +247,8 @@ def _run_ptx(asm: str, arg: int, outs: int = 1):
         else:
             r = {"and.b32": lambda: a[0] & a[1], "or.b32": lambda: a[0] | a[1],
                  "not.b32": lambda: ~a[0], "shr.b32": lambda: a[0] >> a[1],
-                 "mov.b32": lambda: a[0], "mul.lo.u32": lambda: a[0] * a[1]}[op]()
+                 "mov.b32": lambda: a[0], "mul.lo.u32": lambda: a[0] * a[1],
+                 "shl.b32": lambda: a[0] << a[1], "add.u32": lambda: a[0] + a[1]}[op]()
         regs[d] = r & mask
     return regs["$0"] if outs == 1 else [regs[f"${i}"] for i in range(outs)]
 
@@ -282,6 +286,28 @@ def test_the_gemv_codebook_asm_gives_the_iq4_values_in_pairs():
         for got, first in ((even, 0), (odd, 1)):
             want = [IQ4_VALUES[(word >> (4 * (2 * k + first))) & 15] + 128 for k in range(4)]
             assert [(got >> (8 * k)) & 0xFF for k in range(4)] == want, (first, hex(word))
+
+
+@pytest.mark.parametrize("qtype,bits,group", [("Q5_K", 1, 32), ("Q6_K", 2, 16)])
+def test_the_high_bits_asm_reads_the_planes_as_packed(qtype, bits, group):
+    """a8_gluon._high_asm (the ring's Q5_K and Q6_K codes), run instruction by instruction on
+    planes packed as weight.py packs them from random codes: a group's qs word a with its qh
+    word and shift bits * a gives codes 8a, 8a + 2, .. (low nibbles) and 8a + 1, 8a + 3, ..
+    (high nibbles), a byte each."""
+    from strata.kernels.quant.a8_gluon import _high_asm
+    from strata.kernels.quant.weight import _bits_to_words, _high_words
+    mask = (1 << bits) - 1
+    g = torch.Generator().manual_seed(11)
+    u = torch.randint(0, 16 << bits, (1, 256), generator=g)
+    qs = (_bits_to_words(u & 15, 4) & 0xFFFFFFFF).tolist()[0]
+    qh = (_high_words(u >> 4, bits, group) & 0xFFFFFFFF).tolist()[0]
+    lo_asm, hi_asm = _high_asm(mask * 0x01010101, 0), _high_asm(mask * 0x01010101, 1)
+    for c in range(256 // 8):                       # qs word c: group c // (group / 8), word a
+        a = c % (group // 8)
+        for asm, odd in ((lo_asm, 0), (hi_asm, 1)):
+            got = _run_ptx(asm, (qs[c], qh[c // (group // 8)], bits * a))
+            want = [int(u[0, 8 * c + 2 * k + odd]) for k in range(4)]
+            assert [(got >> (8 * k)) & 0xFF for k in range(4)] == want, (qtype, c, odd)
 
 
 def test_the_ring_takes_the_stages_a_gpu_has_room_for(monkeypatch):

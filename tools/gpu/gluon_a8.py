@@ -59,7 +59,7 @@ def sass(qtype: str, block_n: int, block_m: int, warps: int, parts: int = 4,
     if stages:
         consts.update(STAGES=stages, **copy_layouts(warps, qtype))
     if "Q8" in fn.arg_names:
-        consts["Q8"] = qtype == "Q8_0"
+        consts.update(Q8=qtype == "Q8_0", Q5=qtype == "Q5_K")
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a != "M" and a not in consts}

@@ -246,21 +246,33 @@ def _and(x, mask, NOT: gl.constexpr):
                                      is_pure=True, pack=4)
 
 
+def _high_asm(mask: int, hi: int) -> str:
+    """PTX: a thread's qs word ($1), its group's qh word ($2) and shift ($3, a byte) -> the codes
+    of the low (hi 0) or high (hi 1) nibbles with their high bits (qh >> shift, plus 4 for the
+    high nibbles, masked by mask a byte) above them, a byte each."""
+    take = ("shr.b32 $0, $1, 4; and.b32 $0, $0, 0x0F0F0F0F;" if hi else
+            "and.b32 $0, $1, 0x0F0F0F0F;")
+    return ("{ .reg .b32 s, h; and.b32 s, $3, 0xFF; " + ("add.u32 s, s, 4; " if hi else "") +
+            f"shr.b32 h, $2, s; and.b32 h, h, {mask:#010x}; shl.b32 h, h, 4; " + take +
+            " or.b32 $0, $0, h; }")
+
+
+# Q6_K's two high bits a code and Q5_K's one (weight.py's qh words)
+Q6K_LO, Q6K_HI = gl.constexpr(_high_asm(0x03030303, 0)), gl.constexpr(_high_asm(0x03030303, 1))
+Q5K_LO, Q5K_HI = gl.constexpr(_high_asm(0x01010101, 0)), gl.constexpr(_high_asm(0x01010101, 1))
+
+
 @gluon.jit
-def _q6k_codes(raw, qh, shift):
-    """int8 [BN, 16] x3 -> the 6-bit codes of the low (bits 0..3 of raw) and high nibbles:
-    raw the thread's qs word, qh its group's qh word, shift 2 a (a: the word's index in its
-    group): element j's high bits are bits 4 j + 2 a of qh, so the low nibbles' are qh >> 2a
-    and the high ones' qh >> (2a + 4), a byte each."""
-    lo = gl.inline_asm_elementwise(
-        "{ .reg .b32 s, h; and.b32 s, $3, 0xFF; shr.b32 h, $2, s; and.b32 h, h, 0x03030303; "
-        "shl.b32 h, h, 4; and.b32 $0, $1, 0x0F0F0F0F; or.b32 $0, $0, h; }",
-        "=r,r,r,r", [raw, qh, shift], dtype=gl.int8, is_pure=True, pack=4)
-    hi = gl.inline_asm_elementwise(
-        "{ .reg .b32 s, h; and.b32 s, $3, 0xFF; add.u32 s, s, 4; shr.b32 h, $2, s; "
-        "and.b32 h, h, 0x03030303; shl.b32 h, h, 4; shr.b32 $0, $1, 4; "
-        "and.b32 $0, $0, 0x0F0F0F0F; or.b32 $0, $0, h; }",
-        "=r,r,r,r", [raw, qh, shift], dtype=gl.int8, is_pure=True, pack=4)
+def _high_codes(raw, qh, shift, LO: gl.constexpr, HI: gl.constexpr):
+    """int8 [BN, 16] x3 -> the codes of the low (bits 0..3 of raw) and high nibbles with their
+    high bits (_high_asm's LO, HI): raw the thread's qs word, qh its group's qh word, shift
+    bits * a (a: the word's index in its group): element j's high bits are at bit 4 j +
+    bits * a of qh, so the low nibbles' are qh >> (bits a) and the high ones' qh >> (bits a +
+    4), a byte each."""
+    lo = gl.inline_asm_elementwise(LO, "=r,r,r,r", [raw, qh, shift], dtype=gl.int8,
+                                   is_pure=True, pack=4)
+    hi = gl.inline_asm_elementwise(HI, "=r,r,r,r", [raw, qh, shift], dtype=gl.int8,
+                                   is_pure=True, pack=4)
     return lo, hi
 
 
@@ -296,7 +308,7 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res_
             ch = 8 * sbk + c
             raw = _ld(a_at + 16 * ch, a_ok, EVEN)
             qh = _ld(h_at + 8 * ch, a_ok, EVEN)
-            lo, hi = _q6k_codes(raw, qh, shift)
+            lo, hi = _high_codes(raw, qh, shift, Q6K_LO, Q6K_HI)
             u = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 32))
             u = gl.convert_layout(u, a_l, assert_trivial=True)
             q = _ld(b_at + 32 * ch, b_ok, EVEN)

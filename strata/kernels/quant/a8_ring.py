@@ -1,4 +1,4 @@
-"""The Gluon int8-activation MMA for Q4_K, Q6_K and Q8_0 (IQ4_XS's in a8_ring_iq4.py) with its
+"""The Gluon int8-activation MMA for Q4_K, Q5_K, Q6_K and Q8_0 (IQ4_XS's in a8_ring_iq4.py) with its
 operands through a ring of shared memory: each super-block's weight bytes, scales and the rows'
 codes and dc plane are copied from global memory by cp.async `stages - 1` super-blocks ahead of
 their arithmetic (a8_ring_io.py), so a program keeps that many loads in flight instead of
@@ -9,12 +9,12 @@ program, not once a warp from global memory.
 The arithmetic is a8_gluon.py's kernels', term for term (the same mma.sync sums, the same
 group_term, groups in K's order, parts finished by _finish), so the bits are a8_mm's, which
 takes ring_mm on CUDA at a8_gluon.GLUON_TILES' "ring" tiles (Q4_K's, Q6_K's and IQ4_XS's 16 to
-64 rows, Q8_0's 16 and 64; with STRATA_A8_DOT=ring every type's tiles from 4 rows); tools/gpu/gluon_a8.py --stages times
-it beside a8_mm.
+64 rows, Q8_0's 16 and 64; with STRATA_A8_DOT=ring every type's tiles from 4 rows, Q5_K's
+too); tools/gpu/gluon_a8.py --stages times it beside a8_mm.
 
 A slot holds a super-block of the tile: the weight's qs bytes [8 groups, BN rows, 16], its
 scale words [4, BN] int32 (Q4_K: sc's three and the d, dmin pair; Q6_K: its 16 scales; Q8_0:
-its 8 d; Q6_K and Q8_0 also their qh bytes), the rows' codes in slot order [8, BM, 32] (the
+its 8 d; Q6_K, Q8_0 and Q5_K also their qh bytes), the rows' codes in slot order [8, BM, 32] (the
 order a8_gluon._rows_at reads, copied 4 bytes at a time into place) and their dc [8, BM, 4]
 fp32.
 """
@@ -29,7 +29,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from strata.kernels.quant.a8_gluon import (_add_term, _and, _finish, _ld, _nibbles, _program,
-                                           _q4k_terms, _q6k_codes, _tile, plan)
+                                           _high_codes, _q4k_terms, _tile, plan, Q5K_HI, Q5K_LO,
+                                           Q6K_HI, Q6K_LO)
 from strata.kernels.quant.a8_parts import PARTS
 from strata.kernels.quant.a8_ring_io import (_bytes_sources, _copy_in, _half, _ring,
                                              _rows_sources, _word_ring, copy_layouts)
@@ -37,7 +38,7 @@ from strata.kernels.quant.a8_ring_iq4 import _iq4xs_ring_kernel
 
 SHARED = 227 * 1024   # a program's shared memory on sm_90 (off CUDA, for the checks alone)
 STAGES = (2, 3)        # the ring's default super-blocks, Q4_K's and Q8_0's, and Q6_K's
-RING_TYPES = ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS")
+RING_TYPES = ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "Q5_K")
 # ptxas's cap on a thread's registers by default, by (type, row tile): Q4_K's 64-row tiles take
 # 255 registers uncapped (two programs an SM); capped at 168 (three, a few spills) they ran in
 # 98.0 and 46.4 us against 105.4 and 60.5 on an H100 at the llama3-8b down and qkv shapes
@@ -68,13 +69,16 @@ def ring_stages(part, block_n: int, block_m: int, device: torch.device,
 
 
 @gluon.jit
-def _nibble_copy(ring_w, ring_h, ring_s, ring_b, ring_d, slot, sb, w_at, h_at, w_ok, s_at, s_ok,
-                 s_step, b_at, b_ok, d_at, d_ok, EVEN: gl.constexpr, Q8: gl.constexpr):
-    """Q4_K's or Q8_0's (Q8: its qh bytes too) super-block sb's weight bytes, scale words,
-    codes and dc into the ring's slot, one commit group."""
+def _nibble_copy(ring_w, ring_h, ring_s, ring_b, ring_d, slot, sb, w_at, h_at, w_ok, h_ok,
+                 s_at, s_ok, s_step, b_at, b_ok, d_at, d_ok, EVEN: gl.constexpr,
+                 Q8: gl.constexpr, Q5: gl.constexpr):
+    """Q4_K's, Q8_0's or Q5_K's (Q8, Q5: their qh bytes too) super-block sb's weight bytes,
+    scale words, codes and dc into the ring's slot, one commit group."""
     _copy_in(ring_w, slot, w_at + 128 * sb, w_ok, EVEN)
     if Q8:
         _copy_in(ring_h, slot, h_at + 128 * sb, w_ok, EVEN)
+    if Q5:   # a group's qh word, beside each of its four qs words
+        _copy_in(ring_h, slot, h_at + 32 * sb, h_ok, EVEN)
     _copy_in(ring_s, slot, s_at + s_step * sb, s_ok, EVEN)
     _copy_in(ring_b, slot, b_at + 256 * sb, b_ok, EVEN)
     _copy_in(ring_d, slot, d_at + 32 * sb, d_ok, EVEN)
@@ -103,8 +107,11 @@ def _nibble_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, 
                         RAW: gl.constexpr, DC: gl.constexpr, EVEN: gl.constexpr,
                         P: gl.constexpr, HAS_RES: gl.constexpr, FIXUP: gl.constexpr,
                         STAGES: gl.constexpr, CW: gl.constexpr, CS: gl.constexpr,
-                        CB: gl.constexpr, CD: gl.constexpr, Q8: gl.constexpr):
-    """a8_gluon._q4k_mma_kernel with the ring (the module says how), or with Q8 Q8_0's. w_ptr
+                        CB: gl.constexpr, CD: gl.constexpr, Q8: gl.constexpr,
+                        Q5: gl.constexpr, CH: gl.constexpr):
+    """a8_gluon._q4k_mma_kernel with the ring (the module says how), or with Q8 Q8_0's, or
+    with Q5 Q5_K's (Q4_K's scales; qh_ptr its qh plane as bytes, s1 its row in words: a
+    group's word copied beside each of its four qs words, [8, BN, 16] in CH). w_ptr
     the qs plane as bytes (s0 its row in words). Q4_K: sc_ptr the scale words (int32), dm_ptr
     the d, dmin pairs as int32 words (s3 the plane's row in words). Q8_0: qh_ptr the high
     nibbles' plane as bytes (s1), sc_ptr its d plane as int32 words (s2; 4 a super-block),
@@ -116,13 +123,22 @@ def _nibble_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, 
     part, n0, m0 = _program(BLOCK_N, BLOCK_M)
     ring_w, group_w = _ring(STAGES, gl.int8, BLOCK_N, 16)
     ring_h, group_h = ring_w, group_w
-    if Q8:
+    if Q8 or Q5:
         ring_h, group_h = _ring(STAGES, gl.int8, BLOCK_N, 16)
     ring_s, words = _word_ring(STAGES, BLOCK_N)
     ring_b, group_b = _ring(STAGES, gl.int8, BLOCK_M, 32)
     ring_d, group_d = _ring(STAGES, gl.float32, BLOCK_M, 4)
     w_at, w_ok = _bytes_sources(w_ptr, n0, N, 4 * s0, BLOCK_N, CW)
-    h_at, _ = _bytes_sources(qh_ptr, n0, N, 4 * s1, BLOCK_N, CW)
+    h_at, h_ok = _bytes_sources(qh_ptr, n0, N, 4 * s1, BLOCK_N, CW)
+    if Q5:   # group ch's 4 bytes at each of the slot's 4 words: bytes 0-3, 0-3, 0-3, 0-3
+        ch = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, CH)))
+        nh = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, CH)))
+        e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CH)))
+        e = gl.max_contiguous(gl.multiple_of(e % 4, 4), 4)
+        h_at = qh_ptr + nh[None, :, None] * (4 * s1) + (4 * ch)[:, None, None] + e[None, None, :]
+        h_ok = (nh < N)[None, :, None]
+    sa = gl.arange(0, 16, layout=gl.SliceLayout(0, RAW))
+    shift = gl.full([BLOCK_N, 16], 0, gl.int8, layout=RAW) + (sa // 4).to(gl.int8)[None, :]
     c = gl.arange(0, 4, layout=gl.SliceLayout(1, CS))   # Q4_K: sc's three words, then dm's
     ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, CS))
     if Q8:
@@ -141,15 +157,15 @@ def _nibble_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, 
     last = first + L // 256 - 1
     for s in gl.static_range(STAGES - 1):   # the ring's first super-blocks (the last again
         _nibble_copy(ring_w, ring_h, ring_s, ring_b, ring_d, s, gl.minimum(first + s, last),
-                     w_at, h_at, w_ok, s_at, s_ok, s_step, b_at, b_ok, d_at, d_ok, EVEN,
-                     Q8)                                    # where the part is short)
+                     w_at, h_at, w_ok, h_ok, s_at, s_ok, s_step, b_at, b_ok, d_at, d_ok, EVEN,
+                     Q8, Q5)                                # where the part is short)
     for sbk in range(first, last + 1):
         i = sbk - first
         async_copy.wait_group(STAGES - 2)   # this thread's copies of sbk have landed
         gl.thread_barrier()                 # everyone's, and slot i - 1 is read: refill it
         _nibble_copy(ring_w, ring_h, ring_s, ring_b, ring_d, (i + STAGES - 1) % STAGES,
-                     gl.minimum(sbk + STAGES - 1, last), w_at, h_at, w_ok, s_at, s_ok, s_step,
-                     b_at, b_ok, d_at, d_ok, EVEN, Q8)
+                     gl.minimum(sbk + STAGES - 1, last), w_at, h_at, w_ok, h_ok, s_at, s_ok,
+                     s_step, b_at, b_ok, d_at, d_ok, EVEN, Q8, Q5)
         slot = i % STAGES
         v0 = words.index(4 * slot).load(rows_l)
         v1 = words.index(4 * slot + 1).load(rows_l)
@@ -166,6 +182,11 @@ def _nibble_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, 
                 hw = v0 if j < 2 else v1 if j < 4 else v2 if j < 6 else v3   # group j's d:
                 a = _half(hw, j % 2)                                          # half j % 2
                 b = (-128.0 * a) * 0.0                      # the GEMV's zeroed b
+            elif Q5:   # the qs word's codes with their fifth bits (shift: the word's index)
+                lo, hi = _high_codes(raw, group_h.index(8 * slot + j).load(RAW), shift, Q5K_LO,
+                                     Q5K_HI)
+                u = gl.join(lo, hi)
+                a, b = _q4k_terms(v0, v1, v2, d, dmin, j)
             else:
                 u = gl.join(_nibbles(raw, 0), _nibbles(raw, 4))
                 a, b = _q4k_terms(v0, v1, v2, d, dmin, j)
@@ -254,8 +275,8 @@ def _q6k_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res
         d_next = _ld(dm_ptr + n * s3 + gl.minimum(sbk + 1, hi_sb), n_ok, EVEN).to(gl.float32)
         slot = i % STAGES
         for cc in gl.static_range(8):                          # chunks of 32: groups 2c, 2c + 1
-            lo, hi = _q6k_codes(group_w.index(8 * slot + cc).load(RAW),
-                                group_h.index(8 * slot + cc).load(RAW), shift)
+            lo, hi = _high_codes(group_w.index(8 * slot + cc).load(RAW),
+                                 group_h.index(8 * slot + cc).load(RAW), shift, Q6K_LO, Q6K_HI)
             u = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 32))
             u = gl.convert_layout(u, a_l, assert_trivial=True)
             q = group_b.index(8 * slot + cc).permute((1, 0)).load(b_l)
@@ -297,6 +318,10 @@ def ring_args(part) -> tuple:
         raise ValueError(f"int8-activation ring MMA: {part.qtype}'s scale plane is not in "
                          "words")
     qs, words = pl["qs"].view(torch.int8), halves.view(torch.int32)
+    if part.qtype == "Q5_K":
+        return ((qs, pl["qh"].view(torch.int8), pl["sc"], words),
+                (pl["qs"].stride(0), pl["qh"].stride(0), pl["sc"].stride(0),
+                 halves.stride(0) // 2))
     if part.qtype == "Q8_0":
         return ((qs, pl["qh"].view(torch.int8), words, words),
                 (pl["qs"].stride(0), pl["qh"].stride(0), halves.stride(0) // 2, 0))
@@ -307,7 +332,7 @@ def ring_args(part) -> tuple:
 def ring_mm(x, part, res=None, out=None, *, stages: int | None = None, block_n: int = 64,
             block_m: int = 16, warps: int = 4, parts: int = PARTS,
             maxnreg: int | None = None, warps_m: int = 1) -> torch.Tensor:
-    """a8_gluon.gluon_mm's product (a8_mm's bits) for a Q4_K, Q6_K or Q8_0 part by the ring
+    """a8_gluon.gluon_mm's product (a8_mm's bits) for a part of a RING_TYPES type by the ring
     kernels, a ring of `stages` super-blocks (2 or more; default STAGES', the faster on an
     H200 by tools/gpu/gluon_a8.py --stages, fewer where the device's shared memory is less);
     maxnreg: ptxas's cap on a thread's registers (default REGISTERS' for the tile, else none)."""
@@ -331,7 +356,8 @@ def ring_mm(x, part, res=None, out=None, *, stages: int | None = None, block_n: 
                          "not in 16-byte rows (cp.async copies 16 bytes)")
     kernel, q8 = {"Q6_K": _q6k_ring_kernel, "IQ4_XS": _iq4xs_ring_kernel}.get(part.qtype), {}
     if kernel is None:
-        kernel, q8 = _nibble_ring_kernel, {"Q8": part.qtype == "Q8_0"}
+        kernel = _nibble_ring_kernel
+        q8 = {"Q8": part.qtype == "Q8_0", "Q5": part.qtype == "Q5_K"}
     kernel[grid](x.qp, x.dc, *planes, *finish, *sizes, *strides, finish[1].stride(0),
                  out.stride(0), STAGES=stages, **q8, **copy_layouts(warps, part.qtype),
                  **blocks)

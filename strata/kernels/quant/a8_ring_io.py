@@ -76,14 +76,14 @@ def _half(word, H: gl.constexpr):
 def copy_layouts(warps: int, qtype: str = "Q4_K") -> dict:
     """The copies' register layouts: a thread 16 weight bytes (8 threads a row's super-block,
     128 contiguous bytes), 4 bytes of the rows' codes (8 threads a group of a row), 16 bytes
-    of their dc plane (8 threads a row's super-block), one scale word (not IQ4_XS); Q6_K 4
-    bytes of qh."""
+    of their dc plane (8 threads a row's super-block), one scale word (not IQ4_XS); Q6_K's and
+    Q5_K's 4 bytes of qh (CH)."""
     out = dict(
         CW=gl.BlockedLayout([1, 1, 16], [8, 4, 1], [1, warps, 1], [2, 0, 1]),
         CS=gl.BlockedLayout([1, 1], [4, 8], [1, warps], [0, 1]),
         CB=gl.BlockedLayout([1, 1, 4], [1, 4, 8], [1, warps, 1], [2, 1, 0]),
         CD=gl.BlockedLayout([1, 1, 4], [8, 4, 1], [1, warps, 1], [2, 0, 1]))
-    if qtype == "Q6_K":
+    if qtype != "IQ4_XS":   # (Q4_K's and Q8_0's kernel takes it for Q5_K's)
         out["CH"] = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [1, warps, 1], [2, 0, 1])
     if qtype == "IQ4_XS":   # its scales are loaded into registers
         del out["CS"]
