@@ -192,6 +192,8 @@ for part in $PARTS; do
       for st in 2 3; do
         run a8_ring$st 300 python tools/gpu/gluon_a8.py --rows 1,8,16,32,64 --stages $st
       done
+      run a8_ring_types 300 python tools/gpu/gluon_a8.py --types IQ4_XS,Q8_0,Q5_K \
+        --rows 1,8,16,32,64 --stages 2
       run a8_tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider \
         tests/kernels/test_quant_a8.py tests/kernels/test_quant_a8_fused.py \
         tests/kernels/test_quant_a8_gluon.py
