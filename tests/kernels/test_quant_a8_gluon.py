@@ -221,7 +221,7 @@ def test_a_stage_with_the_gluon_kernels_keeps_its_rows_bits(mixed, monkeypatch, 
 
 def _run_ptx(asm: str, arg, outs: int = 1):
     """The 32-bit PTX of a code lookup (a8_ring_iq4._codebook_asm, a8_gemv._codebook_asm,
-    a8_gluon._high_asm) run on one word or a tuple of them, its inputs after its outs outputs
+    a8_codes._high_asm) run on one word or a tuple of them, its inputs after its outs outputs
     (its instructions only: and, or, not, shr, shl, add, mov, mul.lo and prmt's default mode,
     bytes {b, a} picked by 4-bit selectors whose top bit replicates the byte's sign); the
     output, or a list of outs."""
@@ -290,11 +290,11 @@ def test_the_gemv_codebook_asm_gives_the_iq4_values_in_pairs():
 
 @pytest.mark.parametrize("qtype,bits,group", [("Q5_K", 1, 32), ("Q6_K", 2, 16)])
 def test_the_high_bits_asm_reads_the_planes_as_packed(qtype, bits, group):
-    """a8_gluon._high_asm (the ring's Q5_K and Q6_K codes), run instruction by instruction on
+    """a8_codes._high_asm (the ring's Q5_K and Q6_K codes), run instruction by instruction on
     planes packed as weight.py packs them from random codes: a group's qs word a with its qh
     word and shift bits * a gives codes 8a, 8a + 2, .. (low nibbles) and 8a + 1, 8a + 3, ..
     (high nibbles), a byte each."""
-    from strata.kernels.quant.a8_gluon import _high_asm
+    from strata.kernels.quant.a8_codes import _high_asm
     from strata.kernels.quant.weight import _bits_to_words, _high_words
     mask = (1 << bits) - 1
     g = torch.Generator().manual_seed(11)

@@ -29,18 +29,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from strata.kernels.arrive import counters
+from strata.kernels.quant.a8_codes import Q6K_HI, Q6K_LO, _and, _high_codes, _nibbles
 from strata.kernels.quant.a8_layouts import dc_layout, mma_layout, raw_layout
 from strata.kernels.quant.a8_parts import PARTS, add_parts, k_parts
-
-
-@gluon.jit
-def _nibbles(raw, SHIFT: gl.constexpr):
-    """int8 [..] bytes -> their low (SHIFT 0) or high (4) nibbles, a word at a time."""
-    if SHIFT == 0:
-        return gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [raw],
-                                         dtype=gl.int8, is_pure=True, pack=4)
-    return gl.inline_asm_elementwise("shr.b32 $0, $1, 4;\n\tand.b32 $0, $0, 0x0F0F0F0F;",
-                                     "=r,r", [raw], dtype=gl.int8, is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -234,46 +225,6 @@ def _q4k_mma_kernel(qp_ptr, dc_ptr, w_ptr, sc_ptr, dm_ptr, dst_ptr, res_ptr, out
             acc = _add_term(acc, isum, a, b, _ld(dc_ptr + 4 * g + dc_at, dc_ok, EVEN), MMA)
     _finish(acc, dst_ptr, res_ptr, out_ptr, count_ptr, n, n_ok, m, m_ok, M, N, stride_rm,
             stride_om, P, HAS_RES, FIXUP)
-
-
-@gluon.jit
-def _and(x, mask, NOT: gl.constexpr):
-    """int8 x & mask (NOT: & ~mask), a word at a time."""
-    if NOT:
-        return gl.inline_asm_elementwise("not.b32 $0, $2;\n\tand.b32 $0, $1, $0;", "=r,r,r",
-                                         [x, mask], dtype=gl.int8, is_pure=True, pack=4)
-    return gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [x, mask], dtype=gl.int8,
-                                     is_pure=True, pack=4)
-
-
-def _high_asm(mask: int, hi: int) -> str:
-    """PTX: a thread's qs word ($1), its group's qh word ($2) and shift ($3, a byte) -> the codes
-    of the low (hi 0) or high (hi 1) nibbles with their high bits (qh >> shift, plus 4 for the
-    high nibbles, masked by mask a byte) above them, a byte each."""
-    take = ("shr.b32 $0, $1, 4; and.b32 $0, $0, 0x0F0F0F0F;" if hi else
-            "and.b32 $0, $1, 0x0F0F0F0F;")
-    return ("{ .reg .b32 s, h; and.b32 s, $3, 0xFF; " + ("add.u32 s, s, 4; " if hi else "") +
-            f"shr.b32 h, $2, s; and.b32 h, h, {mask:#010x}; shl.b32 h, h, 4; " + take +
-            " or.b32 $0, $0, h; }")
-
-
-# Q6_K's two high bits a code and Q5_K's one (weight.py's qh words)
-Q6K_LO, Q6K_HI = gl.constexpr(_high_asm(0x03030303, 0)), gl.constexpr(_high_asm(0x03030303, 1))
-Q5K_LO, Q5K_HI = gl.constexpr(_high_asm(0x01010101, 0)), gl.constexpr(_high_asm(0x01010101, 1))
-
-
-@gluon.jit
-def _high_codes(raw, qh, shift, LO: gl.constexpr, HI: gl.constexpr):
-    """int8 [BN, 16] x3 -> the codes of the low (bits 0..3 of raw) and high nibbles with their
-    high bits (_high_asm's LO, HI): raw the thread's qs word, qh its group's qh word, shift
-    bits * a (a: the word's index in its group): element j's high bits are at bit 4 j +
-    bits * a of qh, so the low nibbles' are qh >> (bits a) and the high ones' qh >> (bits a +
-    4), a byte each."""
-    lo = gl.inline_asm_elementwise(LO, "=r,r,r,r", [raw, qh, shift], dtype=gl.int8,
-                                   is_pure=True, pack=4)
-    hi = gl.inline_asm_elementwise(HI, "=r,r,r,r", [raw, qh, shift], dtype=gl.int8,
-                                   is_pure=True, pack=4)
-    return lo, hi
 
 
 @gluon.jit

@@ -28,9 +28,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from strata.kernels.quant.a8_gluon import (_add_term, _and, _finish, _ld, _nibbles, _program,
-                                           _high_codes, _q4k_terms, _tile, plan, Q5K_HI, Q5K_LO,
-                                           Q6K_HI, Q6K_LO)
+from strata.kernels.quant.a8_codes import (Q5K_HI, Q5K_LO, Q6K_HI, Q6K_LO, _and, _high_codes,
+                                          _nibbles)
+from strata.kernels.quant.a8_gluon import _add_term, _finish, _ld, _program, _q4k_terms, _tile, plan
 from strata.kernels.quant.a8_parts import PARTS
 from strata.kernels.quant.a8_ring_io import (_bytes_sources, _copy_in, _half, _ring,
                                              _rows_sources, _word_ring, copy_layouts)
