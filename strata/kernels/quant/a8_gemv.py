@@ -275,7 +275,7 @@ def _gemv_step(acc, aw, qs, dx, p0, p1, p2, p3, s0, s1, s2, s3, wn, n_ok, w0, g0
                QTYPE: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr):
     """acc [BM, BN] + one K step's group terms of weight rows wn, in order: the rows' code
-    words aw [BM, STEP / 4] (pair order for the nibble types), their sums a group qs and
+    words aw [BM, STEP / 4] (in pair order), their sums a group qs and
     scales dx [BM, G]; the step's first code word w0 (of eight codes) and group g0 in a
     weight row."""
     G: tl.constexpr = STEP // S
