@@ -168,7 +168,7 @@ def test_warps_along_the_window_keep_the_bits(qtype):
 
 
 def test_the_ring_refuses_what_it_does_not_take():
-    """a8_ring.ring_mm takes Q4_K, Q6_K, Q8_0 and IQ4_XS in whole super-blocks a part, with 2
+    """a8_ring.ring_mm takes RING_TYPES' types in whole super-blocks a part, with 2
     stages or more that fit shared memory: a sentence saying so for the rest, before any
     launch (on the CPU too)."""
     from strata.kernels.quant.a8 import Codes

@@ -342,7 +342,7 @@ def a8_mma(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, bl
            ) -> torch.Tensor:
     """out [M, N] (+ res) = x's rows @ part^T by the MMA (a8_triton.a8_mm checks the blocks);
     dot "gluon" or "ring": by a8_gluon.py's kernels (Q4_K and Q6_K, on CUDA) or a8_ring.py's
-    (those and Q8_0, IQ4_XS), their own blocks."""
+    (a8_ring.RING_TYPES), their own blocks."""
     if dot == "gluon":
         from strata.kernels.quant.a8_gluon import gluon_mm
         return gluon_mm(x, part, res, out, block_m=block_m, parts=parts)

@@ -302,8 +302,9 @@ def _q6k_ring_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res
 def ring_args(part) -> tuple:
     """The part's planes as the ring kernel of its type reads them, and their row strides (two
     tuples, in the kernel's order). Q4_K: qs as bytes, sc as int32 words, dm's d, dmin pairs
-    as int32 words; Q8_0: qs and qh as bytes, d as int32 words; Q6_K: qs and qh as bytes, sc
-    as int32 words, dm as it is; IQ4_XS: qs as bytes, sc and dm as they are."""
+    as int32 words (Q5_K: its qh as bytes too); Q8_0: qs and qh as bytes, d as int32 words;
+    Q6_K: qs and qh as bytes, sc as int32 words, dm as it is; IQ4_XS: qs as bytes, sc and dm
+    as they are."""
     pl = part.planes
     if part.qtype == "IQ4_XS":
         return ((pl["qs"].view(torch.int8), pl["sc"], pl["dm"]),

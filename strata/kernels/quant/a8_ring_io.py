@@ -83,7 +83,7 @@ def copy_layouts(warps: int, qtype: str = "Q4_K") -> dict:
         CS=gl.BlockedLayout([1, 1], [4, 8], [1, warps], [0, 1]),
         CB=gl.BlockedLayout([1, 1, 4], [1, 4, 8], [1, warps, 1], [2, 1, 0]),
         CD=gl.BlockedLayout([1, 1, 4], [8, 4, 1], [1, warps, 1], [2, 0, 1]))
-    if qtype != "IQ4_XS":   # (Q4_K's and Q8_0's kernel takes it for Q5_K's)
+    if qtype != "IQ4_XS":   # (the nibble kernel takes it for Q5_K's; Q4_K and Q8_0 leave it)
         out["CH"] = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [1, warps, 1], [2, 0, 1])
     if qtype == "IQ4_XS":   # its scales are loaded into registers
         del out["CS"]
