@@ -40,8 +40,9 @@ def test_the_dc_plane_is_the_rows_scales_and_sums(device):
 @pytest.mark.parametrize("env", [None, "gluon", "ring", "triton", "groups"])
 def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     """a8_mm's choice where no way is asked: on CUDA, Q4_K's 4- and 8-row tiles by the
-    registers' kernels and its 16- to 64-row tiles by the ring's, Q6_K's and IQ4_XS's 16- to
-    64-row tiles and Q8_0's 16- and 64-row ones by the ring's (where each was faster); with STRATA_A8_DOT=gluon or ring
+    registers' kernels and its 16- to 64-row tiles by the ring's, Q6_K's 16- to 64-row tiles,
+    IQ4_XS's 8- to 64-row ones, Q5_K's 8-, 16- and 64-row ones and Q8_0's 16- and 64-row ones
+    by the ring's (where each was faster); with STRATA_A8_DOT=gluon or ring
     that way at every tile from 4 rows (ring: Q8_0, IQ4_XS and Q5_K too); with triton or a Triton
     way none; never off CUDA, on a GPU before sm_80, for other types, or where a part of K is
     not whole super-blocks."""
@@ -61,7 +62,8 @@ def test_which_windows_take_the_gluon_kernels(monkeypatch, env):
     every = {t: env for t in (4, 8, 16, 32, 64)}
     want = {None: {"Q4_K": {4: "gluon", 8: "gluon", 16: "ring", 32: "ring", 64: "ring"},
                    "Q6_K": {16: "ring", 32: "ring", 64: "ring"},
-                   "IQ4_XS": {16: "ring", 32: "ring", 64: "ring"},
+                   "IQ4_XS": {8: "ring", 16: "ring", 32: "ring", 64: "ring"},
+                   "Q5_K": {8: "ring", 16: "ring", 64: "ring"},
                    "Q8_0": {16: "ring", 64: "ring"}},
             "gluon": {"Q4_K": every, "Q6_K": every},
             "ring": {"Q4_K": every, "Q6_K": every, "Q8_0": every, "IQ4_XS": every,

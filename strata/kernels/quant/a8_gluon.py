@@ -283,11 +283,13 @@ def _q6k_mma_kernel(qp_ptr, dc_ptr, w_ptr, qh_ptr, sc_ptr, dm_ptr, dst_ptr, res_
 GLUON_TYPES = ("Q4_K", "Q6_K")
 # The row tiles at which a8_mm takes Gluon kernels on CUDA by default, and which: these
 # kernels ("gluon") or a8_ring.py's ("ring"), where they beat the GEMV and the Triton MMA at
-# the llama3-8b shapes (tools/gpu/gluon_a8.py, on an H100 and an H200; Q8_0's and IQ4_XS's
-# against the Triton MMA on an H100); a GEMV tile's rows run as an 8-row tile
+# the llama3-8b shapes (tools/gpu/gluon_a8.py, on an H100 and an H200; Q8_0's, IQ4_XS's and
+# Q5_K's against the GEMV and the Triton MMA on an H100); a GEMV tile's rows run as an 8-row
+# tile
 GLUON_TILES = {"Q4_K": {4: "gluon", 8: "gluon", 16: "ring", 32: "ring", 64: "ring"},
                "Q6_K": {16: "ring", 32: "ring", 64: "ring"},
-               "IQ4_XS": {16: "ring", 32: "ring", 64: "ring"},
+               "IQ4_XS": {8: "ring", 16: "ring", 32: "ring", 64: "ring"},
+               "Q5_K": {8: "ring", 16: "ring", 64: "ring"},
                "Q8_0": {16: "ring", 64: "ring"}}
 
 
