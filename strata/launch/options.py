@@ -14,6 +14,8 @@ from strata.coordinator.config import (AUTO, DRAFT_SAMPLINGS, DRAFT_TILES, DRAFT
                                        SchedulerConfig, auto_groups)
 from strata.coordinator.stages.liveness import FIRST_S, FLOOR_S, MARGIN_S, Liveness
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
+from strata.launch.activations import (ACTIVATIONS, INT8_ROWS, resolve_activations,
+                                       resolve_min_window_rows)
 from strata.launch.memory import check_fits, layer_bytes, tensor_bytes
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
 from strata.model.gguf_file import ModelError, ModelFile
@@ -84,11 +86,12 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           f"window has its decoding slots rounded up to 8 rows (1 slot: 8 rows, "
                           f"9: 16), up to this; more slots take turns. Drafts may add "
                           f"--draft-rows more (never past {MAX_WINDOW_ROWS})."),
-        click.option("--min-window-rows", type=int, default=8, show_default=True,
+        click.option("--min-window-rows", default="auto", show_default=True,
                      help="The fewest rows of a decode window: 8, or 1, 2 or 4: then windows "
                           "of up to 4 rows (decoding slots and their drafts) take the smallest "
                           "of 1, 2 and 4 that holds them, so a lone request pays for 1 row "
-                          "(the int8 GEMV tiles serve those windows)."),
+                          "(the int8 GEMV tiles serve those windows); auto = 1 with int8 "
+                          "activations, else 8."),
         click.option("--decode-ahead", type=click.Choice(["auto", "on", "off"]),
                      default="auto", show_default=True,
                      help="Send the next window while the one before it computes, decode "
@@ -146,14 +149,16 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "docs/BENCHMARKS.md); "
                           "auto = bf16 where the stages fit their devices so, else quantized. "
                           "CPU stages always widen to fp32."),
-        click.option("--activations", type=click.Choice(["float", "int8"]), default="float",
+        click.option("--activations", type=click.Choice(ACTIVATIONS), default="auto",
                      show_default=True,
                      help="What CUDA stages' decode windows multiply quantized weights with: "
                           "float, the rows in bf16 against the weights dequantized; int8, each "
                           "row quantized to int8 (a scale per 32 values) and integer block "
                           "sums (a different arithmetic, the same for every window size; "
                           "docs/GPU.md). int8 needs --weights quantized (or auto that keeps "
-                          "blocks) and CUDA stages."),
+                          f"blocks) and CUDA stages. auto = int8 where the weights stay "
+                          f"quantized on a CUDA stage and no decode window has more than "
+                          f"{INT8_ROWS} rows (--batch, its groups and drafts), else float."),
         click.option("--stage-link", default="auto", show_default=True,
                      type=click.Choice(["auto", "zmq", "nccl", "gloo"]),
                      help="Activations between stages: auto = nccl (GPU to GPU) when each "
@@ -209,7 +214,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
             chunk_rows, graph_cache=16, stage_link="auto", transport="unix", draft_tokens=0,
             drafter=None, mtp_head=None, draft_rows="auto", draft_sampling="argmax",
             stage_timeout=None, cuda_devices=None, check_memory=True, weights="auto",
-            activations="float", min_window_rows=WINDOW_ROW_STEP, decode_ahead="auto",
+            activations="auto", min_window_rows="auto", decode_ahead="auto",
             **_) -> Prepared:
     """Check everything that can be checked before a process starts. The values are checked
     by the configs that take them (SchedulerConfig, the stages' settings); clean_errors names
@@ -223,6 +228,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     draft_tokens = _number_or_auto("--draft-tokens", draft_tokens)
     draft_tokens = AUTO if draft_tokens is None else draft_tokens
     draft_rows = _number_or_auto("--draft-rows", draft_rows)
+    min_window_rows = _number_or_auto("--min-window-rows", min_window_rows)
     check_stage_settings(batch, ctx_size, graph_cache)
     Liveness(stage_timeout)   # refuses a timeout that is not a positive number of seconds
     file = open_model(model, ctx_size)
@@ -239,7 +245,9 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     if draft_rows is None:
         draft_rows = auto_draft_rows(plan)
     sched = SchedulerConfig(slots=batch, groups=groups, window_rows=window_rows,
-                            min_window_rows=min_window_rows, chunk_rows=chunk_rows, ctx=ctx_size,
+                            # until the activations are resolved below
+                            min_window_rows=resolve_min_window_rows(min_window_rows, "float"),
+                            chunk_rows=chunk_rows, ctx=ctx_size,
                             draft_tokens=draft_tokens, drafter=drafter or "lookup",
                             draft_rows=draft_rows,
                             draft_sampling=draft_sampling,
@@ -258,7 +266,8 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
         weights = check_fits(file, plan, batch, ctx_size, weights, head=head)
     elif weights == "auto":
         weights = "bf16"   # where a cluster places the stages, their memory is not seen here
-    check_activations(activations, weights, plan)
+    activations = resolve_activations(activations, weights, plan, sched, file)
+    sched = replace(sched, min_window_rows=resolve_min_window_rows(min_window_rows, activations))
     return Prepared(file, plan, sched, graph_cache, weights, activations,
                     resolve_link(stage_link, plan), transport, sidecar, stage_timeout)
 
@@ -273,22 +282,6 @@ def resolve_decode_ahead(value: str, stages: int, sched: SchedulerConfig) -> boo
         raise PlanError(f"--decode-ahead on needs one stage, one group and no drafts, but {why}; "
                         f"use --decode-ahead auto or off")
     return value != "off" and not why
-
-
-def check_activations(activations: str, weights: str, plan: list[StagePlan]) -> None:
-    """int8 activations need quantized weights on at least one CUDA stage."""
-    if activations == "float":
-        return
-    if activations != "int8":
-        raise ConfigError("activations", f"{{activations}} {activations!r} is not float or int8")
-    if all(p.device == "cpu" for p in plan):
-        raise ConfigError("activations", "{activations} int8 runs on CUDA stages, and every "
-                          "stage is on the CPU (which computes in fp32)",
-                          "give CUDA --devices, or leave {activations} out")
-    if weights != "quantized":
-        raise ConfigError("activations", "{activations} int8 multiplies quantized weights, and "
-                          f"the stages widen them to {weights}",
-                          "add --weights quantized, or leave {activations} out")
 
 
 def balance_bytes(file: ModelFile, devices: list[str], weights: str) -> list[int]:

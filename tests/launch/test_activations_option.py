@@ -1,6 +1,7 @@
-"""--activations int8 (kernels/quant/a8.py) as strata-launch and strata-worker take it: refused
+"""--activations (kernels/quant/a8.py) as strata-launch and strata-worker take it: int8 refused
 with a sentence where it cannot apply (CPU stages, weights widened), passed to the CUDA stages
-that run it, and the stage's policy that the kernels read."""
+that run it, and the stage's policy that the kernels read; auto resolved from the plan, and
+--min-window-rows auto with it."""
 from __future__ import annotations
 
 import shutil
@@ -15,10 +16,55 @@ from strata.launch.processes import StageProcesses
 from strata.stage_worker.config import WorkerConfig
 
 
-def _prepare(model, devices: str, weights: str, activations: str):
-    return prepare(model=str(model), layer_split="2", devices=devices, ctx_size=64, batch=1,
-                   batch_groups="1", window_rows="auto", chunk_rows="auto", cuda_devices=1,
-                   check_memory=False, weights=weights, activations=activations)
+def _prepare(model, devices: str, weights: str, activations: str, **kw):
+    args = dict(model=str(model), layer_split="2", devices=devices, ctx_size=64, batch=1,
+                batch_groups="1", window_rows="auto", chunk_rows="auto", cuda_devices=1,
+                check_memory=False, weights=weights, activations=activations)
+    return prepare(**{**args, **kw})
+
+
+@pytest.fixture(scope="module")
+def q8_model(tmp_path_factory):
+    """The tiny shape's matrices in Q8_0, a type the quantized kernels keep in blocks."""
+    from strata.model.mkmodel import SHAPES, write_random_gguf
+    return write_random_gguf(tmp_path_factory.mktemp("q8") / "q8.gguf", SHAPES["tiny"], seed=1,
+                             weight_type="Q8_0")
+
+
+def test_auto_activations_are_int8_for_quantized_weights_in_small_windows(q8_model):
+    """auto: int8 where CUDA stages keep the blocks and no decode window passes 16 rows (a
+    group's slots and their drafts), and then windows of 1 row; float otherwise, and windows of
+    8 rows; a --min-window-rows given stays."""
+    def resolved(**kw):
+        args = dict(model=q8_model, devices="cuda:0", weights="quantized", activations="auto")
+        prep = _prepare(**{**args, **kw})
+        return prep.activations, prep.sched.min_window_rows
+
+    assert resolved() == ("int8", 1)
+    assert resolved(batch=16) == ("int8", 1)
+    assert resolved(batch=17) == ("float", 8)                    # windows of 24 rows
+    assert resolved(batch=4, draft_tokens=3) == ("int8", 1)      # 4 slots x 4 rows
+    assert resolved(batch=8, draft_tokens=1) == ("int8", 1)
+    assert resolved(batch=8, draft_tokens=2) == ("float", 8)     # 24 rows
+    assert resolved(batch=32, window_rows="16") == ("int8", 1)   # slots take turns in 16
+    assert resolved(min_window_rows="8") == ("int8", 8)
+    assert resolved(weights="bf16") == ("float", 8)
+    assert resolved(devices="cpu") == ("float", 8)
+    assert resolved(activations="float", min_window_rows="2") == ("float", 2)
+
+
+def test_auto_activations_are_float_where_no_matrix_stays_in_blocks(tiny_model):
+    prep = _prepare(tiny_model, "cuda:0", "quantized", "auto")   # an F32 file
+    assert (prep.activations, prep.sched.min_window_rows) == ("float", 8)
+
+
+def test_min_window_rows_takes_a_number_or_auto(q8_model):
+    runner = CliRunner()
+    for value, says in (("x", "--min-window-rows 'x' is not a number or auto"),
+                        ("3", "--min-window-rows 3 is not one of 1, 2, 4 or 8")):
+        out = runner.invoke(launch, ["--model", str(q8_model), "--min-window-rows", value,
+                                     "--prompt", "hi"])
+        assert out.exit_code == 2 and says in out.stderr, (out.output, out.exception)
 
 
 def test_cpu_stages_refuse_int8_activations_with_a_sentence(tiny_model):
