@@ -189,8 +189,7 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
         else tok.encode(prompt)
     Sequence(ids, params, tok.stop_ids, prep.sched.ctx)  # refuses an empty or too long prompt
     with prep.launch(log_dir=log_dir, say=say, **stages) as run:
-        for p in prep.plan:
-            say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
+        say_stages(prep.plan, run.pipe)
         sched = Scheduler(run.pipe, prep.sched, tok.stop_ids, tok.decode)
         req, stamps = stream_one(sched, ids, params, tok.decode)
         counts = req.drafts.counts
@@ -199,6 +198,15 @@ def main(prompt, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop,
         say(f"[{len(ids)} prompt tokens, {len(req.seq.generated)} generated, {drafts}"
             f"finish: {req.seq.finish_reason}, seed {params.seed}]")
         say(rates(len(ids), stamps))
+
+
+def say_stages(plan, pipe) -> None:
+    """A line a stage: its layers, its device, and what its hello says it made of the weights
+    (kept in their blocks or widened, and with which activations decode windows take them)."""
+    made = {row["stage"]: row["weights"] for row in pipe.stage_table()}
+    for p in plan:
+        what = f"; {made[p.index]}" if made.get(p.index) else ""
+        say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}{what}")
 
 
 def stream_one(sched: Scheduler, ids: list[int], params: SamplingParams, decode):
@@ -325,8 +333,7 @@ def serve(prep, tok, model, served_names, host, port, api_key, log_dir, stages, 
     sock = bind_socket(host, port)  # a taken port fails before any stage starts
     try:
         with prep.launch(log_dir=log_dir, say=say, **stages) as run:
-            for p in prep.plan:
-                say(f"stage {p.index}: layers [{p.layer_start}, {p.layer_end}) on {p.device}")
+            say_stages(prep.plan, run.pipe)
             failure = run_server(run.pipe, run.procs.check_alive, prep.sched, tok,
                                  prep.file.config.vocab, cfg, sock, say,
                                  restart=run.procs.restart if restart_stages else None)

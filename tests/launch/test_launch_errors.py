@@ -243,8 +243,10 @@ def run_with_logs(tiny_model, tmp_path_factory):
 def test_two_stage_run_succeeds_and_shuts_down(run_with_logs):
     r, log_dir, _ = run_with_logs
     assert r.returncode == 0, r.stderr
-    assert "stage 0: layers [0, 2) on cpu" in r.stderr
-    assert "stage 1: layers [2, 4) on cpu" in r.stderr
+    # each stage's line says what its hello says it made of the weights (an F32 file, fp32)
+    for line in ("stage 0: layers [0, 2) on cpu; kept quantized: none; loaded as float32: F32 x",
+                 "stage 1: layers [2, 4) on cpu; kept quantized: none; loaded as float32: F32 x"):
+        assert line in r.stderr, r.stderr
     assert re.search(r"^\[\d+ prompt tokens, 4 generated, finish: length, seed 1\]$", r.stderr,
                      re.MULTILINE), r.stderr
     assert_no_traceback(r.stderr)
