@@ -385,7 +385,10 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, prompts_file, split, t
                                    for lay in layouts if set(lay.modes) & set(DRAFTED)},
                   # the modes whose windows may go ahead (--decode-ahead; one stage, one group)
                   "decode_ahead": [mode for lay in layouts for mode, cfg in lay.modes.items()
-                                   if ahead.allowed(cfg)]}
+                                   if ahead.allowed(cfg)],
+                  # the modes whose CUDA stages take int8 activations (--activations)
+                  "int8_activations": [mode for lay in layouts for mode in lay.modes
+                                       if lay.prep.activations == "int8"]}
     prompts = (f"{len(pool)} {split} prompts of {prompts_file}" if pool else
                f"{prompt_tokens}-token prompts" if prompt_tokens else "the harness's prompts")
     sampling = filters_said(temperature, top_k, top_p, min_p)
@@ -396,6 +399,8 @@ def sweep(clients, modes, repeats, tokens, prompt_tokens, prompts_file, split, t
                + (f", MTP drafts per slot {_named(drafts)}" if drafts else "")
                + (f", decoding ahead ({', '.join(conditions['decode_ahead'])})"
                   if conditions["decode_ahead"] else "")
+               + (f", int8 activations ({', '.join(conditions['int8_activations'])})"
+                  if conditions["int8_activations"] else "")
                + f", medians of {repeats}; {devices}; {machine()}")
     if peer is not None:
         click.echo(f"# llama.cpp: {peer_json}, {peer['conditions'].get('model')} on "

@@ -27,6 +27,8 @@ def test_sweep_rows_json_and_plot(tiny_model, no_stage_left, shared_stages, tmp_
     assert len(out.stdout.splitlines()) == 2 + 6  # header, columns, 3 modes x 2 client counts
     report = json.loads((tmp_path / "sweep.json").read_text())
     assert report["machine"] and report["conditions"]["batch"] == 2  # = the largest count
+    assert report["conditions"]["int8_activations"] == []   # CPU stages compute in fp32
+    assert "int8 activations" not in out.stdout.splitlines()[0]
     rows = {(r["mode"], r["clients"]): r for r in report["results"]}
     assert len(rows) == len(report["results"]) == 6
     assert set(rows) == {(m, c) for m in ("1gpu", "serial", "pipelined") for c in (1, 2)}
