@@ -38,6 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from strata.kernels.quant.a8_gemv import _a8_gemv_kernel
+from strata.kernels.quant.a8_gemv1 import _a8_gemv1_kernel
 from strata.kernels.quant.a8_parts import STEP
 from strata.kernels.quant.a8_mma import DOTS, _a8_mm_kernel
 from strata.kernels.quant.float_triton import _quant_mm_kernel
@@ -133,6 +134,13 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
         return (_a8_gemv_kernel, types, dict(common, ASM=True, PAIRS=False, STEP=STEP, PDL=False,
                                              STAGES=stages, P=1, ACT=-1, CODES=False),
                 {"enable_fp_fusion": False}, STEP)
+    if kernel == "a8-gemv1":   # a8_gemv1.py: a thread a column, a super-block a step
+        types = {"qw_ptr": "*i32", "dc_ptr": "*fp32", "p0": "*i32", "p2": "*i32", "p3": "*fp16",
+                 "s0": "i32", "s2": "i32", "s3": "i32", "fin_ptr": "*fp32", "count_ptr": "*i32",
+                 "L": "i32", **shape}
+        return (_a8_gemv1_kernel, types, dict(HAS_RES=False, FIXUP=False, ASM=True,
+                                              BLOCK_N=block_n, P=1, STAGES=stages, PDL=False),
+                {"enable_fp_fusion": False}, STEP)
     if kernel == "sb-mma":   # tools/gpu/superblock.py's prototype (Q4_K, a super-block a step)
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
         from superblock import _sb_mm_kernel
@@ -146,7 +154,8 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
 
 
 @click.command()
-@click.option("--kernel", type=click.Choice(["float", "a8-gemv", "a8-mma", "sb-mma"]),
+@click.option("--kernel", type=click.Choice(["float", "a8-gemv", "a8-gemv1", "a8-mma",
+                                             "sb-mma"]),
               default="float",
               show_default=True)
 @click.option("--type", "qtype", type=click.Choice(sorted(TYPE_IDS)), default="Q4_K",
@@ -169,7 +178,10 @@ def cli(kernel, qtype, block_n, block_k, stages, rows, dot, ahead, warps, sass_o
     rows = int(rows)
     if kernel == "sb-mma" and qtype != "Q4_K":
         raise click.UsageError("--kernel sb-mma is a Q4_K prototype: --type Q4_K")
-    if (kernel == "a8-gemv") != (rows <= 8):
+    if kernel == "a8-gemv1" and (rows != 1 or qtype != "Q4_K" or block_n != 32 * warps):
+        raise click.UsageError("--kernel a8-gemv1 takes --rows 1 --type Q4_K, and --block-n "
+                               "32 x --warps (a thread a column)")
+    if kernel.startswith("a8-gemv") != (rows <= 8):
         raise click.UsageError(f"--rows {rows} is not a tile of --kernel {kernel}: a8-gemv "
                                f"takes 1, 2, 4 or 8 rows, the others 16, 32 or 64")
     fn, types, constants, options, step = _kernel(kernel, qtype, rows, block_n, block_k,

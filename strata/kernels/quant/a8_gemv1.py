@@ -1,0 +1,213 @@
+"""The 1-row GEMV a thread a column (Q4_K; behind STRATA_A8_GEMV1=1): a8_gemv.py's arithmetic
+for windows of one row, laid out so that nothing crosses threads.
+
+a8_gemv.py's programs spread a column's K step over several threads: each group's integer sum
+is theirs to add, and the group terms, which must be added one by one in K's order, then move
+between threads (shuffles) to the one that adds them. Here a thread holds one column: for each
+group of 32 quants it takes the column's 4 code words (16 bytes, [BLOCK_N, 4] words 4 to a
+thread, so Triton keeps a column in one thread), the row's 8 code words and its dx and c
+([4] and [2] vectors, the same in every thread), sums the group by two chains of 4 dp4a, and
+adds the group's term to its own accumulator, group after group along the part: a super-block
+a loop step, its scales loaded once and its 8 groups unrolled. Counted for sm_90 with Triton
+3.6 (`tools/sass_count.py --kernel a8-gemv1 --block-n 128 --warps 4 --stages 1|3`): 1.39
+instructions a weight, 1.66 with the loads pipelined through shared memory, against a8_gemv's
+4.70 (`--kernel a8-gemv --block-n 32`); not yet timed (tools/gpu/bench_gemv1.py).
+
+The bits are a8_mm's (tests/kernels/test_quant_a8_gemv1.py): the same group terms
+(a8_gemv.group_term of a d sc, b = -(dmin mn), dx and c = qs dx from the quantizer's dc plane),
+added from zero in K's order within each part, the parts as a8_parts adds them.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kernels.arrive import counters
+from strata.kernels.pdl import enter, launch_options
+from strata.kernels.quant.a8 import Codes
+from strata.kernels.quant.a8_gemv import HIGH_NIBBLES, _dp4a, group_term
+from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_step, k_parts,
+                                           store_rows)
+from strata.kernels.quant.blocks import Part
+from strata.kernels.quant.reads import _planes
+
+TYPES = ("Q4_K",)
+
+
+def gemv1_fits(part: Part, m: int, k: int) -> bool:
+    """Whether a8_mm takes this kernel: asked for (STRATA_A8_GEMV1=1), one row, a Q4_K weight
+    whose K is whole super-blocks."""
+    return (os.environ.get("STRATA_A8_GEMV1") == "1" and m == 1 and part.qtype in TYPES
+            and gemv_step(k) == 256)
+
+
+@triton.jit
+def _float(u):
+    """An integer 0 .. 2^23 - 1 as fp32 by the magic number (no conversion instruction)."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _q4k_ab(v0, v1, v2, d, nd, J: tl.constexpr):
+    """a, b [BN] of group J of a Q4_K super-block (reads._term_values' arithmetic: d sc and
+    -(dmin mn), here as (-dmin) mn, the same bits): its 6-bit scale and min (llama.cpp's
+    get_scale_min_k4) from the three scale words."""
+    SH: tl.constexpr = 8 * (J % 4)
+    if J < 4:
+        sc = (v0 >> SH) & 63
+        mn = (v1 >> SH) & 63
+    else:
+        sc = ((v2 >> SH) & 15) | (((v0 >> (SH + 6)) & 3) << 4)
+        mn = ((v2 >> (SH + 4)) & 15) | (((v1 >> (SH + 6)) & 3) << 4)
+    return d * _float(sc), nd * _float(mn)
+
+
+@triton.jit
+def _dp4a0(a, b, ASM: tl.constexpr):
+    """The sum of a's four unsigned bytes times b's four signed bytes (a8_gemv._dp4a from
+    zero: the immediate 0, no register to clear)."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return _dp4a(a, b, 0, ASM)
+
+
+@triton.jit
+def _pairs(a):
+    """A [4] word vector (the same in every thread) -> its words 0, 2 and 1, 3 as scalars."""
+    even, odd = tl.split(tl.reshape(a, (2, 2)))
+    e0, e1 = tl.split(even)
+    o0, o1 = tl.split(odd)
+    return e0, o0, e1, o1
+
+
+@triton.jit
+def _dot8(w, a0, a1, ASM: tl.constexpr):
+    """A group's integer sum [BN]: its 4 code words (w [BN, 4]) against the row's 8 words in
+    pair order (a0, a1 [4]: even and odd words of code words 0, 1 and of 2, 3), a chain of
+    dp4a for the low nibbles and one for the high ones, taken in place (16 times their value:
+    that chain's sum shifted back, exactly). The splits move values within a thread."""
+    w02, w13 = tl.split(tl.reshape(w, (w.shape[0], 2, 2)))       # (w0, w2), (w1, w3)
+    w0, w2 = tl.split(w02)
+    w1, w3 = tl.split(w13)
+    e0, o0, e1, o1 = _pairs(a0)
+    e2, o2, e3, o3 = _pairs(a1)
+    lo = _dp4a0(w0 & 0x0F0F0F0F, e0, ASM)
+    lo = _dp4a(w1 & 0x0F0F0F0F, e1, lo, ASM)
+    lo = _dp4a(w2 & 0x0F0F0F0F, e2, lo, ASM)
+    lo = _dp4a(w3 & 0x0F0F0F0F, e3, lo, ASM)
+    hi = _dp4a0(w0 & HIGH_NIBBLES, o0, ASM)
+    hi = _dp4a(w1 & HIGH_NIBBLES, o1, hi, ASM)
+    hi = _dp4a(w2 & HIGH_NIBBLES, o2, hi, ASM)
+    hi = _dp4a(w3 & HIGH_NIBBLES, o3, hi, ASM)
+    return lo + (hi >> 4)
+
+
+@triton.jit
+def _sb_words(p0, p2, p3, s0, s2, s3, nc, sb):
+    """Super-block sb of columns nc: its 32 code words as 8 groups' [BN, 4], its 3 scale
+    words and d, -dmin."""
+    wp = p0 + nc[:, None] * s0 + 32 * sb + tl.arange(0, 4)[None, :]
+    base = p2 + nc * s2 + 3 * sb
+    return (tl.load(wp), tl.load(wp + 4), tl.load(wp + 8), tl.load(wp + 12), tl.load(wp + 16),
+            tl.load(wp + 20), tl.load(wp + 24), tl.load(wp + 28), tl.load(base),
+            tl.load(base + 1), tl.load(base + 2), tl.load(p3 + nc * s3 + 2 * sb).to(tl.float32),
+            -tl.load(p3 + nc * s3 + 2 * sb + 1).to(tl.float32))
+
+
+@triton.jit
+def _sb_terms(acc, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd, ap, dp,
+              ASM: tl.constexpr):
+    """acc [BN] + a super-block's 8 group terms in order: its words (_sb_words) against the
+    row's code words at ap and its dc at dp ([4] and [2] pointers), all loaded before the
+    first dot."""
+    a0, a1, a2, a3 = tl.load(ap), tl.load(ap + 4), tl.load(ap + 8), tl.load(ap + 12)
+    a4, a5, a6, a7 = tl.load(ap + 16), tl.load(ap + 20), tl.load(ap + 24), tl.load(ap + 28)
+    a8, a9, a10, a11 = tl.load(ap + 32), tl.load(ap + 36), tl.load(ap + 40), tl.load(ap + 44)
+    a12, a13, a14, a15 = tl.load(ap + 48), tl.load(ap + 52), tl.load(ap + 56), tl.load(ap + 60)
+    c0, c1, c2, c3 = tl.load(dp), tl.load(dp + 4), tl.load(dp + 8), tl.load(dp + 12)
+    c4, c5, c6, c7 = tl.load(dp + 16), tl.load(dp + 20), tl.load(dp + 24), tl.load(dp + 28)
+    acc = _term(acc, w0, a0, a1, c0, v0, v1, v2, d, nd, 0, ASM)
+    acc = _term(acc, w1, a2, a3, c1, v0, v1, v2, d, nd, 1, ASM)
+    acc = _term(acc, w2, a4, a5, c2, v0, v1, v2, d, nd, 2, ASM)
+    acc = _term(acc, w3, a6, a7, c3, v0, v1, v2, d, nd, 3, ASM)
+    acc = _term(acc, w4, a8, a9, c4, v0, v1, v2, d, nd, 4, ASM)
+    acc = _term(acc, w5, a10, a11, c5, v0, v1, v2, d, nd, 5, ASM)
+    acc = _term(acc, w6, a12, a13, c6, v0, v1, v2, d, nd, 6, ASM)
+    return _term(acc, w7, a14, a15, c7, v0, v1, v2, d, nd, 7, ASM)
+
+
+@triton.jit
+def _term(acc, w, a0, a1, dc, v0, v1, v2, d, nd, J: tl.constexpr, ASM: tl.constexpr):
+    """acc + group J's term (a8_gemv.group_term): its integer sum, a d sc, b -dmin mn, and the
+    row's dx and c (dc [2])."""
+    a, b = _q4k_ab(v0, v1, v2, d, nd, J)
+    dx, c = tl.split(dc)
+    return acc + group_term(_dot8(w, a0, a1, ASM), dx * a, c * b)
+
+
+@triton.jit
+def _a8_gemv1_kernel(qw_ptr, dc_ptr, p0, p2, p3, s0, s2, s3, res_ptr, out_ptr, fin_ptr,
+                     count_ptr, M, N, K, stride_rm, stride_om, HAS_RES: tl.constexpr,
+                     FIXUP: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                     P: tl.constexpr, L, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, column block, part of K): the part's L quants of row m against columns
+    n, a thread a column; into out, or with P > 1 its part's rows of out (a8_gemv's). Triton
+    pipelines the loads STAGES - 1 super-blocks ahead of their sums."""
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    enter(PDL)
+    part = tl.program_id(2)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    first = part * (L // 256)
+    last = first + L // 256 - 1
+    nc = tl.minimum(n, N - 1)   # columns past N read the last one (no masks: no registers to
+    #                             clear before each load), and are not stored
+    ap = qw_ptr + m * (K // 4) + tl.arange(0, 4)   # the row's words, dc: [4], [2] vectors
+    dp = dc_ptr + m * (K // 8) + tl.arange(0, 2)
+    for sb in tl.range(first, last + 1, num_stages=STAGES):   # loads STAGES - 1 ahead
+        w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd = _sb_words(p0, p2, p3, s0, s2, s3,
+                                                                      nc, sb)
+        acc = _sb_terms(acc, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd, ap + 64 * sb,
+                        dp + 32 * sb, ASM)
+    ms = m + tl.arange(0, 1)
+    if P == 1:   # the parts' sum from zero, as every kernel adds them
+        store_rows(0.0 + acc[None, :], res_ptr, out_ptr, ms, n, ms < M, n_ok, stride_rm,
+                   stride_om, HAS_RES)
+    else:
+        finish_parts(acc[None, :], out_ptr, res_ptr, fin_ptr, count_ptr, ms, n, ms < M, n_ok,
+                     M, N, stride_rm, stride_om, part, P, HAS_RES, FIXUP, 1, BLOCK_N)
+
+
+def a8_gemv1(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor,
+             block_n: int = 128, warps: int = 4, stages: int = 3,
+             parts: int = PARTS) -> torch.Tensor:
+    """out [1, N] = the row x (its codes in pair order and dc plane) @ part^T (+ res), part a
+    Q4_K weight [N, K]: a8_gemv's bits for one row (the module says how). block_n: columns a
+    program, a thread each (32 x warps)."""
+    assert part.qtype in TYPES and block_n == 32 * warps
+    q = x.qp
+    m, k = q.shape
+    assert m == 1 and k % 256 == 0 and part.cols == k
+    r = res if res is not None else out
+    planes, strides = _planes(part)
+    p = k_parts(part.rows, k, parts)
+    dst = out if p == 1 else torch.empty(p, m, part.rows, dtype=torch.float32, device=q.device)
+    grid = (m, triton.cdiv(part.rows, block_n), p)
+    count = counters(q.device, grid[0] * grid[1]) if p > 1 else None
+    _a8_gemv1_kernel[grid](q.view(torch.int32), x.dc, planes[0], planes[2], planes[3],
+                           strides[0], strides[2], strides[3], r, dst, out,
+                           q if count is None else count, m, part.rows, k, r.stride(0),
+                           out.stride(0), HAS_RES=res is not None, FIXUP=count is not None,
+                           ASM=q.device.type == "cuda", BLOCK_N=block_n, P=p, L=k // p,
+                           STAGES=stages,
+                           num_warps=warps, **launch_options(q.device),
+                           enable_fp_fusion=False)   # as every int8 kernel
+    if p > 1 and count is None:
+        add_parts(dst, res, out)
+    return out

@@ -1,0 +1,57 @@
+"""The 1-row GEMV a thread a column (kernels/quant/a8_gemv1.py): a row's bits are a8_mm's
+default GEMV's, with K in one part or several (added by the last program, or after the launch
+where there are no counters), with and without the residual; a8_mm takes it only where asked.
+Under the interpreter (the "cpu" cases) and on CUDA (marked gpu)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import triton_devices
+from test_quant_a8 import K, _x
+from test_quant_kernels import _weight
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("rows, supers, parts", [(160, 1, 1), (16, 4, 4), (48, 2, 2)])
+def test_one_row_has_the_gemvs_bits(device, rows, supers, parts, monkeypatch):
+    from strata.kernels.quant.a8_gemv1 import a8_gemv1
+    from strata.kernels.quant.a8_parts import k_parts
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
+    k = supers * K
+    assert k_parts(rows, k) == parts
+    w, _ = _weight("Q4_K", rows, k, device, seed=21)
+    part = w.parts[0]
+    x, res = _x(3, k, device, seed=22), _x(3, rows, device, seed=23)
+    c = quantize_rows(x)[1:2]   # a row of a window: its own planes, as a stage passes them
+    for r in (None, res[1:2]):
+        want = a8_mm(c, part, r, block_m=1)
+        out = torch.empty_like(want)
+        got = a8_gemv1(c, part, r, out, block_n=32, warps=1)
+        assert torch.equal(got, want), (rows, k, r is not None)
+    if parts > 1:   # the parts added after the launch where there are no counters
+        monkeypatch.setattr("strata.kernels.quant.a8_gemv1.counters", lambda *a: None)
+        out = torch.empty_like(want)
+        assert torch.equal(a8_gemv1(c, part, res[1:2], out, block_n=32, warps=1),
+                           a8_mm(c, part, res[1:2], block_m=1))
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_a8_mm_takes_it_where_asked(device, monkeypatch):
+    """STRATA_A8_GEMV1=1: a8_mm's 1-row windows of a Q4_K weight take it (the same bits, and
+    its kernel ran); unset, or another type, or more rows: a8_gemv's."""
+    from strata.kernels.quant import a8_gemv1, a8_triton
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
+    calls = []
+    real = a8_gemv1.a8_gemv1
+    monkeypatch.setattr(a8_gemv1, "a8_gemv1", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    w, _ = _weight("Q4_K", 64, K, device, seed=24)
+    c = quantize_rows(_x(2, K, device, seed=25))
+    plain = a8_mm(c[:1], w.parts[0])
+    monkeypatch.setenv("STRATA_A8_GEMV1", "1")
+    assert torch.equal(a8_mm(c[:1], w.parts[0]), plain) and calls == [1]
+    a8_mm(c, w.parts[0])                                           # 2 rows: the GEMV's
+    q6, _ = _weight("Q6_K", 64, K, device, seed=26)
+    a8_mm(c[:1], q6.parts[0])                                      # another type
+    assert calls == [1]
+    assert a8_triton.a8_gemv1.gemv1_fits(w.parts[0], 1, K)
