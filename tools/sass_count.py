@@ -137,9 +137,11 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
     if kernel == "a8-gemv1":   # a8_gemv1.py: a thread a column, a super-block a step
         types = {"qw_ptr": "*i32", "dc_ptr": "*fp32", "p0": "*i32", "p2": "*i32", "p3": "*fp16",
                  "s0": "i32", "s2": "i32", "s3": "i32", "fin_ptr": "*fp32", "count_ptr": "*i32",
-                 "L": "i32", **shape}
+                 "L": "i32", "UP": "i32", "cq_ptr": "*i8", "cqp_ptr": "*i8", "cdx_ptr": "*fp32",
+                 "cqs_ptr": "*i32", "cdc_ptr": "*fp32", **shape}
         return (_a8_gemv1_kernel, types, dict(HAS_RES=False, FIXUP=False, ASM=True,
-                                              BLOCK_N=block_n, P=1, STAGES=stages, PDL=False),
+                                              BLOCK_N=block_n, P=1, STAGES=stages, ACT=-1,
+                                              CODES=False, PDL=False),
                 {"enable_fp_fusion": False}, STEP)
     if kernel == "sb-mma":   # tools/gpu/superblock.py's prototype (Q4_K, a super-block a step)
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))

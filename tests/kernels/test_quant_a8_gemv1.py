@@ -55,3 +55,35 @@ def test_a8_mm_takes_it_where_asked(device, monkeypatch):
     a8_mm(c[:1], q6.parts[0])                                      # another type
     assert calls == [1]
     assert a8_triton.a8_gemv1.gemv1_fits(w.parts[0], 1, K)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_the_gated_half_has_a8_gate_up_silus_bits(device, act, monkeypatch):
+    """[gate | up] of one row: act(gate) * up and, where asked, its rows quantized for the
+    down projection: the bits of a8_gate_up_silu's default (a8_gated.py's kernel), and with
+    STRATA_A8_GEMV1=1 a8_gate_up_silu takes it (with codes only where the halves are whole
+    blocks of 128 columns)."""
+    from strata.kernels.quant import a8_gemv1
+    from strata.kernels.quant.a8_triton import a8_gate_up_silu, quantize_rows
+    x = quantize_rows(_x(1, K, device, seed=31))
+    for f in (128, 96):
+        w, _ = _weight("Q4_K", 2 * f, K, device, seed=32)
+        part = w.parts[0]
+        want = a8_gate_up_silu(x, part, act, torch.bfloat16, codes=True)
+        got_codes = a8_gemv1.Codes.empty(1, f, x.q.device) if f % 128 == 0 else None
+        got = a8_gemv1.a8_gemv1_gated(x, part, act, torch.empty_like(want.rows), got_codes)
+        assert torch.equal(got, want.rows), (act, f)
+        if got_codes is not None:
+            assert all(torch.equal(a, b) for a, b in zip(
+                (got_codes.q, got_codes.qp, got_codes.dx, got_codes.qs, got_codes.dc),
+                (want.q, want.qp, want.dx, want.qs, want.dc))), (act, f)
+        calls = []
+        real = a8_gemv1.a8_gemv1_gated
+        monkeypatch.setattr(a8_gemv1, "a8_gemv1_gated",
+                            lambda *a, **kw: calls.append(a[4] is not None) or real(*a, **kw))
+        monkeypatch.setenv("STRATA_A8_GEMV1", "1")
+        again = a8_gate_up_silu(x, part, act, torch.bfloat16, codes=True)
+        assert torch.equal(again.rows, want.rows) and torch.equal(again.q, want.q)
+        assert calls == ([True] if f % 128 == 0 else [])   # 96: a8_gated's
+        monkeypatch.undo()

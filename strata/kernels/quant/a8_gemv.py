@@ -199,10 +199,10 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0
                 gate = load_parts(out_ptr, m, n, m_ok, n_ok, M, 2 * N, P, BLOCK_M, BLOCK_N)
                 up = load_parts(out_ptr + N, m, n, m_ok, n_ok, M, 2 * N, P, BLOCK_M, BLOCK_N)
                 gated_rows(gate, up, fin_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr, cqp_ptr,
-                           cdx_ptr, cqs_ptr, cdc_ptr, ACT, CODES, BLOCK_M)
+                           cdx_ptr, cqs_ptr, cdc_ptr, ACT, CODES, BLOCK_M, 1)
     elif ACT >= 0:   # silu_mul's arithmetic on the projection's rounded outputs
         gated_rows(0.0 + acc, 0.0 + acc_up, out_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr,
-                   cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, ACT, CODES, BLOCK_M)
+                   cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, ACT, CODES, BLOCK_M, 1)
     elif P == 1:   # the parts' sum from zero, as every kernel adds them (_add_parts_kernel)
         store_rows(0.0 + acc, res_ptr, out_ptr, m, n, m_ok, n_ok, stride_rm, stride_om, HAS_RES)
     else:
@@ -212,17 +212,18 @@ def _a8_gemv_kernel(qw_ptr, dx_ptr, ids_ptr, per, erows, w_0, p0, p1, p2, p3, s0
 
 @triton.jit
 def gated_rows(gate, up, out_ptr, m, n, m_ok, n_ok, N, stride_om, cq_ptr, cqp_ptr, cdx_ptr,
-               cqs_ptr, cdc_ptr, ACT: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr):
+               cqs_ptr, cdc_ptr, ACT: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr,
+               NB: tl.constexpr):
     """act(gate) * up of fp32 sums [BM, BN], each rounded to out's dtype first (silu_mul's
-    arithmetic on the projection's outputs), into out; with CODES (BLOCK_N 32) those rows
-    quantized too, as quantize_rows would: the down projection's input, no kernel of its
-    own."""
+    arithmetic on the projection's outputs), into out; with CODES (BLOCK_N 32 NB, whole
+    blocks of N) those rows quantized too, as quantize_rows would: the down projection's
+    input, no kernel of its own."""
     dtype = out_ptr.dtype.element_ty
     h = (gate_act(gate.to(dtype).to(tl.float32), ACT) * up.to(dtype).to(tl.float32)).to(dtype)
     store_rows(h, out_ptr, out_ptr, m, n, m_ok, n_ok, stride_om, stride_om, False)
     if CODES:
-        quantize_blocks(h.to(tl.float32), m, m_ok, m * 0 + tl.program_id(1), N, cq_ptr,
-                        cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, BLOCK_M, 1)
+        quantize_blocks(h.to(tl.float32), m, m_ok, m * 0 + tl.program_id(1) * NB, N, cq_ptr,
+                        cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, BLOCK_M, NB)
 
 
 def _codebook_asm() -> str:

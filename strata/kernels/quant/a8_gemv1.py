@@ -1,5 +1,7 @@
 """The 1-row GEMV a thread a column (Q4_K; behind STRATA_A8_GEMV1=1): a8_gemv.py's arithmetic
-for windows of one row, laid out so that nothing crosses threads.
+for windows of one row, laid out so that nothing crosses threads; a8_mm's projections and
+a8_gate_up_silu's [gate | up] (a8_gemv1_gated: a thread the same column of both halves,
+act(gate) * up and its rows quantized for the down projection, as a8_gated.py writes them).
 
 a8_gemv.py's programs spread a column's K step over several threads: each group's integer sum
 is theirs to add, and the group terms, which must be added one by one in K's order, then move
@@ -26,9 +28,10 @@ import triton
 import triton.language as tl
 
 from strata.kernels.arrive import counters
+from strata.kernels.fused_triton import ACTS
 from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.a8 import Codes
-from strata.kernels.quant.a8_gemv import HIGH_NIBBLES, _dp4a, group_term
+from strata.kernels.quant.a8_gemv import HIGH_NIBBLES, _dp4a, gated_rows, group_term
 from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_step, k_parts,
                                            store_rows)
 from strata.kernels.quant.blocks import Part
@@ -42,6 +45,14 @@ def gemv1_fits(part: Part, m: int, k: int) -> bool:
     whose K is whole super-blocks."""
     return (os.environ.get("STRATA_A8_GEMV1") == "1" and m == 1 and part.qtype in TYPES
             and gemv_step(k) == 256)
+
+
+def gated_fits(part: Part, m: int, k: int, codes: bool) -> bool:
+    """Whether a8_gate_up_silu takes a8_gemv1_gated: as gemv1_fits, K in one part, and with
+    codes the halves whole blocks of 128 columns (a program's)."""
+    f = part.rows // 2
+    return (gemv1_fits(part, m, k) and part.rows % 2 == 0 and k_parts(part.rows, k) == 1
+            and (not codes or f % 128 == 0))
 
 
 @triton.jit
@@ -152,11 +163,15 @@ def _term(acc, w, a0, a1, dc, v0, v1, v2, d, nd, J: tl.constexpr, ASM: tl.conste
 
 @triton.jit
 def _a8_gemv1_kernel(qw_ptr, dc_ptr, p0, p2, p3, s0, s2, s3, res_ptr, out_ptr, fin_ptr,
-                     count_ptr, M, N, K, stride_rm, stride_om, HAS_RES: tl.constexpr,
-                     FIXUP: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                     P: tl.constexpr, L, STAGES: tl.constexpr, PDL: tl.constexpr):
+                     count_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, M, N, K, UP,
+                     stride_rm, stride_om, HAS_RES: tl.constexpr, FIXUP: tl.constexpr,
+                     ASM: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr, L,
+                     STAGES: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program (row, column block, part of K): the part's L quants of row m against columns
-    n, a thread a column; into out, or with P > 1 its part's rows of out (a8_gemv's). Triton
+    n, a thread a column; into out, or with P > 1 its part's rows of out (a8_gemv's). ACT >= 0
+    (P 1): gate columns n and up columns n + UP, act(gate) * up into out as a8_gemv's
+    gated_rows writes it (with CODES those rows quantized into the planes cq .. cdc). Triton
     pipelines the loads STAGES - 1 super-blocks ahead of their sums."""
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,6 +179,7 @@ def _a8_gemv1_kernel(qw_ptr, dc_ptr, p0, p2, p3, s0, s2, s3, res_ptr, out_ptr, f
     enter(PDL)
     part = tl.program_id(2)
     acc = tl.zeros([BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_N], tl.float32)
     first = part * (L // 256)
     last = first + L // 256 - 1
     nc = tl.minimum(n, N - 1)   # columns past N read the last one (no masks: no registers to
@@ -175,8 +191,17 @@ def _a8_gemv1_kernel(qw_ptr, dc_ptr, p0, p2, p3, s0, s2, s3, res_ptr, out_ptr, f
                                                                       nc, sb)
         acc = _sb_terms(acc, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd, ap + 64 * sb,
                         dp + 32 * sb, ASM)
+        if ACT >= 0:   # the up half's same columns
+            w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd = _sb_words(
+                p0, p2, p3, s0, s2, s3, nc + UP, sb)
+            acc_up = _sb_terms(acc_up, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd,
+                               ap + 64 * sb, dp + 32 * sb, ASM)
     ms = m + tl.arange(0, 1)
-    if P == 1:   # the parts' sum from zero, as every kernel adds them
+    if ACT >= 0:   # silu_mul's arithmetic on the projection's rounded outputs (one part)
+        gated_rows(0.0 + acc[None, :], 0.0 + acc_up[None, :], out_ptr, ms, n, ms < M, n_ok, N,
+                   stride_om, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, ACT, CODES, 1,
+                   BLOCK_N // 32)
+    elif P == 1:   # the parts' sum from zero, as every kernel adds them
         store_rows(0.0 + acc[None, :], res_ptr, out_ptr, ms, n, ms < M, n_ok, stride_rm,
                    stride_om, HAS_RES)
     else:
@@ -190,23 +215,42 @@ def a8_gemv1(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor,
     """out [1, N] = the row x (its codes in pair order and dc plane) @ part^T (+ res), part a
     Q4_K weight [N, K]: a8_gemv's bits for one row (the module says how). block_n: columns a
     program, a thread each (32 x warps)."""
+    return _launch(x, part, res, out, -1, None, block_n, warps, stages, parts)
+
+
+def a8_gemv1_gated(x: Codes, part: Part, act: str, out: torch.Tensor, codes: Codes | None,
+                   block_n: int = 128, warps: int = 4, stages: int = 3) -> torch.Tensor:
+    """out [1, F] = act(gate) * up of [gate | up] = the row x @ part^T (part [2F, K], Q4_K, K
+    in one part), as a8_gated.a8_gate_up writes it, and with codes (F whole blocks of
+    block_n) those rows quantized into codes' planes: its bits (the module says how)."""
+    assert k_parts(part.rows, part.cols) == 1 and part.rows == 2 * out.shape[1]
+    assert codes is None or out.shape[1] % block_n == 0
+    return _launch(x, part, None, out, ACTS[act], codes, block_n, warps, stages, PARTS)
+
+
+def _launch(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, act: int,
+            codes: Codes | None, block_n: int, warps: int, stages: int,
+            parts: int) -> torch.Tensor:
     assert part.qtype in TYPES and block_n == 32 * warps
     q = x.qp
     m, k = q.shape
     assert m == 1 and k % 256 == 0 and part.cols == k
     r = res if res is not None else out
     planes, strides = _planes(part)
+    cols = out.shape[1]
     p = k_parts(part.rows, k, parts)
-    dst = out if p == 1 else torch.empty(p, m, part.rows, dtype=torch.float32, device=q.device)
-    grid = (m, triton.cdiv(part.rows, block_n), p)
+    dst = out if p == 1 else torch.empty(p, m, cols, dtype=torch.float32, device=q.device)
+    grid = (m, triton.cdiv(cols, block_n), p)
     count = counters(q.device, grid[0] * grid[1]) if p > 1 else None
+    c = codes if codes is not None else x
     _a8_gemv1_kernel[grid](q.view(torch.int32), x.dc, planes[0], planes[2], planes[3],
                            strides[0], strides[2], strides[3], r, dst, out,
-                           q if count is None else count, m, part.rows, k, r.stride(0),
-                           out.stride(0), HAS_RES=res is not None, FIXUP=count is not None,
-                           ASM=q.device.type == "cuda", BLOCK_N=block_n, P=p, L=k // p,
-                           STAGES=stages,
-                           num_warps=warps, **launch_options(q.device),
+                           q if count is None else count, c.q, c.qp, c.dx, c.qs, c.dc, m, cols,
+                           k, cols, r.stride(0), out.stride(0), HAS_RES=res is not None,
+                           FIXUP=count is not None, ASM=q.device.type == "cuda",
+                           BLOCK_N=block_n, P=p, L=k // p, STAGES=stages, ACT=act,
+                           CODES=codes is not None, num_warps=warps,
+                           **launch_options(q.device),
                            enable_fp_fusion=False)   # as every int8 kernel
     if p > 1 and count is None:
         add_parts(dst, res, out)

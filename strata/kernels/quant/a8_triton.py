@@ -206,6 +206,11 @@ def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
     f = part.rows // 2
     codes = codes and f % QBLOCK == 0
     tile = a8_row_tile(m)
+    if a8_gemv1.gated_fits(part, m, x.q.shape[1], codes):   # asked for (STRATA_A8_GEMV1=1)
+        out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
+        c = Codes.empty(m, f, x.q.device) if codes else None
+        a8_gemv1.a8_gemv1_gated(x, part, act, out, c)
+        return dataclasses.replace(c, rows=out) if codes else out
     if tile in GEMV_TILES and part.rows % 2 == 0 and not _gluon(x.q, part, tile):
         out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
         c = Codes.empty(m, f, x.q.device) if codes else None
