@@ -135,13 +135,12 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
                                              STAGES=stages, P=1, ACT=-1, CODES=False),
                 {"enable_fp_fusion": False}, STEP)
     if kernel == "a8-gemv1":   # a8_gemv1.py: a thread a column, a super-block a step
-        types = {"qw_ptr": "*i32", "dc_ptr": "*fp32", "p0": "*i32", "p2": "*i32", "p3": "*fp16",
-                 "s0": "i32", "s2": "i32", "s3": "i32", "fin_ptr": "*fp32", "count_ptr": "*i32",
-                 "L": "i32", "UP": "i32", "cq_ptr": "*i8", "cqp_ptr": "*i8", "cdx_ptr": "*fp32",
-                 "cqs_ptr": "*i32", "cdc_ptr": "*fp32", **shape}
+        types = {**weight, **shape, "qw_ptr": "*i32", "dc_ptr": "*fp32", "fin_ptr": "*fp32",
+                 "count_ptr": "*i32", "L": "i32", "UP": "i32", "cq_ptr": "*i8", "cqp_ptr": "*i8",
+                 "cdx_ptr": "*fp32", "cqs_ptr": "*i32", "cdc_ptr": "*fp32"}
         return (_a8_gemv1_kernel, types, dict(HAS_RES=False, FIXUP=False, ASM=True,
                                               BLOCK_N=block_n, P=1, STAGES=stages, ACT=-1,
-                                              CODES=False, PDL=False),
+                                              CODES=False, Q6=qtype == "Q6_K", PDL=False),
                 {"enable_fp_fusion": False}, STEP)
     if kernel == "sb-mma":   # tools/gpu/superblock.py's prototype (Q4_K, a super-block a step)
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
@@ -180,9 +179,10 @@ def cli(kernel, qtype, block_n, block_k, stages, rows, dot, ahead, warps, sass_o
     rows = int(rows)
     if kernel == "sb-mma" and qtype != "Q4_K":
         raise click.UsageError("--kernel sb-mma is a Q4_K prototype: --type Q4_K")
-    if kernel == "a8-gemv1" and (rows != 1 or qtype != "Q4_K" or block_n != 32 * warps):
-        raise click.UsageError("--kernel a8-gemv1 takes --rows 1 --type Q4_K, and --block-n "
-                               "32 x --warps (a thread a column)")
+    if kernel == "a8-gemv1" and (rows != 1 or qtype not in ("Q4_K", "Q6_K")
+                                 or block_n != 32 * warps):
+        raise click.UsageError("--kernel a8-gemv1 takes --rows 1 --type Q4_K or Q6_K, and "
+                               "--block-n 32 x --warps (a thread a column)")
     if kernel.startswith("a8-gemv") != (rows <= 8):
         raise click.UsageError(f"--rows {rows} is not a tile of --kernel {kernel}: a8-gemv "
                                f"takes 1, 2, 4 or 8 rows, the others 16, 32 or 64")

@@ -1,7 +1,7 @@
-"""The 1-row GEMV a thread a column (kernels/quant/a8_gemv1.py): a row's bits are a8_mm's
-default GEMV's, with K in one part or several (added by the last program, or after the launch
-where there are no counters), with and without the residual; a8_mm takes it only where asked.
-Under the interpreter (the "cpu" cases) and on CUDA (marked gpu)."""
+"""The 1-row GEMV a thread a column (kernels/quant/a8_gemv1.py), Q4_K and Q6_K: a row's bits are
+a8_mm's default GEMV's, with K in one part or several (added by the last program, or after the
+launch where there are no counters), with and without the residual; a8_mm takes it only where
+asked. Under the interpreter (the "cpu" cases) and on CUDA (marked gpu)."""
 from __future__ import annotations
 
 import pytest
@@ -13,14 +13,15 @@ from test_quant_kernels import _weight
 
 
 @pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows, supers, parts", [(160, 1, 1), (16, 4, 4), (48, 2, 2)])
-def test_one_row_has_the_gemvs_bits(device, rows, supers, parts, monkeypatch):
+def test_one_row_has_the_gemvs_bits(device, qtype, rows, supers, parts, monkeypatch):
     from strata.kernels.quant.a8_gemv1 import a8_gemv1
     from strata.kernels.quant.a8_parts import k_parts
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     k = supers * K
     assert k_parts(rows, k) == parts
-    w, _ = _weight("Q4_K", rows, k, device, seed=21)
+    w, _ = _weight(qtype, rows, k, device, seed=21)
     part = w.parts[0]
     x, res = _x(3, k, device, seed=22), _x(3, rows, device, seed=23)
     c = quantize_rows(x)[1:2]   # a row of a window: its own planes, as a stage passes them
@@ -28,7 +29,7 @@ def test_one_row_has_the_gemvs_bits(device, rows, supers, parts, monkeypatch):
         want = a8_mm(c, part, r, block_m=1)
         out = torch.empty_like(want)
         got = a8_gemv1(c, part, r, out, block_n=32, warps=1)
-        assert torch.equal(got, want), (rows, k, r is not None)
+        assert torch.equal(got, want), (qtype, rows, k, r is not None)
     if parts > 1:   # the parts added after the launch where there are no counters
         monkeypatch.setattr("strata.kernels.quant.a8_gemv1.counters", lambda *a: None)
         out = torch.empty_like(want)
@@ -51,15 +52,16 @@ def test_a8_mm_takes_it_where_asked(device, monkeypatch):
     monkeypatch.setenv("STRATA_A8_GEMV1", "1")
     assert torch.equal(a8_mm(c[:1], w.parts[0]), plain) and calls == [1]
     a8_mm(c, w.parts[0])                                           # 2 rows: the GEMV's
-    q6, _ = _weight("Q6_K", 64, K, device, seed=26)
-    a8_mm(c[:1], q6.parts[0])                                      # another type
+    q8, _ = _weight("Q8_0", 64, K, device, seed=26)
+    a8_mm(c[:1], q8.parts[0])                                      # another type
     assert calls == [1]
     assert a8_triton.a8_gemv1.gemv1_fits(w.parts[0], 1, K)
 
 
 @pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_the_gated_half_has_a8_gate_up_silus_bits(device, act, monkeypatch):
+@pytest.mark.parametrize("qtype, act", [("Q4_K", "silu"), ("Q4_K", "gelu_tanh"),
+                                        ("Q6_K", "silu")])
+def test_the_gated_half_has_a8_gate_up_silus_bits(device, qtype, act, monkeypatch):
     """[gate | up] of one row: act(gate) * up and, where asked, its rows quantized for the
     down projection: the bits of a8_gate_up_silu's default (a8_gated.py's kernel), and with
     STRATA_A8_GEMV1=1 a8_gate_up_silu takes it (with codes only where the halves are whole
@@ -68,7 +70,7 @@ def test_the_gated_half_has_a8_gate_up_silus_bits(device, act, monkeypatch):
     from strata.kernels.quant.a8_triton import a8_gate_up_silu, quantize_rows
     x = quantize_rows(_x(1, K, device, seed=31))
     for f in (128, 96):
-        w, _ = _weight("Q4_K", 2 * f, K, device, seed=32)
+        w, _ = _weight(qtype, 2 * f, K, device, seed=32)
         part = w.parts[0]
         want = a8_gate_up_silu(x, part, act, torch.bfloat16, codes=True)
         got_codes = a8_gemv1.Codes.empty(1, f, x.q.device) if f % 128 == 0 else None

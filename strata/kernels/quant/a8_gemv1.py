@@ -1,23 +1,25 @@
-"""The 1-row GEMV a thread a column (Q4_K; behind STRATA_A8_GEMV1=1): a8_gemv.py's arithmetic
-for windows of one row, laid out so that nothing crosses threads; a8_mm's projections and
-a8_gate_up_silu's [gate | up] (a8_gemv1_gated: a thread the same column of both halves,
-act(gate) * up and its rows quantized for the down projection, as a8_gated.py writes them).
+"""The 1-row GEMV a thread a column (Q4_K and Q6_K; behind STRATA_A8_GEMV1=1): a8_gemv.py's
+arithmetic for windows of one row, laid out so that nothing crosses threads; a8_mm's
+projections and a8_gate_up_silu's [gate | up] (a8_gemv1_gated: a thread the same column of
+both halves, act(gate) * up and its rows quantized for the down projection, as a8_gated.py
+writes them).
 
 a8_gemv.py's programs spread a column's K step over several threads: each group's integer sum
 is theirs to add, and the group terms, which must be added one by one in K's order, then move
 between threads (shuffles) to the one that adds them. Here a thread holds one column: for each
-group of 32 quants it takes the column's 4 code words (16 bytes, [BLOCK_N, 4] words 4 to a
-thread, so Triton keeps a column in one thread), the row's 8 code words and its dx and c
-([4] and [2] vectors, the same in every thread), sums the group by two chains of 4 dp4a, and
-adds the group's term to its own accumulator, group after group along the part: a super-block
-a loop step, its scales loaded once and its 8 groups unrolled. Counted for sm_90 with Triton
-3.6 (`tools/sass_count.py --kernel a8-gemv1 --block-n 128 --warps 4 --stages 1|3`): 1.39
-instructions a weight, 1.66 with the loads pipelined through shared memory, against a8_gemv's
-4.70 (`--kernel a8-gemv --block-n 32`); not yet timed (tools/gpu/bench_gemv1.py).
+group it takes the column's code words ([BLOCK_N, 4] words 4 to a thread, so Triton keeps a
+column in one thread), the row's code words and its dx and c ([4] and [2] vectors, the same in
+every thread), sums the group by chains of dp4a, and adds the group's term to its own
+accumulator, group after group along the part: a super-block a loop step, its scales loaded
+once and its groups unrolled. Counted for sm_90 with Triton 3.6 (`tools/sass_count.py --kernel
+a8-gemv1 --block-n 128 --warps 4 --stages 1|3`): Q4_K 1.39 instructions a weight (1.66 with
+the loads pipelined through shared memory) against a8_gemv's 4.70 (`--kernel a8-gemv --block-n
+32`), Q6_K 2.11 (2.5) against 7.03 (`--block-n 16 --stages 3`); not yet timed
+(tools/gpu/bench_gemv1.py).
 
 The bits are a8_mm's (tests/kernels/test_quant_a8_gemv1.py): the same group terms
-(a8_gemv.group_term of a d sc, b = -(dmin mn), dx and c = qs dx from the quantizer's dc plane),
-added from zero in K's order within each part, the parts as a8_parts adds them.
+(a8_gemv.group_term of reads._term_values' a and b, dx and c = qs dx from the quantizer's dc
+plane), added from zero in K's order within each part, the parts as a8_parts adds them.
 """
 from __future__ import annotations
 
@@ -37,12 +39,12 @@ from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_
 from strata.kernels.quant.blocks import Part
 from strata.kernels.quant.reads import _planes
 
-TYPES = ("Q4_K",)
+TYPES = ("Q4_K", "Q6_K")
 
 
 def gemv1_fits(part: Part, m: int, k: int) -> bool:
-    """Whether a8_mm takes this kernel: asked for (STRATA_A8_GEMV1=1), one row, a Q4_K weight
-    whose K is whole super-blocks."""
+    """Whether a8_mm takes this kernel: asked for (STRATA_A8_GEMV1=1), one row, a Q4_K or
+    Q6_K weight (K whole super-blocks)."""
     return (os.environ.get("STRATA_A8_GEMV1") == "1" and m == 1 and part.qtype in TYPES
             and gemv_step(k) == 256)
 
@@ -59,6 +61,12 @@ def gated_fits(part: Part, m: int, k: int, codes: bool) -> bool:
 def _float(u):
     """An integer 0 .. 2^23 - 1 as fp32 by the magic number (no conversion instruction)."""
     return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _signed_float(v):
+    """An int8 as fp32 by the magic number: (v + 128) as 2^23 + v + 128, less 2^23 + 128."""
+    return ((v.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
 
 
 @triton.jit
@@ -162,12 +170,79 @@ def _term(acc, w, a0, a1, dc, v0, v1, v2, d, nd, J: tl.constexpr, ASM: tl.conste
 
 
 @triton.jit
-def _a8_gemv1_kernel(qw_ptr, dc_ptr, p0, p2, p3, s0, s2, s3, res_ptr, out_ptr, fin_ptr,
+def _scalars4(v):
+    """[BN, 4] (in-thread) -> its 4 columns as [BN] tensors, in order."""
+    v02, v13 = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+    v0, v2 = tl.split(v02)
+    v1, v3 = tl.split(v13)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _q6k_codes(w, x):
+    """A Q6_K qs word (8 low nibbles) and its group's qh word shifted to it (x: two bits a
+    code, nibble-aligned) -> the codes' even and odd bytes (a8_gemv._gemv_step's)."""
+    lo = (w & 0x0F0F0F0F) | ((x & 0x03030303) << 4)
+    hi = ((w >> 4) & 0x0F0F0F0F) | (((x >> 4) & 0x03030303) << 4)
+    return lo, hi
+
+
+@triton.jit
+def _q6k_group(w0, w1, h, e0, o0, e1, o1, ASM: tl.constexpr):
+    """A Q6_K group's integer sum [BN]: its 2 qs words, its qh word h, the row's 4 words."""
+    lo, hi = _q6k_codes(w0, h)
+    s = _dp4a(hi, o0, _dp4a0(lo, e0, ASM), ASM)
+    lo, hi = _q6k_codes(w1, h >> 2)
+    return _dp4a(hi, o1, _dp4a(lo, e1, s, ASM), ASM)
+
+
+@triton.jit
+def _q6k_block(acc, w, ha, hb, sa, sb, a0, a1, dc, d, ASM: tl.constexpr):
+    """acc + the terms of a block's two Q6_K groups of 16, in order: their 4 qs words w
+    [BN, 4], qh words ha, hb and int8 scales sa, sb ([BN] each), the row's 8 words (a0, a1
+    [4]) and the block's dc [4] (dx, c, c0, c1: c0 and c1 each half's codes' sum times dx);
+    a = d sc, b = -32 a (reads._term_values')."""
+    w0, w1, w2, w3 = _scalars4(w)
+    e0, o0, e1, o1 = _pairs(a0)
+    e2, o2, e3, o3 = _pairs(a1)
+    dx_c0, c_c1 = tl.split(tl.reshape(dc, (2, 2)))   # (dx, c0), (c, c1)
+    dx, c0 = tl.split(dx_c0)
+    _, c1 = tl.split(c_c1)
+    a = d * _signed_float(sa)
+    acc = acc + group_term(_q6k_group(w0, w1, ha, e0, o0, e1, o1, ASM), dx * a, c0 * (-32.0 * a))
+    a = d * _signed_float(sb)
+    return acc + group_term(_q6k_group(w2, w3, hb, e2, o2, e3, o3, ASM), dx * a,
+                           c1 * (-32.0 * a))
+
+
+@triton.jit
+def _q6k_sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, ASM: tl.constexpr):
+    """acc + a Q6_K super-block's 16 group terms in order (groups of 16 quants, two a block
+    of 32): its 32 qs words, 16 qh words, 16 int8 scales and d of columns nc against the
+    row's 64 words at ap and its 8 blocks' dc at dp ([4] pointers); a quad of groups a
+    step."""
+    wp = p0 + nc[:, None] * s0 + 32 * sb + tl.arange(0, 4)[None, :]
+    hp = p1 + nc[:, None] * s1 + 16 * sb + tl.arange(0, 4)[None, :]
+    sp = p2 + nc[:, None] * s2 + 16 * sb + tl.arange(0, 4)[None, :]
+    d = tl.load(p3 + nc * s3 + sb).to(tl.float32)
+    for q in tl.static_range(4):   # groups 4q .. 4q + 3: blocks 2q and 2q + 1
+        h0, h1, h2, h3 = _scalars4(tl.load(hp + 4 * q))
+        c0, c1, c2, c3 = _scalars4(tl.load(sp + 4 * q))
+        acc = _q6k_block(acc, tl.load(wp + 8 * q), h0, h1, c0, c1, tl.load(ap + 16 * q),
+                         tl.load(ap + 16 * q + 4), tl.load(dp + 8 * q), d, ASM)
+        acc = _q6k_block(acc, tl.load(wp + 8 * q + 4), h2, h3, c2, c3,
+                         tl.load(ap + 16 * q + 8), tl.load(ap + 16 * q + 12),
+                         tl.load(dp + 8 * q + 4), d, ASM)
+    return acc
+
+
+@triton.jit
+def _a8_gemv1_kernel(qw_ptr, dc_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr, fin_ptr,
                      count_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, M, N, K, UP,
                      stride_rm, stride_om, HAS_RES: tl.constexpr, FIXUP: tl.constexpr,
                      ASM: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr, L,
                      STAGES: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr,
-                     PDL: tl.constexpr):
+                     Q6: tl.constexpr, PDL: tl.constexpr):
     """Program (row, column block, part of K): the part's L quants of row m against columns
     n, a thread a column; into out, or with P > 1 its part's rows of out (a8_gemv's). ACT >= 0
     (P 1): gate columns n and up columns n + UP, act(gate) * up into out as a8_gemv's
@@ -185,17 +260,25 @@ def _a8_gemv1_kernel(qw_ptr, dc_ptr, p0, p2, p3, s0, s2, s3, res_ptr, out_ptr, f
     nc = tl.minimum(n, N - 1)   # columns past N read the last one (no masks: no registers to
     #                             clear before each load), and are not stored
     ap = qw_ptr + m * (K // 4) + tl.arange(0, 4)   # the row's words, dc: [4], [2] vectors
-    dp = dc_ptr + m * (K // 8) + tl.arange(0, 2)
+    dp = dc_ptr + m * (K // 8) + tl.arange(0, 2)   # dx, c (Q4_K)
+    dp4 = dc_ptr + m * (K // 8) + tl.arange(0, 4)  # dx, c, c0, c1 (Q6_K: groups of 16)
     for sb in tl.range(first, last + 1, num_stages=STAGES):   # loads STAGES - 1 ahead
-        w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd = _sb_words(p0, p2, p3, s0, s2, s3,
-                                                                      nc, sb)
-        acc = _sb_terms(acc, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd, ap + 64 * sb,
-                        dp + 32 * sb, ASM)
-        if ACT >= 0:   # the up half's same columns
-            w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd = _sb_words(
-                p0, p2, p3, s0, s2, s3, nc + UP, sb)
-            acc_up = _sb_terms(acc_up, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd,
-                               ap + 64 * sb, dp + 32 * sb, ASM)
+        if Q6:
+            acc = _q6k_sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap + 64 * sb,
+                          dp4 + 32 * sb, ASM)
+            if ACT >= 0:   # the up half's same columns
+                acc_up = _q6k_sb(acc_up, p0, p1, p2, p3, s0, s1, s2, s3, nc + UP, sb,
+                                 ap + 64 * sb, dp4 + 32 * sb, ASM)
+        else:
+            w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd = _sb_words(p0, p2, p3, s0, s2,
+                                                                          s3, nc, sb)
+            acc = _sb_terms(acc, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd,
+                            ap + 64 * sb, dp + 32 * sb, ASM)
+            if ACT >= 0:
+                w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd = _sb_words(
+                    p0, p2, p3, s0, s2, s3, nc + UP, sb)
+                acc_up = _sb_terms(acc_up, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd,
+                                   ap + 64 * sb, dp + 32 * sb, ASM)
     ms = m + tl.arange(0, 1)
     if ACT >= 0:   # silu_mul's arithmetic on the projection's rounded outputs (one part)
         gated_rows(0.0 + acc[None, :], 0.0 + acc_up[None, :], out_ptr, ms, n, ms < M, n_ok, N,
@@ -213,15 +296,15 @@ def a8_gemv1(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor,
              block_n: int = 128, warps: int = 4, stages: int = 3,
              parts: int = PARTS) -> torch.Tensor:
     """out [1, N] = the row x (its codes in pair order and dc plane) @ part^T (+ res), part a
-    Q4_K weight [N, K]: a8_gemv's bits for one row (the module says how). block_n: columns a
+    Q4_K or Q6_K weight [N, K]: a8_gemv's bits for one row (the module says how). block_n: columns a
     program, a thread each (32 x warps)."""
     return _launch(x, part, res, out, -1, None, block_n, warps, stages, parts)
 
 
 def a8_gemv1_gated(x: Codes, part: Part, act: str, out: torch.Tensor, codes: Codes | None,
                    block_n: int = 128, warps: int = 4, stages: int = 3) -> torch.Tensor:
-    """out [1, F] = act(gate) * up of [gate | up] = the row x @ part^T (part [2F, K], Q4_K, K
-    in one part), as a8_gated.a8_gate_up writes it, and with codes (F whole blocks of
+    """out [1, F] = act(gate) * up of [gate | up] = the row x @ part^T (part [2F, K], Q4_K or
+    Q6_K, K in one part), as a8_gated.a8_gate_up writes it, and with codes (F whole blocks of
     block_n) those rows quantized into codes' planes: its bits (the module says how)."""
     assert k_parts(part.rows, part.cols) == 1 and part.rows == 2 * out.shape[1]
     assert codes is None or out.shape[1] % block_n == 0
@@ -243,13 +326,12 @@ def _launch(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, a
     grid = (m, triton.cdiv(cols, block_n), p)
     count = counters(q.device, grid[0] * grid[1]) if p > 1 else None
     c = codes if codes is not None else x
-    _a8_gemv1_kernel[grid](q.view(torch.int32), x.dc, planes[0], planes[2], planes[3],
-                           strides[0], strides[2], strides[3], r, dst, out,
+    _a8_gemv1_kernel[grid](q.view(torch.int32), x.dc, *planes, *strides, r, dst, out,
                            q if count is None else count, c.q, c.qp, c.dx, c.qs, c.dc, m, cols,
                            k, cols, r.stride(0), out.stride(0), HAS_RES=res is not None,
                            FIXUP=count is not None, ASM=q.device.type == "cuda",
                            BLOCK_N=block_n, P=p, L=k // p, STAGES=stages, ACT=act,
-                           CODES=codes is not None, num_warps=warps,
+                           CODES=codes is not None, Q6=part.qtype == "Q6_K", num_warps=warps,
                            **launch_options(q.device),
                            enable_fp_fusion=False)   # as every int8 kernel
     if p > 1 and count is None:
