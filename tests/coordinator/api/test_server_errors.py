@@ -282,7 +282,8 @@ def test_ctrl_c_to_the_process_group_removes_the_run_directory(tiny_model, no_st
     code = server.stop(signal.SIGINT, group=True)
     err = server.stderr()
     assert code == 0, err
-    assert "strata: stopped; every stage has exited" in err and "kept" not in err, err
+    assert ("strata: stopped; every stage has exited" in err
+            and "the stage logs are kept" not in err), err
     assert os.listdir(no_stage_left) == [], err
     assert stage_processes(run_dir) == []
     stream.close()
