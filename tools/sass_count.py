@@ -38,7 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from strata.kernels.quant.a8_gemv import _a8_gemv_kernel
-from strata.kernels.quant.a8_gemv1 import _a8_gemv1_kernel
+from strata.kernels.quant.a8_gemv1 import TYPES as GEMV1_TYPES, _a8_gemv1_kernel
 from strata.kernels.quant.a8_parts import STEP
 from strata.kernels.quant.a8_mma import DOTS, _a8_mm_kernel
 from strata.kernels.quant.float_triton import _quant_mm_kernel
@@ -115,7 +115,8 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
     """(jit function, argument types, constexprs, compile options, quants a step)."""
     weight = {"p0": "*i32", "p1": "*i32", "p3": "*fp16", "s0": "i32", "s1": "i32", "s2": "i32",
               "s3": "i32", "p2": ("*i8" if qtype == "Q6_K" else
-                                  "*i32" if qtype.endswith("_K") else "*fp16")}
+                                  "*i32" if qtype.endswith("_K") else
+                                  "*i16" if qtype == "IQ4_XS" else "*fp16")}
     shape = {"res_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
              "stride_rm": "i32", "stride_om": "i32"}
     common = dict(QTYPE=TYPE_IDS[qtype], S=BLOCKS[qtype][2], HAS_RES=False, BLOCK_M=rows,
@@ -135,12 +136,13 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
                                              STAGES=stages, P=1, ACT=-1, CODES=False),
                 {"enable_fp_fusion": False}, STEP)
     if kernel == "a8-gemv1":   # a8_gemv1.py: a thread a column, a super-block a step
-        types = {**weight, **shape, "qw_ptr": "*i32", "dc_ptr": "*fp32", "fin_ptr": "*fp32",
+        types = {**weight, **shape, "qw_ptr": "*i32", "dc_ptr": "*fp32", "qs_ptr": "*i32",
+                 "fin_ptr": "*fp32",
                  "count_ptr": "*i32", "L": "i32", "UP": "i32", "cq_ptr": "*i8", "cqp_ptr": "*i8",
                  "cdx_ptr": "*fp32", "cqs_ptr": "*i32", "cdc_ptr": "*fp32"}
         return (_a8_gemv1_kernel, types, dict(HAS_RES=False, FIXUP=False, ASM=True,
                                               BLOCK_N=block_n, P=1, STAGES=stages, ACT=-1,
-                                              CODES=False, Q6=qtype == "Q6_K", PDL=False),
+                                              CODES=False, QT=TYPE_IDS[qtype], PDL=False),
                 {"enable_fp_fusion": False}, STEP)
     if kernel == "sb-mma":   # tools/gpu/superblock.py's prototype (Q4_K, a super-block a step)
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
@@ -179,10 +181,11 @@ def cli(kernel, qtype, block_n, block_k, stages, rows, dot, ahead, warps, sass_o
     rows = int(rows)
     if kernel == "sb-mma" and qtype != "Q4_K":
         raise click.UsageError("--kernel sb-mma is a Q4_K prototype: --type Q4_K")
-    if kernel == "a8-gemv1" and (rows != 1 or qtype not in ("Q4_K", "Q6_K")
+    if kernel == "a8-gemv1" and (rows != 1 or qtype not in GEMV1_TYPES
                                  or block_n != 32 * warps):
-        raise click.UsageError("--kernel a8-gemv1 takes --rows 1 --type Q4_K or Q6_K, and "
-                               "--block-n 32 x --warps (a thread a column)")
+        raise click.UsageError(f"--kernel a8-gemv1 takes --rows 1, --type one of "
+                               f"{', '.join(GEMV1_TYPES)} and --block-n 32 x --warps (a "
+                               f"thread a column)")
     if kernel.startswith("a8-gemv") != (rows <= 8):
         raise click.UsageError(f"--rows {rows} is not a tile of --kernel {kernel}: a8-gemv "
                                f"takes 1, 2, 4 or 8 rows, the others 16, 32 or 64")

@@ -1,4 +1,4 @@
-"""The 1-row GEMV a thread a column (kernels/quant/a8_gemv1.py), Q4_K and Q6_K: a row's bits are
+"""The 1-row GEMV a thread a column (kernels/quant/a8_gemv1.py), its five types: a row's bits are
 a8_mm's default GEMV's, with K in one part or several (added by the last program, or after the
 launch where there are no counters), with and without the residual; a8_mm takes it only where
 asked. Under the interpreter (the "cpu" cases) and on CUDA (marked gpu)."""
@@ -13,8 +13,9 @@ from test_quant_kernels import _weight
 
 
 @pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("rows, supers, parts", [(160, 1, 1), (16, 4, 4), (48, 2, 2)])
+@pytest.mark.parametrize("qtype, rows, supers, parts", [
+    *((q, *shape) for q in ("Q4_K", "Q6_K") for shape in ((160, 1, 1), (16, 4, 4), (48, 2, 2))),
+    ("Q5_K", 48, 2, 2), ("Q8_0", 48, 2, 2), ("IQ4_XS", 48, 2, 2)])
 def test_one_row_has_the_gemvs_bits(device, qtype, rows, supers, parts, monkeypatch):
     from strata.kernels.quant.a8_gemv1 import a8_gemv1
     from strata.kernels.quant.a8_parts import k_parts
@@ -52,15 +53,16 @@ def test_a8_mm_takes_it_where_asked(device, monkeypatch):
     monkeypatch.setenv("STRATA_A8_GEMV1", "1")
     assert torch.equal(a8_mm(c[:1], w.parts[0]), plain) and calls == [1]
     a8_mm(c, w.parts[0])                                           # 2 rows: the GEMV's
-    q8, _ = _weight("Q8_0", 64, K, device, seed=26)
-    a8_mm(c[:1], q8.parts[0])                                      # another type
+    q4, _ = _weight("Q4_0", 64, K, device, seed=26)
+    a8_mm(c[:1], q4.parts[0])                                      # another type
     assert calls == [1]
     assert a8_triton.a8_gemv1.gemv1_fits(w.parts[0], 1, K)
 
 
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype, act", [("Q4_K", "silu"), ("Q4_K", "gelu_tanh"),
-                                        ("Q6_K", "silu")])
+                                        ("Q6_K", "silu"), ("Q5_K", "silu"), ("Q8_0", "silu"),
+                                        ("IQ4_XS", "silu")])
 def test_the_gated_half_has_a8_gate_up_silus_bits(device, qtype, act, monkeypatch):
     """[gate | up] of one row: act(gate) * up and, where asked, its rows quantized for the
     down projection: the bits of a8_gate_up_silu's default (a8_gated.py's kernel), and with

@@ -1,0 +1,299 @@
+"""A super-block's group terms for a8_gemv1.py, a thread a column, by the weight's type: `_sb`
+(Q4_K: the scales' words once, 8 groups of 32; Q6_K: 16 groups of 16, their qh bits above the
+nibbles; Q5_K, Q8_0 and IQ4_XS: 8 groups of 32, the latter two taken signed). Each term is
+a8_gemv.group_term of reads._term_values' a and b, added in K's order; integers become floats
+by the magic number where the value allows (no conversion instruction)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from strata.kernels.quant.a8_gemv import HIGH_NIBBLES, _codebook_pairs, _dp4a, group_term
+from strata.kernels.quant.reads import IQ4_XS, Q4_K, Q5_K, Q6_K, Q8_0
+
+
+@triton.jit
+def _float(u):
+    """An integer 0 .. 2^23 - 1 as fp32 by the magic number (no conversion instruction)."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _signed_float(v):
+    """An int8 as fp32 by the magic number: (v + 128) as 2^23 + v + 128, less 2^23 + 128."""
+    return ((v.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _q4k_ab(v0, v1, v2, d, nd, J: tl.constexpr):
+    """a, b [BN] of group J of a Q4_K super-block (reads._term_values' arithmetic: d sc and
+    -(dmin mn), here as (-dmin) mn, the same bits): its 6-bit scale and min (llama.cpp's
+    get_scale_min_k4) from the three scale words."""
+    SH: tl.constexpr = 8 * (J % 4)
+    if J < 4:
+        sc = (v0 >> SH) & 63
+        mn = (v1 >> SH) & 63
+    else:
+        sc = ((v2 >> SH) & 15) | (((v0 >> (SH + 6)) & 3) << 4)
+        mn = ((v2 >> (SH + 4)) & 15) | (((v1 >> (SH + 6)) & 3) << 4)
+    return d * _float(sc), nd * _float(mn)
+
+
+@triton.jit
+def _dp4a0(a, b, ASM: tl.constexpr):
+    """The sum of a's four unsigned bytes times b's four signed bytes (a8_gemv._dp4a from
+    zero: the immediate 0, no register to clear)."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return _dp4a(a, b, 0, ASM)
+
+
+@triton.jit
+def _pairs(a):
+    """A [4] word vector (the same in every thread) -> its words 0, 2 and 1, 3 as scalars."""
+    even, odd = tl.split(tl.reshape(a, (2, 2)))
+    e0, e1 = tl.split(even)
+    o0, o1 = tl.split(odd)
+    return e0, o0, e1, o1
+
+
+@triton.jit
+def _dot8(w, a0, a1, ASM: tl.constexpr):
+    """A group's integer sum [BN]: its 4 code words (w [BN, 4]) against the row's 8 words in
+    pair order (a0, a1 [4]: even and odd words of code words 0, 1 and of 2, 3), a chain of
+    dp4a for the low nibbles and one for the high ones, taken in place (16 times their value:
+    that chain's sum shifted back, exactly). The splits move values within a thread."""
+    w02, w13 = tl.split(tl.reshape(w, (w.shape[0], 2, 2)))       # (w0, w2), (w1, w3)
+    w0, w2 = tl.split(w02)
+    w1, w3 = tl.split(w13)
+    e0, o0, e1, o1 = _pairs(a0)
+    e2, o2, e3, o3 = _pairs(a1)
+    lo = _dp4a0(w0 & 0x0F0F0F0F, e0, ASM)
+    lo = _dp4a(w1 & 0x0F0F0F0F, e1, lo, ASM)
+    lo = _dp4a(w2 & 0x0F0F0F0F, e2, lo, ASM)
+    lo = _dp4a(w3 & 0x0F0F0F0F, e3, lo, ASM)
+    hi = _dp4a0(w0 & HIGH_NIBBLES, o0, ASM)
+    hi = _dp4a(w1 & HIGH_NIBBLES, o1, hi, ASM)
+    hi = _dp4a(w2 & HIGH_NIBBLES, o2, hi, ASM)
+    hi = _dp4a(w3 & HIGH_NIBBLES, o3, hi, ASM)
+    return lo + (hi >> 4)
+
+
+@triton.jit
+def _sb_words(p0, p2, p3, s0, s2, s3, nc, sb):
+    """Super-block sb of columns nc: its 32 code words as 8 groups' [BN, 4], its 3 scale
+    words and d, -dmin."""
+    wp = p0 + nc[:, None] * s0 + 32 * sb + tl.arange(0, 4)[None, :]
+    base = p2 + nc * s2 + 3 * sb
+    return (tl.load(wp), tl.load(wp + 4), tl.load(wp + 8), tl.load(wp + 12), tl.load(wp + 16),
+            tl.load(wp + 20), tl.load(wp + 24), tl.load(wp + 28), tl.load(base),
+            tl.load(base + 1), tl.load(base + 2), tl.load(p3 + nc * s3 + 2 * sb).to(tl.float32),
+            -tl.load(p3 + nc * s3 + 2 * sb + 1).to(tl.float32))
+
+
+@triton.jit
+def _sb_terms(acc, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd, ap, dp,
+              ASM: tl.constexpr):
+    """acc [BN] + a super-block's 8 group terms in order: its words (_sb_words) against the
+    row's code words at ap and its dc at dp ([4] and [2] pointers), all loaded before the
+    first dot."""
+    a0, a1, a2, a3 = tl.load(ap), tl.load(ap + 4), tl.load(ap + 8), tl.load(ap + 12)
+    a4, a5, a6, a7 = tl.load(ap + 16), tl.load(ap + 20), tl.load(ap + 24), tl.load(ap + 28)
+    a8, a9, a10, a11 = tl.load(ap + 32), tl.load(ap + 36), tl.load(ap + 40), tl.load(ap + 44)
+    a12, a13, a14, a15 = tl.load(ap + 48), tl.load(ap + 52), tl.load(ap + 56), tl.load(ap + 60)
+    c0, c1, c2, c3 = tl.load(dp), tl.load(dp + 4), tl.load(dp + 8), tl.load(dp + 12)
+    c4, c5, c6, c7 = tl.load(dp + 16), tl.load(dp + 20), tl.load(dp + 24), tl.load(dp + 28)
+    acc = _term(acc, w0, a0, a1, c0, v0, v1, v2, d, nd, 0, ASM)
+    acc = _term(acc, w1, a2, a3, c1, v0, v1, v2, d, nd, 1, ASM)
+    acc = _term(acc, w2, a4, a5, c2, v0, v1, v2, d, nd, 2, ASM)
+    acc = _term(acc, w3, a6, a7, c3, v0, v1, v2, d, nd, 3, ASM)
+    acc = _term(acc, w4, a8, a9, c4, v0, v1, v2, d, nd, 4, ASM)
+    acc = _term(acc, w5, a10, a11, c5, v0, v1, v2, d, nd, 5, ASM)
+    acc = _term(acc, w6, a12, a13, c6, v0, v1, v2, d, nd, 6, ASM)
+    return _term(acc, w7, a14, a15, c7, v0, v1, v2, d, nd, 7, ASM)
+
+
+@triton.jit
+def _q4k_sb(acc, p0, p2, p3, s0, s2, s3, nc, sb, ap, dp, ASM: tl.constexpr):
+    """acc + a Q4_K super-block's 8 group terms of columns nc, in order."""
+    w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd = _sb_words(p0, p2, p3, s0, s2, s3, nc,
+                                                                  sb)
+    return _sb_terms(acc, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd, ap, dp, ASM)
+
+
+@triton.jit
+def _term(acc, w, a0, a1, dc, v0, v1, v2, d, nd, J: tl.constexpr, ASM: tl.constexpr):
+    """acc + group J's term (a8_gemv.group_term): its integer sum, a d sc, b -dmin mn, and the
+    row's dx and c (dc [2])."""
+    a, b = _q4k_ab(v0, v1, v2, d, nd, J)
+    dx, c = tl.split(dc)
+    return acc + group_term(_dot8(w, a0, a1, ASM), dx * a, c * b)
+
+
+@triton.jit
+def _scalars4(v):
+    """[BN, 4] (in-thread) -> its 4 columns as [BN] tensors, in order."""
+    v02, v13 = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+    v0, v2 = tl.split(v02)
+    v1, v3 = tl.split(v13)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _q6k_codes(w, x):
+    """A Q6_K qs word (8 low nibbles) and its group's qh word shifted to it (x: two bits a
+    code, nibble-aligned) -> the codes' even and odd bytes (a8_gemv._gemv_step's)."""
+    lo = (w & 0x0F0F0F0F) | ((x & 0x03030303) << 4)
+    hi = ((w >> 4) & 0x0F0F0F0F) | (((x >> 4) & 0x03030303) << 4)
+    return lo, hi
+
+
+@triton.jit
+def _q6k_group(w0, w1, h, e0, o0, e1, o1, ASM: tl.constexpr):
+    """A Q6_K group's integer sum [BN]: its 2 qs words, its qh word h, the row's 4 words."""
+    lo, hi = _q6k_codes(w0, h)
+    s = _dp4a(hi, o0, _dp4a0(lo, e0, ASM), ASM)
+    lo, hi = _q6k_codes(w1, h >> 2)
+    return _dp4a(hi, o1, _dp4a(lo, e1, s, ASM), ASM)
+
+
+@triton.jit
+def _q6k_block(acc, w, ha, hb, sa, sb, a0, a1, dc, d, ASM: tl.constexpr):
+    """acc + the terms of a block's two Q6_K groups of 16, in order: their 4 qs words w
+    [BN, 4], qh words ha, hb and int8 scales sa, sb ([BN] each), the row's 8 words (a0, a1
+    [4]) and the block's dc [4] (dx, c, c0, c1: c0 and c1 each half's codes' sum times dx);
+    a = d sc, b = -32 a (reads._term_values')."""
+    w0, w1, w2, w3 = _scalars4(w)
+    e0, o0, e1, o1 = _pairs(a0)
+    e2, o2, e3, o3 = _pairs(a1)
+    dx_c0, c_c1 = tl.split(tl.reshape(dc, (2, 2)))   # (dx, c0), (c, c1)
+    dx, c0 = tl.split(dx_c0)
+    _, c1 = tl.split(c_c1)
+    a = d * _signed_float(sa)
+    acc = acc + group_term(_q6k_group(w0, w1, ha, e0, o0, e1, o1, ASM), dx * a, c0 * (-32.0 * a))
+    a = d * _signed_float(sb)
+    return acc + group_term(_q6k_group(w2, w3, hb, e2, o2, e3, o3, ASM), dx * a,
+                           c1 * (-32.0 * a))
+
+
+@triton.jit
+def _q6k_sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, ASM: tl.constexpr):
+    """acc + a Q6_K super-block's 16 group terms in order (groups of 16 quants, two a block
+    of 32): its 32 qs words, 16 qh words, 16 int8 scales and d of columns nc against the
+    row's 64 words at ap and its 8 blocks' dc at dp ([4] pointers); a quad of groups a
+    step."""
+    wp = p0 + nc[:, None] * s0 + 32 * sb + tl.arange(0, 4)[None, :]
+    hp = p1 + nc[:, None] * s1 + 16 * sb + tl.arange(0, 4)[None, :]
+    sp = p2 + nc[:, None] * s2 + 16 * sb + tl.arange(0, 4)[None, :]
+    d = tl.load(p3 + nc * s3 + sb).to(tl.float32)
+    for q in tl.static_range(4):   # groups 4q .. 4q + 3: blocks 2q and 2q + 1
+        h0, h1, h2, h3 = _scalars4(tl.load(hp + 4 * q))
+        c0, c1, c2, c3 = _scalars4(tl.load(sp + 4 * q))
+        acc = _q6k_block(acc, tl.load(wp + 8 * q), h0, h1, c0, c1, tl.load(ap + 16 * q),
+                         tl.load(ap + 16 * q + 4), tl.load(dp + 8 * q), d, ASM)
+        acc = _q6k_block(acc, tl.load(wp + 8 * q + 4), h2, h3, c2, c3,
+                         tl.load(ap + 16 * q + 8), tl.load(ap + 16 * q + 12),
+                         tl.load(dp + 8 * q + 4), d, ASM)
+    return acc
+
+
+@triton.jit
+def _codes32(w, p1, s1, nc, g, QT: tl.constexpr, ASM: tl.constexpr):
+    """Group g's 4 code words w [BN, 4] of Q5_K (its qh word's bits above the nibbles), Q8_0
+    (its high nibbles' words) or IQ4_XS (codebook values + 128) -> each word's even and odd
+    bytes as 8 [BN] tensors (lo0, hi0, .. lo3, hi3), a8_gemv._gemv_step's."""
+    w0, w1, w2, w3 = _scalars4(w)
+    if QT == Q5_K:
+        h = tl.load(p1 + nc * s1 + g)
+        l0, h0 = _q5_codes(w0, h)
+        l1, h1 = _q5_codes(w1, h >> 1)
+        l2, h2 = _q5_codes(w2, h >> 2)
+        l3, h3 = _q5_codes(w3, h >> 3)
+    elif QT == Q8_0:
+        x0, x1, x2, x3 = _scalars4(tl.load(p1 + nc[:, None] * s1 + 4 * g
+                                           + tl.arange(0, 4)[None, :]))
+        l0, h0 = _q8_codes(w0, x0)
+        l1, h1 = _q8_codes(w1, x1)
+        l2, h2 = _q8_codes(w2, x2)
+        l3, h3 = _q8_codes(w3, x3)
+    else:   # IQ4_XS
+        l0, h0 = _codebook_pairs(w0, ASM)
+        l1, h1 = _codebook_pairs(w1, ASM)
+        l2, h2 = _codebook_pairs(w2, ASM)
+        l3, h3 = _codebook_pairs(w3, ASM)
+    return l0, h0, l1, h1, l2, h2, l3, h3
+
+
+@triton.jit
+def _q5_codes(w, x):
+    """A Q5_K qs word and its group's qh word shifted to it (a bit a code) -> even, odd bytes."""
+    return ((w & 0x0F0F0F0F) | ((x & 0x01010101) << 4),
+            ((w >> 4) & 0x0F0F0F0F) | (((x >> 4) & 0x01010101) << 4))
+
+
+@triton.jit
+def _q8_codes(w, x):
+    """A Q8_0 word of low nibbles and its word of high nibbles -> even, odd bytes (u + 128)."""
+    return ((w & 0x0F0F0F0F) | ((x << 4) & HIGH_NIBBLES),
+            ((w >> 4) & 0x0F0F0F0F) | (x & HIGH_NIBBLES))
+
+
+@triton.jit
+def _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT: tl.constexpr,
+          ASM: tl.constexpr):
+    """acc + a Q5_K, Q8_0 or IQ4_XS super-block's 8 group terms of columns nc, in order, as
+    a8_gemv._gemv_step takes them: reads._term_values' a and b (Q8_0 and IQ4_XS: their codes
+    taken signed, u - 128, the group's sum less 128 times the row's codes' sum from the qs
+    plane at qsp, and b zeroed); the row's words at ap, dx and c at dp ([4], [2] pointers)."""
+    SIGNED: tl.constexpr = QT == Q8_0 or QT == IQ4_XS
+    wp = p0 + nc[:, None] * s0 + 32 * sb + tl.arange(0, 4)[None, :]
+    if QT == Q5_K:   # Q4_K's scales
+        base = p2 + nc * s2 + 3 * sb
+        v0, v1, v2 = tl.load(base), tl.load(base + 1), tl.load(base + 2)
+        d = tl.load(p3 + nc * s3 + 2 * sb).to(tl.float32)
+        nd = -tl.load(p3 + nc * s3 + 2 * sb + 1).to(tl.float32)
+    elif QT == IQ4_XS:   # scales_h, scales_l (groups 0-3, 4-7), d
+        base = p2 + nc * s2 + 3 * sb
+        high = tl.load(base).to(tl.int32) & 0xFFFF
+        low03 = tl.load(base + 1).to(tl.int32) & 0xFFFF
+        low47 = tl.load(base + 2).to(tl.int32) & 0xFFFF
+        d = tl.load(p3 + nc * s3 + sb).to(tl.float32)
+    for j in tl.static_range(8):
+        g = 8 * sb + j
+        l0, h0, l1, h1, l2, h2, l3, h3 = _codes32(tl.load(wp + 4 * j), p1, s1, nc, g, QT, ASM)
+        e0, o0, e1, o1 = _pairs(tl.load(ap + 8 * j))
+        e2, o2, e3, o3 = _pairs(tl.load(ap + 8 * j + 4))
+        isum = _dp4a(l3, e3, _dp4a(l2, e2, _dp4a(l1, e1, _dp4a0(l0, e0, ASM), ASM), ASM), ASM)
+        isum = _dp4a(h3, o3, _dp4a(h2, o2, _dp4a(h1, o1, _dp4a(h0, o0, isum, ASM), ASM), ASM),
+                     ASM)
+        if QT == Q5_K:
+            a, b = _q4k_ab(v0, v1, v2, d, nd, j)
+        elif QT == Q8_0:
+            a = tl.load(p2 + nc * s2 + g).to(tl.float32)
+            b = -128.0 * a
+        else:
+            ls = (((low03 if j < 4 else low47) >> (4 * (j % 4))) & 15) | (
+                ((high >> (2 * j)) & 3) << 4)
+            a = d * (ls - 32).to(tl.float32)
+            b = -128.0 * a
+        if SIGNED:
+            q0, q1 = tl.split(tl.load(qsp + 2 * g + tl.arange(0, 2)))
+            isum = isum - 128 * (q0 + q1)
+            b = b * 0.0
+        dx, c = tl.split(tl.load(dp + 4 * j))
+        acc = acc + group_term(isum, dx * a, c * b)
+    return acc
+
+
+@triton.jit
+def _sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, dp4, qsp, QT: tl.constexpr,
+        ASM: tl.constexpr):
+    """acc + super-block sb's group terms of columns nc, in order, by the weight's type."""
+    if QT == Q6_K:
+        return _q6k_sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp4, ASM)
+    elif QT == Q4_K:
+        return _q4k_sb(acc, p0, p2, p3, s0, s2, s3, nc, sb, ap, dp, ASM)
+    else:
+        return _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT, ASM)
