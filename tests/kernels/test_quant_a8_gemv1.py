@@ -13,29 +13,33 @@ from test_quant_kernels import _weight
 
 
 @pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("qtype, rows, supers, parts", [
-    *((q, *shape) for q in ("Q4_K", "Q6_K") for shape in ((160, 1, 1), (16, 4, 4), (48, 2, 2))),
-    ("Q5_K", 48, 2, 2), ("Q8_0", 48, 2, 2), ("IQ4_XS", 48, 2, 2)])
-def test_one_row_has_the_gemvs_bits(device, qtype, rows, supers, parts, monkeypatch):
+@pytest.mark.parametrize("qtype, rows, supers, most, parts", [
+    *((q, *shape) for q in ("Q4_K", "Q6_K")
+      for shape in ((160, 1, 8, 1), (16, 4, 8, 4), (48, 2, 8, 2), (16, 4, 1, 1), (16, 4, 2, 2))),
+    ("Q5_K", 48, 2, 8, 2), ("Q8_0", 48, 2, 8, 2), ("IQ4_XS", 48, 2, 8, 2),
+    ("Q8_0", 16, 4, 2, 2), ("IQ4_XS", 16, 4, 1, 1)])
+def test_one_row_has_the_gemvs_bits(device, qtype, rows, supers, most, parts, monkeypatch):
+    """most: a8_mm's `parts` (k_parts' most), so a part holds 1 to 4 super-blocks."""
     from strata.kernels.quant.a8_gemv1 import a8_gemv1
     from strata.kernels.quant.a8_parts import k_parts
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
+    monkeypatch.delenv("STRATA_A8_GEMV1", raising=False)   # the reference: a8_gemv's
     k = supers * K
-    assert k_parts(rows, k) == parts
+    assert k_parts(rows, k, most) == parts
     w, _ = _weight(qtype, rows, k, device, seed=21)
     part = w.parts[0]
     x, res = _x(3, k, device, seed=22), _x(3, rows, device, seed=23)
     c = quantize_rows(x)[1:2]   # a row of a window: its own planes, as a stage passes them
     for r in (None, res[1:2]):
-        want = a8_mm(c, part, r, block_m=1)
+        want = a8_mm(c, part, r, block_m=1, parts=most)
         out = torch.empty_like(want)
-        got = a8_gemv1(c, part, r, out, block_n=32, warps=1)
-        assert torch.equal(got, want), (qtype, rows, k, r is not None)
+        got = a8_gemv1(c, part, r, out, block_n=32, warps=1, parts=most)
+        assert torch.equal(got, want), (qtype, rows, k, most, r is not None)
     if parts > 1:   # the parts added after the launch where there are no counters
         monkeypatch.setattr("strata.kernels.quant.a8_gemv1.counters", lambda *a: None)
         out = torch.empty_like(want)
-        assert torch.equal(a8_gemv1(c, part, res[1:2], out, block_n=32, warps=1),
-                           a8_mm(c, part, res[1:2], block_m=1))
+        assert torch.equal(a8_gemv1(c, part, res[1:2], out, block_n=32, warps=1, parts=most),
+                           a8_mm(c, part, res[1:2], block_m=1, parts=most))
 
 
 @pytest.mark.parametrize("device", triton_devices())
@@ -44,6 +48,7 @@ def test_a8_mm_takes_it_where_asked(device, monkeypatch):
     its kernel ran); unset, or another type, or more rows: a8_gemv's."""
     from strata.kernels.quant import a8_gemv1, a8_triton
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
+    monkeypatch.delenv("STRATA_A8_GEMV1", raising=False)
     calls = []
     real = a8_gemv1.a8_gemv1
     monkeypatch.setattr(a8_gemv1, "a8_gemv1", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -70,6 +75,7 @@ def test_the_gated_half_has_a8_gate_up_silus_bits(device, qtype, act, monkeypatc
     blocks of 128 columns)."""
     from strata.kernels.quant import a8_gemv1
     from strata.kernels.quant.a8_triton import a8_gate_up_silu, quantize_rows
+    monkeypatch.delenv("STRATA_A8_GEMV1", raising=False)   # the reference: a8_gated's
     x = quantize_rows(_x(1, K, device, seed=31))
     for f in (128, 96):
         w, _ = _weight(qtype, 2 * f, K, device, seed=32)

@@ -52,7 +52,8 @@ def _dp4a0(a, b, ASM: tl.constexpr):
 
 @triton.jit
 def _pairs(a):
-    """A [4] word vector (the same in every thread) -> its words 0, 2 and 1, 3 as scalars."""
+    """A [4] word vector (the same in every thread) -> its words 0, 1, 2, 3 as scalars: the
+    even and odd words (pair order) of two code words, (e0, o0, e1, o1)."""
     even, odd = tl.split(tl.reshape(a, (2, 2)))
     e0, e1 = tl.split(even)
     o0, o1 = tl.split(odd)
