@@ -183,7 +183,7 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     if out is None:
         out = torch.empty(m, part.rows, dtype=out_dtype, device=q.device)
     assert out.shape == (m, part.rows) and out.stride(1) == 1 and q.is_contiguous()
-    if (block_m == 1 and dot not in GLUONS and gemv_n is None
+    if (block_m == 1 and dot not in GLUONS and gemv_n is None and stages is None
             and a8_gemv1.gemv1_fits(part, m, k)):   # asked for (STRATA_A8_GEMV1=1)
         return a8_gemv1.a8_gemv1(x, part, res, out, parts=parts)
     if block_m in GEMV_TILES and dot not in GLUONS:   # blocks from tools/gpu/bench_a8.py (H100)
