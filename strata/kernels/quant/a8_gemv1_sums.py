@@ -28,7 +28,7 @@ def _signed_float(v):
 def _q4k_ab(v0, v1, v2, d, nd, J: tl.constexpr):
     """a, b [BN] of group J of a Q4_K super-block (reads._term_values' arithmetic: d sc and
     -(dmin mn), here as (-dmin) mn, the same bits): its 6-bit scale and min (llama.cpp's
-    get_scale_min_k4) from the three scale words."""
+    get_scale_min_k4) from the three scale words, as a8_gluon._q4k_terms in Gluon."""
     SH: tl.constexpr = 8 * (J % 4)
     if J < 4:
         sc = (v0 >> SH) & 63
