@@ -13,7 +13,7 @@ every thread), sums the group by chains of dp4a, and adds the group's term to it
 accumulator, group after group along the part: a super-block a loop step, its scales loaded
 once and its groups unrolled. Counted for sm_90 with Triton 3.6, instructions a weight
 (`tools/sass_count.py --kernel a8-gemv1 --block-n 128 --warps 4 --stages 1`, against
-`--kernel a8-gemv --block-n 32 --stages 3`, 16 for Q6_K, a8_mm's 1-row GEMV): Q4_K 1.39 against
+`--kernel a8-gemv --block-n 32 --stages 3`, 16 for Q6_K, a8_mm's 1-row GEMV): Q4_K 1.42 against
 5.14, Q5_K 2.00 against 5.92, Q6_K 2.11 against 7.03, Q8_0 1.83 against 3.67, IQ4_XS 3.18
 against 6.33; with --stages 3 (the loads pipelined through shared memory) about 0.3 more. Not
 yet timed (tools/gpu/bench_gemv1.py).
@@ -43,6 +43,7 @@ from strata.kernels.quant.blocks import Part
 from strata.kernels.quant.reads import TYPE_IDS, _planes
 
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS")
+COLUMNS = 128   # columns a program by default (4 warps, a thread a column)
 
 
 def gemv1_fits(part: Part, m: int, k: int) -> bool:
@@ -54,16 +55,15 @@ def gemv1_fits(part: Part, m: int, k: int) -> bool:
 
 def gated_fits(part: Part, m: int, k: int, codes: bool) -> bool:
     """Whether a8_gate_up_silu takes a8_gemv1_gated: as gemv1_fits, K in one part, and with
-    codes the halves whole blocks of 128 columns (a program's)."""
+    codes the halves whole blocks of COLUMNS (a program's)."""
     f = part.rows // 2
     return (gemv1_fits(part, m, k) and part.rows % 2 == 0 and k_parts(part.rows, k) == 1
-            and (not codes or f % 128 == 0))
+            and (not codes or f % COLUMNS == 0))
 
 
 @triton.jit
 def _a8_gemv1_kernel(qw_ptr, dc_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
-                     fin_ptr,
-                     count_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, M, N, K, UP,
+                     fin_ptr, count_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, M, N, K, UP,
                      stride_rm, stride_om, HAS_RES: tl.constexpr, FIXUP: tl.constexpr,
                      ASM: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr, L,
                      STAGES: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr,
@@ -85,7 +85,7 @@ def _a8_gemv1_kernel(qw_ptr, dc_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res
     nc = tl.minimum(n, N - 1)   # columns past N read the last one (no masks: no registers to
     #                             clear before each load), and are not stored
     ap = qw_ptr + m * (K // 4) + tl.arange(0, 4)   # the row's words, dc: [4], [2] vectors
-    dp = dc_ptr + m * (K // 8) + tl.arange(0, 2)   # dx, c (Q4_K)
+    dp = dc_ptr + m * (K // 8) + tl.arange(0, 2)   # dx, c (groups of 32)
     dp4 = dc_ptr + m * (K // 8) + tl.arange(0, 4)  # dx, c, c0, c1 (Q6_K: groups of 16)
     qsp = qs_ptr + m * (K // 16)   # the row's codes' sums a 16 (Q8_0, IQ4_XS)
     for sb in tl.range(first, last + 1, num_stages=STAGES):   # loads STAGES - 1 ahead
@@ -108,7 +108,7 @@ def _a8_gemv1_kernel(qw_ptr, dc_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res
 
 
 def a8_gemv1(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor,
-             block_n: int = 128, warps: int = 4, stages: int = 3,
+             block_n: int = COLUMNS, warps: int = COLUMNS // 32, stages: int = 3,
              parts: int = PARTS) -> torch.Tensor:
     """out [1, N] = the row x (its codes in pair order, sums and dc plane) @ part^T (+ res),
     part a weight [N, K] of TYPES: a8_gemv's bits for one row (the module says how). block_n:
@@ -117,7 +117,8 @@ def a8_gemv1(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor,
 
 
 def a8_gemv1_gated(x: Codes, part: Part, act: str, out: torch.Tensor, codes: Codes | None,
-                   block_n: int = 128, warps: int = 4, stages: int = 3) -> torch.Tensor:
+                   block_n: int = COLUMNS, warps: int = COLUMNS // 32,
+                   stages: int = 3) -> torch.Tensor:
     """out [1, F] = act(gate) * up of [gate | up] = the row x @ part^T (part [2F, K] of TYPES,
     K in one part), as a8_gated.a8_gate_up writes it, and with codes (F whole blocks of
     block_n) those rows quantized into codes' planes: its bits (the module says how)."""

@@ -1,6 +1,6 @@
 """A super-block's group terms for a8_gemv1.py, a thread a column, by the weight's type: `_sb`
-(Q4_K: the scales' words once, 8 groups of 32; Q6_K: 16 groups of 16, their qh bits above the
-nibbles; Q5_K, Q8_0 and IQ4_XS: 8 groups of 32, the latter two taken signed). Each term is
+(Q6_K: 16 groups of 16, their qh bits above the nibbles; Q4_K, Q5_K, Q8_0 and IQ4_XS: 8 groups
+of 32, the last two taken signed). Each term is
 a8_gemv.group_term of reads._term_values' a and b, added in K's order; integers become floats
 by the magic number where the value allows (no conversion instruction)."""
 from __future__ import annotations
@@ -10,8 +10,6 @@ import triton.language as tl
 
 from strata.kernels.quant.a8_gemv import HIGH_NIBBLES, _codebook_pairs, _dp4a, group_term
 from strata.kernels.quant.reads import IQ4_XS, Q4_K, Q5_K, Q6_K, Q8_0
-
-
 @triton.jit
 def _float(u):
     """An integer 0 .. 2^23 - 1 as fp32 by the magic number (no conversion instruction)."""
@@ -58,79 +56,6 @@ def _pairs(a):
     e0, e1 = tl.split(even)
     o0, o1 = tl.split(odd)
     return e0, o0, e1, o1
-
-
-@triton.jit
-def _dot8(w, a0, a1, ASM: tl.constexpr):
-    """A group's integer sum [BN]: its 4 code words (w [BN, 4]) against the row's 8 words in
-    pair order (a0, a1 [4]: even and odd words of code words 0, 1 and of 2, 3), a chain of
-    dp4a for the low nibbles and one for the high ones, taken in place (16 times their value:
-    that chain's sum shifted back, exactly). The splits move values within a thread."""
-    w02, w13 = tl.split(tl.reshape(w, (w.shape[0], 2, 2)))       # (w0, w2), (w1, w3)
-    w0, w2 = tl.split(w02)
-    w1, w3 = tl.split(w13)
-    e0, o0, e1, o1 = _pairs(a0)
-    e2, o2, e3, o3 = _pairs(a1)
-    lo = _dp4a0(w0 & 0x0F0F0F0F, e0, ASM)
-    lo = _dp4a(w1 & 0x0F0F0F0F, e1, lo, ASM)
-    lo = _dp4a(w2 & 0x0F0F0F0F, e2, lo, ASM)
-    lo = _dp4a(w3 & 0x0F0F0F0F, e3, lo, ASM)
-    hi = _dp4a0(w0 & HIGH_NIBBLES, o0, ASM)
-    hi = _dp4a(w1 & HIGH_NIBBLES, o1, hi, ASM)
-    hi = _dp4a(w2 & HIGH_NIBBLES, o2, hi, ASM)
-    hi = _dp4a(w3 & HIGH_NIBBLES, o3, hi, ASM)
-    return lo + (hi >> 4)
-
-
-@triton.jit
-def _sb_words(p0, p2, p3, s0, s2, s3, nc, sb):
-    """Super-block sb of columns nc: its 32 code words as 8 groups' [BN, 4], its 3 scale
-    words and d, -dmin."""
-    wp = p0 + nc[:, None] * s0 + 32 * sb + tl.arange(0, 4)[None, :]
-    base = p2 + nc * s2 + 3 * sb
-    return (tl.load(wp), tl.load(wp + 4), tl.load(wp + 8), tl.load(wp + 12), tl.load(wp + 16),
-            tl.load(wp + 20), tl.load(wp + 24), tl.load(wp + 28), tl.load(base),
-            tl.load(base + 1), tl.load(base + 2), tl.load(p3 + nc * s3 + 2 * sb).to(tl.float32),
-            -tl.load(p3 + nc * s3 + 2 * sb + 1).to(tl.float32))
-
-
-@triton.jit
-def _sb_terms(acc, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd, ap, dp,
-              ASM: tl.constexpr):
-    """acc [BN] + a super-block's 8 group terms in order: its words (_sb_words) against the
-    row's code words at ap and its dc at dp ([4] and [2] pointers), all loaded before the
-    first dot."""
-    a0, a1, a2, a3 = tl.load(ap), tl.load(ap + 4), tl.load(ap + 8), tl.load(ap + 12)
-    a4, a5, a6, a7 = tl.load(ap + 16), tl.load(ap + 20), tl.load(ap + 24), tl.load(ap + 28)
-    a8, a9, a10, a11 = tl.load(ap + 32), tl.load(ap + 36), tl.load(ap + 40), tl.load(ap + 44)
-    a12, a13, a14, a15 = tl.load(ap + 48), tl.load(ap + 52), tl.load(ap + 56), tl.load(ap + 60)
-    c0, c1, c2, c3 = tl.load(dp), tl.load(dp + 4), tl.load(dp + 8), tl.load(dp + 12)
-    c4, c5, c6, c7 = tl.load(dp + 16), tl.load(dp + 20), tl.load(dp + 24), tl.load(dp + 28)
-    acc = _term(acc, w0, a0, a1, c0, v0, v1, v2, d, nd, 0, ASM)
-    acc = _term(acc, w1, a2, a3, c1, v0, v1, v2, d, nd, 1, ASM)
-    acc = _term(acc, w2, a4, a5, c2, v0, v1, v2, d, nd, 2, ASM)
-    acc = _term(acc, w3, a6, a7, c3, v0, v1, v2, d, nd, 3, ASM)
-    acc = _term(acc, w4, a8, a9, c4, v0, v1, v2, d, nd, 4, ASM)
-    acc = _term(acc, w5, a10, a11, c5, v0, v1, v2, d, nd, 5, ASM)
-    acc = _term(acc, w6, a12, a13, c6, v0, v1, v2, d, nd, 6, ASM)
-    return _term(acc, w7, a14, a15, c7, v0, v1, v2, d, nd, 7, ASM)
-
-
-@triton.jit
-def _q4k_sb(acc, p0, p2, p3, s0, s2, s3, nc, sb, ap, dp, ASM: tl.constexpr):
-    """acc + a Q4_K super-block's 8 group terms of columns nc, in order."""
-    w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd = _sb_words(p0, p2, p3, s0, s2, s3, nc,
-                                                                  sb)
-    return _sb_terms(acc, w0, w1, w2, w3, w4, w5, w6, w7, v0, v1, v2, d, nd, ap, dp, ASM)
-
-
-@triton.jit
-def _term(acc, w, a0, a1, dc, v0, v1, v2, d, nd, J: tl.constexpr, ASM: tl.constexpr):
-    """acc + group J's term (a8_gemv.group_term): its integer sum, a d sc, b -dmin mn, and the
-    row's dx and c (dc [2])."""
-    a, b = _q4k_ab(v0, v1, v2, d, nd, J)
-    dx, c = tl.split(dc)
-    return acc + group_term(_dot8(w, a0, a1, ASM), dx * a, c * b)
 
 
 @triton.jit
@@ -202,11 +127,17 @@ def _q6k_sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, ASM: tl.constex
 
 @triton.jit
 def _codes32(w, p1, s1, nc, g, QT: tl.constexpr, ASM: tl.constexpr):
-    """Group g's 4 code words w [BN, 4] of Q5_K (its qh word's bits above the nibbles), Q8_0
-    (its high nibbles' words) or IQ4_XS (codebook values + 128) -> each word's even and odd
-    bytes as 8 [BN] tensors (lo0, hi0, .. lo3, hi3), a8_gemv._gemv_step's."""
+    """Group g's 4 code words w [BN, 4] of Q4_K, Q5_K (its qh word's bits above the nibbles),
+    Q8_0 (its high nibbles' words) or IQ4_XS (codebook values + 128) -> each word's even and
+    odd bytes as 8 [BN] tensors (lo0, hi0, .. lo3, hi3), a8_gemv._gemv_step's (Q4_K's odd
+    bytes left in place, 16 times their codes)."""
     w0, w1, w2, w3 = _scalars4(w)
-    if QT == Q5_K:
+    if QT == Q4_K:   # the high nibbles in place: 16 times their codes (_sb32 shifts back)
+        l0, h0 = w0 & 0x0F0F0F0F, w0 & HIGH_NIBBLES
+        l1, h1 = w1 & 0x0F0F0F0F, w1 & HIGH_NIBBLES
+        l2, h2 = w2 & 0x0F0F0F0F, w2 & HIGH_NIBBLES
+        l3, h3 = w3 & 0x0F0F0F0F, w3 & HIGH_NIBBLES
+    elif QT == Q5_K:
         h = tl.load(p1 + nc * s1 + g)
         l0, h0 = _q5_codes(w0, h)
         l1, h1 = _q5_codes(w1, h >> 1)
@@ -244,13 +175,13 @@ def _q8_codes(w, x):
 @triton.jit
 def _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT: tl.constexpr,
           ASM: tl.constexpr):
-    """acc + a Q5_K, Q8_0 or IQ4_XS super-block's 8 group terms of columns nc, in order, as
+    """acc + a Q4_K, Q5_K, Q8_0 or IQ4_XS super-block's 8 group terms of columns nc, in order, as
     a8_gemv._gemv_step takes them: reads._term_values' a and b (Q8_0 and IQ4_XS: their codes
     taken signed, u - 128, the group's sum less 128 times the row's codes' sum from the qs
     plane at qsp, and b zeroed); the row's words at ap, dx and c at dp ([4], [2] pointers)."""
     SIGNED: tl.constexpr = QT == Q8_0 or QT == IQ4_XS
     wp = p0 + nc[:, None] * s0 + 32 * sb + tl.arange(0, 4)[None, :]
-    if QT == Q5_K:   # Q4_K's scales
+    if QT == Q4_K or QT == Q5_K:   # 6-bit scales and mins
         base = p2 + nc * s2 + 3 * sb
         v0, v1, v2 = tl.load(base), tl.load(base + 1), tl.load(base + 2)
         d = tl.load(p3 + nc * s3 + 2 * sb).to(tl.float32)
@@ -267,9 +198,13 @@ def _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT: tl.const
         e0, o0, e1, o1 = _pairs(tl.load(ap + 8 * j))
         e2, o2, e3, o3 = _pairs(tl.load(ap + 8 * j + 4))
         isum = _dp4a(l3, e3, _dp4a(l2, e2, _dp4a(l1, e1, _dp4a0(l0, e0, ASM), ASM), ASM), ASM)
-        isum = _dp4a(h3, o3, _dp4a(h2, o2, _dp4a(h1, o1, _dp4a(h0, o0, isum, ASM), ASM), ASM),
-                     ASM)
-        if QT == Q5_K:
+        if QT == Q4_K:   # a chain of its own, shifted back exactly
+            hi = _dp4a(h3, o3, _dp4a(h2, o2, _dp4a(h1, o1, _dp4a0(h0, o0, ASM), ASM), ASM), ASM)
+            isum = isum + (hi >> 4)
+        else:
+            isum = _dp4a(h3, o3, _dp4a(h2, o2, _dp4a(h1, o1, _dp4a(h0, o0, isum, ASM), ASM), ASM),
+                         ASM)
+        if QT == Q4_K or QT == Q5_K:
             a, b = _q4k_ab(v0, v1, v2, d, nd, j)
         elif QT == Q8_0:
             a = tl.load(p2 + nc * s2 + g).to(tl.float32)
@@ -294,7 +229,5 @@ def _sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, dp4, qsp, QT: tl.co
     """acc + super-block sb's group terms of columns nc, in order, by the weight's type."""
     if QT == Q6_K:
         return _q6k_sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp4, ASM)
-    elif QT == Q4_K:
-        return _q4k_sb(acc, p0, p2, p3, s0, s2, s3, nc, sb, ap, dp, ASM)
     else:
         return _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT, ASM)
