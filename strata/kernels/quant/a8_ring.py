@@ -8,9 +8,8 @@ program, not once a warp from global memory.
 
 The arithmetic is a8_gluon.py's kernels', term for term (the same mma.sync sums, the same
 group_term, groups in K's order, parts finished by _finish), so the bits are a8_mm's, which
-takes ring_mm on CUDA at a8_gluon.GLUON_TILES' "ring" tiles (Q4_K's, Q6_K's and IQ4_XS's 16 to
-64 rows, Q8_0's 16 and 64; with STRATA_A8_DOT=ring every type's tiles from 4 rows, Q5_K's
-too); tools/gpu/gluon_a8.py --stages times it beside a8_mm.
+takes ring_mm on CUDA at a8_gluon.GLUON_TILES' "ring" tiles (with STRATA_A8_DOT=ring every
+RING_TYPES tile from 4 rows); tools/gpu/gluon_a8.py --stages times it beside a8_mm.
 
 A slot holds a super-block of the tile: the weight's qs bytes [8 groups, BN rows, 16], its
 scale words [4, BN] int32 (Q4_K: sc's three and the d, dmin pair; Q6_K: its 16 scales; Q8_0:
