@@ -1,7 +1,8 @@
-"""The 1-row GEMV a thread a column (kernels/quant/a8_gemv1.py), its five types: a row's bits are
-a8_mm's default GEMV's, with K in one part or several (added by the last program, or after the
-launch where there are no counters), with and without the residual; a8_mm takes it only where
-asked. Under the interpreter (the "cpu" cases) and on CUDA (marked gpu)."""
+"""The GEMV a thread a column (kernels/quant/a8_gemv1.py), its five types: a row's bits are
+a8_mm's default GEMV's, alone and in a window of rows (a program a row), with K in one part or
+several (added by the last program, or after the launch where there are no counters), with and
+without the residual; a8_mm takes it only where asked. Under the interpreter (the "cpu" cases)
+and on CUDA (marked gpu)."""
 from __future__ import annotations
 
 import pytest
@@ -41,9 +42,30 @@ def test_one_row_has_the_gemvs_bits(device, qtype, rows, supers, most, parts, mo
 
 
 @pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("qtype", ["Q4_K", "IQ4_XS"])
+def test_a_window_of_rows_has_each_rows_bits(device, qtype, monkeypatch):
+    """3 rows, a program each, K in 2 parts (each row's own counters): each row's bits are its
+    own alone, and a8_gemv's 4-row tile's."""
+    from strata.kernels.quant.a8_gemv1 import a8_gemv1
+    from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
+    monkeypatch.delenv("STRATA_A8_GEMV1", raising=False)
+    w, _ = _weight(qtype, 16, 4 * K, device, seed=27)
+    part = w.parts[0]
+    c = quantize_rows(_x(3, 4 * K, device, seed=28))
+    res = _x(3, 16, device, seed=29)
+    got = a8_gemv1(c, part, res, torch.empty(3, 16, device=c.q.device), block_n=32, warps=1,
+                   parts=2)
+    assert torch.equal(got, a8_mm(c, part, res, block_m=4, parts=2))
+    for i in range(3):
+        assert torch.equal(got[i:i + 1], a8_mm(c[i:i + 1], part, res[i:i + 1], block_m=1,
+                                               parts=2)), i
+
+
+@pytest.mark.parametrize("device", triton_devices())
 def test_a8_mm_takes_it_where_asked(device, monkeypatch):
     """STRATA_A8_GEMV1=1: a8_mm's 1-row windows of a Q4_K weight take it (the same bits, and
-    its kernel ran); unset, or another type, or more rows: a8_gemv's."""
+    its kernel ran); unset, or another type, or more rows: a8_gemv's. =2: 2-row windows too
+    (a8_gemv's bits, row by row); a value that is no count: a sentence."""
     from strata.kernels.quant import a8_gemv1, a8_triton
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     monkeypatch.delenv("STRATA_A8_GEMV1", raising=False)
@@ -53,6 +75,7 @@ def test_a8_mm_takes_it_where_asked(device, monkeypatch):
     w, _ = _weight("Q4_K", 64, K, device, seed=24)
     c = quantize_rows(_x(2, K, device, seed=25))
     plain = a8_mm(c[:1], w.parts[0])
+    pair = a8_mm(c, w.parts[0])
     monkeypatch.setenv("STRATA_A8_GEMV1", "1")
     assert torch.equal(a8_mm(c[:1], w.parts[0]), plain) and calls == [1]
     a8_mm(c, w.parts[0])                                           # 2 rows: the GEMV's
@@ -60,6 +83,27 @@ def test_a8_mm_takes_it_where_asked(device, monkeypatch):
     a8_mm(c[:1], q4.parts[0])                                      # another type
     assert calls == [1]
     assert a8_triton.a8_gemv1.gemv1_fits(w.parts[0], 1, K)
+    monkeypatch.setenv("STRATA_A8_GEMV1", "2")                     # windows of up to 2 rows
+    assert torch.equal(a8_mm(c, w.parts[0]), pair) and calls == [1, 1]
+    monkeypatch.setenv("STRATA_A8_GEMV1", "yes")
+    with pytest.raises(ValueError, match="a count of rows from 0 to 8"):
+        a8_mm(c, w.parts[0])
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_the_gated_half_of_two_rows(device, monkeypatch):
+    """[gate | up] of a window of 2 rows (a program a row, with codes): a8_gated's bits."""
+    from strata.kernels.quant import a8_gemv1
+    from strata.kernels.quant.a8_triton import a8_gate_up_silu, quantize_rows
+    monkeypatch.delenv("STRATA_A8_GEMV1", raising=False)
+    x = quantize_rows(_x(2, K, device, seed=33))
+    w, _ = _weight("Q5_K", 256, K, device, seed=34)
+    want = a8_gate_up_silu(x, w.parts[0], "silu", torch.bfloat16, codes=True)
+    monkeypatch.setenv("STRATA_A8_GEMV1", "2")
+    got = a8_gate_up_silu(x, w.parts[0], "silu", torch.bfloat16, codes=True)
+    assert all(torch.equal(a, b) for a, b in zip(
+        (got.rows, got.q, got.qp, got.dx, got.qs, got.dc),
+        (want.rows, want.q, want.qp, want.dx, want.qs, want.dc)))
 
 
 @pytest.mark.parametrize("device", triton_devices())

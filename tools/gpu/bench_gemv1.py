@@ -1,11 +1,11 @@
-"""The 1-row GEMV a thread a column (kernels/quant/a8_gemv1.py) against a8_mm's default for one
-row (a8_gemv.py's), by block type at the llama3-8b shapes: us per call from a CUDA graph with
-the weights rotating past L2, for each (columns a program, loads in flight) of the new kernel,
-whether its bits are the default's, and the HBM time of the weight's bytes. An experiment, not
-a test: it says whether STRATA_A8_GEMV1=1 should become the default.
+"""The GEMV a thread a column (kernels/quant/a8_gemv1.py, a program a row) against a8_mm's
+default for windows of 1 to 8 rows, by block type at the llama3-8b shapes: us per call from a
+CUDA graph with the weights rotating past L2, for each (columns a program, loads in flight) of
+the new kernel, whether its bits are the default's, and the HBM time of the weight's bytes. An
+experiment, not a test: it says up to how many rows STRATA_A8_GEMV1 should take by default.
 
     python tools/gpu/bench_gemv1.py [--types Q4_K,Q6_K] [--projections qkv,res,down,gate_up]
-        [--configs 128x3,64x3]
+        [--rows 1,2,4] [--configs 128x3,64x3]
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", default="Q4_K,Q6_K,Q5_K,Q8_0,IQ4_XS")
     ap.add_argument("--projections", default="qkv,res,down,gate_up")
+    ap.add_argument("--rows", default="1", help="window sizes, 1 to 8")
     ap.add_argument("--configs", default=CONFIGS,
                     help="columns a program x stages (1: loads as ptxas places them; 2 or "
                          "more: Triton's pipeline, stages - 1 super-blocks ahead)")
@@ -31,16 +32,23 @@ def main() -> None:
     from strata.kernels.quant.a8_gemv1 import a8_gemv1
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     rate = copy_rate()
-    print(f"# {torch.cuda.get_device_name()}, copy rate {rate / 1e12:.2f} TB/s; 1 row")
-    print(f"{'type':>6} {'proj':>8} {'hbm us':>7} {'a8_mm us':>9}  then each config: us (bits)")
-    for qtype, name in itertools.product(args.types.split(","), args.projections.split(",")):
+    made = {}
+    print(f"# {torch.cuda.get_device_name()}, copy rate {rate / 1e12:.2f} TB/s")
+    print(f"{'type':>6} {'proj':>8} {'rows':>4} {'hbm us':>7} {'a8_mm us':>9}  then each config: "
+          "us (bits)")
+    for qtype, name, rows in itertools.product(args.types.split(","),
+                                               args.projections.split(","),
+                                               [int(r) for r in args.rows.split(",")]):
         n, k = L8B[name]
-        probe = weights(qtype, n, k, 1)[0]
-        copies = max(2, -(-200_000_000 // probe.nbytes))
-        ws = [probe] + weights(qtype, n, k, copies - 1, seed=1)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        if (qtype, name) not in made:   # the same weights for every window size
+            probe = weights(qtype, n, k, 1)[0]
+            copies = max(2, -(-200_000_000 // probe.nbytes))
+            made.clear()
+            made[qtype, name] = probe, copies, [probe] + weights(qtype, n, k, copies - 1, seed=1)
+        probe, copies, ws = made[qtype, name]
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         codes = quantize_rows(x)
-        out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
         base = timed(lambda i: a8_mm(codes, ws[i % copies].parts[0], out=out))
         want = a8_mm(codes, probe.parts[0])
         cells = []
@@ -50,7 +58,7 @@ def main() -> None:
             us = timed(lambda i: a8_gemv1(codes, ws[i % copies].parts[0], None, out, **kw))
             got = a8_gemv1(codes, probe.parts[0], None, torch.empty_like(want), **kw)
             cells.append(f"{config} {us:.1f}{'' if torch.equal(got, want) else ' (DIFFER)'}")
-        print(f"{qtype:>6} {name:>8} {probe.nbytes / rate * 1e6:7.1f} {base:9.1f}  "
+        print(f"{qtype:>6} {name:>8} {rows:4d} {probe.nbytes / rate * 1e6:7.1f} {base:9.1f}  "
               + ", ".join(cells))
 
 

@@ -1,8 +1,8 @@
-"""The 1-row GEMV a thread a column (Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS; behind
-STRATA_A8_GEMV1=1): a8_gemv.py's arithmetic for windows of one row, laid out so that nothing
-crosses threads; a8_mm's projections and a8_gate_up_silu's [gate | up] (a8_gemv1_gated: a
-thread the same column of both halves, act(gate) * up and its rows quantized for the down
-projection, as a8_gated.py writes them).
+"""The GEMV a thread a column (Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS; behind STRATA_A8_GEMV1=N,
+windows of up to N rows, a program a row): a8_gemv.py's arithmetic for a row, laid out so that
+nothing crosses threads; a8_mm's projections and a8_gate_up_silu's [gate | up]
+(a8_gemv1_gated: a thread the same column of both halves, act(gate) * up and its rows
+quantized for the down projection, as a8_gated.py writes them).
 
 a8_gemv.py's programs spread a column's K step over several threads: each group's integer sum
 is theirs to add, and the group terms, which must be added one by one in K's order, then move
@@ -46,11 +46,21 @@ TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS")
 COLUMNS = 128   # columns a program by default (4 warps, a thread a column)
 
 
+def asked_rows() -> int:
+    """The most rows of a window a8_mm gives this kernel: STRATA_A8_GEMV1=N (0 or unset:
+    none). A row is a program of its own (the grid's first axis), so N rows read the weight
+    N times, from L2 after the first."""
+    value = os.environ.get("STRATA_A8_GEMV1", "0")
+    if not value.isdigit() or int(value) > 8:
+        raise ValueError(f"STRATA_A8_GEMV1={value!r} is not a count of rows from 0 to 8 (the "
+                         "most rows of a window the 1-row GEMV takes)")
+    return int(value)
+
+
 def gemv1_fits(part: Part, m: int, k: int) -> bool:
-    """Whether a8_mm takes this kernel: asked for (STRATA_A8_GEMV1=1), one row, a weight of
-    TYPES (K whole super-blocks)."""
-    return (os.environ.get("STRATA_A8_GEMV1") == "1" and m == 1 and part.qtype in TYPES
-            and gemv_step(k) == 256)
+    """Whether a8_mm takes this kernel: asked for (STRATA_A8_GEMV1=N, m at most N), a
+    weight of TYPES (K whole super-blocks)."""
+    return (m <= asked_rows() and part.qtype in TYPES and gemv_step(k) == 256)
 
 
 def gated_fits(part: Part, m: int, k: int, codes: bool) -> bool:
@@ -110,16 +120,16 @@ def _a8_gemv1_kernel(qw_ptr, dc_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res
 def a8_gemv1(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor,
              block_n: int = COLUMNS, warps: int = COLUMNS // 32, stages: int = 3,
              parts: int = PARTS) -> torch.Tensor:
-    """out [1, N] = the row x (its codes in pair order, sums and dc plane) @ part^T (+ res),
-    part a weight [N, K] of TYPES: a8_gemv's bits for one row (the module says how). block_n:
-    columns a program, a thread each (32 x warps)."""
+    """out [M, N] = the rows x (their codes in pair order, sums and dc plane) @ part^T
+    (+ res), part a weight [N, K] of TYPES: a8_gemv's bits for each row (the module says
+    how), a program a row. block_n: columns a program, a thread each (32 x warps)."""
     return _launch(x, part, res, out, -1, None, block_n, warps, stages, parts)
 
 
 def a8_gemv1_gated(x: Codes, part: Part, act: str, out: torch.Tensor, codes: Codes | None,
                    block_n: int = COLUMNS, warps: int = COLUMNS // 32,
                    stages: int = 3) -> torch.Tensor:
-    """out [1, F] = act(gate) * up of [gate | up] = the row x @ part^T (part [2F, K] of TYPES,
+    """out [M, F] = act(gate) * up of [gate | up] = the rows x @ part^T (part [2F, K] of TYPES,
     K in one part), as a8_gated.a8_gate_up writes it, and with codes (F whole blocks of
     block_n) those rows quantized into codes' planes: its bits (the module says how)."""
     assert k_parts(part.rows, part.cols) == 1 and part.rows == 2 * out.shape[1]
@@ -133,7 +143,7 @@ def _launch(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, a
     assert part.qtype in TYPES and block_n == 32 * warps
     q = x.qp
     m, k = q.shape
-    assert m == 1 and k % 256 == 0 and part.cols == k
+    assert k % 256 == 0 and part.cols == k
     r = res if res is not None else out
     planes, strides = _planes(part)
     cols = out.shape[1]
