@@ -142,7 +142,8 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
                  "cdx_ptr": "*fp32", "cqs_ptr": "*i32", "cdc_ptr": "*fp32"}
         return (_a8_gemv1_kernel, types, dict(HAS_RES=False, FIXUP=False, ASM=True,
                                               BLOCK_N=block_n, P=1, STAGES=stages, ACT=-1,
-                                              CODES=False, QT=TYPE_IDS[qtype], PDL=False),
+                                              CODES=False, QT=TYPE_IDS[qtype], ROWS=rows,
+                                              PDL=False),
                 {"enable_fp_fusion": False}, STEP)
     if kernel == "sb-mma":   # tools/gpu/superblock.py's prototype (Q4_K, a super-block a step)
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
@@ -181,9 +182,8 @@ def cli(kernel, qtype, block_n, block_k, stages, rows, dot, ahead, warps, sass_o
     rows = int(rows)
     if kernel == "sb-mma" and qtype != "Q4_K":
         raise click.UsageError("--kernel sb-mma is a Q4_K prototype: --type Q4_K")
-    if kernel == "a8-gemv1" and (rows != 1 or qtype not in GEMV1_TYPES
-                                 or block_n != 32 * warps):
-        raise click.UsageError(f"--kernel a8-gemv1 takes --rows 1, --type one of "
+    if kernel == "a8-gemv1" and (qtype not in GEMV1_TYPES or block_n != 32 * warps):
+        raise click.UsageError(f"--kernel a8-gemv1 takes --type one of "
                                f"{', '.join(GEMV1_TYPES)} and --block-n 32 x --warps (a "
                                f"thread a column)")
     if kernel.startswith("a8-gemv") != (rows <= 8):

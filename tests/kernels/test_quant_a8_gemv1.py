@@ -44,8 +44,8 @@ def test_one_row_has_the_gemvs_bits(device, qtype, rows, supers, most, parts, mo
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("qtype", ["Q4_K", "IQ4_XS"])
 def test_a_window_of_rows_has_each_rows_bits(device, qtype, monkeypatch):
-    """3 rows, a program each, K in 2 parts (each row's own counters): each row's bits are its
-    own alone, and a8_gemv's 4-row tile's."""
+    """3 rows, in one program (a fourth masked) and a program each, K in 2 parts: each row's
+    bits are its own alone, and a8_gemv's 4-row tile's."""
     from strata.kernels.quant.a8_gemv1 import a8_gemv1
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     monkeypatch.delenv("STRATA_A8_GEMV1", raising=False)
@@ -56,6 +56,8 @@ def test_a_window_of_rows_has_each_rows_bits(device, qtype, monkeypatch):
     got = a8_gemv1(c, part, res, torch.empty(3, 16, device=c.q.device), block_n=32, warps=1,
                    parts=2)
     assert torch.equal(got, a8_mm(c, part, res, block_m=4, parts=2))
+    assert torch.equal(got, a8_gemv1(c, part, res, torch.empty_like(got), block_n=32, warps=1,
+                                     parts=2, rows=1))
     for i in range(3):
         assert torch.equal(got[i:i + 1], a8_mm(c[i:i + 1], part, res[i:i + 1], block_m=1,
                                                parts=2)), i

@@ -27,7 +27,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1", help="window sizes, 1 to 8")
     ap.add_argument("--configs", default=CONFIGS,
                     help="columns a program x stages (1: loads as ptxas places them; 2 or "
-                         "more: Triton's pipeline, stages - 1 super-blocks ahead)")
+                         "more: Triton's pipeline, stages - 1 super-blocks ahead), and "
+                         "optionally x rows a program (default all of the window's)")
     args = ap.parse_args()
     from strata.kernels.quant.a8_gemv1 import a8_gemv1
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
@@ -53,8 +54,8 @@ def main() -> None:
         want = a8_mm(codes, probe.parts[0])
         cells = []
         for config in args.configs.split(","):
-            cols, stages = (int(v) for v in config.split("x"))
-            kw = dict(block_n=cols, warps=cols // 32, stages=stages)
+            cols, stages, *per = (int(v) for v in config.split("x"))
+            kw = dict(block_n=cols, warps=cols // 32, stages=stages, rows=per[0] if per else None)
             us = timed(lambda i: a8_gemv1(codes, ws[i % copies].parts[0], None, out, **kw))
             got = a8_gemv1(codes, probe.parts[0], None, torch.empty_like(want), **kw)
             cells.append(f"{config} {us:.1f}{'' if torch.equal(got, want) else ' (DIFFER)'}")

@@ -34,13 +34,14 @@ def _q4k_ab(v0, v1, v2, d, nd, J: tl.constexpr):
     else:
         sc = ((v2 >> SH) & 15) | (((v0 >> (SH + 6)) & 3) << 4)
         mn = ((v2 >> (SH + 4)) & 15) | (((v1 >> (SH + 6)) & 3) << 4)
-    return d * _float(sc), nd * _float(mn)
+    return (d * _float(sc))[:, None], (nd * _float(mn))[:, None]
 
 
 @triton.jit
 def _dp4a0(a, b, ASM: tl.constexpr):
     """The sum of a's four unsigned bytes times b's four signed bytes (a8_gemv._dp4a from
     zero: the immediate 0, no register to clear)."""
+    a, b = tl.broadcast(a, b)
     if ASM:
         return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b],
                                          dtype=tl.int32, is_pure=True, pack=1)
@@ -49,10 +50,18 @@ def _dp4a0(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
+def _rows(p, nc):
+    """The rows' values at p [R, W] (the same in every thread), loaded by each thread into
+    its own [BN, R, W] copy: a thread then holds what its column's sums take, and no layout
+    moves them between threads."""
+    return tl.load(p[None, :, :] + 0 * nc[:, None, None])
+
+
+@triton.jit
 def _pairs(a):
-    """A [4] word vector (the same in every thread) -> its words 0, 1, 2, 3 as scalars: the
-    even and odd words (pair order) of two code words, (e0, o0, e1, o1)."""
-    even, odd = tl.split(tl.reshape(a, (2, 2)))
+    """[BN, R, 4] words of the rows -> words 0, 1, 2, 3 as [BN, R] tensors: the even and odd
+    words (pair order) of two code words, (e0, o0, e1, o1)."""
+    even, odd = tl.split(tl.reshape(a, (a.shape[0], a.shape[1], 2, 2)))
     e0, e1 = tl.split(even)
     o0, o1 = tl.split(odd)
     return e0, o0, e1, o1
@@ -78,7 +87,8 @@ def _q6k_codes(w, x):
 
 @triton.jit
 def _q6k_group(w0, w1, h, e0, o0, e1, o1, ASM: tl.constexpr):
-    """A Q6_K group's integer sum [BN]: its 2 qs words, its qh word h, the row's 4 words."""
+    """A Q6_K group's integer sums [BN, R]: its 2 qs words and qh word h ([BN, 1]), the
+    rows' 4 words ([1, R])."""
     lo, hi = _q6k_codes(w0, h)
     s = _dp4a(hi, o0, _dp4a0(lo, e0, ASM), ASM)
     lo, hi = _q6k_codes(w1, h >> 2)
@@ -87,29 +97,30 @@ def _q6k_group(w0, w1, h, e0, o0, e1, o1, ASM: tl.constexpr):
 
 @triton.jit
 def _q6k_block(acc, w, ha, hb, sa, sb, a0, a1, dc, d, ASM: tl.constexpr):
-    """acc + the terms of a block's two Q6_K groups of 16, in order: their 4 qs words w
-    [BN, 4], qh words ha, hb and int8 scales sa, sb ([BN] each), the row's 8 words (a0, a1
-    [4]) and the block's dc [4] (dx, c, c0, c1: c0 and c1 each half's codes' sum times dx);
-    a = d sc, b = -32 a (reads._term_values')."""
+    """acc [BN, R] + the terms of a block's two Q6_K groups of 16, in order: their 4 qs
+    words w [BN, 4], qh words ha, hb and int8 scales sa, sb ([BN] each), the rows' 8 words
+    (a0, a1 [R, 4]) and the block's dc [R, 4] (dx, c, c0, c1: c0 and c1 each half's codes'
+    sum times dx); a = d sc, b = -32 a (reads._term_values')."""
     w0, w1, w2, w3 = _scalars4(w)
     e0, o0, e1, o1 = _pairs(a0)
     e2, o2, e3, o3 = _pairs(a1)
-    dx_c0, c_c1 = tl.split(tl.reshape(dc, (2, 2)))   # (dx, c0), (c, c1)
+    dx_c0, c_c1 = tl.split(tl.reshape(dc, (dc.shape[0], dc.shape[1], 2, 2)))   # (dx, c0), (c, c1)
     dx, c0 = tl.split(dx_c0)
     _, c1 = tl.split(c_c1)
-    a = d * _signed_float(sa)
-    acc = acc + group_term(_q6k_group(w0, w1, ha, e0, o0, e1, o1, ASM), dx * a, c0 * (-32.0 * a))
-    a = d * _signed_float(sb)
-    return acc + group_term(_q6k_group(w2, w3, hb, e2, o2, e3, o3, ASM), dx * a,
-                           c1 * (-32.0 * a))
+    a = (d * _signed_float(sa))[:, None]
+    acc = acc + group_term(_q6k_group(w0[:, None], w1[:, None], ha[:, None], e0, o0, e1, o1, ASM),
+                           dx * a, c0 * (-32.0 * a))
+    a = (d * _signed_float(sb))[:, None]
+    return acc + group_term(_q6k_group(w2[:, None], w3[:, None], hb[:, None], e2, o2, e3, o3,
+                                       ASM), dx * a, c1 * (-32.0 * a))
 
 
 @triton.jit
 def _q6k_sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, ASM: tl.constexpr):
-    """acc + a Q6_K super-block's 16 group terms in order (groups of 16 quants, two a block
-    of 32): its 32 qs words, 16 qh words, 16 int8 scales and d of columns nc against the
-    row's 64 words at ap and its 8 blocks' dc at dp ([4] pointers); a quad of groups a
-    step."""
+    """acc [BN, R] + a Q6_K super-block's 16 group terms in order (groups of 16 quants, two
+    a block of 32): its 32 qs words, 16 qh words, 16 int8 scales and d of columns nc against
+    the rows' 64 words at ap and their 8 blocks' dc at dp ([R, 4] pointers); a quad of
+    groups a step."""
     wp = p0 + nc[:, None] * s0 + 32 * sb + tl.arange(0, 4)[None, :]
     hp = p1 + nc[:, None] * s1 + 16 * sb + tl.arange(0, 4)[None, :]
     sp = p2 + nc[:, None] * s2 + 16 * sb + tl.arange(0, 4)[None, :]
@@ -117,11 +128,11 @@ def _q6k_sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, ASM: tl.constex
     for q in tl.static_range(4):   # groups 4q .. 4q + 3: blocks 2q and 2q + 1
         h0, h1, h2, h3 = _scalars4(tl.load(hp + 4 * q))
         c0, c1, c2, c3 = _scalars4(tl.load(sp + 4 * q))
-        acc = _q6k_block(acc, tl.load(wp + 8 * q), h0, h1, c0, c1, tl.load(ap + 16 * q),
-                         tl.load(ap + 16 * q + 4), tl.load(dp + 8 * q), d, ASM)
+        acc = _q6k_block(acc, tl.load(wp + 8 * q), h0, h1, c0, c1, _rows(ap + 16 * q, nc),
+                         _rows(ap + 16 * q + 4, nc), _rows(dp + 8 * q, nc), d, ASM)
         acc = _q6k_block(acc, tl.load(wp + 8 * q + 4), h2, h3, c2, c3,
-                         tl.load(ap + 16 * q + 8), tl.load(ap + 16 * q + 12),
-                         tl.load(dp + 8 * q + 4), d, ASM)
+                         _rows(ap + 16 * q + 8, nc), _rows(ap + 16 * q + 12, nc),
+                         _rows(dp + 8 * q + 4, nc), d, ASM)
     return acc
 
 
@@ -175,10 +186,11 @@ def _q8_codes(w, x):
 @triton.jit
 def _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT: tl.constexpr,
           ASM: tl.constexpr):
-    """acc + a Q4_K, Q5_K, Q8_0 or IQ4_XS super-block's 8 group terms of columns nc, in order, as
-    a8_gemv._gemv_step takes them: reads._term_values' a and b (Q8_0 and IQ4_XS: their codes
-    taken signed, u - 128, the group's sum less 128 times the row's codes' sum from the qs
-    plane at qsp, and b zeroed); the row's words at ap, dx and c at dp ([4], [2] pointers)."""
+    """acc [BN, R] + a Q4_K, Q5_K, Q8_0 or IQ4_XS super-block's 8 group terms of columns nc,
+    in order, as a8_gemv._gemv_step takes them: reads._term_values' a and b (Q8_0 and IQ4_XS:
+    their codes taken signed, u - 128, the group's sum less 128 times the row's codes' sum
+    from the qs plane at qsp, [R, 1] pointers, and b zeroed); the rows' words at ap, dx and c
+    at dp ([R, 4], [R, 2] pointers)."""
     SIGNED: tl.constexpr = QT == Q8_0 or QT == IQ4_XS
     wp = p0 + nc[:, None] * s0 + 32 * sb + tl.arange(0, 4)[None, :]
     if QT == Q4_K or QT == Q5_K:   # 6-bit scales and mins
@@ -195,8 +207,10 @@ def _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT: tl.const
     for j in tl.static_range(8):
         g = 8 * sb + j
         l0, h0, l1, h1, l2, h2, l3, h3 = _codes32(tl.load(wp + 4 * j), p1, s1, nc, g, QT, ASM)
-        e0, o0, e1, o1 = _pairs(tl.load(ap + 8 * j))
-        e2, o2, e3, o3 = _pairs(tl.load(ap + 8 * j + 4))
+        l0, h0, l1, h1 = l0[:, None], h0[:, None], l1[:, None], h1[:, None]
+        l2, h2, l3, h3 = l2[:, None], h2[:, None], l3[:, None], h3[:, None]
+        e0, o0, e1, o1 = _pairs(_rows(ap + 8 * j, nc))
+        e2, o2, e3, o3 = _pairs(_rows(ap + 8 * j + 4, nc))
         isum = _dp4a(l3, e3, _dp4a(l2, e2, _dp4a(l1, e1, _dp4a0(l0, e0, ASM), ASM), ASM), ASM)
         if QT == Q4_K:   # a chain of its own, shifted back exactly
             hi = _dp4a(h3, o3, _dp4a(h2, o2, _dp4a(h1, o1, _dp4a0(h0, o0, ASM), ASM), ASM), ASM)
@@ -207,18 +221,18 @@ def _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT: tl.const
         if QT == Q4_K or QT == Q5_K:
             a, b = _q4k_ab(v0, v1, v2, d, nd, j)
         elif QT == Q8_0:
-            a = tl.load(p2 + nc * s2 + g).to(tl.float32)
+            a = tl.load(p2 + nc * s2 + g).to(tl.float32)[:, None]
             b = -128.0 * a
         else:
             ls = (((low03 if j < 4 else low47) >> (4 * (j % 4))) & 15) | (
                 ((high >> (2 * j)) & 3) << 4)
-            a = d * (ls - 32).to(tl.float32)
+            a = (d * (ls - 32).to(tl.float32))[:, None]
             b = -128.0 * a
         if SIGNED:
-            q0, q1 = tl.split(tl.load(qsp + 2 * g + tl.arange(0, 2)))
+            q0, q1 = tl.split(_rows(qsp + 2 * g + tl.arange(0, 2)[None, :], nc))
             isum = isum - 128 * (q0 + q1)
             b = b * 0.0
-        dx, c = tl.split(tl.load(dp + 4 * j))
+        dx, c = tl.split(_rows(dp + 4 * j, nc))
         acc = acc + group_term(isum, dx * a, c * b)
     return acc
 
@@ -226,7 +240,8 @@ def _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT: tl.const
 @triton.jit
 def _sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, dp4, qsp, QT: tl.constexpr,
         ASM: tl.constexpr):
-    """acc + super-block sb's group terms of columns nc, in order, by the weight's type."""
+    """acc [BN, R] + super-block sb's group terms of columns nc against the rows', in order,
+    by the weight's type."""
     if QT == Q6_K:
         return _q6k_sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp4, ASM)
     else:
