@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from conftest import triton_devices
+import test_quant_a8
 from test_quant_a8 import K, _x
 from test_quant_kernels import _weight
+from test_quant_stage import mixed  # noqa: F401 (a fixture)
 
 
 @pytest.mark.parametrize("device", triton_devices())
@@ -94,8 +96,7 @@ def test_a8_mm_takes_it_where_asked(device, monkeypatch):
 
 @pytest.mark.parametrize("device", triton_devices())
 def test_the_gated_half_of_two_rows(device, monkeypatch):
-    """[gate | up] of a window of 2 rows (a program a row, with codes): a8_gated's bits."""
-    from strata.kernels.quant import a8_gemv1
+    """[gate | up] of a window of 2 rows (one program, with codes): a8_gated's bits."""
     from strata.kernels.quant.a8_triton import a8_gate_up_silu, quantize_rows
     monkeypatch.delenv("STRATA_A8_GEMV1", raising=False)
     x = quantize_rows(_x(2, K, device, seed=33))
@@ -141,3 +142,40 @@ def test_the_gated_half_has_a8_gate_up_silus_bits(device, qtype, act, monkeypatc
         assert torch.equal(again.rows, want.rows) and torch.equal(again.q, want.q)
         assert calls == ([True] if f % 128 == 0 else [])   # 96: a8_gated's
         monkeypatch.undo()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS"])
+def test_with_it_a_row_is_the_same_alone_and_among_1_to_63_others(qtype, monkeypatch):
+    """STRATA_A8_GEMV1=8: windows of 1 to 8 rows take it, the larger ones the MMA tiles; a
+    row's bits are the same at every switch point."""
+    monkeypatch.setenv("STRATA_A8_GEMV1", "8")
+    test_quant_a8.test_a_rows_bits_are_the_same_alone_and_among_1_to_63_others("cuda", qtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_int8_stage_has_the_same_bits_with_it(mixed, monkeypatch):  # noqa: F811
+    """A Q4_K_M stage with int8 activations (Q4_K and Q6_K projections, a Q6_K head), eager on
+    CUDA: the target rows alone (a 5-row window) and among 8, 16 and 64 rows, hidden states,
+    logits, sampled tokens and KV, the same bits with STRATA_A8_GEMV1=8 as without it."""
+    from strata.stage_worker.model import KVCache
+    from test_batch_invariance import _decode_windows, _prefill, _same, _stage_outputs
+    from test_quant_a8 import _int8_stage
+    from test_quant_stage import CTX
+    model = _int8_stage(mixed, "cuda")
+    runs = []
+    for asked in ("0", "8"):
+        monkeypatch.setenv("STRATA_A8_GEMV1", asked)
+        cache = KVCache(len(model.layers), 8, model.cfg, CTX, model.device, model.dtype)
+        outs = []
+        with torch.inference_mode():
+            _prefill(model, cache)
+            for rows, at in _decode_windows(model.cfg.vocab, (1, 8, 16, 64)):
+                outs.append(_stage_outputs(model, cache, rows, at))
+                _same(outs, len(rows))
+        runs.append(outs)
+    for (rows, _), without, with_it in zip(_decode_windows(model.cfg.vocab, (1, 8, 16, 64)),
+                                           *runs):
+        assert all(torch.equal(a, b) for a, b in zip(without, with_it)), len(rows)
