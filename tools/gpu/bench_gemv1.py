@@ -13,6 +13,7 @@ import argparse
 import itertools
 
 import torch
+import triton
 
 from bench_kernels import timed   # this script's folder is on the path
 from bench_quant import L8B, copy_rate, weights
@@ -56,7 +57,11 @@ def main() -> None:
         for config in args.configs.split(","):
             cols, stages, *per = (int(v) for v in config.split("x"))
             kw = dict(block_n=cols, warps=cols // 32, stages=stages, rows=per[0] if per else None)
-            us = timed(lambda i: a8_gemv1(codes, ws[i % copies].parts[0], None, out, **kw))
+            try:
+                us = timed(lambda i: a8_gemv1(codes, ws[i % copies].parts[0], None, out, **kw))
+            except triton.runtime.errors.OutOfResources as e:   # shared memory, registers
+                cells.append(f"{config} ({e.name} past the limit)")
+                continue
             got = a8_gemv1(codes, probe.parts[0], None, torch.empty_like(want), **kw)
             cells.append(f"{config} {us:.1f}{'' if torch.equal(got, want) else ' (DIFFER)'}")
         print(f"{qtype:>6} {name:>8} {rows:4d} {probe.nbytes / rate * 1e6:7.1f} {base:9.1f}  "
