@@ -18,8 +18,18 @@ with Triton 3.6, instructions a weight for 1 row (`tools/sass_count.py --kernel 
 for Q6_K, a8_mm's 1-row GEMV): Q4_K 1.42 against 5.14, Q5_K 2.00 against 5.92, Q6_K 2.11
 against 7.03, Q8_0 1.91 against 3.67, IQ4_XS 3.18 against 6.33; with --stages 3 (the loads
 pipelined through shared memory) about 0.3 more. Q4_K at 2, 4 and 8 rows a program: 2.18,
-3.33 and 6.57 against a8_gemv's 6.25, 10.36 and 15.16. Not yet timed
-(tools/gpu/bench_gemv1.py).
+3.33 and 6.57 against a8_gemv's 6.25, 10.36 and 15.16.
+
+Fewer instructions did not make it faster. On one H100 (`python tools/gpu/bench_gemv1.py
+--types Q4_K,IQ4_XS --projections qkv,down --rows 1,4 --configs 64x1,128x1,128x3`, us, a8_mm's
+default first): Q4_K qkv at 1 row 14.5 against 14.5 (64 columns) and 15.0 (128), down 22.6
+against 28.2; at 4 rows qkv 15.7 against 16.8, down 28.5 against 37.1; IQ4_XS slower by
+35-50%. A warp's load takes 16 bytes from each of 32 columns' rows, 32 sectors half used, where
+a8_gemv's threads read a column's bytes side by side. With Triton's pipeline (stages 3) a
+thread's own copy of the rows' words passes through shared memory: 128 to 194 us, and past
+the limit from 2 rows of the gated kernel; so stages 1 is the default. End to end at 1 client
+(llama3-8b Q4_K_M, stages 3) it ran at 33.7 tok/s against 280.9. It stays behind
+STRATA_A8_GEMV1.
 
 The bits are a8_mm's (tests/kernels/test_quant_a8_gemv1.py): the same group terms
 (a8_gemv.group_term of reads._term_values' a and b, dx and c = qs dx from the quantizer's dc
@@ -120,7 +130,7 @@ def _a8_gemv1_kernel(qw_ptr, dc_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res
 
 
 def a8_gemv1(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor,
-             block_n: int = COLUMNS, warps: int = COLUMNS // 32, stages: int = 3,
+             block_n: int = COLUMNS, warps: int = COLUMNS // 32, stages: int = 1,
              parts: int = PARTS, rows: int | None = None) -> torch.Tensor:
     """out [M, N] = the rows x (their codes in pair order, sums and dc plane) @ part^T
     (+ res), part a weight [N, K] of TYPES: a8_gemv's bits for each row (the module says
@@ -130,7 +140,7 @@ def a8_gemv1(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor,
 
 
 def a8_gemv1_gated(x: Codes, part: Part, act: str, out: torch.Tensor, codes: Codes | None,
-                   block_n: int = COLUMNS, warps: int = COLUMNS // 32, stages: int = 3,
+                   block_n: int = COLUMNS, warps: int = COLUMNS // 32, stages: int = 1,
                    rows: int | None = None) -> torch.Tensor:
     """out [M, F] = act(gate) * up of [gate | up] = the rows x @ part^T (part [2F, K] of TYPES,
     K in one part), as a8_gated.a8_gate_up writes it, and with codes (F whole blocks of
