@@ -122,8 +122,8 @@ def check_fits(file: ModelFile, plan: list[StagePlan], slots: int, ctx: int,
                weights: str = "auto", available=device_available,
                head: tuple[ModelFile, int] | None = None) -> str:
     """Raise PlanError when the stages on some device would not fit with `slots` slots; else
-    return --weights resolved: auto is bf16 where every CUDA stage's widened matrices fit
-    (the faster decode today: docs/BENCHMARKS.md), else quantized. head: (file, block) of
+    return --weights resolved: auto (where activations.resolve_weights left it) is bf16
+    where every CUDA stage's widened matrices fit, else quantized. head: (file, block) of
     the last stage's NextN drafter, counted with its KV cache (one layer) and each slot's
     hidden states and tokens, which it keeps."""
     if weights == "auto":

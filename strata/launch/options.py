@@ -14,8 +14,9 @@ from strata.coordinator.config import (AUTO, DRAFT_SAMPLINGS, DRAFT_TILES, DRAFT
                                        SchedulerConfig, auto_groups)
 from strata.coordinator.stages.liveness import FIRST_S, FLOOR_S, MARGIN_S, Liveness
 from strata.coordinator.windows import DEFAULT_CHUNK_ROWS
-from strata.launch.activations import (ACTIVATIONS, INT8_ROWS, resolve_activations,
-                                       resolve_min_window_rows)
+from strata.launch.activations import (ACTIVATIONS, INT8_ROWS, MIN_BILLIONS,
+                                       resolve_activations, resolve_min_window_rows,
+                                       resolve_weights)
 from strata.launch.memory import check_fits, layer_bytes, tensor_bytes
 from strata.launch.plan import PlanError, StagePlan, parse_devices, plan_stages, resolve_link
 from strata.model.gguf_file import ModelError, ModelFile
@@ -145,9 +146,11 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS "
                           "matrices in "
                           "their blocks (the file's bytes; other types are widened to bf16); "
-                          "bf16 widens every matrix (faster decode today, 2-4x the memory: "
-                          "docs/BENCHMARKS.md); "
-                          "auto = bf16 where the stages fit their devices so, else quantized. "
+                          "bf16 widens every matrix (2-4x the memory). auto = quantized with "
+                          f"int8 activations where decode windows have at most {INT8_ROWS} rows "
+                          f"and a row reads at least {MIN_BILLIONS:g} billion weights (faster "
+                          "there: docs/BENCHMARKS.md), else bf16 where the stages fit their "
+                          "devices so, else quantized. "
                           "CPU stages always widen to fp32."),
         click.option("--activations", type=click.Choice(ACTIVATIONS), default="auto",
                      show_default=True,
@@ -255,6 +258,7 @@ def prepare(model, layer_split, devices, ctx_size, batch, batch_groups, window_r
     sched = replace(sched, decode_ahead=resolve_decode_ahead(decode_ahead, len(plan), sched))
     drafter, sidecar = choose_drafter(file, draft_tokens, drafter, mtp_head)
     sched = replace(sched, drafter=drafter)
+    weights = resolve_weights(weights, activations, plan, sched, file)
     if check_memory:
         source = find_head(file, str(sidecar) if sidecar else None, shipped=False)
         head = None   # the last stage's drafter, if it will have one

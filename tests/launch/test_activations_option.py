@@ -105,3 +105,46 @@ def test_a_worker_takes_int8_activations_only_over_quantized_weights_on_cuda():
             WorkerConfig(**base, device=device, weights=weights, activations="int8")
     with pytest.raises(ConfigError, match="'int4' is not float or int8"):
         WorkerConfig(**base, activations="int4")
+
+
+def test_row_weights_are_the_matrices_a_decode_row_reads(tiny_model, tmp_path):
+    """The layers' matrices and the tied head (the config's own count); a MoE file's routed
+    experts only at the share a row takes."""
+    from strata.launch.activations import row_weights
+    from strata.model.gguf_file import ModelFile
+    from strata.model.mkmodel import SHAPES, write_random_gguf
+    file = ModelFile(tiny_model)
+    c = file.config
+    layer = (2 * c.d_model * c.n_heads * c.head_dim + 2 * c.d_model * c.n_kv_heads * c.head_dim
+             + 3 * c.d_model * c.d_ffn)
+    assert c.tied_head and row_weights(file) * 1e9 == c.n_layers * layer + c.vocab * c.d_model
+    moe = ModelFile(write_random_gguf(tmp_path / "moe.gguf", SHAPES["qwen3moe-tiny"], seed=1))
+    every = sum(int(t.n_elements) for t in moe.tensors.values() if len(t.shape) >= 2)
+    assert moe.config.n_experts_used < moe.config.n_experts
+    assert row_weights(moe) * 1e9 < every - moe.tensors["token_embd.weight"].n_elements
+
+
+def test_auto_weights_keep_the_blocks_of_a_large_model_in_small_windows(q8_model, monkeypatch):
+    """--weights auto on a CUDA stage: quantized (and int8 activations) where a row reads at
+    least a billion weights and no decode window passes 16 rows, else bf16 (check_memory off:
+    a cluster's memory is not seen); quantized wherever int8 is asked; bf16 where float is."""
+    from strata.launch import activations
+
+    def resolved(billions, **kw):
+        monkeypatch.setattr(activations, "row_weights", lambda file: billions)
+        prep = _prepare(**{**dict(model=q8_model, devices="cuda:0", weights="auto",
+                                  activations="auto"), **kw})
+        return prep.weights, prep.activations
+
+    assert resolved(8.0) == ("quantized", "int8")
+    assert resolved(8.0, batch=16) == ("quantized", "int8")
+    assert resolved(8.0, batch=17) == ("bf16", "float")              # windows of 24 rows
+    assert resolved(8.0, batch=8, draft_tokens=2) == ("bf16", "float")   # 8 slots x 3 rows
+    assert resolved(1.0, batch=8) == ("quantized", "int8")
+    assert resolved(0.9) == ("bf16", "float")
+    assert resolved(8.0, activations="float") == ("bf16", "float")
+    assert resolved(0.1, activations="int8") == ("quantized", "int8")
+    assert resolved(8.0, weights="bf16") == ("bf16", "float")
+    assert resolved(8.0, devices="cpu")[1] == "float"
+    monkeypatch.undo()
+    assert _prepare(q8_model, "cuda:0", "auto", "auto").weights == "bf16"   # 0.0002 billion
