@@ -124,7 +124,7 @@ def exact(requests, tokens, sampling, **launch):
     click.echo(f"# {requests} requests x {tokens} tokens, {len(prep.plan)} stage(s), batch "
                f"{prep.sched.slots}, groups {prep.sched.groups}, window rows "
                f"{prep.sched.window_rows}, draft tokens {prep.sched.draft_tokens}, decode "
-               f"ahead {'on' if prep.sched.decode_ahead else 'off'}")
+               f"ahead {'on' if prep.sched.decode_ahead else 'off'}{harness.arithmetic(prep)}")
     failures, compared, stopped = [], 0, 0
     with prep.launch(say=lambda s: None) as run:
         for mode in modes:

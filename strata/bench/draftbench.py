@@ -114,7 +114,7 @@ def drafts(draft_tokens, draft_sampling, clients, tokens, prompts_file, split, r
                f"{prep.sched.groups}, window rows {prep.sched.window_rows}, up to {k} drafts a "
                f"slot ({prep.sched.drafter}"
                + (f", {draft_sampling} proposals" if prep.sched.drafter == "mtp" else "")
-               + f"); {machine()}")
+               + f"){harness.arithmetic(prep)}; {machine()}")
     best: dict[str, dict] = {}
     plain_tokens: list[list[int]] | None = None   # the first plain run's, every run compared
     differ: list[str] = []

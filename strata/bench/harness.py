@@ -123,6 +123,15 @@ def machine() -> str:
             f"torch {torch.__version__}")
 
 
+def arithmetic(prep) -> str:
+    """What --weights and --activations resolved to where a stage is on CUDA (", weights
+    quantized, int8 activations"), for a benchmark's header; "" where every stage is on the
+    CPU (fp32)."""
+    if all(p.device == "cpu" for p in prep.plan):
+        return ""
+    return f", weights {prep.weights}, {prep.activations} activations"
+
+
 def prompt_set(n: int, texts: list[str] = PROMPTS) -> list[str]:
     """n distinct prompts: `texts` in turn, marked as variants from the second round."""
     return [texts[i % len(texts)] + ("" if i < len(texts) else f" (variant {i})")

@@ -138,3 +138,17 @@ def test_exact_command_compares_1_row_windows_with_16_row_ones(tiny_model, share
     assert "# greedy alone: decode windows of 1 rows x" in out.stdout
     assert "16 rows x" in out.stdout and "no row was compared" not in out.stdout
     assert out.stdout.splitlines()[-1].startswith("all requests identical")
+
+
+def test_a_header_says_what_cuda_stages_multiply():
+    """--weights and --activations as a launch resolved them, where a stage is on CUDA; on CPU
+    stages (fp32) nothing."""
+    from types import SimpleNamespace
+
+    from strata.bench.harness import arithmetic
+    stage = SimpleNamespace
+    cuda = SimpleNamespace(plan=[stage(device="cpu"), stage(device="cuda:0")],
+                           weights="quantized", activations="int8")
+    assert arithmetic(cuda) == ", weights quantized, int8 activations"
+    assert arithmetic(SimpleNamespace(plan=[stage(device="cpu")], weights="quantized",
+                                      activations="float")) == ""
