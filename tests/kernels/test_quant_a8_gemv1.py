@@ -95,6 +95,24 @@ def test_a8_mm_takes_it_where_asked(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "IQ4_XS"])
+def test_the_group_major_plane_gives_the_same_bits(device, qtype):
+    """The qs plane laid out a group before the next (group_major), read in its place: the
+    row-major plane's bits, 2 rows, K in 2 parts."""
+    from strata.kernels.quant.a8_gemv1 import a8_gemv1, group_major
+    from strata.kernels.quant.a8_triton import quantize_rows
+    w, _ = _weight(qtype, 48, 4 * K, device, seed=35)
+    part = w.parts[0]
+    qs = group_major(part)
+    assert qs.shape == (4 * K // 32, 48, 4) and torch.equal(qs[3, 5], part.planes["qs"][5, 12:16])
+    c = quantize_rows(_x(2, 4 * K, device, seed=36))
+    want = a8_gemv1(c, part, None, torch.empty(2, 48, device=c.q.device), block_n=32, warps=1,
+                    parts=2)
+    got = a8_gemv1(c, part, None, torch.empty_like(want), block_n=32, warps=1, parts=2, qs=qs)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", triton_devices())
 def test_the_gated_half_of_two_rows(device, monkeypatch):
     """[gate | up] of a window of 2 rows (one program, with codes): a8_gated's bits."""
     from strata.kernels.quant.a8_triton import a8_gate_up_silu, quantize_rows

@@ -5,7 +5,7 @@ the new kernel, whether its bits are the default's, and the HBM time of the weig
 experiment, not a test: it says up to how many rows STRATA_A8_GEMV1 should take by default.
 
     python tools/gpu/bench_gemv1.py [--types Q4_K,Q6_K] [--projections qkv,res,down,gate_up]
-        [--rows 1,2,4] [--configs 128x3,64x3]
+        [--rows 1,2,4] [--configs 128x3,64x3] [--group-major]
 """
 from __future__ import annotations
 
@@ -30,8 +30,11 @@ def main() -> None:
                     help="columns a program x stages (1: loads as ptxas places them; 2 or "
                          "more: Triton's pipeline, stages - 1 super-blocks ahead), and "
                          "optionally x rows a program (default all of the window's)")
+    ap.add_argument("--group-major", action="store_true",
+                    help="the new kernel reads the qs planes laid out a group before the next "
+                         "(a8_gemv1.group_major; not Q6_K)")
     args = ap.parse_args()
-    from strata.kernels.quant.a8_gemv1 import a8_gemv1
+    from strata.kernels.quant.a8_gemv1 import a8_gemv1, group_major
     from strata.kernels.quant.a8_triton import a8_mm, quantize_rows
     rate = copy_rate()
     made = {}
@@ -46,8 +49,10 @@ def main() -> None:
             probe = weights(qtype, n, k, 1)[0]
             copies = max(2, -(-200_000_000 // probe.nbytes))
             made.clear()
-            made[qtype, name] = probe, copies, [probe] + weights(qtype, n, k, copies - 1, seed=1)
-        probe, copies, ws = made[qtype, name]
+            ws = [probe] + weights(qtype, n, k, copies - 1, seed=1)
+            planes = [group_major(w.parts[0]) if args.group_major else None for w in ws]
+            made[qtype, name] = probe, copies, ws, planes
+        probe, copies, ws, planes = made[qtype, name]
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         codes = quantize_rows(x)
         out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
@@ -58,11 +63,13 @@ def main() -> None:
             cols, stages, *per = (int(v) for v in config.split("x"))
             kw = dict(block_n=cols, warps=cols // 32, stages=stages, rows=per[0] if per else None)
             try:
-                us = timed(lambda i: a8_gemv1(codes, ws[i % copies].parts[0], None, out, **kw))
+                us = timed(lambda i: a8_gemv1(codes, ws[i % copies].parts[0], None, out,
+                                              qs=planes[i % copies], **kw))
             except triton.runtime.errors.OutOfResources as e:   # shared memory, registers
                 cells.append(f"{config} ({e.name} past the limit)")
                 continue
-            got = a8_gemv1(codes, probe.parts[0], None, torch.empty_like(want), **kw)
+            got = a8_gemv1(codes, probe.parts[0], None, torch.empty_like(want), qs=planes[0],
+                           **kw)
             cells.append(f"{config} {us:.1f}{'' if torch.equal(got, want) else ' (DIFFER)'}")
         print(f"{qtype:>6} {name:>8} {rows:4d} {probe.nbytes / rate * 1e6:7.1f} {base:9.1f}  "
               + ", ".join(cells))

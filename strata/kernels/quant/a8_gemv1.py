@@ -29,7 +29,10 @@ a8_gemv's threads read a column's bytes side by side. With Triton's pipeline (st
 thread's own copy of the rows' words passes through shared memory: 128 to 194 us, and past
 the limit from 2 rows of the gated kernel; so stages 1 is the default. End to end at 1 client
 (llama3-8b Q4_K_M, stages 3) it ran at 33.7 tok/s against 280.9. It stays behind
-STRATA_A8_GEMV1.
+STRATA_A8_GEMV1. group_major lays a qs plane out a group before the next, so that a warp's
+columns read side by side (1.51 instructions a weight for Q4_K): an experiment for
+bench_gemv1.py --group-major, not yet timed; a stage would have to keep that layout for every
+kernel on the weight.
 
 The bits are a8_mm's (tests/kernels/test_quant_a8_gemv1.py): the same group terms
 (a8_gemv.group_term of reads._term_values' a and b, dx and c = qs dx from the quantizer's dc
@@ -86,10 +89,12 @@ def gated_fits(part: Part, m: int, k: int, codes: bool) -> bool:
 @triton.jit
 def _a8_gemv1_kernel(qw_ptr, dc_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res_ptr, out_ptr,
                      fin_ptr, count_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, M, N, K, UP,
+                     NW,
                      stride_rm, stride_om, HAS_RES: tl.constexpr, FIXUP: tl.constexpr,
                      ASM: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr, L,
                      STAGES: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr,
-                     QT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+                     QT: tl.constexpr, ROWS: tl.constexpr, QMAJOR: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program (row, column block, part of K): the part's L quants of row m against columns
     n, a thread a column; into out, or with P > 1 its part's rows of out (a8_gemv's). ACT >= 0
     (P 1): gate columns n and up columns n + UP, act(gate) * up into out as a8_gemv's
@@ -113,10 +118,10 @@ def _a8_gemv1_kernel(qw_ptr, dc_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res
     qsp = qs_ptr + m * (K // 16)   # the rows' codes' sums a 16 (Q8_0, IQ4_XS): [R, 1]
     for sb in tl.range(first, last + 1, num_stages=STAGES):   # loads STAGES - 1 ahead
         acc = _sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap + 64 * sb, dp + 32 * sb,
-                  dp4 + 32 * sb, qsp, QT, ASM)
+                  dp4 + 32 * sb, qsp, NW, QT, ASM, QMAJOR)
         if ACT >= 0:   # the up half's same columns
             acc_up = _sb(acc_up, p0, p1, p2, p3, s0, s1, s2, s3, nc + UP, sb, ap + 64 * sb,
-                         dp + 32 * sb, dp4 + 32 * sb, qsp, QT, ASM)
+                         dp + 32 * sb, dp4 + 32 * sb, qsp, NW, QT, ASM, QMAJOR)
     if ACT >= 0:   # silu_mul's arithmetic on the projection's rounded outputs (one part)
         gated_rows(0.0 + tl.trans(acc), 0.0 + tl.trans(acc_up), out_ptr, ms, n, ms < M, n_ok,
                    N, stride_om, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr, cdc_ptr, ACT, CODES, ROWS,
@@ -129,14 +134,26 @@ def _a8_gemv1_kernel(qw_ptr, dc_ptr, qs_ptr, p0, p1, p2, p3, s0, s1, s2, s3, res
                      M, N, stride_rm, stride_om, part, P, HAS_RES, FIXUP, ROWS, BLOCK_N)
 
 
+def group_major(part: Part) -> torch.Tensor:
+    """The qs plane of a Q4_K, Q5_K, Q8_0 or IQ4_XS weight [N, K] laid out a group before the
+    next: [K / 32, N, 4] words, so a warp's 32 columns read a group's 512 bytes side by side
+    where the row-major plane gives each thread its own 16 bytes of a row (an experiment:
+    a8_gemv1(qs=...), tools/gpu/bench_gemv1.py --group-major; no stage keeps it)."""
+    assert part.qtype in TYPES and part.qtype != "Q6_K"
+    qs = part.planes["qs"]
+    return qs.view(qs.shape[0], -1, 4).transpose(0, 1).contiguous()
+
+
 def a8_gemv1(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor,
              block_n: int = COLUMNS, warps: int = COLUMNS // 32, stages: int = 1,
-             parts: int = PARTS, rows: int | None = None) -> torch.Tensor:
+             parts: int = PARTS, rows: int | None = None,
+             qs: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, N] = the rows x (their codes in pair order, sums and dc plane) @ part^T
     (+ res), part a weight [N, K] of TYPES: a8_gemv's bits for each row (the module says
     how). block_n: columns a program, a thread each (32 x warps); rows: a program's rows
-    (1, 2, 4 or 8; default all of M's, rounded up to one of those)."""
-    return _launch(x, part, res, out, -1, None, block_n, warps, stages, parts, rows)
+    (1, 2, 4 or 8; default all of M's, rounded up to one of those); qs: the weight's qs plane
+    as group_major lays it out, read in its place (the same bits)."""
+    return _launch(x, part, res, out, -1, None, block_n, warps, stages, parts, rows, qs)
 
 
 def a8_gemv1_gated(x: Codes, part: Part, act: str, out: torch.Tensor, codes: Codes | None,
@@ -147,12 +164,13 @@ def a8_gemv1_gated(x: Codes, part: Part, act: str, out: torch.Tensor, codes: Cod
     block_n) those rows quantized into codes' planes: its bits (the module says how)."""
     assert k_parts(part.rows, part.cols) == 1 and part.rows == 2 * out.shape[1]
     assert codes is None or out.shape[1] % block_n == 0
-    return _launch(x, part, None, out, ACTS[act], codes, block_n, warps, stages, PARTS, rows)
+    return _launch(x, part, None, out, ACTS[act], codes, block_n, warps, stages, PARTS, rows,
+                   None)
 
 
 def _launch(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, act: int,
             codes: Codes | None, block_n: int, warps: int, stages: int, parts: int,
-            rows: int | None) -> torch.Tensor:
+            rows: int | None, qs: torch.Tensor | None) -> torch.Tensor:
     assert part.qtype in TYPES and block_n == 32 * warps
     q = x.qp
     m, k = q.shape
@@ -161,6 +179,9 @@ def _launch(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, a
     assert k % 256 == 0 and part.cols == k
     r = res if res is not None else out
     planes, strides = _planes(part)
+    if qs is not None:
+        assert part.qtype != "Q6_K" and qs.shape == (k // 32, part.rows, 4)
+        planes[0] = qs
     cols = out.shape[1]
     p = k_parts(part.rows, k, parts)
     dst = out if p == 1 else torch.empty(p, m, cols, dtype=torch.float32, device=q.device)
@@ -169,10 +190,12 @@ def _launch(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, a
     c = codes if codes is not None else x
     _a8_gemv1_kernel[grid](q.view(torch.int32), x.dc, x.qs, *planes, *strides, r, dst, out,
                            q if count is None else count, c.q, c.qp, c.dx, c.qs, c.dc, m, cols,
-                           k, cols, r.stride(0), out.stride(0), HAS_RES=res is not None,
+                           k, cols, part.rows, r.stride(0), out.stride(0),
+                           HAS_RES=res is not None,
                            FIXUP=count is not None, ASM=q.device.type == "cuda",
                            BLOCK_N=block_n, P=p, L=k // p, STAGES=stages, ACT=act,
                            CODES=codes is not None, QT=TYPE_IDS[part.qtype], ROWS=rows,
+                           QMAJOR=qs is not None,
                            num_warps=warps,
                            **launch_options(q.device),
                            enable_fp_fusion=False)   # as every int8 kernel

@@ -184,15 +184,21 @@ def _q8_codes(w, x):
 
 
 @triton.jit
-def _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT: tl.constexpr,
-          ASM: tl.constexpr):
+def _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, NW, QT: tl.constexpr,
+          ASM: tl.constexpr, QMAJOR: tl.constexpr):
     """acc [BN, R] + a Q4_K, Q5_K, Q8_0 or IQ4_XS super-block's 8 group terms of columns nc,
     in order, as a8_gemv._gemv_step takes them: reads._term_values' a and b (Q8_0 and IQ4_XS:
     their codes taken signed, u - 128, the group's sum less 128 times the row's codes' sum
     from the qs plane at qsp, [R, 1] pointers, and b zeroed); the rows' words at ap, dx and c
-    at dp ([R, 4], [R, 2] pointers)."""
+    at dp ([R, 4], [R, 2] pointers). QMAJOR: the qs plane p0 laid out a group before the next
+    ([K / 32, NW, 4] words: a8_gemv1.group_major), so a warp's columns read side by side."""
     SIGNED: tl.constexpr = QT == Q8_0 or QT == IQ4_XS
-    wp = p0 + nc[:, None] * s0 + 32 * sb + tl.arange(0, 4)[None, :]
+    if QMAJOR:
+        wp = p0 + nc[:, None] * 4 + (8 * sb) * (4 * NW) + tl.arange(0, 4)[None, :]
+        gs = 4 * NW
+    else:
+        wp = p0 + nc[:, None] * s0 + 32 * sb + tl.arange(0, 4)[None, :]
+        gs = 4
     if QT == Q4_K or QT == Q5_K:   # 6-bit scales and mins
         base = p2 + nc * s2 + 3 * sb
         v0, v1, v2 = tl.load(base), tl.load(base + 1), tl.load(base + 2)
@@ -206,7 +212,7 @@ def _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT: tl.const
         d = tl.load(p3 + nc * s3 + sb).to(tl.float32)
     for j in tl.static_range(8):
         g = 8 * sb + j
-        l0, h0, l1, h1, l2, h2, l3, h3 = _codes32(tl.load(wp + 4 * j), p1, s1, nc, g, QT, ASM)
+        l0, h0, l1, h1, l2, h2, l3, h3 = _codes32(tl.load(wp + gs * j), p1, s1, nc, g, QT, ASM)
         l0, h0, l1, h1 = l0[:, None], h0[:, None], l1[:, None], h1[:, None]
         l2, h2, l3, h3 = l2[:, None], h2[:, None], l3[:, None], h3[:, None]
         e0, o0, e1, o1 = _pairs(_rows(ap + 8 * j, nc))
@@ -238,11 +244,12 @@ def _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT: tl.const
 
 
 @triton.jit
-def _sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, dp4, qsp, QT: tl.constexpr,
-        ASM: tl.constexpr):
+def _sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, dp4, qsp, NW, QT: tl.constexpr,
+        ASM: tl.constexpr, QMAJOR: tl.constexpr):
     """acc [BN, R] + super-block sb's group terms of columns nc against the rows', in order,
     by the weight's type."""
     if QT == Q6_K:
         return _q6k_sb(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp4, ASM)
     else:
-        return _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, QT, ASM)
+        return _sb32(acc, p0, p1, p2, p3, s0, s1, s2, s3, nc, sb, ap, dp, qsp, NW, QT, ASM,
+                     QMAJOR)
