@@ -44,7 +44,7 @@ def test_one_row_has_the_gemvs_bits(device, qtype, rows, supers, most, parts, mo
 
 
 @pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("qtype", ["Q4_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["IQ4_XS"])
 def test_a_window_of_rows_has_each_rows_bits(device, qtype, monkeypatch):
     """3 rows, in one program (a fourth masked) and a program each, K in 2 parts: each row's
     bits are its own alone, and a8_gemv's 4-row tile's."""
@@ -95,10 +95,10 @@ def test_a8_mm_takes_it_where_asked(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q4_K"])
 def test_the_group_major_plane_gives_the_same_bits(device, qtype):
     """The qs plane laid out a group before the next (group_major), read in its place: the
-    row-major plane's bits, 2 rows, K in 2 parts."""
+    row-major plane's bits, 2 rows, K in 2 parts (every type of it reads the plane alike)."""
     from strata.kernels.quant.a8_gemv1 import a8_gemv1, group_major
     from strata.kernels.quant.a8_triton import quantize_rows
     w, _ = _weight(qtype, 48, 4 * K, device, seed=35)
