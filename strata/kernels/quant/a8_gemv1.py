@@ -68,7 +68,7 @@ def asked_rows() -> int:
     value = os.environ.get("STRATA_A8_GEMV1", "0")
     if not value.isdigit() or int(value) > 8:
         raise ValueError(f"STRATA_A8_GEMV1={value!r} is not a count of rows from 0 to 8 (the "
-                         "most rows of a window the 1-row GEMV takes)")
+                         "most rows of a window this GEMV takes)")
     return int(value)
 
 
