@@ -313,20 +313,24 @@ def test_the_high_bits_asm_reads_the_planes_as_packed(qtype, bits, group):
 
 
 def test_the_ring_takes_the_stages_a_gpu_has_room_for(monkeypatch):
-    """a8_ring.ring_stages: the type's default stages where they fit the device's shared
-    memory, fewer where they do not (an sm_86 card's 99 KB: Q6_K's 3 at 64 rows become 2),
-    none where not even 2 fit; asked stages are kept or refused, never made fewer."""
+    """a8_ring.ring_stages: the type's default stages made fewer until two programs fit the
+    device's shared memory (227 KB: Q6_K's 3 stay at 32 rows, become 2 at 64), else until one
+    does (99 KB: Q6_K's 2 at 16 rows, two programs, and at 64, one), none where not even 2 fit;
+    asked stages are kept or refused, never made fewer."""
     from strata.kernels.quant import a8_ring
     from strata.kernels.quant.blocks import Part
     cuda = torch.device("cuda", 0)
     q4k, q6k = Part("Q4_K", 4096, 4096, {}), Part("Q6_K", 4096, 4096, {})
     monkeypatch.setattr(a8_ring, "_shared_limit", lambda index: 227 * 1024)
-    assert a8_ring.ring_stages(q6k, 64, 64, cuda)[0] == 3
+    assert a8_ring.ring_stages(q6k, 64, 64, cuda)[0] == 2
+    assert a8_ring.ring_stages(q6k, 64, 32, cuda)[0] == 3
+    assert a8_ring.ring_stages(q6k, 64, 64, cuda, 3)[0] == 3
     assert a8_ring.ring_stages(q4k, 64, 64, cuda)[0] == 2
     assert a8_ring.ring_stages(q4k, 64, 64, cuda, 4)[0] == 4
     monkeypatch.setattr(a8_ring, "_shared_limit", lambda index: 99 * 1024)
     assert a8_ring.ring_stages(q6k, 64, 64, cuda)[:2] == (2, 272 * 64 + 384 * 64)
-    assert a8_ring.ring_stages(q6k, 64, 16, cuda)[0] == 3
+    assert a8_ring.ring_stages(q6k, 64, 16, cuda)[0] == 2
+    assert a8_ring.ring_stages(q6k, 64, 16, cuda, 3)[0] == 3
     assert a8_ring.ring_stages(q6k, 64, 64, cuda, 3)[0] == 0
     monkeypatch.setattr(a8_ring, "_shared_limit", lambda index: 40 * 1024)
     assert a8_ring.ring_stages(q6k, 64, 64, cuda)[0] == 0

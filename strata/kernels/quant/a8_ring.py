@@ -55,16 +55,22 @@ def _shared_limit(index: int) -> int:
 def ring_stages(part, block_n: int, block_m: int, device: torch.device,
                 stages: int | None = None) -> tuple[int, int, int]:
     """(stages, bytes a slot, the device's limit): the ring's stages for this weight's type and
-    tiles, `stages` or the type's default (STAGES) made fewer until they fit the device's
-    shared memory, 0 where not even 2 fit."""
+    tiles, `stages` or the type's default (STAGES) made fewer until two programs fit an SM's
+    shared memory (else until one does), 0 where not even 2 stages fit. Q6_K's 64-row tiles
+    thus take 2 on an H100: 144.3 and 80.5 us against 3 stages' 205.8 and 96.1 at the
+    llama3-8b down and qkv shapes (tools/gpu/gluon_a8.py --types Q6_K --rows 64 --stages 2),
+    one program an SM at 3."""
     slot = (144 if part.qtype in ("Q4_K", "IQ4_XS") else 272) * block_n + 384 * block_m
     limit = SHARED
     if device.type == "cuda":
         limit = _shared_limit(device.index if device.index is not None
                               else torch.cuda.current_device())
-    want = STAGES[part.qtype == "Q6_K"] if stages is None else stages
-    fit = next((s for s in range(want, 1, -1) if s * slot <= limit), 0)
-    return (fit if stages is None else (want if want * slot <= limit else 0)), slot, limit
+    if stages is not None:
+        return (stages if stages * slot <= limit else 0), slot, limit
+    want = STAGES[part.qtype == "Q6_K"]
+    fit = next((s for s in range(want, 1, -1) if 2 * s * slot <= limit), 0)
+    fit = fit or next((s for s in range(want, 1, -1) if s * slot <= limit), 0)
+    return fit, slot, limit
 
 
 @gluon.jit
