@@ -19,7 +19,7 @@ from strata.kernels.arrive import counters
 from strata.kernels.fused_triton import ACTS, gate_act
 from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.a8 import QBLOCK, Codes
-from strata.kernels.quant.a8_gemv import Pairs, _a8_gemv_kernel, quantize_blocks
+from strata.kernels.quant.a8_gemv import Pairs, _a8_gemv_kernel, gemv_columns, quantize_blocks
 from strata.kernels.quant.a8_parts import gemv_step, k_parts
 from strata.kernels.quant.blocks import BLOCKS, Part
 from strata.kernels.quant.reads import TYPE_IDS, _planes
@@ -53,7 +53,7 @@ def _add_gated_parts_kernel(part_ptr, out_ptr, cq_ptr, cqp_ptr, cdx_ptr, cqs_ptr
 
 
 def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
-               block_n: int = 32, stages: int = 3, warps: int = 4,
+               block_n: int | None = None, stages: int = 3, warps: int = 4,
                codes: Codes | None = None, pairs: Pairs | None = None,
                up: int | None = None) -> torch.Tensor:
     """out [M, F] = act(gate) * up, both rounded to out's dtype first. Without pairs, of
@@ -63,6 +63,7 @@ def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
     the packed weight as a whole, [E 2F, K], as a8_pairs takes them). codes (F whole blocks of
     32): Codes [M, F] to fill with out's rows quantized, as quantize_rows(out) would."""
     q = x.qp   # the rows' codes in pair order (a8_gemv)
+    block_n = block_n or gemv_columns(q.device, 32)   # columns a program
     k = q.shape[1]
     f = out.shape[1]
     if pairs is None:

@@ -36,7 +36,8 @@ from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant import a8_gemv1
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gated import a8_gate_up
-from strata.kernels.quant.a8_gemv import Pairs, a8_gemv, quantize_blocks
+from strata.kernels.quant.a8_gemv import (INTERPRETER_COLUMNS, Pairs, a8_gemv, gemv_columns,
+                                          quantize_blocks)
 from strata.kernels.quant.a8_mma import DOTS, GLUONS, MMA_BLOCKS, a8_mma
 from strata.kernels.quant.a8_parts import PARTS, gemv_step, k_parts
 from strata.kernels.quant.blocks import BLOCKS, Part
@@ -189,10 +190,12 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
         return a8_gemv1.a8_gemv1(x, part, res, out, parts=parts)
     if block_m in GEMV_TILES and dot not in GLUONS:   # blocks from tools/gpu/bench_a8.py (H100)
         return a8_gemv(x, part, res, out, block_m,
-                       block_n=gemv_n or (16 if part.qtype == "Q6_K" else 32),
+                       block_n=gemv_n or gemv_columns(q.device, 16 if part.qtype == "Q6_K"
+                                                      else 32),
                        stages=stages or (2 if block_m == 8 else 3), warps=warps,
                        parts=parts)
-    return a8_mma(x, part, res, out, block_m, block_n or mma[0], block_k, warps, dot,
+    block_n = block_n or (mma[0] if q.is_cuda else max(mma[0], INTERPRETER_COLUMNS))
+    return a8_mma(x, part, res, out, block_m, block_n, block_k, warps, dot,
                   bool(mma[3] if ahead is None else ahead), parts)
 
 
@@ -215,7 +218,8 @@ def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
     if tile in GEMV_TILES and part.rows % 2 == 0 and not _gluon(x.q, part, tile):
         out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
         c = Codes.empty(m, f, x.q.device) if codes else None
-        a8_gate_up(x, part, act, out, tile, block_n=16 if part.qtype == "Q6_K" else 32,
+        a8_gate_up(x, part, act, out, tile,
+                   block_n=gemv_columns(x.q.device, 16 if part.qtype == "Q6_K" else 32),
                    stages=2 if tile == 8 else 3, codes=c)
         return dataclasses.replace(c, rows=out) if codes else out
     from strata.kernels.fused_triton import silu_mul
@@ -223,8 +227,8 @@ def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
     return dataclasses.replace(quantize_rows(out), rows=out) if codes else out
 
 
-def a8_pairs(x: Codes, part: Part, pairs: Pairs, out: torch.Tensor, *, block_n: int = 32,
-             warps: int = 4) -> torch.Tensor:
+def a8_pairs(x: Codes, part: Part, pairs: Pairs, out: torch.Tensor, *,
+             block_n: int | None = None, warps: int = 4) -> torch.Tensor:
     """Routed experts' GEMVs, one a pair: out[p] = row p // pairs.per of x @ rows
     pairs.ids[p] * pairs.erows + pairs.w0 .. + pairs.n - 1 of `part`^T (out [P, n], which may
     be a column slice). Each pair is computed alone by the dp4a GEMV, with a8_mm's
