@@ -175,8 +175,10 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           f"or a window that does not come back, is taken for hung: every "
                           f"request then fails, naming the stage. Default: twice the slowest "
                           f"window seen so far plus {MARGIN_S:g} s, and at least {FLOOR_S:g} s "
-                          f"(a long prompt chunk or a first CUDA graph capture is no hang); "
-                          f"{FIRST_S:g} s until a window has come back."),
+                          f"(a long prompt chunk is no hang); {FIRST_S:g} s until a window "
+                          f"has come back, and while a decode window of a row count not seen "
+                          f"back yet is in flight (it may compile kernels and capture a CUDA "
+                          f"graph)."),
         click.option("--transport", default="unix", show_default=True,
                      type=click.Choice(["unix", "zmq"]),
                      help="Headers and messages between the processes of this host: unix "

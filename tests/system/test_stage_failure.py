@@ -296,6 +296,38 @@ def test_the_default_stage_timeout_follows_the_slowest_window():
     assert Liveness(3.5).timeout == 3.5
 
 
+def test_a_decode_window_of_rows_not_seen_before_gets_the_first_windows_timeout():
+    """A decode window of a row count no window has come back with may compile its tiles'
+    kernels and capture a graph: FIRST_S while it is in flight, the slowest window's rule once
+    it is back, and then for more windows of that count; prompt chunks and a fixed
+    --stage-timeout get no such grace."""
+    clock = Clock()
+    live = Liveness(clock=clock)
+    live.submitted(1, 8)
+    clock.now += 1.0
+    live.returned(1, result=True)
+    assert live.timeout == FLOOR_S
+    live.submitted(2, 32)              # 32 rows: not seen yet
+    assert live.timeout == FIRST_S
+    live.submitted(3, 8)               # beside it, one of a count seen: still in the grace
+    clock.now += 1.0
+    live.returned(3, result=True)
+    assert live.timeout == FIRST_S
+    live.returned(2, result=False)     # a stage's Error: the count stays unseen
+    assert live.timeout == FLOOR_S
+    live.submitted(4, 32)
+    assert live.timeout == FIRST_S
+    clock.now += 4.0
+    live.returned(4, result=True)
+    live.submitted(5, 32)
+    assert live.timeout == 2 * 4.0 + MARGIN_S
+    live.submitted(6)                  # a prompt chunk of any length
+    assert live.timeout == 2 * 4.0 + MARGIN_S
+    fixed = Liveness(3.5, clock=clock)
+    fixed.submitted(1, 64)
+    assert fixed.timeout == 3.5
+
+
 def test_a_first_window_longer_than_the_floor_is_no_hang(stage_socket):
     """A stage busy with the launch's first window (a long prompt chunk on a slow device)
     answers no heartbeat for 30 s: not a hang before any window has come back; afterwards,

@@ -11,9 +11,11 @@ watch).
 
 The stage timeout is --stage-timeout, or by default twice the slowest window seen so far (from
 its submission to its Result, queueing behind other windows included) plus MARGIN_S, and at
-least FLOOR_S: a long prompt chunk, or a CUDA graph captured for a window size's first window,
-is not a hang. Until a window has come back, FIRST_S: the first windows compile kernels and
-may read a long prompt on a slow device, and a stage answers heartbeats only between windows.
+least FLOOR_S: a long prompt chunk is not a hang. Until a window has come back, FIRST_S: the
+first windows compile kernels and may read a long prompt on a slow device, and a stage answers
+heartbeats only between windows. FIRST_S again while a decode window of a row count not seen
+back yet is in flight: a stage may compile kernels for its tiles (on a cold Triton cache,
+several seconds each) and capture a CUDA graph for it.
 
 Only the thread that reads the inbox asks and judges (Pipeline._poll), and it judges only when
 the inbox is empty: a coordinator that did not read for a while (paused in a debugger, or busy
@@ -60,6 +62,8 @@ class Liveness:
         self.fixed, self.clock = stage_timeout, clock
         self.stages: dict[int, _Asked] = {}
         self.windows: dict[int, float] = {}   # window id in flight -> when it was submitted
+        self.kinds: dict[int, int] = {}       # decode window id in flight -> its rows
+        self.seen: set[int] = set()           # the rows of the decode windows returned so far
         self.slowest: float | None = None     # seconds: the slowest window returned so far
         self.culprit: int | None = None       # the stage that overdue() last named, if any
 
@@ -67,7 +71,7 @@ class Liveness:
     def timeout(self) -> float:
         if self.fixed is not None:
             return self.fixed
-        if self.slowest is None:
+        if self.slowest is None or any(k not in self.seen for k in self.kinds.values()):
             return FIRST_S
         return max(FLOOR_S, 2 * self.slowest + MARGIN_S)
 
@@ -83,15 +87,23 @@ class Liveness:
             asked.watch.close()
             asked.sock.close(linger=0)
         self.windows.clear()
+        self.kinds.clear()
 
-    def submitted(self, window: int) -> None:
+    def submitted(self, window: int, kind: int | None = None) -> None:
+        """Window `window` went; kind: a decode window's rows (None: a prompt chunk's, or
+        a window that needs no grace of its own)."""
         self.windows[window] = self.clock()
+        if kind is not None:
+            self.kinds[window] = kind
 
     def returned(self, window: int, result: bool) -> None:
         """The window's Result came (result=True: its time counts), or a stage's Error."""
         sent = self.windows.pop(window, None)
+        kind = self.kinds.pop(window, None)
         if result and sent is not None:
             self.slowest = max(self.slowest or 0.0, self.clock() - sent)
+            if kind is not None:
+                self.seen.add(kind)
 
     def heard(self, answer: Heartbeat) -> None:
         asked = self.stages.get(answer.stage)

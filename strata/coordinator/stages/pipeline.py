@@ -192,7 +192,7 @@ class Pipeline:
             transport.send(self.to_first, window)
         except transport.TransportError as e:  # the first stage's socket is gone
             raise PipelineError(f"cannot send to stage 0: {e}") from None
-        self.liveness.submitted(window.id)
+        self.liveness.submitted(window.id, None if window.chunk else len(window.slots))
 
     def receive(self, timeout: float | None = None) -> tuple[Result, list[np.ndarray]]:
         """The next result from the last stage. Raises WindowFailed when a stage refused a
