@@ -14,7 +14,7 @@ minutes each on one core): the attention and sampling kernels with the int8-acti
 and their dense and MoE stages; the fused, skinny and invariance checks with the tiny stage, the
 model families' Triton path, a packed MoE stage and the fused int8 gate/up; the quantized-weight
 kernels with a quantized stage, the GEMV a thread a column and the routed experts' kernels.
-Off CUDA the kernels take wider blocks (a8_gemv.gemv_columns, dequant_rows' rows): the
+Off CUDA the quantized kernels take wider blocks (quant/blocks.program_width): the
 interpreter's time goes with a call's programs. Each group must pass exactly its count of
 cases (KERNEL_TESTS)."""
 from __future__ import annotations

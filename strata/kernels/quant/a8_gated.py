@@ -19,9 +19,9 @@ from strata.kernels.arrive import counters
 from strata.kernels.fused_triton import ACTS, gate_act
 from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.a8 import QBLOCK, Codes
-from strata.kernels.quant.a8_gemv import Pairs, _a8_gemv_kernel, gemv_columns, quantize_blocks
+from strata.kernels.quant.a8_gemv import Pairs, _a8_gemv_kernel, quantize_blocks
 from strata.kernels.quant.a8_parts import gemv_step, k_parts
-from strata.kernels.quant.blocks import BLOCKS, Part
+from strata.kernels.quant.blocks import BLOCKS, Part, program_width
 from strata.kernels.quant.reads import TYPE_IDS, _planes
 
 
@@ -63,7 +63,7 @@ def a8_gate_up(x: Codes, part: Part, act: str, out: torch.Tensor, block_m: int,
     the packed weight as a whole, [E 2F, K], as a8_pairs takes them). codes (F whole blocks of
     32): Codes [M, F] to fill with out's rows quantized, as quantize_rows(out) would."""
     q = x.qp   # the rows' codes in pair order (a8_gemv)
-    block_n = block_n or gemv_columns(q.device, 32)   # columns a program
+    block_n = block_n or program_width(q.device, 32)   # columns a program
     k = q.shape[1]
     f = out.shape[1]
     if pairs is None:

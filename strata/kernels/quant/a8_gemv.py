@@ -33,21 +33,9 @@ from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant.a8 import Codes
 from strata.kernels.quant.a8_parts import (PARTS, add_parts, finish_parts, gemv_step, k_parts,
                                            load_parts, store_rows, tile_index)
-from strata.kernels.quant.blocks import BLOCKS, Part
+from strata.kernels.quant.blocks import BLOCKS, Part, program_width
 from strata.kernels.quant.reads import (IQ4_NL, IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3, IQ4_XS, Q5_0,
                                         Q5_1, Q5_K, Q6_K, Q8_0, TYPE_IDS, _planes, _terms)
-
-# The GEMV's columns a program off CUDA: there only Triton's interpreter runs these kernels, a
-# program at a time in Python, so a call's time goes with its programs (a Q4_K [512, 256]
-# weight: 0.94 s with 32 columns a program, 0.28 s with 128); the columns change no bits.
-INTERPRETER_COLUMNS = 128
-
-
-def gemv_columns(device: torch.device, columns: int) -> int:
-    """The GEMV's columns a program: `columns` (the CUDA default of the caller) on CUDA,
-    INTERPRETER_COLUMNS elsewhere."""
-    return columns if device.type == "cuda" else INTERPRETER_COLUMNS
-
 
 HIGH_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))   # as int32
 
@@ -378,9 +366,9 @@ def a8_gemv(x: Codes, part: Part, res: torch.Tensor | None, out: torch.Tensor, b
     parts: k_parts' most (a8_mm's). With more than one part, a program a part writes its sums
     to a scratch [parts, M, N] and the tile's last program adds them in order
     (kernels/arrive.py), or _add_parts_kernel does where there are no counters. block_n:
-    columns a program (default gemv_columns' of 32)."""
+    columns a program (default blocks.program_width's of 32)."""
     q = x.qp   # the rows' codes in pair order, as the weight's words give their codes
-    block_n = block_n or gemv_columns(q.device, 32)
+    block_n = block_n or program_width(q.device, 32)
     k = q.shape[1]
     r = res if res is not None else out
     cols = pairs.n if pairs is not None else part.rows

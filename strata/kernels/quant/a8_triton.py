@@ -36,11 +36,10 @@ from strata.kernels.pdl import enter, launch_options
 from strata.kernels.quant import a8_gemv1
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gated import a8_gate_up
-from strata.kernels.quant.a8_gemv import (INTERPRETER_COLUMNS, Pairs, a8_gemv, gemv_columns,
-                                          quantize_blocks)
+from strata.kernels.quant.a8_gemv import Pairs, a8_gemv, quantize_blocks
 from strata.kernels.quant.a8_mma import DOTS, GLUONS, MMA_BLOCKS, a8_mma
 from strata.kernels.quant.a8_parts import PARTS, gemv_step, k_parts
-from strata.kernels.quant.blocks import BLOCKS, Part
+from strata.kernels.quant.blocks import BLOCKS, Part, program_width
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES
 
 GEMV_TILES = (1, 2, 4, 8)   # row tiles of the GEMV; more rows take the MMA's ROW_TILES
@@ -190,13 +189,12 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
         return a8_gemv1.a8_gemv1(x, part, res, out, parts=parts)
     if block_m in GEMV_TILES and dot not in GLUONS:   # blocks from tools/gpu/bench_a8.py (H100)
         return a8_gemv(x, part, res, out, block_m,
-                       block_n=gemv_n or gemv_columns(q.device, 16 if part.qtype == "Q6_K"
-                                                      else 32),
+                       block_n=gemv_n or program_width(q.device, 16 if part.qtype == "Q6_K"
+                                                       else 32),
                        stages=stages or (2 if block_m == 8 else 3), warps=warps,
                        parts=parts)
-    block_n = block_n or (mma[0] if q.is_cuda else max(mma[0], INTERPRETER_COLUMNS))
-    return a8_mma(x, part, res, out, block_m, block_n, block_k, warps, dot,
-                  bool(mma[3] if ahead is None else ahead), parts)
+    return a8_mma(x, part, res, out, block_m, block_n or program_width(q.device, mma[0]),
+                  block_k, warps, dot, bool(mma[3] if ahead is None else ahead), parts)
 
 
 def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
@@ -219,7 +217,7 @@ def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
         out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
         c = Codes.empty(m, f, x.q.device) if codes else None
         a8_gate_up(x, part, act, out, tile,
-                   block_n=gemv_columns(x.q.device, 16 if part.qtype == "Q6_K" else 32),
+                   block_n=program_width(x.q.device, 16 if part.qtype == "Q6_K" else 32),
                    stages=2 if tile == 8 else 3, codes=c)
         return dataclasses.replace(c, rows=out) if codes else out
     from strata.kernels.fused_triton import silu_mul

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from strata.kernels.fused_triton import ACTS, gate_act
 from strata.kernels.pdl import enter, launch_options
-from strata.kernels.quant.blocks import BLOCKS, Part
+from strata.kernels.quant.blocks import BLOCKS, Part, program_width
 from strata.kernels.quant.reads import TYPE_IDS, _planes, _weights
 from strata.kernels.skinny_triton import MAX_ROWS, ROW_TILES, _row_scale, _x_tile
 
@@ -276,7 +276,7 @@ def dequant_rows(part: Part, out: torch.Tensor, index: torch.Tensor | None = Non
     assert k == part.cols and out.stride(1) == 1
     block_k = next(b for b in (256, 128, 64, 32) if fits_k(part, b))   # rows are whole blocks
     planes, strides = _planes(part)
-    block_r = 16 if out.device.type == "cuda" else 128   # fewer programs under the interpreter
+    block_r = program_width(out.device, 16)
     grid = (triton.cdiv(rows, block_r), k // block_k)
     _dequant_rows_kernel[grid](
         *planes, *strides, index if index is not None else out, out, rows, out.stride(0),
