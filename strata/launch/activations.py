@@ -26,10 +26,14 @@ MIN_BILLIONS = 1.0
 
 
 def largest_window(sched: SchedulerConfig) -> int:
-    """The most rows a decode window of this launch takes: a group's slots and each one's
-    drafts, rounded up to WINDOW_ROW_STEP, within the windows' bound (--window-rows, and with
-    drafts what they may add)."""
-    drafts = sched.max_draft_tokens if sched.draft_tokens else 0
+    """The most rows a decode window of this launch takes as the auto rules count them: a
+    group's slots and each one's drafts, rounded up to WINDOW_ROW_STEP, within the windows'
+    bound (--window-rows, and with drafts what they may add). --draft-tokens auto's drafts are
+    left out: auto drafts only as many as its measured windows say are faster, none where
+    proposals are seldom kept, so its windows are the slots' own wherever drafts do not pay
+    (and the int8 kernels lose little on larger ones, while the float kernels take about twice
+    int8's time on windows of a few rows)."""
+    drafts = sched.draft_tokens if sched.draft_tokens and not sched.auto_drafts else 0
     bound = (sched.draft_window_rows(sched.window_rows) if drafts else sched.window_rows)
     return min(round_rows(sched.slots // sched.groups * (1 + drafts)), bound)
 

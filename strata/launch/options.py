@@ -161,7 +161,8 @@ def launch_options(f=None, *, skip: tuple[str, ...] = ()):
                           "docs/GPU.md). int8 needs --weights quantized (or auto that keeps "
                           f"blocks) and CUDA stages. auto = int8 where the weights stay "
                           f"quantized on a CUDA stage and no decode window has more than "
-                          f"{INT8_ROWS} rows (--batch, its groups and drafts), else float."),
+                          f"{INT8_ROWS} rows (--batch, its groups and a fixed count of drafts; "
+                          f"drafts auto are not counted), else float."),
         click.option("--stage-link", default="auto", show_default=True,
                      type=click.Choice(["auto", "zmq", "nccl", "gloo"]),
                      help="Activations between stages: auto = nccl (GPU to GPU) when each "

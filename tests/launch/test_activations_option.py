@@ -33,8 +33,9 @@ def q8_model(tmp_path_factory):
 
 def test_auto_activations_are_int8_for_quantized_weights_in_small_windows(q8_model):
     """auto: int8 where CUDA stages keep the blocks and no decode window passes 16 rows (a
-    group's slots and their drafts), and then windows of 1 row; float otherwise, and windows of
-    8 rows; a --min-window-rows given stays."""
+    group's slots and a fixed count of drafts; --draft-tokens auto may draft none), and then
+    windows of 1 row; float otherwise, and windows of 8 rows; a --min-window-rows given
+    stays."""
     def resolved(**kw):
         args = dict(model=q8_model, devices="cuda:0", weights="quantized", activations="auto")
         prep = _prepare(**{**args, **kw})
@@ -46,6 +47,8 @@ def test_auto_activations_are_int8_for_quantized_weights_in_small_windows(q8_mod
     assert resolved(batch=4, draft_tokens=3) == ("int8", 1)      # 4 slots x 4 rows
     assert resolved(batch=8, draft_tokens=1) == ("int8", 1)
     assert resolved(batch=8, draft_tokens=2) == ("float", 8)     # 24 rows
+    assert resolved(batch=8, draft_tokens="auto") == ("int8", 1)  # auto may draft none
+    assert resolved(batch=17, draft_tokens="auto") == ("float", 8)
     assert resolved(batch=32, window_rows="16") == ("int8", 1)   # slots take turns in 16
     assert resolved(min_window_rows="8") == ("int8", 8)
     assert resolved(weights="bf16") == ("float", 8)
