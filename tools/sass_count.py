@@ -38,7 +38,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from strata.kernels.quant.a8_gemv import _a8_gemv_kernel
-from strata.kernels.quant.a8_gemv1 import TYPES as GEMV1_TYPES, _a8_gemv1_kernel
 from strata.kernels.quant.a8_parts import STEP
 from strata.kernels.quant.a8_mma import DOTS, _a8_mm_kernel
 from strata.kernels.quant.float_triton import _quant_mm_kernel
@@ -111,7 +110,7 @@ def issue_slots(ops: collections.Counter) -> int:
 
 
 def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stages: int,
-            dot: str, ahead: bool = False, group_major: bool = False):
+            dot: str, ahead: bool = False):
     """(jit function, argument types, constexprs, compile options, quants a step)."""
     weight = {"p0": "*i32", "p1": "*i32", "p3": "*fp16", "s0": "i32", "s1": "i32", "s2": "i32",
               "s3": "i32", "p2": ("*i8" if qtype == "Q6_K" else
@@ -135,17 +134,6 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
         return (_a8_gemv_kernel, types, dict(common, ASM=True, PAIRS=False, STEP=STEP, PDL=False,
                                              STAGES=stages, P=1, ACT=-1, CODES=False),
                 {"enable_fp_fusion": False}, STEP)
-    if kernel == "a8-gemv1":   # a8_gemv1.py: a thread a column, a super-block a step
-        types = {**weight, **shape, "qw_ptr": "*i32", "dc_ptr": "*fp32", "qs_ptr": "*i32",
-                 "fin_ptr": "*fp32",
-                 "count_ptr": "*i32", "L": "i32", "UP": "i32", "NW": "i32", "cq_ptr": "*i8",
-                 "cqp_ptr": "*i8",
-                 "cdx_ptr": "*fp32", "cqs_ptr": "*i32", "cdc_ptr": "*fp32"}
-        return (_a8_gemv1_kernel, types, dict(HAS_RES=False, FIXUP=False, ASM=True,
-                                              BLOCK_N=block_n, P=1, STAGES=stages, ACT=-1,
-                                              CODES=False, QT=TYPE_IDS[qtype], ROWS=rows,
-                                              QMAJOR=group_major, PDL=False),
-                {"enable_fp_fusion": False}, STEP)
     if kernel == "sb-mma":   # tools/gpu/superblock.py's prototype (Q4_K, a super-block a step)
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
         from superblock import _sb_mm_kernel
@@ -159,8 +147,7 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
 
 
 @click.command()
-@click.option("--kernel", type=click.Choice(["float", "a8-gemv", "a8-gemv1", "a8-mma",
-                                             "sb-mma"]),
+@click.option("--kernel", type=click.Choice(["float", "a8-gemv", "a8-mma", "sb-mma"]),
               default="float",
               show_default=True)
 @click.option("--type", "qtype", type=click.Choice(sorted(TYPE_IDS)), default="Q4_K",
@@ -176,25 +163,18 @@ def _kernel(kernel: str, qtype: str, rows: int, block_n: int, block_k: int, stag
               help="a8-mma's way to the groups' integer sums.")
 @click.option("--ahead", is_flag=True, help="a8-mma: the scales a step ahead (a8_mm's ahead).")
 @click.option("--warps", type=int, default=4, show_default=True)
-@click.option("--group-major", is_flag=True,
-              help="a8-gemv1: the qs plane a group before the next (a8_gemv1.group_major).")
 @click.option("--sass-out", type=click.Path(dir_okay=False), default=None,
               help="Also write the whole SASS here.")
-def cli(kernel, qtype, block_n, block_k, stages, rows, dot, ahead, warps, group_major,
-        sass_out):
+def cli(kernel, qtype, block_n, block_k, stages, rows, dot, ahead, warps, sass_out):
     """Count the SASS of a quantized decode kernel's main loop per weight."""
     rows = int(rows)
     if kernel == "sb-mma" and qtype != "Q4_K":
         raise click.UsageError("--kernel sb-mma is a Q4_K prototype: --type Q4_K")
-    if kernel == "a8-gemv1" and (qtype not in GEMV1_TYPES or block_n != 32 * warps):
-        raise click.UsageError(f"--kernel a8-gemv1 takes --type one of "
-                               f"{', '.join(GEMV1_TYPES)} and --block-n 32 x --warps (a "
-                               f"thread a column)")
     if kernel.startswith("a8-gemv") != (rows <= 8):
         raise click.UsageError(f"--rows {rows} is not a tile of --kernel {kernel}: a8-gemv "
                                f"takes 1, 2, 4 or 8 rows, the others 16, 32 or 64")
     fn, types, constants, options, step = _kernel(kernel, qtype, rows, block_n, block_k,
-                                                  stages, dot, ahead, group_major)
+                                                  stages, dot, ahead)
     sass = compile_sass(fn, types, constants, warps, options=options,
                         plain=("M", "L") if kernel == "sb-mma" else ("M",))
     if sass_out:

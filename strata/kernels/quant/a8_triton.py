@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from strata.kernels.pdl import enter, launch_options
-from strata.kernels.quant import a8_gemv1
 from strata.kernels.quant.a8 import QBLOCK, Codes
 from strata.kernels.quant.a8_gated import a8_gate_up
 from strata.kernels.quant.a8_gemv import Pairs, a8_gemv, quantize_blocks
@@ -167,9 +166,7 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     if env not in (None, "triton", *GLUONS, *DOTS):
         raise ValueError(f"int8-activation MMA: STRATA_A8_DOT={env!r} is no way to the groups' "
                          f"sums (one of {', '.join(DOTS)}, triton, gluon or ring)")
-    gemv1 = (dot is None and block_m in GEMV_TILES and gemv_n is None and stages is None
-             and a8_gemv1.gemv1_fits(part, m, k))   # asked for (STRATA_A8_GEMV1=N rows)
-    if dot is None and not gemv1:
+    if dot is None:
         dot = _gluon(q, part, block_m, parts)
     if dot in GLUONS and block_m in GEMV_TILES:   # an m16n8 tile takes 8 rows
         block_m = 8
@@ -185,8 +182,6 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
     if out is None:
         out = torch.empty(m, part.rows, dtype=out_dtype, device=q.device)
     assert out.shape == (m, part.rows) and out.stride(1) == 1 and q.is_contiguous()
-    if gemv1:
-        return a8_gemv1.a8_gemv1(x, part, res, out, parts=parts)
     if block_m in GEMV_TILES and dot not in GLUONS:   # blocks from tools/gpu/bench_a8.py (H100)
         return a8_gemv(x, part, res, out, block_m,
                        block_n=gemv_n or program_width(q.device, 16 if part.qtype == "Q6_K"
@@ -208,11 +203,6 @@ def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
     f = part.rows // 2
     codes = codes and f % QBLOCK == 0
     tile = a8_row_tile(m)
-    if a8_gemv1.gated_fits(part, m, x.q.shape[1], codes):   # asked for (STRATA_A8_GEMV1=N)
-        out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
-        c = Codes.empty(m, f, x.q.device) if codes else None
-        a8_gemv1.a8_gemv1_gated(x, part, act, out, c)
-        return dataclasses.replace(c, rows=out) if codes else out
     if tile in GEMV_TILES and part.rows % 2 == 0 and not _gluon(x.q, part, tile):
         out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
         c = Codes.empty(m, f, x.q.device) if codes else None
