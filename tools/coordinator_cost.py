@@ -4,10 +4,11 @@ last stage's proposals are all 5s, so every draft is kept, or all 1s, so none is
 packed and unpacked as the transport would. No stage, no model: the time is the scheduler's
 (building the window, offering drafts, verifying and accepting them) and the wire's.
 
-  python tools/coordinator_cost.py [--slots 64] [--tokens 96] [--draft-tokens 0,2] [--profile]
+  python tools/coordinator_cost.py [--slots 16,32] [--tokens 96] [--draft-tokens 0,2] [--profile]
 
-Prints per arm the decode windows, the tokens they gave and the microseconds a window (the least
-of --repeats runs); --profile also prints cProfile's top functions of one drafted run (none kept).
+Prints per arm (slots, drafts) the decode windows, the tokens they gave and the microseconds a
+window (the least of --repeats runs, the arms in turn); --profile also prints cProfile's top
+functions of one drafted run (the first slot count, none kept).
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def run(slots: int, tokens: int, k: int, kept: bool, prompt: int) -> tuple[float
 
 
 @click.command()
-@click.option("--slots", type=int, default=64, show_default=True)
+@click.option("--slots", default="16,32", show_default=True, help="Slot counts (every request "
+              "at once, one a slot).")
 @click.option("--tokens", type=int, default=96, show_default=True)
 @click.option("--prompt", type=int, default=16, show_default=True, help="Prompt tokens.")
 @click.option("--draft-tokens", default="0,2", show_default=True,
@@ -79,20 +81,25 @@ def run(slots: int, tokens: int, k: int, kept: bool, prompt: int) -> tuple[float
 @click.option("--repeats", type=int, default=5, show_default=True)
 @click.option("--profile", is_flag=True, help="cProfile's top functions of a drafted run.")
 def main(slots, tokens, prompt, draft_tokens, repeats, profile):
-    print(f"# {slots} slots, {tokens} tokens each, {prompt}-token prompts; us a decode window "
-          f"(prompt chunks included), the least of {repeats} runs")
-    print(f"{'arm':>16} {'windows':>8} {'tokens':>7} {'us/window':>10}")
-    for k in (int(x) for x in draft_tokens.split(",")):
-        for kept in ((False,) if k == 0 else (False, True)):
-            runs = [run(slots, tokens, k, kept, prompt) for _ in range(repeats)]
-            us = min(t / w * 1e6 for t, w, _ in runs)
-            name = "plain" if k == 0 else f"{k} drafts, {'kept' if kept else 'none kept'}"
-            print(f"{name:>16} {runs[0][1]:>8} {runs[0][2]:>7} {us:>10.1f}")
+    counts = [int(x) for x in slots.split(",")]
+    ks = [int(x) for x in draft_tokens.split(",")]
+    arms = [(n, k, kept) for n in counts for k in ks for kept in ((False,) if k == 0
+                                                                   else (False, True))]
+    runs: dict[tuple, list] = {arm: [] for arm in arms}
+    for _ in range(repeats):   # the arms in turn, so that a slow spell of the machine hits all
+        for n, k, kept in arms:
+            runs[(n, k, kept)].append(run(n, tokens, k, kept, prompt))
+    print(f"# {tokens} tokens a request, {prompt}-token prompts; us a decode window (prompt "
+          f"chunks included), the least of {repeats} runs, the arms in turn")
+    print(f"{'slots':>5} {'arm':>20} {'windows':>8} {'tokens':>7} {'us/window':>10}")
+    for (n, k, kept), rs in runs.items():
+        us = min(t / w * 1e6 for t, w, _ in rs)
+        name = "plain" if k == 0 else f"{k} drafts, {'kept' if kept else 'none kept'}"
+        print(f"{n:>5} {name:>20} {rs[0][1]:>8} {rs[0][2]:>7} {us:>10.1f}")
     if profile:
-        k = max(int(x) for x in draft_tokens.split(","))
         prof = cProfile.Profile()
         prof.enable()
-        run(slots, tokens, k, False, prompt)
+        run(counts[0], tokens, max(ks), False, prompt)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
