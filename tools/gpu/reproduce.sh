@@ -255,10 +255,13 @@ for part in $PARTS; do
       [ -f "$GLM" ] || run moe_mkmodel_glm 900 strata-mkmodel glm4.5-air-12l "$GLM" \
         --weight-type Q4_K_M --fast --untied --nextn
       # its own NextN layer drafts against no drafts: random weights keep few proposals, so this
-      # measures what drafting costs
-      run moe_glm_drafts 900 strata-bench sweep --model "$GLM" --devices cuda:0,cuda:0 --layer-split 6 \
-        --modes serial,serial-mtp --draft-tokens 2 --weights quantized --prompt-tokens 128 \
-        --tokens 128 --ctx-size 512 --clients 1,8 --json-out "$OUT/sweep_glm_air_nextn.json" ;;
+      # measures what drafting costs, 2 drafts a slot and auto (which should draft next to none)
+      for k in 2 auto; do
+        run moe_glm_drafts_$k 900 strata-bench sweep --model "$GLM" --devices cuda:0,cuda:0 \
+          --layer-split 6 --modes serial,serial-mtp --draft-tokens $k --weights quantized \
+          --prompt-tokens 128 --tokens 128 --ctx-size 512 --clients 1,8 \
+          --json-out "$OUT/sweep_glm_air_nextn_$k.json"
+      done ;;
     tests)    # the GPU tests
       run tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider tests ;;
   esac
@@ -280,7 +283,7 @@ for part in $PARTS; do
                 [ -f "$OUT/$f.log" ] && grep -E '^ *(mode|1gpu|pipelined) ' "$OUT/$f.log"
               done ;;
     moe)     tail -1 "$OUT/moe_exact_int8.log"
-             for f in moe_strata moe_strata_int8 moe_strata_int8_nopdl moe_glm_drafts; do
+             for f in moe_strata moe_strata_int8 moe_strata_int8_nopdl moe_glm_drafts_2 moe_glm_drafts_auto; do
                [ -f "$OUT/$f.log" ] && grep -E '^ *(mode|1gpu|serial|serial-mtp) ' "$OUT/$f.log"
              done ;;
     quant)   for f in "$OUT"/quant_strata_*.log; do grep -E '^ *(mode|1gpu) ' "$f"; done
