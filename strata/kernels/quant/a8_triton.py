@@ -134,6 +134,12 @@ def _gluon(q: torch.Tensor, part: Part, tile: int, parts: int = PARTS) -> str | 
     return way if way and gluon_fits(part, q.shape[1], parts, types) else None
 
 
+def gemv_columns(part: Part, device: torch.device) -> int:
+    """Columns a program of a8_mm's and a8_gate_up_silu's GEMV tiles: 16 for Q6_K, else 32
+    (tools/gpu/bench_a8.py, H100), at least program_width's off CUDA."""
+    return program_width(device, 16 if part.qtype == "Q6_K" else 32)
+
+
 def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
           out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
           block_m: int | None = None, block_n: int | None = None,
@@ -183,9 +189,7 @@ def a8_mm(x: Codes, part: Part, res: torch.Tensor | None = None, *,
         out = torch.empty(m, part.rows, dtype=out_dtype, device=q.device)
     assert out.shape == (m, part.rows) and out.stride(1) == 1 and q.is_contiguous()
     if block_m in GEMV_TILES and dot not in GLUONS:   # blocks from tools/gpu/bench_a8.py (H100)
-        return a8_gemv(x, part, res, out, block_m,
-                       block_n=gemv_n or program_width(q.device, 16 if part.qtype == "Q6_K"
-                                                       else 32),
+        return a8_gemv(x, part, res, out, block_m, block_n=gemv_n or gemv_columns(part, q.device),
                        stages=stages or (2 if block_m == 8 else 3), warps=warps,
                        parts=parts)
     return a8_mma(x, part, res, out, block_m, block_n or program_width(q.device, mma[0]),
@@ -206,8 +210,7 @@ def a8_gate_up_silu(x: Codes, part: Part, act: str, out_dtype: torch.dtype,
     if tile in GEMV_TILES and part.rows % 2 == 0 and not _gluon(x.q, part, tile):
         out = torch.empty(m, f, dtype=out_dtype, device=x.q.device)
         c = Codes.empty(m, f, x.q.device) if codes else None
-        a8_gate_up(x, part, act, out, tile,
-                   block_n=program_width(x.q.device, 16 if part.qtype == "Q6_K" else 32),
+        a8_gate_up(x, part, act, out, tile, block_n=gemv_columns(part, x.q.device),
                    stages=2 if tile == 8 else 3, codes=c)
         return dataclasses.replace(c, rows=out) if codes else out
     from strata.kernels.fused_triton import silu_mul
