@@ -30,6 +30,13 @@ settings.register_profile("strata", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False, max_examples=2000)
 settings.load_profile("strata")
 
+# Under Triton's interpreter (the kernel tests' child runs, test_triton_interpreter.py), a jit
+# helper's call does not patch triton.language again where the kernel's launch did
+# (interpreter_calls.py says why)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_calls import patch_once
+    patch_once()
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
