@@ -11,9 +11,9 @@ where triton is not installed (the test extra installs it) or where a GPU runs t
 themselves. The kernel test files run in child processes at once, one group each (the
 machine's cores are otherwise idle while this test waits), of about the same time: the
 int8-activation kernels with their dense and MoE stages; the fused, skinny and invariance checks
-with the tiny stage, the model families' Triton path and a packed MoE stage; the fused int8
-gate/up, the attention and sampling kernels, the quantized-weight kernels with a quantized stage
-and the routed experts' kernels.
+with the tiny stage, the model families' Triton path, a packed MoE stage, a quantized stage and
+the routed experts' kernels; the fused int8 gate/up, the attention and sampling kernels and the
+quantized-weight kernels.
 Off CUDA the quantized kernels take wider blocks (quant/blocks.program_width): the
 interpreter's time goes with a call's programs. Each group must pass exactly its count of
 cases (KERNEL_TESTS)."""
@@ -33,17 +33,17 @@ ROOT = Path(__file__).resolve().parents[2]
 # must pass there: a case that stops running (renamed out of CASES, skipped, deleted) fails this
 # test, and one added must raise its group's count
 KERNEL_TESTS = [(52, ["tests/kernels/test_quant_a8.py", "tests/kernels/test_quant_a8_gluon.py"]),
-                (27, ["tests/kernels/test_fused_kernels.py", "tests/kernels/test_skinny.py",
+                (39, ["tests/kernels/test_fused_kernels.py", "tests/kernels/test_skinny.py",
                       "tests/stage_worker/test_gpu.py", "tests/kernels/test_batch_invariance.py",
-                      "tests/model/test_families.py", "tests/stage_worker/test_moe_stage.py"]),
-                (93, ["tests/kernels/test_quant_a8_fused.py",
+                      "tests/model/test_families.py", "tests/stage_worker/test_moe_stage.py",
+                      "tests/stage_worker/test_quant_stage.py",
+                      "tests/kernels/test_moe_triton.py"]),
+                (81, ["tests/kernels/test_quant_a8_fused.py",
                      "tests/kernels/test_attention_triton.py",
                      "tests/kernels/test_attention_chunk.py",
                      "tests/kernels/test_sampling_triton.py",
                      "tests/kernels/test_sampling_sorted_triton.py",
-                     "tests/kernels/test_quant_kernels.py",
-                     "tests/stage_worker/test_quant_stage.py", "tests/kernels/test_arrive.py",
-                     "tests/kernels/test_moe_triton.py"])]
+                     "tests/kernels/test_quant_kernels.py", "tests/kernels/test_arrive.py"])]
 # the CPU cases, and a whole stage's rows alone and among others through the Triton kernels
 # (the tiny shape; the larger ones take minutes here and run on CUDA)
 CASES = ("(cpu or (test_stage_rows_are_invariant and tiny and not on_gpu)) "
