@@ -3,7 +3,10 @@ a GPU, whether its bits are a8_mm's and both kernels' us per call from a CUDA gr
 weights rotating past L2, for Q4_K and Q6_K at the llama3-8b down and qkv shapes; with `--sass
 FILE`, its SASS for sm_90 compiled here without a GPU into FILE, and its main loop's
 instructions a weight counted as tools/sass_count.py counts them (the first of --types and
---rows; use the device's Triton, as sass_count says). The rows' codes (their dc plane with
+--rows; use the device's Triton, as sass_count says), with the IMMA and FP32 instructions of a
+super-block's step: the FP32 ones are the groups' float terms, a thread's outputs times about 5
+a group of 32, so their share grows with the rows (Q4_K's ring, Triton 3.6: 56% at 16 rows, 65%
+at 32, 72% at 64). The rows' codes (their dc plane with
 them) are quantized once, before the timing.
 
     python tools/gpu/gluon_a8.py [--types Q4_K,Q6_K] [--rows 16,32,64] [--shape 4096x14336]
@@ -109,7 +112,7 @@ def main() -> None:
         ap.error("the registers' kernels take Q4_K and Q6_K: other types need --stages")
     if args.sass:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-        from sass_count import histogram, issue_slots, main_loop
+        from sass_count import FP32, histogram, issue_slots, main_loop
         qtype, block_m = args.types.split(",")[0], args.block_m or int(args.rows.split(",")[0])
         code, regs = sass(qtype, args.block_n, block_m, args.warps, args.parts, args.ahead,
                           args.maxnreg, args.stages, args.warps_m)
@@ -121,6 +124,13 @@ def main() -> None:
               f"{len(body) / weights:.2f} instructions a weight, "
               f"{issue_slots(histogram(body)) / weights:.2f} ALU issue slots a weight, "
               f"{sum('BAR.SYNC' in line for line in body)} barriers a step ({regs})")
+        ops = histogram(body)
+        mma = sum(n for op, n in ops.items() if op.startswith("IMMA"))
+        floats = sum(n for op, n in ops.items() if op in FP32)
+        print(f"a super-block's step: {len(body)} instructions, {mma} IMMA, {floats} FP32 adds, "
+              f"multiplies and fmas ({floats / len(body):.0%}; the groups' terms: "
+              f"{floats / (8 * args.block_n * block_m / (32 * args.warps)):.1f} a thread's "
+              f"output a group of 32)")
         return
     from bench_kernels import timed   # this script's folder is on the path
     from bench_quant import weights
