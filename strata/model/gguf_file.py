@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
@@ -91,14 +91,54 @@ class ModelConfig:
                              f"{self.head_dim}")
 
 
+_ARRAY, _STRING = int(GGUFValueType.ARRAY), int(GGUFValueType.STRING)
+
+
 class Reader(GGUFReader):
-    """gguf-py's reader, parsing the metadata through a plain-array view of its memory map (the
-    same pages): slicing an np.memmap runs memmap's Python hooks for each of the ~250k slices
-    a vocabulary of 49k tokens and its merges are parsed into, 3 s of SmolLM2's 3.5 s open."""
+    """gguf-py's reader, parsing the metadata faster into the same fields. Through a plain-array
+    view of its memory map (the same pages): slicing an np.memmap runs memmap's Python hooks for
+    each of the ~250k slices a vocabulary of 49k tokens and its merges are parsed into. And the
+    arrays of strings and numbers a slice an element in one loop (_get_field_parts), where
+    gguf-py parses each element as a field of its own: SmolLM2's fields in 0.2 s instead of 1.2
+    (every stage process opens the file, and uses no vocabulary)."""
 
     def _build_fields(self, *args, **kwargs):  # GGUFReader.__init__ parses the fields here
         self.data = self.data.view(np.ndarray)
         return super()._build_fields(*args, **kwargs)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        """gguf-py's parts of a field (its size, parts, data indices, types), an array of
+        strings or of one number type read here: a length and a bytes slice a string, a
+        one-element slice a number, as gguf-py makes them. Other fields, and files of the other
+        byte order, are gguf-py's."""
+        if raw_type != _ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        itype = int(raw_itype[0])
+        number = self.gguf_scalar_to_np.get(GGUFValueType(itype))
+        if itype != _STRING and number is None:      # arrays of arrays
+            return super()._get_field_parts(orig_offs, raw_type)
+        alen = self._get(orig_offs + 4, np.uint64)
+        count, data, offs = int(alen[0]), self.data, orig_offs + 12
+        parts = [raw_itype, alen]
+        if itype == _STRING:
+            for _ in range(count):
+                size = data[offs:offs + 8].view(np.uint64)
+                end = offs + 8 + int(size[0])
+                if end > len(data):
+                    raise ValueError(f"a string at byte {offs} runs past the end of the file")
+                parts += (size, data[offs + 8:end])
+                offs = end
+            at = list(range(3, len(parts), 2))
+        else:
+            end = offs + np.dtype(number).itemsize * count
+            if end > len(data):
+                raise ValueError(f"an array at byte {offs} runs past the end of the file")
+            values = data[offs:end].view(number)
+            parts += (values[i:i + 1] for i in range(count))
+            offs, at = end, list(range(2, len(parts)))
+        return offs - orig_offs, parts, at, [GGUFValueType.ARRAY] + (
+            [GGUFValueType(itype)] if count else [])
 
 
 def _field(reader: GGUFReader, key: str, default=None):

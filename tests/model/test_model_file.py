@@ -64,17 +64,56 @@ def test_tiny_config(tiny_model):
     assert cfg.tied_head is True
 
 
-def test_reader_reads_what_gguf_py_reads(tiny_model):
-    """ModelFile's reader parses the metadata faster (a plain view of the memory map); every
-    field and every tensor is gguf-py's own reader's."""
-    ours, theirs = ModelFile(tiny_model).reader, GGUFReader(tiny_model, "c")
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_reader_reads_what_gguf_py_reads(which, request):
+    """ModelFile's reader parses the metadata faster (a plain view of the memory map, arrays
+    in one loop); every field, to its parts, data indices and types, and every tensor is
+    gguf-py's own reader's: the tiny model's, and SmolLM2's vocabulary, merges and token types."""
+    path = request.getfixturevalue(which + "_model" if which == "tiny" else which)
+    ours, theirs = ModelFile(path).reader, GGUFReader(path, "c")
     assert list(ours.fields) == list(theirs.fields)
     for key, field in theirs.fields.items():
-        assert ours.fields[key].contents() == field.contents(), key
-    assert len(ours.fields["tokenizer.ggml.tokens"].contents()) == TINY.vocab
+        mine = ours.fields[key]
+        assert (mine.offset, mine.name, mine.data, mine.types) == (
+            field.offset, field.name, field.data, field.types), key
+        assert len(mine.parts) == len(field.parts), key
+        assert all(a.dtype == b.dtype and np.array_equal(a, b)
+                   for a, b in zip(mine.parts, field.parts)), key
+        assert mine.contents() == field.contents(), key
+    vocab = ModelFile(path).config.vocab
+    assert len(ours.fields["tokenizer.ggml.tokens"].contents()) == vocab
+    assert len(ours.fields["tokenizer.ggml.token_type"].contents()) == vocab
     assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
         [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+
+
+def test_reader_reads_arrays_of_every_kind_as_gguf_py(tmp_path):
+    """Arrays of strings (an empty string among them), of numbers of three kinds, and of arrays,
+    beside a plain string: the same parts, data indices, types and contents as gguf-py's."""
+    from strata.model.gguf_file import Reader
+    path = tmp_path / "arrays.gguf"
+    w = GGUFWriter(path, "llama")
+    w.add_array("a.strings", ["x", "", "h\u00e9llo"])
+    w.add_array("a.ints", [1, -2, 3])
+    w.add_array("a.floats", [0.5, 1.5])
+    w.add_array("a.bools", [True, False])
+    w.add_array("a.nested", [[1, 2], [3]])
+    w.add_string("a.string", "v")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = Reader(path), GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.data, mine.types, len(mine.parts)) == (
+            field.data, field.types, len(field.parts)), key
+        assert all(a.dtype == b.dtype and np.array_equal(a, b)
+                   for a, b in zip(mine.parts, field.parts)), key
+    assert ours.fields["a.strings"].contents() == ["x", "", "h\u00e9llo"]
+    assert ours.fields["a.nested"].contents() == theirs.fields["a.nested"].contents()
 
 
 def test_smollm2_config_and_a_q4_1_tensor(smollm2):
