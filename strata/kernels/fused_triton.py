@@ -1,9 +1,9 @@
 """Triton versions of strata.kernels.fused (see there; these are imported only when used).
 
 One program per row (rms_norm_rows), per (row, head) (rope_write_kv, with qwen3's and gemma3's
-head norms in it) or per (row, block of columns) (silu_mul, SiLU or the tanh GELU as the gate's
-activation); fixed block sizes and warps for a given shape, no autotuning: the same inputs give
-the same bits, and a row never reads another row.
+head norms in it; off CUDA a row's heads in one) or per (row, block of columns) (silu_mul, SiLU
+or the tanh GELU as the gate's activation); fixed block sizes and warps for a given shape, no
+autotuning: the same inputs give the same bits, and a row never reads another row.
 """
 from __future__ import annotations
 
@@ -44,14 +44,17 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, 
                     qn_ptr, kn_ptr, eps, stride_qkv, stride_table, stride_cs, stride_ch,
                     stride_cp, N_HEADS: tl.constexpr, N_KV: tl.constexpr, HD: tl.constexpr,
                     HALF_ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr, HALVES: tl.constexpr,
-                    NORM: tl.constexpr, PDL: tl.constexpr):
-    """NORM (qwen3, gemma3): each q and k head RMS-normed first (weights qn, kn [HD]), as
-    _rms_norm_kernel norms a row of HD."""
+                    NORM: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr):
+    """HEADS heads of a row a program (rope_write_kv: 1 on CUDA), a head a row of the tile:
+    [0, H) query heads, [H, H + KVH) kv heads, past them none. NORM (qwen3, gemma3): each q
+    and k head RMS-normed first (weights qn, kn [HD]), as _rms_norm_kernel norms a row of HD."""
     enter(PDL)
     row = tl.program_id(0)
-    head = tl.program_id(1)                  # [0, H): a query head; [H, H + KVH): a kv head
+    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]     # [HEADS, 1]
+    is_q = head < N_HEADS
+    is_kv = (head >= N_HEADS) & (head < N_HEADS + N_KV)
     pos = tl.load(pos_ptr + row)
-    i = tl.arange(0, BLOCK_HALF)             # pair index: elements 2i, 2i + 1 (HALVES: the
+    i = tl.arange(0, BLOCK_HALF)[None, :]    # pair index: elements 2i, 2i + 1 (HALVES: the
     pair = i < HD // 2                       # rotated i, i + HALF_ROPE, then the rest as
     rot = i < HALF_ROPE                      # pairs past the rotated dims)
     c = tl.load(cos_ptr + pos * stride_table + i, mask=rot, other=1.0)
@@ -63,41 +66,42 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, 
         a0 = 2 * i
         a1 = 2 * i + 1
     src = qkv_ptr + row * stride_qkv + head * HD
-    x0 = tl.load(src + a0, mask=pair, other=0.0).to(tl.float32)
-    x1 = tl.load(src + a1, mask=pair, other=0.0).to(tl.float32)
+    ok = pair & (is_q | is_kv)
+    x0 = tl.load(src + a0, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(src + a1, mask=ok, other=0.0).to(tl.float32)
+    d = tl.arange(0, 2 * BLOCK_HALF)[None, :]
     if NORM:   # the head's sum of squares over the head in order, as the norm kernel takes it
-        d = tl.arange(0, 2 * BLOCK_HALF)
-        x = tl.load(src + d, mask=d < HD, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
-        w_ptr = qn_ptr if head < N_HEADS else kn_ptr
+        x = tl.load(src + d, mask=(d < HD) & (is_q | is_kv), other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=1)[:, None] / HD + eps)
         dtype = q_ptr.dtype.element_ty
-        w0 = tl.load(w_ptr + a0, mask=pair, other=0.0).to(tl.float32)
-        w1 = tl.load(w_ptr + a1, mask=pair, other=0.0).to(tl.float32)
+        w_ptr = tl.where(is_q, qn_ptr, kn_ptr)            # [HEADS, 1]: the head's weights
+        w0 = tl.load(w_ptr + a0, mask=ok, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + a1, mask=ok, other=0.0).to(tl.float32)
         x0 = ((x0 * r).to(dtype).to(tl.float32) * w0).to(dtype).to(tl.float32)
         x1 = ((x1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
     y0 = (x0 * c - x1 * s).to(q_ptr.dtype.element_ty)
     y1 = (x0 * s + x1 * c).to(q_ptr.dtype.element_ty)
-    if head < N_HEADS:
-        dst = q_ptr + (row * N_HEADS + head) * HD
-        tl.store(dst + a0, y0, mask=pair)
-        tl.store(dst + a1, y1, mask=pair)
-    else:
-        kvh = head - N_HEADS
-        at = tl.load(slot_ptr + row) * stride_cs + kvh * stride_ch + pos * stride_cp
-        tl.store(k_ptr + at + a0, y0, mask=pair)
-        tl.store(k_ptr + at + a1, y1, mask=pair)
-        d = tl.arange(0, 2 * BLOCK_HALF)
-        v = tl.load(qkv_ptr + row * stride_qkv + (N_HEADS + N_KV + kvh) * HD + d, mask=d < HD)
-        tl.store(v_ptr + at + d, v, mask=d < HD)
+    dst = q_ptr + (row * N_HEADS + head) * HD
+    tl.store(dst + a0, y0, mask=pair & is_q)
+    tl.store(dst + a1, y1, mask=pair & is_q)
+    kvh = tl.maximum(head - N_HEADS, 0)
+    at = tl.load(slot_ptr + row) * stride_cs + kvh * stride_ch + pos * stride_cp
+    tl.store(k_ptr + at + a0, y0, mask=pair & is_kv)
+    tl.store(k_ptr + at + a1, y1, mask=pair & is_kv)
+    v = tl.load(qkv_ptr + row * stride_qkv + (N_HEADS + N_KV + kvh) * HD + d,
+                mask=(d < HD) & is_kv)
+    tl.store(v_ptr + at + d, v, mask=(d < HD) & is_kv)
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
                   pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   n_heads: int, halves: bool = False,
-                  head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                  ) -> torch.Tensor:
+                  head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                  heads: int | None = None) -> torch.Tensor:
     """head_norms (q's weight, k's, eps): each q and k head RMS-normed before its RoPE, in
-    the same program (no norm kernels, no copies)."""
+    the same program (no norm kernels, no copies). heads: a program's heads, a power of two;
+    default one on CUDA, and off CUDA all of a row's (Triton's interpreter runs a program at a
+    time in Python, so its time goes with the programs); the same bits any way."""
     n_rows = qkv.shape[0]
     n_kv, hd = k_cache.shape[1], k_cache.shape[3]
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -105,12 +109,14 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot:
     q = torch.empty(n_rows, n_heads, hd, dtype=qkv.dtype, device=qkv.device)
     qn, kn, eps = head_norms if head_norms is not None else (qkv, qkv, 0.0)
     assert head_norms is None or (qn.is_contiguous() and kn.is_contiguous())
-    _rope_kv_kernel[(n_rows, n_heads + n_kv)](
+    if heads is None:
+        heads = 1 if qkv.device.type == "cuda" else triton.next_power_of_2(n_heads + n_kv)
+    _rope_kv_kernel[(n_rows, triton.cdiv(n_heads + n_kv, heads))](
         qkv, cos, sin, slot, pos, q, k_cache, v_cache, qn, kn, eps,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_HEADS=n_heads, N_KV=n_kv, HD=hd, HALF_ROPE=cos.shape[1],
         BLOCK_HALF=triton.next_power_of_2(hd // 2), HALVES=halves,
-        NORM=head_norms is not None, num_warps=1, **launch_options(qkv.device))
+        NORM=head_norms is not None, HEADS=heads, num_warps=1, **launch_options(qkv.device))
     return q
 
 

@@ -88,6 +88,31 @@ def test_rope_write_kv(device, rope_dim):
 
 
 @pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_write_kv_gives_the_same_bits_for_any_heads_a_program(device, norm):
+    """A program's heads (1 on CUDA; off CUDA all of a row's, padded to a power of two): q, k
+    and v the same bits with 1, 2, 4 or 16 heads a program (more than the row has), with
+    halves and a partial rotation, with the heads' norms and without."""
+    kernels = _triton()
+    g = torch.Generator().manual_seed(4)
+    cos, sin = (t.to(device) for t in rope_table(16, 10000.0, CTX))
+    qkv = (3 * torch.randn(5, (H + 2 * KVH) * HD, generator=g)).to(device)
+    norms = ((1 + 0.1 * torch.randn(HD, generator=g)).to(device),
+             (1 + 0.1 * torch.randn(HD, generator=g)).to(device), 1e-6) if norm else None
+    slot = torch.tensor([0, 1, 2, SLOTS, 0], device=device)
+    pos = torch.tensor([0, 5, 63, 0, 7], device=device)
+    outs = []
+    for heads in (1, 2, 4, 16):
+        k = torch.zeros(SLOTS + 1, KVH, CTX, HD, device=device)
+        v = torch.zeros(SLOTS + 1, KVH, CTX, HD, device=device)
+        q = _call(kernels.rope_write_kv, qkv, cos, sin, slot, pos, k, v, H, True, norms, heads)
+        outs.append((q, k, v))
+    assert outs[0][1].abs().sum() > 0 and outs[0][2].abs().sum() > 0
+    for out in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out, outs[0]))
+
+
+@pytest.mark.parametrize("device", triton_devices())
 def test_rope_write_kv_norms_the_heads_first(device):
     """head_norms (qwen3, gemma3): the Triton kernel norms each q and k head in the program
     that rotates it, as rms_norm_rows over the heads and then RoPE give (v untouched), and a

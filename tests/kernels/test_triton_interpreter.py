@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # must pass there: a case that stops running (renamed out of CASES, skipped, deleted) fails this
 # test, and one added must raise its group's count
 KERNEL_TESTS = [(52, ["tests/kernels/test_quant_a8.py", "tests/kernels/test_quant_a8_gluon.py"]),
-                (39, ["tests/kernels/test_fused_kernels.py", "tests/kernels/test_skinny.py",
+                (41, ["tests/kernels/test_fused_kernels.py", "tests/kernels/test_skinny.py",
                       "tests/stage_worker/test_gpu.py", "tests/kernels/test_batch_invariance.py",
                       "tests/model/test_families.py", "tests/stage_worker/test_moe_stage.py",
                       "tests/stage_worker/test_quant_stage.py",
