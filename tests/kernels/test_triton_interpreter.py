@@ -62,7 +62,7 @@ def test_triton_kernels_under_the_interpreter():
         cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True) for _, files in KERNEL_TESTS]
     try:
-        # a group takes up to about 8 minutes beside the rest of the suite on two cores
+        # a group takes up to about 7 minutes beside the rest of the suite on two cores
         outs = [child.communicate(timeout=1500) for child in children]
     finally:
         for child in children:
