@@ -67,11 +67,12 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
     if ASM:
         return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
                                          [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        s = c
-        for i in tl.static_range(4):
-            s += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
-        return s
+    else:   # the four bytes along a new last axis: few operations for Triton's interpreter
+        at: tl.constexpr = len(a.shape)
+        shift = tl.arange(0, 4) * 8
+        ua = (tl.expand_dims(a, at) >> shift) & 0xFF
+        sb = (tl.expand_dims(b, at) << (24 - shift)) >> 24
+        return c + tl.sum(ua * sb, at)
 
 
 @triton.jit
