@@ -69,8 +69,8 @@ def smollm2() -> Path:
 def fast_transformers_gguf():
     """transformers' GGUF loading, with what it builds unchanged: the file parsed by ModelFile's
     reader (gguf-py's fields, parsed in 0.3 s instead of 3 for SmolLM2, which transformers opens
-    twice), and gguf's tensor name map built once (transformers builds
-    the same map for each of the model's ~400 modules)."""
+    twice), and gguf's tensor name map built once (transformers builds the same map for each of
+    the model's ~400 modules)."""
     import functools
 
     import gguf

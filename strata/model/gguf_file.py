@@ -99,8 +99,8 @@ class Reader(GGUFReader):
     view of its memory map (the same pages): slicing an np.memmap runs memmap's Python hooks for
     each of the ~250k slices a vocabulary of 49k tokens and its merges are parsed into. And the
     arrays of strings and numbers a slice an element in one loop (_get_field_parts), where
-    gguf-py parses each element as a field of its own: SmolLM2's fields in 0.2 s instead of 1.2
-    (every stage process opens the file, and uses no vocabulary)."""
+    gguf-py parses each element as a field of its own: SmolLM2's 49k tokens, their types and
+    49k merges, which every stage process parses on opening the file and never uses."""
 
     def _build_fields(self, *args, **kwargs):  # GGUFReader.__init__ parses the fields here
         self.data = self.data.view(np.ndarray)

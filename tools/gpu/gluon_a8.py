@@ -6,8 +6,8 @@ instructions a weight counted as tools/sass_count.py counts them (the first of -
 --rows; use the device's Triton, as sass_count says), with the IMMA and FP32 instructions of a
 super-block's step: the FP32 ones are the groups' float terms, a thread's outputs times about 5
 a group of 32, so their share grows with the rows (Q4_K's ring, Triton 3.6: 56% at 16 rows, 65%
-at 32, 72% at 64). The rows' codes (their dc plane with
-them) are quantized once, before the timing.
+at 32, 72% at 64). The rows' codes (their dc plane with them) are quantized once, before the
+timing.
 
     python tools/gpu/gluon_a8.py [--types Q4_K,Q6_K] [--rows 16,32,64] [--shape 4096x14336]
         [--block-n 64] [--block-m 32] [--warps 4] [--ahead] [--maxnreg 128] [--stages 3]
