@@ -48,9 +48,11 @@ class SlotTable:
         assert n_slots % n_groups == 0, (n_slots, n_groups)
         self.slots = [Slot(i, i % n_groups) for i in range(n_slots)]
         self.admissions = 0
+        self._groups = [[s for s in self.slots if s.group == g] for g in range(n_groups)]
 
     def in_group(self, group: int) -> list[Slot]:
-        return [s for s in self.slots if s.group == group]
+        """The group's slots, in index order (one list each call returns: do not change it)."""
+        return self._groups[group]
 
     def choose(self, prompt: list[int], group_load: Callable[[int], Any] | None = None,
                reuse: bool = True) -> tuple[Slot, int] | None:

@@ -100,10 +100,12 @@ class Scheduler:
         Returns False when there was nothing to do."""
         # cancelled requests with no row in flight leave now (decoding ahead, a group may
         # always have a window in flight)
-        flying = {o.slot.index for f in self.in_flight.values() for o in f.owners}
-        for slot in self.table.slots:
-            if not slot.free and slot.request.cancelled and slot.index not in flying:
-                self._release(slot, slot.request, "cancelled")
+        cancelled = [s for s in self.table.slots if s.request is not None and s.request.cancelled]
+        if cancelled:
+            flying = {o.slot.index for f in self.in_flight.values() for o in f.owners}
+            for slot in cancelled:
+                if slot.index not in flying:
+                    self._release(slot, slot.request, "cancelled")
         self._admit()
         for group in range(self.cfg.groups):
             while self._launch(group):
@@ -207,9 +209,10 @@ class Scheduler:
 
     def _launch(self, group: int) -> bool:
         """Submit the group's next window if it may have one now; True if one was sent."""
-        slots = [s for s in self.table.in_group(group) if not s.free]
-        reading = [s for s in slots if s.reading]
-        decoding = [s for s in slots if not s.reading]
+        reading, decoding = [], []
+        for s in self.table.in_group(group):
+            if s.request is not None:
+                (reading if s.reading else decoding).append(s)
         g = self.groups[group]
         if g.flights == 1 and g.followable is not None:   # decoding ahead (ahead.py)
             return self._choose(group, reading, decoding, self.in_flight[g.followable])
