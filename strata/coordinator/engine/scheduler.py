@@ -209,21 +209,24 @@ class Scheduler:
 
     def _launch(self, group: int) -> bool:
         """Submit the group's next window if it may have one now; True if one was sent."""
+        g = self.groups[group]
+        behind = g.flights == 1 and g.followable is not None   # decoding ahead (ahead.py)
+        if g.flights and not behind:
+            # only the streaming slot's next prompt chunk may go, while no slot decodes
+            slot = g.streaming
+            if (slot is None or slot.request is None or not slot.reading
+                    or slot.request.cancelled or g.flights >= self.cfg.prompt_depth
+                    or any(s.request is not None and not s.reading
+                           for s in self.table.in_group(group))):
+                return False
+            self._submit_chunk(group, slot)
+            return True
         reading, decoding = [], []
         for s in self.table.in_group(group):
             if s.request is not None:
                 (reading if s.reading else decoding).append(s)
-        g = self.groups[group]
-        if g.flights == 1 and g.followable is not None:   # decoding ahead (ahead.py)
-            return self._choose(group, reading, decoding, self.in_flight[g.followable])
-        if g.flights:
-            slot = g.streaming
-            if (slot is None or slot not in reading or decoding or slot.request.cancelled
-                    or g.flights >= self.cfg.prompt_depth):
-                return False
-            self._submit_chunk(group, slot)
-            return True
-        return self._choose(group, reading, decoding)
+        return self._choose(group, reading, decoding,
+                            self.in_flight[g.followable] if behind else None)
 
     def _choose(self, group: int, reading: list[Slot], decoding: list[Slot],
                 followed: Flight | None = None) -> bool:
