@@ -82,7 +82,7 @@ class Drafter:
         self.hidden = torch.zeros(slots * ctx + 1, cfg.d_model, dtype=dtype, device=device)
         self.tokens = torch.zeros(slots * ctx + 1, dtype=torch.long, device=device)
         self.known = np.full((slots, ctx), -1, dtype=np.int64)
-        self.filled = [0] * slots
+        self.filled = np.zeros(slots, dtype=np.int64)
         # a pad row (slot, index, length) and a step's move of a chained row, on the device
         self._constants = (torch.tensor([[self.cache.trash], [0], [0]], device=device),
                            torch.tensor([[0], [1], [1]], device=device))
@@ -151,10 +151,31 @@ class Drafter:
 
     def _plan(self, w: Window, tokens: list[int]) -> _Plan:
         """The window's live rows and each slot's next token (see _Plan), given the tokens of
-        its sampled rows (one pass of the acceptance rule over the rows, then one over the
-        slots); forgets the NextN rows the window's rows change: a row at p reads h at p - 1
-        and the token at p, so a slot's first row at p0 leaves rows up to p0 (its token as
-        before) or p0 - 1."""
+        its sampled rows; forgets the NextN rows the window's rows change: a row at p reads h
+        at p - 1 and the token at p, so a slot's first row at p0 leaves rows up to p0 (its
+        token as before) or p0 - 1. A window of one row a slot (a decode window without
+        drafts, every window where none are drafted) in array operations, others by the
+        acceptance rule (_plan_runs)."""
+        live = [r for r, s in enumerate(w.slots) if s >= 0]
+        slots = np.asarray(w.slots)[live]
+        if len(live) < 2 or len(np.unique(slots)) < len(live):
+            return self._plan_runs(w, tokens)
+        rows = np.asarray(live)
+        p, given = np.asarray(w.positions)[rows], np.asarray(w.tokens)[rows]
+        again = self.filled[slots] >= p   # slots whose NextN rows reach past p0: keep up to
+        if again.any():                   # p0 where its token is the one written, else p0 - 1
+            s, p0 = slots[again], p[again]
+            self.filled[s] = np.where(self.known[s, p0] == given[again], p0, p0 - 1)
+        self.known[slots, p] = given
+        plan = _Plan((slots * self.ctx + p).tolist(), live)
+        for r, token in zip(w.sample_rows, tokens):   # each slot's one row is its last kept
+            if w.slots[r] >= 0:
+                plan.tops[w.slots[r]] = (w.positions[r] + 1, token)
+        return plan
+
+    def _plan_runs(self, w: Window, tokens: list[int]) -> _Plan:
+        """_plan for any window: one pass of the acceptance rule over the rows, then one over
+        the slots."""
         positions, given = w.positions, w.tokens
         by_slot: dict[int, list[int]] = {}   # slot -> its rows, in position order
         for r, s in enumerate(w.slots):

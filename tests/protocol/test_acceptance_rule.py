@@ -51,9 +51,7 @@ def _drafter_keeps(slot_rows: dict[int, tuple[int, list[int], list[int]]], order
                temperature=[0.0] * n, top_k=[0] * n, top_p=[1.0] * n, min_p=[0.0] * n,
                u=[0.5] * n)
     sampled = {r: samples[perm[r]] for r in range(len(perm))}
-    drafter = Drafter.__new__(Drafter)
-    drafter.ctx, drafter.filled = 64, [0] * len(slot_rows)
-    drafter.known = np.full((len(slot_rows), drafter.ctx), -1)
+    drafter = _bare_drafter(len(slot_rows))
     plan = drafter._plan(w, [sampled[r] for r in range(n)])
     # every row is sampled: the next token follows the last row kept, at P + 1 + kept
     return {s: plan.tops[s][0] - 1 - p for s, (p, _, _) in slot_rows.items()}
@@ -93,3 +91,38 @@ def test_kept_rows_over_a_window_of_several_slots():
                                                  True, True, True, True, False, False]
     positions = [10, 11, 12, 13, 4, 5, 7, 0, 1, 2]   # run 2 has a gap before its third row
     assert kept_rows(tokens, sampled, first, positions)[4:7] == [True, True, False]
+
+
+def _bare_drafter(slots: int, ctx: int = 64) -> Drafter:
+    drafter = Drafter.__new__(Drafter)
+    drafter.ctx, drafter.filled = ctx, np.zeros(slots, dtype=np.int64)
+    drafter.known = np.full((slots, ctx), -1)
+    return drafter
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), TOKENS, TOKENS, st.integers(0, 48),
+                          st.booleans()), min_size=2, max_size=6, unique_by=lambda t: t[0] % 6),
+       st.lists(st.tuples(st.integers(0, 5), st.integers(1, 60), TOKENS), max_size=12))
+def test_a_window_of_one_row_a_slot_plans_as_the_acceptance_rule_does(rows, history):
+    """Drafter._plan's array path (every live row of its own slot) leaves the plan, the
+    NextN rows written (filled) and the tokens known that _plan_runs does, whatever the
+    slots hold already: rows written before (history) at, before and past each row's
+    position, with its token or another."""
+    fast, runs = _bare_drafter(6), _bare_drafter(6)
+    for d in (fast, runs):
+        for s, p, token in history:
+            d.known[s, p], d.filled[s] = token, max(d.filled[s], p)
+    slots = [r[0] % 6 for r in rows] + [-1]     # a pad row last
+    positions = [r[0] for r in rows] + [0]
+    tokens = [r[1] for r in rows] + [0]
+    sampled = [i for i, r in enumerate(rows) if r[4]]
+    n = len(sampled)
+    w = Window(id=1, slots=slots, positions=positions, tokens=tokens, sample_rows=sampled,
+               temperature=[0.0] * n, top_k=[0] * n, top_p=[1.0] * n, min_p=[0.0] * n,
+               u=[0.5] * n)
+    picks = [rows[i][2] for i in sampled]
+    a, b = fast._plan(w, picks), runs._plan_runs(w, picks)
+    assert (a.at, a.rows, a.tops) == (b.at, b.rows, b.tops)
+    assert fast.filled.tolist() == runs.filled.tolist()
+    assert np.array_equal(fast.known, runs.known)
