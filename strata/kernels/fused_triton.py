@@ -101,7 +101,8 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot:
     """head_norms (q's weight, k's, eps): each q and k head RMS-normed before its RoPE, in
     the same program (no norm kernels, no copies). heads: a program's heads, a power of two;
     default one on CUDA, and off CUDA all of a row's (Triton's interpreter runs a program at a
-    time in Python, so its time goes with the programs); the same bits any way."""
+    time in Python, so its time goes with the programs); the same bits any way, but on CUDA
+    with head_norms a tile of several heads sums a head's squares in another order."""
     n_rows = qkv.shape[0]
     n_kv, hd = k_cache.shape[1], k_cache.shape[3]
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()

@@ -92,7 +92,9 @@ def test_rope_write_kv(device, rope_dim):
 def test_rope_write_kv_gives_the_same_bits_for_any_heads_a_program(device, norm):
     """A program's heads (1 on CUDA; off CUDA all of a row's, padded to a power of two): q, k
     and v the same bits with 1, 2, 4 or 16 heads a program (more than the row has), with
-    halves and a partial rotation, with the heads' norms and without."""
+    halves and a partial rotation, with the heads' norms and without. On CUDA a tile of
+    several heads sums each head's squares in another order than a tile of one (which CUDA
+    stages run), so there the normed heads agree to rounding, not to the bit."""
     kernels = _triton()
     g = torch.Generator().manual_seed(4)
     cos, sin = (t.to(device) for t in rope_table(16, 10000.0, CTX))
@@ -109,7 +111,11 @@ def test_rope_write_kv_gives_the_same_bits_for_any_heads_a_program(device, norm)
         outs.append((q, k, v))
     assert outs[0][1].abs().sum() > 0 and outs[0][2].abs().sum() > 0
     for out in outs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(out, outs[0]))
+        if norm and device == "cuda":
+            for a, b in zip(out, outs[0]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(out, outs[0]))
 
 
 @pytest.mark.parametrize("device", triton_devices())
