@@ -13,9 +13,9 @@ import random
 import pytest
 
 from strata.coordinator.config import SchedulerConfig
-from strata.coordinator.speculation.draft_choice import (EXPLORE_EVERY, HOLD, Acceptance,
-                                                         GroupDrafts, expected_tokens,
-                                                         share_rows)
+from strata.coordinator.speculation.draft_choice import (EXPLORE_EVERY, HOLD, RETRY,
+                                                         Acceptance, GroupDrafts,
+                                                         expected_tokens, share_rows)
 from strata.coordinator.speculation.drafts import DraftCounts
 from strata.coordinator.engine.scheduler import Scheduler
 from test_mtp_scheduler import DraftingPipeline, mtp_config, random_policy, truth_of
@@ -380,6 +380,77 @@ def test_acceptance_is_kept_over_first_rejections():
     assert a.rate() == pytest.approx(2 / 3, abs=0.02)
     a.observe(0, 0)        # no drafts: nothing learnt
     assert a.rate() == pytest.approx(2 / 3, abs=0.02)
+
+
+class CatchUpPipeline(TimedPipeline):
+    """TimedPipeline whose drafter first writes the NextN rows a slot lacks: a window asking
+    proposals for a slot whose last decode window asked none takes `catch_up` seconds more."""
+
+    def __init__(self, *args, catch_up: float, **kw):
+        super().__init__(*args, **kw)
+        self.catch_up, self.asked_last = catch_up, set()
+
+    def receive(self, timeout=None):
+        w = self.queue[0]
+        if not w.chunk:
+            asked = {s for s, _ in w.propose}
+            self.clock.now += self.catch_up * len(asked - self.asked_last)
+            self.asked_last = asked
+        return super().receive(timeout)
+
+
+def test_auto_drafts_for_one_client_though_its_first_drafted_window_catches_up():
+    """One client, half the proposals kept, a window 10 ms and each proposal asked 1 ms, but
+    the first window that asks proposals after windows that asked none 60 ms (the drafter
+    writes the NextN rows the slot lacks). That window verifies no draft and is not timed,
+    so K >= 1 (1.5 tokens or more in 11-12 ms, against 1 in 10) wins and stays."""
+    coin = random.Random(7)
+    memo: dict[tuple[int, int], str] = {}
+    half = lambda slot, wid: memo.setdefault((slot, wid), coin.choice(("true", "wrong")))
+    ps = [list(range(5, 25))]
+    alone = [_alone(p, 240) for p in ps]
+    clock = Clock()
+    pipe = CatchUpPipeline(1, 512, truth_of(ps, alone), half, 7, catch_up=0.060,
+                           cost=lambda r, k: 0.010 + 0.001 * k, clock=clock,
+                           group_of=group_of(1, 1))
+    sched = Scheduler(pipe, mtp_config(slots=1, groups=1, draft_tokens="auto"),
+                      frozenset({STOP}), clock=clock)
+    req = sched.submit(ps[0], params(0, 240))
+    sched.run()
+    assert req.seq.generated == alone[0]
+    late = [d[0] for _, _, _, d in pipe.decodes][len(pipe.decodes) // 3:]
+    assert sum(k >= 1 for k in late) >= 0.8 * len(late), late
+    assert all(ms < 30 for _, k, ms in sched.speculation.groups[0].timed() if k)
+
+
+def test_auto_tries_a_losing_choice_again_ever_more_rarely_and_returns_when_it_pays():
+    """One slot, a window 10 ms and each proposal asked 2 ms. While no proposal is kept, K = 1
+    is tried again after RETRY windows, then after twice as many each time it loses (the
+    first try comes as soon as K = 0 is timed); once proposals are kept, a try finds it and
+    the group drafts again (trying K = 0 now and then in turn)."""
+    g, now, tries = GroupDrafts(), 0.0, []
+    def windows(n: int, kept: bool) -> list[int]:
+        nonlocal now
+        ks = []
+        for _ in range(n):
+            before = g.choice
+            c = g.choose(slots=1, limit=8, max_k=7, mtp=True)
+            if c.explored and c.k and c is not before:   # a new choice (each lasts HOLD)
+                tries.append(g.windows)
+            g.sent(now, c.rows, c.k)
+            now += (10.0 + 2.0 * c.k) / 1000
+            g.landed(now, 0)
+            g.acceptance.observe(c.k, c.k if kept else 0)
+            ks.append(c.k)
+        return ks
+    windows(500, kept=False)
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert len(tries) >= 4 and gaps[0] >= RETRY, tries
+    assert all(b >= 2 * a - HOLD - EXPLORE_EVERY for a, b in zip(gaps, gaps[1:])), tries
+    assert len(tries) <= 8, tries
+    late = windows(2 * max(gaps) + 4 * RETRY, kept=True)[-4 * RETRY:]
+    # drafting, but for tries of K = 0 again (which now loses)
+    assert sum(k >= 1 for k in late) >= 0.9 * len(late), late
 
 
 def test_status_says_each_groups_choice():

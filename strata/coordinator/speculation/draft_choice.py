@@ -16,7 +16,10 @@ PRIOR = 0.5          # acceptance before anything is observed, worth PRIOR_WEIGH
 PRIOR_WEIGHT = 1.0
 TIME_WEIGHT = 0.3    # weight of a new window's time in its size's average
 EXPLORE_EVERY = 8    # decode windows of a group between two tries of an untimed choice
-STALE = 512          # decode windows of the group after which a time counts as untimed
+RETRY = 32           # decode windows of the group after which a time not taken again counts
+                     # as untimed (so the choice that lost is tried again), doubled for that
+                     # choice at each try again, up to
+STALE = 512
 HOLD = 2             # decode windows a choice lasts
 
 
@@ -77,6 +80,7 @@ class GroupDrafts:
     acceptance: Acceptance = field(default_factory=Acceptance)
     ms: dict[tuple[int, int], float] = field(default_factory=dict)   # (rows, k) -> ms
     timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # -> window count
+    horizon: dict[tuple[int, int], int] = field(default_factory=dict)   # -> RETRY .. STALE
     windows: int = 0               # decode windows sent
     explored_at: int = -EXPLORE_EVERY
     choice: DraftChoice | None = None
@@ -108,8 +112,10 @@ class GroupDrafts:
         self.timed_at[key] = self.windows
 
     def time(self, key: tuple[int, int]) -> float | None:
-        """The key's average window time in ms, None if never or not lately timed."""
-        if key not in self.ms or self.windows - self.timed_at[key] > STALE:
+        """The key's average window time in ms, None if never or not lately timed (within
+        its horizon: RETRY windows, doubled at each try again)."""
+        if key not in self.ms or self.windows - self.timed_at[key] > self.horizon.get(key,
+                                                                                       RETRY):
             return None
         return self.ms[key]
 
@@ -182,6 +188,8 @@ class GroupDrafts:
         k, rows, tokens, key = pick
         if explored and best is not None:
             self.explored_at = self.windows
+            if key in self.ms:   # timed before, and it lost: tried again later next time
+                self.horizon[key] = min(2 * self.horizon.get(key, RETRY), STALE)
         self.chosen_at = self.windows
         self.choice = DraftChoice(k, rows, a, self.time(key), tokens, explored, self.timed())
         return self.choice

@@ -56,11 +56,12 @@ class RowOwner(Protocol):
 class Offer:
     """A decode window's drafts: per slot (in the window's order) the drafts its rows verify,
     the proposals the window asks for, its rows (the slots' and the drafts', rounded up to
-    a multiple of 8) and the key its time is kept under (rows, proposals a slot)."""
+    a multiple of 8) and the key its time is kept under (rows, proposals a slot; None: not
+    timed)."""
     drafts: list[list[int]]
     propose: list[tuple[int, int]]
     rows: int
-    timed: tuple[int, int]
+    timed: tuple[int, int] | None
 
 
 class Speculation:
@@ -109,7 +110,11 @@ class Speculation:
         key = (rows, k if self.mtp else 0)
         if not self.cfg.auto_drafts and self.cfg.draft_tokens:
             g.choice = g.describe(k, rows, n, key[1])
-        return Offer(drafts, self.ask(group, slots, n), rows, key)
+        # with mtp, a window that asks proposals but verifies none (the first after windows
+        # that asked none) has the drafter write every NextN row its slots lack: not timed,
+        # or K would be judged by that one window's catch-up
+        timed = None if self.mtp and k and not any(drafts) else key
+        return Offer(drafts, self.ask(group, slots, n), rows, timed)
 
     def ask(self, group: int, slots: list[Slot], decoding: int) -> list[tuple[int, int]]:
         """mtp: [(slot, k)] asking for the drafts each slot's next decode window, one of about
