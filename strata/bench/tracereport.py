@@ -13,6 +13,9 @@ into a chain that adds up to it exactly:
     last stage after GPU  its kernels end -> its Result is sent (sync, sampling)
     to the coordinator    the Result's hop
 
+Of "last stage after GPU", windows that ask the drafter for proposals also say the drafter's
+part: from the answer's wait for the device ("synced") to the proposals ("drafted").
+
 and per stage, "overhead" = (ready -> done) - GPU, where ready is when both the header and the
 previous stage's kernels were done, and done is when its output left (its kernels' end, or its
 send if later): the time a stage adds to a window beyond its GPU time. "busy" is each GPU's
@@ -109,17 +112,28 @@ def summarize(trace_dir: Path, skip: int = 0, ids: range | None = None,
                                    f"{trace_dir} passed every stage")
     chains = [chain(traces, w) for w in ws]
     per_stage = [stage_overheads(traces, w) for w in ws]
+    last = traces[_stages(traces)[-1]]["marks"]
+    drafter = [(last[w]["drafted"] - last[w]["synced"]) * 1e3 for w in ws
+               if "drafted" in last[w] and "synced" in last[w]]
     return {"windows": len(ws),
             "chain_ms": {k: median(c[k] for c in chains) for k in chains[0]},
             "stages": [{k: median(p[i][k] for p in per_stage) for k in per_stage[0][i]}
                        for i in range(len(per_stage[0]))],
-            "busy": busy(traces, ws)}
+            "busy": busy(traces, ws),
+            "drafter": {"windows": len(drafter), "ms": median(drafter) if drafter else None}}
 
 
 def stages_line(s: dict) -> str:
     """Each stage's GPU and overhead ms per window and busy share, on one line."""
-    return "; ".join(f"stage {k} GPU {st['gpu']:.2f} + overhead {st['overhead']:.2f} ms, "
+    line = "; ".join(f"stage {k} GPU {st['gpu']:.2f} + overhead {st['overhead']:.2f} ms, "
                      f"busy {s['busy'][k]:.0%}" for k, st in enumerate(s["stages"]))
+    return line + _drafter(s)
+
+
+def _drafter(s: dict) -> str:
+    d = s.get("drafter") or {}
+    return (f"; the drafter {d['ms']:.2f} ms in {d['windows']} windows asking proposals"
+            if d.get("windows") else "")
 
 
 def format_summary(s: dict) -> list[str]:
@@ -128,6 +142,8 @@ def format_summary(s: dict) -> list[str]:
     for i, st in enumerate(s["stages"]):
         lines.append(f"  stage {i}: wall {st['wall']:.3f} = GPU {st['gpu']:.3f} + overhead "
                      f"{st['overhead']:.3f} ms per window; GPU busy {s['busy'][i]:.0%}")
+    if _drafter(s):
+        lines.append(f"  last stage{_drafter(s)[1:]} (medians, of its time after the GPU)")
     return lines
 
 

@@ -59,6 +59,9 @@ class LastStage:
         # last window answered with its tokens
         self.picked: tuple[int, list[int], torch.Tensor | None] = (-1, [], None)
         self.answered: tuple[int, list[int]] = (-1, [])
+        # the worker's trace: a window's answer past the device ("synced") and its proposals
+        # ("drafted", when it asks for some)
+        self.mark: Callable[[int, str], None] = lambda window, what: None
 
     def nbytes(self) -> int:
         """The drafter's cache and store (the KV cache's neighbours on the device)."""
@@ -151,9 +154,10 @@ class LastStage:
     def _answer(self, a: PendingAnswer) -> None:
         """The Result of a window: the tokens of its sampled rows, the log-probabilities it
         asks for (and the logits if it wants them), the proposals it asks for."""
+        w = a.window
         if a.done is not None:
             a.done.synchronize()
-        w = a.window
+        self.mark(w.id, "synced")
         tokens = head_tokens(a.head, w)
         if w.follows:   # the picks the rows followed, where the drafter and the slots'
             window, host = self.answered   # histories read the rows' tokens
@@ -167,6 +171,8 @@ class LastStage:
         # path, before this stage takes its next window)
         asks = self.drafter is not None and bool(w.propose)
         proposals = self.drafter.run(w, a.hidden, tokens) if asks else []
+        if asks:
+            self.mark(w.id, "drafted")
         extra = [head_logits(a.head, self.vocab)] if w.want_logits else []
         w.stage_ms.append((time.perf_counter() - a.t0) * 1e3)
         self.send(Result(w.id, tokens, w.stage_ms, proposals, *logprobs), extra)

@@ -76,6 +76,8 @@ class StageWorker:
         self.spin_s = transport.SPIN_S if self.model.device.type == "cuda" else 0.0
         warm_s = self.warm_up()
         self.trace = Trace(f"stage{cfg.stage}", cfg.trace or None, self.model.device)
+        if self.last is not None:
+            self.last.mark = self.trace.mark
         self.link = None
         if cfg.link != "zmq":
             self.link = StageLink(cfg.link, cfg.link_init, cfg.stage, cfg.link_world,

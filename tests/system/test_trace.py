@@ -12,6 +12,7 @@ from strata.bench import harness, tracereport
 from strata.launch.plan import plan_stages
 from strata.launch.session import launch_stages
 from strata.model.gguf_file import ModelFile
+from strata.model.mkmodel import SHAPES, write_nextn_sidecar
 from strata.model.tokenizer import Tokenizer
 from strata.trace import Trace
 
@@ -27,17 +28,22 @@ def test_trace_off_records_nothing(tmp_path):
     assert not t.on and not t.marks and not t.spans and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_launch_traces_add_up(tiny_model, no_stage_left, tmp_path, groups):
+@pytest.mark.parametrize("groups,drafts", [(1, 0), (2, 1)])
+def test_launch_traces_add_up(tiny_model, no_stage_left, tmp_path_factory, groups, drafts):
+    """With drafts (a random NextN head), the last stage's drafter marks its part too."""
     file = ModelFile(tiny_model)
     tok = Tokenizer.from_gguf(file.reader)
     plan = plan_stages("2", ["cpu"], file.config.n_layers)
     prompts = [tok.encode(p) for p in harness.prompt_set(4)]
     params = [harness.request_params(i, i % 2 == 1, 6) for i in range(4)]
-    with launch_stages(file, plan, slots=4, ctx=CTX, trace_dir=tmp_path,
+    tmp_path = tmp_path_factory.mktemp("trace")
+    head = (write_nextn_sidecar(tmp_path_factory.mktemp("head") / "head.gguf", tiny_model,
+                                SHAPES["tiny"], seed=3) if drafts else None)
+    with launch_stages(file, plan, slots=4, ctx=CTX, trace_dir=tmp_path, mtp_head=head,
                        say=lambda s: None) as run:
         assert "--trace" in run.procs.command(1)
-        cfg = SchedulerConfig(slots=4, groups=groups, ctx=CTX)
+        cfg = SchedulerConfig(slots=4, groups=groups, ctx=CTX, draft_tokens=drafts,
+                              drafter="mtp" if drafts else "lookup")
         reqs = harness.run_together(run, cfg, tok, prompts, params)
         sent = run.pipe.next_window_id
     assert all(r.seq.generated for r in reqs)
@@ -59,7 +65,12 @@ def test_launch_traces_add_up(tiny_model, no_stage_left, tmp_path, groups):
     summary = tracereport.summarize(tmp_path)
     assert summary["windows"] == len(decode) and len(summary["stages"]) == 2
     assert all(0 < b <= 1 for b in summary["busy"])
-    assert len(tracereport.format_summary(summary)) == 3
+    drafted = [w for w in decode if "drafted" in traces["stage1"]["marks"][w]]
+    assert summary["drafter"]["windows"] == len(drafted) and bool(drafted) == bool(drafts)
+    for w in drafted:   # past the device, then the proposals, then the Result sent
+        m = traces["stage1"]["marks"][w]
+        assert m["synced"] <= m["drafted"] <= m["sent"]
+    assert len(tracereport.format_summary(summary)) == 3 + bool(drafts)
     events = tracereport.chrome(tmp_path)
     assert {e["pid"] for e in events} == {0, 1, 2}
     json.dumps(events)  # serializable as written by --chrome-out
