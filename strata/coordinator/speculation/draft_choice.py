@@ -16,10 +16,9 @@ PRIOR = 0.5          # acceptance before anything is observed, worth PRIOR_WEIGH
 PRIOR_WEIGHT = 1.0
 TIME_WEIGHT = 0.3    # weight of a new window's time in its size's average
 EXPLORE_EVERY = 8    # decode windows of a group between two tries of an untimed choice
-RETRY = 32           # decode windows of the group after which a time not taken again counts
-                     # as untimed (so the choice that lost is tried again), doubled for that
-                     # choice at each try again, up to
-STALE = 512
+STALE = 512          # decode windows of the group after which a time counts as untimed
+RETRY = 32           # decode windows drafting nothing before a drafting choice that lost is
+                     # tried again (doubled for that choice at each try, up to STALE)
 HOLD = 2             # decode windows a choice lasts
 
 
@@ -80,7 +79,7 @@ class GroupDrafts:
     acceptance: Acceptance = field(default_factory=Acceptance)
     ms: dict[tuple[int, int], float] = field(default_factory=dict)   # (rows, k) -> ms
     timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # -> window count
-    horizon: dict[tuple[int, int], int] = field(default_factory=dict)   # -> RETRY .. STALE
+    horizon: dict[tuple[int, int], int] = field(default_factory=dict)   # -> RETRY .. STALE (_retry)
     windows: int = 0               # decode windows sent
     explored_at: int = -EXPLORE_EVERY
     choice: DraftChoice | None = None
@@ -112,10 +111,8 @@ class GroupDrafts:
         self.timed_at[key] = self.windows
 
     def time(self, key: tuple[int, int]) -> float | None:
-        """The key's average window time in ms, None if never or not lately timed (within
-        its horizon: RETRY windows, doubled at each try again)."""
-        if key not in self.ms or self.windows - self.timed_at[key] > self.horizon.get(key,
-                                                                                       RETRY):
+        """The key's average window time in ms, None if never or not lately timed."""
+        if key not in self.ms or self.windows - self.timed_at[key] > STALE:
             return None
         return self.ms[key]
 
@@ -185,14 +182,28 @@ class GroupDrafts:
                 hopeful = max(untimed, default=None)
                 if hopeful is not None and hopeful[0] > best[0]:
                     pick, explored = hopeful[-1], True
+                elif best[1] == 0:
+                    pick, explored = self._retry(options, pick)
         k, rows, tokens, key = pick
         if explored and best is not None:
             self.explored_at = self.windows
-            if key in self.ms:   # timed before, and it lost: tried again later next time
-                self.horizon[key] = min(2 * self.horizon.get(key, RETRY), STALE)
         self.chosen_at = self.windows
         self.choice = DraftChoice(k, rows, a, self.time(key), tokens, explored, self.timed())
         return self.choice
+
+    def _retry(self, options: list[tuple], pick: tuple) -> tuple[tuple, bool]:
+        """While the group drafts nothing, no drafting choice is timed again, nor is its
+        acceptance observed: one that lost (on the acceptance of a few windows, or to a load
+        since gone) would lose on that for good. So the fewest drafts timed more than their
+        horizon ago (RETRY windows, doubled at each try, up to STALE) are tried again.
+        Returns (the option, whether it is such a try)."""
+        due = [o for o in options if o[0] and o[3] in self.ms
+               and self.windows - self.timed_at[o[3]] > self.horizon.get(o[3], RETRY)]
+        if not due:
+            return pick, False
+        key = due[0][3]
+        self.horizon[key] = min(2 * self.horizon.get(key, RETRY), STALE)
+        return due[0], True
 
     def _at_least(self, key: tuple[int, int]) -> float:
         """An untimed window's ms as far as the timed ones tell: times grow with rows and
