@@ -427,7 +427,7 @@ def test_auto_tries_a_losing_choice_again_ever_more_rarely_and_returns_when_it_p
     """One slot, a window 10 ms and each proposal asked 2 ms. While no proposal is kept, K = 1
     is tried again after RETRY windows, then after twice as many each time it loses (the
     first try comes as soon as K = 0 is timed); once proposals are kept, a try finds it and
-    the group drafts again. While it drafts, acceptance is observed: nothing is tried again."""
+    the group drafts again."""
     g, now, tries = GroupDrafts(), 0.0, []
     def windows(n: int, kept: bool) -> list[int]:
         nonlocal now
@@ -443,13 +443,14 @@ def test_auto_tries_a_losing_choice_again_ever_more_rarely_and_returns_when_it_p
             g.acceptance.observe(c.k, c.k if kept else 0)
             ks.append(c.k)
         return ks
-    windows(500, kept=False)
+    windows(8 * RETRY, kept=False)
     gaps = [b - a for a, b in zip(tries, tries[1:])]
     assert len(tries) >= 4 and gaps[0] >= RETRY, tries
     assert all(b >= 2 * a - HOLD - EXPLORE_EVERY for a, b in zip(gaps, gaps[1:])), tries
-    assert len(tries) <= 8, tries
+    assert len(tries) <= 6, tries
     late = windows(2 * max(gaps) + 4 * RETRY, kept=True)[-4 * RETRY:]
-    assert all(k >= 1 for k in late), late   # and no try of K = 0 while drafting pays
+    # drafting but for what every STALE windows tries again, K = 0 among them
+    assert sum(k >= 1 for k in late) >= 0.95 * len(late), late
 
 
 def test_status_says_each_groups_choice():

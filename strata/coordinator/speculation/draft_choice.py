@@ -17,8 +17,9 @@ PRIOR_WEIGHT = 1.0
 TIME_WEIGHT = 0.3    # weight of a new window's time in its size's average
 EXPLORE_EVERY = 8    # decode windows of a group between two tries of an untimed choice
 STALE = 512          # decode windows of the group after which a time counts as untimed
-RETRY = 32           # decode windows drafting nothing before a drafting choice that lost is
-                     # tried again (doubled for that choice at each try, up to STALE)
+RETRY = 128          # decode windows drafting nothing before a drafting choice that lost is
+                     # tried again (doubled for that choice at each try, up to STALE): a try
+                     # costs the windows where the drafter writes the NextN rows it lacks
 HOLD = 2             # decode windows a choice lasts
 
 
