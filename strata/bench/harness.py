@@ -195,6 +195,10 @@ class Throughput:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     decode_windows: int = 0  # windows of decoding slots sent (each group's, all of them)
+    # those windows by the most proposals a slot they ask the drafter for (draft_tokens auto:
+    # the K chosen), and each group's last choice with the windows it had timed (DraftChoice)
+    windows_by_k: dict[int, int] = field(default_factory=dict)
+    choices: list[dict | None] = field(default_factory=list)
 
     @property
     def drafted(self) -> int:
@@ -282,15 +286,18 @@ def measure_throughput(run: Launched, cfg: SchedulerConfig, tok, clients: int,
     return Throughput(clients, tokens, seconds, [s[0] - start for s in stamps], per_request,
                       reqs, prompt_tokens=sum(len(p) for _, p in prompts),
                       decode_tokens=decode_tokens, decode_seconds=decode_seconds,
-                      decode_windows=pipe.decode_windows)
+                      decode_windows=pipe.decode_windows, windows_by_k=dict(pipe.asked),
+                      choices=[c and {"k": c.k, "acceptance": round(c.acceptance, 3),
+                                      "timed": [list(t) for t in c.timed]}
+                               for c in sched.speculation.choices()])
 
 
 class CountingPipe:
     """A launch's Pipeline as a scheduler sees it, counting the decode windows sent by their
-    rows (sizes: rows -> windows)."""
+    rows (sizes: rows -> windows) and by the most proposals a slot they ask (asked)."""
 
     def __init__(self, pipe):
-        self.pipe, self.sizes = pipe, Counter()
+        self.pipe, self.sizes, self.asked = pipe, Counter(), Counter()
 
     @property
     def decode_windows(self) -> int:
@@ -303,6 +310,7 @@ class CountingPipe:
         self.pipe.submit(w)
         if not w.chunk and any(s >= 0 for s in w.slots):
             self.sizes[len(w.slots)] += 1
+            self.asked[max((k for _, k in w.propose), default=0)] += 1
 
     def receive(self, timeout: float | None = None):
         return self.pipe.receive(timeout=timeout)

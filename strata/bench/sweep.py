@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import mean, median
@@ -150,7 +151,8 @@ def measure(run, cfg: SchedulerConfig, tok, mode: str, clients: int, tokens: int
             "prompt_and_generated_tok_s": r.prompt_and_generated_tok_s,
             "draft_tokens": cfg.draft_tokens, "drafted": r.drafted, "accepted": r.accepted,
             "acceptance": r.accepted / r.drafted if r.drafted else None,
-            "decode_windows": r.decode_windows, "tokens_per_window": r.tokens_per_window}
+            "decode_windows": r.decode_windows, "tokens_per_window": r.tokens_per_window,
+            "windows_by_k": r.windows_by_k, "choices": r.choices}
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -162,6 +164,8 @@ def median_row(rows: list[dict]) -> dict:
         row[key] = median(values) if values else None
     for key in ("drafted", "accepted", "decode_windows"):
         row[key] = sum(r[key] for r in rows)
+    row["windows_by_k"] = dict(sum((Counter(r["windows_by_k"]) for r in rows), Counter()))
+    row["choices"] = [r["choices"] for r in rows]   # each repetition's groups' last choices
     row["repeats_total_tok_s"] = [r["total_tok_s"] for r in rows]
     return row
 

@@ -68,13 +68,21 @@ def test_sweep_drafted_modes_beside_the_plain_ones(tiny_model, no_stage_left, tm
         assert len(r["repeats_total_tok_s"]) == 3
         assert r["total_tok_s"] == sorted(r["repeats_total_tok_s"])[1]   # the median
         assert r["groups"] == (2 if mode.startswith("pipelined") else 1)
+        # the decode windows by the proposals a slot they ask, and each group's last choice
+        assert sum(r["windows_by_k"].values()) == r["decode_windows"]
+        assert len(r["choices"]) == 3 and all(len(c) == r["groups"] for c in r["choices"])
         if mode.endswith("-mtp"):
             assert r["draft_tokens"] == 3 and r["drafted"] > 0 and 0 <= r["acceptance"] <= 1
             # the tiny model's greedy text repeats its token: the head's drafts are kept
             assert r["tokens_per_window"] > 1.5 * clients / r["groups"], r
+            assert r["windows_by_k"].get("3", 0) > 0
+            # (a group with no slot, one client in two groups, chose nothing)
+            assert all(any(rep) for rep in r["choices"]), r
+            assert all(c["k"] == 3 for rep in r["choices"] for c in rep if c), r
         else:
             assert r["draft_tokens"] == 0 and r["drafted"] == 0 and r["acceptance"] is None
             assert r["tokens_per_window"] <= clients
+            assert set(r["windows_by_k"]) == {"0"}
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
