@@ -453,6 +453,19 @@ def test_auto_tries_a_losing_choice_again_ever_more_rarely_and_returns_when_it_p
     assert sum(k >= 1 for k in late) >= 0.95 * len(late), late
 
 
+def test_auto_counts_windows_that_verify_no_drafts():
+    """A drafter that never proposes: a window asking proposals verifies no draft, and is
+    left untimed as a catch-up would be, but only UNTIMED of them in a row; each counts
+    towards the choice's hold, so the groups keep choosing (no choice held for good)."""
+    sched, pipe, reqs = run_auto(lambda s, w: "none", tokens=120)
+    for group in (0, 1):
+        g = sched.speculation.groups[group]
+        mine = [d for gr, _, _, d in pipe.decodes if gr == group]
+        assert g.windows >= len(mine) and g.chosen_at >= g.windows - 2 * HOLD, g
+        assert {k for _, k, _ in g.timed()} >= {0, 1}, g.timed()
+    assert sum(r.drafts.counts.drafted for r in reqs) == 0
+
+
 def test_status_says_each_groups_choice():
     from strata.coordinator.api.connections import ServerConfig
     from strata.coordinator.engine.engine import Engine

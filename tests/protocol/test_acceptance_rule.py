@@ -100,28 +100,37 @@ def _bare_drafter(slots: int, ctx: int = 64) -> Drafter:
     return drafter
 
 
+HELD = st.sampled_from(["nothing", "its token", "another token", "rows past it"])
+
+
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 40), TOKENS, TOKENS, st.integers(0, 48),
-                          st.booleans()), min_size=2, max_size=6, unique_by=lambda t: t[0] % 6),
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 48), TOKENS, TOKENS, st.booleans(),
+                          HELD), min_size=2, max_size=6, unique_by=lambda t: t[0]),
        st.lists(st.tuples(st.integers(0, 5), st.integers(1, 60), TOKENS), max_size=12))
 def test_a_window_of_one_row_a_slot_plans_as_the_acceptance_rule_does(rows, history):
     """Drafter._plan's array path (every live row of its own slot) leaves the plan, the
     NextN rows written (filled) and the tokens known that _plan_runs does, whatever the
-    slots hold already: rows written before (history) at, before and past each row's
-    position, with its token or another."""
+    slots hold already: rows written before (history, and per row: at its position with its
+    token or another, or past it), sampled rows and a pad row."""
     fast, runs = _bare_drafter(6), _bare_drafter(6)
     for d in (fast, runs):
         for s, p, token in history:
             d.known[s, p], d.filled[s] = token, max(d.filled[s], p)
-    slots = [r[0] % 6 for r in rows] + [-1]     # a pad row last
-    positions = [r[0] for r in rows] + [0]
-    tokens = [r[1] for r in rows] + [0]
+        for s, p, token, _, _, held in rows:
+            if held in ("its token", "another token"):
+                d.known[s, p] = token if held == "its token" else token + 1
+                d.filled[s] = max(d.filled[s], p + 2)
+            elif held == "rows past it":
+                d.filled[s] = max(d.filled[s], p + 5)
+    slots = [r[0] for r in rows] + [-1]     # a pad row last
+    positions = [r[1] for r in rows] + [0]
+    tokens = [r[2] for r in rows] + [0]
     sampled = [i for i, r in enumerate(rows) if r[4]]
     n = len(sampled)
     w = Window(id=1, slots=slots, positions=positions, tokens=tokens, sample_rows=sampled,
                temperature=[0.0] * n, top_k=[0] * n, top_p=[1.0] * n, min_p=[0.0] * n,
                u=[0.5] * n)
-    picks = [rows[i][2] for i in sampled]
+    picks = [rows[i][3] for i in sampled]
     a, b = fast._plan(w, picks), runs._plan_runs(w, picks)
     assert (a.at, a.rows, a.tops) == (b.at, b.rows, b.tops)
     assert fast.filled.tolist() == runs.filled.tolist()

@@ -344,7 +344,7 @@ class Scheduler:
         self.groups[group].flights += 1
         # decoding ahead: the group's next window may go behind this one (ahead.py)
         self.groups[group].followable = w.id if ahead.allowed(self.cfg) else None
-        self.speculation.sent(group, self.clock(), timed)
+        self.speculation.sent(group, self.clock(), timed, decode=not chunk)
         return w.id
 
     def _landed(self, group: int, window: int) -> None:

@@ -18,9 +18,10 @@ TIME_WEIGHT = 0.3    # weight of a new window's time in its size's average
 EXPLORE_EVERY = 8    # decode windows of a group between two tries of an untimed choice
 STALE = 512          # decode windows of the group after which a time counts as untimed
 RETRY = 128          # decode windows drafting nothing before a drafting choice that lost is
-                     # tried again (doubled for that choice at each try, up to STALE): a try
+                     # tried again (doubled at each try until it wins, up to STALE): a try
                      # costs the windows where the drafter writes the NextN rows it lacks
 HOLD = 2             # decode windows a choice lasts
+UNTIMED = 8          # decode windows in a row left untimed (speculation.py) before one is timed
 
 
 def expected_tokens(k: int, a: float) -> float:
@@ -82,21 +83,25 @@ class GroupDrafts:
     timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # -> window count
     horizon: dict[tuple[int, int], int] = field(default_factory=dict)   # -> RETRY .. STALE (_retry)
     windows: int = 0               # decode windows sent
+    untimed: int = 0               # of them, the last ones in a row not timed
     explored_at: int = -EXPLORE_EVERY
     choice: DraftChoice | None = None
     chosen_at: int = -HOLD
     in_flight: tuple[float, tuple[int, int]] | None = None   # (its time starts, (rows, k))
     ready_at: float | None = None   # the group's last window came back then, none sent since
 
-    def sent(self, at: float, rows: int | None = None, k: int = 0) -> None:
+    def sent(self, at: float, rows: int | None = None, k: int = 0,
+             decode: bool | None = None) -> None:
         """A window of the group left at `at`: a decode window of `rows` rows asking k
         proposals a slot (timed from the group's last window's return, when no other went
-        between), or a prompt chunk (rows None; not timed)."""
+        between), or (rows None) a prompt chunk or, `decode`, a decode window not timed;
+        decode windows count towards HOLD, EXPLORE_EVERY and STALE, timed or not."""
         start, self.ready_at = self.ready_at, None
-        if rows is None:
-            return
-        self.windows += 1
-        self.in_flight = (at if start is None else start, (rows, k))
+        if rows is not None or decode:
+            self.windows += 1
+            self.untimed = 0 if rows is not None else self.untimed + 1
+        if rows is not None:
+            self.in_flight = (at if start is None else start, (rows, k))
 
     def landed(self, at: float, previous: float) -> None:
         """A window of the group came back at `at` (the clock of sent), the result before it
@@ -161,6 +166,8 @@ class GroupDrafts:
         timed = [(_rate(tokens, self.time(key)), k, rows, tokens, key)
                  for k, rows, tokens, key in options if self.time(key) is not None]
         best = max(timed, key=lambda t: (t[0], -t[1])) if timed else None
+        if best is not None and best[1]:   # drafting wins: its next loss waits RETRY again
+            self.horizon.pop(best[4], None)
         explored = False
         if best is None:
             # nothing timed yet: the plain window's key first, every later choice is measured
@@ -196,7 +203,8 @@ class GroupDrafts:
         """While the group drafts nothing, no drafting choice is timed again, nor is its
         acceptance observed: one that lost (on the acceptance of a few windows, or to a load
         since gone) would lose on that for good. So the fewest drafts timed more than their
-        horizon ago (RETRY windows, doubled at each try, up to STALE) are tried again.
+        horizon ago (RETRY windows, doubled at each try until one wins, up to STALE) are tried
+        again.
         Returns (the option, whether it is such a try)."""
         due = [o for o in options if o[0] and o[3] in self.ms
                and self.windows - self.timed_at[o[3]] > self.horizon.get(o[3], RETRY)]

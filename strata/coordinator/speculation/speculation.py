@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from strata.coordinator.config import SchedulerConfig, round_rows
-from strata.coordinator.speculation.draft_choice import (DraftChoice, GroupDrafts,
+from strata.coordinator.speculation.draft_choice import (UNTIMED, DraftChoice, GroupDrafts,
                                                          RequestDrafts, share_rows)
 from strata.coordinator.speculation.drafts import DraftCounts, PromptLookup, draft_limit
 from strata.coordinator.sampling_params import TokenLogprob
@@ -110,10 +110,12 @@ class Speculation:
         key = (rows, k if self.mtp else 0)
         if not self.cfg.auto_drafts and self.cfg.draft_tokens:
             g.choice = g.describe(k, rows, n, key[1])
-        # with mtp, a window that asks proposals but verifies none (the first after windows
-        # that asked none) has the drafter write every NextN row its slots lack: not timed,
-        # or K would be judged by that one window's catch-up
-        timed = None if self.mtp and k and not any(drafts) else key
+        # with mtp, a window where a slot has no proposals on offer (after windows that asked
+        # none, or with more NextN rows to write than one window's drafter takes) has the
+        # drafter write the rows its slots lack: not timed, or K would be judged by that
+        # (but for UNTIMED such windows in a row: proposals that never come cost too)
+        catching_up = self.mtp and k and not all(wants) and g.untimed < UNTIMED
+        timed = None if catching_up else key
         return Offer(drafts, self.ask(group, slots, n), rows, timed)
 
     def ask(self, group: int, slots: list[Slot], decoding: int) -> list[tuple[int, int]]:
@@ -187,11 +189,12 @@ class Speculation:
 
     # --- the group's decode windows' times (draft_choice.py) ----------------------------------
 
-    def sent(self, group: int, at: float, timed: tuple[int, int] | None) -> None:
-        """A window of the group left: a decode window timed under `timed`, or (None) a
-        prompt chunk."""
+    def sent(self, group: int, at: float, timed: tuple[int, int] | None,
+             decode: bool) -> None:
+        """A window of the group left: a decode window (timed under `timed`, or None: not
+        timed), or a prompt chunk."""
         rows, k = timed or (None, 0)
-        self.groups[group].sent(at, rows, k)
+        self.groups[group].sent(at, rows, k, decode)
 
     def landed(self, group: int, at: float) -> None:
         """A window of the group came back."""
