@@ -14,7 +14,8 @@ into a chain that adds up to it exactly:
     to the coordinator    the Result's hop
 
 Of "last stage after GPU", windows that ask the drafter for proposals also say the drafter's
-part: from the answer's wait for the device ("synced") to the proposals ("drafted").
+part: from the answer's wait for the device ("synced") to the proposals ("drafted"), the
+host's reading of the window's tokens included.
 
 and per stage, "overhead" = (ready -> done) - GPU, where ready is when both the header and the
 previous stage's kernels were done, and done is when its output left (its kernels' end, or its
