@@ -133,7 +133,7 @@ def stages_line(s: dict) -> str:
 
 def _drafter(s: dict) -> str:
     d = s.get("drafter") or {}
-    return (f"; the drafter {d['ms']:.2f} ms in {d['windows']} windows asking proposals"
+    return (f"; sync to proposals {d['ms']:.2f} ms in {d['windows']} windows asking some"
             if d.get("windows") else "")
 
 
