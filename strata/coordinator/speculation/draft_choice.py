@@ -21,6 +21,10 @@ RETRY = 128          # decode windows drafting nothing before a drafting choice 
                      # tried again (doubled at each try until it wins, up to STALE): a try
                      # costs the windows where the drafter writes the NextN rows it lacks
 HOLD = 2             # decode windows a choice lasts
+# the share by which a choice whose windows differ from the plain window's (drafts that cost
+# rows or proposals) must beat it: one group's windows, several groups' (their timed
+# intervals alternate between the groups' results, so a few of them say less)
+MARGIN = (0.05, 0.15)
 UNTIMED = 8          # decode windows in a row left untimed (speculation.py) before one is timed
 
 
@@ -134,7 +138,8 @@ class GroupDrafts:
             return cfg.draft_tokens
         decoding = max(decoding, 1)
         return self.choose(decoding, cfg.draft_window_rows(round_rows(decoding)),
-                           cfg.max_draft_tokens, cfg.drafter == "mtp").k
+                           cfg.max_draft_tokens, cfg.drafter == "mtp",
+                           MARGIN[cfg.groups > 1]).k
 
     def room(self, cfg: SchedulerConfig, decoding: int) -> int:
         """The most drafts a slot of the group may get in a decode window of `decoding` slots:
@@ -149,10 +154,12 @@ class GroupDrafts:
         return DraftChoice(k, rows, a, self.time((rows, key_k)),
                            _tokens(slots, min(slots * k, rows - slots), a), timed=self.timed())
 
-    def choose(self, slots: int, limit: int, max_k: int, mtp: bool) -> DraftChoice:
+    def choose(self, slots: int, limit: int, max_k: int, mtp: bool,
+               margin: float = 0.0) -> DraftChoice:
         """draft_tokens auto: K for the group's next windows of `slots` decoding slots and at
         most `limit` rows (see the module's docstring). mtp: the time of a window depends on
-        the proposals it asks for (the last stage drafts them), so times are kept per K."""
+        the proposals it asks for (the last stage drafts them), so times are kept per K.
+        margin: the share by which a window unlike the plain one must beat it (MARGIN)."""
         if self.choice is not None and self.windows - self.chosen_at < HOLD:
             return self.choice
         a = self.acceptance.rate()
@@ -163,7 +170,9 @@ class GroupDrafts:
                 break   # no row for a k-th draft: more proposals asked for the same drafts
             options.append((k, round_rows(slots + drafts), _tokens(slots, drafts, a),
                             (round_rows(slots + drafts), k if mtp else 0)))
-        timed = [(_rate(tokens, self.time(key)), k, rows, tokens, key)
+        plain = options[0][3]
+        worth = lambda key: 1.0 if key == plain else 1.0 / (1.0 + margin)  # noqa: E731
+        timed = [(_rate(tokens, self.time(key)) * worth(key), k, rows, tokens, key)
                  for k, rows, tokens, key in options if self.time(key) is not None]
         best = max(timed, key=lambda t: (t[0], -t[1])) if timed else None
         if best is not None and best[1]:   # drafting wins: its next loss waits RETRY again
@@ -184,8 +193,8 @@ class GroupDrafts:
             most = max((key[1] for key in self.ms if self.time(key) is not None), default=0)
             if self.windows - self.explored_at >= EXPLORE_EVERY or (mtp and best[1] >= most):
                 # the most hopeful; on a tie (nothing known below either) the smaller window
-                untimed = [(_rate(tokens, self._at_least(key)), -rows, k, (k, rows, tokens, key))
-                           for k, rows, tokens, key in options
+                untimed = [(_rate(tokens, self._at_least(key)) * worth(key), -rows, k,
+                            (k, rows, tokens, key)) for k, rows, tokens, key in options
                            if self.time(key) is None and (not mtp or k <= most + 1)]
                 hopeful = max(untimed, default=None)
                 if hopeful is not None and hopeful[0] > best[0]:
