@@ -85,7 +85,7 @@ class GroupDrafts:
     acceptance: Acceptance = field(default_factory=Acceptance)
     ms: dict[tuple[int, int], float] = field(default_factory=dict)   # (rows, k) -> ms
     timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # -> window count
-    horizon: dict[tuple[int, int], int] = field(default_factory=dict)   # -> RETRY .. STALE (_retry)
+    horizon: dict[tuple[int, int], int] = field(default_factory=dict)   # _retry's spans
     windows: int = 0               # decode windows sent
     untimed: int = 0               # of them, the last ones in a row not timed
     explored_at: int = -EXPLORE_EVERY
@@ -213,8 +213,7 @@ class GroupDrafts:
         acceptance observed: one that lost (on the acceptance of a few windows, or to a load
         since gone) would lose on that for good. So the fewest drafts timed more than their
         horizon ago (RETRY windows, doubled at each try until one wins, up to STALE) are tried
-        again.
-        Returns (the option, whether it is such a try)."""
+        again. Returns (the option, whether it is such a try)."""
         due = [o for o in options if o[0] and o[3] in self.ms
                and self.windows - self.timed_at[o[3]] > self.horizon.get(o[3], RETRY)]
         if not due:
